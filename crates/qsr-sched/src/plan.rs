@@ -1,0 +1,351 @@
+use serde::{Deserialize, Serialize};
+
+use crate::comm::CommVolume;
+use crate::error::ConfigError;
+use crate::rule::SyncRule;
+use crate::schedule::LrSchedule;
+
+/// What a synchronization all-reduces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SyncMode {
+    /// Data parallel: gradients are averaged before every optimizer step (rounds of length 1).
+    Gradients,
+    /// Local method: parameters are averaged after the round's last local step.
+    Parameters,
+}
+
+/// One round: `len` optimizer steps starting at global step `start`, then one synchronization.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Round {
+    pub index: u64,
+    pub start: u64,
+    pub len: u64,
+    /// The scheduled lr of the round's first step (the one the rule decided `len` from).
+    pub lr_start: f64,
+    pub mode: SyncMode,
+}
+
+impl Round {
+    /// One past the round's last step; the synchronization happens after step `end() - 1`.
+    pub fn end(&self) -> u64 {
+        self.start + self.len
+    }
+}
+
+/// The validated pairing of an lr schedule and a sync rule, plus how many steps a run performs
+/// (`run_steps`, default the schedule's horizon `total_steps`). The one source of truth for "what lr at
+/// step t" and "does step t end a round".
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "PlanSpec", into = "PlanSpec")]
+pub struct Plan {
+    schedule: LrSchedule,
+    sync: SyncRule,
+    run_steps: Option<u64>,
+}
+
+/// Serialized form of [`Plan`]; deserializing goes through [`Plan::from_parts`] so a plan is always valid.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PlanSpec {
+    schedule: LrSchedule,
+    sync: SyncRule,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    run_steps: Option<u64>,
+}
+
+impl TryFrom<PlanSpec> for Plan {
+    type Error = ConfigError;
+    fn try_from(s: PlanSpec) -> Result<Self, Self::Error> {
+        Plan::from_parts(s.schedule, s.sync, s.run_steps)
+    }
+}
+
+impl From<Plan> for PlanSpec {
+    fn from(p: Plan) -> Self {
+        PlanSpec { schedule: p.schedule, sync: p.sync, run_steps: p.run_steps }
+    }
+}
+
+impl Plan {
+    /// A plan that runs the whole horizon, `schedule.total_steps` steps.
+    pub fn new(schedule: LrSchedule, sync: SyncRule) -> Result<Self, ConfigError> {
+        Self::from_parts(schedule, sync, None)
+    }
+
+    /// A plan for a run of `run_steps` steps (may be shorter or longer than the lr horizon; the last round
+    /// is clamped to end at `run_steps`).
+    pub fn from_parts(schedule: LrSchedule, sync: SyncRule, run_steps: Option<u64>) -> Result<Self, ConfigError> {
+        schedule.validate()?;
+        sync.validate(&schedule)?;
+        if run_steps == Some(0) {
+            return Err(ConfigError::new("run_steps", "must be at least 1 (got 0)"));
+        }
+        Ok(Self { schedule, sync, run_steps })
+    }
+
+    pub fn schedule(&self) -> &LrSchedule {
+        &self.schedule
+    }
+
+    pub fn sync(&self) -> &SyncRule {
+        &self.sync
+    }
+
+    /// The number of steps the run performs; training ends with a synchronization after step
+    /// `end_step() - 1`.
+    pub fn end_step(&self) -> u64 {
+        self.run_steps.unwrap_or(self.schedule.total_steps)
+    }
+
+    pub fn lr(&self, t: u64) -> f64 {
+        self.schedule.lr(t)
+    }
+
+    /// Every round of the run, lazily, in O(1) per round.
+    pub fn rounds(&self) -> Rounds<'_> {
+        Rounds { plan: self, next_start: 0, index: 0, warm_rounds: 0 }
+    }
+
+    /// A cursor at step 0.
+    pub fn cursor(&self) -> Cursor {
+        let first = self.rounds().next().expect("a valid plan has at least one round");
+        Cursor { plan: self.clone(), step: 0, round: first, warm_rounds: 0 }
+    }
+
+    /// A cursor positioned at global step `step` (which may lie inside a round), as if it had been advanced
+    /// from step 0. O(rounds before `step`).
+    pub fn cursor_at(&self, step: u64) -> Cursor {
+        let mut rounds = self.rounds();
+        let mut last = None;
+        while let Some(r) = rounds.next() {
+            let warm = rounds.warm_rounds - u64::from(self.schedule.in_warmup(r.start));
+            last = Some((r, warm));
+            if step < r.end() {
+                break;
+            }
+        }
+        let (round, warm_rounds) = last.expect("a valid plan has at least one round");
+        Cursor { plan: self.clone(), step: step.min(self.end_step()), round, warm_rounds }
+    }
+
+    /// Round count, communication share and the shape of the H schedule, in one pass over the rounds.
+    pub fn summary(&self) -> PlanSummary {
+        let mut s = PlanSummary {
+            rule: self.sync.name().to_string(),
+            total_steps: self.schedule.total_steps,
+            run_steps: self.end_step(),
+            rounds: 0,
+            gradient_syncs: 0,
+            comm_percent: 0.0,
+            first_h: 0,
+            first_h_increase_step: None,
+            max_h: 0,
+            last_round_len: 0,
+        };
+        for r in self.rounds() {
+            if r.index == 0 {
+                s.first_h = r.len;
+            } else if s.first_h_increase_step.is_none() && r.len > s.first_h {
+                s.first_h_increase_step = Some(r.start);
+            }
+            if r.mode == SyncMode::Gradients {
+                s.gradient_syncs += 1;
+            }
+            s.rounds += 1;
+            s.max_h = s.max_h.max(r.len);
+            s.last_round_len = r.len;
+        }
+        s.comm_percent = 100.0 * s.rounds as f64 / s.run_steps as f64;
+        s
+    }
+}
+
+/// Iterator over the rounds of a [`Plan`].
+#[derive(Debug, Clone)]
+pub struct Rounds<'a> {
+    plan: &'a Plan,
+    next_start: u64,
+    index: u64,
+    warm_rounds: u64,
+}
+
+impl Iterator for Rounds<'_> {
+    type Item = Round;
+
+    fn next(&mut self) -> Option<Round> {
+        let end = self.plan.end_step();
+        if self.next_start >= end {
+            return None;
+        }
+        let round = make_round(self.plan, self.next_start, self.index, self.warm_rounds);
+        if self.plan.schedule.in_warmup(round.start) {
+            self.warm_rounds += 1;
+        }
+        self.next_start = round.end();
+        self.index += 1;
+        Some(round)
+    }
+}
+
+/// The round that starts at `start`: `H` from the rule, clamped so the run ends on a synchronization.
+fn make_round(plan: &Plan, start: u64, index: u64, warm_rounds: u64) -> Round {
+    let h = plan.sync.round_h(&plan.schedule, start, index, warm_rounds);
+    let mode = if plan.sync.syncs_gradients(start) { SyncMode::Gradients } else { SyncMode::Parameters };
+    Round { index, start, len: h.min(plan.end_step() - start), lr_start: plan.schedule.lr(start), mode }
+}
+
+/// Aggregate shape of a plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlanSummary {
+    pub rule: String,
+    /// The lr horizon T.
+    pub total_steps: u64,
+    /// Steps the run performs.
+    pub run_steps: u64,
+    /// Number of rounds = number of synchronizations.
+    pub rounds: u64,
+    /// Of `rounds`, how many all-reduce gradients (data-parallel steps).
+    pub gradient_syncs: u64,
+    /// `100 * rounds / run_steps`: data parallel is 100.
+    pub comm_percent: f64,
+    /// `H` of the first round.
+    pub first_h: u64,
+    /// Start of the first round longer than the first one (`None` if H never grows).
+    pub first_h_increase_step: Option<u64>,
+    pub max_h: u64,
+    pub last_round_len: u64,
+}
+
+impl PlanSummary {
+    /// Bytes each rank sends over the whole run with a ring all-reduce of `params` elements of
+    /// `bytes_per_elem` bytes across `world_size` ranks.
+    pub fn volume(&self, params: u64, bytes_per_elem: u64, world_size: u64) -> CommVolume {
+        CommVolume::new(self.rounds, self.run_steps, params, bytes_per_elem, world_size)
+    }
+}
+
+/// What one step of training needs to know, as handed out by [`Cursor`].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct StepInfo {
+    /// Global step index (0-based).
+    pub step: u64,
+    /// The lr of this step.
+    pub lr: f64,
+    /// Index of the round this step belongs to.
+    pub round: u64,
+    /// Length of that round.
+    pub h: u64,
+    /// Whether a synchronization follows this step (it is the round's last).
+    pub sync_after: bool,
+    pub mode: SyncMode,
+}
+
+/// The trainer's position in a plan, advanced one step at a time. Serializable with its plan, so a
+/// checkpoint resumes mid-round exactly; a deserialized cursor is checked against its plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "CursorSpec", into = "CursorSpec")]
+pub struct Cursor {
+    plan: Plan,
+    /// The next step to run.
+    step: u64,
+    /// The round containing `step` (the last round once the run is done).
+    round: Round,
+    warm_rounds: u64,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CursorSpec {
+    plan: Plan,
+    step: u64,
+    round: Round,
+    warm_rounds: u64,
+}
+
+impl From<Cursor> for CursorSpec {
+    fn from(c: Cursor) -> Self {
+        CursorSpec { plan: c.plan, step: c.step, round: c.round, warm_rounds: c.warm_rounds }
+    }
+}
+
+impl TryFrom<CursorSpec> for Cursor {
+    type Error = ConfigError;
+    fn try_from(s: CursorSpec) -> Result<Self, ConfigError> {
+        let end = s.plan.end_step();
+        if s.step > end || s.round.start >= end || s.warm_rounds > s.round.index {
+            return Err(ConfigError::new("cursor", format!("position (step {}) lies outside its plan", s.step)));
+        }
+        let expected = make_round(&s.plan, s.round.start, s.round.index, s.warm_rounds);
+        let inside = s.round.start <= s.step
+            && (s.step < s.round.end() || (s.step == end && s.round.end() == end));
+        // `lr_start` is derived; compare the structure only (a text format may round the float).
+        let same = (expected.index, expected.start, expected.len, expected.mode)
+            == (s.round.index, s.round.start, s.round.len, s.round.mode);
+        if !same || !inside {
+            return Err(ConfigError::new(
+                "cursor.round",
+                format!("round {} at step {} does not follow from its plan", s.round.index, s.round.start),
+            ));
+        }
+        Ok(Cursor { plan: s.plan, step: s.step, round: expected, warm_rounds: s.warm_rounds })
+    }
+}
+
+impl Cursor {
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// The next step to run (equals `plan().end_step()` when done).
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The round containing the next step.
+    pub fn round(&self) -> &Round {
+        &self.round
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.step >= self.plan.end_step()
+    }
+
+    /// Whether the cursor sits at the first step of a round (right after a synchronization, or at 0):
+    /// where checkpoints are taken.
+    pub fn at_round_start(&self) -> bool {
+        self.step == self.round.start || self.is_done()
+    }
+
+    /// Hands out the next step and advances; `None` once the run is done. When the handed-out step ends
+    /// its round the cursor decides the next round's `H` right away, as the authors' code does after a sync.
+    pub fn advance(&mut self) -> Option<StepInfo> {
+        if self.is_done() {
+            return None;
+        }
+        let r = self.round;
+        let info = StepInfo {
+            step: self.step,
+            lr: self.plan.lr(self.step),
+            round: r.index,
+            h: r.len,
+            sync_after: self.step + 1 == r.end(),
+            mode: r.mode,
+        };
+        self.step += 1;
+        if info.sync_after && !self.is_done() {
+            if self.plan.schedule.in_warmup(r.start) {
+                self.warm_rounds += 1;
+            }
+            self.round = make_round(&self.plan, r.end(), r.index + 1, self.warm_rounds);
+        }
+        Some(info)
+    }
+}
+
+impl Iterator for Cursor {
+    type Item = StepInfo;
+    fn next(&mut self) -> Option<StepInfo> {
+        self.advance()
+    }
+}

@@ -1,0 +1,159 @@
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ConfigError, positive};
+use crate::schedule::LrSchedule;
+
+/// How many local steps `H` the round starting at a given step takes.
+///
+/// All rules share the semantics of the authors' code: `H` is decided once, when a round starts, from the
+/// lr of the round's **first** step; the power rules use `h_base` during warmup and **floor**; the planner
+/// clamps the last round so that training ends on a synchronization.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "rule", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum SyncRule {
+    /// Data parallel: all-reduce gradients every step.
+    #[serde(alias = "data-parallel")]
+    Dp,
+    /// Local method with a constant number of local steps `h` per round.
+    Constant { h: u64 },
+    /// Post-local SGD (Lin et al.): data parallel before `switch_step`, then constant `h`.
+    PostLocal { switch_step: u64, h: u64 },
+    /// `H = max(h_base, floor((alpha / lr)^power))`: `power` 1 is the H ~ 1/lr rule, 2 is QSR, 3 the
+    /// cubic ablation; any positive real is accepted.
+    Power { h_base: u64, alpha: f64, power: f64 },
+    /// The Quadratic Synchronization Rule: the power rule with `power = 2`.
+    Qsr { h_base: u64, alpha: f64 },
+    /// Exponentially growing interval in the style of DeepSpeed's 0/1 Adam: `h_base` doubles every
+    /// `scaler` rounds after warmup, clipped at `h_max`.
+    Exponential { h_base: u64, scaler: u64, h_max: u64 },
+}
+
+impl SyncRule {
+    pub fn name(&self) -> &'static str {
+        match self {
+            SyncRule::Dp => "dp",
+            SyncRule::Constant { .. } => "constant",
+            SyncRule::PostLocal { .. } => "post-local",
+            SyncRule::Power { .. } => "power",
+            SyncRule::Qsr { .. } => "qsr",
+            SyncRule::Exponential { .. } => "exponential",
+        }
+    }
+
+    /// A short human description with the rule's parameters, e.g. `qsr (h_base 4, alpha 0.0175)`.
+    pub fn describe(&self) -> String {
+        match self {
+            SyncRule::Dp => "data parallel (gradient all-reduce every step)".into(),
+            SyncRule::Constant { h } => format!("constant (h {h})"),
+            SyncRule::PostLocal { switch_step, h } => format!("post-local (switch_step {switch_step}, h {h})"),
+            SyncRule::Power { h_base, alpha, power } => {
+                format!("power (h_base {h_base}, alpha {alpha}, power {power})")
+            }
+            SyncRule::Qsr { h_base, alpha } => format!("qsr (h_base {h_base}, alpha {alpha})"),
+            SyncRule::Exponential { h_base, scaler, h_max } => {
+                format!("exponential (h_base {h_base}, scaler {scaler}, h_max {h_max})")
+            }
+        }
+    }
+
+    /// The exponent of a power rule (`Some(2.0)` for QSR), `None` for the other rules.
+    pub fn power(&self) -> Option<f64> {
+        match self {
+            SyncRule::Power { power, .. } => Some(*power),
+            SyncRule::Qsr { .. } => Some(2.0),
+            _ => None,
+        }
+    }
+
+    pub fn validate(&self, schedule: &LrSchedule) -> Result<(), ConfigError> {
+        let at_least_one = |field: &str, v: u64| {
+            if v == 0 { Err(ConfigError::new(format!("sync.{field}"), "must be at least 1 (got 0)")) } else { Ok(()) }
+        };
+        match *self {
+            SyncRule::Dp => Ok(()),
+            SyncRule::Constant { h } => at_least_one("h", h),
+            SyncRule::PostLocal { switch_step, h } => {
+                at_least_one("h", h)?;
+                if switch_step > schedule.total_steps {
+                    return Err(ConfigError::new(
+                        "sync.switch_step",
+                        format!(
+                            "{switch_step} is beyond schedule.total_steps ({})",
+                            schedule.total_steps
+                        ),
+                    ));
+                }
+                Ok(())
+            }
+            SyncRule::Power { h_base, alpha, power } => {
+                at_least_one("h_base", h_base)?;
+                positive("sync.alpha", alpha)?;
+                positive("sync.power", power)
+            }
+            SyncRule::Qsr { h_base, alpha } => {
+                at_least_one("h_base", h_base)?;
+                positive("sync.alpha", alpha)
+            }
+            SyncRule::Exponential { h_base, scaler, h_max } => {
+                at_least_one("h_base", h_base)?;
+                at_least_one("scaler", scaler)?;
+                if h_max < h_base {
+                    return Err(ConfigError::new(
+                        "sync.h_max",
+                        format!("must be at least sync.h_base ({h_max} < {h_base})"),
+                    ));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Whether the round starting at `start` all-reduces gradients (data parallel) rather than parameters.
+    pub(crate) fn syncs_gradients(&self, start: u64) -> bool {
+        match *self {
+            SyncRule::Dp => true,
+            SyncRule::PostLocal { switch_step, .. } => start < switch_step,
+            _ => false,
+        }
+    }
+
+    /// The unclamped `H` of a round that starts at global step `start`, the `index`-th round of the run,
+    /// `warm_rounds` of the earlier rounds having started inside warmup. Saturates at `u64::MAX`; the
+    /// planner clamps it to the end of training. Always >= 1 for a validated rule.
+    pub(crate) fn round_h(&self, schedule: &LrSchedule, start: u64, index: u64, warm_rounds: u64) -> u64 {
+        let h = match *self {
+            SyncRule::Dp => 1,
+            SyncRule::Constant { h } => h,
+            SyncRule::PostLocal { switch_step, h } => {
+                if start < switch_step {
+                    1
+                } else {
+                    h
+                }
+            }
+            SyncRule::Power { h_base, alpha, power } => power_h(schedule, start, h_base, alpha, power),
+            SyncRule::Qsr { h_base, alpha } => power_h(schedule, start, h_base, alpha, 2.0),
+            SyncRule::Exponential { h_base, scaler, h_max } => {
+                if schedule.in_warmup(start) {
+                    h_base
+                } else {
+                    let doublings = (index - warm_rounds) / scaler;
+                    let grown = if doublings >= 64 { u64::MAX } else { h_base.saturating_mul(1u64 << doublings) };
+                    grown.min(h_max)
+                }
+            }
+        };
+        h.max(1)
+    }
+}
+
+fn power_h(schedule: &LrSchedule, start: u64, h_base: u64, alpha: f64, power: f64) -> u64 {
+    if schedule.in_warmup(start) {
+        return h_base;
+    }
+    // `powf` is libm's pow, as Python's `**` in the authors' code.
+    let h = (alpha / schedule.lr(start)).powf(power).floor();
+    // NaN cannot occur for a validated plan (alpha > 0, lr > 0); `as` saturates huge values.
+    let h = if h.is_nan() { h_base } else { h as u64 };
+    h.max(h_base)
+}

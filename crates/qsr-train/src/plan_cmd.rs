@@ -1,0 +1,206 @@
+//! `qsr plan`: the round plan of a recipe as a human summary, JSON or CSV, and an lr/H picture.
+
+use std::fmt::Write as _;
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{Result, bail};
+use qsr_sched::{Plan, PlanSummary};
+use serde::Serialize;
+
+use crate::recipe::{PlanOverrides, PlanRecipe, load_plan};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    Human,
+    Json,
+    Csv,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PlanArgs {
+    /// TOML recipe(s); flags override their [schedule] and [sync] settings. Several recipes are compared
+    /// side by side.
+    #[arg(long)]
+    pub recipe: Vec<PathBuf>,
+    #[command(flatten)]
+    pub overrides: PlanOverrides,
+    #[arg(long, value_enum, default_value = "human")]
+    pub format: Format,
+    /// Draw lr and H against step into this PNG.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    /// Parameter count, to report bytes moved per rank.
+    #[arg(long)]
+    pub params: Option<u64>,
+    /// World size K for the byte count (ring all-reduce moves 2(K-1)/K of the buffer per sync).
+    #[arg(long, default_value_t = 4)]
+    pub world_size: u64,
+    /// Bytes per parameter on the wire.
+    #[arg(long, default_value_t = 4)]
+    pub bytes_per_param: u64,
+}
+
+/// The JSON record of one plan.
+#[derive(Debug, Serialize)]
+pub struct PlanReport {
+    pub name: String,
+    pub rule: String,
+    pub sync: qsr_sched::SyncRule,
+    pub schedule: qsr_sched::LrSchedule,
+    #[serde(flatten)]
+    pub summary: PlanSummary,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub volume: Option<qsr_sched::CommVolume>,
+}
+
+pub fn run(args: &PlanArgs, out: &mut dyn Write) -> Result<()> {
+    let recipes: Vec<PlanRecipe> = if args.recipe.is_empty() {
+        vec![load_plan(None, &args.overrides)?]
+    } else {
+        args.recipe.iter().map(|p| load_plan(Some(p), &args.overrides)).collect::<Result<_>>()?
+    };
+    if args.params.is_some() && args.world_size == 0 {
+        bail!("--world-size must be at least 1");
+    }
+    let reports: Vec<PlanReport> = recipes.iter().map(|r| report(r, args)).collect();
+    match args.format {
+        Format::Json if reports.len() == 1 => writeln!(out, "{}", serde_json::to_string_pretty(&reports[0])?)?,
+        Format::Json => writeln!(out, "{}", serde_json::to_string_pretty(&reports)?)?,
+        Format::Csv => {
+            if recipes.len() != 1 {
+                bail!("--format csv prints the rounds of one recipe; got {}", recipes.len());
+            }
+            write_csv(&recipes[0].plan, out)?;
+        }
+        Format::Human if reports.len() == 1 => out.write_all(human(&recipes[0], &reports[0]).as_bytes())?,
+        Format::Human => out.write_all(table(&reports).as_bytes())?,
+    }
+    if let Some(path) = &args.plot {
+        let plans: Vec<(&str, &Plan)> = recipes.iter().map(|r| (r.name.as_str(), &r.plan)).collect();
+        crate::plot::plan_png(path, &plans)?;
+        if args.format == Format::Human {
+            writeln!(out, "plot written to {}", path.display())?;
+        }
+    }
+    Ok(())
+}
+
+fn report(r: &PlanRecipe, args: &PlanArgs) -> PlanReport {
+    let summary = r.plan.summary();
+    let volume = args.params.map(|n| summary.volume(n, args.bytes_per_param, args.world_size));
+    PlanReport {
+        name: r.name.clone(),
+        rule: r.plan.sync().name().to_string(),
+        sync: r.plan.sync().clone(),
+        schedule: r.plan.schedule().clone(),
+        summary,
+        volume,
+    }
+}
+
+/// One row per round: `index,start,len,lr_start`.
+pub fn write_csv(plan: &Plan, out: &mut dyn Write) -> Result<()> {
+    let mut w = std::io::BufWriter::new(out);
+    writeln!(w, "index,start,len,lr_start")?;
+    for r in plan.rounds() {
+        writeln!(w, "{},{},{},{:e}", r.index, r.start, r.len, r.lr_start)?;
+    }
+    w.flush()?;
+    Ok(())
+}
+
+fn bytes(n: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < units.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 { format!("{n} B") } else { format!("{v:.2} {}", units[u]) }
+}
+
+fn human(r: &PlanRecipe, rep: &PlanReport) -> String {
+    let p = &r.plan;
+    let s = &rep.summary;
+    let sch = p.schedule();
+    let mut o = String::new();
+    let _ = writeln!(o, "recipe      {}", r.name);
+    let _ = writeln!(o, "sync        {}", p.sync().describe());
+    let _ = writeln!(
+        o,
+        "schedule    {}, horizon T {} (run {} steps), warmup {} steps from {} to lr_max {}",
+        sch.kind.name(),
+        sch.total_steps,
+        s.run_steps,
+        sch.warmup_steps,
+        sch.lr_min,
+        sch.lr_max,
+    );
+    let _ = writeln!(o, "rounds      {} syncs = {:.1}% of data parallel", s.rounds, s.comm_percent);
+    if s.gradient_syncs > 0 && s.gradient_syncs < s.rounds {
+        let _ = writeln!(o, "            of which {} data-parallel gradient syncs", s.gradient_syncs);
+    }
+    let _ = writeln!(
+        o,
+        "H           first {}, max {}, last round {}, first increase {}",
+        s.first_h,
+        s.max_h,
+        s.last_round_len,
+        s.first_h_increase_step.map_or("never".to_string(), |t| format!("at step {t}"))
+    );
+    if let Some(v) = &rep.volume {
+        let _ = writeln!(
+            o,
+            "traffic     {} per rank ({} per sync); data parallel {}",
+            bytes(v.bytes_per_rank),
+            bytes(v.bytes_per_sync),
+            bytes(v.data_parallel_bytes_per_rank)
+        );
+    }
+    // The shape of H over training, in tenths of the run.
+    let _ = writeln!(o, "\n  steps              lr at start   rounds   H (min..max)");
+    let end = s.run_steps;
+    let mut rounds = p.rounds().peekable();
+    for tenth in 0..10u64 {
+        let (lo, hi) = (end * tenth / 10, end * (tenth + 1) / 10);
+        if lo == hi {
+            continue;
+        }
+        let (mut n, mut hmin, mut hmax) = (0u64, u64::MAX, 0u64);
+        while let Some(rd) = rounds.peek() {
+            if rd.start >= hi {
+                break;
+            }
+            n += 1;
+            hmin = hmin.min(rd.len);
+            hmax = hmax.max(rd.len);
+            rounds.next();
+        }
+        let h = if n == 0 { "-".to_string() } else { format!("{hmin}..{hmax}") };
+        let _ = writeln!(o, "  {:>8}..{:<8} {:<13.4e} {:>6}   {}", lo, hi, p.lr(lo), n, h);
+    }
+    o
+}
+
+fn table(reports: &[PlanReport]) -> String {
+    let w = reports.iter().map(|r| r.name.len()).max().unwrap_or(6).max(6);
+    let mut o = String::new();
+    let _ = writeln!(o, "{:<w$}  {:<11} {:>9} {:>9} {:>7} {:>7} {:>12}", "recipe", "rule", "steps", "rounds", "comm%", "max H", "first grow");
+    for r in reports {
+        let s = &r.summary;
+        let _ = writeln!(
+            o,
+            "{:<w$}  {:<11} {:>9} {:>9} {:>7.1} {:>7} {:>12}",
+            r.name,
+            r.rule,
+            s.run_steps,
+            s.rounds,
+            s.comm_percent,
+            s.max_h,
+            s.first_h_increase_step.map_or("-".to_string(), |t| t.to_string())
+        );
+    }
+    o
+}

@@ -1,0 +1,199 @@
+//! TOML recipes: the `[schedule]` and `[sync]` sections, with command-line overrides applied before
+//! validation so that a flag and a recipe key are checked by the same code.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, anyhow, bail};
+use qsr_sched::{LrSchedule, Plan, SyncRule};
+use toml::{Table, Value};
+
+/// Keys each sync rule accepts, so switching the rule from the command line keeps what still applies.
+fn rule_keys(rule: &str) -> &'static [&'static str] {
+    match rule {
+        "constant" => &["h"],
+        "post-local" => &["switch_step", "h"],
+        "power" => &["h_base", "alpha", "power"],
+        "qsr" => &["h_base", "alpha"],
+        "exponential" => &["h_base", "scaler", "h_max"],
+        _ => &[],
+    }
+}
+
+/// Where each setting can come from, for error messages.
+fn flag_for(key: &str) -> Option<&'static str> {
+    Some(match key {
+        "kind" => "--schedule",
+        "total_steps" => "--total-steps",
+        "warmup_steps" => "--warmup-steps",
+        "lr_max" => "--lr-max",
+        "lr_min" => "--lr-min",
+        "decay_points" => "--decay-points",
+        "decay_gamma" => "--decay-gamma",
+        "rule" => "--sync",
+        "h_base" => "--h-base",
+        "alpha" => "--alpha",
+        "power" => "--power",
+        "switch_step" => "--switch-step",
+        "h" => "--h",
+        "scaler" => "--scaler",
+        "h_max" => "--h-max",
+        _ => return None,
+    })
+}
+
+/// Overrides of schedule and sync settings, one per command-line flag (`None` = keep the recipe's).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct PlanOverrides {
+    /// Horizon T of the lr schedule, in steps.
+    #[arg(long)]
+    pub total_steps: Option<u64>,
+    #[arg(long)]
+    pub warmup_steps: Option<u64>,
+    #[arg(long)]
+    pub lr_max: Option<f64>,
+    #[arg(long)]
+    pub lr_min: Option<f64>,
+    /// cosine, linear, step or constant.
+    #[arg(long = "schedule")]
+    pub schedule_kind: Option<String>,
+    /// Comma-separated steps at which a `step` schedule decays.
+    #[arg(long, value_delimiter = ',')]
+    pub decay_points: Option<Vec<u64>>,
+    #[arg(long)]
+    pub decay_gamma: Option<f64>,
+    /// dp, constant, post-local, power, qsr (= power 2) or exponential.
+    #[arg(long = "sync")]
+    pub rule: Option<String>,
+    #[arg(long)]
+    pub h_base: Option<u64>,
+    #[arg(long)]
+    pub alpha: Option<f64>,
+    #[arg(long)]
+    pub power: Option<f64>,
+    #[arg(long)]
+    pub switch_step: Option<u64>,
+    /// H of the constant and post-local rules.
+    #[arg(long)]
+    pub h: Option<u64>,
+    /// Exponential rule: rounds between doublings.
+    #[arg(long)]
+    pub scaler: Option<u64>,
+    /// Exponential rule: largest H.
+    #[arg(long)]
+    pub h_max: Option<u64>,
+    /// Steps the run performs, if not the whole horizon.
+    #[arg(long)]
+    pub run_steps: Option<u64>,
+}
+
+/// A recipe's schedule and sync rule after overrides, validated.
+#[derive(Debug, Clone)]
+pub struct PlanRecipe {
+    /// The recipe's `name`, or its file stem, or `flags`.
+    pub name: String,
+    pub source: Option<PathBuf>,
+    pub plan: Plan,
+}
+
+/// Reads a recipe file as a TOML table, naming the file in every error.
+pub fn read_table(path: &Path) -> Result<Table> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read recipe {}", path.display()))?;
+    text.parse::<Table>().with_context(|| format!("recipe {} is not valid TOML", path.display()))
+}
+
+fn section<'a>(root: &'a mut Table, name: &str) -> Result<&'a mut Table> {
+    let v = root.entry(name).or_insert_with(|| Value::Table(Table::new()));
+    v.as_table_mut().ok_or_else(|| anyhow!("`{name}` must be a table ([{name}])"))
+}
+
+impl PlanOverrides {
+    /// Applies the flags to a recipe table in place.
+    pub fn apply(&self, root: &mut Table) -> Result<()> {
+        let sched = section(root, "schedule")?;
+        let set = |t: &mut Table, k: &str, v: Option<Value>| {
+            if let Some(v) = v {
+                t.insert(k.to_string(), v);
+            }
+        };
+        let int = |v: Option<u64>| v.map(|x| Value::Integer(x.min(i64::MAX as u64) as i64));
+        let float = |v: Option<f64>| v.map(Value::Float);
+        if let Some(kind) = &self.schedule_kind {
+            if kind != "step" && self.decay_points.is_none() {
+                sched.remove("decay_points");
+            }
+            sched.insert("kind".into(), Value::String(kind.clone()));
+        }
+        set(sched, "total_steps", int(self.total_steps));
+        set(sched, "warmup_steps", int(self.warmup_steps));
+        set(sched, "lr_max", float(self.lr_max));
+        set(sched, "lr_min", float(self.lr_min));
+        set(sched, "decay_gamma", float(self.decay_gamma));
+        if let Some(points) = &self.decay_points {
+            let arr = points.iter().map(|&p| Value::Integer(p.min(i64::MAX as u64) as i64)).collect();
+            sched.insert("decay_points".into(), Value::Array(arr));
+        }
+
+        let sync = section(root, "sync")?;
+        if let Some(rule) = &self.rule {
+            let old = sync.get("rule").and_then(Value::as_str).map(str::to_string);
+            if old.as_deref() != Some(rule.as_str()) {
+                let keep = rule_keys(rule);
+                sync.retain(|k, _| keep.contains(&k));
+                if rule == "power" && !sync.contains_key("power") && old.as_deref() == Some("qsr") {
+                    sync.insert("power".into(), Value::Float(2.0));
+                }
+            }
+            sync.insert("rule".into(), Value::String(rule.clone()));
+        }
+        set(sync, "h_base", int(self.h_base));
+        set(sync, "alpha", float(self.alpha));
+        set(sync, "power", float(self.power));
+        set(sync, "switch_step", int(self.switch_step));
+        set(sync, "h", int(self.h));
+        set(sync, "scaler", int(self.scaler));
+        set(sync, "h_max", int(self.h_max));
+        Ok(())
+    }
+}
+
+/// Deserializes one section, prefixing its errors with the section and, for a missing setting, the flag
+/// that provides it.
+fn parse_section<T: serde::de::DeserializeOwned>(root: &Table, name: &str, origin: &str) -> Result<T> {
+    let table = root.get(name).cloned().unwrap_or_else(|| Value::Table(Table::new()));
+    table.try_into::<T>().map_err(|e| {
+        let msg = e.message().trim().to_string();
+        let hint = msg
+            .strip_prefix("missing field `")
+            .and_then(|rest| rest.split('`').next())
+            .and_then(flag_for)
+            .map(|flag| format!(" (set it in [{name}] or with {flag})"))
+            .unwrap_or_default();
+        anyhow!("{origin}: [{name}] {msg}{hint}")
+    })
+}
+
+/// Builds the plan of a recipe table (already overridden).
+pub fn plan_from_table(root: &Table, run_steps: Option<u64>, origin: &str) -> Result<Plan> {
+    let schedule: LrSchedule = parse_section(root, "schedule", origin)?;
+    let sync: SyncRule = parse_section(root, "sync", origin)?;
+    Plan::from_parts(schedule, sync, run_steps).map_err(|e| anyhow!("{origin}: {e}"))
+}
+
+/// Loads a recipe (or none: flags only), applies the overrides and validates.
+pub fn load_plan(path: Option<&Path>, overrides: &PlanOverrides) -> Result<PlanRecipe> {
+    let mut root = match path {
+        Some(p) => read_table(p)?,
+        None => Table::new(),
+    };
+    let origin = path.map_or_else(|| "command line".to_string(), |p| format!("recipe {}", p.display()));
+    overrides.apply(&mut root).with_context(|| origin.clone())?;
+    let plan = plan_from_table(&root, overrides.run_steps, &origin)?;
+    let name = match root.get("name") {
+        Some(Value::String(s)) => s.clone(),
+        Some(_) => bail!("{origin}: `name` must be a string"),
+        None => path
+            .and_then(|p| p.file_stem())
+            .map_or_else(|| "flags".to_string(), |s| s.to_string_lossy().into_owned()),
+    };
+    Ok(PlanRecipe { name, source: path.map(Path::to_path_buf), plan })
+}

@@ -1,0 +1,175 @@
+//! `qsr plan` end to end: the paper's recipes, output formats, and refusals of bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn qsr(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_qsr")).args(args).current_dir(root()).output().expect("run qsr")
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn json(args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["plan", "--format", "json"];
+    all.extend_from_slice(args);
+    let out = qsr(&all);
+    assert!(out.status.success(), "qsr {all:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("valid JSON")
+}
+
+/// Runs `qsr plan` expecting a refusal; returns stderr.
+fn refused(args: &[&str]) -> String {
+    let mut all = vec!["plan"];
+    all.extend_from_slice(args);
+    let out = qsr(&all);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "qsr {all:?} should fail");
+    assert!(!err.contains("panicked"), "qsr {all:?} panicked: {err}");
+    err
+}
+
+#[test]
+fn paper_recipes_give_the_paper_round_counts() {
+    for (recipe, rounds, percent) in [
+        ("recipes/imagenet-resnet152-qsr.toml", 24_792, "39.7"),
+        ("recipes/imagenet-vit-b-qsr-hbase4.toml", 9_711, "10.4"),
+        ("recipes/imagenet-vit-b-qsr-hbase8.toml", 6_461, "6.9"),
+        ("recipes/imagenet-resnet152-h2.toml", 31_200, "50.0"),
+        ("recipes/imagenet-vit-b-h4.toml", 23_400, "25.0"),
+        ("recipes/imagenet-resnet152-dp.toml", 62_400, "100.0"),
+    ] {
+        let v = json(&["--recipe", recipe]);
+        assert_eq!(v["rounds"], rounds, "{recipe}");
+        assert_eq!(format!("{:.1}", v["comm_percent"].as_f64().unwrap()), percent, "{recipe}");
+        for key in ["total_steps", "first_h_increase_step", "max_h", "last_round_len"] {
+            assert!(v.get(key).is_some(), "{recipe}: JSON lacks {key}");
+        }
+    }
+}
+
+#[test]
+fn flags_override_the_recipe() {
+    let v = json(&["--recipe", "recipes/imagenet-vit-b-qsr-hbase4.toml", "--h-base", "8"]);
+    assert_eq!(v["rounds"], 6_461);
+    // Switching the rule keeps the settings the new rule accepts (h_base, alpha) and adds power.
+    let v = json(&["--recipe", "recipes/imagenet-vit-b-qsr-hbase4.toml", "--sync", "power", "--power", "2"]);
+    assert_eq!(v["rounds"], 9_711);
+    let v = json(&["--recipe", "recipes/imagenet-vit-b-qsr-hbase4.toml", "--sync", "constant", "--h", "8"]);
+    assert_eq!(v["rounds"], 93_600 / 8);
+    assert_eq!(v["first_h_increase_step"], serde_json::Value::Null);
+}
+
+#[test]
+fn flags_alone_make_a_plan() {
+    let v = json(&[
+        "--total-steps", "62400", "--warmup-steps", "1560", "--lr-max", "0.8", "--lr-min", "1e-6",
+        "--schedule", "cosine", "--sync", "qsr", "--h-base", "2", "--alpha", "0.2",
+    ]);
+    assert_eq!(v["rounds"], 24_792);
+    let v = json(&[
+        "--total-steps", "300", "--lr-max", "0.1", "--schedule", "step", "--decay-points", "100,200",
+        "--decay-gamma", "0.5", "--sync", "power", "--h-base", "1", "--alpha", "0.1", "--power", "1",
+    ]);
+    // H = floor(0.1/lr), lr halving (exactly, in binary) at 100 and 200: 1, then 2, then 4.
+    assert_eq!(v["rounds"], 100 + 50 + 25);
+    assert_eq!(v["first_h_increase_step"], 100);
+    assert_eq!(v["max_h"], 4);
+}
+
+#[test]
+fn csv_has_one_row_per_round_tiling_the_run() {
+    let out = qsr(&["plan", "--recipe", "recipes/imagenet-resnet152-qsr.toml", "--format", "csv"]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some("index,start,len,lr_start"));
+    let mut next = 0u64;
+    let mut n = 0u64;
+    for line in lines {
+        let f: Vec<&str> = line.split(',').collect();
+        assert_eq!(f.len(), 4, "{line}");
+        assert_eq!(f[0].parse::<u64>().unwrap(), n);
+        assert_eq!(f[1].parse::<u64>().unwrap(), next);
+        next += f[2].parse::<u64>().unwrap();
+        assert!(f[3].parse::<f64>().unwrap() > 0.0);
+        n += 1;
+    }
+    assert_eq!((n, next), (24_792, 62_400));
+}
+
+#[test]
+fn human_summary_and_comparison_table() {
+    let out = qsr(&["plan", "--recipe", "recipes/imagenet-resnet152-qsr.toml", "--params", "60192808", "--world-size", "16"]);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("24792 syncs = 39.7% of data parallel"), "{text}");
+    assert!(text.contains("traffic"), "{text}");
+    let out = qsr(&["plan", "--recipe", "recipes/imagenet-vit-b-qsr-hbase4.toml", "--recipe", "recipes/imagenet-vit-b-h4.toml"]);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("imagenet-vit-b-qsr-hbase4") && text.contains("9711") && text.contains("23400"), "{text}");
+}
+
+#[test]
+fn plot_writes_a_png() {
+    let dir = tempfile::tempdir().unwrap();
+    let png = dir.path().join("h.png");
+    let out = qsr(&["plan", "--recipe", "recipes/imagenet-resnet152-qsr.toml", "--recipe", "recipes/imagenet-resnet152-h2.toml", "--plot", png.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let bytes = std::fs::read(&png).unwrap();
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    assert!(bytes.len() > 10_000, "a drawn picture, not an empty canvas: {} bytes", bytes.len());
+}
+
+#[test]
+fn invalid_settings_are_refused_naming_the_field() {
+    let r = "recipes/imagenet-resnet152-qsr.toml";
+    for (args, needle) in [
+        (vec!["--recipe", r, "--h-base", "0"], "sync.h_base"),
+        (vec!["--recipe", r, "--alpha", "0"], "sync.alpha"),
+        (vec!["--recipe", r, "--alpha", "-1"], "sync.alpha"),
+        (vec!["--recipe", r, "--alpha", "NaN"], "sync.alpha"),
+        (vec!["--recipe", r, "--warmup-steps", "62400"], "schedule.warmup_steps"),
+        (vec!["--recipe", r, "--lr-min", "0.9"], "schedule.lr_min"),
+        (vec!["--recipe", r, "--lr-max", "inf"], "schedule.lr_max"),
+        (vec!["--recipe", r, "--schedule", "step", "--decay-points", "100"], "schedule.decay_points[0]"),
+        (vec!["--recipe", r, "--sync", "post-local", "--h", "4", "--switch-step", "70000"], "sync.switch_step"),
+        (vec!["--recipe", r, "--sync", "sometimes"], "sometimes"),
+        (vec!["--recipe", r, "--schedule", "exp"], "exp"),
+        (vec!["--total-steps", "100"], "--schedule"),
+        (vec!["--total-steps", "100", "--schedule", "cosine"], "--lr-max"),
+        (vec!["--total-steps", "100", "--schedule", "cosine", "--lr-max", "0.1"], "--sync"),
+        (vec!["--recipe", "recipes/does-not-exist.toml"], "does-not-exist.toml"),
+    ] {
+        let err = refused(&args);
+        assert!(err.contains(needle), "{args:?}: expected `{needle}` in: {err}");
+    }
+}
+
+#[test]
+fn bad_recipe_files_are_refused_naming_the_file_and_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p.to_string_lossy().into_owned()
+    };
+    let syntax = write("syntax.toml", "[schedule\nkind = ");
+    let err = refused(&["--recipe", &syntax]);
+    assert!(err.contains("syntax.toml") && err.contains("TOML"), "{err}");
+
+    let unknown = write(
+        "unknown.toml",
+        "[schedule]\nkind = \"cosine\"\ntotal_steps = 100\nlr_max = 0.1\nwarmpu_steps = 5\n[sync]\nrule = \"dp\"\n",
+    );
+    let err = refused(&["--recipe", &unknown]);
+    assert!(err.contains("unknown.toml") && err.contains("warmpu_steps"), "{err}");
+
+    let wrong_type = write("type.toml", "[schedule]\nkind = \"cosine\"\ntotal_steps = \"many\"\nlr_max = 0.1\n[sync]\nrule = \"dp\"\n");
+    let err = refused(&["--recipe", &wrong_type]);
+    assert!(err.contains("type.toml") && err.contains("schedule"), "{err}");
+
+    let negative = write("neg.toml", "[schedule]\nkind = \"cosine\"\ntotal_steps = -5\nlr_max = 0.1\n[sync]\nrule = \"dp\"\n");
+    let err = refused(&["--recipe", &negative]);
+    assert!(err.contains("neg.toml"), "{err}");
+}

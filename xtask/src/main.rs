@@ -1,0 +1,103 @@
+//! Project automation: `cargo xtask <command>` (see `cargo xtask --help`).
+//!
+//! xtask only orchestrates cargo and the `qsr` binary; it holds no project logic.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// The test suite as CI runs it (release build: training code is ~50x slower in debug).
+    Ci,
+    /// The main job: the paper's communication plans and the lr/H picture.
+    Demo {
+        /// Where to write the picture.
+        #[arg(long, default_value = "runs/demo/paper-plans.png")]
+        plot: PathBuf,
+    },
+    /// Criterion benchmarks (results under target/criterion).
+    Bench {
+        /// Which group: sched or all.
+        #[arg(default_value = "all")]
+        which: String,
+    },
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
+}
+
+fn cargo() -> Command {
+    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    c.current_dir(root());
+    c
+}
+
+fn run(mut c: Command) -> Result<()> {
+    eprintln!("xtask: {c:?}");
+    let status = c.status().with_context(|| format!("cannot start {c:?}"))?;
+    if !status.success() {
+        bail!("{c:?} failed with {status}");
+    }
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Cmd::Ci => {
+            let mut t = cargo();
+            t.args(["test", "--workspace", "--release", "--locked"]);
+            run(t)
+        }
+        Cmd::Demo { plot } => {
+            let mut b = cargo();
+            b.args(["build", "--release", "--locked", "--bin", "qsr"]);
+            run(b)?;
+            if let Some(dir) = plot.parent() {
+                std::fs::create_dir_all(root().join(dir))?;
+            }
+            let mut q = cargo();
+            q.args(["run", "--quiet", "--release", "--locked", "--bin", "qsr", "--", "plan"]);
+            for r in [
+                "imagenet-resnet152-dp",
+                "imagenet-resnet152-h2",
+                "imagenet-resnet152-qsr",
+                "imagenet-vit-b-dp",
+                "imagenet-vit-b-h4",
+                "imagenet-vit-b-qsr-hbase4",
+                "imagenet-vit-b-qsr-hbase8",
+            ] {
+                q.args(["--recipe", &format!("recipes/{r}.toml")]);
+            }
+            run(q)?;
+            let mut p = cargo();
+            p.args(["run", "--quiet", "--release", "--locked", "--bin", "qsr", "--", "plan"]);
+            p.args(["--recipe", "recipes/imagenet-vit-b-qsr-hbase4.toml", "--recipe", "recipes/imagenet-vit-b-qsr-hbase8.toml"]);
+            p.args(["--recipe", "recipes/imagenet-vit-b-h4.toml", "--plot"]).arg(&plot);
+            run(p)
+        }
+        Cmd::Bench { which } => {
+            let benches: &[&str] = match which.as_str() {
+                "sched" => &["sched"],
+                "all" => &["sched"],
+                other => bail!("unknown bench group `{other}` (expected sched or all)"),
+            };
+            for b in benches {
+                let mut c = cargo();
+                c.args(["bench", "--locked", "-p", "qsr-benches", "--bench", b]);
+                run(c)?;
+            }
+            Ok(())
+        }
+    }
+}
