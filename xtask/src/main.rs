@@ -52,12 +52,51 @@ fn run(mut c: Command) -> Result<()> {
     Ok(())
 }
 
+#[derive(Default)]
+struct Totals {
+    passed: u64,
+    failed: u64,
+    ignored: u64,
+}
+
+/// Runs a libtest-style command, echoing its output and adding up its `test result:` lines.
+fn run_tests(mut c: Command) -> Result<Totals> {
+    use std::io::{BufRead, BufReader};
+    eprintln!("xtask: {c:?}");
+    let mut child = c.stdout(std::process::Stdio::piped()).spawn().with_context(|| format!("cannot start {c:?}"))?;
+    let mut totals = Totals::default();
+    let stdout = child.stdout.take().context("no stdout")?;
+    for line in BufReader::new(stdout).lines() {
+        let line = line?;
+        println!("{line}");
+        if let Some(rest) = line.strip_prefix("test result: ") {
+            let count = |word: &str| -> u64 {
+                rest.split(';')
+                    .filter_map(|part| part.trim().strip_suffix(word))
+                    .filter_map(|n| n.trim().rsplit(' ').next()?.parse::<u64>().ok())
+                    .sum()
+            };
+            totals.passed += count("passed");
+            totals.failed += count("failed");
+            totals.ignored += count("ignored");
+        }
+    }
+    let status = child.wait()?;
+    if !status.success() {
+        bail!("{c:?} failed with {status} ({} passed, {} failed)", totals.passed, totals.failed);
+    }
+    Ok(totals)
+}
+
 fn main() -> Result<()> {
     match Cli::parse().command {
         Cmd::Ci => {
             let mut t = cargo();
             t.args(["test", "--workspace", "--release", "--locked"]);
-            run(t)
+            let totals = run_tests(t)?;
+            // One closing line for the whole suite (cargo's own last line is the doc-test binary's).
+            println!("{} passed, {} failed, {} ignored", totals.passed, totals.failed, totals.ignored);
+            Ok(())
         }
         Cmd::Demo { plot } => {
             let mut b = cargo();
