@@ -1,0 +1,212 @@
+//! The dataset abstraction: small datasets live in memory as one `u8` buffer ([`ImageSet`]); large ones
+//! ([`crate::ImageFolder`]) decode one sample at a time, since ImageNet does not fit in memory. Both are
+//! [`Dataset`]s, so the sampler, transforms and loaders do not care which.
+
+use std::path::PathBuf;
+
+use crate::error::{DataError, Result};
+
+/// Which half of a dataset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Split {
+    Train,
+    Test,
+}
+
+/// One decoded image: `u8` pixels in CHW order (planar), any size.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Image {
+    pub data: Vec<u8>,
+    pub channels: usize,
+    pub height: usize,
+    pub width: usize,
+}
+
+impl Image {
+    /// Pixel (channel, row, column).
+    #[inline]
+    pub fn at(&self, c: usize, y: usize, x: usize) -> u8 {
+        self.data[(c * self.height + y) * self.width + x]
+    }
+}
+
+/// Static facts about a dataset that transforms need before seeing any sample.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct DatasetInfo {
+    /// Short name ("digits", "fashion-mnist", "cifar10", a folder path...).
+    pub name: String,
+    pub len: usize,
+    pub classes: usize,
+    pub channels: usize,
+    /// `(height, width)` when every sample has that size; `None` for folders of arbitrary images.
+    pub size: Option<(usize, usize)>,
+    /// Raw value that means "full intensity": 255 for 8-bit images, 16 for digits. Pixels are divided by it
+    /// before normalization so that mean/std settings are on the usual 0..1 scale.
+    pub pixel_max: u8,
+    /// Whether a horizontal flip is a label-preserving augmentation (not for digits or handwriting).
+    pub flip_ok: bool,
+}
+
+/// A finite, indexable set of labelled images. `load` must be a pure function of `index` (it is called from
+/// many threads, in any order).
+pub trait Dataset: Send + Sync {
+    fn info(&self) -> &DatasetInfo;
+    fn len(&self) -> usize {
+        self.info().len
+    }
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    fn classes(&self) -> usize {
+        self.info().classes
+    }
+    /// `(channels, height, width)` of every sample if fixed.
+    fn shape(&self) -> Option<(usize, usize, usize)> {
+        let i = self.info();
+        i.size.map(|(h, w)| (i.channels, h, w))
+    }
+    /// Label of sample `index` without decoding the image.
+    fn label(&self, index: usize) -> u16;
+    /// Decode sample `index`.
+    fn load(&self, index: usize) -> Result<(Image, u16)>;
+}
+
+/// An in-memory dataset: all images in one buffer (`N*C*H*W`, CHW per image), labels `< classes`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImageSet {
+    pub images: Vec<u8>,
+    pub labels: Vec<u16>,
+    pub info: DatasetInfo,
+}
+
+impl ImageSet {
+    /// Checks sizes and labels. `source` names the file(s) in errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        name: impl Into<String>,
+        images: Vec<u8>,
+        labels: Vec<u16>,
+        (channels, height, width): (usize, usize, usize),
+        classes: usize,
+        pixel_max: u8,
+        flip_ok: bool,
+        source: impl Into<PathBuf>,
+    ) -> Result<Self> {
+        let source = source.into();
+        let per = channels * height * width;
+        if per == 0 {
+            return Err(DataError::format(source, "image size is zero"));
+        }
+        if images.len() != per * labels.len() {
+            return Err(DataError::format(
+                source,
+                format!(
+                    "{} pixel bytes for {} labels of {}x{}x{}",
+                    images.len(),
+                    labels.len(),
+                    channels,
+                    height,
+                    width
+                ),
+            ));
+        }
+        if let Some((index, &l)) = labels
+            .iter()
+            .enumerate()
+            .find(|(_, l)| usize::from(**l) >= classes)
+        {
+            return Err(DataError::LabelOutOfRange {
+                path: source,
+                index,
+                label: l.into(),
+                classes,
+            });
+        }
+        let info = DatasetInfo {
+            name: name.into(),
+            len: labels.len(),
+            classes,
+            channels,
+            size: Some((height, width)),
+            pixel_max,
+            flip_ok,
+        };
+        Ok(ImageSet {
+            images,
+            labels,
+            info,
+        })
+    }
+
+    pub fn channels(&self) -> usize {
+        self.info.channels
+    }
+    pub fn height(&self) -> usize {
+        self.info.size.map_or(0, |s| s.0)
+    }
+    pub fn width(&self) -> usize {
+        self.info.size.map_or(0, |s| s.1)
+    }
+    /// Bytes of one image.
+    pub fn image_len(&self) -> usize {
+        self.channels() * self.height() * self.width()
+    }
+    /// The pixels of image `index` (CHW), borrowed.
+    pub fn image(&self, index: usize) -> &[u8] {
+        let n = self.image_len();
+        &self.images[index * n..(index + 1) * n]
+    }
+    /// A subset (in the given order), e.g. a fixed validation split.
+    pub fn subset(&self, indices: &[usize]) -> ImageSet {
+        let mut images = Vec::with_capacity(indices.len() * self.image_len());
+        let mut labels = Vec::with_capacity(indices.len());
+        for &i in indices {
+            images.extend_from_slice(self.image(i));
+            labels.push(self.labels[i]);
+        }
+        let mut info = self.info.clone();
+        info.len = labels.len();
+        ImageSet {
+            images,
+            labels,
+            info,
+        }
+    }
+}
+
+impl Dataset for ImageSet {
+    fn info(&self) -> &DatasetInfo {
+        &self.info
+    }
+    fn label(&self, index: usize) -> u16 {
+        self.labels[index]
+    }
+    fn load(&self, index: usize) -> Result<(Image, u16)> {
+        if index >= self.labels.len() {
+            return Err(DataError::Config(format!(
+                "sample {index} out of range (len {})",
+                self.labels.len()
+            )));
+        }
+        let img = Image {
+            data: self.image(index).to_vec(),
+            channels: self.channels(),
+            height: self.height(),
+            width: self.width(),
+        };
+        Ok((img, self.labels[index]))
+    }
+}
+
+impl<D: Dataset + ?Sized> Dataset for std::sync::Arc<D> {
+    fn info(&self) -> &DatasetInfo {
+        (**self).info()
+    }
+    fn label(&self, index: usize) -> u16 {
+        (**self).label(index)
+    }
+    fn load(&self, index: usize) -> Result<(Image, u16)> {
+        (**self).load(index)
+    }
+}

@@ -1,0 +1,40 @@
+//! Data for qsr: dataset readers (IDX/MNIST/Fashion-MNIST, CIFAR-10/100 binary, ImageFolder, embedded digits),
+//! the per-epoch sharded sampler of the QSR paper's code, seeded augmentation, micro-batching into burn tensors,
+//! and an ordered prefetcher.
+//!
+//! Determinism is the design constraint: a training batch is a pure function of (dataset, transform, seed, rank,
+//! world size, global step), so a resumed run or a run with a different thread count sees exactly the same data.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use qsr_data::*;
+//! let train = Arc::new(digits(Split::Train));
+//! let sampler = ShardedSampler::simple(train.len(), 4, 0, 32, 42).unwrap();
+//! let transform = Transform::train_default(train.info());
+//! let loader = TrainLoader::new(train, sampler, transform).unwrap();
+//! let device = burn::tensor::Device::flex();
+//! let batch = loader.batch(0, &device).unwrap(); // images [32, 1, 8, 8], labels [32]
+//! ```
+
+pub mod augment;
+pub mod cifar;
+pub mod dataset;
+pub mod digits;
+pub mod error;
+pub mod folder;
+pub mod idx;
+pub mod loader;
+pub mod rng;
+pub mod sampler;
+
+pub use augment::{Crop, Normalize, SampleKey, Transform, random_resized_crop_params};
+pub use cifar::{Cifar100Label, cifar10, cifar100, cifar100_with};
+pub use dataset::{Dataset, DatasetInfo, Image, ImageSet, Split};
+pub use digits::{DIGITS_TEST, DIGITS_TOTAL, DIGITS_TRAIN, digits, digits_all};
+pub use error::{DataError, Result};
+pub use folder::ImageFolder;
+pub use idx::{FASHION_MNIST_DEFAULT_DIR, fashion_mnist, load_idx_pair, mnist};
+pub use loader::{
+    Batch, EvalLoader, HostBatch, PrefetchOptions, Prefetcher, TrainLoader, load_batch,
+};
+pub use sampler::{EpochStep, SamplerConfig, SamplerState, ShardedSampler, check_micro};
