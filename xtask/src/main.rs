@@ -59,6 +59,33 @@ struct Totals {
     ignored: u64,
 }
 
+impl Totals {
+    fn add(&mut self, o: Totals) {
+        self.passed += o.passed;
+        self.failed += o.failed;
+        self.ignored += o.ignored;
+    }
+}
+
+/// Runs `mpi_check` under mpirun; it prints `mpi_check: N ranks, M cases passed` per rank.
+fn run_mpi_check(mut c: Command) -> Result<Totals> {
+    eprintln!("xtask: {c:?}");
+    let out = c.output().with_context(|| format!("cannot start {c:?} (is openmpi-bin installed?)"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    print!("{text}");
+    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    if !out.status.success() {
+        bail!("{c:?} failed with {}", out.status);
+    }
+    let cases = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("mpi_check: "))
+        .filter_map(|l| l.split(", ").nth(1)?.split(' ').next()?.parse::<u64>().ok())
+        .max()
+        .context("mpi_check printed no result line")?;
+    Ok(Totals { passed: cases, failed: 0, ignored: 0 })
+}
+
 /// Runs a libtest-style command, echoing its output and adding up its `test result:` lines.
 fn run_tests(mut c: Command) -> Result<Totals> {
     use std::io::{BufRead, BufReader};
@@ -93,7 +120,20 @@ fn main() -> Result<()> {
         Cmd::Ci => {
             let mut t = cargo();
             t.args(["test", "--workspace", "--release", "--locked"]);
-            let totals = run_tests(t)?;
+            let mut totals = run_tests(t)?;
+            // The cubecl kernels, on cubecl's wgpu runtime (Mesa lavapipe on a machine without a GPU).
+            let mut k = cargo();
+            k.args(["test", "--release", "--locked", "-p", "qsr-kernels", "--features", "wgpu"]);
+            k.env("QSR_REQUIRE_GPU_RUNTIME", "1");
+            totals.add(run_tests(k)?);
+            // The MPI backend under a real mpirun.
+            let mut b = cargo();
+            b.args(["build", "--release", "--locked", "-p", "qsr-comm", "--features", "mpi", "--example", "mpi_check"]);
+            run(b)?;
+            let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| root().join("target"));
+            let mut m = Command::new("mpirun");
+            m.args(["--allow-run-as-root", "--oversubscribe", "-np", "3"]).arg(target.join("release/examples/mpi_check"));
+            totals.add(run_mpi_check(m)?);
             // One closing line for the whole suite (cargo's own last line is the doc-test binary's).
             println!("{} passed, {} failed, {} ignored", totals.passed, totals.failed, totals.ignored);
             Ok(())

@@ -1,7 +1,12 @@
-//! The qsr reference trainer. For now it plans: `qsr plan` turns a recipe's lr schedule and sync rule into
-//! the exact round plan, its communication share and a picture of lr and H over training. Later layers
-//! (models, data, the round driver) compose here into `qsr train`; this crate owns no method logic.
+//! The qsr reference trainer: `qsr plan` (the round plan of a recipe), `qsr train` (K workers as threads,
+//! local processes or an external launch), `qsr compare` and `qsr plot`. This crate owns no method logic:
+//! it composes qsr-sched, qsr-comm, qsr-optim, qsr-models and qsr-data.
 
+pub mod checkpoint;
+pub mod compare;
+pub mod launch;
 pub mod plan_cmd;
 pub mod plot;
 pub mod recipe;
+pub mod train;
+pub mod train_recipe;

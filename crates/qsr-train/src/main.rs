@@ -15,12 +15,37 @@ enum Command {
     /// Print the round plan of a recipe: rounds, communication share, H over training.
     #[command(allow_negative_numbers = true)]
     Plan(qsr_train::plan_cmd::PlanArgs),
+    /// Train a recipe with K workers (threads, local processes, or an external launch).
+    Train(qsr_train::launch::TrainArgs),
+    /// Train one recipe under several sync rules and seeds; print and save a comparison table.
+    Compare(qsr_train::compare::CompareArgs),
+    /// Draw lr/H, test accuracy and train loss (against step and bytes) for one or more runs.
+    Plot(qsr_train::compare::PlotArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Plan(args) => qsr_train::plan_cmd::run(&args, &mut std::io::stdout().lock()),
+        Command::Train(args) => qsr_train::launch::run(&args).map(|summary| {
+            if let Some(s) = summary {
+                println!(
+                    "{}: test accuracy {:.2}%, {} syncs ({:.1}% of data parallel), {:.1} s, {:.1} steps/s",
+                    s.name,
+                    100.0 * s.final_test_accuracy,
+                    s.syncs,
+                    s.comm_percent,
+                    s.wall_seconds,
+                    s.steps_per_second
+                );
+            }
+        }),
+        Command::Compare(args) => qsr_train::compare::run(&args).map(|_| ()),
+        Command::Plot(args) => qsr_train::compare::plot(&args).map(|files| {
+            for f in files {
+                println!("{}", f.display());
+            }
+        }),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

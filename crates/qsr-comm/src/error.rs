@@ -1,0 +1,128 @@
+//! The one error type of this crate.
+//!
+//! Every variant that involves another process names it (rank, and address where we know one) and,
+//! for mismatches, the field that differs, because the person reading the message is usually
+//! looking at one of N log files and needs to know which other one to open.
+
+use std::time::Duration;
+
+/// Why a collective, a rendezvous or a launch-environment detection failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CommError {
+    /// A peer closed its connection or died (EOF, reset, broken pipe).
+    #[error("peer rank {rank} ({addr}) was lost during {during}: {detail}")]
+    PeerLost {
+        rank: usize,
+        addr: String,
+        during: String,
+        detail: String,
+    },
+
+    /// A peer made no progress for the configured timeout.
+    #[error("peer rank {rank} ({addr}) made no progress for {timeout:?} during {during}")]
+    PeerTimeout {
+        rank: usize,
+        addr: String,
+        during: String,
+        timeout: Duration,
+    },
+
+    /// Another rank detected a failure and told us about it; `culprit` is the rank it blamed.
+    #[error("rank {culprit} failed ({reason}), as reported by rank {reporter} during {during}")]
+    Aborted {
+        culprit: usize,
+        reason: String,
+        reporter: usize,
+        during: String,
+    },
+
+    /// Ranks made different collective calls (sequence number, kind, length, op or root differ).
+    #[error(
+        "rank {peer} diverged from rank {me} in {field}: rank {peer} has {theirs}, rank {me} has {ours} ({during})"
+    )]
+    Diverged {
+        me: usize,
+        peer: usize,
+        field: &'static str,
+        ours: String,
+        theirs: String,
+        during: String,
+    },
+
+    /// A handshake was refused because one field differs (job token, protocol version, world size, rank).
+    #[error("handshake with {peer} refused: {field} differs ({detail})")]
+    HandshakeRefused {
+        peer: String,
+        field: &'static str,
+        detail: String,
+    },
+
+    /// A peer sent bytes that do not follow the wire protocol.
+    #[error("protocol error from {peer}: {detail}")]
+    Protocol { peer: String, detail: String },
+
+    /// Rendezvous did not complete in time.
+    #[error("rendezvous failed: {0}")]
+    Rendezvous(String),
+
+    /// The caller passed something that cannot work (root out of range, world size 0, ...).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    /// A launch-environment variable (or explicit argument) is malformed or inconsistent.
+    #[error("launch environment: {var}: {detail}")]
+    Launch { var: String, detail: String },
+
+    /// The communicator already failed; collectives after a failure are refused, because the
+    /// ranks can no longer agree on where in the call sequence they are.
+    #[error("communicator is broken by an earlier failure: {0}")]
+    Broken(String),
+
+    /// An in-process group failed (a member panicked, dropped its handle, or timed out);
+    /// `culprit` is the rank responsible when one is known.
+    #[error("in-process group: {detail}")]
+    Group {
+        culprit: Option<usize>,
+        detail: String,
+    },
+
+    /// An I/O error outside a peer connection (binding a listener, for example).
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// An error from the MPI backend.
+    #[error("mpi: {0}")]
+    Mpi(String),
+}
+
+impl CommError {
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        CommError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+
+    pub(crate) fn launch(var: impl Into<String>, detail: impl Into<String>) -> Self {
+        CommError::Launch {
+            var: var.into(),
+            detail: detail.into(),
+        }
+    }
+
+    /// The rank this error blames, when it blames one: tests and the trainer use it to report the
+    /// lost worker without parsing messages.
+    pub fn blamed_rank(&self) -> Option<usize> {
+        match self {
+            CommError::PeerLost { rank, .. } | CommError::PeerTimeout { rank, .. } => Some(*rank),
+            CommError::Aborted { culprit, .. } => Some(*culprit),
+            CommError::Diverged { peer, .. } => Some(*peer),
+            CommError::Group { culprit, .. } => *culprit,
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,621 @@
+//! Who am I in this job? Rank, world size, local rank and master address from the launcher.
+//!
+//! Precedence (first match wins, field by field for explicit arguments):
+//! explicit arguments > torchrun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
+//! `MASTER_PORT`) > Open MPI (`OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK`) > PMI (`PMI_RANK`,
+//! `PMI_SIZE`, MPICH's `MPI_LOCALRANKID`) > SLURM (`SLURM_PROCID`, `SLURM_NTASKS`,
+//! `SLURM_LOCALID`, first host of `SLURM_STEP_NODELIST`/`SLURM_JOB_NODELIST`/`SLURM_NODELIST`)
+//! > a single process.
+//!
+//! The environment is passed in as a function so detection is testable without touching the
+//! process environment ([`detect_from_process_env`] is the thin wrapper for real use).
+
+use serde::{Deserialize, Serialize};
+
+use crate::CommError;
+
+/// Port used when no launcher says otherwise (torchrun's default).
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+/// Address used when no launcher says otherwise: loopback, so nothing listens on a public interface
+/// by accident.
+pub const DEFAULT_MASTER_ADDR: &str = "127.0.0.1";
+
+/// Where the launch information came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Source {
+    Explicit,
+    Torchrun,
+    OpenMpi,
+    Pmi,
+    Slurm,
+    Single,
+}
+
+/// Values given on the command line or in a config; each overrides the environment.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Explicit {
+    pub rank: Option<usize>,
+    pub world_size: Option<usize>,
+    pub local_rank: Option<usize>,
+    pub master_addr: Option<String>,
+    pub master_port: Option<u16>,
+}
+
+/// The resolved launch environment of this process.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LaunchEnv {
+    pub rank: usize,
+    pub world_size: usize,
+    /// Rank among the processes on this host (selects the GPU).
+    pub local_rank: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    pub source: Source,
+}
+
+fn parse_usize(var: &str, value: &str) -> Result<usize, CommError> {
+    value
+        .trim()
+        .parse::<usize>()
+        .map_err(|_| CommError::launch(var, format!("{var}={value} is not an integer")))
+}
+
+fn parse_port(var: &str, value: &str) -> Result<u16, CommError> {
+    value.trim().parse::<u16>().map_err(|_| {
+        CommError::launch(
+            var,
+            format!("{var}={value} is not a port number (0..65535)"),
+        )
+    })
+}
+
+/// Rank, world size and local rank as found in the environment, with the variable names used.
+struct Found {
+    source: Source,
+    rank: (String, usize),
+    size: (String, usize),
+    local: Option<(String, usize)>,
+    master_addr: Option<String>,
+    master_port: Option<(String, u16)>,
+}
+
+fn get_usize(
+    env: &dyn Fn(&str) -> Option<String>,
+    var: &str,
+) -> Result<Option<(String, usize)>, CommError> {
+    match env(var) {
+        Some(v) => Ok(Some((var.to_string(), parse_usize(var, &v)?))),
+        None => Ok(None),
+    }
+}
+
+fn first_usize(
+    env: &dyn Fn(&str) -> Option<String>,
+    vars: &[&str],
+) -> Result<Option<(String, usize)>, CommError> {
+    for v in vars {
+        if let Some(x) = get_usize(env, v)? {
+            return Ok(Some(x));
+        }
+    }
+    Ok(None)
+}
+
+/// Requires the size variable once the rank variable of a launcher is present.
+fn need(
+    found: Option<(String, usize)>,
+    var: &str,
+    because: &str,
+) -> Result<(String, usize), CommError> {
+    found.ok_or_else(|| CommError::launch(var, format!("{because} is set but {var} is not")))
+}
+
+fn master_port_env(
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Option<(String, u16)>, CommError> {
+    match env("MASTER_PORT") {
+        Some(v) => Ok(Some(("MASTER_PORT".into(), parse_port("MASTER_PORT", &v)?))),
+        None => Ok(None),
+    }
+}
+
+fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<Found>, CommError> {
+    let master_addr = env("MASTER_ADDR")
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| s.trim().to_string());
+    if let Some(rank) = get_usize(env, "RANK")? {
+        let size = need(get_usize(env, "WORLD_SIZE")?, "WORLD_SIZE", "RANK")?;
+        return Ok(Some(Found {
+            source: Source::Torchrun,
+            rank,
+            size,
+            local: get_usize(env, "LOCAL_RANK")?,
+            master_addr,
+            master_port: master_port_env(env)?,
+        }));
+    }
+    if let Some(rank) = get_usize(env, "OMPI_COMM_WORLD_RANK")? {
+        let size = need(
+            get_usize(env, "OMPI_COMM_WORLD_SIZE")?,
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_RANK",
+        )?;
+        return Ok(Some(Found {
+            source: Source::OpenMpi,
+            rank,
+            size,
+            local: get_usize(env, "OMPI_COMM_WORLD_LOCAL_RANK")?,
+            master_addr,
+            master_port: master_port_env(env)?,
+        }));
+    }
+    if let Some(rank) = get_usize(env, "PMI_RANK")? {
+        let size = need(get_usize(env, "PMI_SIZE")?, "PMI_SIZE", "PMI_RANK")?;
+        return Ok(Some(Found {
+            source: Source::Pmi,
+            rank,
+            size,
+            local: first_usize(env, &["MPI_LOCALRANKID", "PMI_LOCAL_RANK"])?,
+            master_addr,
+            master_port: master_port_env(env)?,
+        }));
+    }
+    if let Some(rank) = get_usize(env, "SLURM_PROCID")? {
+        let size = need(
+            first_usize(env, &["SLURM_NTASKS", "SLURM_NPROCS"])?,
+            "SLURM_NTASKS",
+            "SLURM_PROCID",
+        )?;
+        let master_addr = match master_addr {
+            Some(a) => Some(a),
+            None => {
+                let mut host = None;
+                for var in [
+                    "SLURM_STEP_NODELIST",
+                    "SLURM_JOB_NODELIST",
+                    "SLURM_NODELIST",
+                ] {
+                    if let Some(list) = env(var) {
+                        host =
+                            Some(first_host(&list).map_err(|e| {
+                                CommError::launch(var, format!("{var}={list}: {e}"))
+                            })?);
+                        break;
+                    }
+                }
+                host
+            }
+        };
+        // Jobs sharing a node must not collide on one port: derive it from the job id unless set.
+        let master_port = match master_port_env(env)? {
+            Some(p) => Some(p),
+            None => get_usize(env, "SLURM_JOB_ID")?
+                .map(|(var, id)| (var, DEFAULT_MASTER_PORT + (id % 1000) as u16)),
+        };
+        return Ok(Some(Found {
+            source: Source::Slurm,
+            rank,
+            size,
+            local: get_usize(env, "SLURM_LOCALID")?,
+            master_addr,
+            master_port,
+        }));
+    }
+    Ok(None)
+}
+
+/// Resolves the launch environment; `env` looks a variable up (e.g. `|k| std::env::var(k).ok()`).
+///
+/// Explicit values override the environment field by field; an explicit rank together with an
+/// explicit world size makes the source [`Source::Explicit`] and the launcher variables are then
+/// not consulted for rank/size (but `MASTER_ADDR`/`MASTER_PORT` still are).
+pub fn detect(
+    explicit: &Explicit,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<LaunchEnv, CommError> {
+    let found = if explicit.rank.is_some() && explicit.world_size.is_some() {
+        None
+    } else {
+        from_env(env)?
+    };
+    let (source, rank_var, rank, size_var, world_size, local, addr, port) = match found {
+        Some(f) => (
+            f.source,
+            f.rank.0,
+            f.rank.1,
+            f.size.0,
+            f.size.1,
+            f.local,
+            f.master_addr,
+            f.master_port,
+        ),
+        None if explicit.rank.is_some() || explicit.world_size.is_some() => {
+            let addr = env("MASTER_ADDR")
+                .filter(|s| !s.trim().is_empty())
+                .map(|s| s.trim().to_string());
+            (
+                Source::Explicit,
+                "rank".into(),
+                0,
+                "world size".into(),
+                1,
+                None,
+                addr,
+                master_port_env(env)?,
+            )
+        }
+        None => (
+            Source::Single,
+            "rank".into(),
+            0,
+            "world size".into(),
+            1,
+            None,
+            None,
+            None,
+        ),
+    };
+    let mut source = source;
+    let (rank_var, rank) = match explicit.rank {
+        Some(r) => {
+            source = Source::Explicit;
+            ("--rank".to_string(), r)
+        }
+        None => (rank_var, rank),
+    };
+    let (size_var, world_size) = match explicit.world_size {
+        Some(n) => ("--world-size".to_string(), n),
+        None => (size_var, world_size),
+    };
+    if world_size == 0 {
+        return Err(CommError::launch(
+            &size_var,
+            format!("{size_var} must be at least 1"),
+        ));
+    }
+    if rank >= world_size {
+        return Err(CommError::launch(
+            &rank_var,
+            format!("{rank_var} {rank} >= {size_var} {world_size}"),
+        ));
+    }
+    // Without a launcher-provided local rank, assume one host: the global rank.
+    let (local_var, local_rank) = match (explicit.local_rank, local) {
+        (Some(l), _) => ("--local-rank".to_string(), l),
+        (None, Some((var, l))) => (var, l),
+        (None, None) => ("rank".to_string(), rank),
+    };
+    if local_rank >= world_size {
+        return Err(CommError::launch(
+            &local_var,
+            format!("{local_var} {local_rank} >= {size_var} {world_size}"),
+        ));
+    }
+    let master_addr = explicit
+        .master_addr
+        .clone()
+        .or(addr)
+        .unwrap_or_else(|| DEFAULT_MASTER_ADDR.to_string());
+    let master_port = explicit
+        .master_port
+        .or(port.map(|p| p.1))
+        .unwrap_or(DEFAULT_MASTER_PORT);
+    Ok(LaunchEnv {
+        rank,
+        world_size,
+        local_rank,
+        master_addr,
+        master_port,
+        source,
+    })
+}
+
+/// [`detect`] over the real process environment.
+pub fn detect_from_process_env(explicit: &Explicit) -> Result<LaunchEnv, CommError> {
+    detect(explicit, &|k| std::env::var(k).ok())
+}
+
+/// First host of a SLURM node list: `node[01-04,07]` -> `node01`, `a,b` -> `a`, `gpu-[3,5]` ->
+/// `gpu-3`, `host1` -> `host1`, `r[1-2]-n[08-09]` -> `r1-n08`.
+pub fn first_host(list: &str) -> Result<String, String> {
+    let list = list.trim();
+    // The first entry ends at the first comma outside brackets.
+    let mut depth = 0usize;
+    let mut end = list.len();
+    for (i, c) in list.char_indices() {
+        match c {
+            '[' => {
+                if depth > 0 {
+                    return Err("nested '[' in node list".into());
+                }
+                depth += 1;
+            }
+            ']' => {
+                if depth == 0 {
+                    return Err("unbalanced ']' in node list".into());
+                }
+                depth -= 1;
+            }
+            ',' if depth == 0 => {
+                end = i;
+                break;
+            }
+            _ => {}
+        }
+    }
+    let entry = &list[..end];
+    if entry.is_empty() {
+        return Err("empty node list".into());
+    }
+    let mut host = String::new();
+    let mut rest = entry;
+    while let Some(open) = rest.find('[') {
+        host.push_str(&rest[..open]);
+        let close = rest[open..]
+            .find(']')
+            .map(|c| open + c)
+            .ok_or("unbalanced '[' in node list")?;
+        let inner = &rest[open + 1..close];
+        let first = inner.split(',').next().unwrap_or("");
+        let start = first.split('-').next().unwrap_or("").trim();
+        if start.is_empty() || !start.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(format!("bad range '[{inner}]' in node list"));
+        }
+        host.push_str(start);
+        rest = &rest[close + 1..];
+    }
+    if rest.contains(']') {
+        return Err("unbalanced ']' in node list".into());
+    }
+    host.push_str(rest);
+    Ok(host)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k: &str| map.get(k).cloned()
+    }
+
+    fn err(explicit: &Explicit, pairs: &[(&str, &str)]) -> String {
+        detect(explicit, &env_of(pairs)).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn single_process_without_launcher() {
+        let e = detect(&Explicit::default(), &env_of(&[])).unwrap();
+        assert_eq!(
+            e,
+            LaunchEnv {
+                rank: 0,
+                world_size: 1,
+                local_rank: 0,
+                master_addr: "127.0.0.1".into(),
+                master_port: 29500,
+                source: Source::Single
+            }
+        );
+    }
+
+    #[test]
+    fn torchrun_variables() {
+        let env = [
+            ("RANK", "3"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "n0"),
+            ("MASTER_PORT", "1234"),
+        ];
+        let e = detect(&Explicit::default(), &env_of(&env)).unwrap();
+        assert_eq!(
+            (
+                e.rank,
+                e.world_size,
+                e.local_rank,
+                e.master_addr.as_str(),
+                e.master_port,
+                e.source
+            ),
+            (3, 8, 1, "n0", 1234, Source::Torchrun)
+        );
+    }
+
+    #[test]
+    fn precedence_explicit_torchrun_ompi_pmi_slurm() {
+        let all = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_RANK", "2"),
+            ("OMPI_COMM_WORLD_SIZE", "5"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+            ("PMI_RANK", "3"),
+            ("PMI_SIZE", "6"),
+            ("SLURM_PROCID", "4"),
+            ("SLURM_NTASKS", "7"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODELIST", "gpu[07-09]"),
+        ];
+        let d = |skip: usize, ex: &Explicit| detect(ex, &env_of(&all[skip..])).unwrap();
+        let ex = Explicit {
+            rank: Some(0),
+            world_size: Some(2),
+            ..Default::default()
+        };
+        assert_eq!(
+            (d(0, &ex).source, d(0, &ex).rank, d(0, &ex).world_size),
+            (Source::Explicit, 0, 2)
+        );
+        let none = Explicit::default();
+        assert_eq!(
+            (d(0, &none).source, d(0, &none).rank),
+            (Source::Torchrun, 1)
+        );
+        assert_eq!(
+            (d(2, &none).source, d(2, &none).rank, d(2, &none).world_size),
+            (Source::OpenMpi, 2, 5)
+        );
+        assert_eq!(
+            (d(5, &none).source, d(5, &none).rank, d(5, &none).world_size),
+            (Source::Pmi, 3, 6)
+        );
+        let s = d(7, &none);
+        assert_eq!(
+            (
+                s.source,
+                s.rank,
+                s.world_size,
+                s.local_rank,
+                s.master_addr.as_str()
+            ),
+            (Source::Slurm, 4, 7, 1, "gpu07")
+        );
+        // explicit fields override single fields of a detected launcher
+        let ex = Explicit {
+            master_addr: Some("h".into()),
+            master_port: Some(9),
+            local_rank: Some(0),
+            ..Default::default()
+        };
+        let e = d(7, &ex);
+        assert_eq!(
+            (
+                e.source,
+                e.rank,
+                e.master_addr.as_str(),
+                e.master_port,
+                e.local_rank
+            ),
+            (Source::Slurm, 4, "h", 9, 0)
+        );
+        // an explicit rank marks the source explicit even when the size comes from the launcher
+        let ex = Explicit {
+            rank: Some(2),
+            ..Default::default()
+        };
+        let e = d(0, &ex);
+        assert_eq!((e.source, e.rank, e.world_size), (Source::Explicit, 2, 4));
+    }
+
+    #[test]
+    fn explicit_rank_ignores_broken_launcher_variables() {
+        let ex = Explicit {
+            rank: Some(1),
+            world_size: Some(2),
+            ..Default::default()
+        };
+        let e = detect(
+            &ex,
+            &env_of(&[("RANK", "abc"), ("MASTER_ADDR", "m"), ("MASTER_PORT", "77")]),
+        )
+        .unwrap();
+        assert_eq!(
+            (e.rank, e.world_size, e.master_addr.as_str(), e.master_port),
+            (1, 2, "m", 77)
+        );
+    }
+
+    #[test]
+    fn errors_name_the_variable() {
+        let none = Explicit::default();
+        assert!(
+            err(&none, &[("RANK", "abc"), ("WORLD_SIZE", "4")])
+                .contains("RANK=abc is not an integer")
+        );
+        assert!(
+            err(&none, &[("RANK", "4"), ("WORLD_SIZE", "4")]).contains("RANK 4 >= WORLD_SIZE 4")
+        );
+        assert!(err(&none, &[("RANK", "0")]).contains("RANK is set but WORLD_SIZE is not"));
+        assert!(
+            err(&none, &[("RANK", "0"), ("WORLD_SIZE", "0")])
+                .contains("WORLD_SIZE must be at least 1")
+        );
+        assert!(
+            err(
+                &none,
+                &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "70000")]
+            )
+            .contains("MASTER_PORT=70000 is not a port")
+        );
+        assert!(
+            err(
+                &none,
+                &[("OMPI_COMM_WORLD_RANK", "5"), ("OMPI_COMM_WORLD_SIZE", "2")]
+            )
+            .contains("OMPI_COMM_WORLD_RANK 5 >= OMPI_COMM_WORLD_SIZE 2")
+        );
+        assert!(
+            err(
+                &none,
+                &[
+                    ("SLURM_PROCID", "0"),
+                    ("SLURM_NTASKS", "2"),
+                    ("SLURM_LOCALID", "2")
+                ]
+            )
+            .contains("SLURM_LOCALID 2 >= SLURM_NTASKS 2")
+        );
+        assert!(
+            err(
+                &none,
+                &[
+                    ("SLURM_PROCID", "0"),
+                    ("SLURM_NTASKS", "2"),
+                    ("SLURM_NODELIST", "n[1-")
+                ]
+            )
+            .contains("SLURM_NODELIST")
+        );
+        let ex = Explicit {
+            rank: Some(3),
+            world_size: Some(2),
+            ..Default::default()
+        };
+        assert!(err(&ex, &[]).contains("--rank 3 >= --world-size 2"));
+    }
+
+    #[test]
+    fn slurm_port_from_job_id_and_master_addr_override() {
+        let env = [
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_JOB_ID", "123456"),
+            ("SLURM_JOB_NODELIST", "a,b"),
+        ];
+        let e = detect(&Explicit::default(), &env_of(&env)).unwrap();
+        assert_eq!(
+            (e.master_addr.as_str(), e.master_port, e.local_rank),
+            ("a", 29500 + 456, 1)
+        );
+        let mut env2 = env.to_vec();
+        env2.push(("MASTER_ADDR", "x"));
+        env2.push(("MASTER_PORT", "5000"));
+        let e = detect(&Explicit::default(), &env_of(&env2)).unwrap();
+        assert_eq!((e.master_addr.as_str(), e.master_port), ("x", 5000));
+    }
+
+    #[test]
+    fn nodelist_first_host() {
+        let cases = [
+            ("node[01-04,07]", "node01"),
+            ("a,b", "a"),
+            ("gpu-[3,5]", "gpu-3"),
+            ("host1", "host1"),
+            ("rack[1-2]-node[08-09]", "rack1-node08"),
+            ("node[001-004],login1", "node001"),
+            (" n[7] ", "n7"),
+        ];
+        for (input, want) in cases {
+            assert_eq!(first_host(input).as_deref(), Ok(want), "{input}");
+        }
+        for bad in ["", "n[1-2", "n]1[", "n[]", "n[a-b]", "n[[1]]", ",a"] {
+            assert!(first_host(bad).is_err(), "{bad:?} should be rejected");
+        }
+    }
+}

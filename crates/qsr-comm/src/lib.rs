@@ -1,0 +1,217 @@
+//! Collective communication for qsr.
+//!
+//! Local SGD moves one model-sized buffer per round and data-parallel SGD one per step; this crate
+//! moves those buffers. It is the only crate of the project that opens sockets or calls MPI, it
+//! knows nothing of models, and it moves flat `[f32]` buffers (plus small byte payloads).
+//!
+//! Backends, all behind the object-safe [`Collective`] trait:
+//! - [`InProcessGroup`]: K handles for K threads of one process (simulated workers); reduction
+//!   straight from shared memory, no sockets.
+//! - [`TcpComm`]: our own ring all-reduce over TCP, for processes on one or many hosts, with
+//!   rendezvous at `MASTER_ADDR:MASTER_PORT`, a checked handshake, bounded frames and timeouts
+//!   (see [`tcp`] for the wire protocol).
+//! - `MpiComm` (cargo feature `mpi`): MPI_Allreduce and friends through rsmpi, for `mpirun`/`srun`.
+//!
+//! [`launch`] detects rank, world size and master address from explicit arguments, torchrun,
+//! Open MPI / PMI or SLURM variables.
+//!
+//! Invariants every backend keeps:
+//! - every rank ends a collective with bit-identical buffers (a fixed reduction order per backend);
+//! - every call carries a sequence number, and ranks whose call sequences diverge get an error
+//!   rather than silently mixing different buffers;
+//! - after any failure the communicator is broken: later calls return [`CommError::Broken`].
+
+#![forbid(unsafe_op_in_unsafe_fn)]
+
+pub mod error;
+pub mod inproc;
+pub mod launch;
+pub mod tcp;
+pub mod wire;
+
+#[cfg(feature = "mpi")]
+pub mod mpi_backend;
+
+pub use error::CommError;
+pub use inproc::{InProcessComm, InProcessGroup};
+pub use launch::{Explicit, LaunchEnv, Source};
+pub use tcp::{MasterListener, TcpComm, TcpConfig};
+
+#[cfg(feature = "mpi")]
+pub use mpi_backend::MpiComm;
+
+use serde::{Deserialize, Serialize};
+
+/// The reduction applied by [`Collective::all_reduce`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ReduceOp {
+    /// Element-wise sum over ranks.
+    Sum,
+    /// Element-wise sum divided by the world size (computed as `sum / K`, so `mean == sum / K`
+    /// holds bit for bit).
+    Mean,
+}
+
+impl ReduceOp {
+    pub(crate) fn code(self) -> u8 {
+        match self {
+            ReduceOp::Sum => 0,
+            ReduceOp::Mean => 1,
+        }
+    }
+}
+
+/// Which collective a call is; carried in frames and compared across ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum CallKind {
+    AllReduce,
+    Broadcast,
+    Barrier,
+    BroadcastBytes,
+}
+
+impl CallKind {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            CallKind::AllReduce => "all_reduce",
+            CallKind::Broadcast => "broadcast",
+            CallKind::Barrier => "barrier",
+            CallKind::BroadcastBytes => "broadcast_bytes",
+        }
+    }
+}
+
+/// Cumulative traffic and time of one communicator, for the trainer's communication accounting.
+///
+/// Byte counts are payload bytes this rank put on / took off the wire (frame headers excluded).
+/// The in-process group moves nothing over a wire; it reports what a ring all-reduce of the same
+/// buffer would move, so simulated and real runs account communication the same way.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct CommStats {
+    /// Collective calls completed (successfully or not).
+    pub calls: u64,
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    /// Wall time spent inside collective calls.
+    pub seconds: f64,
+}
+
+impl CommStats {
+    /// The traffic between an earlier snapshot and now (per-round or per-call accounting).
+    pub fn since(&self, earlier: &CommStats) -> CommStats {
+        CommStats {
+            calls: self.calls.saturating_sub(earlier.calls),
+            bytes_sent: self.bytes_sent.saturating_sub(earlier.bytes_sent),
+            bytes_received: self.bytes_received.saturating_sub(earlier.bytes_received),
+            seconds: (self.seconds - earlier.seconds).max(0.0),
+        }
+    }
+
+    pub(crate) fn record(&mut self, sent: u64, received: u64, seconds: f64) {
+        self.calls += 1;
+        self.bytes_sent += sent;
+        self.bytes_received += received;
+        self.seconds += seconds;
+    }
+}
+
+/// A group of ranks that reduce and broadcast flat buffers together.
+///
+/// Every rank must make the same sequence of calls with the same lengths, ops and roots; a rank
+/// that diverges makes the call fail on every rank it reaches (never a silent mix of buffers).
+/// Object safe: the trainer holds a `Box<dyn Collective>`.
+pub trait Collective: Send {
+    /// This process's (or thread's) rank, `0..world_size()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the group.
+    fn world_size(&self) -> usize;
+    /// Replaces `buf` on every rank with the element-wise sum (or mean) over ranks; all ranks
+    /// end with bit-identical buffers.
+    fn all_reduce(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError>;
+    /// Copies `root`'s `buf` into every other rank's `buf` (same length on every rank).
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError>;
+    /// Copies `root`'s byte payload to every rank; non-roots' `bytes` are resized to match. For
+    /// small payloads such as a job config or an NCCL unique id.
+    fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>, root: usize) -> Result<(), CommError>;
+    /// Returns once every rank has entered the barrier.
+    fn barrier(&mut self) -> Result<(), CommError>;
+    /// Cumulative traffic and time.
+    fn stats(&self) -> &CommStats;
+    /// Short backend name for logs ("inproc", "tcp", "mpi").
+    fn backend(&self) -> &'static str;
+}
+
+/// A boxed collective is a collective, so generic code can take `Box<dyn Collective>`.
+impl<C: Collective + ?Sized> Collective for Box<C> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+    fn all_reduce(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        (**self).all_reduce(buf, op)
+    }
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
+        (**self).broadcast(buf, root)
+    }
+    fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
+        (**self).broadcast_bytes(bytes, root)
+    }
+    fn barrier(&mut self) -> Result<(), CommError> {
+        (**self).barrier()
+    }
+    fn stats(&self) -> &CommStats {
+        (**self).stats()
+    }
+    fn backend(&self) -> &'static str {
+        (**self).backend()
+    }
+}
+
+/// Largest payload `broadcast_bytes` accepts (a bound on what a peer can make us allocate).
+pub const MAX_BROADCAST_BYTES: usize = 256 << 20;
+
+/// Balanced split of `len` elements into `parts` contiguous ranges: the first `len % parts` ranges
+/// get one extra element. Shared by the in-process and ring backends.
+pub(crate) fn split_range(len: usize, parts: usize, i: usize) -> std::ops::Range<usize> {
+    let base = len / parts;
+    let rem = len % parts;
+    let start = i * base + i.min(rem);
+    let size = base + usize::from(i < rem);
+    start..start + size
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_range_covers_everything_once() {
+        for len in [0usize, 1, 2, 3, 7, 10, 1000, 1001] {
+            for parts in 1..=7 {
+                let mut next = 0;
+                for i in 0..parts {
+                    let r = split_range(len, parts, i);
+                    assert_eq!(r.start, next, "len {len} parts {parts} i {i}");
+                    next = r.end;
+                    assert!(r.len() <= len / parts + 1);
+                }
+                assert_eq!(next, len);
+            }
+        }
+    }
+
+    #[test]
+    fn stats_since_subtracts() {
+        let mut s = CommStats::default();
+        s.record(10, 20, 1.5);
+        let snap = s;
+        s.record(1, 2, 0.5);
+        let d = s.since(&snap);
+        assert_eq!((d.calls, d.bytes_sent, d.bytes_received), (1, 1, 2));
+        assert!((d.seconds - 0.5).abs() < 1e-12);
+        let json = serde_json::to_string(&s).unwrap();
+        assert!(json.contains("\"bytes_sent\":11"), "{json}");
+    }
+}

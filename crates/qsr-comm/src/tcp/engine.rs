@@ -1,0 +1,882 @@
+//! One ring collective over two non-blocking sockets, driven by `poll(2)` on the caller's thread.
+//!
+//! Sending to the right and receiving from the left progress together, syscall by syscall, so
+//! neither direction waits for the other and messages larger than the socket buffers cannot
+//! deadlock. Received data goes straight into the caller's buffer (all-gather, broadcast) or a
+//! one-block staging buffer (reduce-scatter), and is sent straight from the caller's buffer.
+//!
+//! Liveness: a peer is blamed when nothing arrives from it (data, keepalive or heartbeat) and
+//! nothing we write is accepted for `timeout`. A live peer that has nothing to send while it
+//! waits emits a keepalive (forward) or heartbeat (reverse) every `timeout / 4`, so only the
+//! peer that actually stopped is blamed. On any failure we tell both neighbours (an abort frame
+//! forward after finishing the frame in flight, an abort message backward), so every rank
+//! reports the same culprit quickly instead of blaming its own neighbour or waiting for its own
+//! timeout.
+
+use std::io::{self, IoSlice, Read, Write};
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+use crate::CommError;
+use crate::wire::{self, Back, CallHeader, Frame, Reason};
+
+use super::Ring;
+use super::plan::{Action, Plan};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Side {
+    Left,
+    Right,
+}
+
+/// A failure inside a call: the error to return and whom to tell.
+pub(crate) struct Fail {
+    pub err: CommError,
+    /// Rank that a notice to the neighbours blames.
+    pub culprit: usize,
+    pub reason: Reason,
+    /// Where the failure came from; that side already knows.
+    pub from: Option<Side>,
+}
+
+/// Bytes in flight to the right: a frame head and optionally a payload range of the buffer.
+struct Out {
+    head: [u8; wire::CALL_HEADER_LEN],
+    head_len: usize,
+    head_off: usize,
+    payload: std::ops::Range<usize>,
+    pay_off: usize,
+}
+
+impl Out {
+    fn small(bytes: &[u8]) -> Out {
+        let mut head = [0u8; wire::CALL_HEADER_LEN];
+        head[..bytes.len()].copy_from_slice(bytes);
+        Out {
+            head,
+            head_len: bytes.len(),
+            head_off: 0,
+            payload: 0..0,
+            pay_off: 0,
+        }
+    }
+}
+
+enum RState {
+    Header {
+        buf: [u8; wire::CALL_HEADER_LEN],
+        got: usize,
+    },
+    FrameHead {
+        buf: [u8; wire::FRAME_LEN],
+        got: usize,
+    },
+    Payload {
+        len: usize,
+        got: usize,
+    },
+    Done,
+}
+
+enum Step {
+    Moved,
+    Blocked,
+    Idle,
+}
+
+fn nb<T>(r: io::Result<T>) -> io::Result<Option<T>> {
+    match r {
+        Ok(v) => Ok(Some(v)),
+        Err(e)
+            if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// The buffer of a call: f32s (all-reduce) or bytes; all transfers use its byte view.
+pub(crate) enum Buf<'a> {
+    F32(&'a mut [f32]),
+    Bytes(&'a mut [u8]),
+}
+
+impl Buf<'_> {
+    fn bytes(&mut self) -> &mut [u8] {
+        match self {
+            Buf::F32(f) => f32_bytes_mut(f),
+            Buf::Bytes(b) => b,
+        }
+    }
+}
+
+pub(crate) fn f32_bytes_mut(f: &mut [f32]) -> &mut [u8] {
+    // SAFETY: f32 has no padding and every bit pattern is a valid f32 and a valid [u8; 4]; the
+    // returned slice covers exactly the same memory and borrows `f` mutably.
+    unsafe { std::slice::from_raw_parts_mut(f.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(f)) }
+}
+
+pub(crate) struct Call<'a> {
+    pub ring: &'a mut Ring,
+    pub rank: usize,
+    pub n: usize,
+    pub timeout: Duration,
+    pub buf: Buf<'a>,
+    pub scratch: &'a mut Vec<f32>,
+    pub plan: Plan,
+    pub header: CallHeader,
+    pub during: String,
+    pub sent: u64,
+    pub received: u64,
+    out: Option<Out>,
+    header_queued: bool,
+    send_idx: usize,
+    rstate: RState,
+    recv_idx: usize,
+    last_left: Instant,
+    last_right: Instant,
+    last_fwd_write: Instant,
+    last_back_write: Instant,
+    heartbeat: Duration,
+}
+
+impl<'a> Call<'a> {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        ring: &'a mut Ring,
+        rank: usize,
+        n: usize,
+        timeout: Duration,
+        buf: Buf<'a>,
+        scratch: &'a mut Vec<f32>,
+        plan: Plan,
+        header: CallHeader,
+        during: String,
+    ) -> Self {
+        let now = Instant::now();
+        Call {
+            ring,
+            rank,
+            n,
+            timeout,
+            buf,
+            scratch,
+            plan,
+            header,
+            during,
+            sent: 0,
+            received: 0,
+            out: None,
+            header_queued: false,
+            send_idx: 0,
+            rstate: RState::Header {
+                buf: [0; wire::CALL_HEADER_LEN],
+                got: 0,
+            },
+            recv_idx: 0,
+            last_left: now,
+            last_right: now,
+            last_fwd_write: now,
+            last_back_write: now,
+            heartbeat: (timeout / 4).max(Duration::from_millis(5)),
+        }
+    }
+
+    fn left_rank(&self) -> usize {
+        (self.rank + self.n - 1) % self.n
+    }
+    fn right_rank(&self) -> usize {
+        (self.rank + 1) % self.n
+    }
+
+    fn lost(&self, side: Side, detail: String) -> Fail {
+        let (rank, addr) = match side {
+            Side::Left => (self.left_rank(), self.ring.left_addr.clone()),
+            Side::Right => (self.right_rank(), self.ring.right_addr.clone()),
+        };
+        Fail {
+            err: CommError::PeerLost {
+                rank,
+                addr,
+                during: self.during.clone(),
+                detail,
+            },
+            culprit: rank,
+            reason: Reason::Lost,
+            from: Some(side),
+        }
+    }
+
+    fn protocol(&self, side: Side, detail: String) -> Fail {
+        let (rank, addr) = match side {
+            Side::Left => (self.left_rank(), &self.ring.left_addr),
+            Side::Right => (self.right_rank(), &self.ring.right_addr),
+        };
+        Fail {
+            err: CommError::Protocol {
+                peer: format!("rank {rank} ({addr}) during {}", self.during),
+                detail,
+            },
+            culprit: rank,
+            reason: Reason::Protocol,
+            from: None,
+        }
+    }
+
+    fn aborted(&self, side: Side, culprit: u64, reason: u64) -> Fail {
+        let reporter = match side {
+            Side::Left => self.left_rank(),
+            Side::Right => self.right_rank(),
+        };
+        if culprit >= self.n as u64 {
+            return self.protocol(
+                side,
+                format!("abort notice names rank {culprit} of {}", self.n),
+            );
+        }
+        let reason = Reason::from_code(reason);
+        Fail {
+            err: CommError::Aborted {
+                culprit: culprit as usize,
+                reason: reason.describe().into(),
+                reporter,
+                during: self.during.clone(),
+            },
+            culprit: culprit as usize,
+            reason,
+            from: Some(side),
+        }
+    }
+
+    fn send_done(&self) -> bool {
+        self.header_queued && self.out.is_none() && self.send_idx == self.plan.send.len()
+    }
+    fn recv_done(&self) -> bool {
+        matches!(self.rstate, RState::Done)
+    }
+
+    /// Runs the call to completion; on failure notifies the neighbours before returning.
+    pub(crate) fn run(&mut self) -> Result<(), CommError> {
+        match self.drive() {
+            Ok(()) => Ok(()),
+            Err(f) => {
+                self.notify(&f);
+                Err(f.err)
+            }
+        }
+    }
+
+    fn drive(&mut self) -> Result<(), Fail> {
+        // A direction is "blocked" after a syscall returned WouldBlock, until poll says otherwise.
+        let (mut left_rb, mut right_wb, mut right_rb, mut left_wb) = (false, false, false, false);
+        loop {
+            loop {
+                let mut moved = false;
+                if !left_rb {
+                    match self.pump_recv()? {
+                        Step::Moved => moved = true,
+                        Step::Blocked => left_rb = true,
+                        Step::Idle => {}
+                    }
+                }
+                if !right_wb {
+                    match self.pump_send()? {
+                        Step::Moved => moved = true,
+                        Step::Blocked => right_wb = true,
+                        Step::Idle => {}
+                    }
+                }
+                if !right_rb {
+                    match self.pump_back_in()? {
+                        Step::Moved => moved = true,
+                        Step::Blocked => right_rb = true,
+                        Step::Idle => {}
+                    }
+                }
+                if !left_wb {
+                    match self.pump_back_out() {
+                        Step::Moved => moved = true,
+                        Step::Blocked => left_wb = true,
+                        Step::Idle => {}
+                    }
+                }
+                if self.send_done() && self.recv_done() {
+                    return Ok(());
+                }
+                if !moved {
+                    break;
+                }
+            }
+            let now = Instant::now();
+            // Liveness: blame the right first when we are blocked writing to it (a live peer
+            // always drains its left socket), else whoever we are waiting on.
+            let right_dead =
+                !self.send_done() && now.duration_since(self.last_right) >= self.timeout;
+            let left_dead = !self.recv_done() && now.duration_since(self.last_left) >= self.timeout;
+            if right_dead && (self.out.is_some() || !left_dead) {
+                return Err(self.timed_out(Side::Right));
+            }
+            if left_dead {
+                return Err(self.timed_out(Side::Left));
+            }
+            let mut queued = false;
+            // Keepalive forward while we owe the right more frames but have none ready.
+            if !self.send_done()
+                && self.out.is_none()
+                && self.header_queued
+                && now.duration_since(self.last_fwd_write) >= self.heartbeat
+            {
+                self.out = Some(Out::small(&Frame::KeepAlive.encode()));
+                queued = true;
+            }
+            // Heartbeat backward while we still expect frames from the left.
+            if !self.recv_done()
+                && !self.ring.back_pending()
+                && !self.ring.left_back_broken
+                && now.duration_since(self.last_back_write) >= self.heartbeat
+            {
+                self.ring.back_out.clear();
+                self.ring.back_off = 0;
+                self.ring
+                    .back_out
+                    .extend_from_slice(&Back::Heartbeat.encode());
+                self.last_back_write = now;
+                queued = true;
+            }
+            if queued {
+                continue;
+            }
+            let mut wait = self.heartbeat;
+            if !self.recv_done() {
+                wait = wait.min((self.last_left + self.timeout).saturating_duration_since(now));
+            }
+            if !self.send_done() {
+                wait = wait.min((self.last_right + self.timeout).saturating_duration_since(now));
+            }
+            let want_write = self.out.is_some() || !self.header_queued || self.next_block_ready();
+            let left_events = (if self.recv_done() { 0 } else { libc::POLLIN })
+                | (if self.ring.back_pending() {
+                    libc::POLLOUT
+                } else {
+                    0
+                });
+            let right_events = (if self.ring.right_closed {
+                0
+            } else {
+                libc::POLLIN
+            }) | (if want_write { libc::POLLOUT } else { 0 });
+            let mut fds = [
+                libc::pollfd {
+                    fd: if left_events != 0 {
+                        self.ring.left.as_raw_fd()
+                    } else {
+                        -1
+                    },
+                    events: left_events,
+                    revents: 0,
+                },
+                libc::pollfd {
+                    fd: if right_events != 0 {
+                        self.ring.right.as_raw_fd()
+                    } else {
+                        -1
+                    },
+                    events: right_events,
+                    revents: 0,
+                },
+            ];
+            let ms = wait.as_micros().div_ceil(1000).clamp(1, i32::MAX as u128) as i32;
+            // SAFETY: `fds` is a valid array of two pollfd structs for the duration of the call.
+            let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+            if rc < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(Fail {
+                        err: CommError::io("poll", e),
+                        culprit: self.rank,
+                        reason: Reason::Other,
+                        from: None,
+                    });
+                }
+            }
+            let bad = libc::POLLERR | libc::POLLHUP | libc::POLLNVAL;
+            if fds[0].revents & (libc::POLLIN | bad) != 0 {
+                left_rb = false;
+            }
+            if fds[0].revents & (libc::POLLOUT | bad) != 0 {
+                left_wb = false;
+            }
+            if fds[1].revents & (libc::POLLIN | bad) != 0 {
+                right_rb = false;
+            }
+            if fds[1].revents & (libc::POLLOUT | bad) != 0 {
+                right_wb = false;
+            }
+        }
+    }
+
+    fn timed_out(&self, side: Side) -> Fail {
+        let (rank, addr) = match side {
+            Side::Left => (self.left_rank(), self.ring.left_addr.clone()),
+            Side::Right => (self.right_rank(), self.ring.right_addr.clone()),
+        };
+        Fail {
+            err: CommError::PeerTimeout {
+                rank,
+                addr,
+                during: self.during.clone(),
+                timeout: self.timeout,
+            },
+            culprit: rank,
+            reason: Reason::Timeout,
+            from: Some(side),
+        }
+    }
+
+    fn next_block_ready(&self) -> bool {
+        self.plan
+            .send
+            .get(self.send_idx)
+            .is_some_and(|b| b.after <= self.recv_idx)
+    }
+
+    /// Reads from the left: call header, frame heads, payloads.
+    fn pump_recv(&mut self) -> Result<Step, Fail> {
+        let state = std::mem::replace(&mut self.rstate, RState::Done);
+        let (state, step) = self.recv_step(state)?;
+        self.rstate = state;
+        Ok(step)
+    }
+
+    fn read_left(&mut self, dst: &mut [u8]) -> Result<Option<usize>, Fail> {
+        match nb((&self.ring.left).read(dst)) {
+            Ok(None) => Ok(None),
+            Ok(Some(0)) => Err(self.lost(
+                Side::Left,
+                "connection closed (peer exited or crashed)".into(),
+            )),
+            Ok(Some(k)) => {
+                self.last_left = Instant::now();
+                Ok(Some(k))
+            }
+            Err(e) => Err(self.lost(Side::Left, e.to_string())),
+        }
+    }
+
+    fn recv_step(&mut self, state: RState) -> Result<(RState, Step), Fail> {
+        match state {
+            RState::Done => Ok((RState::Done, Step::Idle)),
+            RState::Header { mut buf, mut got } => {
+                let Some(k) = self.read_left(&mut buf[got..])? else {
+                    return Ok((RState::Header { buf, got }, Step::Blocked));
+                };
+                got += k;
+                // An abort notice may stand where the header would be.
+                if got >= wire::FRAME_LEN && buf[..4] == wire::TAG_ABORT {
+                    return match Frame::decode(&buf[..wire::FRAME_LEN]) {
+                        Ok(Frame::Abort { culprit, reason }) => {
+                            Err(self.aborted(Side::Left, u64::from(culprit), reason))
+                        }
+                        _ => Err(self.protocol(Side::Left, "malformed abort frame".into())),
+                    };
+                }
+                if got < wire::CALL_HEADER_LEN {
+                    return Ok((RState::Header { buf, got }, Step::Moved));
+                }
+                let theirs = CallHeader::decode(&buf)
+                    .map_err(|e| self.protocol(Side::Left, e.to_string()))?;
+                self.check_header(&theirs)?;
+                let next = self.next_recv_state();
+                Ok((next, Step::Moved))
+            }
+            RState::FrameHead { mut buf, mut got } => {
+                let Some(k) = self.read_left(&mut buf[got..])? else {
+                    return Ok((RState::FrameHead { buf, got }, Step::Blocked));
+                };
+                got += k;
+                if got < wire::FRAME_LEN {
+                    return Ok((RState::FrameHead { buf, got }, Step::Moved));
+                }
+                match Frame::decode(&buf).map_err(|e| self.protocol(Side::Left, e.to_string()))? {
+                    Frame::KeepAlive => Ok((
+                        RState::FrameHead {
+                            buf: [0; wire::FRAME_LEN],
+                            got: 0,
+                        },
+                        Step::Moved,
+                    )),
+                    Frame::Abort { culprit, reason } => {
+                        Err(self.aborted(Side::Left, u64::from(culprit), reason))
+                    }
+                    Frame::Data { len, block } => {
+                        let expect = &self.plan.recv[self.recv_idx];
+                        if block != self.recv_idx as u64 || len as usize != expect.range.len() {
+                            return Err(self.protocol(
+                                Side::Left,
+                                format!(
+                                    "data frame for block {block} with {len} bytes, expected block {} with {} bytes",
+                                    self.recv_idx,
+                                    expect.range.len()
+                                ),
+                            ));
+                        }
+                        Ok((
+                            RState::Payload {
+                                len: len as usize,
+                                got: 0,
+                            },
+                            Step::Moved,
+                        ))
+                    }
+                }
+            }
+            RState::Payload { len, mut got } => {
+                let block = self.plan.recv[self.recv_idx].clone();
+                let k = match block.action {
+                    Action::Copy => {
+                        let range = block.range.start + got..block.range.end;
+                        // Split borrows: the buffer and the stream live in different fields.
+                        let dst = &mut self.buf.bytes()[range];
+                        match nb((&self.ring.left).read(dst)) {
+                            Ok(v) => v,
+                            Err(e) => return Err(self.lost(Side::Left, e.to_string())),
+                        }
+                    }
+                    Action::Reduce | Action::ReduceMean => {
+                        let floats = len / 4;
+                        if self.scratch.len() < floats {
+                            self.scratch.resize(floats, 0.0);
+                        }
+                        let dst = &mut f32_bytes_mut(&mut self.scratch[..floats])[got..];
+                        match nb((&self.ring.left).read(dst)) {
+                            Ok(v) => v,
+                            Err(e) => return Err(self.lost(Side::Left, e.to_string())),
+                        }
+                    }
+                };
+                let k = match k {
+                    None => return Ok((RState::Payload { len, got }, Step::Blocked)),
+                    Some(0) => {
+                        return Err(self.lost(
+                            Side::Left,
+                            "connection closed (peer exited or crashed)".into(),
+                        ));
+                    }
+                    Some(k) => k,
+                };
+                self.last_left = Instant::now();
+                self.received += k as u64;
+                got += k;
+                if got < len {
+                    return Ok((RState::Payload { len, got }, Step::Moved));
+                }
+                self.apply(&block);
+                self.recv_idx += 1;
+                Ok((self.next_recv_state(), Step::Moved))
+            }
+        }
+    }
+
+    fn next_recv_state(&self) -> RState {
+        if self.recv_idx == self.plan.recv.len() {
+            RState::Done
+        } else {
+            RState::FrameHead {
+                buf: [0; wire::FRAME_LEN],
+                got: 0,
+            }
+        }
+    }
+
+    /// Applies a fully received reduce block from the staging buffer.
+    fn apply(&mut self, block: &super::plan::RecvBlock) {
+        if block.action == Action::Copy {
+            return;
+        }
+        let Buf::F32(f) = &mut self.buf else { return };
+        let (lo, hi) = (block.range.start / 4, block.range.end / 4);
+        let dst = &mut f[lo..hi];
+        let src = &self.scratch[..hi - lo];
+        match block.action {
+            Action::Copy => {}
+            Action::Reduce => dst.iter_mut().zip(src).for_each(|(d, s)| *d += *s),
+            Action::ReduceMean => {
+                let k = self.n as f32;
+                dst.iter_mut()
+                    .zip(src)
+                    .for_each(|(d, s)| *d = (*d + *s) / k);
+            }
+        }
+    }
+
+    fn check_header(&self, theirs: &CallHeader) -> Result<(), Fail> {
+        let ours = &self.header;
+        let left = self.left_rank();
+        let kind_name = |k: u8| match k {
+            wire::KIND_ALL_REDUCE => "all_reduce".to_string(),
+            wire::KIND_BROADCAST => "broadcast".into(),
+            wire::KIND_BARRIER => "barrier".into(),
+            wire::KIND_BROADCAST_BYTES => "broadcast_bytes".into(),
+            wire::KIND_BROADCAST_LEN => "broadcast_bytes length".into(),
+            k => format!("kind {k}"),
+        };
+        let op_name = |o: u8| match o {
+            0 => "sum".to_string(),
+            1 => "mean".into(),
+            _ => "none".into(),
+        };
+        let diff: Option<(&'static str, String, String)> = if theirs.sender as usize != left {
+            Some(("sender rank", left.to_string(), theirs.sender.to_string()))
+        } else if theirs.seq != ours.seq {
+            Some((
+                "sequence number",
+                ours.seq.to_string(),
+                theirs.seq.to_string(),
+            ))
+        } else if theirs.kind != ours.kind {
+            Some(("call", kind_name(ours.kind), kind_name(theirs.kind)))
+        } else if theirs.len != ours.len {
+            Some((
+                "length (bytes)",
+                ours.len.to_string(),
+                theirs.len.to_string(),
+            ))
+        } else if theirs.op != ours.op {
+            Some(("reduce op", op_name(ours.op), op_name(theirs.op)))
+        } else if theirs.root != ours.root {
+            Some(("root", ours.root.to_string(), theirs.root.to_string()))
+        } else if theirs.chunk != ours.chunk {
+            Some((
+                "block size (TcpConfig::chunk_bytes / 4096)",
+                ours.chunk.to_string(),
+                theirs.chunk.to_string(),
+            ))
+        } else {
+            None
+        };
+        match diff {
+            None => Ok(()),
+            Some((field, o, t)) => Err(Fail {
+                err: CommError::Diverged {
+                    me: self.rank,
+                    peer: left,
+                    field,
+                    ours: o,
+                    theirs: t,
+                    during: self.during.clone(),
+                },
+                culprit: left,
+                reason: Reason::Diverged,
+                from: None,
+            }),
+        }
+    }
+
+    /// Writes to the right: header, data frames (head + payload in one writev), keepalives.
+    fn pump_send(&mut self) -> Result<Step, Fail> {
+        if self.out.is_none() {
+            if !self.header_queued {
+                self.out = Some(Out::small(&self.header.encode()));
+                self.header_queued = true;
+            } else if self.next_block_ready() {
+                let range = self.plan.send[self.send_idx].range.clone();
+                let head = Frame::Data {
+                    len: range.len() as u32,
+                    block: self.send_idx as u64,
+                }
+                .encode();
+                let mut out = Out::small(&head);
+                out.payload = range;
+                self.out = Some(out);
+                self.send_idx += 1;
+            } else {
+                return Ok(Step::Idle);
+            }
+        }
+        let Some(out) = self.out.as_mut() else {
+            return Ok(Step::Idle);
+        };
+        let bytes = self.buf.bytes();
+        let head = &out.head[out.head_off..out.head_len];
+        let payload = &bytes[out.payload.start + out.pay_off..out.payload.end];
+        let res = (&self.ring.right).write_vectored(&[IoSlice::new(head), IoSlice::new(payload)]);
+        match nb(res) {
+            Ok(None) => Ok(Step::Blocked),
+            Ok(Some(0)) => Err(self.lost(Side::Right, "connection closed".into())),
+            Ok(Some(mut k)) => {
+                let now = Instant::now();
+                self.last_right = now;
+                self.last_fwd_write = now;
+                let h = k.min(out.head_len - out.head_off);
+                out.head_off += h;
+                k -= h;
+                out.pay_off += k;
+                self.sent += k as u64;
+                if out.head_off == out.head_len && out.pay_off == out.payload.len() {
+                    self.out = None;
+                }
+                Ok(Step::Moved)
+            }
+            Err(e) => Err(self.lost(Side::Right, e.to_string())),
+        }
+    }
+
+    /// Reads reverse-channel messages from the right: heartbeats and abort notices.
+    fn pump_back_in(&mut self) -> Result<Step, Fail> {
+        if self.ring.right_closed {
+            return Ok(Step::Idle);
+        }
+        let got = self.ring.back_got;
+        let res = nb((&self.ring.right).read(&mut self.ring.back_in[got..]));
+        match res {
+            Ok(None) => Ok(Step::Blocked),
+            Ok(Some(0)) | Err(_) if self.send_done() => {
+                // The right has everything it needs from us and has gone; only the next call
+                // (if any) cares, and it will fail on its first write.
+                self.ring.right_closed = true;
+                Ok(Step::Idle)
+            }
+            Ok(Some(0)) => Err(self.lost(
+                Side::Right,
+                "connection closed (peer exited or crashed)".into(),
+            )),
+            Err(e) => Err(self.lost(Side::Right, e.to_string())),
+            Ok(Some(k)) => {
+                self.last_right = Instant::now();
+                self.ring.back_got += k;
+                if self.ring.back_got == wire::BACK_LEN {
+                    self.ring.back_got = 0;
+                    match Back::decode(&self.ring.back_in) {
+                        Ok(Back::Heartbeat) => {}
+                        Ok(Back::Abort { culprit, reason }) => {
+                            return Err(self.aborted(
+                                Side::Right,
+                                u64::from(culprit),
+                                u64::from(reason),
+                            ));
+                        }
+                        Err(e) => return Err(self.protocol(Side::Right, e.to_string())),
+                    }
+                }
+                Ok(Step::Moved)
+            }
+        }
+    }
+
+    /// Writes pending reverse-channel bytes to the left (best effort: a dead left is detected by
+    /// the read side).
+    fn pump_back_out(&mut self) -> Step {
+        if !self.ring.back_pending() {
+            return Step::Idle;
+        }
+        let ring = &mut *self.ring;
+        match nb((&ring.left).write(&ring.back_out[ring.back_off..])) {
+            Ok(None) => Step::Blocked,
+            Ok(Some(k)) => {
+                ring.back_off += k;
+                if ring.back_off == ring.back_out.len() {
+                    ring.back_out.clear();
+                    ring.back_off = 0;
+                }
+                self.last_back_write = Instant::now();
+                Step::Moved
+            }
+            Err(_) => {
+                ring.back_out.clear();
+                ring.back_off = 0;
+                ring.left_back_broken = true;
+                Step::Idle
+            }
+        }
+    }
+
+    /// Tells the neighbours about a failure: an abort frame forward (after completing the frame
+    /// in flight, so the stream stays parseable) and an abort message backward. Bounded by a
+    /// short deadline; a dead or stalled culprit is not written to.
+    fn notify(&mut self, f: &Fail) {
+        let skip_culprit = matches!(f.reason, Reason::Lost | Reason::Timeout);
+        let skip = |r: usize| skip_culprit && r == f.culprit;
+        let mut fwd = f.from != Some(Side::Right) && !skip(self.right_rank());
+        let mut back =
+            f.from != Some(Side::Left) && !skip(self.left_rank()) && !self.ring.left_back_broken;
+        if self.n == 2 && f.from.is_some() {
+            // Both neighbours are the same rank, which told us (or died): nothing to tell.
+            fwd = false;
+            back = false;
+        }
+        let abort_frame = Frame::Abort {
+            culprit: f.culprit as u32,
+            reason: f.reason as u64,
+        }
+        .encode();
+        let mut abort_queued = false;
+        if back {
+            self.ring.back_out.extend_from_slice(
+                &Back::Abort {
+                    culprit: f.culprit as u32,
+                    reason: f.reason as u32,
+                }
+                .encode(),
+            );
+        }
+        let deadline = Instant::now() + self.timeout.min(Duration::from_secs(2));
+        loop {
+            if fwd && self.out.is_none() && !abort_queued {
+                self.out = Some(Out::small(&abort_frame));
+                abort_queued = true;
+            }
+            let fwd_pending = fwd && (self.out.is_some() || !abort_queued);
+            let back_pending = back && self.ring.back_pending();
+            if !fwd_pending && !back_pending {
+                return;
+            }
+            let mut moved = false;
+            if fwd_pending {
+                match self.pump_send() {
+                    Ok(Step::Moved) => moved = true,
+                    Ok(_) => {}
+                    Err(_) => fwd = false,
+                }
+            }
+            if back_pending {
+                match self.pump_back_out() {
+                    Step::Moved => moved = true,
+                    Step::Idle if self.ring.left_back_broken => back = false,
+                    _ => {}
+                }
+            }
+            if moved {
+                continue;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                tracing::warn!(
+                    rank = self.rank,
+                    "could not deliver the abort notice before the deadline"
+                );
+                return;
+            }
+            let mut fds = [
+                libc::pollfd {
+                    fd: if back { self.ring.left.as_raw_fd() } else { -1 },
+                    events: libc::POLLOUT,
+                    revents: 0,
+                },
+                libc::pollfd {
+                    fd: if fwd { self.ring.right.as_raw_fd() } else { -1 },
+                    events: libc::POLLOUT,
+                    revents: 0,
+                },
+            ];
+            let ms = (deadline - now).as_millis().clamp(1, 100) as i32;
+            // SAFETY: valid pollfd array for the duration of the call.
+            unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
+        }
+    }
+}
+
+pub(crate) fn set_nonblocking(s: &TcpStream) -> io::Result<()> {
+    s.set_nonblocking(true)
+}

@@ -1,0 +1,590 @@
+//! Our own TCP ring all-reduce, for processes on one or many hosts.
+//!
+//! Setup ([`rendezvous`]): rank 0 listens at `MASTER_ADDR:MASTER_PORT`, the others register with
+//! a handshake (magic, protocol version, job token, world size, rank, ring listener address), rank
+//! 0 answers with the address table, and each rank connects to its right neighbour (same
+//! handshake) and accepts its left one. A mismatch is refused with a message naming the field.
+//!
+//! Collectives ([`plan`], [`engine`]): a ring reduce-scatter then all-gather, split into blocks
+//! of `chunk_bytes` and pipelined: each block is forwarded as soon as it has been received and
+//! reduced, and sending right / receiving left progress together on non-blocking sockets, so
+//! every link is busy in both the rank's send and receive direction and no message size can
+//! deadlock. The reduction order of each element is fixed by the ring, and final values travel
+//! as bytes, so all ranks end bit-identical.
+//!
+//! Wire format: see [`crate::wire`]. Every frame length is checked against what the call header
+//! implies before anything is read into memory.
+//!
+//! Failures: a peer that dies (EOF/reset) or makes no progress for [`TcpConfig::timeout`] makes
+//! the call fail with an error naming it; the detecting rank forwards an abort notice around the
+//! ring both ways so every rank names the same culprit. After a failure the communicator is
+//! broken and refuses further calls.
+
+pub(crate) mod engine;
+pub(crate) mod plan;
+pub(crate) mod rendezvous;
+
+use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use crate::launch::LaunchEnv;
+use crate::wire::{self, CallHeader, PROTOCOL_VERSION};
+use crate::{Collective, CommError, CommStats, MAX_BROADCAST_BYTES, ReduceOp};
+
+use engine::{Buf, Call};
+
+/// Settings of the TCP backend. `Default` is safe for one host: loopback only, 30 s timeout.
+#[derive(Debug, Clone)]
+pub struct TcpConfig {
+    /// A peer that makes no progress for this long is declared failed (default 30 s).
+    pub timeout: Duration,
+    /// How long rendezvous and ring setup may take; ranks may start minutes apart on a cluster
+    /// (default 300 s).
+    pub rendezvous_timeout: Duration,
+    /// How long a new connection may take to send its hello before it is dropped (default 5 s).
+    pub hello_timeout: Duration,
+    /// Address the ring listener binds to (default 127.0.0.1; use 0.0.0.0 or the interface
+    /// address for multi-host runs).
+    pub bind_ip: IpAddr,
+    /// Host name/address other ranks use to reach our ring listener; default: `bind_ip` unless
+    /// unspecified, else the address rank 0 sees us connect from.
+    pub advertise_host: Option<String>,
+    /// Shared secret of the job (at most 1024 bytes); ranks with another token are refused.
+    pub token: String,
+    /// Largest pipelining block in bytes (default 512 KiB; rounded to 4 KiB units, at most
+    /// 256 MiB - 4 KiB). All ranks must use the same value; it is checked in every call.
+    pub chunk_bytes: usize,
+    /// SO_SNDBUF/SO_RCVBUF for ring sockets; `None` keeps the kernel's autotuning.
+    pub socket_buffer: Option<usize>,
+    /// Protocol version sent in handshakes; only tests change it, to check refusals.
+    #[doc(hidden)]
+    pub protocol_version: u32,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        TcpConfig {
+            timeout: Duration::from_secs(30),
+            rendezvous_timeout: Duration::from_secs(300),
+            hello_timeout: Duration::from_secs(5),
+            bind_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            advertise_host: None,
+            token: String::new(),
+            chunk_bytes: 512 << 10,
+            socket_buffer: None,
+            protocol_version: PROTOCOL_VERSION,
+        }
+    }
+}
+
+impl TcpConfig {
+    /// Defaults overridden by `QSR_JOB_TOKEN`, `QSR_COMM_TIMEOUT_SECS`, `QSR_BIND_ADDR` and
+    /// `QSR_ADVERTISE_HOST` (the env is passed in, as in [`crate::launch::detect`]).
+    pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<TcpConfig, CommError> {
+        let mut cfg = TcpConfig::default();
+        if let Some(t) = env("QSR_JOB_TOKEN") {
+            cfg.token = t;
+        }
+        if let Some(v) = env("QSR_COMM_TIMEOUT_SECS") {
+            let secs: f64 = v
+                .trim()
+                .parse()
+                .ok()
+                .filter(|s: &f64| s.is_finite() && *s > 0.0)
+                .ok_or_else(|| {
+                    CommError::launch(
+                        "QSR_COMM_TIMEOUT_SECS",
+                        format!("QSR_COMM_TIMEOUT_SECS={v} is not a positive number"),
+                    )
+                })?;
+            cfg.timeout = Duration::from_secs_f64(secs);
+        }
+        if let Some(v) = env("QSR_BIND_ADDR") {
+            cfg.bind_ip = v.trim().parse().map_err(|_| {
+                CommError::launch(
+                    "QSR_BIND_ADDR",
+                    format!("QSR_BIND_ADDR={v} is not an IP address"),
+                )
+            })?;
+        }
+        if let Some(v) = env("QSR_ADVERTISE_HOST") {
+            cfg.advertise_host = Some(v);
+        }
+        Ok(cfg)
+    }
+}
+
+/// A fresh random job token (128 bits, hex), for launchers that start all ranks themselves.
+pub fn random_token() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+/// Rank 0's rendezvous listener. Binding it separately lets a launcher (or a test) bind port 0
+/// and pass the actual address to the other ranks before rank 0 starts waiting.
+pub struct MasterListener {
+    listener: TcpListener,
+}
+
+impl MasterListener {
+    /// Binds `addr` (`host:port`; port 0 picks a free one).
+    pub fn bind(addr: &str) -> Result<MasterListener, CommError> {
+        let listener = TcpListener::bind(addr)
+            .map_err(|e| CommError::io(format!("binding the rendezvous port {addr}"), e))?;
+        Ok(MasterListener { listener })
+    }
+
+    /// The bound address (with the actual port).
+    pub fn local_addr(&self) -> Result<SocketAddr, CommError> {
+        self.listener
+            .local_addr()
+            .map_err(|e| CommError::io("rendezvous listener address", e))
+    }
+}
+
+/// The two ring connections and the per-connection state that outlives a call.
+pub(crate) struct Ring {
+    pub left: TcpStream,
+    pub right: TcpStream,
+    pub left_addr: String,
+    pub right_addr: String,
+    /// Reverse-channel bytes not yet written to the left.
+    pub back_out: Vec<u8>,
+    pub back_off: usize,
+    /// Partial reverse-channel message read from the right.
+    pub back_in: [u8; wire::BACK_LEN],
+    pub back_got: usize,
+    /// The right closed after our last send of a call; the next call fails on it.
+    pub right_closed: bool,
+    /// Writing heartbeats to the left failed; the read side reports the cause.
+    pub left_back_broken: bool,
+}
+
+impl Ring {
+    pub(crate) fn back_pending(&self) -> bool {
+        self.back_off < self.back_out.len()
+    }
+}
+
+/// One rank of a TCP ring.
+pub struct TcpComm {
+    rank: usize,
+    n: usize,
+    cfg: TcpConfig,
+    ring: Option<Ring>,
+    seq: u64,
+    stats: CommStats,
+    broken: Option<String>,
+    scratch: Vec<f32>,
+}
+
+/// The configured block size in 4 KiB units, as carried in call headers.
+fn chunk_units(cfg: &TcpConfig) -> u16 {
+    (cfg.chunk_bytes / 4096).clamp(1, usize::from(u16::MAX)) as u16
+}
+
+/// The block size the plans use: exactly what the header announces.
+fn chunk_bytes(cfg: &TcpConfig) -> usize {
+    usize::from(chunk_units(cfg)) * 4096
+}
+
+fn validate(rank: usize, n: usize, cfg: &TcpConfig) -> Result<(), CommError> {
+    if n == 0 || n > wire::MAX_WORLD_SIZE {
+        return Err(CommError::InvalidArgument(format!(
+            "world size {n} is not in 1..={}",
+            wire::MAX_WORLD_SIZE
+        )));
+    }
+    if rank >= n {
+        return Err(CommError::InvalidArgument(format!(
+            "rank {rank} >= world size {n}"
+        )));
+    }
+    if cfg.token.len() > wire::MAX_TOKEN_LEN {
+        return Err(CommError::InvalidArgument(format!(
+            "job token is {} bytes, at most {}",
+            cfg.token.len(),
+            wire::MAX_TOKEN_LEN
+        )));
+    }
+    if cfg.timeout.is_zero() {
+        return Err(CommError::InvalidArgument(
+            "timeout must be positive".into(),
+        ));
+    }
+    Ok(())
+}
+
+fn tune(s: &TcpStream, cfg: &TcpConfig) -> Result<(), CommError> {
+    let io = |e| CommError::io("configuring a ring socket", e);
+    s.set_nodelay(true).map_err(io)?;
+    s.set_read_timeout(None).map_err(io)?;
+    s.set_write_timeout(None).map_err(io)?;
+    if let Some(b) = cfg.socket_buffer {
+        let r = socket2::SockRef::from(s);
+        r.set_send_buffer_size(b).map_err(io)?;
+        r.set_recv_buffer_size(b).map_err(io)?;
+    }
+    engine::set_nonblocking(s).map_err(io)
+}
+
+impl TcpComm {
+    /// Rank 0: waits for the other `world_size - 1` ranks on `listener`, then builds the ring.
+    pub fn master(
+        listener: MasterListener,
+        world_size: usize,
+        cfg: TcpConfig,
+    ) -> Result<TcpComm, CommError> {
+        validate(0, world_size, &cfg)?;
+        Self::setup(0, world_size, cfg, |cfg, ring_port| {
+            rendezvous::serve(
+                &listener.listener,
+                world_size,
+                cfg,
+                (rendezvous::advertised_host(cfg), ring_port),
+            )
+        })
+    }
+
+    /// Ranks 1..: registers with rank 0 at `master` (`host:port`), then builds the ring.
+    pub fn worker(
+        master: &str,
+        rank: usize,
+        world_size: usize,
+        cfg: TcpConfig,
+    ) -> Result<TcpComm, CommError> {
+        validate(rank, world_size, &cfg)?;
+        if rank == 0 {
+            return Err(CommError::InvalidArgument(
+                "rank 0 is the master; use TcpComm::master".into(),
+            ));
+        }
+        let master = master.to_string();
+        Self::setup(rank, world_size, cfg, |cfg, ring_port| {
+            rendezvous::register(
+                &master,
+                rank,
+                world_size,
+                cfg,
+                (
+                    rendezvous::advertised_host(cfg).unwrap_or_default(),
+                    ring_port,
+                ),
+            )
+        })
+    }
+
+    /// Either role, from a detected launch environment: rank 0 binds
+    /// `master_addr:master_port`, the others connect to it.
+    pub fn from_launch(env: &LaunchEnv, cfg: TcpConfig) -> Result<TcpComm, CommError> {
+        let host = if env.master_addr.contains(':') {
+            format!("[{}]", env.master_addr)
+        } else {
+            env.master_addr.clone()
+        };
+        let addr = format!("{host}:{}", env.master_port);
+        if env.rank == 0 {
+            if env.world_size == 1 {
+                return Self::master_single(cfg);
+            }
+            Self::master(MasterListener::bind(&addr)?, env.world_size, cfg)
+        } else {
+            Self::worker(&addr, env.rank, env.world_size, cfg)
+        }
+    }
+
+    fn master_single(cfg: TcpConfig) -> Result<TcpComm, CommError> {
+        validate(0, 1, &cfg)?;
+        Ok(TcpComm {
+            rank: 0,
+            n: 1,
+            cfg,
+            ring: None,
+            seq: 0,
+            stats: CommStats::default(),
+            broken: None,
+            scratch: Vec::new(),
+        })
+    }
+
+    fn setup<F>(rank: usize, n: usize, cfg: TcpConfig, rendezvous: F) -> Result<TcpComm, CommError>
+    where
+        F: FnOnce(&TcpConfig, u16) -> Result<Vec<(String, u16)>, CommError>,
+    {
+        if n == 1 {
+            return Self::master_single(cfg);
+        }
+        let ring_listener = TcpListener::bind((cfg.bind_ip, 0)).map_err(|e| {
+            CommError::io(format!("binding the ring listener on {}", cfg.bind_ip), e)
+        })?;
+        let port = ring_listener
+            .local_addr()
+            .map_err(|e| CommError::io("ring listener address", e))?
+            .port();
+        let table = rendezvous(&cfg, port)?;
+        let (left, right) = rendezvous::connect_ring(&ring_listener, rank, n, &table, &cfg)?;
+        tune(&left, &cfg)?;
+        tune(&right, &cfg)?;
+        let name = |s: &TcpStream| {
+            s.peer_addr()
+                .map(|a| a.to_string())
+                .unwrap_or_else(|_| "?".into())
+        };
+        let ring = Ring {
+            left_addr: name(&left),
+            right_addr: name(&right),
+            left,
+            right,
+            back_out: Vec::new(),
+            back_off: 0,
+            back_in: [0; wire::BACK_LEN],
+            back_got: 0,
+            right_closed: false,
+            left_back_broken: false,
+        };
+        tracing::debug!(rank, n, left = %ring.left_addr, right = %ring.right_addr, "tcp ring ready");
+        Ok(TcpComm {
+            rank,
+            n,
+            cfg,
+            ring: Some(ring),
+            seq: 0,
+            stats: CommStats::default(),
+            broken: None,
+            scratch: Vec::new(),
+        })
+    }
+
+    /// The configuration this communicator runs with.
+    pub fn config(&self) -> &TcpConfig {
+        &self.cfg
+    }
+
+    /// Runs one wire call; `plan` is computed from (rank, n, chunk).
+    fn call(
+        &mut self,
+        kind: u8,
+        op: u8,
+        root: usize,
+        buf: Buf<'_>,
+        len_bytes: usize,
+        plan: plan::Plan,
+    ) -> Result<(), CommError> {
+        if let Some(b) = &self.broken {
+            return Err(CommError::Broken(b.clone()));
+        }
+        let seq = self.seq;
+        self.seq += 1;
+        let start = Instant::now();
+        let Some(ring) = self.ring.as_mut() else {
+            self.stats.record(0, 0, start.elapsed().as_secs_f64());
+            return Ok(());
+        };
+        let name = match kind {
+            wire::KIND_ALL_REDUCE => "all_reduce",
+            wire::KIND_BROADCAST => "broadcast",
+            wire::KIND_BARRIER => "barrier",
+            wire::KIND_BROADCAST_LEN => "broadcast_bytes (length)",
+            _ => "broadcast_bytes",
+        };
+        let header = CallHeader {
+            kind,
+            op,
+            chunk: chunk_units(&self.cfg),
+            root: root as u32,
+            seq,
+            len: len_bytes as u64,
+            sender: self.rank as u32,
+        };
+        let during = format!("{name} seq {seq} ({len_bytes} bytes)");
+        let mut call = Call::new(
+            ring,
+            self.rank,
+            self.n,
+            self.cfg.timeout,
+            buf,
+            &mut self.scratch,
+            plan,
+            header,
+            during,
+        );
+        let res = call.run();
+        let (sent, received) = (call.sent, call.received);
+        self.stats
+            .record(sent, received, start.elapsed().as_secs_f64());
+        if let Err(e) = &res {
+            self.broken = Some(e.to_string());
+        }
+        res
+    }
+
+    fn broadcast_raw(&mut self, kind: u8, buf: &mut [u8], root: usize) -> Result<(), CommError> {
+        let plan = if self.n > 1 {
+            plan::broadcast(self.rank, self.n, root, buf.len(), chunk_bytes(&self.cfg))
+        } else {
+            Default::default()
+        };
+        let len = buf.len();
+        self.call(kind, wire::OP_NONE, root, Buf::Bytes(buf), len, plan)
+    }
+}
+
+impl Collective for TcpComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.n
+    }
+
+    fn all_reduce(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        let plan = if self.n > 1 {
+            plan::all_reduce(
+                self.rank,
+                self.n,
+                buf.len(),
+                op == ReduceOp::Mean,
+                chunk_bytes(&self.cfg),
+            )
+        } else {
+            Default::default()
+        };
+        let len = buf.len() * 4;
+        self.call(
+            wire::KIND_ALL_REDUCE,
+            op.code(),
+            0,
+            Buf::F32(buf),
+            len,
+            plan,
+        )
+    }
+
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
+        crate::inproc::check_root(root, self.n)?;
+        self.broadcast_raw(wire::KIND_BROADCAST, engine::f32_bytes_mut(buf), root)
+    }
+
+    fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
+        crate::inproc::check_root(root, self.n)?;
+        // The length goes first (even when too large, so every rank fails the same way).
+        let mut len = (bytes.len() as u64).to_le_bytes();
+        self.broadcast_raw(wire::KIND_BROADCAST_LEN, &mut len, root)?;
+        let len = u64::from_le_bytes(len);
+        if len > MAX_BROADCAST_BYTES as u64 {
+            let e = format!(
+                "rank {root} broadcasts {len} bytes, more than the bound {MAX_BROADCAST_BYTES}"
+            );
+            self.broken = Some(e.clone());
+            return Err(CommError::InvalidArgument(e));
+        }
+        if self.rank != root {
+            bytes.clear();
+            bytes.resize(len as usize, 0);
+        }
+        self.broadcast_raw(wire::KIND_BROADCAST_BYTES, bytes, root)
+    }
+
+    fn barrier(&mut self) -> Result<(), CommError> {
+        let mut one = [1.0f32];
+        let plan = if self.n > 1 {
+            plan::all_reduce(self.rank, self.n, 1, false, chunk_bytes(&self.cfg))
+        } else {
+            Default::default()
+        };
+        self.call(
+            wire::KIND_BARRIER,
+            ReduceOp::Sum.code(),
+            0,
+            Buf::F32(&mut one),
+            4,
+            plan,
+        )?;
+        if one[0] != self.n as f32 {
+            let e = format!("barrier counted {} ranks, expected {}", one[0], self.n);
+            self.broken = Some(e.clone());
+            return Err(CommError::Protocol {
+                peer: "the ring".into(),
+                detail: e,
+            });
+        }
+        Ok(())
+    }
+
+    fn stats(&self) -> &CommStats {
+        &self.stats
+    }
+
+    fn backend(&self) -> &'static str {
+        "tcp"
+    }
+}
+
+impl Drop for TcpComm {
+    fn drop(&mut self) {
+        if let Some(r) = &self.ring {
+            let _ = r.right.shutdown(Shutdown::Write);
+            let _ = r.left.shutdown(Shutdown::Write);
+        }
+    }
+}
+
+/// Resolves `host:port` to its first address (for diagnostics and tests).
+pub fn resolve(addr: &str) -> Result<SocketAddr, CommError> {
+    addr.to_socket_addrs()
+        .map_err(|e| CommError::io(format!("resolving {addr}"), e))?
+        .next()
+        .ok_or_else(|| CommError::InvalidArgument(format!("{addr} resolves to no address")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_from_env() {
+        let env = |k: &str| match k {
+            "QSR_JOB_TOKEN" => Some("tok".to_string()),
+            "QSR_COMM_TIMEOUT_SECS" => Some("2.5".to_string()),
+            "QSR_BIND_ADDR" => Some("0.0.0.0".to_string()),
+            _ => None,
+        };
+        let c = TcpConfig::from_env(&env).unwrap();
+        assert_eq!(
+            (c.token.as_str(), c.timeout, c.bind_ip.to_string()),
+            ("tok", Duration::from_millis(2500), "0.0.0.0".to_string())
+        );
+        let bad = |k: &str| (k == "QSR_COMM_TIMEOUT_SECS").then(|| "-1".to_string());
+        assert!(
+            TcpConfig::from_env(&bad)
+                .unwrap_err()
+                .to_string()
+                .contains("QSR_COMM_TIMEOUT_SECS=-1")
+        );
+        assert_ne!(random_token(), random_token());
+        assert_eq!(random_token().len(), 32);
+    }
+
+    #[test]
+    fn single_rank_is_a_no_op() {
+        let env = LaunchEnv {
+            rank: 0,
+            world_size: 1,
+            local_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: 0,
+            source: crate::Source::Single,
+        };
+        let mut c = TcpComm::from_launch(&env, TcpConfig::default()).unwrap();
+        let mut v = vec![1.5f32, -2.0];
+        c.all_reduce(&mut v, ReduceOp::Mean).unwrap();
+        c.barrier().unwrap();
+        let mut b = b"hi".to_vec();
+        c.broadcast_bytes(&mut b, 0).unwrap();
+        assert_eq!(
+            (v, b, c.stats().calls),
+            (vec![1.5, -2.0], b"hi".to_vec(), 4)
+        );
+        assert!(c.broadcast(&mut [0.0], 1).is_err());
+    }
+}

@@ -1,0 +1,795 @@
+//! Byte layouts of every message the TCP backend exchanges, with encoders and decoders.
+//!
+//! Decoders are pure functions over byte slices: they never panic, never allocate more than the
+//! bound the caller states, and report what was wrong. They are fuzzed by a proptest
+//! (`tests/wire_fuzz.rs`). All integers are little-endian; `f32` payloads are sent as their
+//! little-endian bytes.
+//!
+//! # Handshake (rendezvous and ring connect)
+//!
+//! ```text
+//! Hello  = "QSRHELLO" version:u32 body_len:u32 body            (client -> server)
+//!   body = purpose:u8 (1 register at rank 0, 2 ring neighbour)
+//!          world_size:u32 rank:u32
+//!          token_len:u16 token[token_len]                       (<= 1024 bytes)
+//!          host_len:u16  host[host_len]                         (<= 255 bytes, may be empty)
+//!          port:u16                                             (the sender's ring listener)
+//! Reply  = "QSRREPLY" version:u32 body_len:u32 body            (server -> client)
+//!   body = 0:u8 n:u32 n * (host_len:u16 host port:u16)         (accepted; the address table)
+//!        | 1:u8 field:u8 msg_len:u16 msg[msg_len]              (refused; which field differs)
+//! ```
+//! The version sits right after the magic, so a peer speaking another version is refused with a
+//! message naming the version before anything else is parsed.
+//!
+//! # Collective stream (forward direction of each ring connection, rank r -> rank r+1)
+//!
+//! ```text
+//! CallHeader = "QSRH" kind:u8 op:u8 chunk:u16 root:u32 seq:u64 len:u64 sender:u32 (32 bytes)
+//! Frame      = tag:u32 a:u32 b:u64                                                 (16 bytes)
+//!   "QSRD" data:      a = payload bytes, b = block index; payload follows
+//!   "QSRK" keepalive: a = 0, b = 0 (sent while waiting, so a live-but-idle peer is not blamed)
+//!   "QSRA" abort:     a = culprit rank, b = reason code
+//! ```
+//! Each call starts with a header; the receiver compares kind, op, root, seq, len and the block
+//! size (`chunk`, in 4 KiB units; both sides split the buffer with it) with its own call and
+//! refuses any difference. A data frame's length must equal the block length both sides
+//! derive from the header, so a corrupt length is an error, never an allocation.
+//!
+//! # Reverse direction (rank r+1 -> rank r on the same connection)
+//!
+//! ```text
+//! Back = "QSRB" type:u32 (1 heartbeat, 2 abort) culprit:u32 reason:u32            (16 bytes)
+//! ```
+//! Heartbeats tell a sender that its receiver is alive while the sender waits; aborts carry a
+//! failure backwards around the ring so every rank can name the lost peer.
+
+use std::fmt;
+
+/// Bumped whenever any layout in this module changes.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+pub const HELLO_MAGIC: [u8; 8] = *b"QSRHELLO";
+pub const REPLY_MAGIC: [u8; 8] = *b"QSRREPLY";
+/// magic + version + body_len.
+pub const PREFIX_LEN: usize = 16;
+pub const MAX_TOKEN_LEN: usize = 1024;
+pub const MAX_HOST_LEN: usize = 255;
+pub const MAX_MESSAGE_LEN: usize = 1024;
+/// Largest hello body: purpose, world, rank, token, host, port.
+pub const MAX_HELLO_BODY: usize = 1 + 4 + 4 + 2 + MAX_TOKEN_LEN + 2 + MAX_HOST_LEN + 2;
+/// Largest world size the TCP backend accepts (bounds the address table a client will read).
+pub const MAX_WORLD_SIZE: usize = 1 << 16;
+
+pub const CALL_MAGIC: [u8; 4] = *b"QSRH";
+pub const CALL_HEADER_LEN: usize = 32;
+pub const TAG_DATA: [u8; 4] = *b"QSRD";
+pub const TAG_KEEPALIVE: [u8; 4] = *b"QSRK";
+pub const TAG_ABORT: [u8; 4] = *b"QSRA";
+pub const FRAME_LEN: usize = 16;
+pub const BACK_MAGIC: [u8; 4] = *b"QSRB";
+pub const BACK_LEN: usize = 16;
+
+/// What went wrong while decoding; turned into [`crate::CommError::Protocol`] with the peer's name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WireError {
+    BadMagic {
+        what: &'static str,
+    },
+    Truncated {
+        what: &'static str,
+    },
+    TooLong {
+        what: &'static str,
+        len: usize,
+        max: usize,
+    },
+    BadValue {
+        what: &'static str,
+        value: u64,
+    },
+    NotUtf8 {
+        what: &'static str,
+    },
+    TrailingBytes {
+        what: &'static str,
+        extra: usize,
+    },
+}
+
+impl fmt::Display for WireError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WireError::BadMagic { what } => write!(f, "bad magic in {what} (not a qsr peer?)"),
+            WireError::Truncated { what } => write!(f, "{what} is truncated"),
+            WireError::TooLong { what, len, max } => {
+                write!(f, "{what} length {len} exceeds the bound {max}")
+            }
+            WireError::BadValue { what, value } => write!(f, "invalid {what} {value}"),
+            WireError::NotUtf8 { what } => write!(f, "{what} is not UTF-8"),
+            WireError::TrailingBytes { what, extra } => {
+                write!(f, "{extra} unexpected bytes after {what}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for WireError {}
+
+/// Bounds-checked little-endian reader; every accessor returns `Truncated` instead of panicking.
+struct Cursor<'a> {
+    buf: &'a [u8],
+    what: &'static str,
+}
+
+impl<'a> Cursor<'a> {
+    fn new(buf: &'a [u8], what: &'static str) -> Self {
+        Cursor { buf, what }
+    }
+    fn take(&mut self, n: usize) -> Result<&'a [u8], WireError> {
+        if self.buf.len() < n {
+            return Err(WireError::Truncated { what: self.what });
+        }
+        let (head, tail) = self.buf.split_at(n);
+        self.buf = tail;
+        Ok(head)
+    }
+    fn u8(&mut self) -> Result<u8, WireError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16, WireError> {
+        let b = self.take(2)?;
+        Ok(u16::from_le_bytes([b[0], b[1]]))
+    }
+    fn u32(&mut self) -> Result<u32, WireError> {
+        let b = self.take(4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn u64(&mut self) -> Result<u64, WireError> {
+        let b = self.take(8)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        Ok(u64::from_le_bytes(a))
+    }
+    fn bytes16(&mut self, what: &'static str, max: usize) -> Result<&'a [u8], WireError> {
+        let len = usize::from(self.u16()?);
+        if len > max {
+            return Err(WireError::TooLong { what, len, max });
+        }
+        self.take(len)
+    }
+    fn string16(&mut self, what: &'static str, max: usize) -> Result<String, WireError> {
+        let b = self.bytes16(what, max)?;
+        std::str::from_utf8(b)
+            .map(str::to_owned)
+            .map_err(|_| WireError::NotUtf8 { what })
+    }
+    fn finish(self) -> Result<(), WireError> {
+        if self.buf.is_empty() {
+            Ok(())
+        } else {
+            Err(WireError::TrailingBytes {
+                what: self.what,
+                extra: self.buf.len(),
+            })
+        }
+    }
+}
+
+fn put_bytes16(out: &mut Vec<u8>, b: &[u8]) {
+    // Encoders are only fed values validated against the same bounds; truncating keeps the
+    // frame well formed even if a caller ignores that.
+    let len = b.len().min(usize::from(u16::MAX));
+    out.extend_from_slice(&(len as u16).to_le_bytes());
+    out.extend_from_slice(&b[..len]);
+}
+
+/// The fixed prefix of a hello or a reply: magic, protocol version, body length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Prefix {
+    pub version: u32,
+    pub body_len: usize,
+}
+
+/// Decodes a 16-byte prefix, checking the magic and bounding the body length by `max_body`.
+/// The version is returned, not checked: the caller refuses a different version by name.
+pub fn decode_prefix(bytes: &[u8], magic: &[u8; 8], max_body: usize) -> Result<Prefix, WireError> {
+    let what = if magic == &HELLO_MAGIC {
+        "hello"
+    } else {
+        "reply"
+    };
+    let mut c = Cursor::new(bytes, what);
+    if c.take(8)? != magic {
+        return Err(WireError::BadMagic { what });
+    }
+    let version = c.u32()?;
+    let body_len = c.u32()? as usize;
+    if body_len > max_body {
+        return Err(WireError::TooLong {
+            what,
+            len: body_len,
+            max: max_body,
+        });
+    }
+    Ok(Prefix { version, body_len })
+}
+
+fn encode_with_prefix(magic: &[u8; 8], version: u32, body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(PREFIX_LEN + body.len());
+    out.extend_from_slice(magic);
+    out.extend_from_slice(&version.to_le_bytes());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(body);
+    out
+}
+
+/// Why a client connects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    /// Register with rank 0 at rendezvous.
+    Register = 1,
+    /// Open the ring connection to the right neighbour.
+    Ring = 2,
+}
+
+/// The handshake a rank sends: who it is, which job, and where its ring listener is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    pub version: u32,
+    pub purpose: Purpose,
+    pub world_size: u32,
+    pub rank: u32,
+    pub token: Vec<u8>,
+    /// Host of the sender's ring listener; empty means "the address you see me connect from".
+    pub host: String,
+    pub port: u16,
+}
+
+impl Hello {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut body = Vec::with_capacity(32 + self.token.len() + self.host.len());
+        body.push(self.purpose as u8);
+        body.extend_from_slice(&self.world_size.to_le_bytes());
+        body.extend_from_slice(&self.rank.to_le_bytes());
+        put_bytes16(&mut body, &self.token);
+        put_bytes16(&mut body, self.host.as_bytes());
+        body.extend_from_slice(&self.port.to_le_bytes());
+        encode_with_prefix(&HELLO_MAGIC, self.version, &body)
+    }
+
+    /// Decodes a hello body (after [`decode_prefix`] accepted the prefix and the version).
+    pub fn decode_body(version: u32, body: &[u8]) -> Result<Hello, WireError> {
+        let mut c = Cursor::new(body, "hello");
+        let purpose = match c.u8()? {
+            1 => Purpose::Register,
+            2 => Purpose::Ring,
+            v => {
+                return Err(WireError::BadValue {
+                    what: "hello purpose",
+                    value: u64::from(v),
+                });
+            }
+        };
+        let world_size = c.u32()?;
+        let rank = c.u32()?;
+        let token = c.bytes16("job token", MAX_TOKEN_LEN)?.to_vec();
+        let host = c.string16("host", MAX_HOST_LEN)?;
+        let port = c.u16()?;
+        c.finish()?;
+        Ok(Hello {
+            version,
+            purpose,
+            world_size,
+            rank,
+            token,
+            host,
+            port,
+        })
+    }
+
+    /// Decodes a complete hello (prefix and body) from one buffer; convenience for tests/fuzzing.
+    pub fn decode(bytes: &[u8]) -> Result<Hello, WireError> {
+        let prefix = decode_prefix(bytes, &HELLO_MAGIC, MAX_HELLO_BODY)?;
+        let body = bytes
+            .get(PREFIX_LEN..)
+            .ok_or(WireError::Truncated { what: "hello" })?;
+        if body.len() < prefix.body_len {
+            return Err(WireError::Truncated { what: "hello" });
+        }
+        if body.len() > prefix.body_len {
+            return Err(WireError::TrailingBytes {
+                what: "hello",
+                extra: body.len() - prefix.body_len,
+            });
+        }
+        Hello::decode_body(prefix.version, body)
+    }
+}
+
+/// Which handshake field a refusal is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Field {
+    Token = 1,
+    Version = 2,
+    WorldSize = 3,
+    Rank = 4,
+    Other = 5,
+}
+
+impl Field {
+    pub fn name(self) -> &'static str {
+        match self {
+            Field::Token => "job token",
+            Field::Version => "protocol version",
+            Field::WorldSize => "world size",
+            Field::Rank => "rank",
+            Field::Other => "request",
+        }
+    }
+    fn from_code(v: u8) -> Result<Field, WireError> {
+        Ok(match v {
+            1 => Field::Token,
+            2 => Field::Version,
+            3 => Field::WorldSize,
+            4 => Field::Rank,
+            5 => Field::Other,
+            _ => {
+                return Err(WireError::BadValue {
+                    what: "refusal field",
+                    value: u64::from(v),
+                });
+            }
+        })
+    }
+}
+
+/// The server's answer to a hello.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    /// Accepted; for a registration, the ring listener address of every rank (index = rank).
+    Accepted { table: Vec<(String, u16)> },
+    /// Refused because `field` differs; `message` says how.
+    Refused { field: Field, message: String },
+}
+
+impl Reply {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut body = Vec::new();
+        match self {
+            Reply::Accepted { table } => {
+                body.push(0);
+                body.extend_from_slice(&(table.len() as u32).to_le_bytes());
+                for (host, port) in table {
+                    put_bytes16(&mut body, host.as_bytes());
+                    body.extend_from_slice(&port.to_le_bytes());
+                }
+            }
+            Reply::Refused { field, message } => {
+                body.push(1);
+                body.push(*field as u8);
+                let mut m = message.as_bytes();
+                if m.len() > MAX_MESSAGE_LEN {
+                    let mut end = MAX_MESSAGE_LEN;
+                    while !message.is_char_boundary(end) {
+                        end -= 1;
+                    }
+                    m = &m[..end];
+                }
+                put_bytes16(&mut body, m);
+            }
+        }
+        encode_with_prefix(&REPLY_MAGIC, PROTOCOL_VERSION, &body)
+    }
+
+    /// Largest reply body a client expecting `world_size` table entries will read.
+    pub fn max_body(world_size: usize) -> usize {
+        (1 + 4 + world_size.min(MAX_WORLD_SIZE) * (2 + MAX_HOST_LEN + 2))
+            .max(1 + 1 + 2 + MAX_MESSAGE_LEN)
+    }
+
+    /// Decodes a reply body; an accepted table longer than `max_entries` is an error.
+    pub fn decode_body(body: &[u8], max_entries: usize) -> Result<Reply, WireError> {
+        let mut c = Cursor::new(body, "reply");
+        let reply = match c.u8()? {
+            0 => {
+                let n = c.u32()? as usize;
+                if n > max_entries {
+                    return Err(WireError::TooLong {
+                        what: "address table",
+                        len: n,
+                        max: max_entries,
+                    });
+                }
+                let mut table = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let host = c.string16("host", MAX_HOST_LEN)?;
+                    let port = c.u16()?;
+                    table.push((host, port));
+                }
+                Reply::Accepted { table }
+            }
+            1 => {
+                let field = Field::from_code(c.u8()?)?;
+                let message = c.string16("refusal message", MAX_MESSAGE_LEN)?;
+                Reply::Refused { field, message }
+            }
+            v => {
+                return Err(WireError::BadValue {
+                    what: "reply status",
+                    value: u64::from(v),
+                });
+            }
+        };
+        c.finish()?;
+        Ok(reply)
+    }
+
+    /// Decodes a complete reply (prefix and body) from one buffer; for tests/fuzzing.
+    pub fn decode(bytes: &[u8], max_entries: usize) -> Result<Reply, WireError> {
+        let prefix = decode_prefix(bytes, &REPLY_MAGIC, Reply::max_body(max_entries))?;
+        let body = bytes
+            .get(PREFIX_LEN..)
+            .ok_or(WireError::Truncated { what: "reply" })?;
+        if body.len() != prefix.body_len {
+            return Err(WireError::Truncated { what: "reply" });
+        }
+        Reply::decode_body(body, max_entries)
+    }
+}
+
+/// First bytes of every collective call on the forward stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallHeader {
+    pub kind: u8,
+    pub op: u8,
+    /// Pipelining block size in 4 KiB units (ranks must agree on it to agree on frame lengths).
+    pub chunk: u16,
+    pub root: u32,
+    pub seq: u64,
+    /// Payload length of the call in bytes (the whole buffer, not this link's share).
+    pub len: u64,
+    pub sender: u32,
+}
+
+pub const KIND_ALL_REDUCE: u8 = 1;
+pub const KIND_BROADCAST: u8 = 2;
+pub const KIND_BARRIER: u8 = 3;
+pub const KIND_BROADCAST_BYTES: u8 = 4;
+/// The length announcement that precedes a `broadcast_bytes` payload.
+pub const KIND_BROADCAST_LEN: u8 = 5;
+/// `op` value of calls without a reduction.
+pub const OP_NONE: u8 = 0xff;
+
+impl CallHeader {
+    pub fn encode(&self) -> [u8; CALL_HEADER_LEN] {
+        let mut out = [0u8; CALL_HEADER_LEN];
+        out[0..4].copy_from_slice(&CALL_MAGIC);
+        out[4] = self.kind;
+        out[5] = self.op;
+        out[6..8].copy_from_slice(&self.chunk.to_le_bytes());
+        out[8..12].copy_from_slice(&self.root.to_le_bytes());
+        out[12..20].copy_from_slice(&self.seq.to_le_bytes());
+        out[20..28].copy_from_slice(&self.len.to_le_bytes());
+        out[28..32].copy_from_slice(&self.sender.to_le_bytes());
+        out
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<CallHeader, WireError> {
+        let mut c = Cursor::new(bytes, "call header");
+        if c.take(4)? != CALL_MAGIC {
+            return Err(WireError::BadMagic {
+                what: "call header",
+            });
+        }
+        let kind = c.u8()?;
+        if !(KIND_ALL_REDUCE..=KIND_BROADCAST_LEN).contains(&kind) {
+            return Err(WireError::BadValue {
+                what: "call kind",
+                value: u64::from(kind),
+            });
+        }
+        let op = c.u8()?;
+        if op > 1 && op != OP_NONE {
+            return Err(WireError::BadValue {
+                what: "reduce op",
+                value: u64::from(op),
+            });
+        }
+        let chunk = c.u16()?;
+        if chunk == 0 {
+            return Err(WireError::BadValue {
+                what: "block size",
+                value: 0,
+            });
+        }
+        let root = c.u32()?;
+        let seq = c.u64()?;
+        let len = c.u64()?;
+        let sender = c.u32()?;
+        c.finish()?;
+        Ok(CallHeader {
+            kind,
+            op,
+            chunk,
+            root,
+            seq,
+            len,
+            sender,
+        })
+    }
+}
+
+/// One frame of the forward stream after the call header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Frame {
+    Data { len: u32, block: u64 },
+    KeepAlive,
+    Abort { culprit: u32, reason: u64 },
+}
+
+impl Frame {
+    pub fn encode(&self) -> [u8; FRAME_LEN] {
+        let (tag, a, b) = match *self {
+            Frame::Data { len, block } => (TAG_DATA, len, block),
+            Frame::KeepAlive => (TAG_KEEPALIVE, 0, 0),
+            Frame::Abort { culprit, reason } => (TAG_ABORT, culprit, reason),
+        };
+        let mut out = [0u8; FRAME_LEN];
+        out[0..4].copy_from_slice(&tag);
+        out[4..8].copy_from_slice(&a.to_le_bytes());
+        out[8..16].copy_from_slice(&b.to_le_bytes());
+        out
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Frame, WireError> {
+        let mut c = Cursor::new(bytes, "frame");
+        let tag = c.take(4)?;
+        let a = c.u32()?;
+        let b = c.u64()?;
+        c.finish()?;
+        if tag == TAG_DATA {
+            Ok(Frame::Data { len: a, block: b })
+        } else if tag == TAG_KEEPALIVE {
+            if a != 0 || b != 0 {
+                return Err(WireError::BadValue {
+                    what: "keepalive payload",
+                    value: u64::from(a) | b,
+                });
+            }
+            Ok(Frame::KeepAlive)
+        } else if tag == TAG_ABORT {
+            Ok(Frame::Abort {
+                culprit: a,
+                reason: b,
+            })
+        } else {
+            Err(WireError::BadMagic { what: "frame" })
+        }
+    }
+}
+
+/// A message on the reverse direction of a ring connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Back {
+    Heartbeat,
+    Abort { culprit: u32, reason: u32 },
+}
+
+impl Back {
+    pub fn encode(&self) -> [u8; BACK_LEN] {
+        let (ty, culprit, reason) = match *self {
+            Back::Heartbeat => (1u32, 0u32, 0u32),
+            Back::Abort { culprit, reason } => (2, culprit, reason),
+        };
+        let mut out = [0u8; BACK_LEN];
+        out[0..4].copy_from_slice(&BACK_MAGIC);
+        out[4..8].copy_from_slice(&ty.to_le_bytes());
+        out[8..12].copy_from_slice(&culprit.to_le_bytes());
+        out[12..16].copy_from_slice(&reason.to_le_bytes());
+        out
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Back, WireError> {
+        let mut c = Cursor::new(bytes, "reverse message");
+        if c.take(4)? != BACK_MAGIC {
+            return Err(WireError::BadMagic {
+                what: "reverse message",
+            });
+        }
+        let ty = c.u32()?;
+        let culprit = c.u32()?;
+        let reason = c.u32()?;
+        c.finish()?;
+        match ty {
+            1 => Ok(Back::Heartbeat),
+            2 => Ok(Back::Abort { culprit, reason }),
+            v => Err(WireError::BadValue {
+                what: "reverse message type",
+                value: u64::from(v),
+            }),
+        }
+    }
+}
+
+/// Why a rank aborted, carried in abort frames so every rank can say what happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    Lost = 1,
+    Timeout = 2,
+    Protocol = 3,
+    Diverged = 4,
+    Other = 5,
+}
+
+impl Reason {
+    pub fn from_code(v: u64) -> Reason {
+        match v {
+            1 => Reason::Lost,
+            2 => Reason::Timeout,
+            3 => Reason::Protocol,
+            4 => Reason::Diverged,
+            _ => Reason::Other,
+        }
+    }
+    pub fn describe(self) -> &'static str {
+        match self {
+            Reason::Lost => "connection lost",
+            Reason::Timeout => "no progress within the timeout",
+            Reason::Protocol => "protocol error",
+            Reason::Diverged => "diverging collective calls",
+            Reason::Other => "local error",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hello() -> Hello {
+        Hello {
+            version: PROTOCOL_VERSION,
+            purpose: Purpose::Register,
+            world_size: 5,
+            rank: 3,
+            token: b"secret".to_vec(),
+            host: "10.1.2.3".into(),
+            port: 40123,
+        }
+    }
+
+    #[test]
+    fn hello_roundtrip_and_prefix() {
+        let h = hello();
+        let bytes = h.encode();
+        assert_eq!(Hello::decode(&bytes), Ok(h.clone()));
+        let p = decode_prefix(&bytes[..PREFIX_LEN], &HELLO_MAGIC, MAX_HELLO_BODY).unwrap();
+        assert_eq!(p.version, PROTOCOL_VERSION);
+        assert_eq!(p.body_len, bytes.len() - PREFIX_LEN);
+        // a reply magic is not a hello
+        assert_eq!(
+            decode_prefix(&bytes, &REPLY_MAGIC, 100),
+            Err(WireError::BadMagic { what: "reply" })
+        );
+    }
+
+    #[test]
+    fn hello_rejects_oversized_token_and_bad_lengths() {
+        let mut bytes = hello().encode();
+        // token length field sits after purpose(1) world(4) rank(4) in the body
+        let at = PREFIX_LEN + 9;
+        bytes[at..at + 2].copy_from_slice(&2000u16.to_le_bytes());
+        assert_eq!(
+            Hello::decode(&bytes),
+            Err(WireError::TooLong {
+                what: "job token",
+                len: 2000,
+                max: MAX_TOKEN_LEN
+            })
+        );
+        let mut bytes = hello().encode();
+        bytes[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(
+            Hello::decode(&bytes),
+            Err(WireError::TooLong { what: "hello", .. })
+        ));
+        let bytes = hello().encode();
+        assert_eq!(
+            Hello::decode(&bytes[..bytes.len() - 1]),
+            Err(WireError::Truncated { what: "hello" })
+        );
+    }
+
+    #[test]
+    fn reply_roundtrip_and_bounds() {
+        let ok = Reply::Accepted {
+            table: vec![("127.0.0.1".into(), 1), ("host-b".into(), 65535)],
+        };
+        assert_eq!(Reply::decode(&ok.encode(), 2), Ok(ok.clone()));
+        assert!(matches!(
+            Reply::decode(&ok.encode(), 1),
+            Err(WireError::TooLong {
+                what: "address table",
+                ..
+            })
+        ));
+        let no = Reply::Refused {
+            field: Field::Token,
+            message: "job token differs".into(),
+        };
+        assert_eq!(Reply::decode(&no.encode(), 0), Ok(no));
+        let long = Reply::Refused {
+            field: Field::Other,
+            message: "é".repeat(1000),
+        };
+        match Reply::decode(&long.encode(), 0) {
+            Ok(Reply::Refused { message, .. }) => assert!(message.len() <= MAX_MESSAGE_LEN),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn call_header_roundtrip_and_validation() {
+        let h = CallHeader {
+            kind: KIND_ALL_REDUCE,
+            op: 1,
+            chunk: 128,
+            root: 0,
+            seq: 77,
+            len: 4096,
+            sender: 2,
+        };
+        assert_eq!(CallHeader::decode(&h.encode()), Ok(h));
+        let mut b = h.encode();
+        b[4] = 9;
+        assert_eq!(
+            CallHeader::decode(&b),
+            Err(WireError::BadValue {
+                what: "call kind",
+                value: 9
+            })
+        );
+        let mut b = h.encode();
+        b[0] = b'X';
+        assert_eq!(
+            CallHeader::decode(&b),
+            Err(WireError::BadMagic {
+                what: "call header"
+            })
+        );
+        assert_eq!(
+            CallHeader::decode(&h.encode()[..31]),
+            Err(WireError::Truncated {
+                what: "call header"
+            })
+        );
+    }
+
+    #[test]
+    fn frames_and_back_roundtrip() {
+        for f in [
+            Frame::Data { len: 7, block: 3 },
+            Frame::KeepAlive,
+            Frame::Abort {
+                culprit: 4,
+                reason: 2,
+            },
+        ] {
+            assert_eq!(Frame::decode(&f.encode()), Ok(f));
+        }
+        for m in [
+            Back::Heartbeat,
+            Back::Abort {
+                culprit: 1,
+                reason: 1,
+            },
+        ] {
+            assert_eq!(Back::decode(&m.encode()), Ok(m));
+        }
+        assert_eq!(
+            Frame::decode(&[0u8; 16]),
+            Err(WireError::BadMagic { what: "frame" })
+        );
+        assert_eq!(Reason::from_code(99), Reason::Other);
+    }
+}

@@ -1,0 +1,334 @@
+//! cubecl kernels for the same fused averaging as the host path, for K replicas that live on a device.
+//!
+//! # Layout: one allocation of `K * len` floats
+//!
+//! The K workers' flat parameter replicas are one device buffer, replica `j` at elements
+//! `[j * len, (j + 1) * len)`. One binding then carries any K, so a sync is **one launch** for
+//! K in `1..=`[`MAX_BUFFERS`] with no per-K signature (cubecl kernels take a fixed list of
+//! arguments) and no per-replica binding limits to hit. K is a comptime parameter: the K-way loop
+//! unrolls into K independent loads, one kernel per K (compiled once, then cached by cubecl).
+//!
+//! # Vectorization
+//!
+//! Each unit moves a `Vector<f32, N>`. N is the widest of 4, 2, 1 that divides `len` (and that
+//! the device lists for f32 IO): replica `j` starts at `j * len`, so only an N dividing `len`
+//! keeps every replica's vectors aligned. A tail split into a second launch does not work with
+//! this layout (replica 1 is misaligned whenever replica 0 has a tail), so the line size is
+//! chosen from the length instead: still one launch, scalar loads only when `len` is odd.
+//! A caller that wants the 4-wide path for every model pads its replica stride to a multiple of 4.
+//!
+//! # Determinism
+//!
+//! Element `i` is `((b_0[i] + b_1[i]) + ... + b_{K-1}[i]) / K` in f32: rank order, left to right,
+//! and a true division by K (not a multiply by `1/K`, which rounds differently for K = 3, 5, 6, 7).
+//! Lanes of a vector are independent, so this is exactly [`crate::mean_into`]'s arithmetic and
+//! results are bit-identical to the host path where the device's f32 add/div are IEEE-rounded
+//! (Vulkan on lavapipe, CUDA without fast-math). For K = 1 there is no division, as on the host.
+//!
+//! # Runtimes
+//!
+//! cubecl 0.11's [`Client`] is not generic over the runtime: the same functions launch on
+//! whichever runtime produced the client (wgpu here, CUDA behind the `cuda` feature).
+
+use cubecl::prelude::*;
+use cubecl::server::{Handle, ServerError};
+
+/// Largest K the kernels are instantiated for: one comptime-unrolled kernel per K keeps the
+/// number of compiled variants (and register pressure) bounded.
+pub const MAX_BUFFERS: usize = 8;
+
+const F32_BYTES: usize = core::mem::size_of::<f32>();
+
+/// Why a cube launch was refused (before anything ran) or its result could not be read.
+#[derive(Debug)]
+pub enum KernelError {
+    /// `k == 0`: there is no mean of zero buffers.
+    NoBuffers,
+    /// `k` above [`MAX_BUFFERS`].
+    TooManyBuffers { k: usize, max: usize },
+    /// A device buffer's size does not match the `k` and `len` it was launched with.
+    LengthMismatch {
+        what: &'static str,
+        expected_bytes: u64,
+        actual_bytes: u64,
+    },
+    /// A host-side input slice does not have `len` elements (the roundtrip helpers).
+    HostLengthMismatch {
+        index: usize,
+        expected: usize,
+        actual: usize,
+    },
+    /// `k * len` elements cannot be addressed by the kernels' 32-bit indices.
+    TooLarge { elements: usize },
+    /// The runtime reported a failure (compilation, launch or a device fault) when reading back.
+    Server(ServerError),
+}
+
+impl core::fmt::Display for KernelError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::NoBuffers => write!(f, "mean of zero buffers (k == 0)"),
+            Self::TooManyBuffers { k, max } => write!(f, "k = {k} buffers, at most {max} are supported"),
+            Self::LengthMismatch {
+                what,
+                expected_bytes,
+                actual_bytes,
+            } => {
+                write!(
+                    f,
+                    "{what}: device buffer has {actual_bytes} bytes, k and len need {expected_bytes}"
+                )
+            }
+            Self::HostLengthMismatch {
+                index,
+                expected,
+                actual,
+            } => {
+                write!(f, "host buffer {index} has {actual} elements, expected {expected}")
+            }
+            Self::TooLarge { elements } => write!(f, "{elements} elements exceed 32-bit kernel indexing"),
+            Self::Server(e) => write!(f, "cubecl runtime error: {e:?}"),
+        }
+    }
+}
+
+impl std::error::Error for KernelError {}
+
+impl From<ServerError> for KernelError {
+    fn from(e: ServerError) -> Self {
+        Self::Server(e)
+    }
+}
+
+/// Mean of the K replicas in `data` written back to all K, in place: K reads and K writes per
+/// element, the minimum, instead of a mean into a temporary and K copies.
+///
+/// `len` is the replica length in vectors; unit `i` owns vector `i` of every replica.
+#[cube(launch_unchecked)]
+fn average_and_broadcast_kernel<N: Size>(data: &mut [Vector<f32, N>], len: usize, #[comptime] k: usize) {
+    let i = ABSOLUTE_POS;
+    // The grid may be rounded up (and spread over y/z for large buffers): idle units exit here.
+    if i < len {
+        let mut acc = data[i];
+        #[unroll]
+        for j in 1..k {
+            acc += data[j * len + i];
+        }
+        if comptime!(k > 1) {
+            acc /= Vector::<f32, N>::new(comptime!(k as f32));
+        }
+        #[unroll]
+        for j in 0..k {
+            data[j * len + i] = acc;
+        }
+    }
+}
+
+/// Mean of the K replicas in `input` into `output` (`len` vectors), same arithmetic as above.
+#[cube(launch_unchecked)]
+fn mean_into_kernel<N: Size>(
+    input: &[Vector<f32, N>],
+    output: &mut [Vector<f32, N>],
+    len: usize,
+    #[comptime] k: usize,
+) {
+    let i = ABSOLUTE_POS;
+    if i < len {
+        let mut acc = input[i];
+        #[unroll]
+        for j in 1..k {
+            acc += input[j * len + i];
+        }
+        if comptime!(k > 1) {
+            acc /= Vector::<f32, N>::new(comptime!(k as f32));
+        }
+        output[i] = acc;
+    }
+}
+
+fn check_k(k: usize) -> Result<(), KernelError> {
+    match k {
+        0 => Err(KernelError::NoBuffers),
+        k if k > MAX_BUFFERS => Err(KernelError::TooManyBuffers { k, max: MAX_BUFFERS }),
+        _ => Ok(()),
+    }
+}
+
+fn check_size(what: &'static str, handle: &Handle, elements: usize) -> Result<(), KernelError> {
+    let expected_bytes = (elements * F32_BYTES) as u64;
+    let actual_bytes = handle.size_in_used();
+    if actual_bytes != expected_bytes {
+        return Err(KernelError::LengthMismatch {
+            what,
+            expected_bytes,
+            actual_bytes,
+        });
+    }
+    Ok(())
+}
+
+/// The line size for a replica of `len` floats: the widest of 4, 2, 1 dividing `len` that the
+/// device lists for f32 IO (see the module docs for why a divisor of `len`).
+pub fn vector_size(client: &Client, len: usize) -> usize {
+    let supported: Vec<usize> = client.io_optimized_vector_sizes(F32_BYTES).collect();
+    [4usize, 2]
+        .into_iter()
+        .find(|&n| len.is_multiple_of(n) && supported.contains(&n))
+        .unwrap_or(1)
+}
+
+/// Grid for one unit per vector: [`CubeDim::new`] picks a cube size for the device, and the cube
+/// count is spread over y/z when x alone would exceed the device limit.
+fn grid(client: &Client, units: usize) -> (CubeCount, CubeDim) {
+    let dim = CubeDim::new(client, units);
+    (cubecl::calculate_cube_count_elemwise(client, units, dim), dim)
+}
+
+fn check_common(k: usize, len: usize) -> Result<(), KernelError> {
+    check_k(k)?;
+    let elements = k
+        .checked_mul(len)
+        .ok_or(KernelError::TooLarge { elements: usize::MAX })?;
+    if elements > u32::MAX as usize {
+        return Err(KernelError::TooLarge { elements });
+    }
+    Ok(())
+}
+
+/// Replaces each of the K replicas in `buffers` (one device buffer of `k * len` f32, replica `j` at
+/// `[j * len, (j + 1) * len)`) with their element-wise mean, in one launch.
+///
+/// Asynchronous like any cubecl launch: the result is ordered before later reads of `buffers`.
+/// `k == 1` and `len == 0` launch nothing (the mean of one buffer is itself).
+///
+/// # Errors
+/// `k == 0`, `k >` [`MAX_BUFFERS`], a buffer whose size is not `k * len` floats, or more
+/// than `u32::MAX` elements.
+pub fn average_and_broadcast(client: &Client, buffers: &Handle, k: usize, len: usize) -> Result<(), KernelError> {
+    check_common(k, len)?;
+    check_size("average_and_broadcast buffers", buffers, k * len)?;
+    if k == 1 || len == 0 {
+        return Ok(());
+    }
+    let n = vector_size(client, len);
+    let vectors = len / n;
+    let (count, dim) = grid(client, vectors);
+    // SAFETY: the buffer holds exactly `k * len` floats (checked above) and every index the
+    // kernel forms is `j * vectors + i` with `j < k` and `i < vectors` (guarded in the kernel).
+    unsafe {
+        average_and_broadcast_kernel::launch_unchecked(
+            client,
+            count,
+            dim,
+            n,
+            BufferArg::from_raw_parts(buffers.clone(), k * vectors),
+            vectors,
+            k,
+        );
+    }
+    Ok(())
+}
+
+/// Writes the element-wise mean of the K replicas in `inputs` (`k * len` f32, layout as in
+/// [`average_and_broadcast`]) into `output` (`len` f32), in one launch. `inputs` is not modified.
+///
+/// # Errors
+/// As [`average_and_broadcast`], plus an `output` whose size is not `len` floats.
+pub fn mean_into(client: &Client, output: &Handle, inputs: &Handle, k: usize, len: usize) -> Result<(), KernelError> {
+    check_common(k, len)?;
+    check_size("mean_into inputs", inputs, k * len)?;
+    check_size("mean_into output", output, len)?;
+    if len == 0 {
+        return Ok(());
+    }
+    let n = vector_size(client, len);
+    let vectors = len / n;
+    let (count, dim) = grid(client, vectors);
+    // SAFETY: sizes checked above; the kernel reads `j * vectors + i < k * vectors` and writes
+    // `i < vectors`, both guarded by `i < vectors`.
+    unsafe {
+        mean_into_kernel::launch_unchecked(
+            client,
+            count,
+            dim,
+            n,
+            BufferArg::from_raw_parts(inputs.clone(), k * vectors),
+            BufferArg::from_raw_parts(output.clone(), vectors),
+            vectors,
+            k,
+        );
+    }
+    Ok(())
+}
+
+fn concat(buffers: &[&[f32]]) -> Result<(usize, Vec<f32>), KernelError> {
+    let len = buffers.first().map_or(0, |b| b.len());
+    let mut flat = Vec::with_capacity(buffers.len() * len);
+    for (index, b) in buffers.iter().enumerate() {
+        if b.len() != len {
+            return Err(KernelError::HostLengthMismatch {
+                index,
+                expected: len,
+                actual: b.len(),
+            });
+        }
+        flat.extend_from_slice(b);
+    }
+    Ok((len, flat))
+}
+
+fn read_f32(client: &Client, handle: Handle) -> Result<Vec<f32>, KernelError> {
+    let bytes = client.read_one(handle)?;
+    Ok(f32::from_bytes(&bytes).to_vec())
+}
+
+/// Host roundtrip of [`average_and_broadcast`], for tests and benchmarks: uploads the buffers as
+/// one `K * len` allocation, launches, and copies the result back into every buffer.
+///
+/// # Errors
+/// As [`average_and_broadcast`], or buffers of different lengths.
+pub fn average_and_broadcast_host(client: &Client, buffers: &mut [&mut [f32]]) -> Result<(), KernelError> {
+    let k = buffers.len();
+    check_k(k)?;
+    let (len, flat) = {
+        let views: Vec<&[f32]> = buffers.iter().map(|b| &**b).collect();
+        concat(&views)?
+    };
+    if len == 0 {
+        return Ok(());
+    }
+    let handle = client.create_from_slice(f32::as_bytes(&flat));
+    average_and_broadcast(client, &handle, k, len)?;
+    let out = read_f32(client, handle)?;
+    for (j, b) in buffers.iter_mut().enumerate() {
+        b.copy_from_slice(&out[j * len..(j + 1) * len]);
+    }
+    Ok(())
+}
+
+/// Host roundtrip of [`mean_into`], for tests and benchmarks. `output` must be as long as every
+/// input. Its current contents are uploaded as the device output, so an element the kernel failed
+/// to write comes back unchanged (tests pre-fill NaN to catch that).
+///
+/// # Errors
+/// As [`mean_into`], or inputs/output of different lengths.
+pub fn mean_into_host(client: &Client, output: &mut [f32], inputs: &[&[f32]]) -> Result<(), KernelError> {
+    let k = inputs.len();
+    check_k(k)?;
+    let (len, flat) = concat(inputs)?;
+    if output.len() != len {
+        return Err(KernelError::HostLengthMismatch {
+            index: k,
+            expected: len,
+            actual: output.len(),
+        });
+    }
+    if len == 0 {
+        return Ok(());
+    }
+    let input = client.create_from_slice(f32::as_bytes(&flat));
+    let out = client.create_from_slice(f32::as_bytes(output));
+    mean_into(client, &out, &input, k, len)?;
+    output.copy_from_slice(&read_f32(client, out)?);
+    Ok(())
+}

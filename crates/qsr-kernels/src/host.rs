@@ -1,0 +1,107 @@
+use rayon::prelude::*;
+
+use crate::CHUNK;
+
+/// Elements reduced at once: the accumulator tile stays in L1 while the K inputs stream through.
+const TILE: usize = 1024;
+
+fn check_lengths(len: usize, lens: impl Iterator<Item = usize>, what: &str) {
+    for (k, l) in lens.enumerate() {
+        assert_eq!(l, len, "{what}: buffer {k} has {l} elements, buffer 0 has {len}");
+    }
+}
+
+/// Sums `inputs` element-wise into `acc` (overwriting it), in input order.
+#[inline]
+fn reduce_tile(acc: &mut [f32], inputs: &[&[f32]]) {
+    acc.copy_from_slice(inputs[0]);
+    for inp in &inputs[1..] {
+        for (a, x) in acc.iter_mut().zip(inp.iter()) {
+            *a += *x;
+        }
+    }
+}
+
+#[inline]
+fn scale(acc: &mut [f32], k: usize) {
+    if k > 1 {
+        let k = k as f32;
+        for a in acc.iter_mut() {
+            *a /= k;
+        }
+    }
+}
+
+/// Replaces every buffer with the element-wise mean of all of them, in one pass over memory.
+///
+/// # Panics
+/// If the buffers differ in length (a programming error: every worker has the same layout).
+pub fn average_and_broadcast(buffers: &mut [&mut [f32]]) {
+    let k = buffers.len();
+    if k <= 1 {
+        return;
+    }
+    let len = buffers[0].len();
+    check_lengths(len, buffers.iter().map(|b| b.len()), "average_and_broadcast");
+    // Transpose into per-chunk groups of K disjoint mutable slices, so chunks run in parallel.
+    let mut groups: Vec<Vec<&mut [f32]>> = (0..len.div_ceil(CHUNK)).map(|_| Vec::with_capacity(k)).collect();
+    for buf in buffers.iter_mut() {
+        for (c, chunk) in buf.chunks_mut(CHUNK).enumerate() {
+            groups[c].push(chunk);
+        }
+    }
+    groups.par_iter_mut().for_each(|group| {
+        let mut acc = [0f32; TILE];
+        let n = group[0].len();
+        let mut start = 0;
+        while start < n {
+            let end = (start + TILE).min(n);
+            let acc = &mut acc[..end - start];
+            {
+                let inputs: Vec<&[f32]> = group.iter().map(|b| &b[start..end]).collect();
+                reduce_tile(acc, &inputs);
+            }
+            scale(acc, k);
+            for b in group.iter_mut() {
+                b[start..end].copy_from_slice(acc);
+            }
+            start = end;
+        }
+    });
+}
+
+fn reduce_into(out: &mut [f32], inputs: &[&[f32]], mean: bool) {
+    let k = inputs.len();
+    assert!(k > 0, "reduce of zero buffers");
+    check_lengths(out.len(), inputs.iter().map(|b| b.len()), "mean_into");
+    out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, out)| {
+        let base = c * CHUNK;
+        let mut start = 0;
+        while start < out.len() {
+            let end = (start + TILE).min(out.len());
+            let tile: Vec<&[f32]> = inputs.iter().map(|b| &b[base + start..base + end]).collect();
+            let o = &mut out[start..end];
+            reduce_tile(o, &tile);
+            if mean {
+                scale(o, k);
+            }
+            start = end;
+        }
+    });
+}
+
+/// Writes the element-wise mean of `inputs` into `out`.
+///
+/// # Panics
+/// If `inputs` is empty or lengths differ.
+pub fn mean_into(out: &mut [f32], inputs: &[&[f32]]) {
+    reduce_into(out, inputs, true)
+}
+
+/// Writes the element-wise sum of `inputs` into `out`.
+///
+/// # Panics
+/// If `inputs` is empty or lengths differ.
+pub fn sum_into(out: &mut [f32], inputs: &[&[f32]]) {
+    reduce_into(out, inputs, false)
+}

@@ -1,0 +1,21 @@
+//! Fused flat-buffer operations used by parameter averaging.
+//!
+//! With K simulated workers in one process, a synchronization averages K replicas of the model: a pure
+//! memory-bandwidth operation. [`average_and_broadcast`] reads every buffer once and writes the mean back
+//! to all of them in the same pass (K reads + K writes per element, the minimum), instead of a mean into
+//! a temporary followed by K copies.
+//!
+//! Every function here is deterministic: element `i` of the result is
+//! `((b_0[i] + b_1[i]) + ... + b_{K-1}[i]) / K`, summed in f32 in rank order, independent of the
+//! thread count and chunking, so every worker ends with bit-identical parameters.
+
+mod host;
+
+/// cubecl kernels for replicas on a device (wgpu here, CUDA on a GPU machine).
+#[cfg(feature = "cube")]
+pub mod cube;
+
+pub use host::{average_and_broadcast, mean_into, sum_into};
+
+/// Elements per parallel task: large enough to amortize scheduling, small enough to balance 2..64 cores.
+pub const CHUNK: usize = 1 << 16;

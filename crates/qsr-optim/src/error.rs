@@ -1,0 +1,23 @@
+/// Errors of the optimizer and the round driver.
+#[derive(Debug, thiserror::Error)]
+pub enum OptimError {
+    /// A setting is invalid; `field` is its dotted recipe name (`optimizer.beta1`).
+    #[error("invalid `{field}`: {reason}")]
+    Config { field: String, reason: String },
+    /// Buffers or state do not fit the model's parameter layout.
+    #[error("parameter layout mismatch: {0}")]
+    Layout(String),
+    /// A collective failed (a peer died, stalled or diverged).
+    #[error("synchronization at step {step} failed: {source}")]
+    Comm {
+        step: u64,
+        #[source]
+        source: qsr_comm::CommError,
+    },
+    /// The loss closure failed (e.g. the data loader reported an error).
+    #[error("step {step}: {message}")]
+    Step { step: u64, message: String },
+    /// The plan has no steps left.
+    #[error("the plan is finished (step {0})")]
+    Finished(u64),
+}

@@ -1,0 +1,275 @@
+//! Flat parameter buffers <-> burn modules.
+//!
+//! A worker's trainable parameters live in one `Vec<f32>` (the master copy the optimizer updates and the
+//! collective averages); the burn module is refreshed from it after every update. The order is the
+//! module's visit order (field declaration order, depth first: PyTorch's `named_parameters` order),
+//! which is identical on every worker because every worker builds the same module type.
+//!
+//! Running statistics (BatchNorm's `running_mean` / `running_var`) are visited by burn through the same
+//! hooks as parameters; they are told apart by their field name (`running_*`) and kept in a separate
+//! buffer, never touched by the optimizer. burn's `RunningState` is shared between clones of a module
+//! and buffers each thread's latest update until synced (its own multi-thread data parallelism); reads
+//! and writes here sync first, and [`crate::Worker`] detaches its replica so workers never share state.
+
+use std::ops::Range;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::{Gradients, Tensor, TensorData};
+
+use crate::error::OptimError;
+
+/// What a parameter is, for weight-decay exclusion and state handling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParamRole {
+    Weight,
+    /// A bias (`bias`, or a norm's `beta`).
+    Bias,
+    /// A normalization scale (`gamma` / `weight` inside a `*Norm` module).
+    Norm,
+    /// A running statistic: not trainable.
+    Running,
+}
+
+/// One tensor's place in a flat buffer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamEntry {
+    /// Dotted module path, e.g. `layer1.0.bn1.gamma`.
+    pub path: String,
+    pub shape: Vec<usize>,
+    pub range: Range<usize>,
+    pub role: ParamRole,
+}
+
+/// Where every trainable parameter and running statistic of a module lives in the flat buffers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamLayout {
+    pub trainable: Vec<ParamEntry>,
+    pub running: Vec<ParamEntry>,
+}
+
+fn role(stack: &[(String, String)]) -> ParamRole {
+    let Some((name, container)) = stack.last() else { return ParamRole::Weight };
+    if name.starts_with("running_") {
+        ParamRole::Running
+    } else if name == "bias" || name == "beta" {
+        ParamRole::Bias
+    } else if container.contains("Norm") {
+        ParamRole::Norm
+    } else {
+        ParamRole::Weight
+    }
+}
+
+fn path(stack: &[(String, String)]) -> String {
+    stack.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(".")
+}
+
+#[derive(Default)]
+struct LayoutVisitor {
+    stack: Vec<(String, String)>,
+    layout: Option<ParamLayout>,
+    trainable_len: usize,
+    running_len: usize,
+}
+
+impl ModuleVisitor for LayoutVisitor {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.stack.push((name.to_string(), container_type.to_string()));
+    }
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.stack.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let shape = param.lazy_shape().to_vec();
+        let n: usize = shape.iter().product();
+        let role = role(&self.stack);
+        let layout = self.layout.get_or_insert_with(|| ParamLayout { trainable: Vec::new(), running: Vec::new() });
+        let (list, len) = if role == ParamRole::Running {
+            (&mut layout.running, &mut self.running_len)
+        } else {
+            (&mut layout.trainable, &mut self.trainable_len)
+        };
+        list.push(ParamEntry { path: path(&self.stack), shape, range: *len..*len + n, role });
+        *len += n;
+    }
+}
+
+impl ParamLayout {
+    /// The layout of `module`'s float tensors.
+    pub fn of<M: Module>(module: &M) -> Self {
+        let mut v = LayoutVisitor::default();
+        module.visit(&mut v);
+        v.layout.unwrap_or(ParamLayout { trainable: Vec::new(), running: Vec::new() })
+    }
+
+    /// Number of trainable parameters.
+    pub fn len(&self) -> usize {
+        self.trainable.last().map_or(0, |e| e.range.end)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Number of running-statistic elements.
+    pub fn running_len(&self) -> usize {
+        self.running.last().map_or(0, |e| e.range.end)
+    }
+
+    /// Ranges that `exclude_norm_and_bias` exempts from weight decay.
+    pub fn no_decay_ranges(&self) -> Vec<Range<usize>> {
+        self.trainable
+            .iter()
+            .filter(|e| matches!(e.role, ParamRole::Bias | ParamRole::Norm))
+            .map(|e| e.range.clone())
+            .collect()
+    }
+
+    /// Copies the trainable parameters of `module` into `out`.
+    pub fn read_params<M: Module>(&self, module: &M, out: &mut [f32]) -> Result<(), OptimError> {
+        self.read(module, out, Source::Params, false)
+    }
+
+    /// Copies the running statistics of `module` into `out`.
+    pub fn read_running<M: Module>(&self, module: &M, out: &mut [f32]) -> Result<(), OptimError> {
+        // burn keeps a BatchNorm's latest update in a per-thread slot until the state is synced;
+        // `valid()` syncs it (the returned snapshot holds the current values).
+        self.read(&module.valid(), out, Source::Params, true)
+    }
+
+    /// Copies the gradients of `module`'s trainable parameters into `out` (zero where a parameter took no
+    /// part in the loss).
+    pub fn read_grads<M: Module>(&self, module: &M, grads: &Gradients, out: &mut [f32]) -> Result<(), OptimError> {
+        self.read(module, out, Source::Grads(grads), false)
+    }
+
+    fn read<M: Module>(&self, module: &M, out: &mut [f32], source: Source<'_>, running: bool) -> Result<(), OptimError> {
+        let want = if running { self.running_len() } else { self.len() };
+        if out.len() != want {
+            return Err(OptimError::Layout(format!("buffer of {} elements for a layout of {want}", out.len())));
+        }
+        let mut v = ReadVisitor { stack: Vec::new(), out, source, running, offset: 0, error: None };
+        module.visit(&mut v);
+        if let Some(e) = v.error {
+            return Err(e);
+        }
+        if v.offset != want {
+            return Err(OptimError::Layout(format!("module has {} elements, layout {want}", v.offset)));
+        }
+        Ok(())
+    }
+
+    /// Replaces `module`'s trainable parameters with `src` (keeping ids and gradient tracking).
+    pub fn write_params<M: Module>(&self, module: M, src: &[f32]) -> Result<M, OptimError> {
+        self.write(module, src, false)
+    }
+
+    /// Replaces `module`'s running statistics with `src`.
+    pub fn write_running<M: Module>(&self, module: M, src: &[f32]) -> Result<M, OptimError> {
+        // Flush pending per-thread updates first, or the next forward pass would merge them back in.
+        let _ = module.valid();
+        self.write(module, src, true)
+    }
+
+    fn write<M: Module>(&self, module: M, src: &[f32], running: bool) -> Result<M, OptimError> {
+        let want = if running { self.running_len() } else { self.len() };
+        if src.len() != want {
+            return Err(OptimError::Layout(format!("buffer of {} elements for a layout of {want}", src.len())));
+        }
+        let mut m = WriteMapper { stack: Vec::new(), src, running, offset: 0 };
+        let module = module.map(&mut m);
+        if m.offset != want {
+            return Err(OptimError::Layout(format!("module has {} elements, layout {want}", m.offset)));
+        }
+        Ok(module)
+    }
+}
+
+enum Source<'a> {
+    Params,
+    Grads(&'a Gradients),
+}
+
+struct ReadVisitor<'a> {
+    stack: Vec<(String, String)>,
+    out: &'a mut [f32],
+    source: Source<'a>,
+    running: bool,
+    offset: usize,
+    error: Option<OptimError>,
+}
+
+impl ModuleVisitor for ReadVisitor<'_> {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.stack.push((name.to_string(), container_type.to_string()));
+    }
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.stack.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if (role(&self.stack) == ParamRole::Running) != self.running || self.error.is_some() {
+            return;
+        }
+        let n = param.lazy_shape().num_elements();
+        let range = self.offset..self.offset + n;
+        self.offset += n;
+        let Some(dst) = self.out.get_mut(range) else {
+            self.error = Some(OptimError::Layout(format!("`{}` lies beyond the buffer", path(&self.stack))));
+            return;
+        };
+        let tensor = match self.source {
+            Source::Params => Some(param.val()),
+            Source::Grads(g) => param.val().grad(g),
+        };
+        match tensor {
+            None => dst.fill(0.0),
+            Some(t) => {
+                let data = t.into_data();
+                match data.as_slice::<f32>() {
+                    Ok(s) if s.len() == n => dst.copy_from_slice(s),
+                    Ok(s) => {
+                        self.error = Some(OptimError::Layout(format!("`{}` has {} elements, expected {n}", path(&self.stack), s.len())))
+                    }
+                    // Another float type (f16/bf16 weights): convert element by element.
+                    Err(_) => match data.convert::<f32>().as_slice::<f32>() {
+                        Ok(s) if s.len() == n => dst.copy_from_slice(s),
+                        _ => self.error = Some(OptimError::Layout(format!("`{}` is not readable as f32", path(&self.stack)))),
+                    },
+                }
+            }
+        }
+    }
+}
+
+struct WriteMapper<'a> {
+    stack: Vec<(String, String)>,
+    src: &'a [f32],
+    running: bool,
+    offset: usize,
+}
+
+impl ModuleMapper for WriteMapper<'_> {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.stack.push((name.to_string(), container_type.to_string()));
+    }
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.stack.pop();
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if (role(&self.stack) == ParamRole::Running) != self.running {
+            return param;
+        }
+        let n = param.lazy_shape().num_elements();
+        let range = self.offset..self.offset + n;
+        self.offset += n;
+        let Some(values) = self.src.get(range) else { return param };
+        let (id, tensor, mapper) = param.consume();
+        let device = tensor.device();
+        let require_grad = tensor.is_require_grad();
+        let mut fresh = Tensor::<D>::from_data(TensorData::new(values.to_vec(), tensor.shape()), &device);
+        if require_grad {
+            fresh = fresh.require_grad();
+        }
+        Param::from_mapped_value(id, fresh, mapper)
+    }
+}

@@ -1,0 +1,362 @@
+//! The round driver with real burn models and K in-process workers on threads.
+
+use std::thread;
+
+use burn::module::Module;
+use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, Relu};
+use burn::optim::{GradientsParams, SgdConfig};
+use burn::tensor::{Device, Tensor, TensorData};
+use qsr_comm::InProcessGroup;
+use qsr_optim::{BnPolicy, DriverConfig, OptimizerConfig, ParamLayout, ParamRole, StatePolicy, StepReport, Worker};
+use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncMode, SyncRule};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const IN: usize = 6;
+const OUT: usize = 3;
+const BATCH: usize = 8;
+
+#[derive(Module, Debug)]
+struct Mlp {
+    fc1: Linear,
+    act: Relu,
+    fc2: Linear,
+}
+
+impl Mlp {
+    fn new(device: &Device) -> Self {
+        Self { fc1: LinearConfig::new(IN, 16).init(device), act: Relu::new(), fc2: LinearConfig::new(16, OUT).init(device) }
+    }
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        self.fc2.forward(self.act.forward(self.fc1.forward(x)))
+    }
+}
+
+#[derive(Module, Debug)]
+struct BnNet {
+    fc1: Linear,
+    bn: BatchNorm,
+    fc2: Linear,
+}
+
+impl BnNet {
+    fn new(device: &Device) -> Self {
+        Self { fc1: LinearConfig::new(IN, 8).init(device), bn: BatchNormConfig::new(8).init(device), fc2: LinearConfig::new(8, OUT).init(device) }
+    }
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        // BatchNorm over features: [N, C] -> [N, C, 1] and back.
+        let h = self.fc1.forward(x).unsqueeze_dim::<3>(2);
+        self.fc2.forward(self.bn.forward(h).squeeze_dim::<2>(2))
+    }
+}
+
+fn device() -> Device {
+    let d = Device::flex().autodiff();
+    d.seed(7);
+    d
+}
+
+/// A fixed regression task: 256 seeded inputs, targets from a fixed random teacher.
+struct Task {
+    x: Vec<f32>,
+    y: Vec<f32>,
+}
+
+impl Task {
+    fn new() -> Self {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let n = 256;
+        let x: Vec<f32> = (0..n * IN).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let w: Vec<f32> = (0..IN * OUT).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let mut y = vec![0.0; n * OUT];
+        for i in 0..n {
+            for o in 0..OUT {
+                y[i * OUT + o] = (0..IN).map(|j| x[i * IN + j] * w[j * OUT + o]).sum::<f32>().sin();
+            }
+        }
+        Self { x, y }
+    }
+
+    /// Rows of `size` samples starting at sample `start` (wrapping).
+    fn batch(&self, start: usize, size: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
+        let n = self.x.len() / IN;
+        let rows: Vec<usize> = (start..start + size).map(|i| i % n).collect();
+        let x: Vec<f32> = rows.iter().flat_map(|&r| self.x[r * IN..(r + 1) * IN].iter().copied()).collect();
+        let y: Vec<f32> = rows.iter().flat_map(|&r| self.y[r * OUT..(r + 1) * OUT].iter().copied()).collect();
+        (
+            Tensor::from_data(TensorData::new(x, [size, IN]), device),
+            Tensor::from_data(TensorData::new(y, [size, OUT]), device),
+        )
+    }
+
+    /// Worker `rank` of `k`, global step `t`, micro-batch `micro` of `accum`: disjoint samples per worker.
+    fn start(rank: usize, k: usize, t: u64, micro: usize, accum: usize) -> usize {
+        ((t as usize * k + rank) * accum + micro) * BATCH / accum
+    }
+}
+
+fn mse(pred: Tensor<2>, target: Tensor<2>) -> Tensor<1> {
+    (pred - target).powf_scalar(2.0).mean()
+}
+
+fn plan(total: u64, sync: SyncRule) -> Plan {
+    Plan::new(LrSchedule::new(ScheduleKind::Cosine, total, total / 10, 0.2, 0.0), sync).unwrap()
+}
+
+struct Run {
+    params: Vec<Vec<f32>>,
+    reports: Vec<Vec<StepReport>>,
+    /// Every worker's parameters right after each synchronization (worker, sync index).
+    after_sync: Vec<Vec<Vec<f32>>>,
+    calls: Vec<u64>,
+    first_moments: Vec<Vec<f32>>,
+}
+
+/// Trains `k` MLP workers (clones of one initial model) to the end of `plan`.
+fn run_mlp(k: usize, plan: &Plan, optim: OptimizerConfig, config: DriverConfig, poison: Option<(usize, u64)>) -> Run {
+    let device = device();
+    let model = Mlp::new(&device);
+    let task = Task::new();
+    let comms = InProcessGroup::new(k);
+    let results: Vec<_> = thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let (model, task, device, optim, config) = (model.clone(), &task, device.clone(), optim.clone(), config.clone());
+                s.spawn(move || {
+                    let mut w = Worker::new(model, optim, Box::new(comm), plan.cursor(), config.clone()).unwrap();
+                    let accum = config.accumulation_steps;
+                    let (mut reports, mut after) = (Vec::new(), Vec::new());
+                    while !w.cursor().is_done() {
+                        let t = w.cursor().step();
+                        let r = w
+                            .step(|m: &Mlp, micro| {
+                                let (x, y) = task.batch(Task::start(rank, k, t, micro, accum), BATCH / accum, &device);
+                                let loss = mse(m.forward(x), y);
+                                Ok(if poison == Some((rank, t)) { loss * f32::NAN } else { loss })
+                            })
+                            .unwrap();
+                        if r.sync.is_some() {
+                            after.push(w.params().to_vec());
+                        }
+                        reports.push(r);
+                    }
+                    (w.params().to_vec(), reports, after, w.comm().stats().calls, w.optimizer().state().first_moment.clone())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut run = Run { params: vec![], reports: vec![], after_sync: vec![], calls: vec![], first_moments: vec![] };
+    for (p, r, a, c, m) in results {
+        run.params.push(p);
+        run.reports.push(r);
+        run.after_sync.push(a);
+        run.calls.push(c);
+        run.first_moments.push(m);
+    }
+    run
+}
+
+fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
+    assert_eq!(a.len(), b.len());
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!((x - y).abs() <= tol * (1.0 + x.abs().max(y.abs())), "{what}: element {i}: {x} vs {y}");
+    }
+}
+
+fn bit_identical(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+fn sgd() -> OptimizerConfig {
+    OptimizerConfig::sgd(0.0, 0.0)
+}
+
+#[test]
+fn plain_sgd_with_h1_averaging_equals_data_parallel() {
+    let k = 3;
+    let local = run_mlp(k, &plan(20, SyncRule::Constant { h: 1 }), sgd(), DriverConfig::default(), None);
+    let dp = run_mlp(k, &plan(20, SyncRule::Dp), sgd(), DriverConfig::default(), None);
+    assert!(local.reports[0].iter().all(|r| r.sync.unwrap().mode == SyncMode::Parameters));
+    assert!(dp.reports[0].iter().all(|r| r.sync.unwrap().mode == SyncMode::Gradients));
+    // mean_k(p - lr g_k) = p - lr mean_k(g_k): equal up to float rounding.
+    assert_close(&local.params[0], &dp.params[0], 1e-5, "H=1 vs data parallel");
+    assert!(!bit_identical(&local.params[0], &run_mlp(k, &plan(20, SyncRule::Constant { h: 4 }), sgd(), DriverConfig::default(), None).params[0]));
+}
+
+#[test]
+fn one_worker_local_training_equals_plain_burn_training() {
+    let p = plan(12, SyncRule::Qsr { h_base: 2, alpha: 0.1 });
+    let run = run_mlp(1, &p, sgd(), DriverConfig::default(), None);
+
+    // The same steps with burn's own SGD optimizer and no driver.
+    let device = device();
+    let mut model = Mlp::new(&device);
+    let task = Task::new();
+    let mut burn_sgd = SgdConfig::new().init();
+    for info in p.cursor() {
+        let (x, y) = task.batch(Task::start(0, 1, info.step, 0, 1), BATCH, &device);
+        let loss = mse(model.forward(x), y);
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = burn_sgd.step(info.lr, model, grads);
+    }
+    let layout = ParamLayout::of(&model);
+    let mut plain = vec![0.0; layout.len()];
+    layout.read_params(&model, &mut plain).unwrap();
+    assert_close(&run.params[0], &plain, 1e-6, "K=1 driver vs burn SGD");
+}
+
+#[test]
+fn qsr_workers_sync_at_the_planned_steps_and_agree_bit_for_bit() {
+    let k = 3;
+    let p = plan(60, SyncRule::Qsr { h_base: 2, alpha: 0.15 });
+    let planned_ends: Vec<u64> = p.rounds().map(|r| r.end() - 1).collect();
+    assert!(p.rounds().any(|r| r.len > 2), "the plan must grow H for this test to mean something");
+    let run = run_mlp(k, &p, OptimizerConfig::sgd(0.9, 1e-4), DriverConfig::default(), None);
+    for rank in 0..k {
+        let synced: Vec<u64> = run.reports[rank].iter().filter(|r| r.sync.is_some()).map(|r| r.info.step).collect();
+        assert_eq!(synced, planned_ends, "rank {rank} synced off plan");
+        // One broadcast at start, then exactly one collective per planned round.
+        assert_eq!(run.calls[rank], 1 + planned_ends.len() as u64);
+    }
+    for s in 0..planned_ends.len() {
+        for rank in 1..k {
+            assert!(bit_identical(&run.after_sync[0][s], &run.after_sync[rank][s]), "sync {s}: rank {rank} differs");
+        }
+    }
+    // Momentum stays local by default: the workers' buffers differ.
+    assert!(!bit_identical(&run.first_moments[0], &run.first_moments[1]));
+    // Training works: the loss of the last steps is well below the first steps'.
+    let mean_loss = |r: &[StepReport]| r.iter().map(|r| r.loss).sum::<f32>() / r.len() as f32;
+    let first = mean_loss(&run.reports[0][..6]);
+    let last = mean_loss(&run.reports[0][54..]);
+    assert!(last < 0.6 * first, "loss {first} -> {last}");
+}
+
+#[test]
+fn averaging_momentum_makes_it_identical_after_the_last_sync() {
+    let config = DriverConfig { state: StatePolicy { average_first_moment: true, average_second_moment: false }, ..DriverConfig::default() };
+    let run = run_mlp(2, &plan(16, SyncRule::Constant { h: 4 }), OptimizerConfig::sgd(0.9, 0.0), config, None);
+    assert!(bit_identical(&run.first_moments[0], &run.first_moments[1]));
+    assert_eq!(run.calls[0], 1 + 4, "momentum rides in the same collective as the parameters");
+    let sync = run.reports[0][3].sync.unwrap();
+    assert_eq!(sync.elements, 2 * run.params[0].len());
+}
+
+#[test]
+fn a_non_finite_step_skips_its_update_but_never_its_sync() {
+    let p = plan(12, SyncRule::Constant { h: 3 });
+    // Rank 1's loss is NaN at step 5, the last step of round 1.
+    let run = run_mlp(2, &p, sgd(), DriverConfig::default(), Some((1, 5)));
+    let r = &run.reports[1][5];
+    assert!(!r.updated && r.sync.is_some());
+    assert!(run.reports[0][5].updated);
+    assert_eq!(run.calls[0], 1 + 4);
+    assert_eq!(run.calls[1], 1 + 4);
+    assert!(bit_identical(&run.params[0], &run.params[1]));
+    assert!(run.params[0].iter().all(|v| v.is_finite()));
+}
+
+#[test]
+fn gradient_accumulation_equals_the_full_batch() {
+    let p = plan(8, SyncRule::Constant { h: 2 });
+    let full = run_mlp(2, &p, OptimizerConfig::adamw(0.01), DriverConfig::default(), None);
+    let config = DriverConfig { accumulation_steps: 4, ..DriverConfig::default() };
+    let micro = run_mlp(2, &p, OptimizerConfig::adamw(0.01), config, None);
+    assert_close(&full.params[0], &micro.params[0], 2e-5, "4 micro-batches vs one batch");
+}
+
+#[test]
+fn bucketed_all_reduce_gives_the_same_parameters() {
+    let p = plan(8, SyncRule::Constant { h: 2 });
+    let one = run_mlp(2, &p, sgd(), DriverConfig::default(), None);
+    let config = DriverConfig { bucket_elems: Some(50), ..DriverConfig::default() };
+    let bucketed = run_mlp(2, &p, sgd(), config, None);
+    assert!(bit_identical(&one.params[0], &bucketed.params[0]));
+    let n = one.params[0].len() as u64;
+    assert_eq!(bucketed.reports[0][1].sync.unwrap().calls, n.div_ceil(50));
+}
+
+#[test]
+fn layout_separates_batchnorm_statistics_and_roundtrips() {
+    let device = device();
+    let net = BnNet::new(&device);
+    let layout = ParamLayout::of(&net);
+    let paths: Vec<&str> = layout.trainable.iter().map(|e| e.path.as_str()).collect();
+    assert_eq!(paths, ["fc1.weight", "fc1.bias", "bn.gamma", "bn.beta", "fc2.weight", "fc2.bias"]);
+    let running: Vec<&str> = layout.running.iter().map(|e| e.path.as_str()).collect();
+    assert_eq!(running, ["bn.running_mean", "bn.running_var"]);
+    assert_eq!(layout.len(), 6 * 8 + 8 + 8 + 8 + 8 * 3 + 3);
+    assert_eq!(layout.running_len(), 16);
+    assert_eq!(layout.trainable[2].role, ParamRole::Norm);
+    assert_eq!(layout.trainable[3].role, ParamRole::Bias);
+    assert_eq!(layout.no_decay_ranges().len(), 4, "fc biases, bn gamma and beta");
+    assert_eq!(layout.len(), net.num_params() - 16, "burn counts running stats, we do not");
+
+    let values: Vec<f32> = (0..layout.len()).map(|i| i as f32 * 0.5 - 3.0).collect();
+    let net = layout.write_params(net, &values).unwrap();
+    let mut back = vec![0.0; layout.len()];
+    layout.read_params(&net, &mut back).unwrap();
+    assert!(bit_identical(&values, &back));
+    let stats: Vec<f32> = (0..16).map(|i| 1.0 + i as f32).collect();
+    let net = layout.write_running(net, &stats).unwrap();
+    let mut back = vec![0.0; 16];
+    layout.read_running(&net, &mut back).unwrap();
+    assert_eq!(back, stats);
+    // The trainable parameters still carry gradients after a write.
+    let (x, y) = Task::new().batch(0, BATCH, &device);
+    let grads = mse(net.forward(x), y).backward();
+    let mut g = vec![0.0; layout.len()];
+    layout.read_grads(&net, &grads, &mut g).unwrap();
+    assert!(g.iter().any(|v| *v != 0.0));
+    assert!(layout.read_params(&net, &mut vec![0.0; 3]).is_err());
+}
+
+#[test]
+fn batchnorm_statistics_are_averaged_only_under_the_average_policy() {
+    let run = |bn: BnPolicy| {
+        let device = device();
+        let net = BnNet::new(&device);
+        let task = Task::new();
+        let p = plan(6, SyncRule::Constant { h: 3 });
+        let comms = InProcessGroup::new(2);
+        thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .enumerate()
+                .map(|(rank, comm)| {
+                    let (net, task, device, p) = (net.clone(), &task, device.clone(), &p);
+                    s.spawn(move || {
+                        let config = DriverConfig { bn, ..DriverConfig::default() };
+                        let mut w = Worker::new(net, sgd(), Box::new(comm), p.cursor(), config).unwrap();
+                        while !w.cursor().is_done() {
+                            let t = w.cursor().step();
+                            w.step(|m: &BnNet, _| {
+                                let (x, y) = task.batch(Task::start(rank, 2, t, 0, 1), BATCH, &device);
+                                Ok(mse(m.forward(x), y))
+                            })
+                            .unwrap();
+                        }
+                        let mut stats = vec![0.0; w.layout().running_len()];
+                        w.layout().read_running(w.model(), &mut stats).unwrap();
+                        let local = stats.clone();
+                        w.average_running_stats().unwrap();
+                        w.layout().read_running(w.model(), &mut stats).unwrap();
+                        (local, stats)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+        })
+    };
+    let avg = run(BnPolicy::Average);
+    assert!(bit_identical(&avg[0].0, &avg[1].0), "averaged at the last sync");
+    let local = run(BnPolicy::Reestimate);
+    assert!(!bit_identical(&local[0].0, &local[1].0), "local during training");
+    // The explicit average (the end of re-estimation) makes them equal, to their mean.
+    assert!(bit_identical(&local[0].1, &local[1].1));
+    let mean: Vec<f32> = local[0].0.iter().zip(&local[1].0).map(|(a, b)| (a + b) / 2.0).collect();
+    assert_close(&local[0].1, &mean, 1e-6, "mean of running stats");
+}

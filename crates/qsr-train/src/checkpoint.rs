@@ -1,0 +1,245 @@
+//! Checkpoints at synchronization points, written atomically and verified on load.
+//!
+//! Layout of `RUN_DIR/ckpt/`:
+//! - `step-<N>/model.safetensors`: the averaged trainable parameters and rank 0's BatchNorm statistics,
+//!   one tensor per module path (readable by any safetensors tool);
+//! - `step-<N>/optim-rank<r>.safetensors`: each rank's optimizer moments (state stays per worker);
+//! - `step-<N>/state.json`: the `qsr-sched` cursor (with its plan), world size and the recipe's resume key;
+//! - `step-<N>/manifest.json`: the SHA-256 of every file above;
+//! - `LATEST`: the name of the newest complete checkpoint.
+//!
+//! A checkpoint is built in `tmp-step-<N>/` (every file fsynced), then renamed into place, then `LATEST`
+//! is replaced through a temp file and a rename, so a crash at any point leaves the previous checkpoint
+//! intact and `LATEST` pointing at a complete one.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, anyhow, bail};
+use qsr_optim::{OptimState, ParamLayout};
+use qsr_sched::Cursor;
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// What `state.json` holds.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CheckpointState {
+    pub format: u32,
+    pub step: u64,
+    pub world_size: usize,
+    pub cursor: Cursor,
+    /// The recipe with the settings a resume may change blanked out; must match on resume.
+    pub resume_key: String,
+}
+
+pub const FORMAT: u32 = 1;
+
+/// Writes `bytes` to `path` through a temp file in the same directory, fsynced, then renamed.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let tmp = dir.join(format!(".{}.tmp", path.file_name().and_then(|n| n.to_str()).unwrap_or("file")));
+    {
+        let mut f = File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        f.write_all(bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
+        f.sync_all().with_context(|| format!("cannot sync {}", tmp.display()))?;
+    }
+    fs::rename(&tmp, path).with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))?;
+    sync_dir(dir);
+    Ok(())
+}
+
+fn sync_dir(dir: &Path) {
+    // Makes the rename durable; not every filesystem supports syncing a directory, which is harmless.
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
+    f.write_all(bytes).with_context(|| format!("cannot write {}", path.display()))?;
+    f.sync_all().with_context(|| format!("cannot sync {}", path.display()))?;
+    Ok(())
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn tensors_to_bytes(named: &[(String, Vec<usize>, Vec<u8>)], meta: BTreeMap<String, String>) -> Result<Vec<u8>> {
+    let views: Vec<(String, TensorView<'_>)> = named
+        .iter()
+        .map(|(n, shape, bytes)| Ok((n.clone(), TensorView::new(Dtype::F32, shape.clone(), bytes)?)))
+        .collect::<Result<_, safetensors::SafeTensorError>>()?;
+    let meta: std::collections::HashMap<String, String> = meta.into_iter().collect();
+    Ok(safetensors::serialize(views, Some(meta))?)
+}
+
+/// `model.safetensors`: parameters and running statistics by module path.
+pub fn model_bytes(layout: &ParamLayout, params: &[f32], running: &[f32], step: u64) -> Result<Vec<u8>> {
+    let mut named = Vec::new();
+    for e in &layout.trainable {
+        named.push((e.path.clone(), e.shape.clone(), f32_bytes(&params[e.range.clone()])));
+    }
+    for e in &layout.running {
+        named.push((e.path.clone(), e.shape.clone(), f32_bytes(&running[e.range.clone()])));
+    }
+    tensors_to_bytes(&named, BTreeMap::from([("step".into(), step.to_string()), ("format".into(), "qsr-model".into())]))
+}
+
+/// `optim-rank<r>.safetensors`: one rank's optimizer moments.
+pub fn optim_bytes(state: &OptimState) -> Result<Vec<u8>> {
+    let mut named = Vec::new();
+    if !state.first_moment.is_empty() {
+        named.push(("first_moment".to_string(), vec![state.first_moment.len()], f32_bytes(&state.first_moment)));
+    }
+    if !state.second_moment.is_empty() {
+        named.push(("second_moment".to_string(), vec![state.second_moment.len()], f32_bytes(&state.second_moment)));
+    }
+    tensors_to_bytes(&named, BTreeMap::from([("step".into(), state.step.to_string())]))
+}
+
+fn read_f32(st: &SafeTensors<'_>, name: &str, len: usize, file: &Path) -> Result<Vec<f32>> {
+    let t = st.tensor(name).map_err(|_| anyhow!("{}: tensor `{name}` is missing", file.display()))?;
+    if t.dtype() != Dtype::F32 || t.data().len() != len * 4 {
+        bail!("{}: tensor `{name}` has {} bytes of {:?}, expected {len} f32", file.display(), t.data().len(), t.dtype());
+    }
+    Ok(t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+}
+
+/// Loads `model.safetensors` against the layout of the model being resumed.
+pub fn load_model(file: &Path, layout: &ParamLayout) -> Result<(Vec<f32>, Vec<f32>)> {
+    let bytes = fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{} is not a safetensors file: {e}", file.display()))?;
+    let mut params = vec![0.0; layout.len()];
+    for e in &layout.trainable {
+        params[e.range.clone()].copy_from_slice(&read_f32(&st, &e.path, e.range.len(), file)?);
+    }
+    let mut running = vec![0.0; layout.running_len()];
+    for e in &layout.running {
+        running[e.range.clone()].copy_from_slice(&read_f32(&st, &e.path, e.range.len(), file)?);
+    }
+    Ok((params, running))
+}
+
+/// Loads one rank's optimizer state; `template` gives the moment sizes this optimizer needs.
+pub fn load_optim(file: &Path, template: &OptimState) -> Result<OptimState> {
+    let bytes = fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{} is not a safetensors file: {e}", file.display()))?;
+    let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| anyhow!("{}: {e}", file.display()))?;
+    let step = meta
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get("step"))
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| anyhow!("{}: metadata `step` is missing", file.display()))?;
+    let moment = |name: &str, len: usize| if len == 0 { Ok(Vec::new()) } else { read_f32(&st, name, len, file) };
+    Ok(OptimState {
+        step,
+        first_moment: moment("first_moment", template.first_moment.len())?,
+        second_moment: moment("second_moment", template.second_moment.len())?,
+    })
+}
+
+pub fn ckpt_root(run_dir: &Path) -> PathBuf {
+    run_dir.join("ckpt")
+}
+
+pub fn tmp_dir(run_dir: &Path, step: u64) -> PathBuf {
+    ckpt_root(run_dir).join(format!("tmp-step-{step}"))
+}
+
+/// Rank 0, before the others write: a fresh temp directory.
+pub fn begin(run_dir: &Path, step: u64) -> Result<PathBuf> {
+    let tmp = tmp_dir(run_dir, step);
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).with_context(|| format!("cannot clear {}", tmp.display()))?;
+    }
+    fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    Ok(tmp)
+}
+
+/// Any rank: writes one file into the checkpoint being built.
+pub fn write_file(tmp: &Path, name: &str, bytes: &[u8]) -> Result<()> {
+    write_synced(&tmp.join(name), bytes)
+}
+
+fn sha256_file(path: &Path) -> Result<String> {
+    let bytes = fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    Ok(format!("{:x}", Sha256::digest(&bytes)))
+}
+
+/// Rank 0, after every rank wrote: checksums, rename into place, point `LATEST` at it, prune old ones.
+pub fn commit(run_dir: &Path, step: u64, keep: usize) -> Result<PathBuf> {
+    let tmp = tmp_dir(run_dir, step);
+    let mut sums = BTreeMap::new();
+    let mut names: Vec<String> = fs::read_dir(&tmp)?.filter_map(|e| e.ok()?.file_name().into_string().ok()).collect();
+    names.sort();
+    for name in names {
+        sums.insert(name.clone(), sha256_file(&tmp.join(&name))?);
+    }
+    write_synced(&tmp.join("manifest.json"), serde_json::to_string_pretty(&sums)?.as_bytes())?;
+    sync_dir(&tmp);
+    let name = format!("step-{step}");
+    let dest = ckpt_root(run_dir).join(&name);
+    if dest.exists() {
+        fs::remove_dir_all(&dest).with_context(|| format!("cannot replace {}", dest.display()))?;
+    }
+    fs::rename(&tmp, &dest).with_context(|| format!("cannot rename {} to {}", tmp.display(), dest.display()))?;
+    sync_dir(&ckpt_root(run_dir));
+    write_atomic(&ckpt_root(run_dir).join("LATEST"), name.as_bytes())?;
+    prune(run_dir, keep.max(1))?;
+    Ok(dest)
+}
+
+fn prune(run_dir: &Path, keep: usize) -> Result<()> {
+    let mut steps: Vec<u64> = fs::read_dir(ckpt_root(run_dir))?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok()?.strip_prefix("step-")?.parse().ok())
+        .collect();
+    steps.sort_unstable();
+    for s in steps.iter().rev().skip(keep) {
+        let _ = fs::remove_dir_all(ckpt_root(run_dir).join(format!("step-{s}")));
+    }
+    Ok(())
+}
+
+/// The newest complete checkpoint of a run, verified against its manifest.
+pub fn latest(run_dir: &Path) -> Result<(PathBuf, CheckpointState)> {
+    let latest = ckpt_root(run_dir).join("LATEST");
+    let name = fs::read_to_string(&latest)
+        .with_context(|| format!("{} has no checkpoint ({} is missing)", run_dir.display(), latest.display()))?;
+    let dir = ckpt_root(run_dir).join(name.trim());
+    verify(&dir)?;
+    let state_path = dir.join("state.json");
+    let state: CheckpointState = serde_json::from_slice(&fs::read(&state_path)?)
+        .with_context(|| format!("{} is not a valid checkpoint state", state_path.display()))?;
+    if state.format != FORMAT {
+        bail!("{}: checkpoint format {} is not supported (expected {FORMAT})", state_path.display(), state.format);
+    }
+    Ok((dir, state))
+}
+
+/// Checks every file of a checkpoint against `manifest.json`.
+pub fn verify(dir: &Path) -> Result<()> {
+    let manifest = dir.join("manifest.json");
+    let sums: BTreeMap<String, String> = serde_json::from_slice(
+        &fs::read(&manifest).with_context(|| format!("checkpoint {} is incomplete: no manifest", dir.display()))?,
+    )
+    .with_context(|| format!("{} is corrupt", manifest.display()))?;
+    if !sums.contains_key("state.json") || !sums.contains_key("model.safetensors") {
+        bail!("{} does not list state.json and model.safetensors", manifest.display());
+    }
+    for (name, want) in &sums {
+        if name.contains('/') || name.contains("..") {
+            bail!("{} lists an invalid file name `{name}`", manifest.display());
+        }
+        let got = sha256_file(&dir.join(name))?;
+        if &got != want {
+            bail!("checkpoint file {} is corrupt: SHA-256 {got} does not match the manifest's {want}", dir.join(name).display());
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,230 @@
+//! `qsr compare`: one recipe under several sync rules and seeds, K simulated workers each, with a table
+//! of test accuracy (mean and 95% interval over seeds), synchronizations, communication and wall time.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, anyhow, bail};
+use qsr_sched::SyncRule;
+use serde::Serialize;
+
+use crate::checkpoint::write_atomic;
+use crate::launch::device;
+use crate::train::{RunSpec, Summary};
+use crate::train_recipe::TrainRecipe;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct CompareArgs {
+    #[arg(long)]
+    pub recipe: PathBuf,
+    /// Comma-separated rules: dp, constant, qsr, post-local, power, exponential; parameters after a
+    /// colon, e.g. `constant:h=4,qsr:h_base=2;alpha=0.06` (default: dp,constant,qsr).
+    #[arg(long, default_value = "dp,constant,qsr")]
+    pub rules: String,
+    /// Seeds 0..N for every rule.
+    #[arg(long, default_value_t = 3)]
+    pub seeds: u64,
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// Simulated workers (default: the recipe's train.workers).
+    #[arg(long)]
+    pub workers: Option<usize>,
+    /// Output directory (default runs/compare-<recipe name>).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+}
+
+/// One row of the table.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub rule: String,
+    pub sync: SyncRule,
+    pub seeds: usize,
+    pub accuracy_mean: f64,
+    /// Half-width of the 95% confidence interval of the mean (Student's t).
+    pub accuracy_ci95: f64,
+    pub accuracies: Vec<f64>,
+    pub syncs: u64,
+    pub comm_percent: f64,
+    pub bytes_per_rank: u64,
+    pub wall_seconds_mean: f64,
+    pub runs: Vec<PathBuf>,
+}
+
+/// Student's t quantile for a two-sided 95% interval with `df` degrees of freedom.
+pub fn t95(df: usize) -> f64 {
+    const T: [f64; 30] = [
+        12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120,
+        2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+    ];
+    if df == 0 { f64::NAN } else { T.get(df - 1).copied().unwrap_or(1.960) }
+}
+
+/// Mean and 95% half-width of `xs` (half-width 0 for a single value).
+pub fn mean_ci(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len();
+    if n == 0 {
+        return (f64::NAN, f64::NAN);
+    }
+    let mean = xs.iter().sum::<f64>() / n as f64;
+    if n == 1 {
+        return (mean, 0.0);
+    }
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+    (mean, t95(n - 1) * (var / n as f64).sqrt())
+}
+
+/// Parses one rule spec against the recipe's own rule (the source of defaults).
+pub fn rule_from_spec(spec: &str, base: &SyncRule) -> Result<SyncRule> {
+    let (name, params) = spec.split_once(':').unwrap_or((spec, ""));
+    let mut table = toml::Table::new();
+    table.insert("rule".into(), toml::Value::String(name.trim().to_string()));
+    // Defaults from the recipe: its QSR settings, and constant H = its h_base (the paper's baseline).
+    let (h_base, alpha) = match *base {
+        SyncRule::Qsr { h_base, alpha } | SyncRule::Power { h_base, alpha, .. } => (Some(h_base), Some(alpha)),
+        SyncRule::Exponential { h_base, .. } => (Some(h_base), None),
+        SyncRule::Constant { h } | SyncRule::PostLocal { h, .. } => (Some(h), None),
+        SyncRule::Dp => (None, None),
+    };
+    let int = |v: u64| toml::Value::Integer(v as i64);
+    match name.trim() {
+        "constant" => {
+            if let Some(h) = h_base {
+                table.insert("h".into(), int(h));
+            }
+        }
+        "qsr" | "power" => {
+            if let Some(h) = h_base {
+                table.insert("h_base".into(), int(h));
+            }
+            if let Some(a) = alpha {
+                table.insert("alpha".into(), toml::Value::Float(a));
+            }
+            if name.trim() == "power" {
+                table.insert("power".into(), toml::Value::Float(base.power().unwrap_or(2.0)));
+            }
+        }
+        _ => {}
+    }
+    for kv in params.split(';').filter(|s| !s.trim().is_empty()) {
+        let (k, v) = kv.split_once('=').ok_or_else(|| anyhow!("--rules {spec}: `{kv}` is not key=value"))?;
+        let value = format!("v = {}", v.trim()).parse::<toml::Table>().ok().and_then(|mut t| t.remove("v"));
+        table.insert(k.trim().to_string(), value.ok_or_else(|| anyhow!("--rules {spec}: bad value in `{kv}`"))?);
+    }
+    toml::Value::Table(table).try_into::<SyncRule>().map_err(|e| anyhow!("--rules {spec}: {}", e.message().trim()))
+}
+
+pub fn run(args: &CompareArgs) -> Result<Vec<Row>> {
+    let base = TrainRecipe::load(&args.recipe, &args.sets)?;
+    if args.seeds == 0 {
+        bail!("--seeds must be at least 1");
+    }
+    let out = args.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(format!("compare-{}", base.name)));
+    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
+    let rules: Vec<(String, SyncRule)> = args
+        .rules
+        .split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| rule_from_spec(s, &base.sync).map(|r| (s.split(':').next().unwrap_or(s).trim().to_string(), r)))
+        .collect::<Result<_>>()?;
+    let dev = device(&args.device)?;
+    let mut rows = Vec::new();
+    for (label, rule) in &rules {
+        let mut summaries: Vec<Summary> = Vec::new();
+        let mut runs = Vec::new();
+        for seed in 0..args.seeds {
+            let mut recipe = base.clone();
+            recipe.sync = rule.clone();
+            recipe.seed = seed;
+            recipe.name = format!("{}-{label}-seed{seed}", base.name);
+            if let Some(k) = args.workers {
+                recipe.train.workers = k;
+            }
+            recipe.validate()?;
+            let run_dir = out.join(format!("{label}-seed{seed}"));
+            std::fs::create_dir_all(&run_dir)?;
+            write_atomic(&run_dir.join("recipe.toml"), recipe.to_toml()?.as_bytes())?;
+            eprintln!("compare: {label} ({}) seed {seed}, K = {}", rule.describe(), recipe.train.workers);
+            let spec = RunSpec { recipe, device: dev.clone(), run_dir: run_dir.clone(), resume: None, progress: false, halt_after: None };
+            let outcomes = crate::launch::simulated(&spec)?;
+            let s = outcomes.into_iter().find_map(|o| o.summary).ok_or_else(|| anyhow!("{label} seed {seed}: no summary"))?;
+            summaries.push(s);
+            runs.push(run_dir);
+        }
+        let accs: Vec<f64> = summaries.iter().map(|s| s.final_test_accuracy).collect();
+        let (mean, ci) = mean_ci(&accs);
+        let s0 = &summaries[0];
+        rows.push(Row {
+            rule: label.clone(),
+            sync: rule.clone(),
+            seeds: summaries.len(),
+            accuracy_mean: mean,
+            accuracy_ci95: ci,
+            accuracies: accs,
+            syncs: s0.syncs,
+            comm_percent: s0.comm_percent,
+            bytes_per_rank: s0.bytes_per_rank,
+            wall_seconds_mean: summaries.iter().map(|s| s.wall_seconds).sum::<f64>() / summaries.len() as f64,
+            runs,
+        });
+    }
+    let table = markdown(&base, &rows, args.seeds);
+    print!("{table}");
+    write_atomic(&out.join("compare.md"), table.as_bytes())?;
+    write_atomic(&out.join("compare.json"), serde_json::to_string_pretty(&rows)?.as_bytes())?;
+    // One picture per metric, overlaying seed 0 of every rule.
+    let series: Vec<crate::plot::RunSeries> = rows
+        .iter()
+        .map(|r| crate::plot::RunSeries::load(&r.runs[0]).map(|mut s| {
+            s.name = r.rule.clone();
+            s
+        }))
+        .collect::<Result<_>>()?;
+    let pngs = crate::plot::runs_png(&series, &out)?;
+    eprintln!("compare: wrote {} and {}", out.join("compare.md").display(), pngs.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "));
+    Ok(rows)
+}
+
+fn markdown(recipe: &TrainRecipe, rows: &[Row], seeds: u64) -> String {
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "\n{}: K = {} workers, {} steps, {} seeds (accuracy: mean ± 95% CI over seeds)\n",
+        recipe.name, recipe.train.workers, recipe.plan().map_or(0, |p| p.end_step()), seeds
+    );
+    let _ = writeln!(o, "| rule | test accuracy (%) | syncs | comm % | MiB sent / rank | wall s |");
+    let _ = writeln!(o, "|---|---|---|---|---|---|");
+    for r in rows {
+        let _ = writeln!(
+            o,
+            "| {} | {:.2} ± {:.2} | {} | {:.1} | {:.1} | {:.1} |",
+            r.sync.describe(),
+            100.0 * r.accuracy_mean,
+            100.0 * r.accuracy_ci95,
+            r.syncs,
+            r.comm_percent,
+            r.bytes_per_rank as f64 / (1024.0 * 1024.0),
+            r.wall_seconds_mean
+        );
+    }
+    o
+}
+
+/// `qsr plot RUN_DIR... [--out DIR]`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PlotArgs {
+    /// Run directories (each with a metrics.jsonl).
+    #[arg(required = true)]
+    pub runs: Vec<PathBuf>,
+    /// Where to write the PNGs (default: the first run directory).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+pub fn plot(args: &PlotArgs) -> Result<Vec<PathBuf>> {
+    let series: Vec<crate::plot::RunSeries> = args.runs.iter().map(|d| crate::plot::RunSeries::load(d)).collect::<Result<_>>()?;
+    let out = args.out.clone().unwrap_or_else(|| args.runs[0].clone());
+    crate::plot::runs_png(&series, Path::new(&out))
+}

@@ -1,0 +1,436 @@
+//! The training loop: the same code for every worker, whatever carries its collective (threads in one
+//! process, local processes over the TCP ring, MPI, an externally launched job).
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result, anyhow, bail};
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::tensor::{Device, Tensor};
+use qsr_comm::{Collective, ReduceOp};
+use qsr_data::{EvalLoader, HostBatch, Normalize, PrefetchOptions, SamplerConfig, ShardedSampler, Split, TrainLoader, Transform};
+use qsr_models::{InputSpec, Model};
+use qsr_optim::{BnPolicy, OptimState, Worker};
+use qsr_sched::SyncMode;
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::{self, CheckpointState};
+use crate::train_recipe::{TrainRecipe, open_dataset};
+
+/// One line of `metrics.jsonl`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Record {
+    /// `sync` or `eval`.
+    pub kind: String,
+    /// Steps completed.
+    pub step: u64,
+    pub epoch: f64,
+    pub lr: f64,
+    /// Length of the round that just ended (sync) or is under way (eval).
+    pub h: u64,
+    /// Rank 0's mean training loss since the previous sync record (sync); test loss (eval).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub accuracy: Option<f64>,
+    pub syncs: u64,
+    /// Bytes rank 0 sent for synchronizations so far.
+    pub bytes: u64,
+    pub comm_seconds: f64,
+    pub wall_seconds: f64,
+}
+
+/// `summary.json`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Summary {
+    pub name: String,
+    pub rule: String,
+    pub seed: u64,
+    pub world_size: usize,
+    pub steps: u64,
+    pub epochs: f64,
+    pub steps_per_epoch: usize,
+    pub final_test_accuracy: f64,
+    pub final_test_loss: f64,
+    pub syncs: u64,
+    pub planned_syncs: u64,
+    pub comm_percent: f64,
+    pub bytes_per_rank: u64,
+    pub comm_seconds: f64,
+    pub wall_seconds: f64,
+    pub steps_per_second: f64,
+    pub skipped_updates: u64,
+}
+
+/// Everything a worker needs besides its collective and its model replica.
+#[derive(Clone)]
+pub struct RunSpec {
+    pub recipe: TrainRecipe,
+    pub device: Device,
+    /// The run directory (rank 0 writes metrics, summary and the shared checkpoint files; every rank
+    /// writes its optimizer state into the checkpoint).
+    pub run_dir: PathBuf,
+    /// Continue from this checkpoint.
+    pub resume: Option<(PathBuf, CheckpointState)>,
+    /// Show a progress bar (rank 0).
+    pub progress: bool,
+    /// Stop after the first checkpoint at or past this step (for tests of resumption).
+    pub halt_after: Option<u64>,
+}
+
+/// What a worker returns.
+pub struct Outcome {
+    pub rank: usize,
+    pub params: Vec<f32>,
+    pub summary: Option<Summary>,
+    /// False when the run halted early (`halt_after`).
+    pub finished: bool,
+}
+
+/// Input shape the model is built for, from the dataset and its transform.
+pub fn input_spec(recipe: &TrainRecipe) -> Result<(InputSpec, usize)> {
+    let train = open_dataset(&recipe.data, Split::Train)?;
+    let (c, h, w) = transform(recipe, train.info(), true).output_shape(train.info())?;
+    Ok((InputSpec::new(c, h, w), train.classes()))
+}
+
+fn transform(recipe: &TrainRecipe, info: &qsr_data::DatasetInfo, train: bool) -> Transform {
+    if !train {
+        Transform::eval_default(info)
+    } else if recipe.data.augment {
+        Transform::train_default(info)
+    } else {
+        Transform::normalize_only(Normalize::for_dataset(info))
+    }
+}
+
+/// Builds the model of a recipe on `device` (seeded, so every process builds the same one).
+pub fn build_model(recipe: &TrainRecipe, device: &Device) -> Result<Model> {
+    let (input, classes) = input_spec(recipe)?;
+    device.seed(recipe.seed);
+    let model = recipe.model.init(input, classes, device).map_err(|e| anyhow!("invalid `model.{}`: {e}", e.field()))?;
+    // Parameters are created lazily; one forward materializes them now, under this seed.
+    let probe = Tensor::<4>::zeros([1, input.channels, input.height, input.width], device);
+    let _ = model.valid().forward(probe.inner());
+    Ok(model)
+}
+
+struct Eval {
+    accuracy: f64,
+    loss: f64,
+}
+
+/// Runs one worker to the end of the plan (or to `halt_after`).
+pub fn run_worker(spec: &RunSpec, comm: Box<dyn Collective>, model: Model) -> Result<Outcome> {
+    let recipe = &spec.recipe;
+    let rank = comm.rank();
+    let k = comm.world_size();
+    let device = &spec.device;
+    let plan = recipe.plan()?;
+    let train_set = open_dataset(&recipe.data, Split::Train)?;
+    let test_set = open_dataset(&recipe.data, Split::Test)?;
+    let info = train_set.info().clone();
+    let sampler = ShardedSampler::new(SamplerConfig {
+        len: train_set.len(),
+        world_size: k,
+        rank,
+        local_batch: recipe.train.local_batch,
+        steps_per_epoch: None,
+        seed: recipe.seed,
+    })
+    .with_context(|| format!("`train.local_batch` {} x {k} workers vs {} training images", recipe.train.local_batch, train_set.len()))?;
+    let spe = sampler.steps_per_epoch();
+    let loader = TrainLoader::new(train_set, sampler, transform(recipe, &info, true))?;
+    let eval_loader = EvalLoader::new(test_set, transform(recipe, &info, false), recipe.eval.batch_size)?.shard(rank, k)?;
+    let has_bn = model.has_batch_norm();
+    let bn_momentum = {
+        let mut m = 0.1;
+        model.for_each_batch_norm(|bn| m = bn.momentum);
+        m
+    };
+
+    let mut worker = Worker::new(model, recipe.optimizer.clone(), comm, plan.cursor(), recipe.driver_config())?;
+    let mut start_records = None;
+    if let Some((dir, state)) = &spec.resume {
+        let (params, running) = checkpoint::load_model(&dir.join("model.safetensors"), worker.layout())?;
+        let template: OptimState = worker.optimizer().state().clone();
+        let optim = checkpoint::load_optim(&dir.join(format!("optim-rank{rank}.safetensors")), &template)?;
+        let cursor = plan.cursor_at(state.cursor.step());
+        if cursor != state.cursor && plan.end_step() == state.cursor.plan().end_step() {
+            bail!("checkpoint {}: its position does not follow from this recipe's plan", dir.display());
+        }
+        worker.restore(&params, optim, cursor)?;
+        if !running.is_empty() {
+            let m = worker.layout().write_running(worker.model().clone(), &running)?;
+            worker.set_model(m)?;
+        }
+        start_records = Some(state.step);
+    }
+
+    let ce = CrossEntropyLossConfig::new()
+        .with_smoothing((recipe.train.label_smoothing > 0.0).then_some(recipe.train.label_smoothing))
+        .init(device);
+    let micro = recipe.micro_batch();
+    let end = plan.end_step();
+    let first_step = worker.cursor().step();
+    let mut batches = loader.prefetch(first_step, PrefetchOptions { depth: recipe.data.prefetch, threads: Some(1), end_step: Some(end) })?;
+
+    let mut metrics = if rank == 0 { Some(Metrics::open(&spec.run_dir, start_records)?) } else { None };
+    let bar = (rank == 0 && spec.progress).then(|| progress_bar(end, first_step));
+    let t0 = Instant::now();
+    let mut since_sync = (0.0f64, 0u64);
+    let mut last_eval = None;
+    let mut finished = true;
+
+    while !worker.cursor().is_done() {
+        let host = batches.next().ok_or_else(|| anyhow!("the data loader ended early"))??;
+        let micros: Vec<HostBatch> = if micro == host.len() { vec![host] } else { host.split(micro)? };
+        let report = worker.step(|m: &Model, j| {
+            let b = micros[j].to_batch(device);
+            Ok(ce.forward(m.forward(b.images), b.labels))
+        })?;
+        since_sync.0 += f64::from(report.loss);
+        since_sync.1 += 1;
+        let done_steps = report.info.step + 1;
+        if let Some(bar) = &bar {
+            bar.set_position(done_steps);
+            if report.sync.is_some() || done_steps % 10 == 0 {
+                let syncs = worker.stats().syncs;
+                bar.set_message(format!(
+                    "epoch {:.2} lr {:.2e} H {} loss {:.3} comm {:.1}%",
+                    done_steps as f64 / spe as f64,
+                    report.info.lr,
+                    report.info.h,
+                    report.loss,
+                    100.0 * syncs as f64 / done_steps as f64
+                ));
+            }
+        }
+        let Some(sync) = report.sync else { continue };
+        if let Some(m) = metrics.as_mut() {
+            let st = worker.stats();
+            m.write(&Record {
+                kind: "sync".into(),
+                step: done_steps,
+                epoch: done_steps as f64 / spe as f64,
+                lr: report.info.lr,
+                h: report.info.h,
+                loss: Some(since_sync.0 / since_sync.1.max(1) as f64),
+                accuracy: None,
+                syncs: st.syncs,
+                bytes: st.comm.bytes_sent,
+                comm_seconds: st.comm.seconds,
+                wall_seconds: t0.elapsed().as_secs_f64(),
+            })?;
+            let _ = sync;
+        }
+        since_sync = (0.0, 0);
+        // Evaluate at the last synchronization before an epoch boundary, and at the end.
+        let is_end = worker.cursor().is_done();
+        let next_end = worker.cursor().round().end();
+        let boundary = done_steps.div_ceil(spe as u64) * spe as u64;
+        let epoch_index = boundary / spe as u64;
+        let due = is_end || (next_end > boundary && epoch_index % recipe.eval.every_epochs as u64 == 0 && report.info.mode == SyncMode::Parameters)
+            || (report.info.mode == SyncMode::Gradients && done_steps % spe as u64 == 0 && (done_steps / spe as u64) % recipe.eval.every_epochs as u64 == 0);
+        if !due {
+            continue;
+        }
+        if has_bn && recipe.driver.bn == BnPolicy::Reestimate {
+            reestimate_bn(&mut worker, &loader, recipe, done_steps, bn_momentum, device)?;
+        }
+        let ev = evaluate(&mut worker, &eval_loader, device)?;
+        if let Some(m) = metrics.as_mut() {
+            let st = worker.stats();
+            m.write(&Record {
+                kind: "eval".into(),
+                step: done_steps,
+                epoch: done_steps as f64 / spe as f64,
+                lr: report.info.lr,
+                h: report.info.h,
+                loss: Some(ev.loss),
+                accuracy: Some(ev.accuracy),
+                syncs: st.syncs,
+                bytes: st.comm.bytes_sent,
+                comm_seconds: st.comm.seconds,
+                wall_seconds: t0.elapsed().as_secs_f64(),
+            })?;
+        }
+        if let Some(bar) = &bar {
+            bar.println(format!("step {done_steps:>7}  epoch {:>6.2}  test accuracy {:.2}%  test loss {:.4}", done_steps as f64 / spe as f64, 100.0 * ev.accuracy, ev.loss));
+        }
+        last_eval = Some(ev);
+        if recipe.checkpoint.enabled {
+            save_checkpoint(&mut worker, spec, done_steps)?;
+        }
+        if spec.halt_after.is_some_and(|h| done_steps >= h) && !is_end {
+            finished = false;
+            break;
+        }
+    }
+    if let Some(bar) = &bar {
+        bar.finish_and_clear();
+    }
+    let st = *worker.stats();
+    let wall = t0.elapsed().as_secs_f64();
+    let summary = match (rank, finished, last_eval) {
+        (0, true, Some(ev)) => {
+            let planned = plan.summary();
+            let steps_run = end - first_step;
+            let s = Summary {
+                name: recipe.name.clone(),
+                rule: recipe.sync.name().to_string(),
+                seed: recipe.seed,
+                world_size: k,
+                steps: end,
+                epochs: end as f64 / spe as f64,
+                steps_per_epoch: spe,
+                final_test_accuracy: ev.accuracy,
+                final_test_loss: ev.loss,
+                syncs: st.syncs + spec.resume.as_ref().map_or(0, |(_, s)| plan_syncs_before(&plan, s.step)),
+                planned_syncs: planned.rounds,
+                comm_percent: planned.comm_percent,
+                bytes_per_rank: st.comm.bytes_sent,
+                comm_seconds: st.comm.seconds,
+                wall_seconds: wall,
+                steps_per_second: steps_run as f64 / wall.max(1e-9),
+                skipped_updates: st.skipped_updates,
+            };
+            checkpoint::write_atomic(&spec.run_dir.join("summary.json"), serde_json::to_string_pretty(&s)?.as_bytes())?;
+            Some(s)
+        }
+        _ => None,
+    };
+    Ok(Outcome { rank, params: worker.params().to_vec(), summary, finished })
+}
+
+fn plan_syncs_before(plan: &qsr_sched::Plan, step: u64) -> u64 {
+    plan.rounds().take_while(|r| r.end() <= step).count() as u64
+}
+
+/// The paper's BatchNorm re-estimation: reset the statistics, run `bn_images / K` training images per
+/// worker with momentum 1/(1+i) for micro-batch i (a cumulative average), then average across workers.
+fn reestimate_bn(worker: &mut Worker<Model>, loader: &TrainLoader, recipe: &TrainRecipe, step: u64, momentum: f64, device: &Device) -> Result<()> {
+    let k = worker.world_size();
+    let per_worker = recipe.eval.bn_images.div_ceil(k).max(1);
+    let micro = recipe.micro_batch();
+    let mut model = worker.model().deep_clone();
+    model.reset_bn_running_stats();
+    let (mut seen, mut i, mut t) = (0usize, 0usize, step);
+    while seen < per_worker {
+        for part in loader.host_batch(t)?.split(micro)? {
+            if seen >= per_worker {
+                break;
+            }
+            model.set_bn_momentum(1.0 / (1.0 + i as f64)).map_err(|e| anyhow!("{e}"))?;
+            let b = part.to_batch(device);
+            let _ = model.forward(b.images);
+            seen += part.len();
+            i += 1;
+        }
+        t += 1;
+    }
+    model.set_bn_momentum(momentum).map_err(|e| anyhow!("{e}"))?;
+    worker.set_model(model)?;
+    worker.average_running_stats()?;
+    Ok(())
+}
+
+/// Top-1 accuracy and mean loss on the test split, each rank evaluating its shard.
+fn evaluate(worker: &mut Worker<Model>, loader: &EvalLoader, device: &Device) -> Result<Eval> {
+    let model = worker.model().valid();
+    let inner = device.clone().inner();
+    let ce = CrossEntropyLossConfig::new().init(&inner);
+    let mut acc = [0.0f32; 3]; // correct, loss sum, count
+    for host in loader.iter() {
+        let host = host?;
+        let n = host.len();
+        let b = host.into_batch(&inner);
+        let logits = model.forward(b.images);
+        let loss: f32 = ce.forward(logits.clone(), b.labels.clone()).into_scalar();
+        let pred = logits.argmax(1).squeeze_dim::<1>(1);
+        let correct: i64 = pred.equal(b.labels).int().sum().into_scalar();
+        acc[0] += correct as f32;
+        acc[1] += loss * n as f32;
+        acc[2] += n as f32;
+    }
+    let step = worker.cursor().step();
+    worker.comm_mut().all_reduce(&mut acc, ReduceOp::Sum).map_err(|e| anyhow!("evaluation at step {step}: {e}"))?;
+    Ok(Eval { accuracy: f64::from(acc[0]) / f64::from(acc[2].max(1.0)), loss: f64::from(acc[1]) / f64::from(acc[2].max(1.0)) })
+}
+
+fn save_checkpoint(worker: &mut Worker<Model>, spec: &RunSpec, step: u64) -> Result<()> {
+    let rank = worker.rank();
+    let run_dir = &spec.run_dir;
+    let tmp = checkpoint::tmp_dir(run_dir, step);
+    let err = |e| anyhow!("checkpoint at step {step}: {e}");
+    if rank == 0 {
+        checkpoint::begin(run_dir, step)?;
+    }
+    worker.comm_mut().barrier().map_err(err)?;
+    checkpoint::write_file(&tmp, &format!("optim-rank{rank}.safetensors"), &checkpoint::optim_bytes(worker.optimizer().state())?)?;
+    if rank == 0 {
+        let mut running = vec![0.0; worker.layout().running_len()];
+        worker.layout().read_running(worker.model(), &mut running)?;
+        checkpoint::write_file(&tmp, "model.safetensors", &checkpoint::model_bytes(worker.layout(), worker.params(), &running, step)?)?;
+        let state = CheckpointState {
+            format: checkpoint::FORMAT,
+            step,
+            world_size: worker.world_size(),
+            cursor: worker.cursor().clone(),
+            resume_key: spec.recipe.resume_key()?,
+        };
+        checkpoint::write_file(&tmp, "state.json", serde_json::to_string_pretty(&state)?.as_bytes())?;
+    }
+    worker.comm_mut().barrier().map_err(err)?;
+    if rank == 0 {
+        checkpoint::commit(run_dir, step, spec.recipe.checkpoint.keep)?;
+    }
+    Ok(())
+}
+
+fn progress_bar(end: u64, start: u64) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(end);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps {msg} [{elapsed_precise} < {eta_precise}]")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar.set_position(start);
+    bar
+}
+
+/// `metrics.jsonl` of rank 0; on resume, records past the checkpoint are dropped first.
+struct Metrics {
+    file: File,
+}
+
+impl Metrics {
+    fn open(run_dir: &Path, resume_at: Option<u64>) -> Result<Self> {
+        let path = run_dir.join("metrics.jsonl");
+        if let Some(step) = resume_at
+            && path.exists()
+        {
+            let kept: Vec<String> = BufReader::new(File::open(&path)?)
+                .lines()
+                .map_while(Result::ok)
+                .filter(|l| serde_json::from_str::<Record>(l).is_ok_and(|r| r.step <= step))
+                .collect();
+            let mut text = kept.join("\n");
+            if !text.is_empty() {
+                text.push('\n');
+            }
+            checkpoint::write_atomic(&path, text.as_bytes())?;
+        } else if resume_at.is_none() && path.exists() {
+            fs::remove_file(&path).with_context(|| format!("cannot replace {}", path.display()))?;
+        }
+        let file = OpenOptions::new().create(true).append(true).open(&path).with_context(|| format!("cannot open {}", path.display()))?;
+        Ok(Self { file })
+    }
+
+    fn write(&mut self, r: &Record) -> Result<()> {
+        writeln!(self.file, "{}", serde_json::to_string(r)?)?;
+        Ok(())
+    }
+}

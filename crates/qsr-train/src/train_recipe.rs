@@ -1,0 +1,299 @@
+//! The full training recipe: `[model]`, `[data]`, `[train]`, `[optimizer]`, `[schedule]`, `[sync]`,
+//! `[driver]`, `[eval]`, `[checkpoint]`. Every section refuses unknown keys; `--set a.b=value` overrides
+//! are applied to the TOML table before anything is validated, so a flag and a key fail the same way.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, anyhow, bail};
+use qsr_data::Split;
+use qsr_models::ModelConfig;
+use qsr_optim::{DriverConfig, OptimizerConfig};
+use qsr_sched::{LrSchedule, Plan, SyncRule};
+use serde::{Deserialize, Serialize};
+use toml::{Table, Value};
+
+/// Which dataset, and where.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    /// digits (embedded), fashion-mnist, mnist, cifar10, cifar100, imagefolder.
+    pub dataset: String,
+    /// Directory of the files (not used by `digits`; Fashion-MNIST defaults to Debian's path).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    /// Train-time augmentation (the dataset's default crop/flip); off = normalization only.
+    #[serde(default = "yes")]
+    pub augment: bool,
+    /// Prefetched batches per worker.
+    #[serde(default = "three")]
+    pub prefetch: usize,
+}
+
+/// Batch sizes, run length, loss.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    /// K: simulated workers (`--workers`), or the world size a launch must have.
+    #[serde(default = "one")]
+    pub workers: usize,
+    /// B/K: samples per worker per step.
+    pub local_batch: usize,
+    /// Micro-batch for gradient accumulation (default: the whole local batch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub micro_batch: Option<usize>,
+    /// Steps this run performs (default: the schedule's horizon `total_steps`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub steps: Option<u64>,
+    #[serde(default)]
+    pub label_smoothing: f32,
+}
+
+/// Evaluation cadence and BatchNorm re-estimation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EvalConfig {
+    #[serde(default = "eval_batch")]
+    pub batch_size: usize,
+    /// Evaluate at the last synchronization before every `every_epochs`-th epoch boundary (and at the end).
+    #[serde(default = "one")]
+    pub every_epochs: usize,
+    /// Training images (over all workers) used to re-estimate BatchNorm statistics before an evaluation.
+    #[serde(default = "bn_images")]
+    pub bn_images: usize,
+}
+
+impl Default for EvalConfig {
+    fn default() -> Self {
+        Self { batch_size: eval_batch(), every_epochs: 1, bn_images: bn_images() }
+    }
+}
+
+/// Checkpointing.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// Write a checkpoint at every evaluation point (a synchronization) and at the end.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// Checkpoints kept on disk (older ones are removed).
+    #[serde(default = "two")]
+    pub keep: usize,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        Self { enabled: true, keep: 2 }
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+fn one() -> usize {
+    1
+}
+fn two() -> usize {
+    2
+}
+fn three() -> usize {
+    3
+}
+fn eval_batch() -> usize {
+    256
+}
+fn bn_images() -> usize {
+    4096
+}
+
+/// A resolved recipe.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainRecipe {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// Seed of the model initialization, the data order and augmentation.
+    #[serde(default)]
+    pub seed: u64,
+    pub model: ModelConfig,
+    pub data: DataConfig,
+    pub train: TrainConfig,
+    pub optimizer: OptimizerConfig,
+    pub schedule: LrSchedule,
+    pub sync: SyncRule,
+    #[serde(default)]
+    pub driver: DriverConfig,
+    #[serde(default)]
+    pub eval: EvalConfig,
+    #[serde(default)]
+    pub checkpoint: CheckpointConfig,
+}
+
+const SECTIONS: [&str; 9] = ["model", "data", "train", "optimizer", "schedule", "sync", "driver", "eval", "checkpoint"];
+
+/// Applies `key=value` overrides (dotted keys, TOML values; a bare word is a string).
+pub fn apply_sets(root: &mut Table, sets: &[String]) -> Result<()> {
+    for set in sets {
+        let (key, raw) = set.split_once('=').ok_or_else(|| anyhow!("--set {set}: expected key=value"))?;
+        let key = key.trim();
+        let value = parse_value(raw.trim());
+        let parts: Vec<&str> = key.split('.').collect();
+        if parts.iter().any(|p| p.is_empty()) {
+            bail!("--set {set}: `{key}` is not a dotted key");
+        }
+        let mut table = &mut *root;
+        for (i, part) in parts[..parts.len() - 1].iter().enumerate() {
+            let entry = table.entry(part.to_string()).or_insert_with(|| Value::Table(Table::new()));
+            table = entry
+                .as_table_mut()
+                .ok_or_else(|| anyhow!("--set {set}: `{}` is not a table", parts[..=i].join(".")))?;
+        }
+        table.insert(parts[parts.len() - 1].to_string(), value);
+    }
+    Ok(())
+}
+
+fn parse_value(raw: &str) -> Value {
+    format!("v = {raw}")
+        .parse::<Table>()
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| Value::String(raw.to_string()))
+}
+
+impl TrainRecipe {
+    /// Reads a recipe file, applies overrides, validates every part; errors name the file and key.
+    pub fn load(path: &Path, sets: &[String]) -> Result<Self> {
+        let mut root = crate::recipe::read_table(path)?;
+        apply_sets(&mut root, sets)?;
+        Self::from_table(root, &format!("recipe {}", path.display()))
+    }
+
+    pub fn from_table(mut root: Table, origin: &str) -> Result<Self> {
+        if !root.contains_key("name") {
+            root.insert("name".into(), Value::String("run".into()));
+        }
+        for key in root.keys() {
+            if !SECTIONS.contains(&key.as_str()) && !["name", "description", "seed"].contains(&key.as_str()) {
+                bail!("{origin}: unknown key `{key}` (expected {}, name, description, seed)", SECTIONS.join(", "));
+            }
+        }
+        // Deserialize section by section first, so an error names its section.
+        for section in SECTIONS {
+            if let Some(msg) = root.get(section).and_then(|v| section_error(section, v)) {
+                bail!("{origin}: [{section}] {msg}");
+            }
+        }
+        let recipe: TrainRecipe =
+            Value::Table(root).try_into().map_err(|e: toml::de::Error| anyhow!("{origin}: {}", e.message().trim()))?;
+        recipe.validate().with_context(|| origin.to_string())?;
+        Ok(recipe)
+    }
+
+    /// Checks what serde cannot: cross-field constraints, each named.
+    pub fn validate(&self) -> Result<()> {
+        self.model.validate().map_err(|e| anyhow!("invalid `model.{}`: {e}", e.field()))?;
+        self.optimizer.validate()?;
+        let t = &self.train;
+        if t.workers == 0 {
+            bail!("invalid `train.workers`: must be at least 1");
+        }
+        if t.local_batch == 0 {
+            bail!("invalid `train.local_batch`: must be at least 1");
+        }
+        let micro = self.micro_batch();
+        if micro == 0 || t.local_batch % micro != 0 {
+            bail!("invalid `train.micro_batch`: {micro} must divide train.local_batch ({})", t.local_batch);
+        }
+        if !(t.label_smoothing.is_finite() && (0.0..1.0).contains(&t.label_smoothing)) {
+            bail!("invalid `train.label_smoothing`: must be in [0, 1) (got {})", t.label_smoothing);
+        }
+        if self.eval.batch_size == 0 {
+            bail!("invalid `eval.batch_size`: must be at least 1");
+        }
+        if self.eval.every_epochs == 0 {
+            bail!("invalid `eval.every_epochs`: must be at least 1");
+        }
+        if self.data.prefetch == 0 {
+            bail!("invalid `data.prefetch`: must be at least 1");
+        }
+        self.plan()?;
+        Ok(())
+    }
+
+    pub fn micro_batch(&self) -> usize {
+        self.train.micro_batch.unwrap_or(self.train.local_batch)
+    }
+
+    pub fn accumulation_steps(&self) -> usize {
+        self.train.local_batch / self.micro_batch().max(1)
+    }
+
+    /// The round plan: the schedule and rule over `train.steps` (default the horizon).
+    pub fn plan(&self) -> Result<Plan> {
+        Plan::from_parts(self.schedule.clone(), self.sync.clone(), self.train.steps).map_err(|e| anyhow!("{e}"))
+    }
+
+    /// The driver options with the accumulation the batch sizes imply.
+    pub fn driver_config(&self) -> DriverConfig {
+        DriverConfig { accumulation_steps: self.accumulation_steps(), ..self.driver.clone() }
+    }
+
+    /// Recipes must agree on these for a checkpoint of one to resume under the other.
+    pub fn resume_key(&self) -> Result<String> {
+        let mut r = self.clone();
+        // Run length may be extended and evaluation / checkpoint cadence may change on resume.
+        r.train.steps = None;
+        // The world size is checked on its own, with its own message.
+        r.train.workers = 0;
+        r.eval = EvalConfig::default();
+        r.checkpoint = CheckpointConfig::default();
+        r.data.prefetch = 3;
+        Ok(serde_json::to_string(&r)?)
+    }
+
+    pub fn to_toml(&self) -> Result<String> {
+        Ok(toml::to_string_pretty(self)?)
+    }
+}
+
+fn section_error(section: &str, value: &Value) -> Option<String> {
+    fn check<T: serde::de::DeserializeOwned>(v: &Value) -> Option<String> {
+        v.clone().try_into::<T>().err().map(|e| e.message().trim().to_string())
+    }
+    match section {
+        "model" => check::<ModelConfig>(value),
+        "data" => check::<DataConfig>(value),
+        "train" => check::<TrainConfig>(value),
+        "optimizer" => check::<OptimizerConfig>(value),
+        "schedule" => check::<LrSchedule>(value),
+        "sync" => check::<SyncRule>(value),
+        "driver" => check::<DriverConfig>(value),
+        "eval" => check::<EvalConfig>(value),
+        "checkpoint" => check::<CheckpointConfig>(value),
+        _ => None,
+    }
+}
+
+/// Opens the recipe's dataset split; errors name the setting and the path.
+pub fn open_dataset(data: &DataConfig, split: Split) -> Result<std::sync::Arc<dyn qsr_data::Dataset>> {
+    use std::sync::Arc;
+    let path = |default: Option<&str>| -> Result<PathBuf> {
+        data.path
+            .clone()
+            .or_else(|| default.map(PathBuf::from))
+            .ok_or_else(|| anyhow!("`data.path` is required for dataset `{}`", data.dataset))
+    };
+    let set: Arc<dyn qsr_data::Dataset> = match data.dataset.as_str() {
+        "digits" => Arc::new(qsr_data::digits(split)),
+        "fashion-mnist" => Arc::new(qsr_data::fashion_mnist(&path(Some(qsr_data::FASHION_MNIST_DEFAULT_DIR))?, split)?),
+        "mnist" => Arc::new(qsr_data::mnist(&path(None)?, split)?),
+        "cifar10" => Arc::new(qsr_data::cifar10(&path(None)?, split)?),
+        "cifar100" => Arc::new(qsr_data::cifar100(&path(None)?, split)?),
+        "imagefolder" => Arc::new(qsr_data::ImageFolder::imagenet(&path(None)?, split)?),
+        other => bail!(
+            "invalid `data.dataset`: unknown dataset `{other}` (expected digits, fashion-mnist, mnist, cifar10, cifar100, imagefolder)"
+        ),
+    };
+    Ok(set)
+}

@@ -1,0 +1,162 @@
+//! `qsr train` end to end on the embedded digits data.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn qsr(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_qsr")).args(args).current_dir(root()).output().expect("run qsr")
+}
+
+fn ok(args: &[&str]) -> String {
+    let out = qsr(args);
+    assert!(out.status.success(), "qsr {args:?} failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn refused(args: &[&str]) -> String {
+    let out = qsr(args);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "qsr {args:?} should fail");
+    assert!(!err.contains("panicked"), "qsr {args:?} panicked: {err}");
+    err
+}
+
+fn json(path: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+}
+
+/// The latest checkpoint's model file, as raw bytes per tensor name.
+fn final_params(run: &Path) -> Vec<(String, Vec<u8>)> {
+    let latest = std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap();
+    let bytes = std::fs::read(run.join("ckpt").join(latest.trim()).join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut v: Vec<(String, Vec<u8>)> = st.tensors().into_iter().map(|(n, t)| (n, t.data().to_vec())).collect();
+    v.sort();
+    v
+}
+
+const RECIPE: &str = "recipes/digits-qsr.toml";
+
+#[test]
+fn digits_with_two_simulated_workers_learns_and_syncs_as_planned() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    ok(&["train", "--recipe", RECIPE, "--workers", "2", "--out", run.to_str().unwrap(), "--quiet", "--set", "schedule.total_steps=400"]);
+    let s = json(&run.join("summary.json"));
+    assert!(s["final_test_accuracy"].as_f64().unwrap() > 0.8, "10 classes: chance is 0.1; got {s}");
+    let plan: serde_json::Value = serde_json::from_str(&ok(&["plan", "--recipe", RECIPE, "--total-steps", "400", "--format", "json"])).unwrap();
+    assert_eq!(s["syncs"], plan["rounds"]);
+    assert_eq!(s["planned_syncs"], plan["rounds"]);
+    assert_eq!(s["world_size"], 2);
+    // metrics.jsonl: one sync record per round, evaluations with accuracies, steps increasing.
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let records: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let syncs = records.iter().filter(|r| r["kind"] == "sync").count();
+    assert_eq!(syncs as u64, plan["rounds"].as_u64().unwrap());
+    let evals: Vec<&serde_json::Value> = records.iter().filter(|r| r["kind"] == "eval").collect();
+    assert!(evals.len() >= 2 && evals.last().unwrap()["step"] == 400);
+    assert!(records.windows(2).all(|w| w[0]["step"].as_u64() <= w[1]["step"].as_u64()));
+    let saved = std::fs::read_to_string(run.join("recipe.toml")).unwrap();
+    assert!(saved.contains("total_steps = 400") && saved.contains("workers = 2"), "{saved}");
+}
+
+/// Both modes sum the same worker buffers in the same order (rank 0 + rank 1; the in-process group and
+/// the two-rank ring add the two operands once, and f32 addition is commutative), on the same data
+/// shards and the same initial model, so the final parameters are bit-identical.
+#[test]
+fn two_processes_over_tcp_equal_two_simulated_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("threads"), dir.path().join("procs"));
+    let set = ["--set", "schedule.total_steps=300", "--quiet"];
+    ok(&[&["train", "--recipe", RECIPE, "--workers", "2", "--out", a.to_str().unwrap()][..], &set].concat());
+    ok(&[&["train", "--recipe", RECIPE, "--nproc", "2", "--out", b.to_str().unwrap()][..], &set].concat());
+    assert_eq!(final_params(&a), final_params(&b));
+    assert_eq!(json(&a.join("summary.json"))["syncs"], json(&b.join("summary.json"))["syncs"]);
+}
+
+#[test]
+fn resume_continues_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (straight, resumed) = (dir.path().join("straight"), dir.path().join("resumed"));
+    let set = ["--set", "schedule.total_steps=330", "--set", "eval.every_epochs=2", "--quiet", "--workers", "3"];
+    ok(&[&["train", "--recipe", RECIPE, "--out", straight.to_str().unwrap()][..], &set].concat());
+    // Stop at the first checkpoint past step 100, then resume to the end.
+    ok(&[&["train", "--recipe", RECIPE, "--out", resumed.to_str().unwrap(), "--halt-after", "100"][..], &set].concat());
+    assert!(!resumed.join("summary.json").exists(), "the halted run must not claim to be finished");
+    let halted_at: u64 = std::fs::read_to_string(resumed.join("ckpt/LATEST")).unwrap().trim().trim_start_matches("step-").parse().unwrap();
+    assert!(halted_at >= 100 && halted_at < 330);
+    ok(&["train", "--resume", resumed.to_str().unwrap(), "--quiet", "--workers", "3"]);
+    assert_eq!(final_params(&straight), final_params(&resumed));
+    let (s, r) = (json(&straight.join("summary.json")), json(&resumed.join("summary.json")));
+    assert_eq!(s["syncs"], r["syncs"]);
+    assert_eq!(s["final_test_accuracy"], r["final_test_accuracy"]);
+    // The metrics of the resumed run read as one run: no step recorded twice.
+    let text = std::fs::read_to_string(resumed.join("metrics.jsonl")).unwrap();
+    let steps: Vec<(String, u64)> = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .map(|r| (r["kind"].as_str().unwrap().to_string(), r["step"].as_u64().unwrap()))
+        .collect();
+    let mut dedup = steps.clone();
+    dedup.dedup();
+    assert_eq!(steps, dedup);
+}
+
+#[test]
+fn bad_input_is_refused_with_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("r");
+    let o = out.to_str().unwrap();
+    for (args, needle) in [
+        (vec!["--set", "sync.hbase=3"], "hbase"),
+        (vec!["--set", "optimizer.momentum=1.5"], "optimizer.momentum"),
+        (vec!["--set", "train.local_batch=0"], "train.local_batch"),
+        (vec!["--set", "train.micro_batch=5"], "train.micro_batch"),
+        (vec!["--set", "model.kind=resnet", "--set", "model.depth=19"], "depth"),
+        (vec!["--set", "data.dataset=cifar10"], "data.path"),
+        (vec!["--set", "data.dataset=mnist", "--set", "data.path=/nonexistent/mnist"], "/nonexistent/mnist"),
+        (vec!["--set", "schedule.warmup_steps=100000"], "schedule.warmup_steps"),
+        (vec!["--set", "bogus=1"], "bogus"),
+        (vec!["--set", "novalue"], "key=value"),
+    ] {
+        let err = refused(&[&["train", "--recipe", RECIPE, "--out", o, "--quiet"][..], &args].concat());
+        assert!(err.contains(needle), "{args:?}: expected `{needle}` in: {err}");
+    }
+    let err = refused(&["train", "--recipe", "recipes/none.toml", "--quiet"]);
+    assert!(err.contains("recipes/none.toml"), "{err}");
+}
+
+#[test]
+fn resume_refusals_keep_the_previous_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let r = run.to_str().unwrap();
+    ok(&["train", "--recipe", RECIPE, "--out", r, "--quiet", "--workers", "2", "--set", "schedule.total_steps=200", "--halt-after", "60"]);
+    let latest = std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap();
+    let ckpt = run.join("ckpt").join(latest.trim());
+    let model_before = std::fs::read(ckpt.join("model.safetensors")).unwrap();
+
+    let err = refused(&["train", "--resume", r, "--workers", "3", "--quiet"]);
+    assert!(err.contains("3 workers") && err.contains("2 workers"), "{err}");
+    let err = refused(&["train", "--resume", r, "--workers", "2", "--quiet", "--set", "sync.h_base=3"]);
+    assert!(err.contains("differs"), "{err}");
+    let err = refused(&["train", "--resume", dir.path().join("nothing").to_str().unwrap(), "--quiet"]);
+    assert!(err.contains("nothing"), "{err}");
+
+    // Corrupt the model file: detected by its checksum, never loaded.
+    let mut bytes = model_before.clone();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x55;
+    std::fs::write(ckpt.join("model.safetensors"), &bytes).unwrap();
+    let err = refused(&["train", "--resume", r, "--workers", "2", "--quiet"]);
+    assert!(err.contains("corrupt") && err.contains("model.safetensors"), "{err}");
+    // Nothing was overwritten by the refused attempts.
+    std::fs::write(ckpt.join("model.safetensors"), &model_before).unwrap();
+    assert_eq!(std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap(), latest);
+    ok(&["train", "--resume", r, "--workers", "2", "--quiet"]);
+    assert!(run.join("summary.json").exists());
+}
