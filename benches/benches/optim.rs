@@ -67,9 +67,9 @@ fn step(c: &mut Criterion) {
         g.bench_function("qsr", |b| {
             b.iter_batched(
                 || grads(ours_model.borrow().as_ref().unwrap()),
-                |gr| {
+                |mut gr| {
                     let model = ours_model.borrow_mut().take().unwrap();
-                    layout.read_grads(&model, &gr, &mut flat_grads).unwrap();
+                    layout.read_grads(&model, &mut gr, &mut flat_grads).unwrap();
                     opt.step(&mut params, &mut flat_grads, 1e-3);
                     *ours_model.borrow_mut() = Some(layout.write_params(model, &params).unwrap());
                 },

@@ -306,38 +306,20 @@ fn validate(slots: &[Option<Slot>]) -> Option<Failure> {
     None
 }
 
-/// Elements reduced per tile: the accumulator stays in L1 while K buffers stream through.
-const TILE: usize = 2048;
-
-/// Work step of all_reduce for the slice `range` owned by this rank.
+/// Work step of all_reduce for the slice `range` owned by this rank: the fused reduce-and-broadcast of
+/// qsr-kernels over every rank's buffer, restricted to `range`.
 fn reduce_slice(slots: &[Slot], range: std::ops::Range<usize>, op: ReduceOp) {
-    let k = slots.len();
-    let mut acc = [0f32; TILE];
-    let mut lo = range.start;
-    while lo < range.end {
-        let n = TILE.min(range.end - lo);
-        let acc = &mut acc[..n];
-        for (j, s) in slots.iter().enumerate() {
-            // SAFETY: see the module docs: `s.addr` points to `s.len >= range.end` live f32s whose
-            // owner waits in this call; elements in `range` are touched only by this thread.
-            let src = unsafe { std::slice::from_raw_parts((s.addr as *const f32).add(lo), n) };
-            if j == 0 {
-                acc.copy_from_slice(src);
-            } else {
-                acc.iter_mut().zip(src).for_each(|(a, b)| *a += *b);
-            }
-        }
-        if op == ReduceOp::Mean {
-            let kf = k as f32;
-            acc.iter_mut().for_each(|a| *a /= kf);
-        }
-        for s in slots {
-            // SAFETY: as above; this thread is the only one accessing these elements.
-            let dst = unsafe { std::slice::from_raw_parts_mut((s.addr as *mut f32).add(lo), n) };
-            dst.copy_from_slice(acc);
-        }
-        lo += n;
-    }
+    let n = range.len();
+    let mut views: Vec<&mut [f32]> = slots
+        .iter()
+        .map(|s| {
+            // SAFETY: see the module docs: `s.addr` points to `s.len >= range.end` live f32s whose owner
+            // waits in this call; elements in `range` are touched only by this thread, and the K slots
+            // are distinct buffers, so the K slices never alias.
+            unsafe { std::slice::from_raw_parts_mut((s.addr as *mut f32).add(range.start), n) }
+        })
+        .collect();
+    qsr_kernels::reduce_and_broadcast_serial(&mut views, op == ReduceOp::Mean);
 }
 
 impl Collective for InProcessComm {

@@ -32,7 +32,40 @@ fn scale(acc: &mut [f32], k: usize) {
     }
 }
 
-/// Replaces every buffer with the element-wise mean of all of them, in one pass over memory.
+/// Replaces every buffer with the element-wise sum (or, with `mean`, the mean) of all of them, on the
+/// calling thread, one L1-sized tile at a time. The building block of [`average_and_broadcast`] and of
+/// qsr-comm's in-process all-reduce, where each worker thread reduces its own slice.
+///
+/// # Panics
+/// If the buffers differ in length.
+pub fn reduce_and_broadcast_serial(buffers: &mut [&mut [f32]], mean: bool) {
+    let k = buffers.len();
+    if k == 0 || (k == 1 && !mean) {
+        return;
+    }
+    let n = buffers[0].len();
+    check_lengths(n, buffers.iter().map(|b| b.len()), "reduce_and_broadcast");
+    let mut acc = [0f32; TILE];
+    let mut start = 0;
+    while start < n {
+        let end = (start + TILE).min(n);
+        let acc = &mut acc[..end - start];
+        {
+            let inputs: Vec<&[f32]> = buffers.iter().map(|b| &b[start..end]).collect();
+            reduce_tile(acc, &inputs);
+        }
+        if mean {
+            scale(acc, k);
+        }
+        for b in buffers.iter_mut() {
+            b[start..end].copy_from_slice(acc);
+        }
+        start = end;
+    }
+}
+
+/// Replaces every buffer with the element-wise mean of all of them, in one pass over memory, chunks in
+/// parallel on rayon.
 ///
 /// # Panics
 /// If the buffers differ in length (a programming error: every worker has the same layout).
@@ -50,24 +83,7 @@ pub fn average_and_broadcast(buffers: &mut [&mut [f32]]) {
             groups[c].push(chunk);
         }
     }
-    groups.par_iter_mut().for_each(|group| {
-        let mut acc = [0f32; TILE];
-        let n = group[0].len();
-        let mut start = 0;
-        while start < n {
-            let end = (start + TILE).min(n);
-            let acc = &mut acc[..end - start];
-            {
-                let inputs: Vec<&[f32]> = group.iter().map(|b| &b[start..end]).collect();
-                reduce_tile(acc, &inputs);
-            }
-            scale(acc, k);
-            for b in group.iter_mut() {
-                b[start..end].copy_from_slice(acc);
-            }
-            start = end;
-        }
-    });
+    groups.par_iter_mut().for_each(|group| reduce_and_broadcast_serial(group, true));
 }
 
 fn reduce_into(out: &mut [f32], inputs: &[&[f32]], mean: bool) {

@@ -15,7 +15,7 @@ mod host;
 #[cfg(feature = "cube")]
 pub mod cube;
 
-pub use host::{average_and_broadcast, mean_into, sum_into};
+pub use host::{average_and_broadcast, mean_into, reduce_and_broadcast_serial, sum_into};
 
 /// Elements per parallel task: large enough to amortize scheduling, small enough to balance 2..64 cores.
 pub const CHUNK: usize = 1 << 16;

@@ -275,8 +275,8 @@ impl<M: Module> Worker<M> {
             let model = self.model.as_ref().expect("model is present between calls");
             let loss = loss_fn(model, micro).map_err(|message| OptimError::Step { step: info.step, message })?;
             loss_sum += f64::from(loss.clone().into_scalar::<f32>());
-            let grads = loss.backward();
-            self.layout.read_grads(model, &grads, &mut self.grads)?;
+            let mut grads = loss.backward();
+            self.layout.read_grads(model, &mut grads, &mut self.grads)?;
             if accum > 1 {
                 self.grad_sum.iter_mut().zip(&self.grads).for_each(|(s, g)| *s += g);
             }

@@ -137,9 +137,10 @@ impl ParamLayout {
         self.read(&module.valid(), out, Source::Params, true)
     }
 
-    /// Copies the gradients of `module`'s trainable parameters into `out` (zero where a parameter took no
-    /// part in the loss).
-    pub fn read_grads<M: Module>(&self, module: &M, grads: &Gradients, out: &mut [f32]) -> Result<(), OptimError> {
+    /// Moves the gradients of `module`'s trainable parameters out of `grads` into `out` (zero where a
+    /// parameter took no part in the loss). Removing them lets the backend hand over its buffer without a
+    /// copy where it can.
+    pub fn read_grads<M: Module>(&self, module: &M, grads: &mut Gradients, out: &mut [f32]) -> Result<(), OptimError> {
         self.read(module, out, Source::Grads(grads), false)
     }
 
@@ -187,7 +188,7 @@ impl ParamLayout {
 
 enum Source<'a> {
     Params,
-    Grads(&'a Gradients),
+    Grads(&'a mut Gradients),
 }
 
 struct ReadVisitor<'a> {
@@ -217,9 +218,9 @@ impl ModuleVisitor for ReadVisitor<'_> {
             self.error = Some(OptimError::Layout(format!("`{}` lies beyond the buffer", path(&self.stack))));
             return;
         };
-        let tensor = match self.source {
+        let tensor = match &mut self.source {
             Source::Params => Some(param.val()),
-            Source::Grads(g) => param.val().grad(g),
+            Source::Grads(g) => param.val().grad_remove(g),
         };
         match tensor {
             None => dst.fill(0.0),

@@ -187,7 +187,13 @@ pub fn load_plan(path: Option<&Path>, overrides: &PlanOverrides) -> Result<PlanR
     };
     let origin = path.map_or_else(|| "command line".to_string(), |p| format!("recipe {}", p.display()));
     overrides.apply(&mut root).with_context(|| origin.clone())?;
-    let plan = plan_from_table(&root, overrides.run_steps, &origin)?;
+    // A training recipe's run length (`train.steps`) is the plan's, unless a flag says otherwise.
+    let recipe_steps = root
+        .get("train")
+        .and_then(|t| t.get("steps"))
+        .map(|v| v.as_integer().filter(|n| *n > 0).map(|n| n as u64).ok_or_else(|| anyhow!("{origin}: `train.steps` must be a positive integer")))
+        .transpose()?;
+    let plan = plan_from_table(&root, overrides.run_steps.or(recipe_steps), &origin)?;
     let name = match root.get("name") {
         Some(Value::String(s)) => s.clone(),
         Some(_) => bail!("{origin}: `name` must be a string"),

@@ -525,6 +525,28 @@ impl Drop for TcpComm {
         if let Some(r) = &self.ring {
             let _ = r.right.shutdown(Shutdown::Write);
             let _ = r.left.shutdown(Shutdown::Write);
+            // Closing a socket with unread bytes makes the kernel send RST, and a peer that receives RST
+            // can lose what we sent last (an abort notice naming the culprit) and blame us instead.
+            // Read until the peers close too, briefly.
+            let until = Instant::now() + Duration::from_millis(200);
+            drain(&r.right, until);
+            drain(&r.left, until);
+        }
+    }
+}
+
+fn drain(s: &TcpStream, until: Instant) {
+    use std::io::Read;
+    let _ = s.set_nonblocking(false);
+    let mut scratch = [0u8; 16 << 10];
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() || s.set_read_timeout(Some(left)).is_err() {
+            return;
+        }
+        match (&*s).read(&mut scratch) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
         }
     }
 }
