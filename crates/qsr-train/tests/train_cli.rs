@@ -39,7 +39,7 @@ fn final_params(run: &Path) -> Vec<(String, Vec<u8>)> {
     v
 }
 
-const RECIPE: &str = "recipes/digits-qsr.toml";
+const RECIPE: &str = "recipes/digits-mlp-qsr.toml";
 
 #[test]
 fn digits_with_two_simulated_workers_learns_and_syncs_as_planned() {
