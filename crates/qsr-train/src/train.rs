@@ -14,7 +14,6 @@ use qsr_comm::{Collective, ReduceOp};
 use qsr_data::{EvalLoader, HostBatch, Normalize, PrefetchOptions, SamplerConfig, ShardedSampler, Split, TrainLoader, Transform};
 use qsr_models::{InputSpec, Model};
 use qsr_optim::{BnPolicy, OptimState, Worker};
-use qsr_sched::SyncMode;
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{self, CheckpointState};
@@ -209,32 +208,35 @@ pub fn run_worker(spec: &RunSpec, comm: Box<dyn Collective>, model: Model) -> Re
                 ));
             }
         }
-        let Some(sync) = report.sync else { continue };
+        if report.sync.is_none() {
+            continue;
+        }
+        // One record shape for syncs and evaluations.
+        let record = |kind: &str, loss: f64, accuracy: Option<f64>, st: &qsr_optim::DriverStats| Record {
+            kind: kind.into(),
+            step: done_steps,
+            epoch: done_steps as f64 / spe as f64,
+            lr: report.info.lr,
+            h: report.info.h,
+            loss: Some(loss),
+            accuracy,
+            syncs: st.syncs,
+            bytes: st.comm.bytes_sent,
+            comm_seconds: st.comm.seconds,
+            wall_seconds: t0.elapsed().as_secs_f64(),
+        };
         if let Some(m) = metrics.as_mut() {
-            let st = worker.stats();
-            m.write(&Record {
-                kind: "sync".into(),
-                step: done_steps,
-                epoch: done_steps as f64 / spe as f64,
-                lr: report.info.lr,
-                h: report.info.h,
-                loss: Some(since_sync.0 / since_sync.1.max(1) as f64),
-                accuracy: None,
-                syncs: st.syncs,
-                bytes: st.comm.bytes_sent,
-                comm_seconds: st.comm.seconds,
-                wall_seconds: t0.elapsed().as_secs_f64(),
-            })?;
-            let _ = sync;
+            m.write(&record("sync", since_sync.0 / since_sync.1.max(1) as f64, None, worker.stats()))?;
         }
         since_sync = (0.0, 0);
-        // Evaluate at the last synchronization before an epoch boundary, and at the end.
+        // Evaluate at the last synchronization before an epoch boundary (the next sync would be past it),
+        // every `every_epochs` epochs, and at the end. Data parallel syncs every step, so it evaluates on
+        // the boundary itself.
         let is_end = worker.cursor().is_done();
         let next_end = worker.cursor().round().end();
         let boundary = done_steps.div_ceil(spe as u64) * spe as u64;
         let epoch_index = boundary / spe as u64;
-        let due = is_end || (next_end > boundary && epoch_index % recipe.eval.every_epochs as u64 == 0 && report.info.mode == SyncMode::Parameters)
-            || (report.info.mode == SyncMode::Gradients && done_steps % spe as u64 == 0 && (done_steps / spe as u64) % recipe.eval.every_epochs as u64 == 0);
+        let due = is_end || (next_end > boundary && epoch_index % recipe.eval.every_epochs as u64 == 0);
         if !due {
             continue;
         }
@@ -243,20 +245,7 @@ pub fn run_worker(spec: &RunSpec, comm: Box<dyn Collective>, model: Model) -> Re
         }
         let ev = evaluate(&mut worker, &eval_loader, device)?;
         if let Some(m) = metrics.as_mut() {
-            let st = worker.stats();
-            m.write(&Record {
-                kind: "eval".into(),
-                step: done_steps,
-                epoch: done_steps as f64 / spe as f64,
-                lr: report.info.lr,
-                h: report.info.h,
-                loss: Some(ev.loss),
-                accuracy: Some(ev.accuracy),
-                syncs: st.syncs,
-                bytes: st.comm.bytes_sent,
-                comm_seconds: st.comm.seconds,
-                wall_seconds: t0.elapsed().as_secs_f64(),
-            })?;
+            m.write(&record("eval", ev.loss, Some(ev.accuracy), worker.stats()))?;
         }
         if let Some(bar) = &bar {
             bar.println(format!("step {done_steps:>7}  epoch {:>6.2}  test accuracy {:.2}%  test loss {:.4}", done_steps as f64 / spe as f64, 100.0 * ev.accuracy, ev.loss));
