@@ -2,6 +2,9 @@
 //!
 //! xtask only orchestrates cargo and the `qsr` binary; it holds no project logic.
 
+mod bench;
+mod netem;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -19,18 +22,20 @@ struct Cli {
 enum Cmd {
     /// The test suite as CI runs it (release build: training code is ~50x slower in debug).
     Ci,
-    /// The main job: the paper's communication plans and the lr/H picture.
+    /// The paper's communication plans (and their lr/H picture), then the README's main job.
     Demo {
         /// Where to write the picture.
         #[arg(long, default_value = "runs/demo/paper-plans.png")]
         plot: PathBuf,
     },
-    /// Criterion benchmarks (results under target/criterion).
+    /// Benchmarks side by side with their peers; rewrites docs/BENCHMARKS.md.
     Bench {
-        /// Which group: sched or all.
+        /// Which group: sched, kernels, optim, comm, data or all.
         #[arg(default_value = "all")]
         which: String,
     },
+    /// As root: K network namespaces with tc-shaped links; wall-clock of dp, constant H and QSR over them.
+    Netem(netem::NetemArgs),
 }
 
 fn root() -> PathBuf {
@@ -139,9 +144,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Cmd::Demo { plot } => {
-            let mut b = cargo();
-            b.args(["build", "--release", "--locked", "--bin", "qsr"]);
-            run(b)?;
+            // The paper's communication plans, then the README's main job.
             if let Some(dir) = plot.parent() {
                 std::fs::create_dir_all(root().join(dir))?;
             }
@@ -158,25 +161,17 @@ fn main() -> Result<()> {
             ] {
                 q.args(["--recipe", &format!("recipes/{r}.toml")]);
             }
+            q.arg("--plot").arg(&plot);
             run(q)?;
-            let mut p = cargo();
-            p.args(["run", "--quiet", "--release", "--locked", "--bin", "qsr", "--", "plan"]);
-            p.args(["--recipe", "recipes/imagenet-vit-b-qsr-hbase4.toml", "--recipe", "recipes/imagenet-vit-b-qsr-hbase8.toml"]);
-            p.args(["--recipe", "recipes/imagenet-vit-b-h4.toml", "--plot"]).arg(&plot);
-            run(p)
+            let mut c = cargo();
+            c.args(["run", "--quiet", "--release", "--locked", "--bin", "qsr", "--", "compare"]);
+            c.args(["--recipe", "recipes/digits-qsr.toml", "--seeds", "3"]);
+            run(c)
         }
         Cmd::Bench { which } => {
-            let benches: &[&str] = match which.as_str() {
-                "sched" => &["sched"],
-                "all" => &["sched"],
-                other => bail!("unknown bench group `{other}` (expected sched or all)"),
-            };
-            for b in benches {
-                let mut c = cargo();
-                c.args(["bench", "--locked", "-p", "qsr-benches", "--bench", b]);
-                run(c)?;
-            }
-            Ok(())
+            let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| root().join("target"));
+            bench::run(&which, &root(), &target)
         }
+        Cmd::Netem(args) => netem::run(&args, &root()),
     }
 }

@@ -8,5 +8,6 @@ pub mod launch;
 pub mod plan_cmd;
 pub mod plot;
 pub mod recipe;
+pub mod simulate;
 pub mod train;
 pub mod train_recipe;

@@ -21,6 +21,8 @@ enum Command {
     Compare(qsr_train::compare::CompareArgs),
     /// Draw lr/H, test accuracy and train loss (against step and bytes) for one or more runs.
     Plot(qsr_train::compare::PlotArgs),
+    /// Predict wall-clock per sync rule from the round plan and a ring all-reduce cost model.
+    Simulate(qsr_train::simulate::SimulateArgs),
 }
 
 fn main() -> ExitCode {
@@ -46,6 +48,7 @@ fn main() -> ExitCode {
                 println!("{}", f.display());
             }
         }),
+        Command::Simulate(args) => qsr_train::simulate::run(&args, &mut std::io::stdout().lock()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

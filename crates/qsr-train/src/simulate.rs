@@ -1,0 +1,560 @@
+//! `qsr simulate`: predicted wall-clock of a recipe under each sync rule, from the exact round plan
+//! (`recipe.plan()`, the same rounds the trainer runs) and a ring all-reduce cost model.
+//!
+//! Model (no overlap of compute and communication, as in the round driver):
+//! - every optimizer step costs `step_seconds` of compute (forward, backward, update; per worker,
+//!   workers in lockstep);
+//! - every synchronization is a ring all-reduce of `n` bytes across K ranks, split into `c` calls
+//!   (1 unless the recipe buckets it), costing
+//!   `c * 2 (K-1) * latency + 2 (K-1)/K * n / bandwidth`;
+//! - a data-parallel round (`SyncMode::Gradients`) all-reduces the gradients (the trainable
+//!   parameters); a local round (`SyncMode::Parameters`) all-reduces the parameters plus the
+//!   optimizer moments the recipe's `driver.state` averages.
+//!
+//! The compute time per step comes from one of: a measured value (`--step-seconds`), a run directory
+//! (`--step-seconds-from`: `(wall_seconds - comm_seconds) / steps` of its summary), a FLOP rate
+//! (`--flop-rate`: `local_batch * flops_per_sample / rate`, with `6 * params * tokens` FLOPs per sample
+//! by default), or a data-parallel wall time (`--dp-hours`: the total minus the modelled
+//! data-parallel communication, divided by its steps), as done for the paper's 26.7 h.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, anyhow, bail};
+use qsr_models::ModelConfig;
+use qsr_optim::{BnPolicy, OptimizerKind};
+use qsr_sched::{Plan, SyncMode};
+use serde::{Deserialize, Serialize};
+
+use crate::train::Summary;
+use crate::train_recipe::TrainRecipe;
+
+/// A network: per-link bandwidth and one-way latency.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Network {
+    /// Bits per second, each direction of each link.
+    pub bandwidth_bits_per_second: f64,
+    /// One-way latency of a message between ring neighbours, in seconds.
+    pub latency_seconds: f64,
+}
+
+impl Network {
+    pub fn new(bandwidth_bits_per_second: f64, latency_seconds: f64) -> Result<Self> {
+        if !(bandwidth_bits_per_second.is_finite() && bandwidth_bits_per_second > 0.0) {
+            bail!("invalid bandwidth {bandwidth_bits_per_second}: must be a positive number of bits per second");
+        }
+        if !(latency_seconds.is_finite() && latency_seconds >= 0.0) {
+            bail!("invalid latency {latency_seconds}: must be a non-negative number of seconds");
+        }
+        Ok(Network { bandwidth_bits_per_second, latency_seconds })
+    }
+
+    /// Seconds of one ring all-reduce of `bytes` across `world_size` ranks in `calls` collective calls:
+    /// `calls * 2 (K-1) * latency + 2 (K-1)/K * bytes * 8 / bandwidth`; zero for one rank.
+    pub fn allreduce_seconds(&self, bytes: f64, world_size: usize, calls: u64) -> f64 {
+        if world_size <= 1 {
+            return 0.0;
+        }
+        let k = world_size as f64;
+        let steps = 2.0 * (k - 1.0);
+        calls as f64 * steps * self.latency_seconds + steps / k * bytes * 8.0 / self.bandwidth_bits_per_second
+    }
+}
+
+/// Parses a rate as `tc` writes it: `1gbit`, `10Gbit/s`, `25gbps` (bits), `100mbit`, `512kbit`, `1e9`
+/// (bits per second); `GB/s`/`MB/s` with a capital `B` are bytes.
+pub fn parse_bandwidth(text: &str) -> Result<f64> {
+    let s = text.trim();
+    let split = s.find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E').unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let value: f64 = num.trim().parse().map_err(|_| anyhow!("bandwidth `{text}`: expected a number with a unit such as 1gbit"))?;
+    let unit = unit.trim().trim_end_matches("/s").trim_end_matches("ps");
+    let bytes = unit.ends_with('B');
+    let lower = unit.to_ascii_lowercase();
+    let prefix = lower.trim_end_matches("bit").trim_end_matches('b');
+    let scale = match prefix {
+        "" => 1.0,
+        "k" => 1e3,
+        "m" => 1e6,
+        "g" => 1e9,
+        "t" => 1e12,
+        _ => bail!("bandwidth `{text}`: unknown unit `{unit}` (expected bit, kbit, mbit, gbit, tbit or kB/s, MB/s, GB/s)"),
+    };
+    let bits = value * scale * if bytes { 8.0 } else { 1.0 };
+    if !(bits.is_finite() && bits > 0.0) {
+        bail!("bandwidth `{text}`: must be positive");
+    }
+    Ok(bits)
+}
+
+/// Parses a duration: `0.2ms`, `200us`, `1.5s`, `50ns`, or a bare number of seconds.
+pub fn parse_duration(text: &str) -> Result<f64> {
+    let s = text.trim();
+    let split = s.find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E').unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let value: f64 = num.trim().parse().map_err(|_| anyhow!("duration `{text}`: expected a number with a unit such as 0.2ms"))?;
+    let scale = match unit.trim() {
+        "" | "s" => 1.0,
+        "ms" => 1e-3,
+        "us" | "µs" => 1e-6,
+        "ns" => 1e-9,
+        other => bail!("duration `{text}`: unknown unit `{other}` (expected s, ms, us or ns)"),
+    };
+    let secs = value * scale;
+    if !(secs.is_finite() && secs >= 0.0) {
+        bail!("duration `{text}`: must be non-negative");
+    }
+    Ok(secs)
+}
+
+/// What one synchronization moves.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SyncPayload {
+    /// Elements of a data-parallel (gradient) all-reduce.
+    pub gradient_elements: u64,
+    /// Elements of a local-round (parameter) all-reduce, with averaged moments and BN statistics.
+    pub parameter_elements: u64,
+    pub bytes_per_element: u64,
+    /// Largest bucket in elements (`driver.bucket_elems`), if the recipe buckets its all-reduces.
+    pub bucket_elements: Option<u64>,
+}
+
+impl SyncPayload {
+    /// Plain payload: `params` elements both ways, f32, one call.
+    pub fn params(params: u64) -> Self {
+        SyncPayload { gradient_elements: params, parameter_elements: params, bytes_per_element: 4, bucket_elements: None }
+    }
+
+    fn elements(&self, mode: SyncMode) -> u64 {
+        match mode {
+            SyncMode::Gradients => self.gradient_elements,
+            SyncMode::Parameters => self.parameter_elements,
+        }
+    }
+
+    /// Seconds of one synchronization of `mode`.
+    pub fn seconds(&self, mode: SyncMode, world_size: usize, net: &Network) -> f64 {
+        let n = self.elements(mode);
+        let calls = self.bucket_elements.filter(|&b| b > 0).map_or(1, |b| n.div_ceil(b).max(1));
+        net.allreduce_seconds((n * self.bytes_per_element) as f64, world_size, calls)
+    }
+}
+
+/// The predicted wall-clock of one plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Prediction {
+    pub name: String,
+    pub rule: String,
+    pub world_size: usize,
+    pub steps: u64,
+    pub steps_per_epoch: Option<u64>,
+    pub syncs: u64,
+    pub gradient_syncs: u64,
+    pub comm_percent: f64,
+    pub step_seconds: f64,
+    pub compute_seconds: f64,
+    pub comm_seconds: f64,
+    pub total_seconds: f64,
+    /// Time of each epoch (steps and syncs whose last step falls in it); the last may be partial.
+    pub epoch_seconds: Vec<f64>,
+}
+
+impl Prediction {
+    /// Mean time of a full epoch (total over epochs run).
+    pub fn mean_epoch_seconds(&self) -> Option<f64> {
+        self.steps_per_epoch.filter(|&s| s > 0).map(|s| self.total_seconds * s as f64 / self.steps as f64)
+    }
+}
+
+/// Predicts the wall-clock of `plan`: `steps * step_seconds` plus the cost of every round's sync.
+pub fn predict(
+    name: &str,
+    plan: &Plan,
+    step_seconds: f64,
+    payload: &SyncPayload,
+    world_size: usize,
+    net: &Network,
+    steps_per_epoch: Option<u64>,
+) -> Prediction {
+    let steps = plan.end_step();
+    let mut syncs = 0;
+    let mut gradient_syncs = 0;
+    let mut comm = 0.0;
+    let spe = steps_per_epoch.filter(|&s| s > 0);
+    let mut epochs = vec![0.0; spe.map_or(0, |s| steps.div_ceil(s) as usize)];
+    let grad_cost = payload.seconds(SyncMode::Gradients, world_size, net);
+    let param_cost = payload.seconds(SyncMode::Parameters, world_size, net);
+    for r in plan.rounds() {
+        let c = match r.mode {
+            SyncMode::Gradients => {
+                gradient_syncs += 1;
+                grad_cost
+            }
+            SyncMode::Parameters => param_cost,
+        };
+        syncs += 1;
+        comm += c;
+        if let Some(s) = spe {
+            // Compute time goes to the epoch of each step; the sync to the epoch of the round's last step.
+            let mut t = r.start;
+            while t < r.end() {
+                let e = t / s;
+                let upto = ((e + 1) * s).min(r.end());
+                epochs[e as usize] += (upto - t) as f64 * step_seconds;
+                t = upto;
+            }
+            epochs[((r.end() - 1) / s) as usize] += c;
+        }
+    }
+    let compute = steps as f64 * step_seconds;
+    Prediction {
+        name: name.to_string(),
+        rule: plan.sync().name().to_string(),
+        world_size,
+        steps,
+        steps_per_epoch: spe,
+        syncs,
+        gradient_syncs,
+        comm_percent: 100.0 * syncs as f64 / steps.max(1) as f64,
+        step_seconds,
+        compute_seconds: compute,
+        comm_seconds: comm,
+        total_seconds: compute + comm,
+        epoch_seconds: epochs,
+    }
+}
+
+/// Compute seconds per step implied by a measured wall time of `plan` (normally data parallel): the
+/// total minus the modelled communication, over the steps. Errors if communication alone exceeds it.
+pub fn step_seconds_from_wall(plan: &Plan, wall_seconds: f64, payload: &SyncPayload, world_size: usize, net: &Network) -> Result<f64> {
+    let comm = predict("calibration", plan, 0.0, payload, world_size, net, None).comm_seconds;
+    let steps = plan.end_step() as f64;
+    let step = (wall_seconds - comm) / steps;
+    if !(step.is_finite() && step > 0.0) {
+        bail!(
+            "a wall time of {wall_seconds:.1} s is less than the modelled communication alone ({comm:.1} s over {} syncs): the network is faster than assumed",
+            plan.summary().rounds
+        );
+    }
+    Ok(step)
+}
+
+/// The payload a recipe moves, given its trainable parameter count and BN running-statistic count.
+pub fn recipe_payload(recipe: &TrainRecipe, params: u64, running: u64) -> SyncPayload {
+    let state = recipe.driver.state;
+    let adam = recipe.optimizer.kind == OptimizerKind::Adamw;
+    let has_momentum = adam || recipe.optimizer.momentum.is_some_and(|m| m != 0.0);
+    let mut extra = 0;
+    if state.average_first_moment && has_momentum {
+        extra += params;
+    }
+    if state.average_second_moment && adam {
+        extra += params;
+    }
+    if recipe.driver.bn == BnPolicy::Average {
+        extra += running;
+    }
+    SyncPayload {
+        gradient_elements: params,
+        parameter_elements: params + extra,
+        bytes_per_element: 4,
+        bucket_elements: recipe.driver.bucket_elems.map(|b| b as u64),
+    }
+}
+
+/// Positions a sample passes through the weights: ViT tokens (`(image / patch)^2`), else 1.
+fn tokens_per_sample(model: &ModelConfig) -> u64 {
+    match model {
+        ModelConfig::Vit(v) => v.image_size.map_or(1, |i| ((i / v.patch_size.max(1)) as u64).pow(2)),
+        _ => 1,
+    }
+}
+
+/// `qsr simulate` arguments.
+#[derive(Debug, Clone, clap::Args)]
+#[command(group(clap::ArgGroup::new("compute").required(true).args(["step_seconds", "step_seconds_from", "flop_rate", "dp_hours"])))]
+pub struct SimulateArgs {
+    /// Recipe to predict (repeatable).
+    #[arg(long = "recipe")]
+    pub recipes: Vec<PathBuf>,
+    /// Finished run directory (its recipe.toml and summary.json): predicted next to measured (repeatable).
+    #[arg(long = "run", value_name = "RUN_DIR")]
+    pub runs: Vec<PathBuf>,
+    /// Override a recipe key of every --recipe, e.g. `--set train.local_batch=64` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// World size K (default: the recipe's train.workers, or the run's). Keeps train.local_batch.
+    #[arg(long)]
+    pub world_size: Option<usize>,
+    /// Link bandwidth, each direction: 1gbit, 25gbit, 100mbit, 3GB/s ...
+    #[arg(long)]
+    pub bandwidth: String,
+    /// One-way latency between ring neighbours: 0.2ms, 50us ...
+    #[arg(long, default_value = "0")]
+    pub latency: String,
+    /// Measured compute seconds per optimizer step (forward, backward, update), per worker.
+    #[arg(long)]
+    pub step_seconds: Option<f64>,
+    /// Take the compute time per step from a finished run: (wall_seconds - comm_seconds) / steps.
+    #[arg(long, value_name = "RUN_DIR")]
+    pub step_seconds_from: Option<PathBuf>,
+    /// Sustained FLOP/s per worker; compute per step = local_batch * flops_per_sample / rate.
+    #[arg(long)]
+    pub flop_rate: Option<f64>,
+    /// FLOPs of forward + backward per sample (default 6 * params * tokens; tokens = patches for ViT, else 1).
+    #[arg(long, requires = "flop_rate")]
+    pub flops_per_sample: Option<f64>,
+    /// Derive compute per step from this wall time (hours) of the data-parallel recipe among --recipe:
+    /// (hours - modelled data-parallel communication) / steps.
+    #[arg(long)]
+    pub dp_hours: Option<f64>,
+    /// Trainable parameters (default: built from the recipe's model and dataset).
+    #[arg(long)]
+    pub params: Option<u64>,
+    /// Steps per epoch (default: from the dataset, when it can be opened).
+    #[arg(long)]
+    pub steps_per_epoch: Option<u64>,
+    /// A reference wall time to compare with, `RECIPE_NAME=HOURS` (repeatable).
+    #[arg(long = "reference", value_name = "NAME=HOURS")]
+    pub references: Vec<String>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One line of the output: a prediction, with a measurement or reference where there is one.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Row {
+    pub prediction: Prediction,
+    /// Trainable parameters of the model and what each synchronization moves.
+    pub params: u64,
+    pub payload: SyncPayload,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub measured_seconds: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reference_seconds: Option<f64>,
+}
+
+impl Row {
+    /// Predicted / measured (or / reference).
+    pub fn ratio(&self) -> Option<f64> {
+        self.measured_seconds.or(self.reference_seconds).map(|m| self.prediction.total_seconds / m)
+    }
+}
+
+/// The full report of `qsr simulate`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Report {
+    pub network: Network,
+    pub step_seconds: f64,
+    pub step_source: String,
+    pub rows: Vec<Row>,
+}
+
+struct Item {
+    recipe: TrainRecipe,
+    summary: Option<Summary>,
+}
+
+fn read_summary(dir: &Path) -> Result<Summary> {
+    let path = dir.join("summary.json");
+    let bytes = std::fs::read(&path).with_context(|| format!("cannot read {} (is the run finished?)", path.display()))?;
+    serde_json::from_slice(&bytes).with_context(|| format!("{} is not a qsr summary", path.display()))
+}
+
+/// Trainable parameters and BN running statistics of a recipe's model (built on the CPU).
+fn count_params(recipe: &TrainRecipe) -> Result<(u64, u64)> {
+    use burn::module::Module;
+    let device = crate::launch::device("cpu")?;
+    let model = crate::train::build_model(recipe, &device)
+        .with_context(|| format!("cannot build the model of `{}` to count its parameters (pass --params)", recipe.name))?;
+    let trainable = qsr_models::param_count(&model) as u64;
+    let all = model.num_params() as u64;
+    Ok((trainable, all.saturating_sub(trainable)))
+}
+
+fn steps_per_epoch(recipe: &TrainRecipe, world: usize) -> Option<u64> {
+    let set = crate::train_recipe::open_dataset(&recipe.data, qsr_data::Split::Train).ok()?;
+    let per = world * recipe.train.local_batch;
+    (per > 0).then(|| (set.len() / per) as u64).filter(|&s| s > 0)
+}
+
+/// Runs `qsr simulate` and returns its report (printed by [`run`]).
+pub fn simulate(args: &SimulateArgs) -> Result<Report> {
+    if args.recipes.is_empty() && args.runs.is_empty() {
+        bail!("give at least one --recipe or --run");
+    }
+    let net = Network::new(parse_bandwidth(&args.bandwidth)?, parse_duration(&args.latency)?)?;
+    let mut items = Vec::new();
+    for path in &args.recipes {
+        let mut recipe = TrainRecipe::load(path, &args.sets)?;
+        if let Some(k) = args.world_size {
+            recipe.train.workers = k;
+        }
+        items.push(Item { recipe, summary: None });
+    }
+    for dir in &args.runs {
+        let summary = read_summary(dir)?;
+        let mut recipe = TrainRecipe::load(&dir.join("recipe.toml"), &[])?;
+        recipe.train.workers = summary.world_size;
+        items.push(Item { recipe, summary: Some(summary) });
+    }
+    let mut references = Vec::new();
+    for r in &args.references {
+        let (name, hours) = r.split_once('=').ok_or_else(|| anyhow!("--reference {r}: expected NAME=HOURS"))?;
+        let hours: f64 = hours.trim().parse().map_err(|_| anyhow!("--reference {r}: `{hours}` is not a number of hours"))?;
+        if !items.iter().any(|i| i.recipe.name == name.trim()) {
+            bail!("--reference {r}: no recipe named `{}`", name.trim());
+        }
+        references.push((name.trim().to_string(), hours * 3600.0));
+    }
+
+    // Parameter counts, once per distinct model config.
+    let mut counts: Vec<(String, (u64, u64))> = Vec::new();
+    let mut sizes = Vec::new();
+    for item in &items {
+        let size = match args.params {
+            Some(p) => (p, 0),
+            None => {
+                let key = serde_json::to_string(&(&item.recipe.model, &item.recipe.data.dataset, &item.recipe.data.path))?;
+                match counts.iter().find(|(k, _)| *k == key) {
+                    Some((_, c)) => *c,
+                    None => {
+                        let c = count_params(&item.recipe)?;
+                        counts.push((key, c));
+                        c
+                    }
+                }
+            }
+        };
+        sizes.push(size);
+    }
+
+    let world_of = |item: &Item| item.summary.as_ref().map_or(item.recipe.train.workers, |s| s.world_size);
+    let (step_seconds, step_source) = if let Some(s) = args.step_seconds {
+        if !(s.is_finite() && s >= 0.0) {
+            bail!("--step-seconds {s}: must be a non-negative number");
+        }
+        (s, format!("measured: {s} s per step (--step-seconds)"))
+    } else if let Some(dir) = &args.step_seconds_from {
+        let s = read_summary(dir)?;
+        let steps = s.steps.max(1) as f64;
+        let step = (s.wall_seconds - s.comm_seconds).max(0.0) / steps;
+        (step, format!("run {}: (wall {:.2} s - comm {:.2} s) / {} steps", dir.display(), s.wall_seconds, s.comm_seconds, s.steps))
+    } else if let Some(rate) = args.flop_rate {
+        if !(rate.is_finite() && rate > 0.0) {
+            bail!("--flop-rate {rate}: must be positive");
+        }
+        let item = &items[0];
+        let flops = args.flops_per_sample.unwrap_or(6.0 * sizes[0].0 as f64 * tokens_per_sample(&item.recipe.model) as f64);
+        let step = item.recipe.train.local_batch as f64 * flops / rate;
+        (step, format!("{} samples x {flops:.3e} FLOP / {rate:.3e} FLOP/s", item.recipe.train.local_batch))
+    } else if let Some(hours) = args.dp_hours {
+        let idx = items
+            .iter()
+            .position(|i| matches!(i.recipe.sync, qsr_sched::SyncRule::Dp))
+            .ok_or_else(|| anyhow!("--dp-hours needs a data-parallel recipe (sync.rule = \"dp\") among --recipe"))?;
+        let item = &items[idx];
+        let payload = recipe_payload(&item.recipe, sizes[idx].0, sizes[idx].1);
+        let plan = item.recipe.plan()?;
+        let step = step_seconds_from_wall(&plan, hours * 3600.0, &payload, world_of(item), &net)?;
+        let comm = predict("", &plan, 0.0, &payload, world_of(item), &net, None).comm_seconds;
+        (
+            step,
+            format!(
+                "from {}'s {hours} h: ({:.0} s - modelled DP communication {:.0} s) / {} steps",
+                item.recipe.name,
+                hours * 3600.0,
+                comm,
+                plan.end_step()
+            ),
+        )
+    } else {
+        bail!("give one of --step-seconds, --step-seconds-from, --flop-rate, --dp-hours");
+    };
+
+    let mut rows = Vec::new();
+    for (item, (params, running)) in items.iter().zip(&sizes) {
+        let world = world_of(item);
+        let payload = recipe_payload(&item.recipe, *params, *running);
+        let plan = item.recipe.plan()?;
+        let spe = args
+            .steps_per_epoch
+            .or_else(|| item.summary.as_ref().map(|s| s.steps_per_epoch as u64))
+            .or_else(|| steps_per_epoch(&item.recipe, world));
+        let prediction = predict(&item.recipe.name, &plan, step_seconds, &payload, world, &net, spe);
+        let reference_seconds = references.iter().find(|(n, _)| *n == item.recipe.name).map(|(_, s)| *s);
+        rows.push(Row { prediction, params: *params, payload, measured_seconds: item.summary.as_ref().map(|s| s.wall_seconds), reference_seconds });
+    }
+    Ok(Report { network: net, step_seconds, step_source, rows })
+}
+
+fn fmt_time(s: f64) -> String {
+    if s >= 3600.0 { format!("{:.2} h", s / 3600.0) } else { format!("{s:.2} s") }
+}
+
+/// The report as a text table.
+pub fn render(report: &Report) -> String {
+    let mut out = String::new();
+    let net = &report.network;
+    let _ = writeln!(
+        out,
+        "network: {:.3} Gbit/s per link, {:.3} ms latency; compute {:.4} s per step ({})",
+        net.bandwidth_bits_per_second / 1e9,
+        net.latency_seconds * 1e3,
+        report.step_seconds,
+        report.step_source
+    );
+    let has_meas = report.rows.iter().any(|r| r.measured_seconds.is_some());
+    let has_ref = report.rows.iter().any(|r| r.reference_seconds.is_some());
+    let mut header = vec!["recipe", "rule", "params", "K", "steps", "syncs", "comm %", "compute", "comm", "per epoch", "predicted"];
+    if has_meas {
+        header.extend(["measured", "pred/meas"]);
+    }
+    if has_ref {
+        header.extend(["reference", "pred/ref"]);
+    }
+    let mut lines = vec![header.iter().map(|s| s.to_string()).collect::<Vec<_>>()];
+    for r in &report.rows {
+        let p = &r.prediction;
+        let mut l = vec![
+            p.name.clone(),
+            p.rule.clone(),
+            r.params.to_string(),
+            p.world_size.to_string(),
+            p.steps.to_string(),
+            p.syncs.to_string(),
+            format!("{:.1}", p.comm_percent),
+            fmt_time(p.compute_seconds),
+            fmt_time(p.comm_seconds),
+            p.mean_epoch_seconds().map_or("-".into(), fmt_time),
+            fmt_time(p.total_seconds),
+        ];
+        if has_meas {
+            l.push(r.measured_seconds.map_or("-".into(), fmt_time));
+            l.push(r.measured_seconds.map_or("-".into(), |m| format!("{:.3}", p.total_seconds / m)));
+        }
+        if has_ref {
+            l.push(r.reference_seconds.map_or("-".into(), fmt_time));
+            l.push(r.reference_seconds.map_or("-".into(), |m| format!("{:.3}", p.total_seconds / m)));
+        }
+        lines.push(l);
+    }
+    let widths: Vec<usize> = (0..lines[0].len()).map(|c| lines.iter().map(|l| l[c].chars().count()).max().unwrap_or(0)).collect();
+    for l in &lines {
+        let cells: Vec<String> = l.iter().zip(&widths).map(|(c, w)| format!("{c:>w$}")).collect();
+        let _ = writeln!(out, "{}", cells.join("  ").trim_end());
+    }
+    out
+}
+
+/// `qsr simulate`: prints the table (or JSON).
+pub fn run(args: &SimulateArgs, out: &mut dyn std::io::Write) -> Result<()> {
+    let report = simulate(args)?;
+    if args.json {
+        writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
+    } else {
+        write!(out, "{}", render(&report))?;
+    }
+    Ok(())
+}
