@@ -79,7 +79,7 @@ fn section_sched(root: &Path) -> Result<String> {
 fn section_kernels(root: &Path) -> Result<String> {
     let m = criterion(root, "kernels")?;
     let fused = get(&m, "average_k4_64MiB/fused_average_and_broadcast").context("no fused result")?;
-    let mut o = String::from("| operation (K = 4 x 64 MiB) | median | GiB/s (read + write) | fused / this |\n|---|---|---|---|\n");
+    let mut o = String::from("| operation (K = 4 x 64 MiB) | median | GiB/s (read + write) | fused bandwidth vs this |\n|---|---|---|---|\n");
     let bytes = 2.0 * 4.0 * 64.0 * 1024.0 * 1024.0;
     for (id, ms) in &m {
         let gib = bytes / (ms / 1e3) / (1024.0 * 1024.0 * 1024.0);
