@@ -114,15 +114,30 @@ fn section_comm(root: &Path, target: &Path) -> Result<String> {
     let exe = target.join("release/examples/allreduce_bench");
     let tmp = std::env::temp_dir().join("qsr-bench-comm");
     std::fs::create_dir_all(&tmp)?;
+    // Gloo (torch.distributed) is a peer only where Python torch is importable.
+    let gloo = Command::new("python3").args(["-c", "import torch.distributed"]).output().is_ok_and(|o| o.status.success());
     let mut o = String::from(
         "busbw GB/s (algbw x 2(n-1)/n), sizes 4 KiB..256 MiB; ratios of our ring to MPI_Allreduce (our MPI backend, \
-         Open MPI's default transport) and to raw loopback TCP in the same run.\n\n\
-         | ranks | size | tcp ring | mpi | raw tcp | ring / mpi | ring / raw |\n|---|---|---|---|---|---|---|\n",
+         Open MPI's default transport), to Gloo (torch.distributed, `benches/peers/gloo_allreduce.py`) and to raw \
+         loopback TCP, in the same run.\n\n\
+         | ranks | size | tcp ring | mpi | gloo | raw tcp | ring / mpi | ring / gloo | ring / raw |\n|---|---|---|---|---|---|---|---|---|\n",
     );
     for ranks in [2usize, 4] {
         let mut results = Vec::new();
-        for backend in ["tcp", "raw-tcp", "mpi"] {
+        for backend in ["tcp", "raw-tcp", "mpi", "gloo"] {
             let json = tmp.join(format!("{backend}-{ranks}.json"));
+            if backend == "gloo" {
+                if gloo {
+                    let mut c = Command::new("python3");
+                    c.arg(root.join("benches/peers/gloo_allreduce.py"));
+                    c.args(["--ranks", &ranks.to_string(), "--min-bytes", "4096", "--max-bytes", "268435456", "--json"]).arg(&json);
+                    output(c)?;
+                    results.push(sweep(&json)?);
+                } else {
+                    results.push(Vec::new());
+                }
+                continue;
+            }
             let mut c = if backend == "mpi" {
                 let mut c = Command::new("mpirun");
                 c.args(["--allow-run-as-root", "--oversubscribe", "-np", &ranks.to_string()]).arg(&exe);
@@ -138,15 +153,18 @@ fn section_comm(root: &Path, target: &Path) -> Result<String> {
         }
         for (bytes, tcp) in &results[0] {
             let find = |r: &Vec<(u64, f64)>| r.iter().find(|(b, _)| b == bytes).map(|(_, v)| *v);
-            let (raw, mpi) = (find(&results[1]), find(&results[2]));
+            let (raw, mpi, gl) = (find(&results[1]), find(&results[2]), find(&results[3]));
             let ratio = |d: Option<f64>| d.map_or("-".into(), |d| format!("{:.2}", tcp / d));
+            let val = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.2}"));
             let _ = writeln!(
                 o,
-                "| {ranks} | {} | {tcp:.2} | {} | {} | {} | {} |",
+                "| {ranks} | {} | {tcp:.2} | {} | {} | {} | {} | {} | {} |",
                 human(*bytes),
-                mpi.map_or("-".into(), |v| format!("{v:.2}")),
-                raw.map_or("-".into(), |v| format!("{v:.2}")),
+                val(mpi),
+                val(gl),
+                val(raw),
                 ratio(mpi),
+                ratio(gl),
                 ratio(raw)
             );
         }
