@@ -9,7 +9,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-pub const GROUPS: [&str; 5] = ["sched", "kernels", "optim", "comm", "data"];
+pub const GROUPS: [&str; 6] = ["sched", "kernels", "optim", "comm", "data", "train"];
 
 fn cargo(root: &Path) -> Command {
     let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
@@ -178,6 +178,41 @@ fn section_data(root: &Path) -> Result<String> {
     Ok(format!("```text\n{}```\n", output(c)?))
 }
 
+/// End-to-end training throughput of `qsr train` (K = 4 threads) for data parallel and QSR on the digits
+/// recipes: steps/s and the share of wall time spent in collectives.
+fn section_train(root: &Path, target: &Path) -> Result<String> {
+    let mut b = cargo(root);
+    b.args(["build", "--release", "--locked", "--bin", "qsr"]);
+    output(b)?;
+    let qsr = target.join("release/qsr");
+    let tmp = std::env::temp_dir().join("qsr-bench-train");
+    let mut o = String::from("| recipe | rule | steps | steps/s | syncs | comm share of wall | test accuracy |\n|---|---|---|---|---|---|---|\n");
+    for recipe in ["digits-mlp-qsr", "digits-qsr"] {
+        for label in ["dp", "qsr"] {
+            let dir = tmp.join(format!("{recipe}-{label}"));
+            let mut c = Command::new(&qsr);
+            c.current_dir(root).args(["train", "--recipe", &format!("recipes/{recipe}.toml"), "--quiet", "--out"]).arg(&dir);
+            if label == "dp" {
+                // A rule's own keys go with it: replace the whole sync table.
+                c.args(["--set", "sync={ rule = \"dp\" }"]);
+            }
+            output(c)?;
+            let s: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("summary.json"))?)?;
+            let f = |k: &str| s[k].as_f64().unwrap_or(f64::NAN);
+            let _ = writeln!(
+                o,
+                "| {recipe} | {label} | {} | {:.1} | {} | {:.0}% | {:.2}% |",
+                s["steps"],
+                f("steps_per_second"),
+                s["syncs"],
+                100.0 * f("comm_seconds") / f("wall_seconds"),
+                100.0 * f("final_test_accuracy")
+            );
+        }
+    }
+    Ok(o)
+}
+
 fn human(b: u64) -> String {
     if b >= 1 << 20 { format!("{} MiB", b >> 20) } else { format!("{} KiB", b >> 10) }
 }
@@ -214,6 +249,7 @@ pub fn run(which: &str, root: &Path, target: &Path) -> Result<()> {
             "kernels" => section_kernels(root)?,
             "optim" => section_optim(root)?,
             "comm" => section_comm(root, target)?,
+            "train" => section_train(root, target)?,
             _ => section_data(root)?,
         };
         print!("{table}");
