@@ -99,6 +99,10 @@ fn child_process_entry() {
                         .map(|r| r.to_string())
                         .unwrap_or_else(|| "none".into());
                     println!("QSR error {blamed} {e}");
+                    // A real program returns through its stack and drops the communicator, whose Drop
+                    // lets the abort notice reach the other neighbour before the sockets close;
+                    // `process::exit` would skip that and reset the connections.
+                    drop(c);
                     std::process::exit(0);
                 }
                 None => std::process::exit(3),
