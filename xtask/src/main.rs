@@ -3,6 +3,7 @@
 //! xtask only orchestrates cargo and the `qsr` binary; it holds no project logic.
 
 mod bench;
+mod cuda;
 mod netem;
 
 use std::path::{Path, PathBuf};
@@ -34,12 +35,18 @@ enum Cmd {
         #[arg(default_value = "all")]
         which: String,
     },
+    /// The CUDA + NCCL build of `qsr` without network access to LLVM (see xtask/src/cuda.rs).
+    Cuda(cuda::CudaArgs),
     /// As root: K network namespaces with tc-shaped links; wall-clock of dp, constant H and QSR over them.
     Netem(netem::NetemArgs),
 }
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
+}
+
+fn target_dir() -> PathBuf {
+    std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| root().join("target"))
 }
 
 fn cargo() -> Command {
@@ -130,6 +137,8 @@ fn main() -> Result<()> {
             let mut k = cargo();
             k.args(["test", "--release", "--locked", "-p", "qsr-kernels", "--features", "wgpu"]);
             totals.add(run_tests(k)?);
+            // The CUDA / NCCL code type-checks (CI has no GPU; the offline build route of `cargo xtask cuda`).
+            cuda::run(&cuda::CudaArgs::check_only(), &root(), &target_dir())?;
             // The MPI backend under a real mpirun, where Open MPI is installed (.ci/run installs it and sets
             // QSR_REQUIRE_MPI=1, so there a missing MPI fails instead of skipping).
             let have_mpi = Command::new("mpirun").arg("--version").output().is_ok_and(|o| o.status.success());
@@ -144,7 +153,7 @@ fn main() -> Result<()> {
             let mut b = cargo();
             b.args(["build", "--release", "--locked", "-p", "qsr-comm", "--features", "mpi", "--example", "mpi_check"]);
             run(b)?;
-            let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| root().join("target"));
+            let target = target_dir();
             let mut m = Command::new("mpirun");
             m.args(["--allow-run-as-root", "--oversubscribe", "-np", "3"]).arg(target.join("release/examples/mpi_check"));
             totals.add(run_mpi_check(m)?);
@@ -177,10 +186,8 @@ fn main() -> Result<()> {
             c.args(["--recipe", "recipes/digits-qsr.toml", "--seeds", "3"]);
             run(c)
         }
-        Cmd::Bench { which } => {
-            let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| root().join("target"));
-            bench::run(&which, &root(), &target)
-        }
+        Cmd::Bench { which } => bench::run(&which, &root(), &target_dir()),
         Cmd::Netem(args) => netem::run(&args, &root()),
+        Cmd::Cuda(args) => cuda::run(&args, &root(), &target_dir()),
     }
 }

@@ -97,6 +97,20 @@ pub enum CommError {
     /// An error from the MPI backend.
     #[error("mpi: {0}")]
     Mpi(String),
+
+    /// An error from a device collective (NCCL) or its bootstrap.
+    #[error("device collective: {0}")]
+    Device(String),
+
+    /// A shared library a backend needs at run time could not be loaded.
+    #[error(
+        "cannot load the {library} shared library (tried {searched}; last error: {last_error}); install it or add its directory to LD_LIBRARY_PATH"
+    )]
+    LibraryMissing {
+        library: String,
+        searched: String,
+        last_error: String,
+    },
 }
 
 impl CommError {

@@ -23,6 +23,7 @@
 
 #![forbid(unsafe_op_in_unsafe_fn)]
 
+pub mod bootstrap;
 pub mod error;
 pub mod inproc;
 pub mod launch;
@@ -31,6 +32,8 @@ pub mod wire;
 
 #[cfg(feature = "mpi")]
 pub mod mpi_backend;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 
 pub use error::CommError;
 pub use inproc::{InProcessComm, InProcessGroup};

@@ -62,6 +62,10 @@ pub enum KernelError {
     TooLarge { elements: usize },
     /// The runtime reported a failure (compilation, launch or a device fault) when reading back.
     Server(ServerError),
+    /// The runtime or device could not be opened.
+    Unavailable(String),
+    /// A device result differs from what it must be (the device check's own verification).
+    Mismatch(String),
 }
 
 impl core::fmt::Display for KernelError {
@@ -88,6 +92,8 @@ impl core::fmt::Display for KernelError {
             }
             Self::TooLarge { elements } => write!(f, "{elements} elements exceed 32-bit kernel indexing"),
             Self::Server(e) => write!(f, "cubecl runtime error: {e:?}"),
+            Self::Unavailable(why) => write!(f, "device unavailable: {why}"),
+            Self::Mismatch(what) => write!(f, "device result mismatch: {what}"),
         }
     }
 }
@@ -144,6 +150,140 @@ fn mean_into_kernel<N: Size>(
         }
         output[i] = acc;
     }
+}
+
+/// The client of CUDA GPU `index`. Creating it initialises the driver: callers probe libcuda first
+/// (a missing driver panics inside cudarc), and a panic here is turned into an error all the same.
+#[cfg(feature = "cuda")]
+pub fn cuda_client(index: usize) -> Result<Client, KernelError> {
+    let device = cubecl::Device::cuda(index).map_err(|e| KernelError::Unavailable(format!("CUDA device {index}: {e:?}")))?;
+    std::panic::catch_unwind(|| device.client())
+        .map_err(|_| KernelError::Unavailable(format!("creating the client of CUDA device {index} panicked (see above)")))
+}
+
+/// The same average-and-broadcast over K **separate** buffers (one per replica, as burn allocates
+/// each worker's flat parameter tensor), still one launch: the kernel takes [`MAX_BUFFERS`] buffer
+/// arguments and K (comptime) says how many are real; the unused slots are bound to distinct
+/// one-vector dummies that the kernel never touches. Same arithmetic as the slab kernel.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn average_and_broadcast_many_kernel<N: Size>(
+    b0: &mut [Vector<f32, N>],
+    b1: &mut [Vector<f32, N>],
+    b2: &mut [Vector<f32, N>],
+    b3: &mut [Vector<f32, N>],
+    b4: &mut [Vector<f32, N>],
+    b5: &mut [Vector<f32, N>],
+    b6: &mut [Vector<f32, N>],
+    b7: &mut [Vector<f32, N>],
+    len: usize,
+    #[comptime] k: usize,
+) {
+    let i = ABSOLUTE_POS;
+    if i < len {
+        let mut acc = b0[i];
+        if comptime!(k > 1) {
+            acc += b1[i];
+        }
+        if comptime!(k > 2) {
+            acc += b2[i];
+        }
+        if comptime!(k > 3) {
+            acc += b3[i];
+        }
+        if comptime!(k > 4) {
+            acc += b4[i];
+        }
+        if comptime!(k > 5) {
+            acc += b5[i];
+        }
+        if comptime!(k > 6) {
+            acc += b6[i];
+        }
+        if comptime!(k > 7) {
+            acc += b7[i];
+        }
+        if comptime!(k > 1) {
+            acc /= Vector::<f32, N>::new(comptime!(k as f32));
+        }
+        b0[i] = acc;
+        if comptime!(k > 1) {
+            b1[i] = acc;
+        }
+        if comptime!(k > 2) {
+            b2[i] = acc;
+        }
+        if comptime!(k > 3) {
+            b3[i] = acc;
+        }
+        if comptime!(k > 4) {
+            b4[i] = acc;
+        }
+        if comptime!(k > 5) {
+            b5[i] = acc;
+        }
+        if comptime!(k > 6) {
+            b6[i] = acc;
+        }
+        if comptime!(k > 7) {
+            b7[i] = acc;
+        }
+    }
+}
+
+/// Replaces each of the K buffers in `buffers` (separate allocations of `len` f32 each, in rank
+/// order) with their element-wise mean, in one launch; K reads and K writes per element.
+///
+/// # Errors
+/// As [`average_and_broadcast`], with each buffer checked to hold `len` floats.
+pub fn average_and_broadcast_many(client: &Client, buffers: &[Handle], len: usize) -> Result<(), KernelError> {
+    let k = buffers.len();
+    check_common(k, len)?;
+    for b in buffers {
+        check_size("average_and_broadcast_many buffer", b, len)?;
+    }
+    if k == 1 || len == 0 {
+        return Ok(());
+    }
+    let n = vector_size(client, len);
+    let vectors = len / n;
+    let (count, dim) = grid(client, vectors);
+    let mut args: Vec<Handle> = buffers.to_vec();
+    while args.len() < MAX_BUFFERS {
+        args.push(client.empty(n * F32_BYTES));
+    }
+    // SAFETY (for `from_raw_parts` and the launch): the K real buffers hold `len` floats each
+    // (checked above) and the kernel indexes them below `vectors`; the dummies hold one vector and
+    // are never indexed (K is comptime).
+    let arg = |j: usize| {
+        let vecs = if j < k { vectors } else { 1 };
+        unsafe { BufferArg::from_raw_parts(args[j].clone(), vecs) }
+    };
+    unsafe {
+        average_and_broadcast_many_kernel::launch_unchecked(
+            client,
+            count,
+            dim,
+            n,
+            arg(0),
+            arg(1),
+            arg(2),
+            arg(3),
+            arg(4),
+            arg(5),
+            arg(6),
+            arg(7),
+            vectors,
+            k,
+        );
+    }
+    Ok(())
+}
+
+/// Waits until everything queued on `client` so far has run (and reports a device fault).
+pub fn sync(client: &Client) -> Result<(), KernelError> {
+    cubecl::future::block_on(client.sync())?;
+    Ok(())
 }
 
 fn check_k(k: usize) -> Result<(), KernelError> {

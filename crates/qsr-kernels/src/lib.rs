@@ -15,6 +15,10 @@ mod host;
 #[cfg(feature = "cube")]
 pub mod cube;
 
+/// Kernel correctness and bandwidth on a device (`qsr device-check`, `scripts/gpu-check.sh`).
+#[cfg(feature = "cube")]
+pub mod device_check;
+
 pub use host::{average_and_broadcast, mean_into, reduce_and_broadcast_serial, sum_into};
 
 /// Elements per parallel task: large enough to amortize scheduling, small enough to balance 2..64 cores.

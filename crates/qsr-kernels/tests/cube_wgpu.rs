@@ -250,3 +250,48 @@ fn bad_arguments_are_errors_and_empty_is_a_no_op() {
     let (mut none, src): ([f32; 0], [f32; 0]) = ([], []);
     cube::mean_into_host(client, &mut none, &[&src, &src]).unwrap();
 }
+
+/// The device check that `qsr device-check` runs on a GPU, run here on this runtime: the same
+/// correctness sweep passes, and the bandwidth measurement verifies both of its kernels' results.
+#[test]
+fn device_check_passes_on_this_runtime() {
+    use qsr_kernels::device_check::{check_correctness, measure_bandwidth};
+    let Some(client) = client() else { return };
+    let lengths = [1, 2, 3, 4, 6, 1023, 4096];
+    let cases = check_correctness(client, &lengths, 99).unwrap();
+    assert_eq!(cases.len(), MAX_BUFFERS * lengths.len());
+    let bad: Vec<_> = cases.iter().filter(|c| c.mismatches > 0).collect();
+    assert!(bad.is_empty(), "{bad:?}");
+    assert!(cases.iter().any(|c| c.vector_size == 4) && cases.iter().any(|c| c.vector_size == 1));
+    for k in [3, 4] {
+        let len = 1 << 16;
+        let b = measure_bandwidth(client, k, len, 3, 1).unwrap();
+        assert_eq!(b.bytes, (2 * k * len * 4) as u64);
+        assert!(b.fused_seconds > 0.0 && b.copy_seconds > 0.0 && b.ratio().is_finite());
+        println!("k {k}: fused {:.2} GB/s, copy {:.2} GB/s ({:.2}x)", b.fused_gbs(), b.copy_gbs(), b.ratio());
+    }
+}
+
+/// The separate-buffers kernel (one allocation per replica, as burn gives each worker's flat
+/// parameters) matches the host path bit for bit for every K and line size.
+#[test]
+fn separate_buffers_match_host_path_bit_for_bit() {
+    let Some(client) = client() else { return };
+    for k in 1..=MAX_BUFFERS {
+        for len in [1usize, 2, 3, 4, 6, 1023, 4096, 100_003] {
+            let bufs = random_buffers(k, len, 31 * k as u64 + len as u64);
+            let host = host_mean(&bufs);
+            let handles: Vec<_> = bufs.iter().map(|b| client.create_from_slice(f32::as_bytes(b))).collect();
+            cube::average_and_broadcast_many(client, &handles, len).unwrap();
+            for (j, h) in handles.into_iter().enumerate() {
+                let got = f32::from_bytes(&client.read_one(h).unwrap()).to_vec();
+                check(&format!("many replica {j}"), k, len, &got, &host, &bufs);
+            }
+        }
+    }
+    let h = client.create_from_slice(f32::as_bytes(&[1.0f32; 5]));
+    assert!(matches!(
+        cube::average_and_broadcast_many(client, &[h.clone(), h], 4),
+        Err(KernelError::LengthMismatch { .. })
+    ));
+}

@@ -11,15 +11,18 @@
 
 use std::time::Instant;
 
+use std::borrow::Cow;
+
 use burn::module::Module;
-use burn::tensor::Tensor;
+use burn::tensor::{Device, Tensor, TensorData};
 use qsr_comm::{Collective, CommStats, ReduceOp};
 use qsr_sched::{Cursor, StepInfo, SyncMode};
 use serde::{Deserialize, Serialize};
 
 use crate::error::OptimError;
 use crate::flat::ParamLayout;
-use crate::optim::{Optimizer, OptimizerConfig};
+use crate::device::{DeviceGroup, DeviceOptimizer, all_finite, to_host};
+use crate::optim::{OptimState, Optimizer, OptimizerConfig};
 
 /// Which optimizer state is averaged at a synchronization (the authors' `--avg-m` / `--avg-v`).
 /// Default: none, as in the paper.
@@ -65,6 +68,23 @@ pub struct DriverConfig {
     /// Broadcast rank 0's initial parameters so every worker starts from the same point (as DDP).
     #[serde(default = "yes")]
     pub broadcast_initial: bool,
+    /// Where the flat parameters and optimizer state live.
+    #[serde(default)]
+    pub residency: Residency,
+}
+
+/// Where a worker's flat parameters and optimizer state live.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Residency {
+    /// On the device for a cubecl (GPU) backend, on the host otherwise.
+    #[default]
+    Auto,
+    /// Host `Vec<f32>`s, updated by the fused host optimizer (fastest on the CPU backend).
+    Host,
+    /// burn tensors on the training device (no per-step transfers on a GPU); K simulated workers with
+    /// a [`DeviceGroup`] average there, with the fused cubecl kernel on a cubecl backend.
+    Device,
 }
 
 fn one() -> usize {
@@ -76,7 +96,14 @@ fn yes() -> bool {
 
 impl Default for DriverConfig {
     fn default() -> Self {
-        Self { state: StatePolicy::default(), bn: BnPolicy::default(), accumulation_steps: 1, bucket_elems: None, broadcast_initial: true }
+        Self {
+            state: StatePolicy::default(),
+            bn: BnPolicy::default(),
+            accumulation_steps: 1,
+            bucket_elems: None,
+            broadcast_initial: true,
+            residency: Residency::Auto,
+        }
     }
 }
 
@@ -113,6 +140,18 @@ pub struct DriverStats {
     pub skipped_updates: u64,
     /// Traffic of synchronizations only (the initial broadcast is not counted).
     pub comm: CommStats,
+    /// Synchronizations averaged on the device by the fused cubecl kernel.
+    #[serde(default)]
+    pub fused_syncs: u64,
+}
+
+/// The device-resident state of a worker (see [`Residency::Device`]).
+struct DeviceReplica {
+    /// The training device without autodiff.
+    device: Device,
+    params: Tensor<1>,
+    optimizer: DeviceOptimizer,
+    group: Option<DeviceGroup>,
 }
 
 /// One worker: a model replica, its flat parameters, its optimizer state, its collective and cursor.
@@ -128,6 +167,7 @@ pub struct Worker<M: Module> {
     cursor: Cursor,
     config: DriverConfig,
     stats: DriverStats,
+    dev: Option<DeviceReplica>,
 }
 
 impl<M: Module> Worker<M> {
@@ -165,6 +205,7 @@ impl<M: Module> Worker<M> {
             cursor,
             config,
             stats: DriverStats::default(),
+            dev: None,
         };
         if w.config.broadcast_initial && w.comm.world_size() > 1 {
             let step = w.cursor.step();
@@ -177,7 +218,47 @@ impl<M: Module> Worker<M> {
             }
             w.write_back()?;
         }
+        if resolve_residency(w.config.residency, w.model()) == Residency::Device {
+            let device = w.model_device().inner();
+            let params = w.layout.params_tensor(w.model(), &device)?;
+            let optimizer = DeviceOptimizer::new(w.optimizer.config().clone(), n, &w.layout.no_decay_ranges(), &device)?;
+            // The host copies are not used from here on (the host optimizer keeps only its config).
+            w.params = Vec::new();
+            w.grads = Vec::new();
+            w.optimizer = Optimizer::new(w.optimizer.config().clone(), 0, &[])?;
+            w.dev = Some(DeviceReplica { device, params, optimizer, group: None });
+        }
         Ok(w)
+    }
+
+    /// Gives a device-resident worker the in-process group of its K simulated peers on the same
+    /// device, so syncs average there (rank and size must match the collective's).
+    pub fn set_device_group(&mut self, group: DeviceGroup) -> Result<(), OptimError> {
+        if group.rank() != self.rank() || group.world_size() != self.world_size() {
+            return Err(OptimError::Layout(format!(
+                "device group rank {}/{} does not match the collective's {}/{}",
+                group.rank(),
+                group.world_size(),
+                self.rank(),
+                self.world_size()
+            )));
+        }
+        match &mut self.dev {
+            Some(d) => {
+                d.group = Some(group);
+                Ok(())
+            }
+            None => Err(OptimError::Layout("a device group needs device residency".into())),
+        }
+    }
+
+    /// Whether parameters and optimizer state live on the device.
+    pub fn is_device_resident(&self) -> bool {
+        self.dev.is_some()
+    }
+
+    fn model_device(&self) -> Device {
+        model_device(self.model())
     }
 
     pub fn model(&self) -> &M {
@@ -198,15 +279,22 @@ impl<M: Module> Worker<M> {
     pub fn layout(&self) -> &ParamLayout {
         &self.layout
     }
-    /// The worker's flat trainable parameters (equal to the model's).
-    pub fn params(&self) -> &[f32] {
-        &self.params
+    /// The worker's flat trainable parameters (equal to the model's); downloaded when device-resident.
+    pub fn params(&self) -> Result<Cow<'_, [f32]>, OptimError> {
+        match &self.dev {
+            Some(d) => Ok(Cow::Owned(to_host(&d.params)?)),
+            None => Ok(Cow::Borrowed(&self.params)),
+        }
     }
-    pub fn optimizer(&self) -> &Optimizer {
-        &self.optimizer
+    pub fn optimizer_config(&self) -> &OptimizerConfig {
+        self.optimizer.config()
     }
-    pub fn optimizer_mut(&mut self) -> &mut Optimizer {
-        &mut self.optimizer
+    /// The optimizer state (for checkpoints); downloaded when device-resident.
+    pub fn optimizer_state(&self) -> Result<Cow<'_, OptimState>, OptimError> {
+        match &self.dev {
+            Some(d) => Ok(Cow::Owned(d.optimizer.state()?)),
+            None => Ok(Cow::Borrowed(self.optimizer.state())),
+        }
     }
     pub fn cursor(&self) -> &Cursor {
         &self.cursor
@@ -231,18 +319,29 @@ impl<M: Module> Worker<M> {
 
     /// Restores parameters, optimizer state and position (from a checkpoint taken at a sync point).
     pub fn restore(&mut self, params: &[f32], state: crate::OptimState, cursor: Cursor) -> Result<(), OptimError> {
-        if params.len() != self.params.len() {
-            return Err(OptimError::Layout(format!("checkpoint has {} parameters, model {}", params.len(), self.params.len())));
+        if params.len() != self.layout.len() {
+            return Err(OptimError::Layout(format!("checkpoint has {} parameters, model {}", params.len(), self.layout.len())));
         }
-        self.optimizer.load_state(state)?;
-        self.params.copy_from_slice(params);
+        match &mut self.dev {
+            Some(d) => {
+                d.optimizer.load_state(state, &d.device)?;
+                d.params = Tensor::<1>::from_data(TensorData::new(params.to_vec(), [params.len()]), &d.device);
+            }
+            None => {
+                self.optimizer.load_state(state)?;
+                self.params.copy_from_slice(params);
+            }
+        }
         self.cursor = cursor;
         self.write_back()
     }
 
     fn write_back(&mut self) -> Result<(), OptimError> {
         let model = self.model.take().expect("model is present between calls");
-        let model = self.layout.write_params(model, &self.params);
+        let model = match &self.dev {
+            Some(d) => self.layout.write_params_tensor(model, &d.params),
+            None => self.layout.write_params(model, &self.params),
+        };
         match model {
             Ok(m) => {
                 self.model = Some(m);
@@ -264,6 +363,9 @@ impl<M: Module> Worker<M> {
     where
         F: FnMut(&M, usize) -> Result<Tensor<1>, String>,
     {
+        if self.dev.is_some() {
+            return self.step_device(loss_fn);
+        }
         let info = self.cursor.advance().ok_or(OptimError::Finished(self.cursor.step()))?;
         let accum = self.config.accumulation_steps;
         let mut loss_sum = 0.0f64;
@@ -308,6 +410,145 @@ impl<M: Module> Worker<M> {
             }
         }
         Ok(StepReport { info, loss: (loss_sum / accum as f64) as f32, updated, sync })
+    }
+
+    /// [`Self::step`] with device-resident parameters and state: no host transfer but one
+    /// finiteness flag (and the loss) per step.
+    fn step_device<F>(&mut self, mut loss_fn: F) -> Result<StepReport, OptimError>
+    where
+        F: FnMut(&M, usize) -> Result<Tensor<1>, String>,
+    {
+        let info = self.cursor.advance().ok_or(OptimError::Finished(self.cursor.step()))?;
+        let accum = self.config.accumulation_steps;
+        let device = self.dev.as_ref().expect("device-resident").device.clone();
+        let mut loss_sum = 0.0f64;
+        let mut grad_sum: Option<Tensor<1>> = None;
+        for micro in 0..accum {
+            let model = self.model.as_ref().expect("model is present between calls");
+            let loss = loss_fn(model, micro).map_err(|message| OptimError::Step { step: info.step, message })?;
+            loss_sum += f64::from(loss.clone().into_scalar::<f32>());
+            let mut grads = loss.backward();
+            let g = self.layout.grads_tensor(model, &mut grads, &device)?;
+            grad_sum = Some(match grad_sum {
+                Some(s) => s + g,
+                None => g,
+            });
+        }
+        let mut grads = grad_sum.expect("at least one micro-batch");
+        if accum > 1 {
+            // The host path's sum * (1 / accum).
+            grads = grads.mul_scalar(1.0 / accum as f32);
+        }
+        let mut sync = None;
+        if info.mode == SyncMode::Gradients {
+            let (mut out, report) = self.average_device(info.step, vec![grads], SyncMode::Gradients)?;
+            grads = out.remove(0);
+            sync = Some(report);
+        }
+        let updated = all_finite(&grads);
+        let dev = self.dev.as_mut().expect("device-resident");
+        if updated {
+            let params = dev.params.clone();
+            dev.params = dev.optimizer.step(params, grads, info.lr);
+        } else {
+            self.stats.skipped_updates += 1;
+        }
+        if info.sync_after && info.mode == SyncMode::Parameters {
+            sync = Some(self.sync_parameters_device(info.step)?);
+        }
+        self.write_back()?;
+        self.stats.steps += 1;
+        if let Some(s) = &sync {
+            self.stats.syncs += 1;
+            if s.mode == SyncMode::Gradients {
+                self.stats.gradient_syncs += 1;
+            }
+        }
+        Ok(StepReport { info, loss: (loss_sum / accum as f64) as f32, updated, sync })
+    }
+
+    /// Parameters (and the moments the policy names) averaged on the device; BatchNorm statistics,
+    /// when averaged, go through the host collective (they are small).
+    fn sync_parameters_device(&mut self, step: u64) -> Result<SyncReport, OptimError> {
+        let policy = self.config.state;
+        let dev = self.dev.as_mut().expect("device-resident");
+        let mut tensors = vec![dev.params.clone()];
+        let (m, v) = dev.optimizer.moments_mut();
+        let avg_m = policy.average_first_moment && m.is_some();
+        let avg_v = policy.average_second_moment && v.is_some();
+        if avg_m {
+            tensors.push(m.clone().expect("checked"));
+        }
+        if avg_v {
+            tensors.push(v.clone().expect("checked"));
+        }
+        let (mut out, mut report) = self.average_device(step, tensors, SyncMode::Parameters)?;
+        let dev = self.dev.as_mut().expect("device-resident");
+        dev.params = out.remove(0);
+        let (m, v) = dev.optimizer.moments_mut();
+        if avg_m {
+            *m = Some(out.remove(0));
+        }
+        if avg_v {
+            *v = Some(out.remove(0));
+        }
+        if self.config.bn == BnPolicy::Average && self.layout.running_len() > 0 {
+            let before = *self.comm.stats();
+            let t = Instant::now();
+            let mut running = vec![0.0; self.layout.running_len()];
+            self.layout.read_running(self.model(), &mut running)?;
+            let calls = all_reduce_bucketed(self.comm.as_mut(), &mut running, self.config.bucket_elems)
+                .map_err(|source| OptimError::Comm { step, source })?;
+            self.replace_running(&running)?;
+            let extra = self.account(before, t, SyncMode::Parameters, running.len(), calls);
+            report.elements += extra.elements;
+            report.calls += extra.calls;
+            report.bytes_sent += extra.bytes_sent;
+            report.seconds += extra.seconds;
+        }
+        Ok(report)
+    }
+
+    /// Mean over the workers of each tensor: through the device group where there is one (one
+    /// fused launch per tensor on a cubecl backend), else through the host collective.
+    fn average_device(&mut self, step: u64, tensors: Vec<Tensor<1>>, mode: SyncMode) -> Result<(Vec<Tensor<1>>, SyncReport), OptimError> {
+        let t = Instant::now();
+        let elements: usize = tensors.iter().map(|x| x.dims()[0]).sum();
+        let k = self.world_size();
+        let dev = self.dev.as_ref().expect("device-resident");
+        if let Some(group) = &dev.group {
+            let calls = tensors.len() as u64;
+            let (out, fused) = group.average(tensors)?;
+            // What a ring all-reduce of the same bytes would move, as the in-process collective reports.
+            let bytes = if k > 1 { (2 * (k - 1) * elements * 4 / k) as u64 } else { 0 };
+            let seconds = t.elapsed().as_secs_f64();
+            self.stats.comm.calls += calls;
+            self.stats.comm.bytes_sent += bytes;
+            self.stats.comm.bytes_received += bytes;
+            self.stats.comm.seconds += seconds;
+            if fused {
+                self.stats.fused_syncs += 1;
+            }
+            return Ok((out, SyncReport { mode, elements, calls, bytes_sent: bytes, seconds }));
+        }
+        // Across processes: stage through the host collective in one flat buffer.
+        let device = dev.device.clone();
+        let lens: Vec<usize> = tensors.iter().map(|x| x.dims()[0]).collect();
+        let mut buf = Vec::with_capacity(elements);
+        for x in &tensors {
+            buf.extend(to_host(x)?);
+        }
+        let before = *self.comm.stats();
+        let calls = all_reduce_bucketed(self.comm.as_mut(), &mut buf, self.config.bucket_elems)
+            .map_err(|source| OptimError::Comm { step, source })?;
+        let mut out = Vec::with_capacity(lens.len());
+        let mut at = 0;
+        for n in lens {
+            out.push(Tensor::<1>::from_data(TensorData::new(buf[at..at + n].to_vec(), [n]), &device));
+            at += n;
+        }
+        let report = self.account(before, t, mode, elements, calls);
+        Ok((out, report))
     }
 
     fn all_reduce_grads(&mut self, step: u64) -> Result<SyncReport, OptimError> {
@@ -408,4 +649,38 @@ fn all_reduce_bucketed(comm: &mut dyn Collective, buf: &mut [f32], bucket: Optio
             Ok(1)
         }
     }
+}
+
+/// The device of a module's first float parameter (flex when it has none).
+fn model_device<M: Module>(model: &M) -> Device {
+    struct First(Option<Device>);
+    impl burn::module::ModuleVisitor for First {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+            if self.0.is_none() {
+                self.0 = Some(param.val().device());
+            }
+        }
+    }
+    let mut v = First(None);
+    model.visit(&mut v);
+    v.0.unwrap_or_else(Device::flex)
+}
+
+/// `Auto` is device residency on a cubecl (GPU) backend, host residency otherwise.
+fn resolve_residency<M: Module>(r: Residency, model: &M) -> Residency {
+    match r {
+        Residency::Auto if is_cube_device(&model_device(model)) => Residency::Device,
+        Residency::Auto => Residency::Host,
+        other => other,
+    }
+}
+
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+fn is_cube_device(device: &Device) -> bool {
+    Tensor::<1>::zeros([1], &device.clone().inner()).try_into_primitive::<burn::backend::Cube>().is_ok()
+}
+
+#[cfg(not(any(feature = "cuda", feature = "wgpu")))]
+fn is_cube_device(_device: &Device) -> bool {
+    false
 }

@@ -14,7 +14,7 @@
 use std::ops::Range;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
-use burn::tensor::{Gradients, Tensor, TensorData};
+use burn::tensor::{Device, Gradients, Tensor, TensorData};
 
 use crate::error::OptimError;
 
@@ -183,6 +183,117 @@ impl ParamLayout {
             return Err(OptimError::Layout(format!("module has {} elements, layout {want}", m.offset)));
         }
         Ok(module)
+    }
+}
+
+/// Device-resident flat buffers (see [`crate::device`]): the same layout as one burn tensor.
+impl ParamLayout {
+    /// The trainable parameters of `module` as one flat tensor on `device` (the module's device
+    /// without autodiff): one concatenation, no host copy.
+    pub fn params_tensor<M: Module>(&self, module: &M, device: &Device) -> Result<Tensor<1>, OptimError> {
+        self.collect(module, None, device)
+    }
+
+    /// Moves the gradients of `module`'s trainable parameters out of `grads` into one flat tensor
+    /// (zeros where a parameter took no part in the loss).
+    pub fn grads_tensor<M: Module>(&self, module: &M, grads: &mut Gradients, device: &Device) -> Result<Tensor<1>, OptimError> {
+        self.collect(module, Some(grads), device)
+    }
+
+    fn collect<M: Module>(&self, module: &M, grads: Option<&mut Gradients>, device: &Device) -> Result<Tensor<1>, OptimError> {
+        let mut v = CollectVisitor { stack: Vec::new(), grads, parts: Vec::new(), offset: 0, device: device.clone() };
+        module.visit(&mut v);
+        if v.offset != self.len() {
+            return Err(OptimError::Layout(format!("module has {} elements, layout {}", v.offset, self.len())));
+        }
+        if v.parts.is_empty() {
+            return Ok(Tensor::<1>::zeros([0], device));
+        }
+        Ok(Tensor::cat(v.parts, 0))
+    }
+
+    /// Replaces `module`'s trainable parameters with slices of `flat` (keeping ids and gradient
+    /// tracking); on a cubecl backend the slices are views of `flat`'s buffer.
+    pub fn write_params_tensor<M: Module>(&self, module: M, flat: &Tensor<1>) -> Result<M, OptimError> {
+        let n = flat.dims()[0];
+        if n != self.len() {
+            return Err(OptimError::Layout(format!("flat tensor of {n} elements for a layout of {}", self.len())));
+        }
+        let mut m = WriteTensorMapper { stack: Vec::new(), flat, offset: 0 };
+        let module = module.map(&mut m);
+        if m.offset != n {
+            return Err(OptimError::Layout(format!("module has {} elements, layout {n}", m.offset)));
+        }
+        Ok(module)
+    }
+}
+
+struct CollectVisitor<'a> {
+    stack: Vec<(String, String)>,
+    grads: Option<&'a mut Gradients>,
+    parts: Vec<Tensor<1>>,
+    offset: usize,
+    device: Device,
+}
+
+impl ModuleVisitor for CollectVisitor<'_> {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.stack.push((name.to_string(), container_type.to_string()));
+    }
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.stack.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if role(&self.stack) == ParamRole::Running {
+            return;
+        }
+        let n = param.lazy_shape().num_elements();
+        self.offset += n;
+        let t = match &mut self.grads {
+            None => Some(param.val().inner()),
+            Some(g) => param.val().grad_remove(g).map(Tensor::inner),
+        };
+        self.parts.push(match t {
+            Some(t) => t.reshape([n]),
+            None => Tensor::<1>::zeros([n], &self.device),
+        });
+    }
+}
+
+struct WriteTensorMapper<'a> {
+    stack: Vec<(String, String)>,
+    flat: &'a Tensor<1>,
+    offset: usize,
+}
+
+impl ModuleMapper for WriteTensorMapper<'_> {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.stack.push((name.to_string(), container_type.to_string()));
+    }
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.stack.pop();
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if role(&self.stack) == ParamRole::Running {
+            return param;
+        }
+        let n = param.lazy_shape().num_elements();
+        let start = self.offset;
+        self.offset += n;
+        if start + n > self.flat.dims()[0] {
+            return param;
+        }
+        let (id, tensor, mapper) = param.consume();
+        let autodiff = tensor.is_autodiff();
+        let require_grad = tensor.is_require_grad();
+        let mut fresh: Tensor<D> = self.flat.clone().narrow(0, start, n).reshape(tensor.shape());
+        if autodiff {
+            fresh = fresh.autodiff();
+        }
+        if require_grad {
+            fresh = fresh.require_grad();
+        }
+        Param::from_mapped_value(id, fresh, mapper)
     }
 }
 

@@ -2,6 +2,7 @@
 //! flat parameter buffers for burn modules, and the round driver that synchronizes at the steps
 //! `qsr-sched` plans.
 
+pub mod device;
 pub mod driver;
 mod error;
 pub mod flat;
@@ -10,4 +11,5 @@ pub mod optim;
 pub use error::OptimError;
 pub use flat::{ParamEntry, ParamLayout, ParamRole};
 pub use optim::{OptimState, Optimizer, OptimizerConfig, OptimizerKind, clip_grad_norm};
-pub use driver::{BnPolicy, DriverConfig, DriverStats, StatePolicy, StepReport, SyncReport, Worker};
+pub use device::{DeviceGroup, DeviceOptimizer};
+pub use driver::{BnPolicy, DriverConfig, DriverStats, Residency, StatePolicy, StepReport, SyncReport, Worker};

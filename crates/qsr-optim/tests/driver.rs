@@ -7,7 +7,10 @@ use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, Relu};
 use burn::optim::{GradientsParams, SgdConfig};
 use burn::tensor::{Device, Tensor, TensorData};
 use qsr_comm::InProcessGroup;
-use qsr_optim::{BnPolicy, DriverConfig, OptimizerConfig, ParamLayout, ParamRole, StatePolicy, StepReport, Worker};
+use qsr_optim::{
+    BnPolicy, DeviceGroup, DeviceOptimizer, DriverConfig, Optimizer, OptimizerConfig, ParamLayout, ParamRole, Residency, StatePolicy,
+    StepReport, Worker,
+};
 use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncMode, SyncRule};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -126,14 +129,22 @@ fn run_mlp(k: usize, plan: &Plan, optim: OptimizerConfig, config: DriverConfig, 
     let model = init(Mlp::new(&device));
     let task = Task::new();
     let comms = InProcessGroup::new(k);
+    // Device residency averages through a device group unless the test asks for the host collective.
+    let groups = DeviceGroup::new(k);
+    let use_group = config.residency == Residency::Device && !HOST_STAGED.with(|h| h.get());
     let results: Vec<_> = thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
+            .zip(groups)
             .enumerate()
-            .map(|(rank, comm)| {
+            .map(|(rank, (comm, group))| {
                 let (model, task, device, optim, config) = (model.clone(), &task, device.clone(), optim.clone(), config.clone());
                 s.spawn(move || {
                     let mut w = Worker::new(model, optim, Box::new(comm), plan.cursor(), config.clone()).unwrap();
+                    assert_eq!(w.is_device_resident(), config.residency == Residency::Device);
+                    if use_group {
+                        w.set_device_group(group).unwrap();
+                    }
                     let accum = config.accumulation_steps;
                     let (mut reports, mut after) = (Vec::new(), Vec::new());
                     while !w.cursor().is_done() {
@@ -146,11 +157,11 @@ fn run_mlp(k: usize, plan: &Plan, optim: OptimizerConfig, config: DriverConfig, 
                             })
                             .unwrap();
                         if r.sync.is_some() {
-                            after.push(w.params().to_vec());
+                            after.push(w.params().unwrap().to_vec());
                         }
                         reports.push(r);
                     }
-                    (w.params().to_vec(), reports, after, w.comm().stats().calls, w.optimizer().state().first_moment.clone())
+                    (w.params().unwrap().to_vec(), reports, after, w.comm().stats().calls, w.optimizer_state().unwrap().first_moment.clone())
                 })
             })
             .collect();
@@ -165,6 +176,11 @@ fn run_mlp(k: usize, plan: &Plan, optim: OptimizerConfig, config: DriverConfig, 
         run.first_moments.push(m);
     }
     run
+}
+
+thread_local! {
+    /// Set by a test to run device-resident workers without a device group (the cross-process path).
+    static HOST_STAGED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
@@ -367,4 +383,121 @@ fn batchnorm_statistics_are_averaged_only_under_the_average_policy() {
     assert!(bit_identical(&local[0].1, &local[1].1));
     let mean: Vec<f32> = local[0].0.iter().zip(&local[1].0).map(|(a, b)| (a + b) / 2.0).collect();
     assert_close(&local[0].1, &mean, 1e-6, "mean of running stats");
+}
+
+fn device_config(base: DriverConfig) -> DriverConfig {
+    DriverConfig { residency: Residency::Device, ..base }
+}
+
+fn random(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..n).map(|_| rng.random_range(-scale..scale)).collect()
+}
+
+/// The device optimizer is the host optimizer written in burn operations: on the CPU backend the
+/// same trajectories, for every option (momentum, dampening, Nesterov, decay exclusions, clipping).
+#[test]
+fn device_optimizer_follows_the_host_optimizer() {
+    let dev = Device::flex();
+    let n = 1000;
+    let no_decay = [100..250, 900..1000];
+    let mut sgd_all = OptimizerConfig::sgd(0.9, 1e-2);
+    sgd_all.nesterov = Some(true);
+    sgd_all.exclude_norm_and_bias = true;
+    let mut sgd_damp = OptimizerConfig::sgd(0.8, 5e-4);
+    sgd_damp.dampening = Some(0.3);
+    sgd_damp.clip_grad_norm = Some(0.5);
+    let mut adamw_excl = OptimizerConfig::adamw(0.05);
+    adamw_excl.exclude_norm_and_bias = true;
+    let mut adamw_beta = OptimizerConfig::adamw(0.1);
+    adamw_beta.beta1 = Some(0.3); // the lerp's other branch
+    for (case, config) in [OptimizerConfig::sgd(0.0, 0.0), sgd_all, sgd_damp, OptimizerConfig::adamw(0.0), adamw_excl, adamw_beta].into_iter().enumerate() {
+        let mut host = Optimizer::new(config.clone(), n, &no_decay).unwrap();
+        let mut device = DeviceOptimizer::new(config.clone(), n, &no_decay, &dev).unwrap();
+        let mut p_host = random(n, 1, 1.0);
+        let mut p_dev = Tensor::<1>::from_data(TensorData::new(p_host.clone(), [n]), &dev);
+        for step in 0..6u64 {
+            let g = random(n, 100 + step, 2.0);
+            let lr = 0.1 / (step + 1) as f64;
+            host.step(&mut p_host, &mut g.clone(), lr);
+            p_dev = device.step(p_dev, Tensor::<1>::from_data(TensorData::new(g, [n]), &dev), lr);
+        }
+        let got = qsr_optim::device::to_host(&p_dev).unwrap();
+        assert_close(&got, &p_host, 1e-6, &format!("case {case} ({:?}) parameters", config.kind));
+        let (hs, ds) = (host.state().clone(), device.state().unwrap());
+        assert_eq!(hs.step, ds.step);
+        assert_close(&ds.first_moment, &hs.first_moment, 1e-6, &format!("case {case} first moment"));
+        assert_close(&ds.second_moment, &hs.second_moment, 1e-6, &format!("case {case} second moment"));
+    }
+}
+
+/// Device-resident workers (flat state as burn tensors, syncs through the device group) train to
+/// the same parameters as host-resident ones, sync at the same steps, and agree after every sync.
+#[test]
+fn device_resident_workers_match_host_resident_ones() {
+    let k = 3;
+    let p = plan(40, SyncRule::Qsr { h_base: 2, alpha: 0.1 });
+    for optim in [OptimizerConfig::sgd(0.9, 1e-3), OptimizerConfig::adamw(0.05)] {
+        let host = run_mlp(k, &p, optim.clone(), DriverConfig::default(), None);
+        let dev = run_mlp(k, &p, optim.clone(), device_config(DriverConfig::default()), None);
+        let syncs = |r: &Run| r.reports[0].iter().filter(|x| x.sync.is_some()).count();
+        assert_eq!(syncs(&host), syncs(&dev));
+        assert_eq!(syncs(&dev) as u64, p.summary().rounds);
+        for w in 0..k {
+            assert_close(&dev.params[w], &host.params[w], 1e-5, &format!("{:?} worker {w}", optim.kind));
+            for (i, after) in dev.after_sync[w].iter().enumerate() {
+                assert!(bit_identical(after, &dev.after_sync[0][i]), "worker {w} differs from worker 0 after sync {i}");
+            }
+        }
+    }
+}
+
+/// Data-parallel rounds, micro-batches, and averaged moments on the device path; and the same
+/// run staged through the host collective (what a multi-process device-resident run does).
+#[test]
+fn device_residency_covers_gradient_syncs_accumulation_and_moment_averaging() {
+    let k = 2;
+    let config = DriverConfig {
+        accumulation_steps: 2,
+        state: StatePolicy { average_first_moment: true, average_second_moment: true },
+        ..DriverConfig::default()
+    };
+    let p = plan(24, SyncRule::PostLocal { switch_step: 8, h: 3 });
+    let host = run_mlp(k, &p, OptimizerConfig::adamw(0.01), config.clone(), None);
+    let dev = run_mlp(k, &p, OptimizerConfig::adamw(0.01), device_config(config.clone()), None);
+    HOST_STAGED.with(|h| h.set(true));
+    let staged = run_mlp(k, &p, OptimizerConfig::adamw(0.01), device_config(config), None);
+    HOST_STAGED.with(|h| h.set(false));
+    assert!(dev.reports[0].iter().any(|r| r.sync.is_some_and(|s| s.mode == SyncMode::Gradients)));
+    for w in 0..k {
+        assert_close(&dev.params[w], &host.params[w], 1e-5, &format!("device worker {w}"));
+        assert_close(&staged.params[w], &host.params[w], 1e-5, &format!("host-staged worker {w}"));
+        assert_close(&dev.first_moments[w], &dev.first_moments[0], 0.0, "averaged first moments agree");
+    }
+    assert!(staged.calls[0] > 0, "the staged run used the host collective");
+}
+
+/// A device group refuses a rank that does not match its collective, and reports a missing peer
+/// instead of waiting forever.
+#[test]
+fn device_group_mismatch_and_missing_peer_are_errors() {
+    let device = device();
+    let model = init(Mlp::new(&device));
+    let p = plan(4, SyncRule::Constant { h: 1 });
+    let mut comms = InProcessGroup::new(2);
+    let comm = comms.remove(0);
+    let mut w = Worker::new(model, sgd(), Box::new(comm), p.cursor(), device_config(DriverConfig { broadcast_initial: false, ..DriverConfig::default() })).unwrap();
+    let mut groups = DeviceGroup::with_timeout(2, std::time::Duration::from_millis(200));
+    let wrong = groups.remove(1);
+    assert!(w.set_device_group(wrong).unwrap_err().to_string().contains("does not match"));
+    w.set_device_group(groups.remove(0)).unwrap();
+    let task = Task::new();
+    let e = w
+        .step(|m: &Mlp, _| {
+            let (x, y) = task.batch(0, BATCH, &device);
+            Ok(mse(m.forward(x), y))
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rank(s) [1] did not reach the synchronization"), "{e}");
 }

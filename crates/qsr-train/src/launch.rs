@@ -10,15 +10,31 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, Result, anyhow, bail};
 use burn::tensor::Device;
 use qsr_comm::{Collective, Explicit, InProcessGroup, TcpComm, TcpConfig};
+use qsr_optim::DeviceGroup;
 
 use crate::checkpoint;
+use crate::device::DeviceSpec;
 use crate::train::{Outcome, RunSpec, Summary, build_model, run_worker};
 use crate::train_recipe::TrainRecipe;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum CommKind {
+    /// Our TCP ring (rendezvous at MASTER_ADDR:MASTER_PORT).
     Tcp,
+    /// The system MPI (under mpirun / srun; feature `mpi`).
     Mpi,
+    /// NCCL, one GPU per process, bootstrapped over the TCP rendezvous (feature `nccl`).
+    Nccl,
+}
+
+impl CommKind {
+    fn name(self) -> &'static str {
+        match self {
+            CommKind::Tcp => "tcp",
+            CommKind::Mpi => "mpi",
+            CommKind::Nccl => "nccl",
+        }
+    }
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -38,10 +54,11 @@ pub struct TrainArgs {
     /// K simulated workers in this process (overrides train.workers).
     #[arg(long, conflicts_with_all = ["nproc", "comm"])]
     pub workers: Option<usize>,
-    /// Spawn N local worker processes joined by the TCP ring.
-    #[arg(long, conflicts_with = "comm")]
+    /// Spawn N local worker processes joined by the TCP ring (or NCCL with `--comm nccl`).
+    #[arg(long)]
     pub nproc: Option<usize>,
-    /// Run as one worker of an externally launched job (rank/world from flags or the launcher's env).
+    /// Run as one worker of an externally launched job (rank/world from flags or the launcher's env);
+    /// with --nproc, the collective the spawned workers use.
     #[arg(long, value_enum)]
     pub comm: Option<CommKind>,
     #[arg(long, requires = "comm")]
@@ -52,7 +69,8 @@ pub struct TrainArgs {
     pub master_addr: Option<String>,
     #[arg(long, requires = "comm")]
     pub master_port: Option<u16>,
-    /// Compute device: `cpu` (burn's flex backend).
+    /// Compute device: `cpu` (burn's flex backend), `cuda:N`, or `cuda` (GPU = local rank; needs a
+    /// binary built with CUDA support).
     #[arg(long, default_value = "cpu")]
     pub device: String,
     /// No progress bar.
@@ -66,15 +84,9 @@ pub struct TrainArgs {
     pub spawned: bool,
 }
 
-/// Parses `--device`.
+/// Parses and opens `--device` for a single process (local rank 0).
 pub fn device(name: &str) -> Result<Device> {
-    match name {
-        "cpu" | "flex" => Ok(Device::flex().autodiff()),
-        other if other.starts_with("cuda") => bail!(
-            "--device {other}: this qsr binary was built without CUDA support (rebuild with `--features cuda`)"
-        ),
-        other => bail!("--device {other}: unknown device (expected cpu)"),
-    }
+    DeviceSpec::parse(name)?.open(0)
 }
 
 fn default_run_dir(name: &str) -> PathBuf {
@@ -135,17 +147,24 @@ fn check_world(resume: &Option<(PathBuf, checkpoint::CheckpointState)>, world: u
 /// Runs `qsr train`; returns rank 0's summary where this process has it.
 pub fn run(args: &TrainArgs) -> Result<Option<Summary>> {
     let (recipe, run_dir, resume) = resolve(args)?;
-    let device = device(&args.device)?;
-    let is_child = args.comm.is_some();
-    if let Some(kind) = args.comm {
-        return external(args, kind, recipe, run_dir, resume, device);
+    let spec = DeviceSpec::parse(&args.device)?;
+    if args.comm == Some(CommKind::Nccl) && !spec.is_gpu() {
+        bail!("--comm nccl needs a GPU device (--device cuda or cuda:N), not --device {}", args.device);
     }
-    check_world(&resume, recipe.train.workers)?;
-    prepare_run_dir(&run_dir, &recipe, resume.is_some())?;
     if let Some(n) = args.nproc {
+        if args.comm == Some(CommKind::Mpi) {
+            bail!("--nproc starts its workers itself; use mpirun for --comm mpi");
+        }
+        check_world(&resume, recipe.train.workers)?;
+        prepare_run_dir(&run_dir, &recipe, resume.is_some())?;
         return spawn_processes(args, n, &run_dir, resume.is_some());
     }
-    let _ = is_child;
+    if let Some(kind) = args.comm {
+        return external(args, kind, spec, recipe, run_dir, resume);
+    }
+    let device = spec.open(0)?;
+    check_world(&resume, recipe.train.workers)?;
+    prepare_run_dir(&run_dir, &recipe, resume.is_some())?;
     let spec = RunSpec { recipe, device, run_dir, resume, progress: !args.quiet, halt_after: args.halt_after };
     let outcomes = simulated(&spec)?;
     Ok(outcomes.into_iter().find_map(|o| o.summary))
@@ -164,17 +183,20 @@ pub fn simulated(spec: &RunSpec) -> Result<Vec<Outcome>> {
     let k = spec.recipe.train.workers;
     let model = build_model(&spec.recipe, &spec.device)?;
     let comms = InProcessGroup::new(k);
+    // Used by device-resident workers (GPU): their syncs average on the device.
+    let groups = DeviceGroup::new(k);
     let results: Vec<Result<Outcome>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
-            .map(|comm| {
+            .zip(groups)
+            .map(|(comm, group)| {
                 // Each replica gets its own BatchNorm state (a plain clone would share it).
                 let replica = model.deep_clone();
                 let spec = spec.clone();
                 s.spawn(move || {
                     let progress = spec.progress && comm.rank() == 0;
                     let spec = RunSpec { progress, ..spec };
-                    run_worker(&spec, Box::new(comm), replica)
+                    run_worker(&spec, Box::new(comm), replica, Some(group))
                 })
             })
             .collect();
@@ -211,7 +233,7 @@ fn spawn_processes(args: &TrainArgs, n: usize, run_dir: &Path, resuming: bool) -
     let mut children: Vec<(usize, Child)> = Vec::new();
     for rank in 0..n {
         let mut c = Command::new(&exe);
-        c.arg("train").arg("--comm").arg("tcp");
+        c.arg("train").arg("--comm").arg(args.comm.unwrap_or(CommKind::Tcp).name());
         if resuming {
             c.arg("--resume").arg(run_dir);
         } else {
@@ -265,26 +287,40 @@ fn spawn_processes(args: &TrainArgs, n: usize, run_dir: &Path, resuming: bool) -
 fn external(
     args: &TrainArgs,
     kind: CommKind,
+    spec: DeviceSpec,
     mut recipe: TrainRecipe,
     run_dir: PathBuf,
     resume: Option<(PathBuf, checkpoint::CheckpointState)>,
-    device: Device,
 ) -> Result<Option<Summary>> {
-    let comm: Box<dyn Collective> = match kind {
-        CommKind::Tcp => {
-            let explicit = Explicit {
-                rank: args.rank,
-                world_size: args.world_size,
-                local_rank: None,
-                master_addr: args.master_addr.clone(),
-                master_port: args.master_port,
-            };
-            let env = qsr_comm::launch::detect_from_process_env(&explicit)?;
-            let cfg = TcpConfig::from_env(&|k| std::env::var(k).ok())?;
-            Box::new(TcpComm::from_launch(&env, cfg)?)
-        }
-        CommKind::Mpi => mpi_comm()?,
+    let explicit = Explicit {
+        rank: args.rank,
+        world_size: args.world_size,
+        local_rank: None,
+        master_addr: args.master_addr.clone(),
+        master_port: args.master_port,
     };
+    let tcp = || -> Result<(TcpComm, usize)> {
+        let env = qsr_comm::launch::detect_from_process_env(&explicit)?;
+        let cfg = TcpConfig::from_env(&|k| std::env::var(k).ok())?;
+        Ok((TcpComm::from_launch(&env, cfg)?, env.local_rank))
+    };
+    let (comm, local_rank): (Box<dyn Collective>, usize) = match kind {
+        CommKind::Tcp => {
+            let (c, local) = tcp()?;
+            (Box::new(c), local)
+        }
+        CommKind::Mpi => {
+            // The launcher's local rank (OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID) picks the GPU.
+            let local = qsr_comm::launch::detect_from_process_env(&explicit).map_or(0, |e| e.local_rank);
+            (mpi_comm()?, local)
+        }
+        CommKind::Nccl => {
+            let (mut bootstrap, local) = tcp()?;
+            let ordinal = spec.ordinal(local).unwrap_or(local);
+            (nccl_comm(&mut bootstrap, ordinal)?, local)
+        }
+    };
+    let device = spec.open(local_rank)?;
     let world = comm.world_size();
     recipe.train.workers = world;
     check_world(&resume, world)?;
@@ -293,8 +329,18 @@ fn external(
     }
     let model = build_model(&recipe, &device)?;
     let spec = RunSpec { recipe, device, run_dir, resume, progress: !args.quiet && comm.rank() == 0, halt_after: args.halt_after };
-    let outcome = run_worker(&spec, comm, model)?;
+    let outcome = run_worker(&spec, comm, model, None)?;
     Ok(if args.spawned { None } else { outcome.summary })
+}
+
+#[cfg(feature = "nccl")]
+fn nccl_comm(bootstrap: &mut TcpComm, ordinal: usize) -> Result<Box<dyn Collective>> {
+    Ok(Box::new(qsr_comm::nccl::NcclComm::init(bootstrap, ordinal)?))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn nccl_comm(_bootstrap: &mut TcpComm, _ordinal: usize) -> Result<Box<dyn Collective>> {
+    bail!("--comm nccl: this qsr binary was built without NCCL support (build it with `cargo xtask cuda`)")
 }
 
 #[cfg(feature = "mpi")]

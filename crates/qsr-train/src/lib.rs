@@ -4,6 +4,7 @@
 
 pub mod checkpoint;
 pub mod compare;
+pub mod device;
 pub mod launch;
 pub mod plan_cmd;
 pub mod plot;

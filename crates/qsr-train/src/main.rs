@@ -23,6 +23,8 @@ enum Command {
     Plot(qsr_train::compare::PlotArgs),
     /// Predict wall-clock per sync rule from the round plan and a ring all-reduce cost model.
     Simulate(qsr_train::simulate::SimulateArgs),
+    /// Check the GPU kernels: bit-exact against the host path, bandwidth against a device copy.
+    DeviceCheck(qsr_train::device::DeviceCheckArgs),
 }
 
 fn main() -> ExitCode {
@@ -49,6 +51,8 @@ fn main() -> ExitCode {
             }
         }),
         Command::Simulate(args) => qsr_train::simulate::run(&args, &mut std::io::stdout().lock()),
+        Command::DeviceCheck(args) => qsr_train::device::device_check(&args, &mut std::io::stdout().lock())
+            .and_then(|ok| if ok { Ok(()) } else { Err(anyhow::anyhow!("device check failed (see the table above)")) }),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -13,7 +13,7 @@ use burn::tensor::{Device, Tensor};
 use qsr_comm::{Collective, ReduceOp};
 use qsr_data::{EvalLoader, HostBatch, Normalize, PrefetchOptions, SamplerConfig, ShardedSampler, Split, TrainLoader, Transform};
 use qsr_models::{InputSpec, Model};
-use qsr_optim::{BnPolicy, OptimState, Worker};
+use qsr_optim::{BnPolicy, DeviceGroup, OptimState, Worker};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{self, CheckpointState};
@@ -123,7 +123,10 @@ struct Eval {
 }
 
 /// Runs one worker to the end of the plan (or to `halt_after`).
-pub fn run_worker(spec: &RunSpec, comm: Box<dyn Collective>, model: Model) -> Result<Outcome> {
+///
+/// `group` is the device group of K simulated workers sharing one device; it is used when the worker
+/// is device-resident (a GPU backend, or `driver.residency = "device"`).
+pub fn run_worker(spec: &RunSpec, comm: Box<dyn Collective>, model: Model, group: Option<DeviceGroup>) -> Result<Outcome> {
     let recipe = &spec.recipe;
     let rank = comm.rank();
     let k = comm.world_size();
@@ -152,10 +155,15 @@ pub fn run_worker(spec: &RunSpec, comm: Box<dyn Collective>, model: Model) -> Re
     };
 
     let mut worker = Worker::new(model, recipe.optimizer.clone(), comm, plan.cursor(), recipe.driver_config())?;
+    if let Some(g) = group
+        && worker.is_device_resident()
+    {
+        worker.set_device_group(g)?;
+    }
     let mut start_records = None;
     if let Some((dir, state)) = &spec.resume {
         let (params, running) = checkpoint::load_model(&dir.join("model.safetensors"), worker.layout())?;
-        let template: OptimState = worker.optimizer().state().clone();
+        let template: OptimState = worker.optimizer_state()?.into_owned();
         let optim = checkpoint::load_optim(&dir.join(format!("optim-rank{rank}.safetensors")), &template)?;
         let cursor = plan.cursor_at(state.cursor.step());
         if cursor != state.cursor && plan.end_step() == state.cursor.plan().end_step() {
@@ -292,7 +300,7 @@ pub fn run_worker(spec: &RunSpec, comm: Box<dyn Collective>, model: Model) -> Re
         }
         _ => None,
     };
-    Ok(Outcome { rank, params: worker.params().to_vec(), summary, finished })
+    Ok(Outcome { rank, params: worker.params()?.to_vec(), summary, finished })
 }
 
 fn plan_syncs_before(plan: &qsr_sched::Plan, step: u64) -> u64 {
@@ -359,11 +367,11 @@ fn save_checkpoint(worker: &mut Worker<Model>, spec: &RunSpec, step: u64) -> Res
         checkpoint::begin(run_dir, step)?;
     }
     worker.comm_mut().barrier().map_err(err)?;
-    checkpoint::write_file(&tmp, &format!("optim-rank{rank}.safetensors"), &checkpoint::optim_bytes(worker.optimizer().state())?)?;
+    checkpoint::write_file(&tmp, &format!("optim-rank{rank}.safetensors"), &checkpoint::optim_bytes(&*worker.optimizer_state()?)?)?;
     if rank == 0 {
         let mut running = vec![0.0; worker.layout().running_len()];
         worker.layout().read_running(worker.model(), &mut running)?;
-        checkpoint::write_file(&tmp, "model.safetensors", &checkpoint::model_bytes(worker.layout(), worker.params(), &running, step)?)?;
+        checkpoint::write_file(&tmp, "model.safetensors", &checkpoint::model_bytes(worker.layout(), &worker.params()?, &running, step)?)?;
         let state = CheckpointState {
             format: checkpoint::FORMAT,
             step,

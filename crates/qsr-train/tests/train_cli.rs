@@ -80,9 +80,20 @@ fn two_processes_over_tcp_equal_two_simulated_workers() {
 
 #[test]
 fn resume_continues_exactly() {
+    resume_continues_exactly_with("host");
+}
+
+/// Device-resident state (parameters and moments as burn tensors) checkpoints and restores exactly too.
+#[test]
+fn resume_continues_exactly_with_device_residency() {
+    resume_continues_exactly_with("device");
+}
+
+fn resume_continues_exactly_with(residency: &str) {
     let dir = tempfile::tempdir().unwrap();
     let (straight, resumed) = (dir.path().join("straight"), dir.path().join("resumed"));
-    let set = ["--set", "schedule.total_steps=330", "--set", "eval.every_epochs=2", "--quiet", "--workers", "3"];
+    let residency = format!("driver.residency={residency}");
+    let set = ["--set", "schedule.total_steps=330", "--set", "eval.every_epochs=2", "--quiet", "--workers", "3", "--set", &residency];
     ok(&[&["train", "--recipe", RECIPE, "--out", straight.to_str().unwrap()][..], &set].concat());
     // Stop at the first checkpoint past step 100, then resume to the end.
     ok(&[&["train", "--recipe", RECIPE, "--out", resumed.to_str().unwrap(), "--halt-after", "100"][..], &set].concat());
@@ -159,4 +170,47 @@ fn resume_refusals_keep_the_previous_checkpoint() {
     assert_eq!(std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap(), latest);
     ok(&["train", "--resume", r, "--workers", "2", "--quiet"]);
     assert!(run.join("summary.json").exists());
+}
+
+/// `driver.residency = "device"` keeps parameters and optimizer state as burn tensors and averages
+/// through the device group (what a GPU run does); on the CPU backend it trains like host residency.
+#[test]
+fn device_resident_workers_train_like_host_resident_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let (host, dev) = (dir.path().join("host"), dir.path().join("device"));
+    let common = ["train", "--recipe", RECIPE, "--workers", "2", "--quiet", "--set", "schedule.total_steps=200"];
+    ok(&[&common[..], &["--out", host.to_str().unwrap()]].concat());
+    ok(&[&common[..], &["--out", dev.to_str().unwrap(), "--set", "driver.residency=device"]].concat());
+    let (sh, sd) = (json(&host.join("summary.json")), json(&dev.join("summary.json")));
+    assert_eq!(sh["syncs"], sd["syncs"]);
+    let (ah, ad) = (sh["final_test_accuracy"].as_f64().unwrap(), sd["final_test_accuracy"].as_f64().unwrap());
+    assert!((ah - ad).abs() <= 0.02, "host {ah} vs device {ad}");
+    let floats = |b: &[u8]| b.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect::<Vec<f32>>();
+    for ((nh, bh), (nd, bd)) in final_params(&host).iter().zip(&final_params(&dev)) {
+        assert_eq!(nh, nd);
+        for (x, y) in floats(bh).iter().zip(floats(bd)) {
+            assert!((x - y).abs() <= 1e-4 * (1.0 + x.abs()), "{nh}: host {x} vs device {y}");
+        }
+    }
+}
+
+/// GPU options in a CPU build, and GPU options that cannot work, fail with one line naming the flag
+/// and the fix, never a panic.
+#[test]
+fn gpu_options_are_refused_clearly_without_gpu_support() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let out = out.to_str().unwrap();
+    let e = refused(&["train", "--recipe", RECIPE, "--device", "cuda:0", "--out", out]);
+    assert!(e.contains("--device cuda:0") && e.contains("built without CUDA support") && e.contains("cargo xtask cuda"), "{e}");
+    let e = refused(&["train", "--recipe", RECIPE, "--device", "cuda:x", "--out", out]);
+    assert!(e.contains("`x` is not a GPU index"), "{e}");
+    let e = refused(&["train", "--recipe", RECIPE, "--comm", "nccl", "--out", out]);
+    assert!(e.contains("--comm nccl needs a GPU device"), "{e}");
+    let e = refused(&["train", "--recipe", RECIPE, "--nproc", "2", "--comm", "mpi", "--out", out]);
+    assert!(e.contains("use mpirun"), "{e}");
+    let e = refused(&["device-check", "--device", "cuda:0"]);
+    assert!(e.contains("built without CUDA support"), "{e}");
+    let e = refused(&["device-check", "--device", "cpu"]);
+    assert!(e.contains("runs on a GPU"), "{e}");
 }

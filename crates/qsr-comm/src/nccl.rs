@@ -1,0 +1,268 @@
+//! NCCL backend (cargo feature `nccl`): one process per GPU, collectives on device buffers.
+//!
+//! Bootstrap: rank 0 creates the NCCL unique id and sends it over the host [`Collective`] the launch
+//! produced (our TCP rendezvous under `qsr train --nproc`, torchrun variables, mpirun or srun), see
+//! [`crate::bootstrap::share_unique_id`]; NCCL needs no launcher of its own.
+//!
+//! Libraries: libcuda and libnccl are loaded at run time (cudarc's dynamic loading), so this builds
+//! without a CUDA toolkit. They are probed before cudarc touches them, so a missing library is a
+//! [`CommError::LibraryMissing`] naming it rather than a panic inside cudarc.
+//!
+//! Two APIs:
+//! - [`NcclComm::all_reduce_device`]: in place on a device buffer, `ncclAvg` for the mean — the
+//!   path for device-resident replicas;
+//! - the [`Collective`] impl on host slices (copy in, reduce, copy out), so the round driver and
+//!   trainer work unchanged. There the mean is NCCL's sum divided by K on the host, which keeps the
+//!   crate-wide `mean == sum / K` bit identity (`ncclAvg` pre-multiplies by `1/K`).
+//!
+//! Before every host-slice collective the ranks compare (sequence, kind, length, op, root) with one
+//! 10-element `ncclMax` all-reduce over the values and their negations, as the MPI backend does:
+//! diverged call sequences become [`CommError::Diverged`] instead of a hang inside NCCL.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::nccl::{Comm, Id, ReduceOp as NcclOp};
+
+use crate::bootstrap::{probe_library, share_unique_id};
+use crate::{CallKind, Collective, CommError, CommStats, MAX_BROADCAST_BYTES, ReduceOp};
+
+/// One rank of an NCCL communicator on one GPU.
+pub struct NcclComm {
+    comm: Comm,
+    stream: Arc<CudaStream>,
+    rank: usize,
+    n: usize,
+    seq: u64,
+    stats: CommStats,
+    broken: Option<String>,
+    scratch: Option<CudaSlice<f32>>,
+}
+
+// SAFETY: an NCCL communicator and a CUDA stream may be used from any thread as long as calls are
+// not concurrent; `&mut self` serialises them.
+unsafe impl Send for NcclComm {}
+
+fn device_err(what: &str, e: impl std::fmt::Debug) -> CommError {
+    CommError::Device(format!("{what}: {e:?}"))
+}
+
+/// Loads libcuda and libnccl (with errors naming them) before cudarc's lazy loaders can panic.
+pub fn probe_libraries() -> Result<(), CommError> {
+    probe_library("cuda", &cudarc::get_lib_name_candidates("cuda"))?;
+    probe_library("nccl", &cudarc::get_lib_name_candidates("nccl"))
+}
+
+impl NcclComm {
+    /// Creates this rank's communicator on GPU `ordinal`, with the world of `bootstrap` (same rank,
+    /// same size). Collective: every rank of `bootstrap` must call it.
+    pub fn init(bootstrap: &mut dyn Collective, ordinal: usize) -> Result<NcclComm, CommError> {
+        let rank = bootstrap.rank();
+        let n = bootstrap.world_size();
+        // A rank without the libraries still joins the id exchange, so the others fail too
+        // instead of waiting in ncclCommInitRank.
+        let probed = probe_libraries();
+        let id = share_unique_id::<128>(bootstrap, || {
+            probed.as_ref().map_err(|e| e.to_string())?;
+            let id = Id::new().map_err(|e| format!("ncclGetUniqueId: {:?}", e.0))?;
+            Ok(id.internal().map(|c| c as u8))
+        })?;
+        probed?;
+        let count = CudaContext::device_count().map_err(|e| device_err("cuDeviceGetCount", e))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(CommError::Device(format!("rank {rank}: GPU {ordinal} requested, this host has {count}")));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| device_err("creating the CUDA context", e))?;
+        let stream = ctx.default_stream();
+        let comm = Comm::from_rank(stream.clone(), rank, n, Id::uninit(id.map(|b| b as core::ffi::c_char)))
+            .map_err(|e| device_err("ncclCommInitRank", e.0))?;
+        Ok(NcclComm { comm, stream, rank, n, seq: 0, stats: CommStats::default(), broken: None, scratch: None })
+    }
+
+    /// The stream NCCL runs on (device buffers passed in must be ready on it).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// All-reduces a device buffer in place (`Mean` is `ncclAvg`), asynchronously on [`Self::stream`].
+    pub fn all_reduce_device(&mut self, buf: &mut CudaSlice<f32>, op: ReduceOp) -> Result<(), CommError> {
+        self.usable()?;
+        let t = Instant::now();
+        let nccl_op = match op {
+            ReduceOp::Sum => NcclOp::Sum,
+            ReduceOp::Mean => NcclOp::Avg,
+        };
+        let r = self.comm.all_reduce_in_place(buf, &nccl_op).map(|_| ()).map_err(|e| device_err("ncclAllReduce", e.0));
+        let bytes = ring_bytes(buf.len(), self.n);
+        self.finish(r, bytes, t)
+    }
+
+    fn usable(&self) -> Result<(), CommError> {
+        match &self.broken {
+            Some(why) => Err(CommError::Broken(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn finish(&mut self, r: Result<(), CommError>, bytes: u64, t: Instant) -> Result<(), CommError> {
+        self.stats.record(bytes, bytes, t.elapsed().as_secs_f64());
+        if let Err(e) = &r {
+            self.broken = Some(e.to_string());
+        }
+        r
+    }
+
+    /// Compares this call's header with every rank's (max of values and of their negations).
+    fn check_call(&mut self, kind: CallKind, len: usize, op: u8, root: usize) -> Result<(), CommError> {
+        self.seq += 1;
+        let ours = [self.seq as i64, kind as i64, len as i64, i64::from(op), root as i64];
+        let mut buf: Vec<i64> = ours.iter().copied().chain(ours.iter().map(|v| -v)).collect();
+        let mut dev = self.stream.clone_htod(&buf).map_err(|e| device_err("copying the call header", e))?;
+        self.comm.all_reduce_in_place(&mut dev, &NcclOp::Max).map_err(|e| device_err("ncclAllReduce (header)", e.0))?;
+        self.stream.memcpy_dtoh(&dev, &mut buf).map_err(|e| device_err("reading the call header", e))?;
+        const FIELDS: [&str; 5] = ["sequence number", "call kind", "length", "op", "root"];
+        for (i, field) in FIELDS.iter().enumerate() {
+            let (max, min) = (buf[i], -buf[i + 5]);
+            if max != min {
+                let theirs = if ours[i] == max { min } else { max };
+                return Err(CommError::Diverged {
+                    me: self.rank,
+                    peer: usize::MAX,
+                    field,
+                    ours: ours[i].to_string(),
+                    theirs: format!("{theirs} on some rank"),
+                    during: kind.name().to_string(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// A device buffer of at least `len` floats, reused across calls.
+    fn scratch(&mut self, len: usize) -> Result<&mut CudaSlice<f32>, CommError> {
+        if self.scratch.as_ref().is_none_or(|s| s.len() < len) {
+            let s = self.stream.alloc_zeros::<f32>(len.max(1)).map_err(|e| device_err("allocating the staging buffer", e))?;
+            self.scratch = Some(s);
+        }
+        Ok(self.scratch.as_mut().expect("allocated above"))
+    }
+
+    fn host_all_reduce(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        self.check_call(CallKind::AllReduce, buf.len(), op.code(), 0)?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let stream = self.stream.clone();
+        let comm_ptr: *const Comm = &self.comm;
+        let dev = self.scratch(buf.len())?;
+        let mut view = dev.slice_mut(..buf.len());
+        stream.memcpy_htod(&*buf, &mut view).map_err(|e| device_err("copying to the GPU", e))?;
+        // SAFETY: `comm` is a field of `self` not borrowed by `scratch`; the pointer is only used
+        // while `self` is borrowed mutably by this call.
+        let comm = unsafe { &*comm_ptr };
+        comm.all_reduce_in_place(&mut view, &NcclOp::Sum).map_err(|e| device_err("ncclAllReduce", e.0))?;
+        stream.memcpy_dtoh(&view, buf).map_err(|e| device_err("copying from the GPU", e))?;
+        if op == ReduceOp::Mean {
+            let k = self.n as f32;
+            buf.iter_mut().for_each(|x| *x /= k);
+        }
+        Ok(())
+    }
+
+    fn host_broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
+        self.check_call(CallKind::Broadcast, buf.len(), 0, root)?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let mut dev = self.stream.clone_htod(&*buf).map_err(|e| device_err("copying to the GPU", e))?;
+        self.comm.broadcast_in_place(&mut dev, root as i32).map_err(|e| device_err("ncclBroadcast", e.0))?;
+        self.stream.memcpy_dtoh(&dev, buf).map_err(|e| device_err("copying from the GPU", e))?;
+        Ok(())
+    }
+
+    fn host_broadcast_bytes(&mut self, bytes: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
+        // The length travels first (non-roots do not know it), bounded like every backend's.
+        let mut len = [bytes.len() as u64];
+        self.check_call(CallKind::BroadcastBytes, 0, 0, root)?;
+        let mut dev = self.stream.clone_htod(&len).map_err(|e| device_err("copying to the GPU", e))?;
+        self.comm.broadcast_in_place(&mut dev, root as i32).map_err(|e| device_err("ncclBroadcast", e.0))?;
+        self.stream.memcpy_dtoh(&dev, &mut len).map_err(|e| device_err("copying from the GPU", e))?;
+        let len = len[0] as usize;
+        if len > MAX_BROADCAST_BYTES {
+            return Err(CommError::Protocol {
+                peer: format!("rank {root}"),
+                detail: format!("broadcast of {len} bytes exceeds the {MAX_BROADCAST_BYTES}-byte limit"),
+            });
+        }
+        if len == 0 {
+            bytes.clear();
+            return Ok(());
+        }
+        bytes.resize(len, 0);
+        let mut dev = self.stream.clone_htod(bytes.as_slice()).map_err(|e| device_err("copying to the GPU", e))?;
+        self.comm.broadcast_in_place(&mut dev, root as i32).map_err(|e| device_err("ncclBroadcast", e.0))?;
+        self.stream.memcpy_dtoh(&dev, bytes.as_mut_slice()).map_err(|e| device_err("copying from the GPU", e))?;
+        Ok(())
+    }
+
+    fn check_root(&self, root: usize) -> Result<(), CommError> {
+        if root >= self.n {
+            return Err(CommError::InvalidArgument(format!("root {root} >= world size {}", self.n)));
+        }
+        Ok(())
+    }
+}
+
+/// What a ring all-reduce of `len` floats moves per rank (NCCL's ring; its tree algorithms move
+/// no more), so NCCL runs account traffic like the others.
+fn ring_bytes(len: usize, n: usize) -> u64 {
+    if n <= 1 {
+        return 0;
+    }
+    (2 * (n - 1) * len * 4 / n) as u64
+}
+
+impl Collective for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.n
+    }
+    fn all_reduce(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        self.usable()?;
+        let t = Instant::now();
+        let r = self.host_all_reduce(buf, op);
+        let bytes = ring_bytes(buf.len(), self.n);
+        self.finish(r, bytes, t)
+    }
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
+        self.usable()?;
+        self.check_root(root)?;
+        let t = Instant::now();
+        let r = self.host_broadcast(buf, root);
+        let bytes = (buf.len() * 4) as u64;
+        self.finish(r, bytes, t)
+    }
+    fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
+        self.usable()?;
+        self.check_root(root)?;
+        let t = Instant::now();
+        let r = self.host_broadcast_bytes(bytes, root);
+        let n = bytes.len() as u64;
+        self.finish(r, n, t)
+    }
+    fn barrier(&mut self) -> Result<(), CommError> {
+        self.usable()?;
+        let t = Instant::now();
+        let r = self.check_call(CallKind::Barrier, 0, 0, 0);
+        self.finish(r, 0, t)
+    }
+    fn stats(&self) -> &CommStats {
+        &self.stats
+    }
+    fn backend(&self) -> &'static str {
+        "nccl"
+    }
+}

@@ -1,0 +1,224 @@
+//! `--device`: which burn device the workers train on, checked before burn touches it.
+//!
+//! With CUDA compiled in (feature `cuda`), a missing driver makes cudarc panic deep inside cubecl's
+//! device thread; we probe libcuda, the GPU count and NVRTC first so the user gets one line naming
+//! what is missing. The parsing and probing logic is plain code, tested without a GPU.
+
+use anyhow::{Result, bail};
+use burn::tensor::Device;
+
+/// A parsed `--device` value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceSpec {
+    /// burn's flex backend on the CPU.
+    Cpu,
+    /// A CUDA GPU; `None` means "this process's local rank" (one GPU per process on a host).
+    Cuda(Option<usize>),
+}
+
+impl DeviceSpec {
+    /// Parses `cpu`, `flex`, `cuda` or `cuda:N`.
+    pub fn parse(name: &str) -> Result<DeviceSpec> {
+        match name {
+            "cpu" | "flex" => Ok(DeviceSpec::Cpu),
+            "cuda" => Ok(DeviceSpec::Cuda(None)),
+            other => match other.strip_prefix("cuda:") {
+                Some(n) => match n.parse::<usize>() {
+                    Ok(i) => Ok(DeviceSpec::Cuda(Some(i))),
+                    Err(_) => bail!("--device {other}: `{n}` is not a GPU index (expected cuda:0, cuda:1, ...)"),
+                },
+                None => bail!("--device {other}: unknown device (expected cpu, cuda or cuda:N)"),
+            },
+        }
+    }
+
+    /// The GPU ordinal for a process with this local rank, if this is a GPU device.
+    pub fn ordinal(self, local_rank: usize) -> Option<usize> {
+        match self {
+            DeviceSpec::Cpu => None,
+            DeviceSpec::Cuda(i) => Some(i.unwrap_or(local_rank)),
+        }
+    }
+
+    pub fn is_gpu(self) -> bool {
+        matches!(self, DeviceSpec::Cuda(_))
+    }
+
+    /// Opens the (autodiff) device for a process with `local_rank`.
+    pub fn open(self, local_rank: usize) -> Result<Device> {
+        match self {
+            DeviceSpec::Cpu => Ok(Device::flex().autodiff()),
+            DeviceSpec::Cuda(i) => open_cuda(i.unwrap_or(local_rank)),
+        }
+    }
+}
+
+/// What [`probe_cuda`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaProbe {
+    pub gpus: usize,
+    pub name: String,
+}
+
+/// Checks that GPU `ordinal` can be used: libcuda loads, the driver initialises, the GPU exists,
+/// and NVRTC (which compiles the kernels at run time) loads.
+#[cfg(feature = "cuda")]
+pub fn probe_cuda(ordinal: usize) -> Result<CudaProbe> {
+    use cudarc::driver::CudaContext;
+    let hint = "is this a machine with an NVIDIA GPU and driver?";
+    qsr_comm::bootstrap::probe_library("cuda", &cudarc::get_lib_name_candidates("cuda"))
+        .map_err(|e| anyhow::anyhow!("--device cuda:{ordinal}: {e} ({hint})"))?;
+    let gpus = CudaContext::device_count().map_err(|e| anyhow::anyhow!("--device cuda:{ordinal}: the CUDA driver failed to initialise: {e:?}"))?;
+    let gpus = gpus.max(0) as usize;
+    check_ordinal(ordinal, gpus)?;
+    qsr_comm::bootstrap::probe_library("nvrtc", &cudarc::get_lib_name_candidates("nvrtc")).map_err(|e| {
+        anyhow::anyhow!("--device cuda:{ordinal}: {e} (NVRTC compiles qsr's kernels at run time: install the CUDA runtime or the nvidia-cuda-nvrtc wheel, and set CUDA_PATH to a directory with the CUDA headers)")
+    })?;
+    let ctx = CudaContext::new(ordinal).map_err(|e| anyhow::anyhow!("--device cuda:{ordinal}: cannot create a CUDA context: {e:?}"))?;
+    let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+    Ok(CudaProbe { gpus, name })
+}
+
+/// `ordinal` must name one of the `gpus` GPUs the driver reports.
+pub fn check_ordinal(ordinal: usize, gpus: usize) -> Result<()> {
+    if gpus == 0 {
+        bail!("--device cuda:{ordinal}: the CUDA driver loaded but reports no GPU");
+    }
+    if ordinal >= gpus {
+        bail!("--device cuda:{ordinal}: this machine has {gpus} GPU(s) (cuda:0 to cuda:{})", gpus - 1);
+    }
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(ordinal: usize) -> Result<Device> {
+    let probe = probe_cuda(ordinal)?;
+    tracing::info!(gpu = ordinal, name = %probe.name, gpus = probe.gpus, "using CUDA");
+    Ok(Device::cuda(ordinal).autodiff())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(ordinal: usize) -> Result<Device> {
+    bail!("--device cuda:{ordinal}: this qsr binary was built without CUDA support (build it with `cargo xtask cuda`, or `--features cuda` where burn's CUDA build can download its LLVM)")
+}
+
+/// `qsr device-check`: the fused-averaging kernels on a GPU, against the host path and a copy.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DeviceCheckArgs {
+    /// The GPU (cuda:N).
+    #[arg(long, default_value = "cuda:0")]
+    pub device: String,
+    /// Replicas averaged in the bandwidth measurement.
+    #[arg(long, default_value_t = 4)]
+    pub k: usize,
+    /// MiB per replica in the bandwidth measurement.
+    #[arg(long, default_value_t = 256)]
+    pub mib: usize,
+    /// Timed launches per kernel (the median is reported).
+    #[arg(long, default_value_t = 20)]
+    pub repeats: usize,
+}
+
+/// Lengths for the correctness sweep: every line size (odd, 2 mod 4, multiple of 4), tiny to 4 M.
+pub const CHECK_LENGTHS: [usize; 9] = [1, 2, 3, 4, 6, 1023, 1024, 1_000_003, 4 << 20];
+
+/// Runs the check; `Ok(true)` when every case matched and the bandwidth goal (0.85 of a copy) was met.
+pub fn device_check(args: &DeviceCheckArgs, out: &mut dyn std::io::Write) -> Result<bool> {
+    let spec = DeviceSpec::parse(&args.device)?;
+    let Some(ordinal) = spec.ordinal(0) else {
+        bail!("--device {}: device-check runs on a GPU (cuda:N)", args.device);
+    };
+    if args.k == 0 || args.k > 8 || args.mib == 0 {
+        bail!("--k must be in 1..=8 and --mib at least 1 (got k {}, mib {})", args.k, args.mib);
+    }
+    check_on_gpu(args, ordinal, out)
+}
+
+#[cfg(feature = "cuda")]
+fn check_on_gpu(args: &DeviceCheckArgs, ordinal: usize, out: &mut dyn std::io::Write) -> Result<bool> {
+    use qsr_kernels::device_check::{check_correctness, measure_bandwidth};
+    let probe = probe_cuda(ordinal)?;
+    let client = qsr_kernels::cube::cuda_client(ordinal)?;
+    writeln!(out, "device-check on cuda:{ordinal} ({}, {} GPU(s) visible)", probe.name, probe.gpus)?;
+    let cases = check_correctness(&client, &CHECK_LENGTHS, 2024)?;
+    let bad: Vec<_> = cases.iter().filter(|c| c.mismatches > 0).collect();
+    writeln!(
+        out,
+        "correctness: {} cases (k 1..=8 x {} lengths, random data, NaN-filled outputs) vs host path: {} mismatching",
+        cases.len(),
+        CHECK_LENGTHS.len(),
+        bad.len()
+    )?;
+    for c in &bad {
+        writeln!(out, "  MISMATCH k {} len {} (line size {}): {} elements", c.k, c.len, c.vector_size, c.mismatches)?;
+    }
+    let len = args.mib * (1 << 20) / 4;
+    let b = measure_bandwidth(&client, args.k, len, args.repeats, 7)?;
+    writeln!(out, "| kernel | K x MiB | line | median ms | GB/s (read+write) |")?;
+    writeln!(out, "|---|---|---|---|---|")?;
+    writeln!(out, "| fused average-and-broadcast | {} x {} | {} | {:.3} | {:.0} |", b.k, args.mib, b.vector_size, b.fused_seconds * 1e3, b.fused_gbs())?;
+    writeln!(out, "| device copy, same bytes | {} x {} | {} | {:.3} | {:.0} |", b.k, args.mib, b.vector_size, b.copy_seconds * 1e3, b.copy_gbs())?;
+    let ratio = b.ratio();
+    writeln!(out, "fused / copy bandwidth: {ratio:.3} (goal >= 0.85), one launch per sync")?;
+    Ok(bad.is_empty() && ratio >= 0.85)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn check_on_gpu(_args: &DeviceCheckArgs, ordinal: usize, _out: &mut dyn std::io::Write) -> Result<bool> {
+    open_cuda(ordinal).map(|_| false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_spelling() {
+        assert_eq!(DeviceSpec::parse("cpu").unwrap(), DeviceSpec::Cpu);
+        assert_eq!(DeviceSpec::parse("flex").unwrap(), DeviceSpec::Cpu);
+        assert_eq!(DeviceSpec::parse("cuda").unwrap(), DeviceSpec::Cuda(None));
+        assert_eq!(DeviceSpec::parse("cuda:3").unwrap(), DeviceSpec::Cuda(Some(3)));
+    }
+
+    #[test]
+    fn bad_spellings_name_the_flag() {
+        for bad in ["cuda:x", "cuda:", "cuda:-1", "gpu", "tpu:0"] {
+            let e = DeviceSpec::parse(bad).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("--device {bad}:")), "{e}");
+        }
+    }
+
+    #[test]
+    fn bare_cuda_follows_the_local_rank() {
+        assert_eq!(DeviceSpec::Cuda(None).ordinal(2), Some(2));
+        assert_eq!(DeviceSpec::Cuda(Some(0)).ordinal(2), Some(0));
+        assert_eq!(DeviceSpec::Cpu.ordinal(2), None);
+    }
+
+    #[test]
+    fn ordinals_are_checked_against_the_driver_count() {
+        check_ordinal(0, 1).unwrap();
+        check_ordinal(7, 8).unwrap();
+        let e = check_ordinal(1, 1).unwrap_err().to_string();
+        assert!(e.contains("has 1 GPU(s)") && e.contains("cuda:0 to cuda:0"), "{e}");
+        assert!(check_ordinal(0, 0).unwrap_err().to_string().contains("reports no GPU"));
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn a_cpu_build_refuses_cuda_with_the_fix() {
+        let e = DeviceSpec::Cuda(Some(0)).open(0).unwrap_err().to_string();
+        assert!(e.contains("built without CUDA support") && e.contains("cargo xtask cuda"), "{e}");
+    }
+
+    /// This is the path a CUDA build takes on a machine without a driver (CI, this machine).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn a_cuda_build_without_a_driver_says_so() {
+        if qsr_comm::bootstrap::probe_library("cuda", &cudarc::get_lib_name_candidates("cuda")).is_ok() {
+            return; // a GPU machine: nothing to check here
+        }
+        let e = DeviceSpec::Cuda(Some(0)).open(0).unwrap_err().to_string();
+        assert!(e.contains("cannot load the cuda shared library") && e.contains("LD_LIBRARY_PATH"), "{e}");
+    }
+}

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# GPU check for qsr (issue 7), run from the repository root on a machine with one NVIDIA GPU.
+#
+# It builds nothing. Prepare on the build machine:   cargo xtask cuda --package
+# (writes dist/gpu/qsr.xz, the CUDA + NCCL build of `qsr`, and dist/gpu/fashion-mnist/), then carry
+# dist/gpu to the GPU machine and run:               bash scripts/gpu-check.sh
+#
+# Inside ~8 minutes it:
+#   1. `qsr device-check`: the cubecl kernels bit-exact against the host path (K = 1..8, random data,
+#      NaN-filled outputs), then the fused average-and-broadcast of K = 4 x 256 MiB against a device
+#      copy of the same bytes (goal: >= 0.85 of the copy's bandwidth, one launch per sync);
+#   2. CIFAR ResNet-20 on Fashion-MNIST, K = 4 simulated workers on the GPU, data parallel vs QSR;
+# and prints a short table (also written to $RESULTS/gpu-check.md).
+#
+# Run-time libraries: NVRTC (compiles the kernels), the CUDA headers, and libnccl are taken from the
+# system CUDA toolkit when present, else from the nvidia-* Python wheels of the machine's image.
+set -uo pipefail
+
+DIST=${DIST:-dist/gpu}
+DEVICE=${DEVICE:-cuda:0}          # DEVICE=cpu STEPS=20 smoke-tests the script on a CPU build
+STEPS=${STEPS:-}
+RESULTS=${RESULTS:-${OUT:-/tmp/qsr-gpu-check}}
+WORK=${WORK:-/tmp/qsr-gpu-work}
+mkdir -p "$RESULTS" "$WORK"
+QSR="$WORK/qsr"
+T0=$(date +%s)
+say() { echo "[gpu-check $(( $(date +%s) - T0 ))s] $*"; }
+
+if [ ! -x "$QSR" ]; then
+    if [ -f "$DIST/qsr.xz" ]; then xz -dc "$DIST/qsr.xz" > "$QSR"; elif [ -f "$DIST/qsr" ]; then cp "$DIST/qsr" "$QSR"; else
+        echo "no $DIST/qsr.xz: run \`cargo xtask cuda --package\` on the build machine and carry $DIST" >&2; exit 2
+    fi
+    chmod +x "$QSR"
+fi
+
+# --- run-time libraries ---------------------------------------------------------------------------
+libdirs=()
+if ! ldconfig -p 2>/dev/null | grep -q 'libnvrtc\.so'; then
+    site=$(python3 -c 'import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]))' 2>/dev/null || true)
+    if [ -n "$site" ]; then
+        while IFS= read -r d; do libdirs+=("$d"); done < <(find "$site/nvidia" -maxdepth 3 -type d -name lib 2>/dev/null)
+    fi
+fi
+if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so'; then
+    site=${site:-$(python3 -c 'import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]))' 2>/dev/null || true)}
+    [ -n "$site" ] && while IFS= read -r d; do libdirs+=("$d"); done < <(find "$site/nvidia" -maxdepth 3 -type d -path '*nccl*' -name lib 2>/dev/null)
+fi
+if [ ${#libdirs[@]} -gt 0 ]; then
+    LD_LIBRARY_PATH="$(IFS=:; echo "${libdirs[*]}")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export LD_LIBRARY_PATH
+fi
+if [ -z "${CUDA_PATH:-}" ]; then
+    for d in /usr/local/cuda /usr/local/cuda-13.0; do [ -f "$d/include/cuda.h" ] && CUDA_PATH=$d && break; done
+    if [ -z "${CUDA_PATH:-}" ] && [ -n "${site:-}" ]; then
+        h=$(find "$site/nvidia" -maxdepth 4 -name cuda_runtime.h 2>/dev/null | head -1)
+        [ -n "$h" ] && CUDA_PATH=$(dirname "$(dirname "$h")")
+    fi
+    export CUDA_PATH
+fi
+say "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo 'nvidia-smi not found')"
+say "CUDA_PATH=${CUDA_PATH:-unset} LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-unset}"
+
+status=0
+# --- 1. kernels ----------------------------------------------------------------------------------
+if [ "$DEVICE" != cpu ]; then
+    say "device-check"
+    timeout 150 "$QSR" device-check --device "$DEVICE" --k 4 --mib 256 --repeats 20 2>&1 | tee "$RESULTS/device-check.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+# --- 2. training: data parallel vs QSR -----------------------------------------------------------
+DATA=${DATA:-$DIST/fashion-mnist}
+[ -f "$DATA/train-images-idx3-ubyte.gz" ] || DATA=/usr/share/datasets/fashion-mnist
+for rule in dp qsr; do
+    say "train $rule"
+    rm -rf "$WORK/runs/$rule"
+    extra=()
+    [ -n "$STEPS" ] && extra=(--set "train.steps=$STEPS")
+    timeout 170 "$QSR" train --recipe recipes/fashion-mnist-resnet20-gpu.toml --device "$DEVICE" --quiet \
+        --set "sync.rule=$rule" --set "data.path=$DATA" "${extra[@]}" --out "$WORK/runs/$rule" 2>&1 | tail -5 | tee "$RESULTS/train-$rule.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
+
+# --- table ---------------------------------------------------------------------------------------
+python3 - "$WORK/runs" "$RESULTS/device-check.txt" <<'PY' | tee "$RESULTS/gpu-check.md"
+import json, os, sys
+runs, dc = sys.argv[1], sys.argv[2]
+print("| run | steps | steps/s | syncs | comm % of DP | test accuracy |")
+print("|---|---|---|---|---|---|")
+for rule in ("dp", "qsr"):
+    p = os.path.join(runs, rule, "summary.json")
+    if not os.path.exists(p):
+        print(f"| {rule} | failed (see train-{rule}.txt) | | | | |"); continue
+    s = json.load(open(p))
+    print(f"| {rule} | {s['steps']} | {s['steps_per_second']:.2f} | {s['syncs']} | {s['comm_percent']:.1f} | {100*s['final_test_accuracy']:.2f}% |")
+if os.path.exists(dc):
+    for line in open(dc):
+        if line.startswith("| fused") or line.startswith("| device copy") or "fused / copy" in line or line.startswith("correctness"):
+            print(line.rstrip())
+PY
+say "done (exit $status)"
+exit $status
