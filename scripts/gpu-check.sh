@@ -64,7 +64,7 @@ status=0
 # --- 1. kernels ----------------------------------------------------------------------------------
 if [ "$DEVICE" != cpu ]; then
     say "device-check"
-    timeout 150 "$QSR" device-check --device "$DEVICE" --k 4 --mib 256 --repeats 20 2>&1 | tee "$RESULTS/device-check.txt"
+    timeout 120 "$QSR" device-check --device "$DEVICE" --k 4 --mib 256 --repeats 20 2>&1 | tee "$RESULTS/device-check.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
@@ -94,8 +94,9 @@ for rule in ("dp", "qsr"):
     s = json.load(open(p))
     print(f"| {rule} | {s['steps']} | {s['steps_per_second']:.2f} | {s['syncs']} | {s['comm_percent']:.1f} | {100*s['final_test_accuracy']:.2f}% |")
 if os.path.exists(dc):
+    print()
     for line in open(dc):
-        if line.startswith("| fused") or line.startswith("| device copy") or "fused / copy" in line or line.startswith("correctness"):
+        if line.startswith(("|", "correctness", "fused /", "device-check", "  MISMATCH")):
             print(line.rstrip())
 PY
 say "done (exit $status)"

@@ -13,8 +13,6 @@ use cubecl::client::Client;
 use cubecl::device::WgpuDeviceKind;
 use cubecl::prelude::CubeElement;
 use qsr_kernels::cube::{self, KernelError, MAX_BUFFERS};
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 
 const LENGTHS: [usize; 12] = [0, 1, 2, 3, 4, 5, 6, 1023, 1024, 1_000_000, 1_000_002, 1_000_003];
 
@@ -49,19 +47,8 @@ fn client() -> Option<&'static Client> {
     }
 }
 
-/// Nonzero values spread over several binades, so additions round and the order matters.
 fn random_buffers(k: usize, len: usize, seed: u64) -> Vec<Vec<f32>> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    (0..k)
-        .map(|_| {
-            (0..len)
-                .map(|_| {
-                    let x = rng.random_range(0.5f32..1.0) * 2f32.powi(rng.random_range(-6..6));
-                    if rng.random_bool(0.5) { x } else { -x }
-                })
-                .collect()
-        })
-        .collect()
+    qsr_kernels::device_check::random_replicas(k, len, seed)
 }
 
 fn host_mean(bufs: &[Vec<f32>]) -> Vec<f32> {

@@ -401,6 +401,11 @@ impl<M: Module> Worker<M> {
         if info.sync_after && info.mode == SyncMode::Parameters {
             sync = Some(self.sync_parameters(info.step)?);
         }
+        self.finish_step(info, loss_sum / accum as f64, updated, sync)
+    }
+
+    /// The module rewritten from the flat parameters, and the step counted.
+    fn finish_step(&mut self, info: StepInfo, loss: f64, updated: bool, sync: Option<SyncReport>) -> Result<StepReport, OptimError> {
         self.write_back()?;
         self.stats.steps += 1;
         if let Some(s) = &sync {
@@ -409,7 +414,7 @@ impl<M: Module> Worker<M> {
                 self.stats.gradient_syncs += 1;
             }
         }
-        Ok(StepReport { info, loss: (loss_sum / accum as f64) as f32, updated, sync })
+        Ok(StepReport { info, loss: loss as f32, updated, sync })
     }
 
     /// [`Self::step`] with device-resident parameters and state: no host transfer but one
@@ -456,15 +461,7 @@ impl<M: Module> Worker<M> {
         if info.sync_after && info.mode == SyncMode::Parameters {
             sync = Some(self.sync_parameters_device(info.step)?);
         }
-        self.write_back()?;
-        self.stats.steps += 1;
-        if let Some(s) = &sync {
-            self.stats.syncs += 1;
-            if s.mode == SyncMode::Gradients {
-                self.stats.gradient_syncs += 1;
-            }
-        }
-        Ok(StepReport { info, loss: (loss_sum / accum as f64) as f32, updated, sync })
+        self.finish_step(info, loss_sum / accum as f64, updated, sync)
     }
 
     /// Parameters (and the moments the policy names) averaged on the device; BatchNorm statistics,

@@ -158,9 +158,37 @@ fn check_on_gpu(args: &DeviceCheckArgs, ordinal: usize, out: &mut dyn std::io::W
     writeln!(out, "|---|---|---|---|---|")?;
     writeln!(out, "| fused average-and-broadcast | {} x {} | {} | {:.3} | {:.0} |", b.k, args.mib, b.vector_size, b.fused_seconds * 1e3, b.fused_gbs())?;
     writeln!(out, "| device copy, same bytes | {} x {} | {} | {:.3} | {:.0} |", b.k, args.mib, b.vector_size, b.copy_seconds * 1e3, b.copy_gbs())?;
-    let ratio = b.ratio();
-    writeln!(out, "fused / copy bandwidth: {ratio:.3} (goal >= 0.85), one launch per sync")?;
+    let dtod = memcpy_dtod_seconds(ordinal, b.k * len, args.repeats)?;
+    writeln!(out, "| cuMemcpyDtoD, same bytes | {} x {} | - | {:.3} | {:.0} |", b.k, args.mib, dtod * 1e3, b.bytes as f64 / dtod / 1e9)?;
+    let ratio = dtod / b.fused_seconds;
+    writeln!(
+        out,
+        "fused / cuMemcpyDtoD bandwidth: {ratio:.3} (goal >= 0.85); fused / copy kernel: {:.3}; one launch per sync",
+        b.ratio()
+    )?;
     Ok(bad.is_empty() && ratio >= 0.85)
+}
+
+/// Median seconds of a driver device-to-device copy of `floats` f32 (the copy engine's reference).
+#[cfg(feature = "cuda")]
+fn memcpy_dtod_seconds(ordinal: usize, floats: usize, repeats: usize) -> Result<f64> {
+    use cudarc::driver::CudaContext;
+    let e = |what: &str, err: cudarc::driver::DriverError| anyhow::anyhow!("cuda:{ordinal}: {what}: {err:?}");
+    let ctx = CudaContext::new(ordinal).map_err(|x| e("context", x))?;
+    let stream = ctx.default_stream();
+    let src = stream.alloc_zeros::<f32>(floats).map_err(|x| e("allocating the copy source", x))?;
+    let mut dst = stream.alloc_zeros::<f32>(floats).map_err(|x| e("allocating the copy target", x))?;
+    stream.memcpy_dtod(&src, &mut dst).map_err(|x| e("warm-up copy", x))?;
+    stream.synchronize().map_err(|x| e("synchronize", x))?;
+    let mut times = Vec::with_capacity(repeats.max(1));
+    for _ in 0..repeats.max(1) {
+        let t = std::time::Instant::now();
+        stream.memcpy_dtod(&src, &mut dst).map_err(|x| e("copy", x))?;
+        stream.synchronize().map_err(|x| e("synchronize", x))?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
 }
 
 #[cfg(not(feature = "cuda"))]
