@@ -8,9 +8,12 @@
 //! without a CUDA toolkit. They are probed before cudarc touches them, so a missing library is a
 //! [`CommError::LibraryMissing`] naming it rather than a panic inside cudarc.
 //!
+//! Host-slice calls wait for their copies (a stream synchronize after each download).
+//!
 //! Two APIs:
-//! - [`NcclComm::all_reduce_device`]: in place on a device buffer, `ncclAvg` for the mean — the
-//!   path for device-resident replicas;
+//! - [`NcclComm::all_reduce_device`]: in place on a device buffer, `ncclAvg` for the mean, for
+//!   callers that hold cudarc buffers (qsr's device-resident workers stage through the host API
+//!   across processes today: burn's buffers are cubecl's, not cudarc's);
 //! - the [`Collective`] impl on host slices (copy in, reduce, copy out), so the round driver and
 //!   trainer work unchanged. There the mean is NCCL's sum divided by K on the host, which keeps the
 //!   crate-wide `mean == sum / K` bit identity (`ncclAvg` pre-multiplies by `1/K`).
@@ -120,7 +123,7 @@ impl NcclComm {
         let mut buf: Vec<i64> = ours.iter().copied().chain(ours.iter().map(|v| -v)).collect();
         let mut dev = self.stream.clone_htod(&buf).map_err(|e| device_err("copying the call header", e))?;
         self.comm.all_reduce_in_place(&mut dev, &NcclOp::Max).map_err(|e| device_err("ncclAllReduce (header)", e.0))?;
-        self.stream.memcpy_dtoh(&dev, &mut buf).map_err(|e| device_err("reading the call header", e))?;
+        self.stream.memcpy_dtoh(&dev, &mut buf).and_then(|()| self.stream.synchronize()).map_err(|e| device_err("reading the call header", e))?;
         const FIELDS: [&str; 5] = ["sequence number", "call kind", "length", "op", "root"];
         for (i, field) in FIELDS.iter().enumerate() {
             let (max, min) = (buf[i], -buf[i + 5]);
@@ -139,13 +142,12 @@ impl NcclComm {
         Ok(())
     }
 
-    /// A device buffer of at least `len` floats, reused across calls.
-    fn scratch(&mut self, len: usize) -> Result<&mut CudaSlice<f32>, CommError> {
-        if self.scratch.as_ref().is_none_or(|s| s.len() < len) {
-            let s = self.stream.alloc_zeros::<f32>(len.max(1)).map_err(|e| device_err("allocating the staging buffer", e))?;
-            self.scratch = Some(s);
+    /// A device buffer of at least `len` floats, reused across calls (taken out while in use).
+    fn take_scratch(&mut self, len: usize) -> Result<CudaSlice<f32>, CommError> {
+        match self.scratch.take() {
+            Some(s) if s.len() >= len => Ok(s),
+            _ => self.stream.alloc_zeros::<f32>(len.max(1)).map_err(|e| device_err("allocating the staging buffer", e)),
         }
-        Ok(self.scratch.as_mut().expect("allocated above"))
     }
 
     fn host_all_reduce(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
@@ -153,16 +155,15 @@ impl NcclComm {
         if buf.is_empty() {
             return Ok(());
         }
-        let stream = self.stream.clone();
-        let comm_ptr: *const Comm = &self.comm;
-        let dev = self.scratch(buf.len())?;
-        let mut view = dev.slice_mut(..buf.len());
-        stream.memcpy_htod(&*buf, &mut view).map_err(|e| device_err("copying to the GPU", e))?;
-        // SAFETY: `comm` is a field of `self` not borrowed by `scratch`; the pointer is only used
-        // while `self` is borrowed mutably by this call.
-        let comm = unsafe { &*comm_ptr };
-        comm.all_reduce_in_place(&mut view, &NcclOp::Sum).map_err(|e| device_err("ncclAllReduce", e.0))?;
-        stream.memcpy_dtoh(&view, buf).map_err(|e| device_err("copying from the GPU", e))?;
+        let mut dev = self.take_scratch(buf.len())?;
+        let result = (|| {
+            let mut view = dev.slice_mut(..buf.len());
+            self.stream.memcpy_htod(&*buf, &mut view).map_err(|e| device_err("copying to the GPU", e))?;
+            self.comm.all_reduce_in_place(&mut view, &NcclOp::Sum).map_err(|e| device_err("ncclAllReduce", e.0))?;
+            self.stream.memcpy_dtoh(&view, buf).and_then(|()| self.stream.synchronize()).map_err(|e| device_err("copying from the GPU", e))
+        })();
+        self.scratch = Some(dev);
+        result?;
         if op == ReduceOp::Mean {
             let k = self.n as f32;
             buf.iter_mut().for_each(|x| *x /= k);
@@ -177,7 +178,7 @@ impl NcclComm {
         }
         let mut dev = self.stream.clone_htod(&*buf).map_err(|e| device_err("copying to the GPU", e))?;
         self.comm.broadcast_in_place(&mut dev, root as i32).map_err(|e| device_err("ncclBroadcast", e.0))?;
-        self.stream.memcpy_dtoh(&dev, buf).map_err(|e| device_err("copying from the GPU", e))?;
+        self.stream.memcpy_dtoh(&dev, buf).and_then(|()| self.stream.synchronize()).map_err(|e| device_err("copying from the GPU", e))?;
         Ok(())
     }
 
@@ -187,7 +188,7 @@ impl NcclComm {
         self.check_call(CallKind::BroadcastBytes, 0, 0, root)?;
         let mut dev = self.stream.clone_htod(&len).map_err(|e| device_err("copying to the GPU", e))?;
         self.comm.broadcast_in_place(&mut dev, root as i32).map_err(|e| device_err("ncclBroadcast", e.0))?;
-        self.stream.memcpy_dtoh(&dev, &mut len).map_err(|e| device_err("copying from the GPU", e))?;
+        self.stream.memcpy_dtoh(&dev, &mut len).and_then(|()| self.stream.synchronize()).map_err(|e| device_err("copying from the GPU", e))?;
         let len = len[0] as usize;
         if len > MAX_BROADCAST_BYTES {
             return Err(CommError::Protocol {
@@ -202,7 +203,7 @@ impl NcclComm {
         bytes.resize(len, 0);
         let mut dev = self.stream.clone_htod(bytes.as_slice()).map_err(|e| device_err("copying to the GPU", e))?;
         self.comm.broadcast_in_place(&mut dev, root as i32).map_err(|e| device_err("ncclBroadcast", e.0))?;
-        self.stream.memcpy_dtoh(&dev, bytes.as_mut_slice()).map_err(|e| device_err("copying from the GPU", e))?;
+        self.stream.memcpy_dtoh(&dev, bytes.as_mut_slice()).and_then(|()| self.stream.synchronize()).map_err(|e| device_err("copying from the GPU", e))?;
         Ok(())
     }
 
