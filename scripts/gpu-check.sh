@@ -35,7 +35,8 @@ fi
 
 # --- run-time libraries ---------------------------------------------------------------------------
 libdirs=()
-if ! ldconfig -p 2>/dev/null | grep -q 'libnvrtc\.so'; then
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do [ -d "$d" ] && libdirs+=("$d"); done
+if ! ldconfig -p 2>/dev/null | grep -q 'libnvrtc\.so' && ! ls /usr/local/cuda/lib64/libnvrtc.so* >/dev/null 2>&1; then
     site=$(python3 -c 'import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]))' 2>/dev/null || true)
     if [ -n "$site" ]; then
         while IFS= read -r d; do libdirs+=("$d"); done < <(find "$site/nvidia" -maxdepth 3 -type d -name lib 2>/dev/null)

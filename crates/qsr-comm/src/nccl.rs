@@ -71,12 +71,21 @@ impl NcclComm {
             let id = Id::new().map_err(|e| format!("ncclGetUniqueId: {:?}", e.0))?;
             Ok(id.internal().map(|c| c as u8))
         })?;
-        probed?;
-        let count = CudaContext::device_count().map_err(|e| device_err("cuDeviceGetCount", e))?;
-        if ordinal >= count.max(0) as usize {
-            return Err(CommError::Device(format!("rank {rank}: GPU {ordinal} requested, this host has {count}")));
+        // Every rank opens its GPU, then all agree that all succeeded before any enters
+        // ncclCommInitRank (which would wait forever for a rank that gave up).
+        let local = probed.and_then(|()| {
+            let count = CudaContext::device_count().map_err(|e| device_err("cuDeviceGetCount", e))?;
+            if ordinal >= count.max(0) as usize {
+                return Err(CommError::Device(format!("rank {rank}: GPU {ordinal} requested, this host has {count}")));
+            }
+            CudaContext::new(ordinal).map_err(|e| device_err("creating the CUDA context", e))
+        });
+        let mut failed = [if local.is_ok() { 0.0f32 } else { 1.0 }];
+        bootstrap.all_reduce(&mut failed, ReduceOp::Sum)?;
+        let ctx = local?;
+        if failed[0] > 0.0 {
+            return Err(CommError::Device(format!("{} rank(s) could not open their GPU; see their logs", failed[0] as usize)));
         }
-        let ctx = CudaContext::new(ordinal).map_err(|e| device_err("creating the CUDA context", e))?;
         let stream = ctx.default_stream();
         let comm = Comm::from_rank(stream.clone(), rank, n, Id::uninit(id.map(|b| b as core::ffi::c_char)))
             .map_err(|e| device_err("ncclCommInitRank", e.0))?;

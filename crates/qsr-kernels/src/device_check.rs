@@ -2,7 +2,8 @@
 //! whatever runtime a [`Client`] belongs to (CUDA on a GPU, wgpu/lavapipe in CI), checked against
 //! the host path on random data and timed against a plain copy of the same bytes.
 //!
-//! Correctness: every K in `1..=MAX_BUFFERS` and lengths that exercise every line size (odd, 2 mod 4,
+//! Correctness (all three kernels: mean into one output, average-and-broadcast over one slab and
+//! over K separate buffers): every K in `1..=MAX_BUFFERS` and lengths that exercise every line size (odd, 2 mod 4,
 //! multiples of 4), random nonzero values over several binades, outputs pre-filled with NaN so an
 //! element the kernel skipped is caught; the result must equal [`crate::mean_into`] bit for bit.
 //!
@@ -95,6 +96,16 @@ pub fn check_correctness(client: &Client, lengths: &[usize], seed: u64) -> Resul
             let mut mviews: Vec<&mut [f32]> = replicas.iter_mut().map(Vec::as_mut_slice).collect();
             cube::average_and_broadcast_host(client, &mut mviews)?;
             bad += replicas.iter().map(|r| mismatches(r, &want)).sum::<usize>();
+
+            // The separate-buffers kernel, the one device-resident training launches.
+            if len > 0 {
+                let handles: Vec<_> = bufs.iter().map(|b| client.create_from_slice(f32::as_bytes(b))).collect();
+                cube::average_and_broadcast_many(client, &handles, len)?;
+                for h in handles {
+                    let got = f32::from_bytes(&client.read_one(h)?).to_vec();
+                    bad += mismatches(&got, &want);
+                }
+            }
             out.push(CaseResult { k, len, vector_size: cube::vector_size(client, len), mismatches: bad });
         }
     }

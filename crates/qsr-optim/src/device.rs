@@ -3,8 +3,9 @@
 //!
 //! On a GPU the host-resident path copies every step's gradients down and parameters up; here they
 //! stay on the device. The optimizer is the same SGD / AdamW as [`crate::Optimizer`], written as burn
-//! tensor operations in PyTorch's operation order (on the CPU backend it matches the host optimizer
-//! bit for bit, which the tests check; a GPU compiler may contract `a * b + c` into one FMA).
+//! tensor operations in PyTorch's operation order (on the CPU backend it follows the host optimizer
+//! to f32 rounding, 1e-6 relative in the tests; gradient clipping sums its squares in f32 where the
+//! host uses f64, and a GPU compiler may contract `a * b + c` into one FMA).
 //!
 //! [`DeviceGroup`] is the synchronization of K simulated workers on one device: the last of the K
 //! to arrive averages all K flat tensors. On a cubecl backend (features `cuda` / `wgpu`) that is one
@@ -47,12 +48,14 @@ impl DeviceOptimizer {
     /// Same arguments as [`crate::Optimizer::new`], plus the device the state lives on.
     pub fn new(config: OptimizerConfig, len: usize, no_decay: &[std::ops::Range<usize>], device: &Device) -> Result<Self, OptimError> {
         config.validate()?;
+        if config.exclude_norm_and_bias
+            && let Some(r) = no_decay.iter().find(|r| r.end > len || r.start > r.end)
+        {
+            return Err(OptimError::Layout(format!("no-decay range {r:?} outside 0..{len}")));
+        }
         let decay_mask = if config.exclude_norm_and_bias && config.weight_decay != 0.0 {
             let mut mask = vec![1.0f32; len];
             for r in no_decay {
-                if r.end > len || r.start > r.end {
-                    return Err(OptimError::Layout(format!("no-decay range {r:?} outside 0..{len}")));
-                }
                 mask[r.clone()].iter_mut().for_each(|m| *m = 0.0);
             }
             Some(tensor_from(mask, device))
@@ -86,10 +89,12 @@ impl DeviceOptimizer {
         if want != got {
             return Err(OptimError::Layout(format!("optimizer state has moments of {got:?} elements, this optimizer needs {want:?}")));
         }
-        let up = |v: Vec<f32>| if v.is_empty() { None } else { Some(tensor_from(v, device)) };
+        // A moment this optimizer has stays present, even for an empty layout.
+        let up = |has: bool, v: Vec<f32>| has.then(|| tensor_from(v, device));
+        let (has_m, has_v) = (self.first_moment.is_some(), self.second_moment.is_some());
         self.step = state.step;
-        self.first_moment = up(state.first_moment);
-        self.second_moment = up(state.second_moment);
+        self.first_moment = up(has_m, state.first_moment);
+        self.second_moment = up(has_v, state.second_moment);
         Ok(())
     }
 
@@ -156,8 +161,12 @@ impl DeviceOptimizer {
             p
         } else {
             match &self.decay_mask {
-                // decay where the mask is 1, factor 1 where it is 0: 1 - (lr * wd) * mask
-                Some(mask) => p * (mask.clone().mul_scalar(-(lr * c.weight_decay) as f32).add_scalar(1.0)),
+                // The host's f32 factor where the mask is 1, exactly 1 where it is 0: (d - 1) * mask + 1
+                // (d - 1 is exact for d in [0.5, 1], so the masked factor rounds to d itself).
+                Some(mask) => {
+                    let d = (1.0 - lr * c.weight_decay) as f32;
+                    p * mask.clone().mul_scalar(d - 1.0).add_scalar(1.0)
+                }
                 None => p.mul_scalar((1.0 - lr * c.weight_decay) as f32),
             }
         };
@@ -200,15 +209,29 @@ struct Shared {
     done: Condvar,
 }
 
-/// One rank's handle on an in-process group of K replicas on one device.
-#[derive(Clone)]
+/// One rank's handle on an in-process group of K replicas on one device. Dropping it (a worker that
+/// failed, or finished) tells the others: a rank still waiting, or calling later, gets an error at
+/// once instead of a timeout.
 pub struct DeviceGroup {
     rank: usize,
     shared: Arc<Shared>,
 }
 
-/// How long a rank waits for the others before the group reports them (a dead worker thread).
-pub const DEFAULT_DEVICE_GROUP_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long a rank waits for the others before the group reports them (a stuck worker thread; a
+/// dead one is reported at once by its handle's drop).
+pub const DEFAULT_DEVICE_GROUP_TIMEOUT: Duration = Duration::from_secs(120);
+
+impl Drop for DeviceGroup {
+    fn drop(&mut self) {
+        if let Ok(mut round) = self.shared.round.lock() {
+            if round.failed.is_none() {
+                let how = if std::thread::panicking() { "panicked" } else { "left the group" };
+                round.failed = Some(format!("rank {} {how}", self.rank));
+            }
+            self.shared.done.notify_all();
+        }
+    }
+}
 
 impl DeviceGroup {
     /// K handles, rank order.
@@ -242,6 +265,9 @@ impl DeviceGroup {
             return Ok((tensors, false));
         }
         let err = |detail: String| OptimError::Layout(format!("device group: {detail}"));
+        // This rank's queued work on its tensors finishes before another thread reads them.
+        #[cfg(any(feature = "cuda", feature = "wgpu"))]
+        fused::finish_own_work(&tensors).map_err(err)?;
         let mut round = self.shared.round.lock().map_err(|_| err("a worker panicked while averaging".into()))?;
         if let Some(why) = &round.failed {
             return Err(err(why.clone()));
@@ -285,8 +311,10 @@ impl DeviceGroup {
                 return Err(err(why));
             }
         }
-        if let Some(why) = &round.failed {
-            return Err(err(why.clone()));
+        // A round that completed stands even if a rank left right after it.
+        if round.generation == generation {
+            let why = round.failed.clone().unwrap_or_else(|| "the round did not complete".into());
+            return Err(err(why));
         }
         let fused = round.fused;
         let mine = round.results[self.rank].take().expect("result for every rank");
@@ -335,8 +363,22 @@ mod fused {
 
     /// `None` when the tensors are not plain cubecl buffers of exactly their length (another
     /// backend, a view): the caller then uses burn operations.
+    /// Waits for the calling thread's queued work on `tensors` (its own stream on CUDA).
+    pub fn finish_own_work(tensors: &[Tensor<1>]) -> Result<(), String> {
+        if let Some(t) = tensors.first()
+            && let Ok(prim) = t.clone().try_into_primitive::<Cube>()
+        {
+            qsr_kernels::cube::sync(&prim.client).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
     pub fn average_in_place(deposits: &[Vec<Tensor<1>>]) -> Option<Result<(), String>> {
         let slots = deposits[0].len();
+        // Beyond what one launch handles, burn operations do it.
+        if deposits.len() > qsr_kernels::cube::MAX_BUFFERS {
+            return None;
+        }
         let mut plan = Vec::with_capacity(slots);
         for s in 0..slots {
             let mut handles = Vec::with_capacity(deposits.len());
@@ -344,7 +386,8 @@ mod fused {
             for d in deposits {
                 let prim = d[s].clone().try_into_primitive::<Cube>().ok()?;
                 let len = d[s].dims()[0];
-                if !prim.is_contiguous() || prim.handle.size_in_used() != (len * 4) as u64 || prim.dtype != burn::tensor::DType::F32 {
+                let fits = deposits.len().checked_mul(len).is_some_and(|n| n <= u32::MAX as usize);
+                if !fits || !prim.is_contiguous() || prim.handle.size_in_used() != (len * 4) as u64 || prim.dtype != burn::tensor::DType::F32 {
                     return None;
                 }
                 client.get_or_insert(prim.client.clone());
@@ -353,11 +396,14 @@ mod fused {
             plan.push((client?, handles, deposits[0][s].dims()[0]));
         }
         Some((|| {
+            // Every rank finished its own work before depositing (`finish_own_work`); the kernels
+            // finish before any rank reads the results on its own stream.
+            let mut last = None;
             for (client, handles, len) in plan {
-                // Each rank's work on its buffer may sit on its own stream: finish it first, and
-                // finish the kernel before any rank reads the result on its stream.
-                qsr_kernels::cube::sync(&client).map_err(|e| e.to_string())?;
                 qsr_kernels::cube::average_and_broadcast_many(&client, &handles, len).map_err(|e| e.to_string())?;
+                last = Some(client);
+            }
+            if let Some(client) = last {
                 qsr_kernels::cube::sync(&client).map_err(|e| e.to_string())?;
             }
             Ok(())

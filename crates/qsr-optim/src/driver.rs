@@ -8,6 +8,10 @@
 //! it. In data-parallel rounds (`SyncMode::Gradients`) the gradients are averaged before the update
 //! instead. The synchronization is driven here, after the update, and never depends on the update
 //! having happened: a step whose gradients are not finite skips its update but keeps its sync.
+//!
+//! With device residency ([`Residency`]) the flat state is burn tensors and simulated workers average
+//! through a [`DeviceGroup`]: one fused launch per averaged tensor (parameters, and each moment the
+//! policy names); BatchNorm statistics, when averaged, still go through the host collective.
 
 use std::time::Instant;
 
@@ -513,6 +517,10 @@ impl<M: Module> Worker<M> {
         let elements: usize = tensors.iter().map(|x| x.dims()[0]).sum();
         let k = self.world_size();
         let dev = self.dev.as_ref().expect("device-resident");
+        if k == 1 && dev.group.is_none() {
+            // Nothing to average with: no transfer.
+            return Ok((tensors, SyncReport { mode, elements, calls: 0, bytes_sent: 0, seconds: 0.0 }));
+        }
         if let Some(group) = &dev.group {
             let calls = tensors.len() as u64;
             let (out, fused) = group.average(tensors)?;

@@ -477,27 +477,42 @@ fn device_residency_covers_gradient_syncs_accumulation_and_moment_averaging() {
     assert!(staged.calls[0] > 0, "the staged run used the host collective");
 }
 
-/// A device group refuses a rank that does not match its collective, and reports a missing peer
-/// instead of waiting forever.
+/// A device group refuses a rank that does not match its collective, reports a peer that never
+/// arrives after its timeout, and one that left (failed or dropped its handle) at once.
 #[test]
-fn device_group_mismatch_and_missing_peer_are_errors() {
+fn device_group_mismatch_missing_and_departed_peers_are_errors() {
     let device = device();
-    let model = init(Mlp::new(&device));
-    let p = plan(4, SyncRule::Constant { h: 1 });
-    let mut comms = InProcessGroup::new(2);
-    let comm = comms.remove(0);
-    let mut w = Worker::new(model, sgd(), Box::new(comm), p.cursor(), device_config(DriverConfig { broadcast_initial: false, ..DriverConfig::default() })).unwrap();
-    let mut groups = DeviceGroup::with_timeout(2, std::time::Duration::from_millis(200));
-    let wrong = groups.remove(1);
-    assert!(w.set_device_group(wrong).unwrap_err().to_string().contains("does not match"));
-    w.set_device_group(groups.remove(0)).unwrap();
     let task = Task::new();
-    let e = w
-        .step(|m: &Mlp, _| {
+    let p = plan(4, SyncRule::Constant { h: 1 });
+    let config = device_config(DriverConfig { broadcast_initial: false, ..DriverConfig::default() });
+    let one_step = |w: &mut Worker<Mlp>| {
+        w.step(|m: &Mlp, _| {
             let (x, y) = task.batch(0, BATCH, &device);
             Ok(mse(m.forward(x), y))
         })
         .unwrap_err()
-        .to_string();
+        .to_string()
+    };
+
+    // Rank 1 is alive but never syncs: a timeout naming it.
+    let comm = InProcessGroup::new(2).remove(0);
+    let mut w = Worker::new(init(Mlp::new(&device)), sgd(), Box::new(comm), p.cursor(), config.clone()).unwrap();
+    let mut groups = DeviceGroup::with_timeout(2, std::time::Duration::from_millis(200));
+    let _alive = groups.pop().unwrap();
+    let mismatched = DeviceGroup::new(2).pop().unwrap();
+    assert!(w.set_device_group(mismatched).unwrap_err().to_string().contains("does not match"));
+    w.set_device_group(groups.pop().unwrap()).unwrap();
+    let e = one_step(&mut w);
     assert!(e.contains("rank(s) [1] did not reach the synchronization"), "{e}");
+
+    // Rank 1 dropped its handle (its worker failed): an error at once, naming it.
+    let comm = InProcessGroup::new(2).remove(0);
+    let mut w = Worker::new(init(Mlp::new(&device)), sgd(), Box::new(comm), p.cursor(), config).unwrap();
+    let mut groups = DeviceGroup::with_timeout(2, std::time::Duration::from_secs(600));
+    drop(groups.pop());
+    w.set_device_group(groups.pop().unwrap()).unwrap();
+    let t = std::time::Instant::now();
+    let e = one_step(&mut w);
+    assert!(e.contains("rank 1 left the group"), "{e}");
+    assert!(t.elapsed() < std::time::Duration::from_secs(60), "a departed rank must not cost the timeout");
 }

@@ -131,6 +131,10 @@ pub fn device_check(args: &DeviceCheckArgs, out: &mut dyn std::io::Write) -> Res
     if args.k == 0 || args.k > 8 || args.mib == 0 {
         bail!("--k must be in 1..=8 and --mib at least 1 (got k {}, mib {})", args.k, args.mib);
     }
+    // The kernels index K * len floats with 32 bits.
+    if args.k.saturating_mul(args.mib).saturating_mul(1 << 18) > u32::MAX as usize {
+        bail!("--k {} x --mib {} exceeds the kernels' 2^32 floats (16 GiB)", args.k, args.mib);
+    }
     check_on_gpu(args, ordinal, out)
 }
 

@@ -155,6 +155,9 @@ pub fn run(args: &TrainArgs) -> Result<Option<Summary>> {
         if args.comm == Some(CommKind::Mpi) {
             bail!("--nproc starts its workers itself; use mpirun for --comm mpi");
         }
+        if n > 1 && args.comm == Some(CommKind::Nccl) && matches!(spec, DeviceSpec::Cuda(Some(_))) {
+            bail!("--nproc {n} --comm nccl needs one GPU per process: use --device cuda (GPU = local rank), not --device {}", args.device);
+        }
         check_world(&resume, recipe.train.workers)?;
         prepare_run_dir(&run_dir, &recipe, resume.is_some())?;
         return spawn_processes(args, n, &run_dir, resume.is_some());
