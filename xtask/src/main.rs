@@ -6,7 +6,7 @@ mod bench;
 mod cuda;
 mod netem;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
@@ -41,8 +41,12 @@ enum Cmd {
     Netem(netem::NetemArgs),
 }
 
+/// The workspace root. `cargo run` sets CARGO_MANIFEST_DIR at run time too: prefer it, because a
+/// target dir shared by two checkouts can hand one checkout the other's (fresh-looking) xtask binary,
+/// whose compile-time path would run everything in the other checkout.
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
+    let manifest = std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from);
+    manifest.parent().expect("xtask lives in the workspace").to_path_buf()
 }
 
 fn target_dir() -> PathBuf {

@@ -8,7 +8,7 @@
 //! element the kernel skipped is caught; the result must equal [`crate::mean_into`] bit for bit.
 //!
 //! Bandwidth: the fused average-and-broadcast over K replicas of `len` floats moves `2 K len` floats
-//! (K reads, K writes per element). The reference moves the same bytes as a copy of the `K len`
+//! (K reads, K writes per element), timed on one slab and on K separate buffers (training's kernel). The reference moves the same bytes as a copy of the `K len`
 //! floats into a second buffer, with the same line size and grid. Medians over repeats, after a
 //! warm-up launch that compiles both kernels.
 
@@ -41,6 +41,8 @@ pub struct Bandwidth {
     pub repeats: usize,
     /// Median seconds per launch.
     pub fused_seconds: f64,
+    /// The same average over K separate buffers (`average_and_broadcast_many`, what training launches).
+    pub many_seconds: f64,
     pub copy_seconds: f64,
     /// Bytes read + written per launch (the same for both).
     pub bytes: u64,
@@ -49,6 +51,9 @@ pub struct Bandwidth {
 impl Bandwidth {
     pub fn fused_gbs(&self) -> f64 {
         self.bytes as f64 / self.fused_seconds / 1e9
+    }
+    pub fn many_gbs(&self) -> f64 {
+        self.bytes as f64 / self.many_seconds / 1e9
     }
     pub fn copy_gbs(&self) -> f64 {
         self.bytes as f64 / self.copy_seconds / 1e9
@@ -154,17 +159,23 @@ pub fn measure_bandwidth(client: &Client, k: usize, len: usize, repeats: usize, 
     let data: Vec<f32> = random_replicas(1, total, seed).remove(0);
     let replicas = client.create_from_slice(f32::as_bytes(&data));
     let dst = client.empty(total * 4);
+    let separate: Vec<Handle> = (0..k).map(|j| client.create_from_slice(f32::as_bytes(&data[j * len..(j + 1) * len]))).collect();
     let n = cube::vector_size(client, len);
-    // Warm-up: compiles both kernels and faults in the pages.
+    // Warm-up: compiles the kernels and faults in the pages.
     cube::average_and_broadcast(client, &replicas, k, len)?;
+    cube::average_and_broadcast_many(client, &separate, len)?;
     launch_copy(client, &replicas, &dst, total, n);
     sync(client)?;
-    let (mut fused, mut copy) = (Vec::new(), Vec::new());
+    let (mut fused, mut many, mut copy) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..repeats.max(1) {
         let t = Instant::now();
         cube::average_and_broadcast(client, &replicas, k, len)?;
         sync(client)?;
         fused.push(t.elapsed());
+        let t = Instant::now();
+        cube::average_and_broadcast_many(client, &separate, len)?;
+        sync(client)?;
+        many.push(t.elapsed());
         let t = Instant::now();
         launch_copy(client, &replicas, &dst, total, n);
         sync(client)?;
@@ -182,12 +193,19 @@ pub fn measure_bandwidth(client: &Client, k: usize, len: usize, repeats: usize, 
     if let Some(j) = (1..k).find(|&j| v[j * len..(j + 1) * len] != v[..len]) {
         return Err(KernelError::Mismatch(format!("replica {j} differs from replica 0 after averaging")));
     }
+    // The separate buffers started from the same replicas and were averaged as often: same bits.
+    for (j, h) in separate.into_iter().enumerate() {
+        if client.read_one(h)?[..] != averaged[j * len * 4..(j + 1) * len * 4] {
+            return Err(KernelError::Mismatch(format!("separate buffer {j} differs from the slab's replica {j}")));
+        }
+    }
     Ok(Bandwidth {
         k,
         len,
         vector_size: n,
         repeats: repeats.max(1),
         fused_seconds: median(fused),
+        many_seconds: median(many),
         copy_seconds: median(copy),
         bytes: (2 * total * 4) as u64,
     })
