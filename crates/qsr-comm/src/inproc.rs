@@ -254,7 +254,7 @@ impl InProcessComm {
         let bytes = (len * 4) as u64;
         let (sent, recv) = match kind {
             CallKind::AllReduce => {
-                let v = bytes * 2 * (self.k as u64 - 1) / self.k as u64;
+                let v = crate::ring_allreduce_bytes(len, self.k);
                 (v, v)
             }
             CallKind::Broadcast if self.rank == root => (bytes, 0),

@@ -172,6 +172,16 @@ impl<C: Collective + ?Sized> Collective for Box<C> {
     }
 }
 
+/// Bytes one rank sends (and receives) in a ring all-reduce of `len` f32 over `k` ranks: `2 (k-1)/k`
+/// of the buffer. Every backend accounts its all-reduce traffic with this (as qsr-sched plans it), so
+/// simulated, TCP and NCCL runs report comparable bytes.
+pub(crate) fn ring_allreduce_bytes(len: usize, k: usize) -> u64 {
+    if k <= 1 {
+        return 0;
+    }
+    (len as u64 * 4) * 2 * (k as u64 - 1) / k as u64
+}
+
 /// Largest payload `broadcast_bytes` accepts (a bound on what a peer can make us allocate).
 pub const MAX_BROADCAST_BYTES: usize = 256 << 20;
 

@@ -106,7 +106,7 @@ impl NcclComm {
             ReduceOp::Mean => NcclOp::Avg,
         };
         let r = self.comm.all_reduce_in_place(buf, &nccl_op).map(|_| ()).map_err(|e| device_err("ncclAllReduce", e.0));
-        let bytes = ring_bytes(buf.len(), self.n);
+        let bytes = crate::ring_allreduce_bytes(buf.len(), self.n);
         self.finish(r, bytes, t)
     }
 
@@ -224,15 +224,6 @@ impl NcclComm {
     }
 }
 
-/// What a ring all-reduce of `len` floats moves per rank (NCCL's ring; its tree algorithms move
-/// no more), so NCCL runs account traffic like the others.
-fn ring_bytes(len: usize, n: usize) -> u64 {
-    if n <= 1 {
-        return 0;
-    }
-    (2 * (n - 1) * len * 4 / n) as u64
-}
-
 impl Collective for NcclComm {
     fn rank(&self) -> usize {
         self.rank
@@ -244,7 +235,7 @@ impl Collective for NcclComm {
         self.usable()?;
         let t = Instant::now();
         let r = self.host_all_reduce(buf, op);
-        let bytes = ring_bytes(buf.len(), self.n);
+        let bytes = crate::ring_allreduce_bytes(buf.len(), self.n);
         self.finish(r, bytes, t)
     }
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {

@@ -525,7 +525,7 @@ impl<M: Module> Worker<M> {
             let calls = tensors.len() as u64;
             let (out, fused) = group.average(tensors)?;
             // What a ring all-reduce of the same bytes would move, as the in-process collective reports.
-            let bytes = if k > 1 { (2 * (k - 1) * elements * 4 / k) as u64 } else { 0 };
+            let bytes = qsr_sched::ring_allreduce_bytes_per_rank(elements as u64, 4, k as u64);
             let seconds = t.elapsed().as_secs_f64();
             self.stats.comm.calls += calls;
             self.stats.comm.bytes_sent += bytes;
