@@ -182,7 +182,27 @@ impl VitConfig {
                 return Err(ModelError::config(K, field, "must be at least 1"));
             }
         }
+        within(K, "dim", &[dims.dim], MAX_WIDTH)?;
+        within(K, "mlp_dim", &[dims.mlp_dim], MAX_WIDTH)?;
+        within(K, "depth", &[dims.depth], MAX_DEPTH)?;
+        within(K, "heads", &[dims.heads.saturating_mul(dims.dim_head)], MAX_WIDTH)
+            .map_err(|_| ModelError::config(K, "heads", format!("heads x dim_head must be at most {MAX_WIDTH}")))?;
         Ok(dims)
+    }
+}
+
+/// Largest width (hidden units, channels, embedding size) a configuration accepts: far above any model
+/// this trainer can hold, and low enough that sizes computed from it cannot overflow before the memory
+/// check of the trainer refuses the model.
+pub const MAX_WIDTH: usize = 1 << 20;
+
+/// Largest number of layers (MLP hidden layers, ViT blocks) a configuration accepts.
+pub const MAX_DEPTH: usize = 1024;
+
+fn within(kind: &'static str, field: &'static str, values: &[usize], max: usize) -> Result<(), ModelError> {
+    match values.iter().find(|&&v| v > max) {
+        Some(v) => Err(ModelError::config(kind, field, format!("{v} is above the limit of {max}"))),
+        None => Ok(()),
     }
 }
 
@@ -242,11 +262,16 @@ impl ModelConfig {
                 if c.channels.contains(&0) {
                     return Err(ModelError::config(kind, "channels", "every conv needs at least 1 channel"));
                 }
+                within(kind, "channels", &c.channels, MAX_WIDTH)?;
             }
             ModelConfig::Mlp(c) => {
                 if c.hidden.contains(&0) {
                     return Err(ModelError::config(kind, "hidden", "every hidden layer needs at least 1 unit"));
                 }
+                within(kind, "hidden", &c.hidden, MAX_WIDTH)?;
+                within(kind, "hidden", &[c.hidden.len()], MAX_DEPTH).map_err(|_| {
+                    ModelError::config(kind, "hidden", format!("has {} layers, more than {MAX_DEPTH}", c.hidden.len()))
+                })?;
             }
         }
         Ok(())

@@ -50,7 +50,7 @@ mod vit;
 
 pub use bn::{bn_running_stat_ids, is_bn_running_stat, param_count, trainable_param_ids};
 pub use cifar_resnet::{CIFAR_RESNET_DEPTHS, CifarBlock, CifarResNet, CifarShortcut, Projection};
-pub use config::{CifarResNetConfig, CnnConfig, InputSpec, MlpConfig, ModelConfig, ResNetConfig, VitConfig};
+pub use config::{CifarResNetConfig, CnnConfig, InputSpec, MAX_DEPTH, MAX_WIDTH, MlpConfig, ModelConfig, ResNetConfig, VitConfig};
 pub use error::ModelError;
 pub use resnet::{BasicBlock, Bottleneck, Downsample, RESNET_DEPTHS, ResNet, Stage};
 pub use small::{ConvUnit, Mlp, SmallCnn};

@@ -121,3 +121,21 @@ fn bad_values_name_the_field() {
     assert_eq!(init_err(&ModelConfig::Mlp(MlpConfig::default()), InputSpec::new(0, 8, 8), 10).field(), "input.channels");
     assert_eq!(init_err(&ModelConfig::Mlp(MlpConfig::default()), InputSpec::new(1, 8, 0), 10).field(), "input.width");
 }
+
+#[test]
+fn widths_and_depths_above_the_limits_are_refused_before_allocating() {
+    use qsr_models::{MAX_DEPTH, MAX_WIDTH};
+    let mlp = ModelConfig::Mlp(MlpConfig { hidden: vec![1_000_000_000] });
+    let e = mlp.validate().unwrap_err();
+    assert_eq!(e.field(), "hidden");
+    assert!(e.to_string().contains(&MAX_WIDTH.to_string()), "{e}");
+    let deep = ModelConfig::Mlp(MlpConfig { hidden: vec![4; MAX_DEPTH + 1] });
+    assert_eq!(deep.validate().unwrap_err().field(), "hidden");
+    let cnn = ModelConfig::Cnn(CnnConfig { batch_norm: true, channels: [8, MAX_WIDTH + 1] });
+    assert_eq!(cnn.validate().unwrap_err().field(), "channels");
+    let mut vit = VitConfig::preset(VitPreset::Ti, 16, 32);
+    vit.mlp_dim = Some(usize::MAX);
+    assert_eq!(ModelConfig::Vit(vit).validate().unwrap_err().field(), "mlp_dim");
+    // The limits themselves are accepted.
+    ModelConfig::Mlp(MlpConfig { hidden: vec![MAX_WIDTH] }).validate().unwrap();
+}

@@ -7,8 +7,9 @@ pub enum OptimError {
     /// Buffers or state do not fit the model's parameter layout.
     #[error("parameter layout mismatch: {0}")]
     Layout(String),
-    /// A collective failed (a peer died, stalled or diverged).
-    #[error("synchronization at step {step} failed: {source}")]
+    /// A collective failed (a peer died, stalled or diverged); the cause is the `source` (printed by
+    /// `{:#}` in anyhow, or by walking `Error::source`), not repeated in this message.
+    #[error("synchronization at step {step} failed")]
     Comm {
         step: u64,
         #[source]

@@ -29,3 +29,8 @@ pub use error::ConfigError;
 pub use plan::{Cursor, Plan, PlanSummary, Round, Rounds, StepInfo, SyncMode};
 pub use rule::SyncRule;
 pub use schedule::{LrSchedule, ScheduleKind};
+
+/// Largest `total_steps` / run length a plan accepts (10^9 steps). Planning is O(rounds) (~14 ns a
+/// round), so this bounds the worst case (data parallel, a round per step) to seconds; the largest
+/// published training runs take about 10^6 steps.
+pub const MAX_STEPS: u64 = 1_000_000_000;

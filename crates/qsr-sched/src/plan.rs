@@ -81,6 +81,9 @@ impl Plan {
         if run_steps == Some(0) {
             return Err(ConfigError::new("run_steps", "must be at least 1 (got 0)"));
         }
+        if let Some(n) = run_steps.filter(|&n| n > crate::MAX_STEPS) {
+            return Err(ConfigError::new("run_steps", crate::schedule::too_many_steps(n)));
+        }
         Ok(Self { schedule, sync, run_steps })
     }
 

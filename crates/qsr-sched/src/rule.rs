@@ -9,7 +9,7 @@ use crate::schedule::LrSchedule;
 /// lr of the round's **first** step; the power rules use `h_base` during warmup and **floor**; the planner
 /// clamps the last round so that training ends on a synchronization.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "rule", rename_all = "kebab-case", deny_unknown_fields)]
+#[serde(tag = "rule", rename_all = "kebab-case", deny_unknown_fields, from = "RuleRepr")]
 pub enum SyncRule {
     /// Data parallel: all-reduce gradients every step.
     #[serde(alias = "data-parallel")]
@@ -26,6 +26,34 @@ pub enum SyncRule {
     /// Exponentially growing interval in the style of DeepSpeed's 0/1 Adam: `h_base` doubles every
     /// `scaler` rounds after warmup, clipped at `h_max`.
     Exponential { h_base: u64, scaler: u64, h_max: u64 },
+}
+
+/// What `SyncRule` deserializes from: the same rules, with `dp` as an empty struct variant, because
+/// serde's `deny_unknown_fields` does not reach a unit variant of an internally tagged enum (`rule = "dp"`
+/// with `h = 4` would otherwise be accepted silently).
+#[derive(Deserialize)]
+#[serde(tag = "rule", rename_all = "kebab-case", deny_unknown_fields)]
+enum RuleRepr {
+    #[serde(alias = "data-parallel")]
+    Dp {},
+    Constant { h: u64 },
+    PostLocal { switch_step: u64, h: u64 },
+    Power { h_base: u64, alpha: f64, power: f64 },
+    Qsr { h_base: u64, alpha: f64 },
+    Exponential { h_base: u64, scaler: u64, h_max: u64 },
+}
+
+impl From<RuleRepr> for SyncRule {
+    fn from(r: RuleRepr) -> Self {
+        match r {
+            RuleRepr::Dp {} => SyncRule::Dp,
+            RuleRepr::Constant { h } => SyncRule::Constant { h },
+            RuleRepr::PostLocal { switch_step, h } => SyncRule::PostLocal { switch_step, h },
+            RuleRepr::Power { h_base, alpha, power } => SyncRule::Power { h_base, alpha, power },
+            RuleRepr::Qsr { h_base, alpha } => SyncRule::Qsr { h_base, alpha },
+            RuleRepr::Exponential { h_base, scaler, h_max } => SyncRule::Exponential { h_base, scaler, h_max },
+        }
+    }
 }
 
 impl SyncRule {

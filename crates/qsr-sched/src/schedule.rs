@@ -85,6 +85,9 @@ impl LrSchedule {
         if self.total_steps == 0 {
             return Err(ConfigError::new(f("total_steps"), "must be at least 1"));
         }
+        if self.total_steps > crate::MAX_STEPS {
+            return Err(ConfigError::new(f("total_steps"), too_many_steps(self.total_steps)));
+        }
         if self.warmup_steps >= self.total_steps {
             return Err(ConfigError::new(
                 f("warmup_steps"),
@@ -168,4 +171,12 @@ impl LrSchedule {
     pub fn in_warmup(&self, t: u64) -> bool {
         t < self.warmup_steps
     }
+}
+
+/// The refusal of a step count above [`crate::MAX_STEPS`].
+pub(crate) fn too_many_steps(steps: u64) -> String {
+    format!(
+        "must be at most {} (got {steps}): plans are enumerated round by round, and no training run comes near",
+        crate::MAX_STEPS
+    )
 }

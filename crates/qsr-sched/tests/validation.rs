@@ -136,3 +136,29 @@ fn toml_with_unknown_key_or_bad_rule_is_refused() {
     let err = toml::from_str::<Plan>(&zero).unwrap_err().to_string();
     assert!(err.contains("sync.h_base"), "{err}");
 }
+
+#[test]
+fn dp_rule_refuses_unknown_keys() {
+    let recipe = |sync: &str| format!("[schedule]\nkind = \"constant\"\ntotal_steps = 100\nlr_max = 0.1\n[sync]\n{sync}\n");
+    let plan: Plan = toml::from_str(&recipe("rule = \"dp\"")).unwrap();
+    assert_eq!(plan.sync(), &SyncRule::Dp);
+    let alias: Plan = toml::from_str(&recipe("rule = \"data-parallel\"")).unwrap();
+    assert_eq!(alias.sync(), &SyncRule::Dp);
+    for extra in ["h = 4", "typo_key = 3"] {
+        let err = toml::from_str::<Plan>(&recipe(&format!("rule = \"dp\"\n{extra}"))).unwrap_err().to_string();
+        let key = extra.split(' ').next().unwrap();
+        assert!(err.contains(key), "{extra}: {err}");
+    }
+    // The serialized form is unchanged.
+    assert_eq!(toml::to_string(&SyncRule::Dp).unwrap().trim(), "rule = \"dp\"");
+}
+
+#[test]
+fn step_counts_beyond_the_bound_are_refused_at_once() {
+    let s = LrSchedule::new(ScheduleKind::Constant, qsr_sched::MAX_STEPS + 1, 0, 0.1, 0.0);
+    let err = Plan::new(s, SyncRule::Dp).unwrap_err().to_string();
+    assert!(err.contains("schedule.total_steps") && err.contains("at most"), "{err}");
+    let s = LrSchedule::new(ScheduleKind::Constant, 100, 0, 0.1, 0.0);
+    let err = Plan::from_parts(s, SyncRule::Dp, Some(u64::MAX)).unwrap_err().to_string();
+    assert!(err.contains("run_steps") && err.contains("at most"), "{err}");
+}

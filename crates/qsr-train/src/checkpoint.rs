@@ -33,6 +33,37 @@ pub struct CheckpointState {
     pub cursor: Cursor,
     /// The recipe with the settings a resume may change blanked out; must match on resume.
     pub resume_key: String,
+    /// The run's counters up to this step, so that a resumed run continues them.
+    #[serde(default)]
+    pub counters: Counters,
+}
+
+/// Cumulative counters of a run (rank 0's view), carried across resumes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Counters {
+    /// Synchronizations completed.
+    pub syncs: u64,
+    /// Bytes this rank sent for synchronizations.
+    pub bytes: u64,
+    /// Seconds spent in synchronizations.
+    pub comm_seconds: f64,
+    /// Seconds of training (excluding time between a stop and its resume).
+    pub wall_seconds: f64,
+    /// Updates skipped for non-finite gradients.
+    pub skipped_updates: u64,
+}
+
+impl Counters {
+    /// These counters followed by a later segment's.
+    pub fn then(&self, later: &Counters) -> Counters {
+        Counters {
+            syncs: self.syncs + later.syncs,
+            bytes: self.bytes + later.bytes,
+            comm_seconds: self.comm_seconds + later.comm_seconds,
+            wall_seconds: self.wall_seconds + later.wall_seconds,
+            skipped_updates: self.skipped_updates + later.skipped_updates,
+        }
+    }
 }
 
 pub const FORMAT: u32 = 1;
@@ -69,7 +100,10 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
+/// Serializes tensors with metadata. safetensors writes its metadata map in hash order, so files of
+/// identical states are byte-identical only with at most one metadata entry: keep it that way.
 fn tensors_to_bytes(named: &[(String, Vec<usize>, Vec<u8>)], meta: BTreeMap<String, String>) -> Result<Vec<u8>> {
+    debug_assert!(meta.len() <= 1, "more than one metadata entry makes checkpoint bytes depend on hash order");
     let views: Vec<(String, TensorView<'_>)> = named
         .iter()
         .map(|(n, shape, bytes)| Ok((n.clone(), TensorView::new(Dtype::F32, shape.clone(), bytes)?)))
@@ -87,7 +121,7 @@ pub fn model_bytes(layout: &ParamLayout, params: &[f32], running: &[f32], step: 
     for e in &layout.running {
         named.push((e.path.clone(), e.shape.clone(), f32_bytes(&running[e.range.clone()])));
     }
-    tensors_to_bytes(&named, BTreeMap::from([("step".into(), step.to_string()), ("format".into(), "qsr-model".into())]))
+    tensors_to_bytes(&named, BTreeMap::from([("step".into(), step.to_string())]))
 }
 
 /// `optim-rank<r>.safetensors`: one rank's optimizer moments.
@@ -211,7 +245,12 @@ pub fn latest(run_dir: &Path) -> Result<(PathBuf, CheckpointState)> {
     let latest = ckpt_root(run_dir).join("LATEST");
     let name = fs::read_to_string(&latest)
         .with_context(|| format!("{} has no checkpoint ({} is missing)", run_dir.display(), latest.display()))?;
-    let dir = ckpt_root(run_dir).join(name.trim());
+    let name = name.trim();
+    // LATEST names a checkpoint of this run, never a path elsewhere.
+    if !name.strip_prefix("step-").is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())) {
+        bail!("{} is corrupt: it must name a checkpoint `step-<N>` inside {}, not `{name}`", latest.display(), ckpt_root(run_dir).display());
+    }
+    let dir = ckpt_root(run_dir).join(name);
     verify(&dir)?;
     let state_path = dir.join("state.json");
     let state: CheckpointState = serde_json::from_slice(&fs::read(&state_path)?)

@@ -4,17 +4,19 @@
 //! srun; `--comm tcp|mpi`).
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, anyhow, bail};
 use burn::tensor::Device;
-use qsr_comm::{Collective, Explicit, InProcessGroup, TcpComm, TcpConfig};
+use qsr_comm::{Collective, CommError, Explicit, InProcessGroup, TcpComm, TcpConfig};
 use qsr_optim::DeviceGroup;
 
+use crate::agree::{LaunchFacts, agree, differing_keys};
 use crate::checkpoint;
 use crate::device::DeviceSpec;
-use crate::train::{Outcome, RunSpec, Summary, build_model, run_worker};
+use crate::procs;
+use crate::run_lock::RunLock;
+use crate::train::{Outcome, RunSpec, Summary, build_model, preflight, root_cause, run_worker};
 use crate::train_recipe::TrainRecipe;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -96,39 +98,57 @@ fn default_run_dir(name: &str) -> PathBuf {
 
 /// The recipe, run directory and checkpoint a `qsr train` invocation works on.
 pub fn resolve(args: &TrainArgs) -> Result<(TrainRecipe, PathBuf, Option<(PathBuf, checkpoint::CheckpointState)>)> {
+    let path = match (&args.recipe, &args.resume) {
+        (Some(p), _) => p.clone(),
+        (None, Some(run_dir)) => run_dir.join("recipe.toml"),
+        (None, None) => bail!("--recipe FILE is required (or --resume RUN_DIR)"),
+    };
+    let mut recipe = TrainRecipe::load(&path, &args.sets)?;
+    for (flag, k) in [("--workers", args.workers), ("--nproc", args.nproc)] {
+        match k {
+            Some(0) => bail!("{flag} must be at least 1"),
+            Some(k) => recipe.train.workers = k,
+            None => {}
+        }
+    }
     if let Some(run_dir) = &args.resume {
-        let saved = run_dir.join("recipe.toml");
-        let path = args.recipe.clone().unwrap_or(saved);
-        let mut recipe = TrainRecipe::load(&path, &args.sets)?;
-        if let Some(k) = args.workers {
-            recipe.train.workers = k;
-        }
         let (dir, state) = checkpoint::latest(run_dir)?;
-        if recipe.resume_key()? != state.resume_key {
-            bail!(
-                "cannot resume {}: recipe {} differs from the checkpointed run in more than train.steps, eval and checkpoint settings",
-                run_dir.display(),
-                path.display()
-            );
-        }
+        check_resumable(&recipe, &path, &dir, &state)?;
         return Ok((recipe, run_dir.clone(), Some((dir, state))));
-    }
-    let path = args.recipe.as_ref().ok_or_else(|| anyhow!("--recipe FILE is required (or --resume RUN_DIR)"))?;
-    let mut recipe = TrainRecipe::load(path, &args.sets)?;
-    if let Some(k) = args.workers {
-        if k == 0 {
-            bail!("--workers must be at least 1");
-        }
-        recipe.train.workers = k;
-    }
-    if let Some(n) = args.nproc {
-        if n == 0 {
-            bail!("--nproc must be at least 1");
-        }
-        recipe.train.workers = n;
     }
     let run_dir = args.out.clone().unwrap_or_else(|| default_run_dir(&recipe.name));
     Ok((recipe, run_dir, None))
+}
+
+/// Refuses a resume whose recipe changed more than a resume may change (naming the keys), or that has
+/// nothing left to train.
+fn check_resumable(recipe: &TrainRecipe, path: &Path, dir: &Path, state: &checkpoint::CheckpointState) -> Result<()> {
+    let key = recipe.resume_key()?;
+    if key != state.resume_key {
+        let parse = |s: &str| serde_json::from_str::<serde_json::Value>(s).unwrap_or_default();
+        let diffs: Vec<String> = differing_keys(&parse(&state.resume_key), &parse(&key))
+            .into_iter()
+            .map(|d| format!("`{}` (checkpoint: {}, now: {})", d.key, d.left, d.right))
+            .collect();
+        bail!(
+            "cannot resume from {}: recipe {} differs from the checkpointed run in {} (only train.steps, eval, checkpoint and data.prefetch may change)",
+            dir.display(),
+            path.display(),
+            diffs.join(", ")
+        );
+    }
+    let end = recipe.plan()?.end_step();
+    if state.step == end {
+        bail!(
+            "nothing to resume: the run in {} already finished at step {end} (train.steps); to train longer, raise it, e.g. --set train.steps={}",
+            dir.display(),
+            end * 2
+        );
+    }
+    if state.step > end {
+        bail!("cannot resume from {}: its step {} is past train.steps = {end}; set train.steps above {}", dir.display(), state.step, state.step);
+    }
+    Ok(())
 }
 
 fn check_world(resume: &Option<(PathBuf, checkpoint::CheckpointState)>, world: usize) -> Result<()> {
@@ -146,6 +166,10 @@ fn check_world(resume: &Option<(PathBuf, checkpoint::CheckpointState)>, world: u
 
 /// Runs `qsr train`; returns rank 0's summary where this process has it.
 pub fn run(args: &TrainArgs) -> Result<Option<Summary>> {
+    if args.spawned {
+        // Before anything else: a worker must not outlive the `--nproc` launcher that started it.
+        procs::die_with_launcher()?;
+    }
     let (recipe, run_dir, resume) = resolve(args)?;
     let spec = DeviceSpec::parse(&args.device)?;
     if args.comm == Some(CommKind::Nccl) && !spec.is_gpu() {
@@ -159,26 +183,50 @@ pub fn run(args: &TrainArgs) -> Result<Option<Summary>> {
             bail!("--nproc {n} --comm nccl needs one GPU per process: use --device cuda (GPU = local rank), not --device {}", args.device);
         }
         check_world(&resume, recipe.train.workers)?;
-        prepare_run_dir(&run_dir, &recipe, resume.is_some())?;
-        return spawn_processes(args, n, &run_dir, resume.is_some());
+        preflight(&recipe, n, n, spec.is_gpu())?;
+        let _lock = RunLock::acquire(&run_dir)?;
+        prepare_run_dir(&run_dir, &recipe)?;
+        let children = ChildArgs { comm: args.comm.unwrap_or(CommKind::Tcp), run_dir: &run_dir, resuming: resume.is_some(), args };
+        return procs::launch(n, |rank, port, token| children.command(rank, n, port, token), &run_dir);
     }
     if let Some(kind) = args.comm {
         return external(args, kind, spec, recipe, run_dir, resume);
     }
-    let device = spec.open(0)?;
     check_world(&resume, recipe.train.workers)?;
-    prepare_run_dir(&run_dir, &recipe, resume.is_some())?;
+    preflight(&recipe, recipe.train.workers, recipe.train.workers, spec.is_gpu())?;
+    let device = spec.open(0)?;
+    let _lock = RunLock::acquire(&run_dir)?;
+    prepare_run_dir(&run_dir, &recipe)?;
     let spec = RunSpec { recipe, device, run_dir, resume, progress: !args.quiet, halt_after: args.halt_after };
     let outcomes = simulated(&spec)?;
     Ok(outcomes.into_iter().find_map(|o| o.summary))
 }
 
-fn prepare_run_dir(run_dir: &Path, recipe: &TrainRecipe, resuming: bool) -> Result<()> {
+/// Exit status of a worker that failed only because another rank failed first (it lost a peer or was
+/// told of another rank's failure), so that a launcher reports the rank that failed first.
+pub const EXIT_PEER_FAILED: u8 = 3;
+
+/// The process exit status for an error: [`EXIT_PEER_FAILED`] when it is another rank's failure seen
+/// from here, 1 otherwise.
+pub fn exit_code(e: &anyhow::Error) -> u8 {
+    if is_peer_failure(e) { EXIT_PEER_FAILED } else { 1 }
+}
+
+/// Whether an error is the consequence of another rank's failure (lost, stalled, aborted, gone).
+pub fn is_peer_failure(e: &anyhow::Error) -> bool {
+    e.chain().filter_map(|c| c.downcast_ref::<CommError>()).any(|c| {
+        matches!(
+            c,
+            CommError::PeerLost { .. } | CommError::PeerTimeout { .. } | CommError::Aborted { .. } | CommError::Broken(_) | CommError::Group { .. }
+        )
+    })
+}
+
+/// Writes the resolved recipe, so that the run directory says what the run follows (on resume too:
+/// a raised `train.steps` then holds for the next resume as well).
+fn prepare_run_dir(run_dir: &Path, recipe: &TrainRecipe) -> Result<()> {
     std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
-    if !resuming {
-        checkpoint::write_atomic(&run_dir.join("recipe.toml"), recipe.to_toml()?.as_bytes())?;
-    }
-    Ok(())
+    checkpoint::write_atomic(&run_dir.join("recipe.toml"), recipe.to_toml()?.as_bytes())
 }
 
 /// K workers as threads of this process, joined by the in-process collective.
@@ -208,7 +256,6 @@ pub fn simulated(spec: &RunSpec) -> Result<Vec<Outcome>> {
             .map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("a worker thread panicked"))))
             .collect()
     });
-    // Report the first real error (other ranks then fail with "peer gone" errors).
     let mut outcomes = Vec::new();
     let mut errors = Vec::new();
     for (rank, r) in results.into_iter().enumerate() {
@@ -217,73 +264,43 @@ pub fn simulated(spec: &RunSpec) -> Result<Vec<Outcome>> {
             Err(e) => errors.push((rank, e)),
         }
     }
-    if let Some((rank, e)) = errors.into_iter().min_by_key(|(_, e)| format!("{e:#}").contains("peer")) {
+    // Report the failure that came first, not a rank that saw it happen.
+    if let Some((rank, e)) = root_cause(errors) {
         return Err(e.context(format!("worker {rank} failed")));
     }
     Ok(outcomes)
 }
 
-fn free_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").context("cannot find a free loopback port")?;
-    Ok(l.local_addr()?.port())
+/// The command line of each `--nproc` worker: the run's saved (resolved) recipe, so that every
+/// launch mode applies the same overrides.
+struct ChildArgs<'a> {
+    comm: CommKind,
+    run_dir: &'a Path,
+    resuming: bool,
+    args: &'a TrainArgs,
 }
 
-/// `--nproc N`: N child processes of this binary, one worker each, over the TCP ring on loopback.
-fn spawn_processes(args: &TrainArgs, n: usize, run_dir: &Path, resuming: bool) -> Result<Option<Summary>> {
-    let exe = std::env::current_exe().context("cannot locate the qsr executable")?;
-    let port = free_port()?;
-    let token = qsr_comm::tcp::random_token();
-    let mut children: Vec<(usize, Child)> = Vec::new();
-    for rank in 0..n {
-        let mut c = Command::new(&exe);
-        c.arg("train").arg("--comm").arg(args.comm.unwrap_or(CommKind::Tcp).name());
-        if resuming {
-            c.arg("--resume").arg(run_dir);
-        } else {
-            c.arg("--recipe").arg(run_dir.join("recipe.toml")).arg("--out").arg(run_dir);
+impl ChildArgs<'_> {
+    fn command(&self, rank: usize, n: usize, port: u16, token: &str) -> Result<std::process::Command> {
+        let exe = std::env::current_exe().context("cannot locate the qsr executable")?;
+        let mut c = std::process::Command::new(exe);
+        c.arg("train").arg("--comm").arg(self.comm.name());
+        c.arg("--recipe").arg(self.run_dir.join("recipe.toml")).arg("--out").arg(self.run_dir);
+        if self.resuming {
+            c.arg("--resume").arg(self.run_dir);
         }
         c.args(["--rank", &rank.to_string(), "--world-size", &n.to_string(), "--master-addr", "127.0.0.1"]);
-        c.args(["--master-port", &port.to_string(), "--device", &args.device]);
-        if rank != 0 || args.quiet {
+        c.args(["--master-port", &port.to_string(), "--device", &self.args.device]);
+        if rank != 0 || self.args.quiet {
             c.arg("--quiet");
         }
-        if let Some(h) = args.halt_after {
+        if let Some(h) = self.args.halt_after {
             c.args(["--halt-after", &h.to_string()]);
         }
         c.arg("--spawned");
-        c.env("QSR_JOB_TOKEN", &token);
-        let child = c.spawn().with_context(|| format!("cannot start worker process {rank}"))?;
-        children.push((rank, child));
+        c.env("QSR_JOB_TOKEN", token);
+        Ok(c)
     }
-    // Wait for all; if one fails, the others fail within the collective timeout. Stop them sooner.
-    let mut failed: Option<(usize, std::process::ExitStatus)> = None;
-    let mut running = children;
-    while !running.is_empty() {
-        let mut still = Vec::new();
-        for (rank, mut child) in running {
-            match child.try_wait()? {
-                Some(status) if !status.success() => {
-                    failed.get_or_insert((rank, status));
-                }
-                Some(_) => {}
-                None => still.push((rank, child)),
-            }
-        }
-        if failed.is_some() {
-            for (_, c) in still.iter_mut() {
-                let _ = c.kill();
-                let _ = c.wait();
-            }
-            break;
-        }
-        running = still;
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    if let Some((rank, status)) = failed {
-        bail!("worker process {rank} failed ({status})");
-    }
-    let summary = std::fs::read(run_dir.join("summary.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
-    Ok(summary)
 }
 
 /// One worker of a job launched by someone else (our `--nproc`, torchrun, mpirun, srun).
@@ -323,17 +340,48 @@ fn external(
             (nccl_comm(&mut bootstrap, ordinal)?, local)
         }
     };
-    let device = spec.open(local_rank)?;
-    let world = comm.world_size();
+    let (rank, world) = (comm.rank(), comm.world_size());
     recipe.train.workers = world;
-    check_world(&resume, world)?;
-    if comm.rank() == 0 {
-        prepare_run_dir(&run_dir, &recipe, resume.is_some())?;
+    let member = Member { comm, local_rank, spec, recipe, run_dir, resume };
+    member.train(args).with_context(|| format!("rank {rank} of {world}"))
+}
+
+/// This process's part of an external launch, once its collective is up.
+struct Member {
+    comm: Box<dyn Collective>,
+    local_rank: usize,
+    spec: DeviceSpec,
+    recipe: TrainRecipe,
+    run_dir: PathBuf,
+    resume: Option<(PathBuf, checkpoint::CheckpointState)>,
+}
+
+impl Member {
+    fn train(mut self, args: &TrainArgs) -> Result<Option<Summary>> {
+        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let device = self.spec.open(self.local_rank)?;
+        check_world(&self.resume, world)?;
+        // Rank 0 owns the run directory (a `--nproc` launcher holds the lock for its workers).
+        let owner = rank == 0 && !args.spawned;
+        let lock = if owner { Some(RunLock::acquire(&self.run_dir)) } else { None };
+        let unfit = preflight(&self.recipe, world, 1, self.spec.is_gpu()).err();
+        let mut facts = LaunchFacts::new(&self.recipe, self.resume.as_ref().map(|(_, s)| s.step))?;
+        match (lock.as_ref(), unfit) {
+            (Some(Err(e)), _) => facts.refusal = Some(format!("{e:#}")),
+            (_, Some(e)) if rank == 0 => facts.refusal = Some(format!("{e:#}")),
+            (_, Some(e)) => return Err(e),
+            _ => {}
+        }
+        agree(self.comm.as_mut(), &facts)?;
+        if owner {
+            prepare_run_dir(&self.run_dir, &self.recipe)?;
+        }
+        let model = build_model(&self.recipe, &device)?;
+        let progress = !args.quiet && rank == 0;
+        let spec = RunSpec { recipe: self.recipe, device, run_dir: self.run_dir, resume: self.resume, progress, halt_after: args.halt_after };
+        let outcome = run_worker(&spec, self.comm, model, None)?;
+        Ok(if args.spawned { None } else { outcome.summary })
     }
-    let model = build_model(&recipe, &device)?;
-    let spec = RunSpec { recipe, device, run_dir, resume, progress: !args.quiet && comm.rank() == 0, halt_after: args.halt_after };
-    let outcome = run_worker(&spec, comm, model, None)?;
-    Ok(if args.spawned { None } else { outcome.summary })
 }
 
 #[cfg(feature = "nccl")]

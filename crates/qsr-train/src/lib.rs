@@ -2,13 +2,16 @@
 //! local processes or an external launch), `qsr compare` and `qsr plot`. This crate owns no method logic:
 //! it composes qsr-sched, qsr-comm, qsr-optim, qsr-models and qsr-data.
 
+pub mod agree;
 pub mod checkpoint;
 pub mod compare;
 pub mod device;
 pub mod launch;
 pub mod plan_cmd;
 pub mod plot;
+mod procs;
 pub mod recipe;
+pub mod run_lock;
 pub mod simulate;
 pub mod train;
 pub mod train_recipe;

@@ -1,3 +1,4 @@
+use std::io::Write;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -57,8 +58,10 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            // One write per message: the workers of a launch share one terminal, and `eprintln!` writes
+            // a line in pieces that interleave with theirs.
+            let _ = std::io::stderr().write_all(format!("error: {e:#}\n").as_bytes());
+            ExitCode::from(qsr_train::launch::exit_code(&e))
         }
     }
 }

@@ -13,10 +13,10 @@ use burn::tensor::{Device, Tensor};
 use qsr_comm::{Collective, ReduceOp};
 use qsr_data::{EvalLoader, HostBatch, Normalize, PrefetchOptions, SamplerConfig, ShardedSampler, Split, TrainLoader, Transform};
 use qsr_models::{InputSpec, Model};
-use qsr_optim::{BnPolicy, DeviceGroup, OptimState, Worker};
+use qsr_optim::{BnPolicy, DeviceGroup, OptimState, OptimizerKind, Worker};
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{self, CheckpointState};
+use crate::checkpoint::{self, CheckpointState, Counters};
 use crate::train_recipe::{TrainRecipe, open_dataset};
 
 /// One line of `metrics.jsonl`.
@@ -106,6 +106,82 @@ fn transform(recipe: &TrainRecipe, info: &qsr_data::DatasetInfo, train: bool) ->
     }
 }
 
+/// Checks a run's inputs before anything large is built: the batch fits the training set for `k`
+/// workers, training and test images have the same shape and the test labels fit the classes, and
+/// `replicas` copies of the model's training state fit in this machine's memory (CPU runs).
+pub fn preflight(recipe: &TrainRecipe, k: usize, replicas: usize, gpu: bool) -> Result<()> {
+    let train = open_dataset(&recipe.data, Split::Train)?;
+    let test = open_dataset(&recipe.data, Split::Test)?;
+    sampler(recipe, train.len(), k, 0)?;
+    let shape = transform(recipe, train.info(), true).output_shape(train.info())?;
+    let test_shape = transform(recipe, test.info(), false).output_shape(test.info())?;
+    if shape != test_shape {
+        bail!(
+            "`data`: the test images of {} become {test_shape:?} (channels, height, width) but the training images {shape:?}: the model needs one input shape",
+            test.info().name
+        );
+    }
+    if test.classes() > train.classes() {
+        bail!("`data`: the test split of {} has {} classes, the training split only {}", test.info().name, test.classes(), train.classes());
+    }
+    let model = recipe
+        .model
+        .init(InputSpec::new(shape.0, shape.1, shape.2), train.classes(), &Device::flex())
+        .map_err(|e| anyhow!("invalid `model.{}`: {e}", e.field()))?;
+    if !gpu {
+        check_memory(recipe, model.num_params(), replicas)?;
+    }
+    Ok(())
+}
+
+/// Refuses a model whose training state (`replicas` times: module, gradients, flat parameters and
+/// gradients, optimizer moments) exceeds the memory the kernel says is available.
+fn check_memory(recipe: &TrainRecipe, params: usize, replicas: usize) -> Result<()> {
+    let Some(available) = mem_available() else {
+        return Ok(());
+    };
+    let o = &recipe.optimizer;
+    let moments = match o.kind {
+        OptimizerKind::Adamw => 2,
+        OptimizerKind::Sgd => usize::from(o.momentum() != 0.0),
+    };
+    let copies = 4 + moments;
+    let need = (params as u128) * 4 * copies as u128 * replicas as u128;
+    if need > available as u128 {
+        let gib = |b: u128| b as f64 / f64::from(1u32 << 30);
+        bail!(
+            "invalid `model`: {params} parameters need about {:.1} GiB ({replicas} worker(s) x {copies} f32 copies: module, gradients, flat parameters, flat gradients, optimizer moments), but only {:.1} GiB of memory is available (MemAvailable in /proc/meminfo)",
+            gib(need),
+            gib(available as u128)
+        );
+    }
+    Ok(())
+}
+
+fn mem_available() -> Option<u64> {
+    let text = fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// This rank's sampler; the error says why the batch does not fit.
+fn sampler(recipe: &TrainRecipe, len: usize, k: usize, rank: usize) -> Result<ShardedSampler> {
+    ShardedSampler::new(SamplerConfig { len, world_size: k, rank, local_batch: recipe.train.local_batch, steps_per_epoch: None, seed: recipe.seed })
+        .with_context(|| format!("`train.local_batch` {} x {k} workers vs {len} training images", recipe.train.local_batch))
+}
+
+/// The error to report when several workers of one process failed: a failure of a worker's own
+/// (data, disk, ...) before one that only saw another worker fail, and the blamed worker's own error
+/// before the error of a worker blaming it.
+pub fn root_cause(errors: Vec<(usize, anyhow::Error)>) -> Option<(usize, anyhow::Error)> {
+    let blamed = |e: &anyhow::Error| e.chain().filter_map(|c| c.downcast_ref::<qsr_comm::CommError>()).find_map(qsr_comm::CommError::blamed_rank);
+    let own = errors.iter().position(|(_, e)| !crate::launch::is_peer_failure(e));
+    let via_blame = || errors.iter().find_map(|(_, e)| blamed(e)).and_then(|r| errors.iter().position(|(rank, _)| *rank == r));
+    let pick = own.or_else(via_blame).unwrap_or(0);
+    errors.into_iter().nth(pick)
+}
+
 /// Builds the model of a recipe on `device` (seeded, so every process builds the same one).
 pub fn build_model(recipe: &TrainRecipe, device: &Device) -> Result<Model> {
     let (input, classes) = input_spec(recipe)?;
@@ -135,15 +211,7 @@ pub fn run_worker(spec: &RunSpec, comm: Box<dyn Collective>, model: Model, group
     let train_set = open_dataset(&recipe.data, Split::Train)?;
     let test_set = open_dataset(&recipe.data, Split::Test)?;
     let info = train_set.info().clone();
-    let sampler = ShardedSampler::new(SamplerConfig {
-        len: train_set.len(),
-        world_size: k,
-        rank,
-        local_batch: recipe.train.local_batch,
-        steps_per_epoch: None,
-        seed: recipe.seed,
-    })
-    .with_context(|| format!("`train.local_batch` {} x {k} workers vs {} training images", recipe.train.local_batch, train_set.len()))?;
+    let sampler = sampler(recipe, train_set.len(), k, rank)?;
     let spe = sampler.steps_per_epoch();
     let loader = TrainLoader::new(train_set, sampler, transform(recipe, &info, true))?;
     let eval_loader = EvalLoader::new(test_set, transform(recipe, &info, false), recipe.eval.batch_size)?.shard(rank, k)?;
@@ -161,6 +229,7 @@ pub fn run_worker(spec: &RunSpec, comm: Box<dyn Collective>, model: Model, group
         worker.set_device_group(g)?;
     }
     let mut start_records = None;
+    let mut base = Counters::default();
     if let Some((dir, state)) = &spec.resume {
         let (params, running) = checkpoint::load_model(&dir.join("model.safetensors"), worker.layout())?;
         let template: OptimState = worker.optimizer_state()?.into_owned();
@@ -175,6 +244,7 @@ pub fn run_worker(spec: &RunSpec, comm: Box<dyn Collective>, model: Model, group
             worker.set_model(m)?;
         }
         start_records = Some(state.step);
+        base = state.counters;
     }
 
     let ce = CrossEntropyLossConfig::new()
@@ -220,7 +290,7 @@ pub fn run_worker(spec: &RunSpec, comm: Box<dyn Collective>, model: Model, group
             continue;
         }
         // One record shape for syncs and evaluations.
-        let record = |kind: &str, loss: f64, accuracy: Option<f64>, st: &qsr_optim::DriverStats| Record {
+        let record = |kind: &str, loss: f64, accuracy: Option<f64>, c: Counters| Record {
             kind: kind.into(),
             step: done_steps,
             epoch: done_steps as f64 / spe as f64,
@@ -228,13 +298,13 @@ pub fn run_worker(spec: &RunSpec, comm: Box<dyn Collective>, model: Model, group
             h: report.info.h,
             loss: Some(loss),
             accuracy,
-            syncs: st.syncs,
-            bytes: st.comm.bytes_sent,
-            comm_seconds: st.comm.seconds,
-            wall_seconds: t0.elapsed().as_secs_f64(),
+            syncs: c.syncs,
+            bytes: c.bytes,
+            comm_seconds: c.comm_seconds,
+            wall_seconds: c.wall_seconds,
         };
         if let Some(m) = metrics.as_mut() {
-            m.write(&record("sync", since_sync.0 / since_sync.1.max(1) as f64, None, worker.stats()))?;
+            m.write(&record("sync", since_sync.0 / since_sync.1.max(1) as f64, None, counters(&base, worker.stats(), t0)))?;
         }
         since_sync = (0.0, 0);
         // Evaluate at the last synchronization before an epoch boundary (the next sync would be past it),
@@ -253,14 +323,15 @@ pub fn run_worker(spec: &RunSpec, comm: Box<dyn Collective>, model: Model, group
         }
         let ev = evaluate(&mut worker, &eval_loader, device)?;
         if let Some(m) = metrics.as_mut() {
-            m.write(&record("eval", ev.loss, Some(ev.accuracy), worker.stats()))?;
+            m.write(&record("eval", ev.loss, Some(ev.accuracy), counters(&base, worker.stats(), t0)))?;
         }
         if let Some(bar) = &bar {
             bar.println(format!("step {done_steps:>7}  epoch {:>6.2}  test accuracy {:.2}%  test loss {:.4}", done_steps as f64 / spe as f64, 100.0 * ev.accuracy, ev.loss));
         }
         last_eval = Some(ev);
         if recipe.checkpoint.enabled {
-            save_checkpoint(&mut worker, spec, done_steps)?;
+            let c = counters(&base, worker.stats(), t0);
+            save_checkpoint(&mut worker, spec, done_steps, c)?;
         }
         if spec.halt_after.is_some_and(|h| done_steps >= h) && !is_end {
             finished = false;
@@ -270,8 +341,8 @@ pub fn run_worker(spec: &RunSpec, comm: Box<dyn Collective>, model: Model, group
     if let Some(bar) = &bar {
         bar.finish_and_clear();
     }
-    let st = *worker.stats();
     let wall = t0.elapsed().as_secs_f64();
+    let c = counters(&base, worker.stats(), t0);
     let summary = match (rank, finished, last_eval) {
         (0, true, Some(ev)) => {
             let planned = plan.summary();
@@ -286,14 +357,14 @@ pub fn run_worker(spec: &RunSpec, comm: Box<dyn Collective>, model: Model, group
                 steps_per_epoch: spe,
                 final_test_accuracy: ev.accuracy,
                 final_test_loss: ev.loss,
-                syncs: st.syncs + spec.resume.as_ref().map_or(0, |(_, s)| plan_syncs_before(&plan, s.step)),
+                syncs: c.syncs,
                 planned_syncs: planned.rounds,
                 comm_percent: planned.comm_percent,
-                bytes_per_rank: st.comm.bytes_sent,
-                comm_seconds: st.comm.seconds,
-                wall_seconds: wall,
+                bytes_per_rank: c.bytes,
+                comm_seconds: c.comm_seconds,
+                wall_seconds: c.wall_seconds,
                 steps_per_second: steps_run as f64 / wall.max(1e-9),
-                skipped_updates: st.skipped_updates,
+                skipped_updates: c.skipped_updates,
             };
             checkpoint::write_atomic(&spec.run_dir.join("summary.json"), serde_json::to_string_pretty(&s)?.as_bytes())?;
             Some(s)
@@ -303,8 +374,15 @@ pub fn run_worker(spec: &RunSpec, comm: Box<dyn Collective>, model: Model, group
     Ok(Outcome { rank, params: worker.params()?.to_vec(), summary, finished })
 }
 
-fn plan_syncs_before(plan: &qsr_sched::Plan, step: u64) -> u64 {
-    plan.rounds().take_while(|r| r.end() <= step).count() as u64
+/// The run's counters: those of the checkpoint it resumed from, then this segment's.
+fn counters(base: &Counters, st: &qsr_optim::DriverStats, t0: Instant) -> Counters {
+    base.then(&Counters {
+        syncs: st.syncs,
+        bytes: st.comm.bytes_sent,
+        comm_seconds: st.comm.seconds,
+        wall_seconds: t0.elapsed().as_secs_f64(),
+        skipped_updates: st.skipped_updates,
+    })
 }
 
 /// The paper's BatchNorm re-estimation: reset the statistics, run `bn_images / K` training images per
@@ -354,19 +432,19 @@ fn evaluate(worker: &mut Worker<Model>, loader: &EvalLoader, device: &Device) ->
         acc[2] += n as f32;
     }
     let step = worker.cursor().step();
-    worker.comm_mut().all_reduce(&mut acc, ReduceOp::Sum).map_err(|e| anyhow!("evaluation at step {step}: {e}"))?;
+    worker.comm_mut().all_reduce(&mut acc, ReduceOp::Sum).with_context(|| format!("evaluation at step {step}"))?;
     Ok(Eval { accuracy: f64::from(acc[0]) / f64::from(acc[2].max(1.0)), loss: f64::from(acc[1]) / f64::from(acc[2].max(1.0)) })
 }
 
-fn save_checkpoint(worker: &mut Worker<Model>, spec: &RunSpec, step: u64) -> Result<()> {
+fn save_checkpoint(worker: &mut Worker<Model>, spec: &RunSpec, step: u64, counters: Counters) -> Result<()> {
     let rank = worker.rank();
     let run_dir = &spec.run_dir;
     let tmp = checkpoint::tmp_dir(run_dir, step);
-    let err = |e| anyhow!("checkpoint at step {step}: {e}");
+    let err = || format!("checkpoint at step {step}");
     if rank == 0 {
         checkpoint::begin(run_dir, step)?;
     }
-    worker.comm_mut().barrier().map_err(err)?;
+    worker.comm_mut().barrier().with_context(err)?;
     checkpoint::write_file(&tmp, &format!("optim-rank{rank}.safetensors"), &checkpoint::optim_bytes(&*worker.optimizer_state()?)?)?;
     if rank == 0 {
         let mut running = vec![0.0; worker.layout().running_len()];
@@ -378,10 +456,11 @@ fn save_checkpoint(worker: &mut Worker<Model>, spec: &RunSpec, step: u64) -> Res
             world_size: worker.world_size(),
             cursor: worker.cursor().clone(),
             resume_key: spec.recipe.resume_key()?,
+            counters,
         };
         checkpoint::write_file(&tmp, "state.json", serde_json::to_string_pretty(&state)?.as_bytes())?;
     }
-    worker.comm_mut().barrier().map_err(err)?;
+    worker.comm_mut().barrier().with_context(err)?;
     if rank == 0 {
         checkpoint::commit(run_dir, step, spec.recipe.checkpoint.keep)?;
     }

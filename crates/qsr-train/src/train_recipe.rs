@@ -129,6 +129,9 @@ pub struct TrainRecipe {
     pub checkpoint: CheckpointConfig,
 }
 
+/// Largest `data.prefetch`: batches prepared ahead of training per worker.
+pub const MAX_PREFETCH: usize = 64;
+
 const SECTIONS: [&str; 9] = ["model", "data", "train", "optimizer", "schedule", "sync", "driver", "eval", "checkpoint"];
 
 /// Applies `key=value` overrides (dotted keys, TOML values; a bare word is a string).
@@ -136,7 +139,7 @@ pub fn apply_sets(root: &mut Table, sets: &[String]) -> Result<()> {
     for set in sets {
         let (key, raw) = set.split_once('=').ok_or_else(|| anyhow!("--set {set}: expected key=value"))?;
         let key = key.trim();
-        let value = parse_value(raw.trim());
+        let value = parse_value(raw.trim()).map_err(|why| anyhow!("--set {set}: {why}"))?;
         let parts: Vec<&str> = key.split('.').collect();
         if parts.iter().any(|p| p.is_empty()) {
             bail!("--set {set}: `{key}` is not a dotted key");
@@ -153,12 +156,14 @@ pub fn apply_sets(root: &mut Table, sets: &[String]) -> Result<()> {
     Ok(())
 }
 
-fn parse_value(raw: &str) -> Value {
-    format!("v = {raw}")
-        .parse::<Table>()
-        .ok()
-        .and_then(|mut t| t.remove("v"))
-        .unwrap_or_else(|| Value::String(raw.to_string()))
+/// A TOML value, or a bare word as a string (`--set data.path=/data/x`). Text that starts like a TOML
+/// string, array or table must parse as one: `name="abc` is an error, not the literal `"abc`.
+fn parse_value(raw: &str) -> Result<Value, String> {
+    match format!("v = {raw}").parse::<Table>() {
+        Ok(mut t) => t.remove("v").ok_or_else(|| format!("`{raw}` is not a single value")),
+        Err(e) if raw.starts_with(['"', '\'', '[', '{']) => Err(format!("`{raw}` is not a valid TOML value: {}", e.message().trim())),
+        Err(_) => Ok(Value::String(raw.to_string())),
+    }
 }
 
 impl TrainRecipe {
@@ -214,8 +219,11 @@ impl TrainRecipe {
         if self.eval.every_epochs == 0 {
             bail!("invalid `eval.every_epochs`: must be at least 1");
         }
-        if self.data.prefetch == 0 {
-            bail!("invalid `data.prefetch`: must be at least 1");
+        if !(1..=MAX_PREFETCH).contains(&self.data.prefetch) {
+            bail!(
+                "invalid `data.prefetch`: must be in 1..={MAX_PREFETCH} (got {}): the loader runs at most this many batches ahead of training, and a deeper queue only holds memory",
+                self.data.prefetch
+            );
         }
         self.plan()?;
         Ok(())

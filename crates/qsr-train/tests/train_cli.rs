@@ -146,7 +146,7 @@ fn resume_refusals_keep_the_previous_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
     let r = run.to_str().unwrap();
-    ok(&["train", "--recipe", RECIPE, "--out", r, "--quiet", "--workers", "2", "--set", "schedule.total_steps=200", "--halt-after", "60"]);
+    ok(&["train", "--recipe", RECIPE, "--out", r, "--quiet", "--workers", "2", "--set", "schedule.total_steps=200", "--set", "eval.every_epochs=1", "--halt-after", "60"]);
     let latest = std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap();
     let ckpt = run.join("ckpt").join(latest.trim());
     let model_before = std::fs::read(ckpt.join("model.safetensors")).unwrap();
@@ -154,7 +154,7 @@ fn resume_refusals_keep_the_previous_checkpoint() {
     let err = refused(&["train", "--resume", r, "--workers", "3", "--quiet"]);
     assert!(err.contains("3 workers") && err.contains("2 workers"), "{err}");
     let err = refused(&["train", "--resume", r, "--workers", "2", "--quiet", "--set", "sync.h_base=3"]);
-    assert!(err.contains("differs"), "{err}");
+    assert!(err.contains("differs") && err.contains("`sync.h_base` (checkpoint: 2, now: 3)"), "{err}");
     let err = refused(&["train", "--resume", dir.path().join("nothing").to_str().unwrap(), "--quiet"]);
     assert!(err.contains("nothing"), "{err}");
 

@@ -1,0 +1,205 @@
+//! `--nproc N`: the launcher and its worker processes.
+//!
+//! Ownership: the launcher owns its workers. A worker asks the kernel for SIGKILL when the launcher
+//! dies (`PR_SET_PDEATHSIG`) and checks, after asking, that the launcher is still its parent, so no
+//! worker outlives a launcher killed even with SIGKILL. SIGINT, SIGTERM and SIGHUP sent to the launcher
+//! are forwarded to every worker, which are then reaped. When a worker fails, the launcher stops the
+//! others and names the rank that failed first by its cause: a worker that only saw another rank fail
+//! exits with [`EXIT_PEER_FAILED`] and is not blamed while a rank with its own cause exists.
+
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use rustix::process::{Pid, Signal};
+
+use crate::launch::EXIT_PEER_FAILED;
+use crate::train::Summary;
+
+/// Environment variable through which a worker learns its launcher's pid.
+const LAUNCHER_PID: &str = "QSR_LAUNCHER_PID";
+
+/// How long workers get to exit after a forwarded signal before they are killed.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// How long the launcher keeps collecting failures after the first one, to find the rank that failed
+/// first rather than the first one it happened to poll.
+const FAILURE_WINDOW: Duration = Duration::from_millis(500);
+
+const POLL: Duration = Duration::from_millis(50);
+
+/// In a worker: die with the launcher (SIGKILL on its death), and refuse to start if it is already gone.
+pub fn die_with_launcher() -> Result<()> {
+    let Some(launcher) = std::env::var(LAUNCHER_PID).ok().and_then(|p| p.parse::<i32>().ok()) else {
+        bail!("--spawned is for the workers that `qsr train --nproc` starts ({LAUNCHER_PID} is not set)");
+    };
+    rustix::process::set_parent_process_death_signal(Some(Signal::KILL)).context("cannot ask for a parent-death signal")?;
+    // The launcher may have died before the request above: then our parent is already someone else.
+    if Pid::as_raw(rustix::process::getppid()) != launcher {
+        bail!("the launcher (pid {launcher}) is gone; this worker stops");
+    }
+    Ok(())
+}
+
+/// Starts `n` workers (`command(rank, port, token)`), waits for them, and returns rank 0's summary.
+pub fn launch(
+    n: usize,
+    command: impl Fn(usize, u16, &str) -> Result<Command>,
+    run_dir: &Path,
+) -> Result<Option<Summary>> {
+    let signal = Arc::new(AtomicUsize::new(0));
+    let ids = register_signals(&signal)?;
+    let result = supervise(n, &command, &signal);
+    for id in ids {
+        signal_hook::low_level::unregister(id);
+    }
+    result?;
+    let summary = std::fs::read(run_dir.join("summary.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
+    Ok(summary)
+}
+
+/// Records the number of the last of SIGINT, SIGTERM, SIGHUP received, instead of dying of it.
+fn register_signals(signal: &Arc<AtomicUsize>) -> Result<Vec<signal_hook::SigId>> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    [SIGINT, SIGTERM, SIGHUP]
+        .into_iter()
+        .map(|s| {
+            signal_hook::flag::register_usize(s, Arc::clone(signal), s as usize).context("cannot install signal handlers")
+        })
+        .collect()
+}
+
+/// A worker process and its rank.
+struct Worker {
+    rank: usize,
+    child: Child,
+}
+
+/// A worker that ended unsuccessfully.
+struct Failure {
+    rank: usize,
+    status: ExitStatus,
+    seen: Instant,
+}
+
+impl Failure {
+    /// Lower is more likely the first cause: killed by a signal, then a failure of its own, then a
+    /// worker that only saw another rank fail.
+    fn precedence(&self) -> u8 {
+        use std::os::unix::process::ExitStatusExt;
+        match (self.status.signal(), self.status.code()) {
+            (Some(_), _) => 0,
+            (_, Some(c)) if c == i32::from(EXIT_PEER_FAILED) => 2,
+            _ => 1,
+        }
+    }
+
+    fn describe(&self) -> String {
+        use std::os::unix::process::ExitStatusExt;
+        match (self.status.signal(), self.status.code()) {
+            (Some(s), _) => format!("rank {} was killed by signal {s} ({})", self.rank, signal_name(s)),
+            (_, Some(c)) if c == i32::from(EXIT_PEER_FAILED) => {
+                format!("rank {} stopped after losing a peer (exit status {c}; its error is printed above)", self.rank)
+            }
+            (_, code) => format!("rank {} failed (exit status {}; its error is printed above)", self.rank, code.unwrap_or(-1)),
+        }
+    }
+}
+
+fn signal_name(s: i32) -> &'static str {
+    use signal_hook::consts::*;
+    match s {
+        SIGKILL => "SIGKILL",
+        SIGTERM => "SIGTERM",
+        SIGINT => "SIGINT",
+        SIGHUP => "SIGHUP",
+        SIGABRT => "SIGABRT",
+        SIGSEGV => "SIGSEGV",
+        SIGBUS => "SIGBUS",
+        SIGILL => "SIGILL",
+        SIGFPE => "SIGFPE",
+        _ => "another signal",
+    }
+}
+
+fn supervise(n: usize, command: &impl Fn(usize, u16, &str) -> Result<Command>, signal: &AtomicUsize) -> Result<()> {
+    let port = free_port()?;
+    let token = qsr_comm::tcp::random_token();
+    let mut workers = Vec::new();
+    for rank in 0..n {
+        let mut c = command(rank, port, &token)?;
+        c.env(LAUNCHER_PID, std::process::id().to_string());
+        match c.spawn() {
+            Ok(child) => workers.push(Worker { rank, child }),
+            Err(e) => {
+                stop(&mut workers, Signal::TERM);
+                return Err(e).with_context(|| format!("cannot start worker process {rank}"));
+            }
+        }
+    }
+    let mut failures: Vec<Failure> = Vec::new();
+    while !workers.is_empty() {
+        if let Some(sig) = received(signal) {
+            let count = workers.len();
+            stop(&mut workers, sig);
+            bail!("interrupted by signal {} ({}): stopped {count} running workers; continue with --resume", sig.as_raw(), signal_name(sig.as_raw()));
+        }
+        workers = reap(workers, &mut failures)?;
+        if failures.first().is_some_and(|f| f.seen.elapsed() >= FAILURE_WINDOW) {
+            break;
+        }
+        std::thread::sleep(POLL);
+    }
+    stop(&mut workers, Signal::TERM);
+    workers = reap(workers, &mut failures)?;
+    debug_assert!(workers.is_empty());
+    if let Some(first) = failures.iter().min_by_key(|f| (f.precedence(), f.seen)) {
+        bail!("{} ({} of {n} workers failed)", first.describe(), failures.len());
+    }
+    Ok(())
+}
+
+/// The signal the launcher received, if any.
+fn received(signal: &AtomicUsize) -> Option<Signal> {
+    match signal.load(Ordering::Relaxed) {
+        0 => None,
+        s => Some(Signal::from_named_raw(s as i32).unwrap_or(Signal::TERM)),
+    }
+}
+
+/// Waits without blocking: returns the workers still running, recording the ones that failed.
+fn reap(workers: Vec<Worker>, failures: &mut Vec<Failure>) -> Result<Vec<Worker>> {
+    let mut running = Vec::new();
+    for mut w in workers {
+        match w.child.try_wait().with_context(|| format!("cannot wait for worker {}", w.rank))? {
+            Some(status) if !status.success() => failures.push(Failure { rank: w.rank, status, seen: Instant::now() }),
+            Some(_) => {}
+            None => running.push(w),
+        }
+    }
+    Ok(running)
+}
+
+/// Sends `sig` to every running worker, waits up to [`STOP_GRACE`], then kills and reaps the rest.
+fn stop(workers: &mut Vec<Worker>, sig: Signal) {
+    for w in workers.iter() {
+        let _ = rustix::process::kill_process(Pid::from_child(&w.child), sig);
+    }
+    let deadline = Instant::now() + STOP_GRACE;
+    while Instant::now() < deadline && workers.iter_mut().any(|w| matches!(w.child.try_wait(), Ok(None))) {
+        std::thread::sleep(POLL);
+    }
+    for w in workers.iter_mut() {
+        let _ = w.child.kill();
+        let _ = w.child.wait();
+    }
+    workers.clear();
+}
+
+fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").context("cannot find a free loopback port")?;
+    Ok(l.local_addr()?.port())
+}
