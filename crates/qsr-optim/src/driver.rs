@@ -194,7 +194,9 @@ impl<M: Module> Worker<M> {
         let model = model.valid().train();
         let layout = ParamLayout::of(&model);
         let n = layout.len();
-        let optimizer = Optimizer::new(optimizer, n, &layout.no_decay_ranges())?;
+        // Per-tensor ranges: clipping sums squares per tensor, as torch does.
+        let tensors: Vec<_> = layout.trainable.iter().map(|e| e.range.clone()).collect();
+        let optimizer = Optimizer::new(optimizer, n, &layout.no_decay_ranges())?.with_tensors(&tensors)?;
         let mut params = vec![0.0; n];
         layout.read_params(&model, &mut params)?;
         let mut w = Self {

@@ -1,5 +1,11 @@
-//! SGD and AdamW over flat parameter buffers, with the exact update rules of `torch.optim.SGD` and
-//! `torch.optim.AdamW` (single-tensor implementation, f32 arithmetic in PyTorch's operation order).
+//! SGD and AdamW over flat parameter buffers, with the update rules of `torch.optim.SGD` and
+//! `torch.optim.AdamW` (single-tensor implementation, foreach=False) and of `clip_grad_norm_`, rounded as
+//! torch's CPU kernels round them: f32 arithmetic in PyTorch's operation order, fused multiply-adds
+//! where ATen fuses (`add` with `alpha`, `lerp`, `addcmul`), Python's f64 scalars converted to f32 where
+//! ATen converts them. This reproduces torch 2.15's trajectories on an x86-64 CPU without AVX-512 (ATen's
+//! AVX2 kernels) bit for bit, except that AdamW's square root is IEEE's where torch calls MKL's, which
+//! is one ulp off on some inputs depending on the CPU ([`Optimizer::with_sqrt`] swaps it). Where ATen
+//! picks wider vectors (AVX-512), only clipping's sums of squares run in another order.
 //!
 //! State is ours and flat (one buffer per moment, laid out like the parameters), so a worker can keep it
 //! local, average it at a synchronization (the authors' `--avg-m` / `--avg-v`), and checkpoint it.
@@ -182,11 +188,16 @@ pub struct Optimizer {
     config: OptimizerConfig,
     segments: Vec<DecaySegment>,
     state: OptimState,
+    /// The parameter tensors, tiling the buffer in order (clipping takes a norm per tensor first).
+    tensors: Vec<Range<usize>>,
+    /// AdamW's square root, when not the IEEE one.
+    sqrt: Option<fn(f32) -> f32>,
 }
 
 impl Optimizer {
     /// `no_decay` lists the parameter ranges that `exclude_norm_and_bias` exempts from weight decay (it
-    /// is ignored when the option is off). Ranges must lie inside `0..len`.
+    /// is ignored when the option is off). Ranges must lie inside `0..len`. The buffer counts as one
+    /// tensor until [`Optimizer::with_tensors`] says otherwise.
     pub fn new(config: OptimizerConfig, len: usize, no_decay: &[Range<usize>]) -> Result<Self, OptimError> {
         config.validate()?;
         let mut exempt = vec![false; 0];
@@ -213,7 +224,35 @@ impl Optimizer {
             OptimizerKind::Sgd => OptimState { step: 0, first_moment: moment(config.momentum() != 0.0), second_moment: Vec::new() },
             OptimizerKind::Adamw => OptimState { step: 0, first_moment: moment(true), second_moment: moment(true) },
         };
-        Ok(Self { config, segments, state })
+        Ok(Self { config, segments, state, tensors: std::iter::once(0..len).collect(), sqrt: None })
+    }
+
+    /// Declares the parameter tensors (ranges that tile `0..len` in order), so gradient clipping sums
+    /// squares per tensor in the order `torch.nn.utils.clip_grad_norm_` does. The update itself is
+    /// elementwise and does not depend on them.
+    pub fn with_tensors(mut self, tensors: &[Range<usize>]) -> Result<Self, OptimError> {
+        let len = self.segments.last().map_or(0, |s| s.range.end);
+        let mut end = 0;
+        for r in tensors {
+            if r.start != end || r.end < r.start {
+                let msg = format!("tensor range {r:?} does not follow the previous one (ending at {end})");
+                return Err(OptimError::Layout(msg));
+            }
+            end = r.end;
+        }
+        if end != len {
+            return Err(OptimError::Layout(format!("tensor ranges cover 0..{end}, the buffer has {len} parameters")));
+        }
+        self.tensors = tensors.to_vec();
+        Ok(self)
+    }
+
+    /// Replaces AdamW's square root of the second moment (IEEE `f32::sqrt` by default). torch's CPU
+    /// `sqrt` calls MKL, whose result depends on the CPU and can be one ulp off the IEEE root; a test
+    /// swaps in an emulation of it to check the rest of the update bit for bit.
+    pub fn with_sqrt(mut self, sqrt: fn(f32) -> f32) -> Self {
+        self.sqrt = Some(sqrt);
+        self
     }
 
     pub fn config(&self) -> &OptimizerConfig {
@@ -230,6 +269,11 @@ impl Optimizer {
 
     pub fn segments(&self) -> &[DecaySegment] {
         &self.segments
+    }
+
+    /// The parameter tensors clipping sums over (one range per tensor).
+    pub fn tensors(&self) -> &[Range<usize>] {
+        &self.tensors
     }
 
     /// Replaces the state (from a checkpoint), checking that it fits this optimizer.
@@ -249,89 +293,228 @@ impl Optimizer {
     /// learning rate `lr`. Returns the global gradient norm when clipping is on.
     pub fn step(&mut self, params: &mut [f32], grads: &mut [f32], lr: f64) -> Option<f64> {
         assert_eq!(params.len(), grads.len(), "parameter and gradient buffers differ in length");
-        let norm = self.config.clip_grad_norm.map(|max| clip_grad_norm(grads, max));
+        let norm = self.config.clip_grad_norm.map(|max| clip_grad_norm_per_tensor(grads, &self.tensors, max));
         self.state.step += 1;
         match self.config.kind {
             OptimizerKind::Sgd => self.sgd(params, grads, lr),
-            OptimizerKind::Adamw => self.adamw(params, grads, lr),
+            OptimizerKind::Adamw => match self.sqrt {
+                None => self.adamw(params, grads, lr, f32::sqrt),
+                Some(sqrt) => self.adamw(params, grads, lr, sqrt),
+            },
         }
         norm
     }
 
     fn sgd(&mut self, params: &mut [f32], grads: &[f32], lr: f64) {
         let c = &self.config;
-        let (mu, damp, nesterov) = (c.momentum() as f32, (1.0 - c.dampening()) as f32, c.nesterov());
-        let neg_lr = -lr as f32;
-        let first = self.state.step == 1;
+        // Python floats become f32 where ATen reads the scalar (`alpha.to<float>()`, wrapped numbers).
+        let mut k = Sgd {
+            wd: 0.0,
+            mu: c.momentum() as f32,
+            damp: (1.0 - c.dampening()) as f32,
+            neg_lr: -lr as f32,
+            first: self.state.step == 1,
+            nesterov: c.nesterov(),
+        };
+        let momentum = k.mu != 0.0;
         for seg in &self.segments {
-            let wd = if seg.decay { c.weight_decay as f32 } else { 0.0 };
+            k.wd = if seg.decay { c.weight_decay as f32 } else { 0.0 };
             let p = &mut params[seg.range.clone()];
             let g = &grads[seg.range.clone()];
-            if mu == 0.0 {
-                p.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).for_each(|(p, g)| {
-                    for (p, &g) in p.iter_mut().zip(g) {
-                        let g = if wd != 0.0 { g + wd * *p } else { g };
-                        *p += neg_lr * g;
-                    }
-                });
-                continue;
+            if momentum {
+                let buf = &mut self.state.first_moment[seg.range.clone()];
+                p.par_chunks_mut(CHUNK)
+                    .zip(g.par_chunks(CHUNK))
+                    .zip(buf.par_chunks_mut(CHUNK))
+                    .for_each(|((p, g), b)| sgd_chunk(k, p, g, b));
+            } else {
+                p.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).for_each(|(p, g)| sgd_chunk(k, p, g, &mut []));
             }
-            let buf = &mut self.state.first_moment[seg.range.clone()];
-            p.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).zip(buf.par_chunks_mut(CHUNK)).for_each(|((p, g), b)| {
-                for ((p, &g), b) in p.iter_mut().zip(g).zip(b.iter_mut()) {
-                    // torch: d_p = grad.add(param, alpha=wd); buf.mul_(mu).add_(d_p, alpha=1-dampening)
-                    let d = if wd != 0.0 { g + wd * *p } else { g };
-                    *b = if first { d } else { *b * mu + damp * d };
-                    let d = if nesterov { d + mu * *b } else { *b };
-                    *p += neg_lr * d;
-                }
-            });
         }
     }
 
-    fn adamw(&mut self, params: &mut [f32], grads: &[f32], lr: f64) {
+    fn adamw<S: Fn(f32) -> f32 + Copy + Sync>(&mut self, params: &mut [f32], grads: &[f32], lr: f64, sqrt: S) {
         let c = &self.config;
         let (b1, b2) = (c.beta1(), c.beta2());
-        let t = self.state.step as i32;
-        // Scalars are computed in f64 as Python does, then used in f32 by the kernels.
-        let step_size = (lr / (1.0 - b1.powi(t))) as f32;
-        let bc2_sqrt = (1.0 - b2.powi(t)).sqrt() as f32;
-        let weight = (1.0 - b1) as f32;
-        let one_minus_b2 = (1.0 - b2) as f32;
-        let (b2, eps) = (b2 as f32, c.eps() as f32);
-        let neg_step = -step_size;
+        // Python's scalars: `beta ** step` is libm's pow (as is f64::powf), `bias_correction2 ** 0.5` too.
+        let t = self.state.step as f64;
+        let step_size = lr / (1.0 - b1.powf(t));
+        let mut k = Adamw {
+            decay: 1.0,
+            weight: (1.0 - b1) as f32,
+            b2: b2 as f32,
+            one_minus_b2: (1.0 - b2) as f32,
+            bc2_sqrt: (1.0 - b2.powf(t)).powf(0.5) as f32,
+            eps: c.eps() as f32,
+            neg_step: -step_size as f32,
+        };
         let (m_all, v_all) = (&mut self.state.first_moment, &mut self.state.second_moment);
         for seg in &self.segments {
-            let decay = if seg.decay { (1.0 - lr * c.weight_decay) as f32 } else { 1.0 };
+            // param.mul_(1 - lr * weight_decay); a factor of exactly 1 changes nothing where torch skips it
+            k.decay = if seg.decay { (1.0 - lr * c.weight_decay) as f32 } else { 1.0 };
             let r = seg.range.clone();
             let (p, g) = (&mut params[r.clone()], &grads[r.clone()]);
             let (m, v) = (&mut m_all[r.clone()], &mut v_all[r]);
             p.par_chunks_mut(CHUNK)
                 .zip(g.par_chunks(CHUNK))
                 .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
-                .for_each(|((p, g), (m, v))| {
-                    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-                        *p *= decay;
-                        // torch.lerp: self + w (end - self) for w < 0.5, else end - (end - self)(1 - w)
-                        *m = if weight < 0.5 { *m + weight * (g - *m) } else { g - (g - *m) * (1.0 - weight) };
-                        *v = *v * b2 + one_minus_b2 * g * g;
-                        let denom = v.sqrt() / bc2_sqrt + eps;
-                        // addcdiv: self + value * t1 / t2, evaluated left to right
-                        *p += neg_step * *m / denom;
-                    }
-                });
+                .for_each(|((p, g), (m, v))| adamw_chunk(k, sqrt, p, g, m, v));
         }
     }
 }
 
-/// Scales `grads` so their global L2 norm is at most `max_norm`, as `torch.nn.utils.clip_grad_norm_`
-/// (coefficient `max_norm / (norm + 1e-6)`, clamped to 1). Returns the norm before clipping.
+/// One SGD step's constants, as f32 the way ATen's kernels see them.
+#[derive(Clone, Copy)]
+struct Sgd {
+    wd: f32,
+    mu: f32,
+    /// 1 - dampening
+    damp: f32,
+    neg_lr: f32,
+    first: bool,
+    nesterov: bool,
+}
+
+impl Sgd {
+    /// `torch.optim.SGD`'s single-tensor step. ATen computes `add(x, y, alpha)` as `fma(y, alpha, x)`
+    /// (`vec::fmadd`, and GCC contracts the scalar remainder the same way), so each `alpha` term is a
+    /// `mul_add`. `buf` is empty without momentum.
+    #[inline(always)]
+    fn update(self, p: &mut [f32], g: &[f32], buf: &mut [f32]) {
+        if buf.is_empty() {
+            for (p, &g) in p.iter_mut().zip(g) {
+                // grad.add(param, alpha=wd) (skipped without decay); param.add_(grad, alpha=-lr)
+                let d = if self.wd != 0.0 { p.mul_add(self.wd, g) } else { g };
+                *p = d.mul_add(self.neg_lr, *p);
+            }
+            return;
+        }
+        for ((p, &g), b) in p.iter_mut().zip(g).zip(buf.iter_mut()) {
+            let d = if self.wd != 0.0 { p.mul_add(self.wd, g) } else { g };
+            // The first step clones grad; then buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+            *b = if self.first { d } else { d.mul_add(self.damp, *b * self.mu) };
+            // Nesterov: grad.add(buf, alpha=momentum)
+            let d = if self.nesterov { b.mul_add(self.mu, d) } else { *b };
+            *p = d.mul_add(self.neg_lr, *p);
+        }
+    }
+}
+
+/// One AdamW step's constants, as f32 the way ATen's kernels see them.
+#[derive(Clone, Copy)]
+struct Adamw {
+    decay: f32,
+    /// lerp weight, 1 - beta1
+    weight: f32,
+    b2: f32,
+    one_minus_b2: f32,
+    bc2_sqrt: f32,
+    eps: f32,
+    neg_step: f32,
+}
+
+impl Adamw {
+    /// `torch.optim.AdamW`'s single-tensor step, each operation rounded as ATen's CPU kernel rounds it.
+    #[inline(always)]
+    fn update<S: Fn(f32) -> f32>(self, sqrt: S, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+        let small = self.weight.abs() < 0.5;
+        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            *p *= self.decay;
+            // exp_avg.lerp_(grad, w): ATen's lerp_vec is fma(w, g - m, m) for |w| < 0.5, else
+            // fma(w - 1, g - m, g)
+            let diff = g - *m;
+            *m = if small { diff.mul_add(self.weight, *m) } else { diff.mul_add(self.weight - 1.0, g) };
+            // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2): addcmul's
+            // `self + value * t1 * t2` is contracted to fma(value * t1, t2, self)
+            *v = (self.one_minus_b2 * g).mul_add(g, *v * self.b2);
+            // (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps): a true division
+            let denom = sqrt(*v) / self.bc2_sqrt + self.eps;
+            // param.addcdiv_(exp_avg, denom, value=-step_size): self + (value * t1) / t2, unfused
+            *p += self.neg_step * *m / denom;
+        }
+    }
+}
+
+/// Whether `mul_add` can be one instruction (then the loops below vectorize; otherwise it is a libm
+/// `fmaf` call per element). Either way it rounds once, so the results are the same.
+#[cfg(target_arch = "x86_64")]
+fn has_fma() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+}
+
+fn sgd_chunk(k: Sgd, p: &mut [f32], g: &[f32], b: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_fma() {
+        // SAFETY: the CPU has AVX2 and FMA.
+        return unsafe { sgd_fma(k, p, g, b) };
+    }
+    k.update(p, g, b)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn sgd_fma(k: Sgd, p: &mut [f32], g: &[f32], b: &mut [f32]) {
+    k.update(p, g, b)
+}
+
+fn adamw_chunk<S: Fn(f32) -> f32>(k: Adamw, sqrt: S, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_fma() {
+        // SAFETY: the CPU has AVX2 and FMA.
+        return unsafe { adamw_fma(k, sqrt, p, g, m, v) };
+    }
+    k.update(sqrt, p, g, m, v)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn adamw_fma<S: Fn(f32) -> f32>(k: Adamw, sqrt: S, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+    k.update(sqrt, p, g, m, v)
+}
+
+/// `torch.linalg.vector_norm(t, 2)` of one f32 tensor, reduced as ATen's AVX2 kernel does: eight lane
+/// sums of rounded squares, the lanes added in order, then the remainder (whose first four squares
+/// GCC vectorizes, rounded; the rest are fused), and the square root.
+fn torch_norm(x: &[f32]) -> f32 {
+    let chunks = x.chunks_exact(8);
+    let rest = chunks.remainder();
+    let mut lanes = [0.0f32; 8];
+    for c in chunks {
+        for (l, &x) in lanes.iter_mut().zip(c) {
+            *l += x * x;
+        }
+    }
+    let mut sum = lanes[1..].iter().fold(lanes[0], |s, &l| s + l);
+    let (rounded, fused) = rest.split_at(if rest.len() >= 4 { 4 } else { 0 });
+    for &x in rounded {
+        sum += x * x;
+    }
+    for &x in fused {
+        sum = x.mul_add(x, sum);
+    }
+    sum.sqrt()
+}
+
+/// Scales `grads`, one tensor, so its L2 norm is at most `max_norm`, as
+/// `torch.nn.utils.clip_grad_norm_`. Returns the norm before clipping.
 pub fn clip_grad_norm(grads: &mut [f32], max_norm: f64) -> f64 {
-    let sq: f64 = grads.par_chunks(CHUNK).map(|c| c.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>()).sum();
-    let norm = sq.sqrt();
-    let coef = (max_norm / (norm + 1e-6)).min(1.0) as f32;
-    if coef < 1.0 {
+    let len = grads.len();
+    clip_grad_norm_per_tensor(grads, std::slice::from_ref(&(0..len)), max_norm)
+}
+
+/// Scales `grads` so the global L2 norm of the tensors at `tensors` is at most `max_norm`, bit for bit
+/// as `torch.nn.utils.clip_grad_norm_(foreach=False)` on f32 CPU tensors: f32 norms per tensor, the norm
+/// of those, and the coefficient `max_norm / (norm + 1e-6)` clamped to 1. Returns the norm before
+/// clipping. Elements outside `tensors` are scaled too.
+pub fn clip_grad_norm_per_tensor(grads: &mut [f32], tensors: &[Range<usize>], max_norm: f64) -> f64 {
+    let norms: Vec<f32> = tensors.par_iter().map(|r| torch_norm(&grads[r.clone()])).collect();
+    let total = torch_norm(&norms);
+    // `max_norm / tensor` is Tensor.__rtruediv__: a reciprocal, then a multiply by f32(max_norm).
+    let coef = (1.0 / (total + 1e-6_f64 as f32)) * max_norm as f32;
+    // torch.clamp(max=1.0), which keeps a NaN; a factor of exactly 1 changes nothing.
+    let coef = if coef > 1.0 { 1.0 } else { coef };
+    if coef != 1.0 {
         grads.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|g| *g *= coef));
     }
-    norm
+    f64::from(total)
 }
