@@ -49,8 +49,9 @@ pub enum CommError {
         during: String,
     },
 
-    /// A handshake was refused because one field differs (job token, protocol version, world size, rank).
-    #[error("handshake with {peer} refused: {field} differs ({detail})")]
+    /// A handshake was refused because one field differs (job token, protocol version, world size,
+    /// rank); `detail` names the field itself, `field` is there for programs.
+    #[error("handshake with {peer} refused: {detail}")]
     HandshakeRefused {
         peer: String,
         field: &'static str,
@@ -69,8 +70,9 @@ pub enum CommError {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
-    /// A launch-environment variable (or explicit argument) is malformed or inconsistent.
-    #[error("launch environment: {var}: {detail}")]
+    /// A launch-environment variable (or explicit argument) is malformed, inconsistent or missing;
+    /// `detail` names it itself, `var` is there for programs.
+    #[error("launch environment: {detail}")]
     Launch { var: String, detail: String },
 
     /// The communicator already failed; collectives after a failure are refused, because the
@@ -86,12 +88,13 @@ pub enum CommError {
         detail: String,
     },
 
-    /// An I/O error outside a peer connection (binding a listener, for example).
-    #[error("{context}: {source}")]
+    /// An I/O error outside a peer connection (binding a listener, for example). The message
+    /// states the I/O error, so it is deliberately not also the `source()`: printers of error
+    /// chains (anyhow's `{:#}`) would state it twice.
+    #[error("{context}: {error}")]
     Io {
         context: String,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
 
     /// An error from the MPI backend.
@@ -114,10 +117,10 @@ pub enum CommError {
 }
 
 impl CommError {
-    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+    pub(crate) fn io(context: impl Into<String>, error: std::io::Error) -> Self {
         CommError::Io {
             context: context.into(),
-            source,
+            error,
         }
     }
 
@@ -138,5 +141,34 @@ impl CommError {
             CommError::Group { culprit, .. } => *culprit,
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What anyhow's `{:#}` prints: every error of the chain, joined by ": ".
+    fn chain(e: &dyn std::error::Error) -> String {
+        let mut parts = vec![e.to_string()];
+        let mut next = e.source();
+        while let Some(s) = next {
+            parts.push(s.to_string());
+            next = s.source();
+        }
+        parts.join(": ")
+    }
+
+    #[test]
+    fn io_error_is_stated_once_in_a_chain() {
+        let e = CommError::io(
+            "binding the rendezvous port 127.0.0.1:29500",
+            std::io::Error::new(std::io::ErrorKind::AddrInUse, "Address already in use"),
+        );
+        let printed = chain(&e);
+        assert_eq!(
+            printed,
+            "binding the rendezvous port 127.0.0.1:29500: Address already in use"
+        );
     }
 }

@@ -110,6 +110,31 @@ fn need(
     found.ok_or_else(|| CommError::launch(var, format!("{because} is set but {var} is not")))
 }
 
+/// The half of torchrun's RANK/WORLD_SIZE pair that is missing: from an explicit flag, else an
+/// error naming the variable.
+fn torchrun_pair(
+    flag_value: Option<usize>,
+    flag: &str,
+    var: &str,
+    because: &str,
+) -> Result<(String, usize), CommError> {
+    flag_value.map(|v| (flag.to_string(), v)).ok_or_else(|| {
+        CommError::launch(
+            var,
+            format!(
+                "{because} is set but {var} is not (torchrun sets RANK, WORLD_SIZE, \
+                 MASTER_ADDR and MASTER_PORT for every process; set {var} too, or pass {flag})"
+            ),
+        )
+    })
+}
+
+fn master_addr_env(env: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+    env("MASTER_ADDR")
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| s.trim().to_string())
+}
+
 fn master_port_env(
     env: &dyn Fn(&str) -> Option<String>,
 ) -> Result<Option<(String, u16)>, CommError> {
@@ -119,21 +144,42 @@ fn master_port_env(
     }
 }
 
-fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<Found>, CommError> {
-    let master_addr = env("MASTER_ADDR")
-        .filter(|s| !s.trim().is_empty())
-        .map(|s| s.trim().to_string());
-    if let Some(rank) = get_usize(env, "RANK")? {
-        let size = need(get_usize(env, "WORLD_SIZE")?, "WORLD_SIZE", "RANK")?;
-        return Ok(Some(Found {
-            source: Source::Torchrun,
-            rank,
-            size,
-            local: get_usize(env, "LOCAL_RANK")?,
-            master_addr,
-            master_port: master_port_env(env)?,
-        }));
+/// torchrun-style variables; either of RANK and WORLD_SIZE marks the launch, and the other one
+/// must then come from the environment or a flag.
+fn torchrun(
+    env: &dyn Fn(&str) -> Option<String>,
+    explicit: &Explicit,
+) -> Result<Option<Found>, CommError> {
+    let (rank, size) = match (get_usize(env, "RANK")?, get_usize(env, "WORLD_SIZE")?) {
+        (None, None) => return Ok(None),
+        (Some(r), Some(s)) => (r, s),
+        (Some(r), None) => (
+            r,
+            torchrun_pair(explicit.world_size, "--world-size", "WORLD_SIZE", "RANK")?,
+        ),
+        (None, Some(s)) => (
+            torchrun_pair(explicit.rank, "--rank", "RANK", "WORLD_SIZE")?,
+            s,
+        ),
+    };
+    Ok(Some(Found {
+        source: Source::Torchrun,
+        rank,
+        size,
+        local: get_usize(env, "LOCAL_RANK")?,
+        master_addr: master_addr_env(env),
+        master_port: master_port_env(env)?,
+    }))
+}
+
+fn from_env(
+    env: &dyn Fn(&str) -> Option<String>,
+    explicit: &Explicit,
+) -> Result<Option<Found>, CommError> {
+    if let Some(found) = torchrun(env, explicit)? {
+        return Ok(Some(found));
     }
+    let master_addr = master_addr_env(env);
     if let Some(rank) = get_usize(env, "OMPI_COMM_WORLD_RANK")? {
         let size = need(
             get_usize(env, "OMPI_COMM_WORLD_SIZE")?,
@@ -161,47 +207,102 @@ fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<Found>, CommE
         }));
     }
     if let Some(rank) = get_usize(env, "SLURM_PROCID")? {
-        let size = need(
-            first_usize(env, &["SLURM_NTASKS", "SLURM_NPROCS"])?,
-            "SLURM_NTASKS",
-            "SLURM_PROCID",
-        )?;
-        let master_addr = match master_addr {
-            Some(a) => Some(a),
-            None => {
-                let mut host = None;
-                for var in [
-                    "SLURM_STEP_NODELIST",
-                    "SLURM_JOB_NODELIST",
-                    "SLURM_NODELIST",
-                ] {
-                    if let Some(list) = env(var) {
-                        host =
-                            Some(first_host(&list).map_err(|e| {
-                                CommError::launch(var, format!("{var}={list}: {e}"))
-                            })?);
-                        break;
-                    }
-                }
-                host
-            }
-        };
-        // Jobs sharing a node must not collide on one port: derive it from the job id unless set.
-        let master_port = match master_port_env(env)? {
-            Some(p) => Some(p),
-            None => get_usize(env, "SLURM_JOB_ID")?
-                .map(|(var, id)| (var, DEFAULT_MASTER_PORT + (id % 1000) as u16)),
-        };
-        return Ok(Some(Found {
-            source: Source::Slurm,
-            rank,
-            size,
-            local: get_usize(env, "SLURM_LOCALID")?,
-            master_addr,
-            master_port,
-        }));
+        return slurm(env, rank, master_addr).map(Some);
     }
     Ok(None)
+}
+
+fn slurm(
+    env: &dyn Fn(&str) -> Option<String>,
+    rank: (String, usize),
+    master_addr: Option<String>,
+) -> Result<Found, CommError> {
+    let size = need(
+        first_usize(env, &["SLURM_NTASKS", "SLURM_NPROCS"])?,
+        "SLURM_NTASKS",
+        "SLURM_PROCID",
+    )?;
+    let master_addr = match master_addr {
+        Some(a) => Some(a),
+        None => {
+            let mut host = None;
+            for var in [
+                "SLURM_STEP_NODELIST",
+                "SLURM_JOB_NODELIST",
+                "SLURM_NODELIST",
+            ] {
+                if let Some(list) = env(var) {
+                    host = Some(
+                        first_host(&list)
+                            .map_err(|e| CommError::launch(var, format!("{var}={list}: {e}")))?,
+                    );
+                    break;
+                }
+            }
+            host
+        }
+    };
+    // Jobs sharing a node must not collide on one port: derive it from the job id unless set.
+    let master_port = match master_port_env(env)? {
+        Some(p) => Some(p),
+        None => get_usize(env, "SLURM_JOB_ID")?
+            .map(|(var, id)| (var, DEFAULT_MASTER_PORT + (id % 1000) as u16)),
+    };
+    Ok(Found {
+        source: Source::Slurm,
+        rank,
+        size,
+        local: get_usize(env, "SLURM_LOCALID")?,
+        master_addr,
+        master_port,
+    })
+}
+
+/// No launcher variables: explicit rank and world size (both, or neither for a single process).
+/// Rank 0's address without a rank is a launch that lost its RANK/WORLD_SIZE, not a single process.
+fn without_launcher(
+    explicit: &Explicit,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Found, CommError> {
+    let (master_addr, master_port) = (master_addr_env(env), master_port_env(env)?);
+    let found = |source, rank: (&str, usize), size: (&str, usize)| Found {
+        source,
+        rank: (rank.0.to_string(), rank.1),
+        size: (size.0.to_string(), size.1),
+        local: None,
+        master_addr: master_addr.clone(),
+        master_port: master_port.clone(),
+    };
+    match (explicit.rank, explicit.world_size) {
+        (Some(r), Some(n)) => Ok(found(Source::Explicit, ("--rank", r), ("--world-size", n))),
+        (Some(_), None) => Err(CommError::launch(
+            "--world-size",
+            "--rank is given but --world-size is not (nor any launcher's world size variable)",
+        )),
+        (None, Some(_)) => Err(CommError::launch(
+            "--rank",
+            "--world-size is given but --rank is not (nor any launcher's rank variable)",
+        )),
+        (None, None) => {
+            let given = [
+                ("MASTER_ADDR", master_addr.is_some()),
+                ("MASTER_PORT", master_port.is_some()),
+                ("--master-addr", explicit.master_addr.is_some()),
+                ("--master-port", explicit.master_port.is_some()),
+            ];
+            if let Some((var, _)) = given.iter().find(|(_, set)| *set) {
+                return Err(CommError::launch(
+                    "RANK",
+                    format!(
+                        "{var} is set but RANK and WORLD_SIZE are not, and no launcher was found \
+                         (Open MPI, PMI, SLURM); set RANK and WORLD_SIZE, or pass --rank and \
+                         --world-size"
+                    ),
+                ));
+            }
+            Ok(found(Source::Single, ("rank", 0), ("world size", 1)))
+        }
+    }
 }
 
 /// Resolves the launch environment; `env` looks a variable up (e.g. `|k| std::env::var(k).ok()`).
@@ -209,6 +310,14 @@ fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<Found>, CommE
 /// Explicit values override the environment field by field; an explicit rank together with an
 /// explicit world size makes the source [`Source::Explicit`] and the launcher variables are then
 /// not consulted for rank/size (but `MASTER_ADDR`/`MASTER_PORT` still are).
+///
+/// A partial launch is an error naming what is missing, never a silent single process: one of
+/// torchrun's `RANK`/`WORLD_SIZE` without the other (nor the matching flag), `MASTER_ADDR` or
+/// `MASTER_PORT` (or the flags) with no rank from any launcher, and `--rank` without
+/// `--world-size` or the reverse when no launcher gives the other. Not errors: `LOCAL_RANK` alone
+/// (ignored), Open MPI, PMI and SLURM launches with or without `MASTER_ADDR`/`MASTER_PORT`, and
+/// `RANK`/`WORLD_SIZE` without them (one host: [`DEFAULT_MASTER_ADDR`]:[`DEFAULT_MASTER_PORT`]).
+/// A master port of 0 is refused for several ranks.
 pub fn detect(
     explicit: &Explicit,
     env: &dyn Fn(&str) -> Option<String>,
@@ -216,56 +325,23 @@ pub fn detect(
     let found = if explicit.rank.is_some() && explicit.world_size.is_some() {
         None
     } else {
-        from_env(env)?
+        from_env(env, explicit)?
     };
-    let (source, rank_var, rank, size_var, world_size, local, addr, port) = match found {
-        Some(f) => (
-            f.source,
-            f.rank.0,
-            f.rank.1,
-            f.size.0,
-            f.size.1,
-            f.local,
-            f.master_addr,
-            f.master_port,
-        ),
-        None if explicit.rank.is_some() || explicit.world_size.is_some() => {
-            let addr = env("MASTER_ADDR")
-                .filter(|s| !s.trim().is_empty())
-                .map(|s| s.trim().to_string());
-            (
-                Source::Explicit,
-                "rank".into(),
-                0,
-                "world size".into(),
-                1,
-                None,
-                addr,
-                master_port_env(env)?,
-            )
-        }
-        None => (
-            Source::Single,
-            "rank".into(),
-            0,
-            "world size".into(),
-            1,
-            None,
-            None,
-            None,
-        ),
+    let f = match found {
+        Some(f) => f,
+        None => without_launcher(explicit, env)?,
     };
-    let mut source = source;
+    let mut source = f.source;
     let (rank_var, rank) = match explicit.rank {
         Some(r) => {
             source = Source::Explicit;
             ("--rank".to_string(), r)
         }
-        None => (rank_var, rank),
+        None => f.rank.clone(),
     };
     let (size_var, world_size) = match explicit.world_size {
         Some(n) => ("--world-size".to_string(), n),
-        None => (size_var, world_size),
+        None => f.size.clone(),
     };
     if world_size == 0 {
         return Err(CommError::launch(
@@ -280,7 +356,7 @@ pub fn detect(
         ));
     }
     // Without a launcher-provided local rank, assume one host: the global rank.
-    let (local_var, local_rank) = match (explicit.local_rank, local) {
+    let (local_var, local_rank) = match (explicit.local_rank, f.local) {
         (Some(l), _) => ("--local-rank".to_string(), l),
         (None, Some((var, l))) => (var, l),
         (None, None) => ("rank".to_string(), rank),
@@ -294,12 +370,9 @@ pub fn detect(
     let master_addr = explicit
         .master_addr
         .clone()
-        .or(addr)
+        .or(f.master_addr)
         .unwrap_or_else(|| DEFAULT_MASTER_ADDR.to_string());
-    let master_port = explicit
-        .master_port
-        .or(port.map(|p| p.1))
-        .unwrap_or(DEFAULT_MASTER_PORT);
+    let master_port = resolve_port(explicit, f.master_port, world_size)?;
     Ok(LaunchEnv {
         rank,
         world_size,
@@ -308,6 +381,35 @@ pub fn detect(
         master_port,
         source,
     })
+}
+
+/// The master port: explicit, else the launcher's, else the default; 0 is refused for several
+/// ranks, since rank 0 would listen on a random port that the others cannot know.
+fn resolve_port(
+    explicit: &Explicit,
+    env_port: Option<(String, u16)>,
+    world_size: usize,
+) -> Result<u16, CommError> {
+    let (var, port) = match (explicit.master_port, env_port) {
+        (Some(p), _) => ("--master-port".to_string(), p),
+        (None, Some((var, p))) => (var, p),
+        (None, None) => return Ok(DEFAULT_MASTER_PORT),
+    };
+    if port == 0 && world_size > 1 {
+        let shown = if var.starts_with("--") {
+            format!("{var} 0")
+        } else {
+            format!("{var}=0")
+        };
+        return Err(CommError::launch(
+            &var,
+            format!(
+                "{shown} cannot be used: rank 0 would listen on a random port that the other ranks \
+                 cannot know; choose a free port (e.g. {DEFAULT_MASTER_PORT})"
+            ),
+        ));
+    }
+    Ok(port)
 }
 
 /// [`detect`] over the real process environment.
@@ -578,6 +680,149 @@ mod tests {
             ..Default::default()
         };
         assert!(err(&ex, &[]).contains("--rank 3 >= --world-size 2"));
+    }
+
+    /// The variable a detection error names (for programs) and its message.
+    fn refusal(explicit: &Explicit, pairs: &[(&str, &str)]) -> (String, String) {
+        match detect(explicit, &env_of(pairs)) {
+            Err(e @ CommError::Launch { .. }) => {
+                let CommError::Launch { var, .. } = &e else {
+                    unreachable!()
+                };
+                (var.clone(), e.to_string())
+            }
+            other => panic!("{pairs:?}: expected a launch error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn partial_torchrun_environment_names_the_missing_variable() {
+        let none = Explicit::default();
+        let (var, msg) = refusal(&none, &[("WORLD_SIZE", "2")]);
+        assert_eq!(var, "RANK", "{msg}");
+        assert!(msg.contains("WORLD_SIZE is set but RANK is not"), "{msg}");
+        let (var, msg) = refusal(&none, &[("RANK", "1"), ("LOCAL_RANK", "1")]);
+        assert_eq!(var, "WORLD_SIZE", "{msg}");
+        for (set, value) in [("MASTER_ADDR", "n0"), ("MASTER_PORT", "1234")] {
+            let (var, msg) = refusal(&none, &[(set, value)]);
+            assert_eq!(var, "RANK", "{msg}");
+            assert!(
+                msg.contains(&format!("{set} is set but RANK and WORLD_SIZE are not")),
+                "{msg}"
+            );
+        }
+        let ex = Explicit {
+            master_addr: Some("n0".into()),
+            ..Default::default()
+        };
+        assert!(refusal(&ex, &[]).1.contains("--master-addr is set"));
+    }
+
+    #[test]
+    fn explicit_rank_and_world_size_come_in_pairs() {
+        let rank = Explicit {
+            rank: Some(0),
+            ..Default::default()
+        };
+        let size = Explicit {
+            world_size: Some(2),
+            ..Default::default()
+        };
+        let (var, msg) = refusal(&rank, &[]);
+        assert_eq!(var, "--world-size", "{msg}");
+        assert!(
+            msg.contains("--rank is given but --world-size is not"),
+            "{msg}"
+        );
+        let (var, msg) = refusal(&size, &[]);
+        assert_eq!(var, "--rank", "{msg}");
+        // The other half may come from a launcher.
+        let e = detect(&rank, &env_of(&[("WORLD_SIZE", "2")])).unwrap();
+        assert_eq!((e.source, e.rank, e.world_size), (Source::Explicit, 0, 2));
+        let e = detect(&size, &env_of(&[("RANK", "1")])).unwrap();
+        assert_eq!((e.source, e.rank, e.world_size), (Source::Torchrun, 1, 2));
+        let ompi = [("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2")];
+        let e = detect(&size, &env_of(&ompi)).unwrap();
+        assert_eq!((e.source, e.rank, e.world_size), (Source::OpenMpi, 1, 2));
+    }
+
+    #[test]
+    fn legitimate_partial_sets_are_not_errors() {
+        let none = Explicit::default();
+        let d = |pairs: &[(&str, &str)]| detect(&none, &env_of(pairs)).unwrap();
+        // LOCAL_RANK alone (set by other tools for device selection) is no launch.
+        assert_eq!(d(&[("LOCAL_RANK", "3")]).source, Source::Single);
+        // Open MPI / PMI / SLURM give no rank 0 address; MASTER_* may come with them, or not.
+        let ompi = [
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "n0"),
+        ];
+        assert_eq!(d(&ompi).master_addr, "n0");
+        let pmi = [
+            ("PMI_RANK", "1"),
+            ("PMI_SIZE", "2"),
+            ("MASTER_PORT", "4000"),
+        ];
+        assert_eq!(d(&pmi).master_port, 4000);
+        let slurm = [
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("MASTER_PORT", "4001"),
+        ];
+        assert_eq!(d(&slurm).master_port, 4001);
+        // RANK and WORLD_SIZE on one host: the default rank 0 address.
+        let e = d(&[("RANK", "1"), ("WORLD_SIZE", "2")]);
+        assert_eq!(
+            (e.master_addr.as_str(), e.master_port),
+            (DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT)
+        );
+    }
+
+    #[test]
+    fn master_port_zero_is_refused_naming_the_variable() {
+        let none = Explicit::default();
+        let env = [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "0")];
+        let (var, msg) = refusal(&none, &env);
+        assert_eq!(var, "MASTER_PORT", "{msg}");
+        assert!(msg.contains("MASTER_PORT=0 cannot be used"), "{msg}");
+        let ex = Explicit {
+            rank: Some(1),
+            world_size: Some(2),
+            master_port: Some(0),
+            ..Default::default()
+        };
+        let (var, msg) = refusal(&ex, &[]);
+        assert_eq!(var, "--master-port", "{msg}");
+        assert!(msg.contains("--master-port 0 cannot be used"), "{msg}");
+        // One rank never listens: nothing to refuse.
+        let one = [("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_PORT", "0")];
+        assert_eq!(detect(&none, &env_of(&one)).unwrap().master_port, 0);
+    }
+
+    #[test]
+    fn launch_errors_name_the_variable_once() {
+        let none = Explicit::default();
+        let cases: [(&[(&str, &str)], &str); 4] = [
+            (&[("RANK", "abc"), ("WORLD_SIZE", "4")], "RANK="),
+            (
+                &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "x")],
+                "MASTER_PORT",
+            ),
+            (
+                &[
+                    ("SLURM_PROCID", "0"),
+                    ("SLURM_NTASKS", "2"),
+                    ("SLURM_LOCALID", "2"),
+                ],
+                "SLURM_LOCALID",
+            ),
+            (&[("RANK", "3"), ("WORLD_SIZE", "2")], "RANK "),
+        ];
+        for (pairs, var) in cases {
+            let msg = err(&none, pairs);
+            assert_eq!(msg.matches(var).count(), 1, "{var} in {msg}");
+        }
     }
 
     #[test]

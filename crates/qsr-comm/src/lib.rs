@@ -9,7 +9,10 @@
 //!   straight from shared memory, no sockets.
 //! - [`TcpComm`]: our own ring all-reduce over TCP, for processes on one or many hosts, with
 //!   rendezvous at `MASTER_ADDR:MASTER_PORT`, a checked handshake, bounded frames and timeouts
-//!   (see [`tcp`] for the wire protocol).
+//!   (see [`tcp`] for the wire protocol). Its ranks share a job token, `QSR_JOB_TOKEN`
+//!   ([`TcpConfig::token`]): set the same secret on every rank of an external launch whose ports
+//!   other hosts can reach, or any process that reaches them can register as a rank (see
+//!   [`tcp`], "The job token").
 //! - `MpiComm` (cargo feature `mpi`): MPI_Allreduce and friends through rsmpi, for `mpirun`/`srun`.
 //!
 //! [`launch`] detects rank, world size and master address from explicit arguments, torchrun,

@@ -8,7 +8,9 @@ use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use qsr_comm::wire::{self, CallHeader, Frame, Hello, Purpose, Reply};
-use qsr_comm::{Collective, CommError, MasterListener, ReduceOp, TcpComm, TcpConfig};
+use qsr_comm::{
+    Collective, CommError, LaunchEnv, MasterListener, ReduceOp, Source, TcpComm, TcpConfig,
+};
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -379,6 +381,11 @@ fn stalled_rank_is_named_by_everyone_within_the_timeout() {
         let Some((e, took)) = x else { continue };
         assert_eq!(e.blamed_rank(), Some(2), "rank {r}: {e}");
         assert!(e.to_string().contains("rank 2"), "rank {r}: {e}");
+        assert_eq!(
+            common::repeated_phrase(&e.to_string()),
+            None,
+            "rank {r}: {e}"
+        );
         assert!(took < Duration::from_millis(3500), "rank {r} took {took:?}");
     }
     assert!(start.elapsed() < Duration::from_secs(10));
@@ -409,4 +416,160 @@ fn different_block_sizes_are_refused_by_name() {
             .all(|m| m.contains("block size") || m.contains("diverging collective calls")),
         "{msgs:?}"
     );
+}
+
+/// Runs `f` on a thread and waits at most `limit` for its answer (so a test of "at once" cannot
+/// hang for a rendezvous timeout).
+fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit).ok()
+}
+
+fn sum_on_ring(comms: Vec<TcpComm>) {
+    let n = comms.len();
+    let got = common::on_threads(comms, |mut c| {
+        let mut b = vec![1.0f32; 5];
+        c.all_reduce(&mut b, ReduceOp::Sum).unwrap();
+        b
+    });
+    assert!(got.iter().all(|b| b == &vec![n as f32; 5]), "{got:?}");
+}
+
+#[test]
+fn idle_connections_do_not_starve_real_ranks() {
+    // More idle connections than rank 0 reads hellos from at once, all still within their hello
+    // timeout when the real ranks arrive.
+    let mut cfg = common::test_config();
+    cfg.hello_timeout = Duration::from_secs(30);
+    let (addr, master) = start_master(3, cfg.clone());
+    let idle: Vec<TcpStream> = (0..300)
+        .map(|_| TcpStream::connect(&addr).expect("idle connect"))
+        .collect();
+    let comms = common::on_threads(vec![1usize, 2], move |r| {
+        TcpComm::worker(&addr, r, 3, cfg.clone())
+    });
+    let mut all = vec![master.join().unwrap().expect("master")];
+    all.extend(
+        comms
+            .into_iter()
+            .map(|c| c.expect("a real rank gets in despite the idle connections")),
+    );
+    sum_on_ring(all);
+    drop(idle);
+}
+
+#[test]
+fn real_rank_retries_after_rank0_closed_its_connection() {
+    // A rank 0 that sheds the first connection (as under a flood), then listens on the same port.
+    let cfg = common::test_config();
+    let first = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = first.local_addr().unwrap().to_string();
+    let worker = {
+        let (addr, cfg) = (addr.clone(), cfg.clone());
+        std::thread::spawn(move || TcpComm::worker(&addr, 1, 2, cfg))
+    };
+    drop(first.accept().unwrap());
+    drop(first);
+    let m = TcpComm::master(MasterListener::bind(&addr).unwrap(), 2, cfg).expect("master");
+    let w = worker.join().unwrap().expect("rank 1 retries and joins");
+    sum_on_ring(vec![m, w]);
+}
+
+#[test]
+fn rank_whose_registration_closed_can_register_again() {
+    // Rank 1 registers, then goes away before the table is sent (restarted, or it gave up on a
+    // stalled connection): its next registration replaces the closed one instead of being refused,
+    // and the ring is not built with the closed one should rank 2 complete the count first.
+    let cfg = common::test_config();
+    let (addr, master) = start_master(3, cfg.clone());
+    let mut gone = TcpStream::connect(&addr).unwrap();
+    let hello = Hello {
+        version: wire::PROTOCOL_VERSION,
+        purpose: Purpose::Register,
+        world_size: 3,
+        rank: 1,
+        token: cfg.token.as_bytes().to_vec(),
+        host: "127.0.0.1".into(),
+        port: 1,
+    };
+    gone.write_all(&hello.encode()).unwrap();
+    drop(gone);
+    std::thread::sleep(Duration::from_millis(200));
+    let comms = common::on_threads(vec![1usize, 2], move |r| {
+        TcpComm::worker(&addr, r, 3, cfg.clone())
+    });
+    let mut all = vec![master.join().unwrap().expect("master")];
+    all.extend(comms.into_iter().map(|c| c.expect("worker")));
+    sum_on_ring(all);
+}
+
+#[test]
+fn late_duplicate_rank_is_refused_after_the_ring_formed() {
+    let cfg = common::test_config();
+    let (addr, master) = start_master(2, cfg.clone());
+    let w = TcpComm::worker(&addr, 1, 2, cfg.clone()).expect("rank 1");
+    let m = master.join().unwrap().expect("master");
+    // A second copy of rank 1: answered by rank 0, not left to wait for its rendezvous timeout.
+    let late = within(Duration::from_secs(15), move || {
+        TcpComm::worker(&addr, 1, 2, cfg).map(|_| ())
+    })
+    .expect("the late rank is answered before its rendezvous timeout");
+    let e = late.expect_err("a late duplicate must be refused");
+    assert_eq!(refused_field(&e), "rank");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("rank 1 already joined from 127.0.0.1:") && msg.contains("ring has formed"),
+        "{msg}"
+    );
+    assert_eq!(common::repeated_phrase(&msg), None, "{msg}");
+    sum_on_ring(vec![m, w]);
+}
+
+#[test]
+fn master_port_zero_is_refused_at_once() {
+    let env = LaunchEnv {
+        rank: 0,
+        world_size: 2,
+        local_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        master_port: 0,
+        source: Source::Explicit,
+    };
+    let res = within(Duration::from_secs(10), move || {
+        TcpComm::from_launch(&env, common::test_config()).map(|_| ())
+    })
+    .expect("refused at once, not after the rendezvous timeout");
+    let e = res.expect_err("port 0 must be refused");
+    assert!(
+        matches!(&e, CommError::Launch { var, .. } if var == "MASTER_PORT"),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("MASTER_PORT=0 cannot be used"),
+        "{e}"
+    );
+}
+
+#[test]
+fn handshake_refusals_state_each_fact_once() {
+    let mut cfg = common::test_config();
+    cfg.rendezvous_timeout = Duration::from_secs(3);
+    let (addr, master) = start_master(2, cfg.clone());
+    let mut msgs = Vec::new();
+    let mut bad = cfg.clone();
+    bad.token = "another-job".into();
+    msgs.push(TcpComm::worker(&addr, 1, 2, bad).err().expect("token"));
+    let mut bad = cfg.clone();
+    bad.protocol_version = 99;
+    msgs.push(TcpComm::worker(&addr, 1, 2, bad).err().expect("version"));
+    msgs.push(TcpComm::worker(&addr, 1, 3, cfg).err().expect("world size"));
+    msgs.push(master.join().unwrap().err().expect("rank 0 times out"));
+    for e in msgs {
+        let msg = e.to_string();
+        eprintln!("{msg}");
+        assert_eq!(common::repeated_phrase(&msg), None, "{msg}");
+    }
 }

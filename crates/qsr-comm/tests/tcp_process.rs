@@ -286,6 +286,7 @@ fn fault_test(timeout_ms: u64, bound: Duration, fault: impl FnOnce(&mut Child)) 
     ));
     for (rank, line, took) in errors {
         eprintln!("survivor rank {rank} after {took:?}: {line}");
+        assert_eq!(common::repeated_phrase(&line), None, "rank {rank}: {line}");
         assert!(
             line.starts_with(&format!("error {victim} ")),
             "rank {rank} must blame rank {victim}: {line}"

@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, bail};
 use qsr_comm::{Collective, ReduceOp};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -95,9 +95,9 @@ fn flatten(prefix: &str, v: &Value, out: &mut BTreeMap<String, Value>) {
 /// every rank, or the same error (naming the differing ranks and keys) on every rank.
 pub fn agree(comm: &mut dyn Collective, mine: &LaunchFacts) -> Result<()> {
     let (rank, k) = (comm.rank(), comm.world_size());
-    let err = |e| anyhow!("while the ranks compared their launch settings: {e}");
+    let during = "while the ranks compared their launch settings";
     let mut bytes = if rank == 0 { serde_json::to_vec(mine)? } else { Vec::new() };
-    comm.broadcast_bytes(&mut bytes, 0).map_err(err)?;
+    comm.broadcast_bytes(&mut bytes, 0).context(during)?;
     let first: LaunchFacts = serde_json::from_slice(&bytes).context("rank 0 sent launch settings this rank cannot read")?;
     if let Some(why) = &first.refusal {
         bail!("rank 0 refused to start: {why}");
@@ -105,13 +105,13 @@ pub fn agree(comm: &mut dyn Collective, mine: &LaunchFacts) -> Result<()> {
     let diffs = if rank == 0 { Vec::new() } else { first.differences(mine, rank) };
     let mut flags = vec![0.0f32; k];
     flags[rank] = if diffs.is_empty() { 0.0 } else { 1.0 };
-    comm.all_reduce(&mut flags, ReduceOp::Sum).map_err(err)?;
+    comm.all_reduce(&mut flags, ReduceOp::Sum).context(during)?;
     let differing: Vec<usize> = (0..k).filter(|&r| flags[r] > 0.0).collect();
     let Some(&reporter) = differing.first() else {
         return Ok(());
     };
     let mut detail = if rank == reporter { diffs.join("; ").into_bytes() } else { Vec::new() };
-    comm.broadcast_bytes(&mut detail, reporter).map_err(err)?;
+    comm.broadcast_bytes(&mut detail, reporter).context(during)?;
     let ranks = differing.iter().map(usize::to_string).collect::<Vec<_>>().join(", ");
     let who = if differing.len() == 1 { format!("rank {ranks} differs") } else { format!("ranks {ranks} differ") };
     bail!("the ranks were launched with different settings ({who} from rank 0); rank {reporter}: {}", String::from_utf8_lossy(&detail))

@@ -96,8 +96,11 @@ fn default_run_dir(name: &str) -> PathBuf {
     PathBuf::from("runs").join(format!("{name}-{secs}"))
 }
 
+/// The checkpoint a run resumes from (its directory and state), if it resumes.
+pub type Resume = Option<(PathBuf, checkpoint::CheckpointState)>;
+
 /// The recipe, run directory and checkpoint a `qsr train` invocation works on.
-pub fn resolve(args: &TrainArgs) -> Result<(TrainRecipe, PathBuf, Option<(PathBuf, checkpoint::CheckpointState)>)> {
+pub fn resolve(args: &TrainArgs) -> Result<(TrainRecipe, PathBuf, Resume)> {
     let path = match (&args.recipe, &args.resume) {
         (Some(p), _) => p.clone(),
         (None, Some(run_dir)) => run_dir.join("recipe.toml"),
@@ -151,7 +154,7 @@ fn check_resumable(recipe: &TrainRecipe, path: &Path, dir: &Path, state: &checkp
     Ok(())
 }
 
-fn check_world(resume: &Option<(PathBuf, checkpoint::CheckpointState)>, world: usize) -> Result<()> {
+fn check_world(resume: &Resume, world: usize) -> Result<()> {
     if let Some((dir, state)) = resume
         && state.world_size != world
     {
@@ -310,7 +313,7 @@ fn external(
     spec: DeviceSpec,
     mut recipe: TrainRecipe,
     run_dir: PathBuf,
-    resume: Option<(PathBuf, checkpoint::CheckpointState)>,
+    resume: Resume,
 ) -> Result<Option<Summary>> {
     let explicit = Explicit {
         rank: args.rank,
@@ -353,7 +356,7 @@ struct Member {
     spec: DeviceSpec,
     recipe: TrainRecipe,
     run_dir: PathBuf,
-    resume: Option<(PathBuf, checkpoint::CheckpointState)>,
+    resume: Resume,
 }
 
 impl Member {

@@ -19,7 +19,21 @@
 //! the call fail with an error naming it; the detecting rank forwards an abort notice around the
 //! ring both ways so every rank names the same culprit. After a failure the communicator is
 //! broken and refuses further calls.
+//!
+//! # The job token (`QSR_JOB_TOKEN`)
+//!
+//! Every handshake carries the job's token ([`TcpConfig::token`], read from `QSR_JOB_TOKEN` by
+//! [`TcpConfig::from_env`]), and a rank whose token differs is refused. It is what keeps a process
+//! that is not part of the job (another job on the same port, a stray or hostile client) from
+//! registering as a rank and stalling or joining the ring. `qsr train --nproc` sets a random one
+//! for its workers; for an external launch (torchrun, mpirun, srun with `--comm tcp`) export the
+//! same secret on every rank, e.g. `export QSR_JOB_TOKEN=$(openssl rand -hex 16)` before launching.
+//! It defaults to empty, which is only safe on loopback: [`TcpComm::from_launch`] warns, naming
+//! `QSR_JOB_TOKEN`, when a multi-rank launch has no token and `MASTER_ADDR` (or `QSR_BIND_ADDR`)
+//! is not a loopback address. The token is compared in constant time but travels in clear text:
+//! it guards against accidents and casual interference, not against an eavesdropper.
 
+pub(crate) mod accept;
 pub(crate) mod engine;
 pub(crate) mod plan;
 pub(crate) mod rendezvous;
@@ -49,7 +63,10 @@ pub struct TcpConfig {
     /// Host name/address other ranks use to reach our ring listener; default: `bind_ip` unless
     /// unspecified, else the address rank 0 sees us connect from.
     pub advertise_host: Option<String>,
-    /// Shared secret of the job (at most 1024 bytes); ranks with another token are refused.
+    /// Shared secret of the job (at most 1024 bytes; `QSR_JOB_TOKEN` in [`TcpConfig::from_env`]):
+    /// every rank must use the same one, and a hello with another token is refused. Empty by
+    /// default, which lets any process that reaches the rendezvous port register as a rank; set it
+    /// whenever the ports are reachable from other hosts (see the [module docs](self)).
     pub token: String,
     /// Largest pipelining block in bytes (default 512 KiB; rounded to 4 KiB units, at most
     /// 256 MiB - 4 KiB). All ranks must use the same value; it is checked in every call.
@@ -78,8 +95,9 @@ impl Default for TcpConfig {
 }
 
 impl TcpConfig {
-    /// Defaults overridden by `QSR_JOB_TOKEN`, `QSR_COMM_TIMEOUT_SECS`, `QSR_BIND_ADDR` and
-    /// `QSR_ADVERTISE_HOST` (the env is passed in, as in [`crate::launch::detect`]).
+    /// Defaults overridden by `QSR_JOB_TOKEN` (the job's shared secret, [`TcpConfig::token`]),
+    /// `QSR_COMM_TIMEOUT_SECS`, `QSR_BIND_ADDR` and `QSR_ADVERTISE_HOST` (the env is passed in, as
+    /// in [`crate::launch::detect`]).
     pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<TcpConfig, CommError> {
         let mut cfg = TcpConfig::default();
         if let Some(t) = env("QSR_JOB_TOKEN") {
@@ -112,6 +130,57 @@ impl TcpConfig {
         }
         Ok(cfg)
     }
+}
+
+/// Says something the person running the job must see: through `tracing` when the program
+/// installed a subscriber, else on stderr (the rank's log), since a library can assume neither.
+pub(crate) fn notice(warning: bool, msg: &str) {
+    if warning {
+        if tracing::enabled!(tracing::Level::WARN) {
+            tracing::warn!("{msg}");
+        } else {
+            eprintln!("qsr-comm: warning: {msg}");
+        }
+    } else if tracing::enabled!(tracing::Level::INFO) {
+        tracing::info!("{msg}");
+    } else {
+        eprintln!("qsr-comm: {msg}");
+    }
+}
+
+/// Whether `host` (an address or a name) only reaches this machine.
+fn is_loopback_host(host: &str) -> bool {
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    if let Ok(ip) = bare.parse::<IpAddr>() {
+        return ip.is_loopback();
+    }
+    match (bare, 0).to_socket_addrs() {
+        Ok(addrs) => {
+            let addrs: Vec<SocketAddr> = addrs.collect();
+            !addrs.is_empty() && addrs.iter().all(|a| a.ip().is_loopback())
+        }
+        Err(_) => false,
+    }
+}
+
+/// The warning for a multi-rank launch that any process reaching its ports could join: no job
+/// token while rank 0's address or the ring's bind address is not loopback.
+fn open_job_warning(env: &LaunchEnv, cfg: &TcpConfig) -> Option<String> {
+    if !cfg.token.is_empty() || env.world_size < 2 {
+        return None;
+    }
+    let exposed = if !is_loopback_host(&env.master_addr) {
+        format!("MASTER_ADDR={}", env.master_addr)
+    } else if !cfg.bind_ip.is_loopback() {
+        format!("QSR_BIND_ADDR={}", cfg.bind_ip)
+    } else {
+        return None;
+    };
+    Some(format!(
+        "QSR_JOB_TOKEN is not set and {exposed} is not a loopback address: any process that can \
+         reach this job's ports can register as a rank and stall the job; export the same secret \
+         as QSR_JOB_TOKEN on every rank"
+    ))
 }
 
 /// A fresh random job token (128 bits, hex), for launchers that start all ranks themselves.
@@ -175,6 +244,8 @@ pub struct TcpComm {
     stats: CommStats,
     broken: Option<String>,
     scratch: Vec<f32>,
+    /// Rank 0: answers late registrations on the rendezvous port while we live.
+    _late: Option<rendezvous::LateRefuser>,
 }
 
 /// The configured block size in 4 KiB units, as carried in call headers.
@@ -235,14 +306,15 @@ impl TcpComm {
         cfg: TcpConfig,
     ) -> Result<TcpComm, CommError> {
         validate(0, world_size, &cfg)?;
-        Self::setup(0, world_size, cfg, |cfg, ring_port| {
-            rendezvous::serve(
-                &listener.listener,
-                world_size,
-                cfg,
-                (rendezvous::advertised_host(cfg), ring_port),
-            )
-        })
+        let mut late = None;
+        let mut comm = Self::setup(0, world_size, cfg, |cfg, ring_port| {
+            let own = (rendezvous::advertised_host(cfg), ring_port);
+            let (table, joined) = rendezvous::serve(&listener.listener, world_size, cfg, own)?;
+            late = rendezvous::LateRefuser::spawn(listener.listener, world_size, cfg, joined);
+            Ok(table)
+        })?;
+        comm._late = late;
+        Ok(comm)
     }
 
     /// Ranks 1..: registers with rank 0 at `master` (`host:port`), then builds the ring.
@@ -274,8 +346,19 @@ impl TcpComm {
     }
 
     /// Either role, from a detected launch environment: rank 0 binds
-    /// `master_addr:master_port`, the others connect to it.
+    /// `master_addr:master_port`, the others connect to it. Port 0 is refused (rank 0 would listen
+    /// where nobody looks), and a launch without a job token outside loopback is warned about.
     pub fn from_launch(env: &LaunchEnv, cfg: TcpConfig) -> Result<TcpComm, CommError> {
+        if env.world_size > 1 && env.master_port == 0 {
+            return Err(CommError::launch(
+                "MASTER_PORT",
+                "MASTER_PORT=0 cannot be used: rank 0 would listen on a random port that the other \
+                 ranks cannot know; choose a free port",
+            ));
+        }
+        if let Some(w) = open_job_warning(env, &cfg) {
+            notice(true, &w);
+        }
         let host = if env.master_addr.contains(':') {
             format!("[{}]", env.master_addr)
         } else {
@@ -303,6 +386,7 @@ impl TcpComm {
             stats: CommStats::default(),
             broken: None,
             scratch: Vec::new(),
+            _late: None,
         })
     }
 
@@ -351,6 +435,7 @@ impl TcpComm {
             stats: CommStats::default(),
             broken: None,
             scratch: Vec::new(),
+            _late: None,
         })
     }
 
@@ -585,6 +670,43 @@ mod tests {
         );
         assert_ne!(random_token(), random_token());
         assert_eq!(random_token().len(), 32);
+    }
+
+    #[test]
+    fn token_warning_only_for_open_launches() {
+        let env = |addr: &str, n| LaunchEnv {
+            rank: 1,
+            world_size: n,
+            local_rank: 0,
+            master_addr: addr.into(),
+            master_port: 29500,
+            source: crate::Source::Torchrun,
+        };
+        let open = TcpConfig::default();
+        let w = open_job_warning(&env("0.0.0.0", 2), &open).expect("open launch");
+        assert!(
+            w.contains("QSR_JOB_TOKEN is not set and MASTER_ADDR=0.0.0.0"),
+            "{w}"
+        );
+        for loopback in ["127.0.0.1", "::1", "[::1]", "localhost"] {
+            assert_eq!(
+                open_job_warning(&env(loopback, 2), &open),
+                None,
+                "{loopback}"
+            );
+        }
+        assert_eq!(open_job_warning(&env("0.0.0.0", 1), &open), None);
+        let secret = TcpConfig {
+            token: "s".into(),
+            ..TcpConfig::default()
+        };
+        assert_eq!(open_job_warning(&env("0.0.0.0", 2), &secret), None);
+        let exposed_ring = TcpConfig {
+            bind_ip: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            ..TcpConfig::default()
+        };
+        let w = open_job_warning(&env("127.0.0.1", 2), &exposed_ring).expect("ring port open");
+        assert!(w.contains("QSR_BIND_ADDR=0.0.0.0"), "{w}");
     }
 
     #[test]

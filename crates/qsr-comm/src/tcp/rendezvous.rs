@@ -1,143 +1,106 @@
 //! Rendezvous and ring setup.
 //!
 //! 1. Every rank binds its ring listener (ephemeral port on the bind address).
-//! 2. Ranks 1..n connect to rank 0 at `MASTER_ADDR:MASTER_PORT` (retrying until the rendezvous
-//!    timeout, since rank 0 may start later) and send a registration hello: protocol version,
-//!    job token, world size, rank, ring listener address.
-//! 3. Rank 0 reads each hello on a helper thread with a short read timeout, so garbage or a
-//!    silent connection is dropped without stalling anyone; it refuses a wrong version, token,
-//!    world size, out-of-range or duplicate rank with a reply naming the field, and keeps waiting.
-//!    Once all n-1 ranks registered it sends everyone the address table.
+//! 2. Ranks 1..n connect to rank 0 at `MASTER_ADDR:MASTER_PORT` and send a registration hello:
+//!    protocol version, job token, world size, rank, ring listener address. Until the rendezvous
+//!    timeout they retry, with backoff, both a refused connect (rank 0 may start later) and a
+//!    connection rank 0 closed before answering (it sheds idle connections under a flood), and
+//!    say every ~10 s what they are waiting for.
+//! 3. Rank 0 reads hellos with one `poll` loop ([`super::accept`]): each connection has
+//!    `hello_timeout` to send its hello, so garbage or silent connections are dropped without
+//!    stalling anyone. It refuses a wrong version, token, world size, out-of-range or duplicate
+//!    rank with a reply naming the field, and keeps waiting. Once all n-1 ranks registered it sends
+//!    everyone the address table, and from then on answers late registrations (a second copy of a
+//!    rank) with a refusal for as long as the communicator lives.
 //! 4. Each rank connects to its right neighbour's ring listener and sends a ring hello, and
 //!    accepts its left neighbour (validating token, world size and that it is the expected rank).
 //!    Connects complete against the listen backlog, so the order cannot deadlock.
 
-use std::io::{Read, Write};
+use std::io::{self, ErrorKind, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, mpsc};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::CommError;
 use crate::wire::{self, Field, Hello, PREFIX_LEN, PROTOCOL_VERSION, Purpose, Reply};
 
 use super::TcpConfig;
+use super::accept::{Acceptor, Incoming};
 
-/// Connections whose hello is being read at once; more are dropped (a flood cannot exhaust us).
-const MAX_PENDING_HELLOS: usize = 64;
+/// Every rank's ring listener, `(host, port)` by rank.
+type Table = Vec<(String, u16)>;
 
-pub(crate) enum Incoming {
-    Hello(Hello, TcpStream, SocketAddr),
-    WrongVersion(u32, TcpStream, SocketAddr),
-    Garbage(String, SocketAddr),
-}
+/// How often a waiting rank says what it waits for (a quarter of the timeout when that is shorter).
+const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 
-/// Reads one hello, bounded in size and time.
-fn read_hello(mut s: TcpStream, peer: SocketAddr, timeout: Duration) -> Incoming {
-    let garbage = |what: String| Incoming::Garbage(what, peer);
-    if let Err(e) = s
-        .set_nonblocking(false)
-        .and_then(|_| s.set_read_timeout(Some(timeout)))
-    {
-        return garbage(format!("socket setup failed: {e}"));
-    }
-    let mut prefix = [0u8; PREFIX_LEN];
-    if let Err(e) = s.read_exact(&mut prefix) {
-        return garbage(format!("no complete hello within {timeout:?}: {e}"));
-    }
-    let p = match wire::decode_prefix(&prefix, &wire::HELLO_MAGIC, wire::MAX_HELLO_BODY) {
-        Ok(p) => p,
-        Err(e) => return garbage(e.to_string()),
-    };
-    if p.version != PROTOCOL_VERSION {
-        return Incoming::WrongVersion(p.version, s, peer);
-    }
-    let mut body = vec![0u8; p.body_len];
-    if let Err(e) = s.read_exact(&mut body) {
-        return garbage(format!("hello body incomplete: {e}"));
-    }
-    match Hello::decode_body(p.version, &body) {
-        Ok(h) => Incoming::Hello(h, s, peer),
-        Err(e) => garbage(e.to_string()),
+/// What a rank that cannot reach rank 0 is told to check.
+const MASTER_HINT: &str = "; rank 0 has not started, MASTER_ADDR:MASTER_PORT points elsewhere, \
+                           or the rendezvous completed without this rank";
+
+/// Seconds for progress lines: one decimal below 10 s.
+fn secs(d: Duration) -> String {
+    if d < Duration::from_secs(10) {
+        format!("{:.1} s", d.as_secs_f64())
+    } else {
+        format!("{} s", d.as_secs())
     }
 }
 
-/// Accepts connections on a listener and reads their hellos on helper threads.
-pub(crate) struct Acceptor<'a> {
-    listener: &'a TcpListener,
-    tx: mpsc::Sender<Incoming>,
-    rx: mpsc::Receiver<Incoming>,
-    pending: Arc<AtomicUsize>,
-    hello_timeout: Duration,
+/// Progress lines of one wait, so that a long rendezvous is never silent.
+struct Waiting {
+    start: Instant,
+    total: Duration,
+    every: Duration,
+    due: Instant,
 }
 
-impl<'a> Acceptor<'a> {
-    pub(crate) fn new(
-        listener: &'a TcpListener,
-        hello_timeout: Duration,
-    ) -> Result<Self, CommError> {
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| CommError::io("listener setup", e))?;
-        let (tx, rx) = mpsc::channel();
-        Ok(Acceptor {
-            listener,
-            tx,
-            rx,
-            pending: Arc::new(AtomicUsize::new(0)),
-            hello_timeout,
-        })
-    }
-
-    /// The next connection's hello, or `None` once `deadline` passed.
-    pub(crate) fn next(&mut self, deadline: Instant) -> Option<Incoming> {
-        loop {
-            loop {
-                match self.listener.accept() {
-                    Ok((s, peer)) => {
-                        if self.pending.load(Ordering::SeqCst) >= MAX_PENDING_HELLOS {
-                            tracing::warn!(%peer, "too many connections without a hello; dropping");
-                            continue;
-                        }
-                        self.pending.fetch_add(1, Ordering::SeqCst);
-                        let (tx, pending, timeout) = (
-                            self.tx.clone(),
-                            Arc::clone(&self.pending),
-                            self.hello_timeout,
-                        );
-                        let spawned =
-                            std::thread::Builder::new()
-                                .name("qsr-hello".into())
-                                .spawn(move || {
-                                    let inc = read_hello(s, peer, timeout);
-                                    pending.fetch_sub(1, Ordering::SeqCst);
-                                    let _ = tx.send(inc);
-                                });
-                        if spawned.is_err() {
-                            self.pending.fetch_sub(1, Ordering::SeqCst);
-                            tracing::warn!(%peer, "cannot spawn a hello reader; dropping connection");
-                        }
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                    Err(e) => {
-                        // EMFILE and friends: transient, keep serving.
-                        tracing::warn!(error = %e, "accept failed");
-                        break;
-                    }
-                }
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return None;
-            }
-            let wait = (deadline - now).min(Duration::from_millis(10));
-            match self.rx.recv_timeout(wait) {
-                Ok(inc) => return Some(inc),
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
-                Err(mpsc::RecvTimeoutError::Disconnected) => return None,
-            }
+impl Waiting {
+    fn new(total: Duration) -> Waiting {
+        let every = PROGRESS_EVERY
+            .min(total / 4)
+            .max(Duration::from_millis(100));
+        let start = Instant::now();
+        Waiting {
+            start,
+            total,
+            every,
+            due: start + every,
         }
+    }
+
+    /// When the next line is due.
+    fn due(&self) -> Instant {
+        self.due
+    }
+
+    /// Prints `what (elapsed of total): detail` if a line is due.
+    fn tick(&mut self, what: &str, detail: &str) {
+        let now = Instant::now();
+        if now < self.due {
+            return;
+        }
+        self.due = now + self.every;
+        let sep = if detail.is_empty() { "" } else { ": " };
+        let (spent, total) = (secs(now - self.start), secs(self.total));
+        super::notice(false, &format!("{what} ({spent} of {total}){sep}{detail}"));
+    }
+}
+
+/// Exponential backoff between attempts, bounded by a deadline.
+struct Backoff(Duration);
+
+impl Backoff {
+    fn new() -> Backoff {
+        Backoff(Duration::from_millis(20))
+    }
+
+    fn sleep(&mut self, deadline: Instant) {
+        std::thread::sleep(
+            self.0
+                .min(deadline.saturating_duration_since(Instant::now())),
+        );
+        self.0 = (self.0 * 2).min(Duration::from_secs(1));
     }
 }
 
@@ -153,7 +116,28 @@ fn send_reply(s: &mut TcpStream, reply: &Reply, timeout: Duration) {
     }
 }
 
-/// Checks a hello against this job; `Err((field, message))` is sent back as a refusal.
+fn refuse(s: &mut TcpStream, field: Field, message: String, timeout: Duration) {
+    send_reply(s, &Reply::Refused { field, message }, timeout);
+}
+
+/// Refuses a hello of another protocol version; returns the message sent.
+fn refuse_version(
+    mut s: TcpStream,
+    peer: SocketAddr,
+    me: usize,
+    theirs: u32,
+    timeout: Duration,
+) -> String {
+    let message = format!(
+        "protocol version differs: rank {me} speaks {PROTOCOL_VERSION}, the hello sent {theirs}"
+    );
+    tracing::warn!(%peer, "{message}");
+    refuse(&mut s, Field::Version, message.clone(), timeout);
+    message
+}
+
+/// Checks a hello against this job; `Err((field, message))` is sent back as a refusal. Messages
+/// name the field themselves (the error shows them as they are).
 fn check_hello(
     h: &Hello,
     purpose: Purpose,
@@ -184,121 +168,310 @@ fn check_hello(
     Ok(())
 }
 
-/// Rank 0: collect n-1 registrations and send everyone the ring address table.
+fn out_of_range(r: usize, n: usize) -> Result<(), (Field, String)> {
+    if r == 0 || r >= n {
+        return Err((
+            Field::Rank,
+            format!("rank {r} is out of range 1..{n} for registration"),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether the peer closed a connection (a registered rank that gave up and now retries).
+fn closed(s: &TcpStream) -> bool {
+    if s.set_nonblocking(true).is_err() {
+        return true;
+    }
+    let res = s.peek(&mut [0u8; 1]);
+    let _ = s.set_nonblocking(false);
+    match res {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => e.kind() != ErrorKind::WouldBlock,
+    }
+}
+
+/// A registered rank: its connection (answered with the table at the end) and ring address.
+struct Joined {
+    s: TcpStream,
+    peer: SocketAddr,
+    host: String,
+    port: u16,
+}
+
+/// Rank 0's registrations so far.
+struct Registry<'a> {
+    n: usize,
+    cfg: &'a TcpConfig,
+    addr: String,
+    slots: Vec<Option<Joined>>,
+    /// Ranks registered, rank 0 included.
+    count: usize,
+    refusals: Vec<String>,
+}
+
+impl<'a> Registry<'a> {
+    fn new(n: usize, cfg: &'a TcpConfig, addr: String) -> Self {
+        Registry {
+            n,
+            cfg,
+            addr,
+            slots: (0..n).map(|_| None).collect(),
+            count: 1,
+            refusals: Vec::new(),
+        }
+    }
+
+    fn missing(&self) -> Vec<usize> {
+        (1..self.n).filter(|&r| self.slots[r].is_none()).collect()
+    }
+
+    fn take(&mut self, inc: Incoming) {
+        match inc {
+            Incoming::Garbage(why, peer) => {
+                tracing::warn!(%peer, %why, "dropped a connection to the rendezvous port");
+            }
+            Incoming::WrongVersion(v, s, peer) => {
+                let message = refuse_version(s, peer, 0, v, self.cfg.hello_timeout);
+                self.refusals.push(format!("{peer}: {message}"));
+            }
+            Incoming::Hello(h, s, peer) => self.hello(h, s, peer),
+        }
+    }
+
+    fn hello(&mut self, h: Hello, mut s: TcpStream, peer: SocketAddr) {
+        let r = h.rank as usize;
+        let verdict = check_hello(&h, Purpose::Register, self.cfg, self.n)
+            .and_then(|_| out_of_range(r, self.n))
+            .and_then(|_| self.duplicate(r));
+        if let Err((field, message)) = verdict {
+            tracing::warn!(%peer, rank = r, "refused registration: {message}");
+            refuse(&mut s, field, message.clone(), self.cfg.hello_timeout);
+            self.refusals.push(format!("{peer}: {message}"));
+            return;
+        }
+        let host = if h.host.is_empty() {
+            peer.ip().to_string()
+        } else {
+            h.host
+        };
+        let joined = Joined {
+            s,
+            peer,
+            host,
+            port: h.port,
+        };
+        if self.slots[r].replace(joined).is_none() {
+            self.count += 1;
+        }
+    }
+
+    /// A second registration of a rank is refused while the first one's connection is open.
+    fn duplicate(&self, r: usize) -> Result<(), (Field, String)> {
+        match &self.slots[r] {
+            Some(first) if !closed(&first.s) => Err((
+                Field::Rank,
+                format!("rank {r} is already registered from {}", first.peer),
+            )),
+            Some(first) => {
+                tracing::info!(rank = r, first = %first.peer, "rank re-registered after closing");
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Forgets registrations whose connection closed (a rank that died or gave up before the
+    /// table), so the ring is never built with a rank that is gone.
+    fn prune_closed(&mut self) {
+        for (r, slot) in self.slots.iter_mut().enumerate() {
+            if slot.as_ref().is_some_and(|j| closed(&j.s)) {
+                tracing::info!(
+                    rank = r,
+                    "a registered rank closed its connection; waiting for it again"
+                );
+                *slot = None;
+                self.count -= 1;
+            }
+        }
+    }
+
+    fn waiting_line(&self) -> String {
+        format!(
+            "rank 0 at {}: {} of {} ranks registered, waiting for rank(s) {:?}",
+            self.addr,
+            self.count,
+            self.n,
+            self.missing()
+        )
+    }
+
+    fn timeout_error(&self) -> CommError {
+        let mut msg = format!(
+            "rank 0 waited {:?} at {}: {} of {} ranks registered, missing rank(s) {:?}",
+            self.cfg.rendezvous_timeout,
+            self.addr,
+            self.count,
+            self.n,
+            self.missing()
+        );
+        if !self.refusals.is_empty() {
+            msg.push_str(&format!("; refused: {}", self.refusals.join("; ")));
+        }
+        CommError::Rendezvous(msg)
+    }
+
+    /// Sends everyone the table; returns it and where each rank registered from.
+    fn finish(mut self, own_ring: (Option<String>, u16)) -> (Table, Vec<String>) {
+        // Rank 0's own ring address as seen by its left neighbour (rank n-1), unless configured.
+        let own_host = own_ring.0.unwrap_or_else(|| {
+            self.slots[self.n - 1]
+                .as_ref()
+                .and_then(|j| j.s.local_addr().ok())
+                .map(|a| a.ip().to_string())
+                .unwrap_or_else(|| "127.0.0.1".into())
+        });
+        let mut table = vec![(own_host, own_ring.1)];
+        table.extend(self.slots.iter().skip(1).map(|j| {
+            j.as_ref()
+                .map(|j| (j.host.clone(), j.port))
+                .unwrap_or_default()
+        }));
+        let reply = Reply::Accepted {
+            table: table.clone(),
+        };
+        for j in self.slots.iter_mut().skip(1).flatten() {
+            send_reply(&mut j.s, &reply, self.cfg.hello_timeout);
+        }
+        let joined = self
+            .slots
+            .iter()
+            .map(|j| j.as_ref().map(|j| j.peer.to_string()).unwrap_or_default())
+            .collect();
+        (table, joined)
+    }
+}
+
+/// Rank 0: collect n-1 registrations and send everyone the ring address table. Returns the table
+/// and the address each rank registered from.
 pub(crate) fn serve(
     listener: &TcpListener,
     n: usize,
     cfg: &TcpConfig,
     own_ring: (Option<String>, u16),
-) -> Result<Vec<(String, u16)>, CommError> {
+) -> Result<(Table, Vec<String>), CommError> {
     let deadline = Instant::now() + cfg.rendezvous_timeout;
     let mut acc = Acceptor::new(listener, cfg.hello_timeout)?;
-    let mut slots: Vec<Option<(TcpStream, SocketAddr, String, u16)>> =
-        (0..n).map(|_| None).collect();
-    let mut registered = 1;
-    let mut refusals: Vec<String> = Vec::new();
-    let io_timeout = cfg.hello_timeout;
-    while registered < n {
-        let Some(inc) = acc.next(deadline) else {
-            let missing: Vec<usize> = (1..n).filter(|&r| slots[r].is_none()).collect();
-            let mut msg = format!(
-                "rank 0 waited {:?} at {:?}: {registered} of {n} ranks registered, missing rank(s) {missing:?}",
-                cfg.rendezvous_timeout,
-                listener.local_addr().ok()
-            );
-            if !refusals.is_empty() {
-                msg.push_str(&format!("; refused: {}", refusals.join("; ")));
+    let addr = listener
+        .local_addr()
+        .map_or_else(|_| "?".into(), |a| a.to_string());
+    let mut reg = Registry::new(n, cfg, addr);
+    let mut wait = Waiting::new(cfg.rendezvous_timeout);
+    while reg.count < n {
+        match acc.next(deadline.min(wait.due())) {
+            Some(inc) => reg.take(inc),
+            None if Instant::now() >= deadline => return Err(reg.timeout_error()),
+            None => wait.tick(&reg.waiting_line(), ""),
+        }
+        if reg.count == n {
+            reg.prune_closed();
+        }
+    }
+    Ok(reg.finish(own_ring))
+}
+
+/// After the ring formed, rank 0 keeps its rendezvous port and refuses late registrations (a
+/// second copy of a rank, a restarted one) at once, so they do not wait out their timeout. The
+/// port closes when this is dropped (with the communicator).
+pub(crate) struct LateRefuser {
+    stop: Arc<AtomicBool>,
+}
+
+impl LateRefuser {
+    /// Serves `listener` on a thread; `joined[r]` is where rank r registered from.
+    pub(crate) fn spawn(
+        listener: TcpListener,
+        n: usize,
+        cfg: &TcpConfig,
+        joined: Vec<String>,
+    ) -> Option<LateRefuser> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (flag, cfg) = (Arc::clone(&stop), cfg.clone());
+        let spawned = std::thread::Builder::new()
+            .name("qsr-late-ranks".into())
+            .spawn(move || refuse_late(&listener, n, &cfg, &joined, &flag));
+        match spawned {
+            Ok(_) => Some(LateRefuser { stop }),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start the thread that refuses late ranks");
+                None
             }
-            return Err(CommError::Rendezvous(msg));
+        }
+    }
+}
+
+impl Drop for LateRefuser {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+fn refuse_late(
+    listener: &TcpListener,
+    n: usize,
+    cfg: &TcpConfig,
+    joined: &[String],
+    stop: &AtomicBool,
+) {
+    let Ok(mut acc) = Acceptor::new(listener, cfg.hello_timeout) else {
+        return;
+    };
+    while !stop.load(Ordering::Relaxed) {
+        let Some(inc) = acc.next(Instant::now() + Duration::from_millis(100)) else {
+            continue;
         };
         match inc {
-            Incoming::Garbage(why, peer) => {
-                tracing::warn!(%peer, %why, "dropped a connection to the rendezvous port");
-            }
-            Incoming::WrongVersion(v, mut s, peer) => {
-                let message = format!(
-                    "protocol version differs: rank 0 speaks {PROTOCOL_VERSION}, {peer} sent {v}"
-                );
-                tracing::warn!(%peer, "{message}");
-                send_reply(
-                    &mut s,
-                    &Reply::Refused {
-                        field: Field::Version,
-                        message: message.clone(),
-                    },
-                    io_timeout,
-                );
-                refusals.push(message);
+            Incoming::Garbage(..) => {}
+            Incoming::WrongVersion(v, s, peer) => {
+                refuse_version(s, peer, 0, v, cfg.hello_timeout);
             }
             Incoming::Hello(h, mut s, peer) => {
                 let r = h.rank as usize;
-                let verdict = check_hello(&h, Purpose::Register, cfg, n).and_then(|_| {
-                    if r == 0 || r >= n {
-                        Err((
-                            Field::Rank,
-                            format!("rank {r} is out of range 1..{n} for registration"),
-                        ))
-                    } else if let Some((_, first, _, _)) = &slots[r] {
-                        Err((
-                            Field::Rank,
-                            format!("rank {r} is already registered from {first}"),
-                        ))
-                    } else {
-                        Ok(())
-                    }
-                });
-                match verdict {
-                    Err((field, message)) => {
-                        tracing::warn!(%peer, rank = r, "refused registration: {message}");
-                        send_reply(
-                            &mut s,
-                            &Reply::Refused {
-                                field,
-                                message: message.clone(),
-                            },
-                            io_timeout,
-                        );
-                        refusals.push(format!("{peer} ({}: {message})", field.name()));
-                    }
-                    Ok(()) => {
-                        let host = if h.host.is_empty() {
-                            peer.ip().to_string()
-                        } else {
-                            h.host.clone()
-                        };
-                        slots[r] = Some((s, peer, host, h.port));
-                        registered += 1;
-                    }
+                let verdict = check_hello(&h, Purpose::Register, cfg, n)
+                    .and_then(|_| out_of_range(r, n))
+                    .and_then(|_| Err::<(), _>(late(r, &joined[r])));
+                if let Err((field, message)) = verdict {
+                    tracing::warn!(%peer, rank = r, "refused a late registration: {message}");
+                    refuse(&mut s, field, message, cfg.hello_timeout);
                 }
             }
         }
     }
-    // Rank 0's own ring address as seen by its left neighbour (rank n-1), unless configured.
-    let own_host = match own_ring.0 {
-        Some(h) => h,
-        None => slots[n - 1]
-            .as_ref()
-            .and_then(|(s, _, _, _)| s.local_addr().ok())
-            .map(|a| a.ip().to_string())
-            .unwrap_or_else(|| "127.0.0.1".into()),
-    };
-    let mut table = vec![(own_host, own_ring.1)];
-    table.extend(slots.iter().skip(1).map(|s| {
-        s.as_ref()
-            .map(|(_, _, h, p)| (h.clone(), *p))
-            .unwrap_or_default()
-    }));
-    let reply = Reply::Accepted {
-        table: table.clone(),
-    };
-    for (s, _, _, _) in slots.iter_mut().skip(1).flatten() {
-        send_reply(s, &reply, io_timeout);
-    }
-    Ok(table)
 }
 
-fn connect_retry(target: &str, deadline: Instant, what: &str) -> Result<TcpStream, CommError> {
-    let mut backoff = Duration::from_millis(20);
+/// The refusal of rank `r` after the ring formed.
+fn late(r: usize, first: &str) -> (Field, String) {
+    (
+        Field::Rank,
+        format!(
+            "rank {r} already joined from {first} and the ring has formed (the rendezvous is \
+             complete): is a second copy of rank {r} running?"
+        ),
+    )
+}
+
+/// Connects to `target`, retrying until `deadline`; `name` says who listens there (for progress
+/// lines and the error), `hint` is appended to the error.
+fn connect_retry(
+    target: &str,
+    name: &str,
+    me: usize,
+    deadline: Instant,
+    wait: &mut Waiting,
+    hint: &str,
+) -> Result<TcpStream, CommError> {
+    let mut backoff = Backoff::new();
     let mut last_err = String::from("no address");
     loop {
         let addrs: Vec<SocketAddr> = match target.to_socket_addrs() {
@@ -314,17 +487,80 @@ fn connect_retry(target: &str, deadline: Instant, what: &str) -> Result<TcpStrea
                 .max(Duration::from_millis(1));
             match TcpStream::connect_timeout(a, left.min(Duration::from_secs(5))) {
                 Ok(s) => return Ok(s),
+                // The address only where it says more than the target does.
+                Err(e) if a.to_string() == target => last_err = e.to_string(),
                 Err(e) => last_err = format!("{a}: {e}"),
             }
         }
-        let now = Instant::now();
-        if now >= deadline {
+        if Instant::now() >= deadline {
             return Err(CommError::Rendezvous(format!(
-                "could not connect to {what} at {target}: {last_err}"
+                "could not connect to {name} at {target} within {:?}: {last_err}{hint}",
+                wait.total
             )));
         }
-        std::thread::sleep(backoff.min(deadline - now));
-        backoff = (backoff * 2).min(Duration::from_secs(1));
+        wait.tick(
+            &format!("rank {me}: waiting for {name} at {target}"),
+            &last_err,
+        );
+        backoff.sleep(deadline);
+    }
+}
+
+/// Fills `buf` by `deadline`, calling `idle` whenever a second passes without data.
+fn read_full(
+    s: &mut TcpStream,
+    buf: &mut [u8],
+    deadline: Instant,
+    idle: &mut dyn FnMut(),
+) -> io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ErrorKind::TimedOut.into());
+        }
+        s.set_read_timeout(Some(left.min(Duration::from_secs(1))))?;
+        match s.read(&mut buf[got..]) {
+            Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
+            Ok(k) => got += k,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => idle(),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Why no reply arrived.
+enum ReplyFail {
+    /// The peer closed or reset the connection (a registration may retry).
+    Closed(io::Error),
+    TimedOut(Duration),
+    Err(CommError),
+}
+
+impl ReplyFail {
+    fn from_io(e: io::Error, waited: Duration) -> ReplyFail {
+        match e.kind() {
+            ErrorKind::TimedOut | ErrorKind::WouldBlock => ReplyFail::TimedOut(waited),
+            _ => ReplyFail::Closed(e),
+        }
+    }
+
+    fn into_err(self, peer: &str) -> CommError {
+        match self {
+            ReplyFail::Closed(e) => CommError::Protocol {
+                peer: peer.to_string(),
+                detail: format!(
+                    "connection ended before the handshake reply ({e}); was the rendezvous \
+                     already complete, or was our hello not understood?"
+                ),
+            },
+            ReplyFail::TimedOut(waited) => {
+                CommError::Rendezvous(format!("no reply from {peer} within {waited:?}"))
+            }
+            ReplyFail::Err(e) => e,
+        }
     }
 }
 
@@ -334,40 +570,31 @@ fn read_reply(
     peer: &str,
     max_entries: usize,
     deadline: Instant,
-) -> Result<Reply, CommError> {
-    let timeout = deadline
-        .saturating_duration_since(Instant::now())
-        .max(Duration::from_millis(1));
-    s.set_read_timeout(Some(timeout))
-        .map_err(|e| CommError::io("socket setup", e))?;
-    let proto = |detail: String| CommError::Protocol {
-        peer: peer.to_string(),
-        detail,
+    idle: &mut dyn FnMut(),
+) -> Result<Reply, ReplyFail> {
+    let waited = deadline.saturating_duration_since(Instant::now());
+    let proto = |detail: String| {
+        ReplyFail::Err(CommError::Protocol {
+            peer: peer.to_string(),
+            detail,
+        })
     };
     let mut prefix = [0u8; PREFIX_LEN];
-    s.read_exact(&mut prefix).map_err(|e| match e.kind() {
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
-            CommError::Rendezvous(format!("no reply from {peer} within {timeout:?}"))
-        }
-        _ => proto(format!(
-            "connection ended before the handshake reply ({e}); was the rendezvous already complete, \
-             or was our hello not understood?"
-        )),
-    })?;
+    read_full(s, &mut prefix, deadline, idle).map_err(|e| ReplyFail::from_io(e, waited))?;
     let p = wire::decode_prefix(&prefix, &wire::REPLY_MAGIC, Reply::max_body(max_entries))
         .map_err(|e| proto(e.to_string()))?;
     if p.version != PROTOCOL_VERSION {
-        return Err(CommError::HandshakeRefused {
+        return Err(ReplyFail::Err(CommError::HandshakeRefused {
             peer: peer.to_string(),
             field: Field::Version.name(),
             detail: format!(
-                "{peer} speaks protocol version {}, we speak {PROTOCOL_VERSION}",
+                "protocol version differs: it speaks {}, we speak {PROTOCOL_VERSION}",
                 p.version
             ),
-        });
+        }));
     }
     let mut body = vec![0u8; p.body_len];
-    s.read_exact(&mut body)
+    read_full(s, &mut body, deadline, &mut || {})
         .map_err(|e| proto(format!("reply body incomplete: {e}")))?;
     Reply::decode_body(&body, max_entries).map_err(|e| proto(e.to_string()))
 }
@@ -391,6 +618,70 @@ fn hello(
     }
 }
 
+/// One registration attempt's failure: worth retrying (rank 0 closed the connection), or final.
+enum Attempt {
+    Retry(String),
+    Fatal(CommError),
+}
+
+/// A rank 1..n registering with rank 0.
+struct Registrant<'a> {
+    master: &'a str,
+    peer: String,
+    rank: usize,
+    n: usize,
+    cfg: &'a TcpConfig,
+    own_ring: (String, u16),
+    deadline: Instant,
+}
+
+impl Registrant<'_> {
+    fn attempt(&self, mut s: TcpStream, wait: &mut Waiting) -> Result<Table, Attempt> {
+        let (rank, n) = (self.rank, self.n);
+        s.set_write_timeout(Some(self.cfg.hello_timeout))
+            .map_err(|e| Attempt::Fatal(CommError::io("socket setup", e)))?;
+        let (host, port) = self.own_ring.clone();
+        s.write_all(&hello(self.cfg, Purpose::Register, n, rank, host, port).encode())
+            .map_err(|e| Attempt::Retry(format!("sending the registration: {e}")))?;
+        let what = format!(
+            "rank {rank}: registered with rank 0 at {}, waiting for the other ranks",
+            self.master
+        );
+        let mut idle = || wait.tick(&what, "");
+        let reply = read_reply(&mut s, &self.peer, n, self.deadline, &mut idle);
+        match reply {
+            Err(ReplyFail::Closed(e)) => Err(Attempt::Retry(format!(
+                "rank 0 closed the connection before answering ({e})"
+            ))),
+            Err(ReplyFail::TimedOut(waited)) => {
+                Err(Attempt::Fatal(CommError::Rendezvous(format!(
+                    "registered with {}, but it sent no address table within {waited:?}: \
+                     some other rank did not register (rank 0's error names it)",
+                    self.peer
+                ))))
+            }
+            Err(ReplyFail::Err(e)) => Err(Attempt::Fatal(e)),
+            Ok(Reply::Refused { field, message }) => {
+                Err(Attempt::Fatal(CommError::HandshakeRefused {
+                    peer: self.peer.clone(),
+                    field: field.name(),
+                    detail: message,
+                }))
+            }
+            Ok(Reply::Accepted { table }) if table.len() != n => {
+                Err(Attempt::Fatal(CommError::Protocol {
+                    peer: self.peer.clone(),
+                    detail: format!(
+                        "address table has {} entries for world size {n}",
+                        table.len()
+                    ),
+                }))
+            }
+            Ok(Reply::Accepted { table }) => Ok(table),
+        }
+    }
+}
+
 /// Ranks 1..n: register with rank 0 and receive the address table.
 pub(crate) fn register(
     master: &str,
@@ -398,28 +689,37 @@ pub(crate) fn register(
     n: usize,
     cfg: &TcpConfig,
     own_ring: (String, u16),
-) -> Result<Vec<(String, u16)>, CommError> {
-    let deadline = Instant::now() + cfg.rendezvous_timeout;
-    let mut s = connect_retry(master, deadline, "rank 0 (MASTER_ADDR:MASTER_PORT)")?;
-    let peer = format!("rank 0 ({master})");
-    s.set_write_timeout(Some(cfg.hello_timeout))
-        .map_err(|e| CommError::io("socket setup", e))?;
-    s.write_all(&hello(cfg, Purpose::Register, n, rank, own_ring.0, own_ring.1).encode())
-        .map_err(|e| CommError::Rendezvous(format!("sending registration to {peer}: {e}")))?;
-    match read_reply(&mut s, &peer, n, deadline)? {
-        Reply::Refused { field, message } => Err(CommError::HandshakeRefused {
-            peer,
-            field: field.name(),
-            detail: message,
-        }),
-        Reply::Accepted { table } if table.len() != n => Err(CommError::Protocol {
-            peer,
-            detail: format!(
-                "address table has {} entries for world size {n}",
-                table.len()
-            ),
-        }),
-        Reply::Accepted { table } => Ok(table),
+) -> Result<Table, CommError> {
+    let me = Registrant {
+        master,
+        peer: format!("rank 0 ({master})"),
+        rank,
+        n,
+        cfg,
+        own_ring,
+        deadline: Instant::now() + cfg.rendezvous_timeout,
+    };
+    let mut wait = Waiting::new(cfg.rendezvous_timeout);
+    let mut backoff = Backoff::new();
+    loop {
+        let s = connect_retry(master, "rank 0", rank, me.deadline, &mut wait, MASTER_HINT)?;
+        let why = match me.attempt(s, &mut wait) {
+            Ok(table) => return Ok(table),
+            Err(Attempt::Fatal(e)) => return Err(e),
+            Err(Attempt::Retry(why)) => why,
+        };
+        tracing::debug!(rank, %why, "registration not answered; retrying");
+        if Instant::now() >= me.deadline {
+            return Err(CommError::Rendezvous(format!(
+                "could not register with {} within {:?}: {why}{MASTER_HINT}",
+                me.peer, cfg.rendezvous_timeout
+            )));
+        }
+        wait.tick(
+            &format!("rank {rank}: waiting for rank 0 at {master}"),
+            &why,
+        );
+        backoff.sleep(me.deadline);
     }
 }
 
@@ -432,8 +732,8 @@ pub(crate) fn connect_ring(
     cfg: &TcpConfig,
 ) -> Result<(TcpStream, TcpStream), CommError> {
     let deadline = Instant::now() + cfg.rendezvous_timeout;
+    let mut wait = Waiting::new(cfg.rendezvous_timeout);
     let right_rank = (rank + 1) % n;
-    let left_rank = (rank + n - 1) % n;
     let (host, port) = &table[right_rank];
     let target = if host.contains(':') {
         format!("[{host}]:{port}")
@@ -441,11 +741,8 @@ pub(crate) fn connect_ring(
         format!("{host}:{port}")
     };
     let right_name = format!("rank {right_rank} ({target})");
-    let mut right = connect_retry(
-        &target,
-        deadline,
-        &format!("ring neighbour rank {right_rank}"),
-    )?;
+    let name = format!("ring neighbour rank {right_rank}");
+    let mut right = connect_retry(&target, &name, rank, deadline, &mut wait, "")?;
     right
         .set_write_timeout(Some(cfg.hello_timeout))
         .map_err(|e| CommError::io("socket setup", e))?;
@@ -457,68 +754,81 @@ pub(crate) fn connect_ring(
             during: "ring setup".into(),
             detail: e.to_string(),
         })?;
-
-    let mut acc = Acceptor::new(listener, cfg.hello_timeout)?;
-    let left = loop {
-        let Some(inc) = acc.next(deadline) else {
-            return Err(CommError::Rendezvous(format!(
-                "rank {rank}: left neighbour rank {left_rank} did not connect within {:?}",
-                cfg.rendezvous_timeout
-            )));
-        };
-        match inc {
-            Incoming::Garbage(why, peer) => {
-                tracing::warn!(%peer, %why, "dropped a connection to the ring port")
-            }
-            Incoming::WrongVersion(v, mut s, peer) => {
-                let message = format!(
-                    "protocol version differs: rank {rank} speaks {PROTOCOL_VERSION}, {peer} sent {v}"
-                );
-                send_reply(
-                    &mut s,
-                    &Reply::Refused {
-                        field: Field::Version,
-                        message,
-                    },
-                    cfg.hello_timeout,
-                );
-            }
-            Incoming::Hello(h, mut s, peer) => {
-                let verdict = check_hello(&h, Purpose::Ring, cfg, n).and_then(|_| {
-                    if h.rank as usize != left_rank {
-                        Err((Field::Rank, format!("rank {rank} expects its left neighbour rank {left_rank}, got rank {}", h.rank)))
-                    } else {
-                        Ok(())
-                    }
-                });
-                match verdict {
-                    Err((field, message)) => {
-                        tracing::warn!(%peer, "refused ring connection: {message}");
-                        send_reply(
-                            &mut s,
-                            &Reply::Refused { field, message },
-                            cfg.hello_timeout,
-                        );
-                    }
-                    Ok(()) => {
-                        send_reply(
-                            &mut s,
-                            &Reply::Accepted { table: Vec::new() },
-                            cfg.hello_timeout,
-                        );
-                        break s;
-                    }
-                }
-            }
-        }
-    };
-    match read_reply(&mut right, &right_name, 0, deadline)? {
+    let left = accept_left(listener, rank, n, cfg, deadline, &mut wait)?;
+    let reply = read_reply(&mut right, &right_name, 0, deadline, &mut || {})
+        .map_err(|f| f.into_err(&right_name))?;
+    match reply {
         Reply::Accepted { .. } => Ok((left, right)),
         Reply::Refused { field, message } => Err(CommError::HandshakeRefused {
             peer: right_name,
             field: field.name(),
             detail: message,
         }),
+    }
+}
+
+fn is_left(h: &Hello, rank: usize, left_rank: usize) -> Result<(), (Field, String)> {
+    if h.rank as usize == left_rank {
+        return Ok(());
+    }
+    Err((
+        Field::Rank,
+        format!(
+            "rank {rank} expects its left neighbour rank {left_rank}, got rank {}",
+            h.rank
+        ),
+    ))
+}
+
+/// Accepts the left neighbour's ring connection, refusing anyone else.
+fn accept_left(
+    listener: &TcpListener,
+    rank: usize,
+    n: usize,
+    cfg: &TcpConfig,
+    deadline: Instant,
+    wait: &mut Waiting,
+) -> Result<TcpStream, CommError> {
+    let left_rank = (rank + n - 1) % n;
+    let mut acc = Acceptor::new(listener, cfg.hello_timeout)?;
+    loop {
+        let Some(inc) = acc.next(deadline.min(wait.due())) else {
+            if Instant::now() >= deadline {
+                return Err(CommError::Rendezvous(format!(
+                    "rank {rank}: left neighbour rank {left_rank} did not connect within {:?}",
+                    cfg.rendezvous_timeout
+                )));
+            }
+            let what =
+                format!("rank {rank}: waiting for ring neighbour rank {left_rank} to connect");
+            wait.tick(&what, "");
+            continue;
+        };
+        let (h, mut s, peer) = match inc {
+            Incoming::Garbage(why, peer) => {
+                tracing::warn!(%peer, %why, "dropped a connection to the ring port");
+                continue;
+            }
+            Incoming::WrongVersion(v, s, peer) => {
+                refuse_version(s, peer, rank, v, cfg.hello_timeout);
+                continue;
+            }
+            Incoming::Hello(h, s, peer) => (h, s, peer),
+        };
+        match check_hello(&h, Purpose::Ring, cfg, n).and_then(|_| is_left(&h, rank, left_rank)) {
+            Err((field, message)) => {
+                tracing::warn!(%peer, "refused ring connection: {message}");
+                refuse(&mut s, field, message, cfg.hello_timeout);
+            }
+            Ok(()) => {
+                send_reply(
+                    &mut s,
+                    &Reply::Accepted { table: Vec::new() },
+                    cfg.hello_timeout,
+                );
+                return Ok(s);
+            }
+        }
     }
 }
 
@@ -545,5 +855,21 @@ mod tests {
         assert!(!same_token(b"abc", b"abd"));
         assert!(!same_token(b"abc", b"abcd"));
         assert!(same_token(b"", b""));
+    }
+
+    #[test]
+    fn progress_lines_come_at_most_every_ten_seconds() {
+        assert_eq!(Waiting::new(Duration::from_secs(300)).every, PROGRESS_EVERY);
+        assert_eq!(
+            Waiting::new(Duration::from_secs(2)).every,
+            Duration::from_millis(500)
+        );
+        assert_eq!(
+            (
+                secs(Duration::from_millis(2500)),
+                secs(Duration::from_secs(300))
+            ),
+            ("2.5 s".to_string(), "300 s".to_string())
+        );
     }
 }

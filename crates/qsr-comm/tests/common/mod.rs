@@ -199,3 +199,23 @@ pub fn matrix<C: Collective + 'static>(make: impl Fn(usize) -> Vec<C>, sizes: &[
         }
     }
 }
+
+/// A phrase a message states twice ("job token differs (job token differs ..."), if any: a
+/// repeated pair of words of three or more letters each (so that "rank 1 ... rank 1" in a message
+/// naming two ranks, or "block 0 with ..., expected block 0 with", does not count).
+pub fn repeated_phrase(msg: &str) -> Option<String> {
+    let words: Vec<String> = msg
+        .split_whitespace()
+        .map(|w| {
+            w.trim_matches(|c: char| "()[]{}:;,.?!'\"".contains(c))
+                .to_lowercase()
+        })
+        .collect();
+    let wordy = |w: &String| w.len() >= 3 && w.chars().all(|c| c.is_alphabetic() || c == '_');
+    let mut seen = std::collections::HashSet::new();
+    words
+        .windows(2)
+        .filter(|pair| pair.iter().all(wordy))
+        .map(|pair| pair.join(" "))
+        .find(|phrase| !seen.insert(phrase.clone()))
+}
