@@ -105,6 +105,11 @@ pub enum CommError {
     #[error("device collective: {0}")]
     Device(String),
 
+    /// Ranks were configured differently ([`crate::agree`]): `ranks` differ from rank 0, and `detail`
+    /// names the first one's differing settings.
+    #[error("the ranks were configured differently ({}); {detail}", differing(ranks))]
+    Disagree { ranks: Vec<usize>, detail: String },
+
     /// A shared library a backend needs at run time could not be loaded.
     #[error(
         "cannot load the {library} shared library (tried {searched}; last error: {last_error}); install it or add its directory to LD_LIBRARY_PATH"
@@ -171,4 +176,10 @@ mod tests {
             "binding the rendezvous port 127.0.0.1:29500: Address already in use"
         );
     }
+}
+
+/// "rank 1 differs from rank 0" / "ranks 1, 3 differ from rank 0".
+fn differing(ranks: &[usize]) -> String {
+    let list = ranks.iter().map(usize::to_string).collect::<Vec<_>>().join(", ");
+    if ranks.len() == 1 { format!("rank {list} differs from rank 0") } else { format!("ranks {list} differ from rank 0") }
 }

@@ -26,6 +26,7 @@
 
 #![forbid(unsafe_op_in_unsafe_fn)]
 
+pub mod agree;
 pub mod bootstrap;
 pub mod error;
 pub mod inproc;
@@ -145,6 +146,35 @@ pub trait Collective: Send {
     fn stats(&self) -> &CommStats;
     /// Short backend name for logs ("inproc", "tcp", "mpi").
     fn backend(&self) -> &'static str;
+}
+
+/// The collective of this process's launch, for library users: our TCP ring when a launcher started
+/// several processes (torchrun's `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`, Open MPI's or PMI's
+/// mpirun, SLURM's srun; see [`launch::detect`] and [`TcpConfig::from_env`] for the variables read,
+/// `QSR_JOB_TOKEN` among them), MPI itself under mpirun when built with the `mpi` feature, or a group
+/// of one for a plain process. A partial launch environment is an error naming the missing variable.
+pub fn from_env() -> Result<Box<dyn Collective>, CommError> {
+    let env = launch::detect_from_process_env(&Explicit::default())?;
+    #[cfg(feature = "mpi")]
+    if matches!(env.source, Source::OpenMpi | Source::Pmi) && env.world_size > 1 {
+        return Ok(Box::new(MpiComm::init()?));
+    }
+    if env.world_size == 1 {
+        return Ok(Box::new(InProcessGroup::new(1).remove(0)));
+    }
+    let cfg = TcpConfig::from_env(&|k| std::env::var(k).ok())?;
+    Ok(Box::new(TcpComm::from_launch(&env, cfg)?))
+}
+
+/// Runs `worker` on `k` threads of this process, each with its handle of one in-process group (rank
+/// `0..k`), and returns their results in rank order: K simulated workers in one call. A panic in a
+/// worker is resumed on the caller's thread.
+pub fn run_threads<T: Send>(k: usize, worker: impl Fn(InProcessComm) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let worker = &worker;
+        let joins: Vec<_> = InProcessGroup::new(k).into_iter().map(|c| s.spawn(move || worker(c))).collect();
+        joins.into_iter().map(|j| j.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+    })
 }
 
 /// A boxed collective is a collective, so generic code can take `Box<dyn Collective>`.

@@ -8,10 +8,11 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, anyhow, bail};
 use burn::tensor::Device;
+use qsr_comm::agree::differing_keys;
 use qsr_comm::{Collective, CommError, Explicit, InProcessGroup, TcpComm, TcpConfig};
 use qsr_optim::DeviceGroup;
 
-use crate::agree::{LaunchFacts, agree, differing_keys};
+use crate::agree::{LaunchFacts, agree};
 use crate::checkpoint;
 use crate::device::DeviceSpec;
 use crate::procs;
@@ -368,7 +369,7 @@ impl Member {
         let owner = rank == 0 && !args.spawned;
         let lock = if owner { Some(RunLock::acquire(&self.run_dir)) } else { None };
         let unfit = preflight(&self.recipe, world, 1, self.spec.is_gpu()).err();
-        let mut facts = LaunchFacts::new(&self.recipe, self.resume.as_ref().map(|(_, s)| s.step))?;
+        let mut facts = LaunchFacts::new(&self.recipe, self.resume.as_ref().map(|(_, s)| s.step));
         match (lock.as_ref(), unfit) {
             (Some(Err(e)), _) => facts.refusal = Some(format!("{e:#}")),
             (_, Some(e)) if rank == 0 => facts.refusal = Some(format!("{e:#}")),

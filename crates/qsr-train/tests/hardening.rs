@@ -194,7 +194,7 @@ fn ranks_launched_with_different_recipes_refuse_before_the_first_collective() {
         for (rank, o) in two_tcp_ranks(&out, &extra).iter().enumerate() {
             let err = String::from_utf8_lossy(&o.stderr);
             assert!(!o.status.success(), "rank {rank} trained with {extra:?}");
-            assert!(err.contains("different settings") && err.contains(key) && err.contains("rank 1"), "rank {rank}, {extra:?}: {err}");
+            assert!(err.contains("configured differently") && err.contains(key) && err.contains("rank 1"), "rank {rank}, {extra:?}: {err}");
         }
         assert!(!out.join("ckpt").exists(), "a checkpoint was written before the ranks agreed");
     }
