@@ -15,6 +15,13 @@ pub enum OptimError {
         #[source]
         source: qsr_comm::CommError,
     },
+    /// The ranks could not set up averaging together: they disagree on the settings (named in the
+    /// source) or a collective failed.
+    #[error("the ranks could not set up averaging")]
+    Setup {
+        #[source]
+        source: qsr_comm::CommError,
+    },
     /// The loss closure failed (e.g. the data loader reported an error).
     #[error("step {step}: {message}")]
     Step { step: u64, message: String },

@@ -1,13 +1,22 @@
 //! Local SGD / Local AdamW: optimizers with PyTorch's exact update rules over per-worker state we own,
 //! flat parameter buffers for burn modules, and the round driver that synchronizes at the steps
 //! `qsr-sched` plans.
+//!
+//! Two ways in:
+//! - [`Averager`]: keep your own burn optimizer, lr scheduler and loop; call [`Averager::step`] after each
+//!   optimizer step with the lr it used, and the model is averaged over the workers whenever a round of
+//!   the sync rule (QSR among them) ends.
+//! - [`Worker`]: our PyTorch-exact SGD / AdamW over flat state, driven step by step from a `qsr-sched`
+//!   plan, with gradient accumulation, data-parallel rounds and optimizer-state averaging.
 
+mod averager;
 pub mod device;
 pub mod driver;
 mod error;
 pub mod flat;
 pub mod optim;
 
+pub use averager::{Averager, AveragerConfig, AveragerStats};
 pub use error::OptimError;
 pub use flat::{ParamEntry, ParamLayout, ParamRole};
 pub use optim::{OptimState, Optimizer, OptimizerConfig, OptimizerKind, clip_grad_norm};

@@ -27,7 +27,7 @@ mod schedule;
 pub use comm::{CommVolume, ring_allreduce_bytes_per_rank};
 pub use error::ConfigError;
 pub use plan::{Cursor, Plan, PlanSummary, Round, Rounds, StepInfo, SyncMode};
-pub use rule::SyncRule;
+pub use rule::{RoundStart, SyncRule};
 pub use schedule::{LrSchedule, ScheduleKind};
 
 /// Largest `total_steps` / run length a plan accepts (10^9 steps). Planning is O(rounds) (~14 ns a

@@ -137,7 +137,7 @@ impl SyncRule {
     }
 
     /// Whether the round starting at `start` all-reduces gradients (data parallel) rather than parameters.
-    pub(crate) fn syncs_gradients(&self, start: u64) -> bool {
+    pub fn syncs_gradients(&self, start: u64) -> bool {
         match *self {
             SyncRule::Dp => true,
             SyncRule::PostLocal { switch_step, .. } => start < switch_step,
@@ -149,23 +149,33 @@ impl SyncRule {
     /// `warm_rounds` of the earlier rounds having started inside warmup. Saturates at `u64::MAX`; the
     /// planner clamps it to the end of training. Always >= 1 for a validated rule.
     pub(crate) fn round_h(&self, schedule: &LrSchedule, start: u64, index: u64, warm_rounds: u64) -> u64 {
+        let in_warmup = schedule.in_warmup(start);
+        // Only the power rules read the lr (and only after warmup): skip computing it otherwise.
+        let lr = if self.power().is_some() && !in_warmup { schedule.lr(start) } else { f64::NAN };
+        self.h_at(RoundStart { step: start, lr, in_warmup, rounds_after_warmup: index.saturating_sub(warm_rounds) })
+    }
+
+    /// `H` of the round that starts at `start`, unclamped (saturates at `u64::MAX`), always >= 1 for a
+    /// validated rule. This is the rule alone, for callers whose learning rate comes from their own
+    /// scheduler (the [`Plan`](crate::Plan) uses it with its [`LrSchedule`]).
+    pub fn h_at(&self, start: RoundStart) -> u64 {
         let h = match *self {
             SyncRule::Dp => 1,
             SyncRule::Constant { h } => h,
             SyncRule::PostLocal { switch_step, h } => {
-                if start < switch_step {
+                if start.step < switch_step {
                     1
                 } else {
                     h
                 }
             }
-            SyncRule::Power { h_base, alpha, power } => power_h(schedule, start, h_base, alpha, power),
-            SyncRule::Qsr { h_base, alpha } => power_h(schedule, start, h_base, alpha, 2.0),
+            SyncRule::Power { h_base, alpha, power } => power_h(start, h_base, alpha, power),
+            SyncRule::Qsr { h_base, alpha } => power_h(start, h_base, alpha, 2.0),
             SyncRule::Exponential { h_base, scaler, h_max } => {
-                if schedule.in_warmup(start) {
+                if start.in_warmup {
                     h_base
                 } else {
-                    let doublings = (index - warm_rounds) / scaler;
+                    let doublings = start.rounds_after_warmup / scaler;
                     let grown = if doublings >= 64 { u64::MAX } else { h_base.saturating_mul(1u64 << doublings) };
                     grown.min(h_max)
                 }
@@ -175,13 +185,27 @@ impl SyncRule {
     }
 }
 
-fn power_h(schedule: &LrSchedule, start: u64, h_base: u64, alpha: f64, power: f64) -> u64 {
-    if schedule.in_warmup(start) {
+/// Where a round starts, as [`SyncRule::h_at`] needs it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RoundStart {
+    /// Global step of the round's first step.
+    pub step: u64,
+    /// Learning rate of the round's first step (read by the power rules, QSR among them, after warmup).
+    pub lr: f64,
+    /// Whether `step` lies in the lr warmup (the power and exponential rules then use `h_base`).
+    pub in_warmup: bool,
+    /// Rounds that started after warmup, before this one (the exponential rule doubles `h_base` every
+    /// `scaler` of them).
+    pub rounds_after_warmup: u64,
+}
+
+fn power_h(start: RoundStart, h_base: u64, alpha: f64, power: f64) -> u64 {
+    if start.in_warmup {
         return h_base;
     }
     // `powf` is libm's pow, as Python's `**` in the authors' code.
-    let h = (alpha / schedule.lr(start)).powf(power).floor();
-    // NaN cannot occur for a validated plan (alpha > 0, lr > 0); `as` saturates huge values.
+    let h = (alpha / start.lr).powf(power).floor();
+    // NaN only for an lr that is NaN or 0/0-like (a validated plan has lr > 0); `as` saturates huge values.
     let h = if h.is_nan() { h_base } else { h as u64 };
     h.max(h_base)
 }

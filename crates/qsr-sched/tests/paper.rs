@@ -145,3 +145,21 @@ fn ring_volume_matches_the_ring_formula() {
     assert_eq!(qsr_sched::ring_allreduce_bytes_per_rank(1_000, 4, 1), 0);
     assert_eq!(qsr_sched::ring_allreduce_bytes_per_rank(1_000, 4, 2), 4_000);
 }
+
+/// `SyncRule::h_at` with the lr of each round's first step reproduces the plan's rounds: a caller with its
+/// own lr scheduler gets the same H as the planner.
+#[test]
+fn h_at_with_the_schedules_lr_reproduces_the_plan() {
+    use qsr_sched::RoundStart;
+    let schedule = LrSchedule::new(ScheduleKind::Cosine, 93_600, 10_000, 0.008, 1e-6);
+    let rule = SyncRule::Qsr { h_base: 4, alpha: 0.0175 };
+    let plan = Plan::new(schedule.clone(), rule.clone()).unwrap();
+    let mut after_warmup = 0;
+    for (i, round) in plan.rounds().enumerate() {
+        let in_warmup = round.start < 10_000;
+        let start = RoundStart { step: round.start, lr: schedule.lr(round.start), in_warmup, rounds_after_warmup: after_warmup };
+        let h = rule.h_at(start).min(93_600 - round.start);
+        assert_eq!(h, round.len, "round {i} at step {}", round.start);
+        after_warmup += u64::from(!in_warmup);
+    }
+}

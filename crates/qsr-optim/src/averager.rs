@@ -1,0 +1,225 @@
+//! Local SGD around the caller's own burn optimizer and lr scheduler.
+//!
+//! [`Worker`](crate::Worker) owns the optimizer (PyTorch-exact SGD / AdamW over flat state). Most burn
+//! users already have an optimizer (`SgdConfig`, `AdamWConfig`), a scheduler and a loop; an
+//! [`Averager`] adds the local method to that loop without replacing any of it. It needs only what QSR
+//! needs: the learning rate each step used, so that at the start of every round it can pick `H` from
+//! the lr of the round's first step, and a [`Collective`] to average parameters over.
+//!
+//! A plain burn loop, and the same loop with K-worker QSR (the lines marked `+`; the complete program is
+//! `examples/averager.rs`, 4 threads or one process of a torchrun/mpirun/srun launch):
+//!
+//! ```text
+//!   let model = Mlp::new(&device);
+//! + let comm = qsr_comm::from_env()?;                 // or qsr_comm::run_threads(k, |c| ...) for threads
+//! + let rule = SyncRule::Qsr { h_base: 2, alpha: 0.06 };
+//! + let (mut avg, mut model) = Averager::new(model, AveragerConfig::new(rule, warmup_steps), comm)?;
+//!   let mut optim = SgdConfig::new().with_momentum(Some(MomentumConfig::new().with_momentum(0.9))).init();
+//!   let mut sched = CosineAnnealingLrSchedulerConfig::new(0.2, steps).init()?;
+//!   for step in 0..steps {                             // each worker on its own shard of the data
+//!       let lr = sched.step();
+//! +     let base_lr = lr.base();
+//!       let grads = GradientsParams::from_grads(loss(&model, batch(step)).backward(), &model);
+//!       model = optim.step(lr, model, grads);
+//! +     model = avg.step(model, base_lr)?;             // averages when a round ends
+//!   }
+//! ```
+//!
+//! Initial weights: [`Averager::new`] gives every worker rank 0's parameters, so only rank 0's
+//! initialization matters. burn draws initial weights lazily from one global RNG shared by all threads;
+//! for reruns that are bit-identical, seed rank 0's weights yourself (write them with
+//! [`ParamLayout::write_params`](crate::ParamLayout::write_params), as the example does) or build the
+//! model on one thread after `device.seed(..)`.
+//!
+//! What the averager does not do: it averages parameters (and, with [`AveragerConfig::average_bn`],
+//! BatchNorm running statistics) in one all-reduce per round; burn's optimizers keep their state
+//! private, so their moments stay per worker (the paper's default; [`Worker`](crate::Worker) can
+//! average them). Rules that all-reduce gradients (`dp`, `post-local` before its switch) need the
+//! gradients before the optimizer step, which this hook does not see: they are refused here.
+
+use burn::module::Module;
+use qsr_comm::{Collective, CommStats, ReduceOp};
+use qsr_sched::{RoundStart, SyncRule};
+use serde::Serialize;
+
+use crate::error::OptimError;
+use crate::flat::ParamLayout;
+
+/// What an [`Averager`] averages and when.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AveragerConfig {
+    /// When rounds end: `qsr`, `power`, `constant`, `exponential`.
+    pub rule: SyncRule,
+    /// Steps of the caller's lr warmup: the power rules use `h_base` while `step < warmup_steps`.
+    pub warmup_steps: u64,
+    /// Average BatchNorm running statistics with the parameters (default: they stay local).
+    pub average_bn: bool,
+    /// Broadcast rank 0's parameters at construction, so every worker starts from the same point
+    /// (default; turn off only if every rank built bit-identical weights itself).
+    pub broadcast_initial: bool,
+    /// Steps the run takes, if known: the last round is cut to end there (with a synchronization), as
+    /// the `qsr-sched` planner does. Without it, call [`Averager::average_now`] after the last step.
+    pub run_steps: Option<u64>,
+}
+
+impl AveragerConfig {
+    /// `rule` with `warmup_steps` of warmup, BN statistics local, rank 0's initial weights.
+    pub fn new(rule: SyncRule, warmup_steps: u64) -> Self {
+        Self { rule, warmup_steps, average_bn: false, broadcast_initial: true, run_steps: None }
+    }
+}
+
+/// The round under way: steps `start..end`, of length `h` unless cut at the run's end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Round {
+    start: u64,
+    h: u64,
+    end: u64,
+}
+
+/// Totals of an [`Averager`].
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct AveragerStats {
+    /// Steps seen.
+    pub steps: u64,
+    /// Synchronizations (rounds completed).
+    pub syncs: u64,
+    /// Traffic and time of the synchronizations.
+    pub comm: CommStats,
+}
+
+/// Averages a model's parameters over a [`Collective`] at the end of every round of a sync rule,
+/// deciding each round's length `H` from the learning rate the caller's own scheduler produced.
+pub struct Averager {
+    config: AveragerConfig,
+    comm: Box<dyn Collective>,
+    layout: ParamLayout,
+    round: Option<Round>,
+    rounds_after_warmup: u64,
+    /// Parameters, then (with `average_bn`) running statistics: one buffer, one all-reduce per round.
+    params: Vec<f32>,
+    stats: AveragerStats,
+}
+
+impl Averager {
+    /// Sets up averaging of `model` over `comm`: checks that every rank has the same configuration and
+    /// model layout (an error naming the differing settings otherwise, on every rank), then hands back
+    /// the model with rank 0's parameters (and BN statistics), so every worker starts from the same point.
+    pub fn new<M: Module>(model: M, config: AveragerConfig, mut comm: Box<dyn Collective>) -> Result<(Self, M), OptimError> {
+        if config.rule.syncs_gradients(0) {
+            return Err(OptimError::Config {
+                field: "rule".into(),
+                reason: format!(
+                    "`{}` all-reduces gradients before the optimizer step, which an Averager (called after the step) does not see: use qsr_optim::Worker for it",
+                    config.rule.name()
+                ),
+            });
+        }
+        let layout = ParamLayout::of(&model);
+        let settings = serde_json::json!({
+            "config": &config,
+            "world_size": comm.world_size(),
+            "model": { "parameters": layout.len(), "running_statistics": layout.running_len(), "tensors": layout.trainable.len() },
+        });
+        qsr_comm::agree::agree(comm.as_mut(), &settings).map_err(|source| OptimError::Setup { source })?;
+        let running_len = if config.average_bn { layout.running_len() } else { 0 };
+        let mut avg = Self {
+            params: vec![0.0; layout.len() + running_len],
+            config,
+            comm,
+            layout,
+            round: None,
+            rounds_after_warmup: 0,
+            stats: AveragerStats::default(),
+        };
+        let model = if avg.config.broadcast_initial { avg.broadcast_from_rank0(model)? } else { model };
+        Ok((avg, model))
+    }
+
+    /// Call after each of the caller's optimizer steps with the learning rate that step used. At the
+    /// first step of a round it decides the round's `H` from that lr (QSR: `max(h_base, floor((alpha /
+    /// lr)^2))` after warmup); at a round's last step it averages the parameters over all ranks.
+    pub fn step<M: Module>(&mut self, model: M, lr: f64) -> Result<M, OptimError> {
+        let t = self.stats.steps;
+        let round = match self.round {
+            Some(r) if t < r.end => r,
+            _ => self.start_round(t, lr)?,
+        };
+        self.stats.steps += 1;
+        if self.stats.steps < round.end { Ok(model) } else { self.average_now(model) }
+    }
+
+    /// Averages now, whatever the round: at the end of training (a last round cut short) or before an
+    /// evaluation. Every rank must call it at the same point.
+    pub fn average_now<M: Module>(&mut self, model: M) -> Result<M, OptimError> {
+        let step = self.stats.steps;
+        let n = self.layout.len();
+        self.layout.read_params(&model, &mut self.params[..n])?;
+        if self.config.average_bn {
+            self.layout.read_running(&model, &mut self.params[n..])?;
+        }
+        let before = *self.comm.stats();
+        self.comm.all_reduce(&mut self.params, ReduceOp::Mean).map_err(|source| OptimError::Comm { step, source })?;
+        self.stats.syncs += 1;
+        let delta = self.comm.stats().since(&before);
+        self.stats.comm = CommStats {
+            calls: self.stats.comm.calls + delta.calls,
+            bytes_sent: self.stats.comm.bytes_sent + delta.bytes_sent,
+            bytes_received: self.stats.comm.bytes_received + delta.bytes_received,
+            seconds: self.stats.comm.seconds + delta.seconds,
+        };
+        self.write(model)
+    }
+
+    /// Totals so far.
+    pub fn stats(&self) -> &AveragerStats {
+        &self.stats
+    }
+
+    /// `H` of the round under way (`None` before the first step).
+    pub fn current_h(&self) -> Option<u64> {
+        self.round.map(|r| r.h)
+    }
+
+    /// This worker's rank.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// Number of workers.
+    pub fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    fn start_round(&mut self, t: u64, lr: f64) -> Result<Round, OptimError> {
+        let in_warmup = t < self.config.warmup_steps;
+        if self.config.rule.power().is_some() && !in_warmup && !(lr.is_finite() && lr > 0.0) {
+            return Err(OptimError::Config {
+                field: "lr".into(),
+                reason: format!("step {t}: the power rules need a finite positive learning rate, got {lr}"),
+            });
+        }
+        let h = self.config.rule.h_at(RoundStart { step: t, lr, in_warmup, rounds_after_warmup: self.rounds_after_warmup });
+        self.rounds_after_warmup += u64::from(!in_warmup);
+        let end = t.saturating_add(h).min(self.config.run_steps.unwrap_or(u64::MAX));
+        let round = Round { start: t, h, end };
+        self.round = Some(round);
+        Ok(round)
+    }
+
+    fn broadcast_from_rank0<M: Module>(&mut self, model: M) -> Result<M, OptimError> {
+        let n = self.layout.len();
+        self.layout.read_params(&model, &mut self.params[..n])?;
+        if self.config.average_bn {
+            self.layout.read_running(&model, &mut self.params[n..])?;
+        }
+        self.comm.broadcast(&mut self.params, 0).map_err(|source| OptimError::Setup { source })?;
+        self.write(model)
+    }
+
+    fn write<M: Module>(&self, model: M) -> Result<M, OptimError> {
+        let n = self.layout.len();
+        let model = self.layout.write_params(model, &self.params[..n])?;
+        if self.config.average_bn { self.layout.write_running(model, &self.params[n..]) } else { Ok(model) }
+    }
+}

@@ -1,0 +1,126 @@
+//! The Averager around burn's own optimizer, with K workers on threads: syncs follow the sync rule from
+//! the lr the caller applied, replicas end bit-identical, reruns are bit-identical, and ranks configured
+//! differently fail at construction naming the setting.
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::{GradientsParams, SgdConfig, momentum::MomentumConfig};
+use burn::tensor::{Device, Tensor, TensorData};
+use qsr_comm::{Collective, InProcessGroup};
+use qsr_optim::{Averager, AveragerConfig, OptimError, ParamLayout};
+use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncRule};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+#[derive(Module, Debug)]
+struct Mlp {
+    fc1: Linear,
+    act: Relu,
+    fc2: Linear,
+}
+
+impl Mlp {
+    fn new(device: &Device) -> Self {
+        Self { fc1: LinearConfig::new(4, 16).init(device), act: Relu::new(), fc2: LinearConfig::new(16, 1).init(device) }
+    }
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        self.fc2.forward(self.act.forward(self.fc1.forward(x)))
+    }
+}
+
+/// Worker `rank`'s batch at `step`: y = sum(x) + noise, seeded by (rank, step).
+fn batch(rank: usize, step: u64, device: &Device) -> (Tensor<2>, Tensor<2>) {
+    let mut rng = ChaCha8Rng::seed_from_u64(1000 * rank as u64 + step);
+    let x: Vec<f32> = (0..8 * 4).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let y: Vec<f32> = x.chunks(4).map(|r| r.iter().sum::<f32>() + rng.random_range(-0.05f32..0.05)).collect();
+    (Tensor::from_data(TensorData::new(x, [8, 4]), device), Tensor::from_data(TensorData::new(y, [8, 1]), device))
+}
+
+/// The model with weights from our own seeded RNG.
+fn seeded<M: Module>(model: M) -> M {
+    let layout = ParamLayout::of(&model);
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let values: Vec<f32> = (0..layout.len()).map(|_| rng.random_range(-0.4f32..0.4)).collect();
+    layout.write_params(model, &values).unwrap()
+}
+
+const STEPS: u64 = 300;
+
+fn schedule() -> LrSchedule {
+    LrSchedule::new(ScheduleKind::Cosine, STEPS, 20, 0.1, 1e-4)
+}
+
+/// One worker's plain burn loop with the averager added; returns its final flat parameters and syncs.
+fn train(comm: Box<dyn Collective>, rule: SyncRule) -> Result<(Vec<f32>, u64), OptimError> {
+    let device = Device::flex().autodiff();
+    let rank = comm.rank();
+    // burn draws initial weights lazily from one global RNG, which concurrent threads (and tests) share,
+    // so its draws are not reproducible: rank 0 writes seeded weights, and the averager hands them to
+    // every worker.
+    let model = if rank == 0 { seeded(Mlp::new(&device)) } else { Mlp::new(&device) };
+    let mut config = AveragerConfig::new(rule, 20);
+    config.run_steps = Some(STEPS);
+    let (mut avg, mut model) = Averager::new(model, config, comm)?;
+    let mut optim = SgdConfig::new().with_momentum(Some(MomentumConfig::new().with_momentum(0.9))).init();
+    let sched = schedule();
+    for step in 0..STEPS {
+        let lr = sched.lr(step);
+        let (x, y) = batch(rank, step, &device);
+        let loss = (model.forward(x) - y).powi_scalar(2).mean();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(lr, model, grads);
+        model = avg.step(model, lr)?;
+    }
+    let layout = ParamLayout::of(&model);
+    let mut flat = vec![0.0; layout.len()];
+    layout.read_params(&model, &mut flat)?;
+    Ok((flat, avg.stats().syncs))
+}
+
+fn run(k: usize, rule: impl Fn(usize) -> SyncRule + Sync) -> Vec<Result<(Vec<f32>, u64), OptimError>> {
+    std::thread::scope(|s| {
+        let joins: Vec<_> = InProcessGroup::new(k)
+            .into_iter()
+            .map(|c| {
+                let rule = rule(c.rank());
+                s.spawn(move || train(Box::new(c), rule))
+            })
+            .collect();
+        joins.into_iter().map(|j| j.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn qsr_around_burns_sgd_syncs_as_planned_and_replicas_end_identical() {
+    let rule = SyncRule::Qsr { h_base: 2, alpha: 0.03 };
+    let plan = Plan::from_parts(schedule(), rule.clone(), Some(STEPS)).unwrap();
+    let results: Vec<(Vec<f32>, u64)> = run(3, |_| rule.clone()).into_iter().map(Result::unwrap).collect();
+    for (flat, syncs) in &results {
+        assert_eq!(*syncs, plan.summary().rounds, "syncs must equal the planned rounds");
+        assert_eq!(flat, &results[0].0, "replicas differ after the final sync");
+    }
+    assert!(plan.summary().rounds < STEPS / 2, "QSR should sync less than every other step");
+    // A rerun gives bit-identical weights.
+    let again: Vec<(Vec<f32>, u64)> = run(3, |_| rule.clone()).into_iter().map(Result::unwrap).collect();
+    assert_eq!(again[0].0, results[0].0);
+}
+
+#[test]
+fn ranks_with_different_rules_fail_at_construction_naming_the_setting() {
+    let results = run(2, |r| SyncRule::Qsr { h_base: if r == 1 { 4 } else { 2 }, alpha: 0.03 });
+    for r in results {
+        let e = r.unwrap_err();
+        let chain = format!("{e}: {}", std::error::Error::source(&e).map(ToString::to_string).unwrap_or_default());
+        assert!(chain.contains("`config.rule.h_base`: rank 0 has 2, rank 1 has 4"), "{chain}");
+    }
+}
+
+#[test]
+fn gradient_rules_are_refused_with_the_reason() {
+    let comm = InProcessGroup::new(1).remove(0);
+    let device = Device::flex().autodiff();
+    let Err(e) = Averager::new(Mlp::new(&device), AveragerConfig::new(SyncRule::Dp, 0), Box::new(comm)) else {
+        panic!("dp must be refused");
+    };
+    assert!(e.to_string().contains("all-reduces gradients"), "{e}");
+}
