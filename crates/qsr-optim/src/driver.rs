@@ -23,7 +23,7 @@ use qsr_comm::{Collective, CommStats, ReduceOp};
 use qsr_sched::{Cursor, StepInfo, SyncMode};
 use serde::{Deserialize, Serialize};
 
-use crate::error::OptimError;
+use crate::error::{LossError, OptimError};
 use crate::flat::ParamLayout;
 use crate::device::{DeviceGroup, DeviceOptimizer, all_finite, to_host};
 use crate::optim::{OptimState, Optimizer, OptimizerConfig};
@@ -267,8 +267,14 @@ impl<M: Module> Worker<M> {
         model_device(self.model())
     }
 
+    /// The worker's model replica (its parameters equal the flat ones after every step).
     pub fn model(&self) -> &M {
         self.model.as_ref().expect("model is present between calls")
+    }
+
+    /// The model replica, ending the worker (after training: to evaluate or save it).
+    pub fn into_model(mut self) -> M {
+        self.model.take().expect("model is present between calls")
     }
 
     /// Replaces the model (e.g. after the trainer re-estimated BatchNorm statistics with forward passes).
@@ -367,7 +373,7 @@ impl<M: Module> Worker<M> {
     /// as a one-element tensor on the model's autodiff device.
     pub fn step<F>(&mut self, mut loss_fn: F) -> Result<StepReport, OptimError>
     where
-        F: FnMut(&M, usize) -> Result<Tensor<1>, String>,
+        F: FnMut(&M, usize) -> Result<Tensor<1>, LossError>,
     {
         if self.dev.is_some() {
             return self.step_device(loss_fn);
@@ -381,7 +387,7 @@ impl<M: Module> Worker<M> {
         }
         for micro in 0..accum {
             let model = self.model.as_ref().expect("model is present between calls");
-            let loss = loss_fn(model, micro).map_err(|message| OptimError::Step { step: info.step, message })?;
+            let loss = loss_fn(model, micro).map_err(|source| OptimError::Step { step: info.step, source })?;
             loss_sum += f64::from(loss.clone().into_scalar::<f32>());
             let mut grads = loss.backward();
             self.layout.read_grads(model, &mut grads, &mut self.grads)?;
@@ -427,7 +433,7 @@ impl<M: Module> Worker<M> {
     /// finiteness flag (and the loss) per step.
     fn step_device<F>(&mut self, mut loss_fn: F) -> Result<StepReport, OptimError>
     where
-        F: FnMut(&M, usize) -> Result<Tensor<1>, String>,
+        F: FnMut(&M, usize) -> Result<Tensor<1>, LossError>,
     {
         let info = self.cursor.advance().ok_or(OptimError::Finished(self.cursor.step()))?;
         let accum = self.config.accumulation_steps;
@@ -436,7 +442,7 @@ impl<M: Module> Worker<M> {
         let mut grad_sum: Option<Tensor<1>> = None;
         for micro in 0..accum {
             let model = self.model.as_ref().expect("model is present between calls");
-            let loss = loss_fn(model, micro).map_err(|message| OptimError::Step { step: info.step, message })?;
+            let loss = loss_fn(model, micro).map_err(|source| OptimError::Step { step: info.step, source })?;
             loss_sum += f64::from(loss.clone().into_scalar::<f32>());
             let mut grads = loss.backward();
             let g = self.layout.grads_tensor(model, &mut grads, &device)?;

@@ -1,3 +1,6 @@
+/// What a loss closure may fail with: any error (`?` converts it), a `String` or `&str` too.
+pub type LossError = Box<dyn std::error::Error + Send + Sync>;
+
 /// Errors of the optimizer and the round driver.
 #[derive(Debug, thiserror::Error)]
 pub enum OptimError {
@@ -22,9 +25,14 @@ pub enum OptimError {
         #[source]
         source: qsr_comm::CommError,
     },
-    /// The loss closure failed (e.g. the data loader reported an error).
-    #[error("step {step}: {message}")]
-    Step { step: u64, message: String },
+    /// The loss closure failed (e.g. the data loader reported an error); the closure's error is the
+    /// source.
+    #[error("the loss of step {step} failed")]
+    Step {
+        step: u64,
+        #[source]
+        source: LossError,
+    },
     /// The plan has no steps left.
     #[error("the plan is finished (step {0})")]
     Finished(u64),

@@ -17,7 +17,7 @@ pub mod flat;
 pub mod optim;
 
 pub use averager::{Averager, AveragerConfig, AveragerStats};
-pub use error::OptimError;
+pub use error::{LossError, OptimError};
 pub use flat::{ParamEntry, ParamLayout, ParamRole};
 pub use optim::{OptimState, Optimizer, OptimizerConfig, OptimizerKind, clip_grad_norm};
 pub use device::{DeviceGroup, DeviceOptimizer};

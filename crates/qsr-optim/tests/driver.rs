@@ -515,3 +515,48 @@ fn device_group_mismatch_missing_and_departed_peers_are_errors() {
     let e = one_step(&mut w);
     assert!(e.contains("rank 1 left the group"), "{e}");
 }
+
+/// The loss closure can fail with any error through `?`; the worker reports it as the source of a
+/// `Step` error naming the step. `into_model` hands back the trained replica, and every step says where
+/// its round started.
+#[test]
+fn loss_errors_are_typed_and_into_model_returns_the_trained_replica() {
+    #[derive(Debug)]
+    struct NoBatch(u64);
+    impl std::fmt::Display for NoBatch {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "no batch for step {}", self.0)
+        }
+    }
+    impl std::error::Error for NoBatch {}
+
+    let device = device();
+    let task = Task::new();
+    let p = plan(40, SyncRule::Qsr { h_base: 2, alpha: 0.02 });
+    let comm = InProcessGroup::new(1).remove(0);
+    let mut w = Worker::new(init(Mlp::new(&device)), sgd(), Box::new(comm), p.cursor(), DriverConfig::default()).unwrap();
+    let mut starts = Vec::new();
+    while w.cursor().step() < 20 {
+        let t = w.cursor().step();
+        let r = w
+            .step(|m: &Mlp, _| {
+                let (x, y) = task.batch(Task::start(0, 1, t, 0, 1), BATCH, &device);
+                Ok(mse(m.forward(x), y))
+            })
+            .unwrap();
+        starts.push((r.info.round, r.info.round_start));
+    }
+    for round in p.rounds().take_while(|r| r.start < 20) {
+        assert!(starts.iter().filter(|(i, _)| *i == round.index).all(|(_, s)| *s == round.start), "round {}", round.index);
+    }
+    let t = w.cursor().step();
+    let err = w.step(|_: &Mlp, _| Err(NoBatch(t))?).unwrap_err();
+    assert!(matches!(&err, qsr_optim::OptimError::Step { step: 20, .. }), "{err}");
+    let source = std::error::Error::source(&err).unwrap();
+    assert_eq!(source.downcast_ref::<NoBatch>().map(|e| e.0), Some(20));
+    let params = w.params().unwrap().to_vec();
+    let model = w.into_model();
+    let mut flat = vec![0.0; params.len()];
+    ParamLayout::of(&model).read_params(&model, &mut flat).unwrap();
+    assert_eq!(flat, params);
+}

@@ -237,6 +237,8 @@ pub struct StepInfo {
     pub lr: f64,
     /// Index of the round this step belongs to.
     pub round: u64,
+    /// Global step at which that round started (QSR decided its `h` from the lr of this step).
+    pub round_start: u64,
     /// Length of that round.
     pub h: u64,
     /// Whether a synchronization follows this step (it is the round's last).
@@ -331,6 +333,7 @@ impl Cursor {
             step: self.step,
             lr: self.plan.lr(self.step),
             round: r.index,
+            round_start: r.start,
             h: r.len,
             sync_after: self.step + 1 == r.end(),
             mode: r.mode,
