@@ -149,6 +149,12 @@ impl CommError {
     }
 }
 
+/// "rank 1 differs from rank 0" / "ranks 1, 3 differ from rank 0".
+fn differing(ranks: &[usize]) -> String {
+    let list = ranks.iter().map(usize::to_string).collect::<Vec<_>>().join(", ");
+    if ranks.len() == 1 { format!("rank {list} differs from rank 0") } else { format!("ranks {list} differ from rank 0") }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -176,10 +182,4 @@ mod tests {
             "binding the rendezvous port 127.0.0.1:29500: Address already in use"
         );
     }
-}
-
-/// "rank 1 differs from rank 0" / "ranks 1, 3 differ from rank 0".
-fn differing(ranks: &[usize]) -> String {
-    let list = ranks.iter().map(usize::to_string).collect::<Vec<_>>().join(", ");
-    if ranks.len() == 1 { format!("rank {list} differs from rank 0") } else { format!("ranks {list} differ from rank 0") }
 }

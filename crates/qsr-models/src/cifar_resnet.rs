@@ -168,14 +168,13 @@ impl CifarResNet {
     pub(crate) fn new(n: usize, in_channels: usize, classes: usize, shortcut: CifarShortcut, device: &Device) -> Self {
         let mut cin = 16;
         let mut stage = |cout: usize, stride: usize| {
-            let blocks = (0..n)
+            (0..n)
                 .map(|j| {
                     let b = CifarBlock::new(cin, cout, if j == 0 { stride } else { 1 }, shortcut, device);
                     cin = cout;
                     b
                 })
-                .collect::<Vec<_>>();
-            blocks
+                .collect::<Vec<_>>()
         };
         let layer1 = stage(16, 1);
         let layer2 = stage(32, 2);

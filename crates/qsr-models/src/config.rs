@@ -168,7 +168,7 @@ impl VitConfig {
             dim_head: self.dim_head.or(base.map(|d| d.dim_head)).unwrap_or(64),
             mlp_dim: pick(self.mlp_dim, base.map(|d| d.mlp_dim), "mlp_dim")?,
         };
-        if dims.dim < 8 || dims.dim % 4 != 0 {
+        if dims.dim < 8 || !dims.dim.is_multiple_of(4) {
             return Err(ModelError::config(
                 K,
                 "dim",
@@ -248,14 +248,14 @@ impl ModelConfig {
                 if c.patch_size == 0 {
                     return Err(ModelError::config(kind, "patch_size", "must be at least 1"));
                 }
-                if let Some(s) = c.image_size {
-                    if s == 0 || s % c.patch_size != 0 {
-                        return Err(ModelError::config(
-                            kind,
-                            "image_size",
-                            format!("{s} is not a positive multiple of patch_size {}", c.patch_size),
-                        ));
-                    }
+                if let Some(s) = c.image_size
+                    && (s == 0 || !s.is_multiple_of(c.patch_size))
+                {
+                    return Err(ModelError::config(
+                        kind,
+                        "image_size",
+                        format!("{s} is not a positive multiple of patch_size {}", c.patch_size),
+                    ));
                 }
             }
             ModelConfig::Cnn(c) => {
@@ -304,16 +304,16 @@ impl ModelConfig {
             ModelConfig::Vit(c) => {
                 let dims = c.dims()?;
                 let p = c.patch_size;
-                if let Some(s) = c.image_size {
-                    if input.height != s || input.width != s {
-                        return Err(ModelError::input(
-                            kind,
-                            "image_size",
-                            format!("configured {s}x{s}, but the input is {}x{}", input.height, input.width),
-                        ));
-                    }
+                if let Some(s) = c.image_size
+                    && (input.height != s || input.width != s)
+                {
+                    return Err(ModelError::input(
+                        kind,
+                        "image_size",
+                        format!("configured {s}x{s}, but the input is {}x{}", input.height, input.width),
+                    ));
                 }
-                if input.height % p != 0 || input.width % p != 0 {
+                if !input.height.is_multiple_of(p) || !input.width.is_multiple_of(p) {
                     return Err(ModelError::input(
                         kind,
                         "patch_size",

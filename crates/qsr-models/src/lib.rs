@@ -62,6 +62,9 @@ use burn::tensor::Tensor;
 
 /// Any model of this crate, as one burn module the trainer can hold (burn 0.22's `Module` derive
 /// supports enums with single-field tuple variants).
+// One `Model` per worker, held for the whole run: boxing the larger variants would add an indirection
+// to every forward pass and save nothing worth having.
+#[allow(clippy::large_enum_variant)]
 #[derive(Module, Debug)]
 pub enum Model {
     /// torchvision ResNet.

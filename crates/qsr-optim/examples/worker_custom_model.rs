@@ -31,7 +31,7 @@ impl Regressor {
 
 /// Worker `rank`'s batch of 32 at `step` (a small xorshift generator: seeded, no dependency).
 fn batch(rank: usize, step: u64, device: &Device) -> (Tensor<2>, Tensor<2>) {
-    let mut s = (rank as u64 + 1) * 0x9e37_79b9_7f4a_7c15 ^ step.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    let mut s = ((rank as u64 + 1) * 0x9e37_79b9_7f4a_7c15) ^ step.wrapping_mul(0xbf58_476d_1ce4_e5b9);
     let mut next = || {
         s ^= s << 13;
         s ^= s >> 7;

@@ -613,7 +613,7 @@ impl<M: Module> Worker<M> {
             state.second_moment.copy_from_slice(&buf[at..at + n]);
         }
         if avg_bn {
-            self.replace_running(&buf[running_at..].to_vec())?;
+            self.replace_running(&buf[running_at..])?;
         }
         let elements = buf.len();
         self.sync_buf = buf;

@@ -335,7 +335,7 @@ fn layout_separates_batchnorm_statistics_and_roundtrips() {
     let mut g = vec![0.0; layout.len()];
     layout.read_grads(&net, &mut grads, &mut g).unwrap();
     assert!(g.iter().any(|v| *v != 0.0));
-    assert!(layout.read_params(&net, &mut vec![0.0; 3]).is_err());
+    assert!(layout.read_params(&net, &mut [0.0; 3]).is_err());
 }
 
 #[test]

@@ -314,7 +314,7 @@ pub fn run_worker(spec: &RunSpec, comm: Box<dyn Collective>, model: Model, group
         let next_end = worker.cursor().round().end();
         let boundary = done_steps.div_ceil(spe as u64) * spe as u64;
         let epoch_index = boundary / spe as u64;
-        let due = is_end || (next_end > boundary && epoch_index % recipe.eval.every_epochs as u64 == 0);
+        let due = is_end || (next_end > boundary && epoch_index.is_multiple_of(recipe.eval.every_epochs as u64));
         if !due {
             continue;
         }

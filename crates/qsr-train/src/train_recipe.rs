@@ -207,7 +207,7 @@ impl TrainRecipe {
             bail!("invalid `train.local_batch`: must be at least 1");
         }
         let micro = self.micro_batch();
-        if micro == 0 || t.local_batch % micro != 0 {
+        if micro == 0 || !t.local_batch.is_multiple_of(micro) {
             bail!("invalid `train.micro_batch`: {micro} must divide train.local_batch ({})", t.local_batch);
         }
         if !(t.label_smoothing.is_finite() && (0.0..1.0).contains(&t.label_smoothing)) {

@@ -99,7 +99,7 @@ fn resume_continues_exactly_with(residency: &str) {
     ok(&[&["train", "--recipe", RECIPE, "--out", resumed.to_str().unwrap(), "--halt-after", "100"][..], &set].concat());
     assert!(!resumed.join("summary.json").exists(), "the halted run must not claim to be finished");
     let halted_at: u64 = std::fs::read_to_string(resumed.join("ckpt/LATEST")).unwrap().trim().trim_start_matches("step-").parse().unwrap();
-    assert!(halted_at >= 100 && halted_at < 330);
+    assert!((100..330).contains(&halted_at));
     ok(&["train", "--resume", resumed.to_str().unwrap(), "--quiet", "--workers", "3"]);
     assert_eq!(final_params(&straight), final_params(&resumed));
     let (s, r) = (json(&straight.join("summary.json")), json(&resumed.join("summary.json")));
