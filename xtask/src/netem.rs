@@ -53,7 +53,7 @@ pub struct NetemArgs {
     /// Hidden widths of the MLP on digits (the default gives 10,779,658 parameters).
     #[arg(long, value_delimiter = ',', default_value = "4096,2560")]
     pub hidden: Vec<usize>,
-    /// Rules to run: dp, h<N> (constant H = N), qsr.
+    /// Rules to run: dp, `h<N>` (constant H = N), qsr.
     #[arg(long, value_delimiter = ',', default_value = "dp,h4,qsr")]
     pub rules: Vec<String>,
     /// QSR: h_base.

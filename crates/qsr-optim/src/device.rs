@@ -71,6 +71,7 @@ impl DeviceOptimizer {
         Ok(Self { config, decay_mask, step: 0, first_moment, second_moment, len })
     }
 
+    /// The settings this optimizer was built with.
     pub fn config(&self) -> &OptimizerConfig {
         &self.config
     }
@@ -239,6 +240,8 @@ impl DeviceGroup {
         Self::with_timeout(k, DEFAULT_DEVICE_GROUP_TIMEOUT)
     }
 
+    /// K handles, rank order, whose ranks wait at most `timeout` for the others at each average
+    /// before failing the group ([`DeviceGroup::new`] uses [`DEFAULT_DEVICE_GROUP_TIMEOUT`]).
     pub fn with_timeout(k: usize, timeout: Duration) -> Vec<DeviceGroup> {
         let shared = Arc::new(Shared {
             k,
@@ -249,9 +252,11 @@ impl DeviceGroup {
         (0..k).map(|rank| DeviceGroup { rank, shared: Arc::clone(&shared) }).collect()
     }
 
+    /// This handle's rank, `0..world_size()`.
     pub fn rank(&self) -> usize {
         self.rank
     }
+    /// K, the number of replicas in the group.
     pub fn world_size(&self) -> usize {
         self.shared.k
     }

@@ -55,15 +55,18 @@ pub enum BnPolicy {
     Average,
 }
 
-/// Driver options.
+/// Driver options: a recipe's `[driver]` section (keys `driver.<field>`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DriverConfig {
+    /// Which optimizer moments are averaged at a sync (`driver.state`); default none.
     #[serde(default)]
     pub state: StatePolicy,
+    /// What happens to BatchNorm running statistics (`driver.bn`); default `"reestimate"`.
     #[serde(default)]
     pub bn: BnPolicy,
-    /// Micro-batches per step (gradient accumulation); the step's gradient is their mean.
+    /// Micro-batches per step (gradient accumulation); the step's gradient is their mean. Default 1;
+    /// `qsr train` sets it to `train.local_batch / train.micro_batch` whatever the recipe says.
     #[serde(default = "one")]
     pub accumulation_steps: usize,
     /// All-reduce in buckets of at most this many elements instead of one call per round.
@@ -114,33 +117,44 @@ impl Default for DriverConfig {
 /// One synchronization.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct SyncReport {
+    /// Whether gradients (a data-parallel step, before the update) or parameters (a round's end,
+    /// after it) were averaged.
     pub mode: SyncMode,
     /// Elements all-reduced (parameters or gradients, plus any appended state).
     pub elements: usize,
     /// Collective calls this sync made (1 unless bucketed).
     pub calls: u64,
+    /// Bytes this rank sent (the in-process and device groups report what a ring all-reduce of the
+    /// same elements would send).
     pub bytes_sent: u64,
+    /// Wall time of the sync in seconds, waiting for the other workers, staging and copies included.
     pub seconds: f64,
 }
 
 /// What one step did.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct StepReport {
+    /// The cursor's description of the step: index, lr, round, whether a sync followed.
     pub info: StepInfo,
     /// Mean loss over the step's micro-batches (this worker's).
     pub loss: f32,
     /// False when the gradients were not finite and the update was skipped.
     pub updated: bool,
+    /// The synchronization this step made, if any: a gradient all-reduce before the update or the
+    /// parameter average after it.
     pub sync: Option<SyncReport>,
 }
 
 /// Totals over a worker's life.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct DriverStats {
+    /// Steps completed, skipped updates included.
     pub steps: u64,
     /// Synchronizations (gradient and parameter), i.e. rounds completed.
     pub syncs: u64,
+    /// Of `syncs`, the data-parallel gradient all-reduces.
     pub gradient_syncs: u64,
+    /// Steps whose gradients were not finite, so the optimizer update was skipped (the sync was not).
     pub skipped_updates: u64,
     /// Traffic of synchronizations only (the initial broadcast is not counted).
     pub comm: CommStats,
@@ -288,6 +302,7 @@ impl<M: Module> Worker<M> {
         self.write_back()
     }
 
+    /// Where the model's parameters and running statistics lie in the flat buffers.
     pub fn layout(&self) -> &ParamLayout {
         &self.layout
     }
@@ -298,6 +313,7 @@ impl<M: Module> Worker<M> {
             None => Ok(Cow::Borrowed(&self.params)),
         }
     }
+    /// The optimizer settings the worker was built with.
     pub fn optimizer_config(&self) -> &OptimizerConfig {
         self.optimizer.config()
     }
@@ -308,12 +324,17 @@ impl<M: Module> Worker<M> {
             None => Ok(Cow::Borrowed(self.optimizer.state())),
         }
     }
+    /// The position in the plan: [`Cursor::step`] is the next step to run.
     pub fn cursor(&self) -> &Cursor {
         &self.cursor
     }
+    /// Totals so far.
     pub fn stats(&self) -> &DriverStats {
         &self.stats
     }
+    /// The collective the worker synchronizes over. Its [`Collective::stats`] also count the initial
+    /// broadcast, [`Worker::average_running_stats`] and the trainer's own reductions, but not
+    /// averages done by a [`DeviceGroup`]; [`DriverStats::comm`] counts the syncs only.
     pub fn comm(&self) -> &dyn Collective {
         self.comm.as_ref()
     }
@@ -322,9 +343,11 @@ impl<M: Module> Worker<M> {
     pub fn comm_mut(&mut self) -> &mut dyn Collective {
         self.comm.as_mut()
     }
+    /// This worker's rank in the collective, `0..world_size()`.
     pub fn rank(&self) -> usize {
         self.comm.rank()
     }
+    /// The number of workers (K) in the collective.
     pub fn world_size(&self) -> usize {
         self.comm.world_size()
     }

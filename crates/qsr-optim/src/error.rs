@@ -6,7 +6,13 @@ pub type LossError = Box<dyn std::error::Error + Send + Sync>;
 pub enum OptimError {
     /// A setting is invalid; `field` is its dotted recipe name (`optimizer.beta1`).
     #[error("invalid `{field}`: {reason}")]
-    Config { field: String, reason: String },
+    Config {
+        /// The setting: a dotted recipe key (`optimizer.beta1`, `driver.bucket_elems`), or, from an
+        /// [`Averager`](crate::Averager), `rule` or `lr`.
+        field: String,
+        /// Why the value is refused, e.g. `must be > 0 (got 0)`.
+        reason: String,
+    },
     /// Buffers or state do not fit the model's parameter layout.
     #[error("parameter layout mismatch: {0}")]
     Layout(String),
@@ -14,7 +20,12 @@ pub enum OptimError {
     /// `{:#}` in anyhow, or by walking `Error::source`), not repeated in this message.
     #[error("synchronization at step {step} failed")]
     Comm {
+        /// The step the synchronization belongs to: for a [`Worker`](crate::Worker), the 0-based index
+        /// of the step whose sync failed (the cursor's next step for the initial broadcast and
+        /// [`Worker::average_running_stats`](crate::Worker::average_running_stats)); for an
+        /// [`Averager`](crate::Averager), the number of steps it had seen.
         step: u64,
+        /// The collective's error (which rank died, stalled or disagreed, and how).
         #[source]
         source: qsr_comm::CommError,
     },
@@ -22,6 +33,7 @@ pub enum OptimError {
     /// source) or a collective failed.
     #[error("the ranks could not set up averaging")]
     Setup {
+        /// The collective's error; for a disagreement it names the differing settings.
         #[source]
         source: qsr_comm::CommError,
     },
@@ -29,7 +41,9 @@ pub enum OptimError {
     /// source.
     #[error("the loss of step {step} failed")]
     Step {
+        /// The 0-based global step whose loss failed.
         step: u64,
+        /// The error the loss closure returned.
         #[source]
         source: LossError,
     },

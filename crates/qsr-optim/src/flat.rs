@@ -21,6 +21,7 @@ use crate::error::OptimError;
 /// What a parameter is, for weight-decay exclusion and state handling.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ParamRole {
+    /// Any other trainable tensor (a linear or convolution weight, an embedding): always decayed.
     Weight,
     /// A bias (`bias`, or a norm's `beta`).
     Bias,
@@ -35,15 +36,23 @@ pub enum ParamRole {
 pub struct ParamEntry {
     /// Dotted module path, e.g. `layer1.0.bn1.gamma`.
     pub path: String,
+    /// The tensor's shape as burn stores it (burn's `Linear` weight is `[d_input, d_output]`, the
+    /// transpose of PyTorch's); its product is `range.len()`.
     pub shape: Vec<usize>,
+    /// The tensor's elements in the flat buffer (the trainable one, or the running-statistics one for
+    /// [`ParamRole::Running`]), row-major.
     pub range: Range<usize>,
+    /// What the tensor is, from its field name and its module's type.
     pub role: ParamRole,
 }
 
 /// Where every trainable parameter and running statistic of a module lives in the flat buffers.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParamLayout {
+    /// The trainable tensors in visit order; their ranges tile `0..len()` of the parameter buffer.
     pub trainable: Vec<ParamEntry>,
+    /// The running statistics ([`ParamRole::Running`]) in visit order; their ranges tile
+    /// `0..running_len()` of a separate buffer.
     pub running: Vec<ParamEntry>,
 }
 
@@ -107,6 +116,7 @@ impl ParamLayout {
         self.trainable.last().map_or(0, |e| e.range.end)
     }
 
+    /// Whether the module has no trainable parameters.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -20,18 +20,23 @@ use crate::error::OptimError;
 /// Elements per parallel task of an update.
 const CHUNK: usize = 1 << 15;
 
+/// Which update rule an [`Optimizer`] applies (recipe key `optimizer.kind`: `"sgd"` or `"adamw"`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum OptimizerKind {
+    /// `torch.optim.SGD`: momentum, dampening, Nesterov, coupled (L2) weight decay.
     Sgd,
+    /// `torch.optim.AdamW`: bias-corrected moments, decoupled weight decay, eps outside the root.
     Adamw,
 }
 
 /// Optimizer settings. The learning rate is not here: it comes from the schedule at every step.
 /// Settings of the other optimizer kind are refused, so a recipe never carries a silently ignored value.
+/// A recipe's `[optimizer]` section deserializes into this (keys `optimizer.<field>`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OptimizerConfig {
+    /// The update rule (`optimizer.kind`); it decides which of the settings below are allowed.
     pub kind: OptimizerKind,
     /// SGD momentum (default 0).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -90,25 +95,35 @@ impl OptimizerConfig {
         }
     }
 
+    /// SGD momentum, 0 when unset (`torch.optim.SGD(momentum=...)`).
     pub fn momentum(&self) -> f64 {
         self.momentum.unwrap_or(0.0)
     }
+    /// SGD dampening, 0 when unset (`torch.optim.SGD(dampening=...)`).
     pub fn dampening(&self) -> f64 {
         self.dampening.unwrap_or(0.0)
     }
+    /// SGD Nesterov momentum, false when unset (`torch.optim.SGD(nesterov=...)`).
     pub fn nesterov(&self) -> bool {
         self.nesterov.unwrap_or(false)
     }
+    /// AdamW beta1, 0.9 when unset (`torch.optim.AdamW(betas=(beta1, _))`).
     pub fn beta1(&self) -> f64 {
         self.beta1.unwrap_or(0.9)
     }
+    /// AdamW beta2, 0.999 when unset (`torch.optim.AdamW(betas=(_, beta2))`).
     pub fn beta2(&self) -> f64 {
         self.beta2.unwrap_or(0.999)
     }
+    /// AdamW epsilon, 1e-8 when unset (`torch.optim.AdamW(eps=...)`).
     pub fn eps(&self) -> f64 {
         self.eps.unwrap_or(1e-8)
     }
 
+    /// Checks the settings, returning [`OptimError::Config`] naming the first bad one (`optimizer.<key>`):
+    /// a setting of the other kind (e.g. `beta1` for SGD), momentum / betas outside `[0, 1)`, dampening
+    /// outside `[0, 1]`, Nesterov without momentum > 0 and zero dampening, eps <= 0, a negative or
+    /// non-finite weight decay, a clipping norm <= 0.
     pub fn validate(&self) -> Result<(), OptimError> {
         let bad = |field: &str, reason: String| Err(OptimError::Config { field: format!("optimizer.{field}"), reason });
         let in_unit = |field: &str, v: Option<f64>, closed: bool| -> Result<(), OptimError> {
@@ -178,7 +193,9 @@ pub struct OptimState {
 /// A run of parameters sharing one weight-decay setting.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DecaySegment {
+    /// The elements of the flat parameter buffer in this run.
     pub range: Range<usize>,
+    /// Whether `weight_decay` applies here (false for ranges `exclude_norm_and_bias` exempts).
     pub decay: bool,
 }
 
@@ -255,18 +272,23 @@ impl Optimizer {
         self
     }
 
+    /// The settings this optimizer was built with.
     pub fn config(&self) -> &OptimizerConfig {
         &self.config
     }
 
+    /// The step count and moments (for checkpoints and averaging).
     pub fn state(&self) -> &OptimState {
         &self.state
     }
 
+    /// The state, mutable: the driver overwrites the moments with their averages at a sync. Keep the
+    /// moments' lengths; [`Optimizer::load_state`] is the checked way to replace it.
     pub fn state_mut(&mut self) -> &mut OptimState {
         &mut self.state
     }
 
+    /// The weight-decay runs, maximal and in order, tiling `0..len`.
     pub fn segments(&self) -> &[DecaySegment] {
         &self.segments
     }

@@ -27,9 +27,13 @@ use sha2::{Digest, Sha256};
 /// What `state.json` holds.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CheckpointState {
+    /// Version of the checkpoint layout ([`FORMAT`]); a checkpoint of another version is refused.
     pub format: u32,
+    /// Steps completed when the checkpoint was taken.
     pub step: u64,
+    /// The number of workers that wrote it; a resume must have the same.
     pub world_size: usize,
+    /// The trainer's position in the plan, serialized with the plan.
     pub cursor: Cursor,
     /// The recipe with the settings a resume may change blanked out; must match on resume.
     pub resume_key: String,
@@ -66,6 +70,7 @@ impl Counters {
     }
 }
 
+/// The checkpoint layout version this build writes and reads (`state.json`'s `format`).
 pub const FORMAT: u32 = 1;
 
 /// Writes `bytes` to `path` through a temp file in the same directory, fsynced, then renamed.
@@ -178,10 +183,12 @@ pub fn load_optim(file: &Path, template: &OptimState) -> Result<OptimState> {
     })
 }
 
+/// `RUN_DIR/ckpt`: the directory of a run's checkpoints and `LATEST`.
 pub fn ckpt_root(run_dir: &Path) -> PathBuf {
     run_dir.join("ckpt")
 }
 
+/// `RUN_DIR/ckpt/tmp-step-<N>`: where the checkpoint of step N is built before it is renamed into place.
 pub fn tmp_dir(run_dir: &Path, step: u64) -> PathBuf {
     ckpt_root(run_dir).join(format!("tmp-step-{step}"))
 }

@@ -13,8 +13,10 @@ use crate::launch::device;
 use crate::train::{RunSpec, Summary};
 use crate::train_recipe::TrainRecipe;
 
+/// Arguments of `qsr compare`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct CompareArgs {
+    /// TOML recipe to train under every rule and seed.
     #[arg(long)]
     pub recipe: PathBuf,
     /// Comma-separated rules: dp, constant, qsr, post-local, power, exponential; parameters after a
@@ -24,14 +26,16 @@ pub struct CompareArgs {
     /// Seeds 0..N for every rule.
     #[arg(long, default_value_t = 3)]
     pub seeds: u64,
+    /// Override a recipe key, e.g. `--set train.steps=200` (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,
     /// Simulated workers (default: the recipe's train.workers).
     #[arg(long)]
     pub workers: Option<usize>,
-    /// Output directory (default runs/compare-<recipe name>).
+    /// Output directory (default `runs/compare-<recipe name>`).
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Compute device: `cpu`, `cuda:N` or `cuda` (GPU 0; needs a binary built with CUDA support).
     #[arg(long, default_value = "cpu")]
     pub device: String,
 }
@@ -39,17 +43,27 @@ pub struct CompareArgs {
 /// One row of the table.
 #[derive(Debug, Clone, Serialize)]
 pub struct Row {
+    /// The rule's name as given in `--rules` (without its parameters).
     pub rule: String,
+    /// The rule with its parameters.
     pub sync: SyncRule,
+    /// Number of seeds run.
     pub seeds: usize,
+    /// Mean final test accuracy over the seeds, as a fraction in `[0, 1]`.
     pub accuracy_mean: f64,
     /// Half-width of the 95% confidence interval of the mean (Student's t).
     pub accuracy_ci95: f64,
+    /// Final test accuracy of each seed, in seed order.
     pub accuracies: Vec<f64>,
+    /// Synchronizations of seed 0's run.
     pub syncs: u64,
+    /// The plan's communication share of seed 0's run (`100 * rounds / steps`; data parallel is 100).
     pub comm_percent: f64,
+    /// Bytes rank 0 sent in seed 0's run.
     pub bytes_per_rank: u64,
+    /// Mean training wall time over the seeds, in seconds.
     pub wall_seconds_mean: f64,
+    /// Run directories, in seed order.
     pub runs: Vec<PathBuf>,
 }
 
@@ -116,6 +130,8 @@ pub fn rule_from_spec(spec: &str, base: &SyncRule) -> Result<SyncRule> {
     toml::Value::Table(table).try_into::<SyncRule>().map_err(|e| anyhow!("--rules {spec}: {}", e.message().trim()))
 }
 
+/// Runs `qsr compare`: trains every rule x seed with K simulated workers, prints the table and writes
+/// `compare.md`, `compare.json` and the plots (seed 0 of every rule) into the output directory.
 pub fn run(args: &CompareArgs) -> Result<Vec<Row>> {
     let base = TrainRecipe::load(&args.recipe, &args.sets)?;
     if args.seeds == 0 {
@@ -223,6 +239,7 @@ pub struct PlotArgs {
     pub out: Option<PathBuf>,
 }
 
+/// Runs `qsr plot`: draws the runs' metrics into PNGs and returns their paths.
 pub fn plot(args: &PlotArgs) -> Result<Vec<PathBuf>> {
     let series: Vec<crate::plot::RunSeries> = args.runs.iter().map(|d| crate::plot::RunSeries::load(d)).collect::<Result<_>>()?;
     let out = args.out.clone().unwrap_or_else(|| args.runs[0].clone());

@@ -40,6 +40,7 @@ impl DeviceSpec {
         }
     }
 
+    /// True for a CUDA device.
     pub fn is_gpu(self) -> bool {
         matches!(self, DeviceSpec::Cuda(_))
     }
@@ -53,10 +54,12 @@ impl DeviceSpec {
     }
 }
 
-/// What [`probe_cuda`] found.
+/// What `probe_cuda` (feature `cuda`) found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CudaProbe {
+    /// Number of GPUs the CUDA driver reports.
     pub gpus: usize,
+    /// The probed GPU's name as the driver reports it (`unknown GPU` if it cannot say).
     pub name: String,
 }
 

@@ -20,6 +20,7 @@ use crate::run_lock::RunLock;
 use crate::train::{Outcome, RunSpec, Summary, build_model, preflight, root_cause, run_worker};
 use crate::train_recipe::TrainRecipe;
 
+/// The collective of an external or `--nproc` launch (`--comm`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum CommKind {
     /// Our TCP ring (rendezvous at MASTER_ADDR:MASTER_PORT).
@@ -40,6 +41,7 @@ impl CommKind {
     }
 }
 
+/// Arguments of `qsr train`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct TrainArgs {
     /// TOML recipe (not needed with --resume, which uses the run's saved recipe).
@@ -48,7 +50,7 @@ pub struct TrainArgs {
     /// Override a recipe key, e.g. `--set sync.h_base=4` (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,
-    /// Run directory (default runs/<recipe name>-<unix time>).
+    /// Run directory (default `runs/<recipe name>-<unix time>`).
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Continue the run in this directory from its latest checkpoint.
@@ -64,12 +66,16 @@ pub struct TrainArgs {
     /// with --nproc, the collective the spawned workers use.
     #[arg(long, value_enum)]
     pub comm: Option<CommKind>,
+    /// This worker's rank (overrides the launcher's env, e.g. RANK).
     #[arg(long, requires = "comm")]
     pub rank: Option<usize>,
+    /// Number of workers in the job (overrides the launcher's env, e.g. WORLD_SIZE).
     #[arg(long, requires = "comm")]
     pub world_size: Option<usize>,
+    /// Rendezvous address of rank 0 (overrides MASTER_ADDR; default 127.0.0.1).
     #[arg(long, requires = "comm")]
     pub master_addr: Option<String>,
+    /// Rendezvous port of rank 0 (overrides MASTER_PORT; default 29500).
     #[arg(long, requires = "comm")]
     pub master_port: Option<u16>,
     /// Compute device: `cpu` (burn's flex backend), `cuda:N`, or `cuda` (GPU = local rank; needs a

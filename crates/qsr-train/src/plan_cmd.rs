@@ -10,21 +10,28 @@ use serde::Serialize;
 
 use crate::recipe::{PlanOverrides, PlanRecipe, load_plan};
 
+/// Output format of `qsr plan` (`--format`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
+    /// A readable summary (a table when several recipes are given)
     Human,
+    /// One JSON plan report, or an array of them for several recipes
     Json,
+    /// The rounds of one recipe: index,start,len,lr_start
     Csv,
 }
 
+/// Arguments of `qsr plan`.
 #[derive(Debug, clap::Args)]
 pub struct PlanArgs {
-    /// TOML recipe(s); flags override their [schedule] and [sync] settings. Several recipes are compared
+    /// TOML recipe(s); flags override their `[schedule]` and `[sync]` settings. Several recipes are compared
     /// side by side.
     #[arg(long)]
     pub recipe: Vec<PathBuf>,
+    /// Schedule and sync-rule flags that override the recipe's settings.
     #[command(flatten)]
     pub overrides: PlanOverrides,
+    /// Output format.
     #[arg(long, value_enum, default_value = "human")]
     pub format: Format,
     /// Draw lr and H against step into this PNG.
@@ -44,16 +51,24 @@ pub struct PlanArgs {
 /// The JSON record of one plan.
 #[derive(Debug, Serialize)]
 pub struct PlanReport {
+    /// The recipe's name (see [`PlanRecipe::name`]).
     pub name: String,
+    /// The sync rule's name: `dp`, `constant`, `post-local`, `power`, `qsr` or `exponential`.
     pub rule: String,
+    /// The sync rule with its parameters.
     pub sync: qsr_sched::SyncRule,
+    /// The learning-rate schedule.
     pub schedule: qsr_sched::LrSchedule,
+    /// Counts of the plan (rounds, communication share, H), flattened into the record.
     #[serde(flatten)]
     pub summary: PlanSummary,
+    /// Bytes each rank sends (per sync, over the run, and for data parallel); only with `--params`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub volume: Option<qsr_sched::CommVolume>,
 }
 
+/// Runs `qsr plan`: loads each recipe with the overrides, writes the plans to `out` in the chosen format,
+/// and draws the PNG if `--plot` is given.
 pub fn run(args: &PlanArgs, out: &mut dyn Write) -> Result<()> {
     let recipes: Vec<PlanRecipe> = if args.recipe.is_empty() {
         vec![load_plan(None, &args.overrides)?]

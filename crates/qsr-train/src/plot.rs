@@ -482,12 +482,14 @@ pub fn plan_png(path: &Path, plans: &[(&str, &Plan)]) -> Result<()> {
 
 /// One run's records, read from `metrics.jsonl`.
 pub struct RunSeries {
+    /// The run's label in legends: the run directory's name unless the caller renames it.
     pub name: String,
+    /// The records of `metrics.jsonl`, in file order.
     pub records: Vec<crate::train::Record>,
 }
 
 impl RunSeries {
-    /// Reads `RUN_DIR/metrics.jsonl` (and the run name from `summary.json` / `recipe.toml` if present).
+    /// Reads `RUN_DIR/metrics.jsonl`; the run is named after its directory.
     pub fn load(run_dir: &Path) -> Result<Self> {
         let path = run_dir.join("metrics.jsonl");
         let text = std::fs::read_to_string(&path)

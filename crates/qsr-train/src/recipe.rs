@@ -47,10 +47,13 @@ pub struct PlanOverrides {
     /// Horizon T of the lr schedule, in steps.
     #[arg(long)]
     pub total_steps: Option<u64>,
+    /// Steps of linear warmup from lr_min to lr_max.
     #[arg(long)]
     pub warmup_steps: Option<u64>,
+    /// Peak learning rate, reached at the end of warmup.
     #[arg(long)]
     pub lr_max: Option<f64>,
+    /// Learning rate at the start of warmup and at the end of a cosine or linear decay.
     #[arg(long)]
     pub lr_min: Option<f64>,
     /// cosine, linear, step or constant.
@@ -59,17 +62,22 @@ pub struct PlanOverrides {
     /// Comma-separated steps at which a `step` schedule decays.
     #[arg(long, value_delimiter = ',')]
     pub decay_points: Option<Vec<u64>>,
+    /// Factor a `step` schedule multiplies the lr by at each decay point.
     #[arg(long)]
     pub decay_gamma: Option<f64>,
     /// dp, constant, post-local, power, qsr (= power 2) or exponential.
     #[arg(long = "sync")]
     pub rule: Option<String>,
+    /// Power, qsr and exponential rules: smallest H, used for rounds that start in warmup.
     #[arg(long)]
     pub h_base: Option<u64>,
+    /// Power and qsr rules: scale alpha in H = max(h_base, floor((alpha / lr)^power)).
     #[arg(long)]
     pub alpha: Option<f64>,
+    /// Power rule: exponent of alpha / lr (qsr is power 2).
     #[arg(long)]
     pub power: Option<f64>,
+    /// Post-local rule: step at which rounds switch from data parallel to local.
     #[arg(long)]
     pub switch_step: Option<u64>,
     /// H of the constant and post-local rules.
@@ -91,7 +99,9 @@ pub struct PlanOverrides {
 pub struct PlanRecipe {
     /// The recipe's `name`, or its file stem, or `flags`.
     pub name: String,
+    /// The recipe file it was read from; `None` when the plan comes from flags only.
     pub source: Option<PathBuf>,
+    /// The validated round plan: schedule, sync rule and run length.
     pub plan: Plan,
 }
 

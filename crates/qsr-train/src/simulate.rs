@@ -39,6 +39,8 @@ pub struct Network {
 }
 
 impl Network {
+    /// A network with this bandwidth (bits per second, finite and > 0) and latency (seconds, finite and
+    /// >= 0); errors name the invalid value.
     pub fn new(bandwidth_bits_per_second: f64, latency_seconds: f64) -> Result<Self> {
         if !(bandwidth_bits_per_second.is_finite() && bandwidth_bits_per_second > 0.0) {
             bail!("invalid bandwidth {bandwidth_bits_per_second}: must be a positive number of bits per second");
@@ -114,6 +116,7 @@ pub struct SyncPayload {
     pub gradient_elements: u64,
     /// Elements of a local-round (parameter) all-reduce, with averaged moments and BN statistics.
     pub parameter_elements: u64,
+    /// Bytes per element on the wire (4: f32).
     pub bytes_per_element: u64,
     /// Largest bucket in elements (`driver.bucket_elems`), if the recipe buckets its all-reduces.
     pub bucket_elements: Option<u64>,
@@ -143,17 +146,29 @@ impl SyncPayload {
 /// The predicted wall-clock of one plan.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Prediction {
+    /// The recipe's name.
     pub name: String,
+    /// The sync rule's name (`dp`, `constant`, `qsr`, ...).
     pub rule: String,
+    /// K: the ranks of the ring.
     pub world_size: usize,
+    /// Steps of the plan (its end step).
     pub steps: u64,
+    /// Steps per epoch, if known; `epoch_seconds` is empty without it.
     pub steps_per_epoch: Option<u64>,
+    /// Synchronizations: the plan's rounds.
     pub syncs: u64,
+    /// Of `syncs`, the data-parallel (gradient) all-reduces.
     pub gradient_syncs: u64,
+    /// `100 * syncs / steps`: data parallel is 100.
     pub comm_percent: f64,
+    /// Compute seconds per optimizer step used for the prediction.
     pub step_seconds: f64,
+    /// `steps * step_seconds`.
     pub compute_seconds: f64,
+    /// Modelled seconds of all synchronizations.
     pub comm_seconds: f64,
+    /// `compute_seconds + comm_seconds` (no overlap).
     pub total_seconds: f64,
     /// Time of each epoch (steps and syncs whose last step falls in it); the last may be partial.
     pub epoch_seconds: Vec<f64>,
@@ -325,12 +340,16 @@ pub struct SimulateArgs {
 /// One line of the output: a prediction, with a measurement or reference where there is one.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Row {
+    /// The predicted wall-clock of the recipe's plan.
     pub prediction: Prediction,
-    /// Trainable parameters of the model and what each synchronization moves.
+    /// Trainable parameters of the model.
     pub params: u64,
+    /// What each synchronization moves (elements, bytes per element, buckets).
     pub payload: SyncPayload,
+    /// The run's measured `wall_seconds` from its `summary.json` (`--run` only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub measured_seconds: Option<f64>,
+    /// The wall time given with `--reference NAME=HOURS`, in seconds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reference_seconds: Option<f64>,
 }
@@ -345,9 +364,13 @@ impl Row {
 /// The full report of `qsr simulate`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Report {
+    /// The network the predictions assume (`--bandwidth`, `--latency`).
     pub network: Network,
+    /// Compute seconds per optimizer step, the same for every row.
     pub step_seconds: f64,
+    /// Where `step_seconds` came from, in words (the flag and its arithmetic).
     pub step_source: String,
+    /// One row per `--recipe`, then per `--run`.
     pub rows: Vec<Row>,
 }
 

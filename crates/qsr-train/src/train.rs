@@ -26,48 +26,73 @@ pub struct Record {
     pub kind: String,
     /// Steps completed.
     pub step: u64,
+    /// Epochs completed: `step / steps_per_epoch` (fractional).
     pub epoch: f64,
+    /// Learning rate of the last step completed.
     pub lr: f64,
     /// Length of the round that just ended (sync) or is under way (eval).
     pub h: u64,
     /// Rank 0's mean training loss since the previous sync record (sync); test loss (eval).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub loss: Option<f64>,
+    /// Top-1 test accuracy as a fraction in `[0, 1]` (eval records only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub accuracy: Option<f64>,
+    /// Synchronizations so far (counted across resumes).
     pub syncs: u64,
     /// Bytes rank 0 sent for synchronizations so far.
     pub bytes: u64,
+    /// Seconds rank 0 spent in synchronizations so far.
     pub comm_seconds: f64,
+    /// Seconds of training so far (across resumes, excluding the time between a stop and its resume).
     pub wall_seconds: f64,
 }
 
 /// `summary.json`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Summary {
+    /// The recipe's `name`.
     pub name: String,
+    /// The sync rule's name (`dp`, `constant`, `qsr`, ...).
     pub rule: String,
+    /// The recipe's `seed`.
     pub seed: u64,
+    /// K: the number of workers.
     pub world_size: usize,
+    /// Steps of the whole run (the plan's end step, including steps done before a resume).
     pub steps: u64,
+    /// `steps / steps_per_epoch`.
     pub epochs: f64,
+    /// Steps per epoch: `floor(N / (K * train.local_batch))` for N training images.
     pub steps_per_epoch: usize,
+    /// Top-1 test accuracy of the final evaluation, as a fraction in `[0, 1]`.
     pub final_test_accuracy: f64,
+    /// Mean test loss of the final evaluation.
     pub final_test_loss: f64,
+    /// Synchronizations performed (counted across resumes).
     pub syncs: u64,
+    /// Synchronizations in the plan (its rounds).
     pub planned_syncs: u64,
+    /// The plan's `100 * rounds / steps`: data parallel is 100.
     pub comm_percent: f64,
+    /// Bytes rank 0 sent for synchronizations over the run.
     pub bytes_per_rank: u64,
+    /// Seconds rank 0 spent in synchronizations over the run.
     pub comm_seconds: f64,
+    /// Seconds of training over the run (excluding the time between a stop and its resume).
     pub wall_seconds: f64,
+    /// Steps this process ran divided by its own wall time (this segment only after a resume).
     pub steps_per_second: f64,
+    /// Updates skipped for non-finite gradients.
     pub skipped_updates: u64,
 }
 
 /// Everything a worker needs besides its collective and its model replica.
 #[derive(Clone)]
 pub struct RunSpec {
+    /// The resolved recipe every worker trains.
     pub recipe: TrainRecipe,
+    /// The device this worker computes on.
     pub device: Device,
     /// The run directory (rank 0 writes metrics, summary and the shared checkpoint files; every rank
     /// writes its optimizer state into the checkpoint).
@@ -82,8 +107,11 @@ pub struct RunSpec {
 
 /// What a worker returns.
 pub struct Outcome {
+    /// The worker's rank.
     pub rank: usize,
+    /// The worker's flat parameters when it stopped.
     pub params: Vec<f32>,
+    /// The run's summary: on rank 0 of a finished run that evaluated, `None` elsewhere.
     pub summary: Option<Summary>,
     /// False when the run halted early (`halt_after`).
     pub finished: bool,

@@ -44,6 +44,7 @@ pub struct TrainConfig {
     /// Steps this run performs (default: the schedule's horizon `total_steps`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub steps: Option<u64>,
+    /// Label smoothing of the cross-entropy loss (`train.label_smoothing`), in `[0, 1)`; default 0 (none).
     #[serde(default)]
     pub label_smoothing: f32,
 }
@@ -52,6 +53,7 @@ pub struct TrainConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EvalConfig {
+    /// Test images per evaluation batch on each worker (`eval.batch_size`); at least 1, default 256.
     #[serde(default = "eval_batch")]
     pub batch_size: usize,
     /// Evaluate at the last synchronization before every `every_epochs`-th epoch boundary (and at the end).
@@ -109,22 +111,33 @@ fn bn_images() -> usize {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TrainRecipe {
+    /// The run's name (`name`; default `run`): names the default run directory and the summary.
     pub name: String,
+    /// Free text about the recipe (`description`); training does not read it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
     /// Seed of the model initialization, the data order and augmentation.
     #[serde(default)]
     pub seed: u64,
+    /// The network (`[model]`, selected by `model.kind`); required.
     pub model: ModelConfig,
+    /// The dataset (`[data]`); required.
     pub data: DataConfig,
+    /// Batch sizes, run length and loss (`[train]`); required.
     pub train: TrainConfig,
+    /// The local optimizer and its hyperparameters (`[optimizer]`); required.
     pub optimizer: OptimizerConfig,
+    /// The learning-rate schedule (`[schedule]`); required.
     pub schedule: LrSchedule,
+    /// The synchronization rule (`[sync]`, selected by `sync.rule`); required.
     pub sync: SyncRule,
+    /// Round-driver options (`[driver]`); default [`DriverConfig::default`].
     #[serde(default)]
     pub driver: DriverConfig,
+    /// Evaluation cadence and BatchNorm re-estimation (`[eval]`); defaults as documented on [`EvalConfig`].
     #[serde(default)]
     pub eval: EvalConfig,
+    /// Checkpointing (`[checkpoint]`); on by default, keeping 2.
     #[serde(default)]
     pub checkpoint: CheckpointConfig,
 }
@@ -174,6 +187,9 @@ impl TrainRecipe {
         Self::from_table(root, &format!("recipe {}", path.display()))
     }
 
+    /// Builds a recipe from a TOML table with its overrides already applied: `name` defaults to `run`,
+    /// unknown top-level keys are refused, each section is deserialized on its own so that an error names
+    /// it, then [`validate`](Self::validate) runs. `origin` (e.g. `recipe PATH`) prefixes every error.
     pub fn from_table(mut root: Table, origin: &str) -> Result<Self> {
         if !root.contains_key("name") {
             root.insert("name".into(), Value::String("run".into()));
@@ -229,10 +245,12 @@ impl TrainRecipe {
         Ok(())
     }
 
+    /// Samples per forward/backward pass: `train.micro_batch`, or the whole local batch.
     pub fn micro_batch(&self) -> usize {
         self.train.micro_batch.unwrap_or(self.train.local_batch)
     }
 
+    /// Micro-batches accumulated per optimizer step: `train.local_batch / micro_batch`.
     pub fn accumulation_steps(&self) -> usize {
         self.train.local_batch / self.micro_batch().max(1)
     }
@@ -260,6 +278,7 @@ impl TrainRecipe {
         Ok(serde_json::to_string(&r)?)
     }
 
+    /// The resolved recipe as TOML (what `RUN_DIR/recipe.toml` holds).
     pub fn to_toml(&self) -> Result<String> {
         Ok(toml::to_string_pretty(self)?)
     }
