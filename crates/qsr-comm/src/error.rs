@@ -12,27 +12,39 @@ pub enum CommError {
     /// A peer closed its connection or died (EOF, reset, broken pipe).
     #[error("peer rank {rank} ({addr}) was lost during {during}: {detail}")]
     PeerLost {
+        /// Rank of the lost peer.
         rank: usize,
+        /// The peer's address (`host:port`), as far as it is known.
         addr: String,
+        /// The operation under way, e.g. `all_reduce seq 12 (4096 bytes)` or `ring setup`.
         during: String,
+        /// The underlying error, e.g. the I/O error or `connection closed`.
         detail: String,
     },
 
     /// A peer made no progress for the configured timeout.
     #[error("peer rank {rank} ({addr}) made no progress for {timeout:?} during {during}")]
     PeerTimeout {
+        /// Rank of the stalled peer.
         rank: usize,
+        /// The peer's address (`host:port`), as far as it is known.
         addr: String,
+        /// The operation under way, e.g. `all_reduce seq 12 (4096 bytes)`.
         during: String,
+        /// The no-progress timeout that expired (`TcpConfig::timeout`, default 30 s).
         timeout: Duration,
     },
 
     /// Another rank detected a failure and told us about it; `culprit` is the rank it blamed.
     #[error("rank {culprit} failed ({reason}), as reported by rank {reporter} during {during}")]
     Aborted {
+        /// Rank the reporter blamed for the failure.
         culprit: usize,
+        /// What happened to the culprit, e.g. `connection lost` or `no progress within the timeout`.
         reason: String,
+        /// Rank that detected the failure and sent the abort notice.
         reporter: usize,
+        /// The operation under way on this rank when the notice arrived.
         during: String,
     },
 
@@ -41,11 +53,17 @@ pub enum CommError {
         "rank {peer} diverged from rank {me} in {field}: rank {peer} has {theirs}, rank {me} has {ours} ({during})"
     )]
     Diverged {
+        /// Rank whose call is compared against (this rank; rank 0 for the in-process group).
         me: usize,
+        /// Rank whose call differs (the left neighbour on the TCP ring).
         peer: usize,
+        /// What differs: `sequence number`, `call`, `length (bytes)`, `reduce op`, `root`, ...
         field: &'static str,
+        /// The value on rank `me`.
         ours: String,
+        /// The value on rank `peer`.
         theirs: String,
+        /// The call under way, e.g. `all_reduce seq 12`.
         during: String,
     },
 
@@ -53,14 +71,23 @@ pub enum CommError {
     /// rank); `detail` names the field itself, `field` is there for programs.
     #[error("handshake with {peer} refused: {detail}")]
     HandshakeRefused {
+        /// Who refused or was refused: an address or `rank r (addr)`.
         peer: String,
+        /// The differing field, for programs: `job token`, `protocol version`, `world size`, `rank` or
+        /// `request`.
         field: &'static str,
+        /// Human-readable reason, naming the field and both values.
         detail: String,
     },
 
     /// A peer sent bytes that do not follow the wire protocol.
     #[error("protocol error from {peer}: {detail}")]
-    Protocol { peer: String, detail: String },
+    Protocol {
+        /// Who sent the bytes: an address, `rank r (addr) during ...`, `rank 0` or `the ring`.
+        peer: String,
+        /// What was wrong with them.
+        detail: String,
+    },
 
     /// Rendezvous did not complete in time.
     #[error("rendezvous failed: {0}")]
@@ -73,7 +100,12 @@ pub enum CommError {
     /// A launch-environment variable (or explicit argument) is malformed, inconsistent or missing;
     /// `detail` names it itself, `var` is there for programs.
     #[error("launch environment: {detail}")]
-    Launch { var: String, detail: String },
+    Launch {
+        /// The variable or flag at fault, e.g. `WORLD_SIZE`, `MASTER_PORT` or `--rank`.
+        var: String,
+        /// Human-readable reason, naming the variable and its value.
+        detail: String,
+    },
 
     /// The communicator already failed; collectives after a failure are refused, because the
     /// ranks can no longer agree on where in the call sequence they are.
@@ -84,7 +116,9 @@ pub enum CommError {
     /// `culprit` is the rank responsible when one is known.
     #[error("in-process group: {detail}")]
     Group {
+        /// The responsible rank, when one is known.
         culprit: Option<usize>,
+        /// What happened, e.g. a member panicked or dropped its handle.
         detail: String,
     },
 
@@ -93,7 +127,9 @@ pub enum CommError {
     /// chains (anyhow's `{:#}`) would state it twice.
     #[error("{context}: {error}")]
     Io {
+        /// What was being done, e.g. `binding the rendezvous port 127.0.0.1:29500`.
         context: String,
+        /// The I/O error.
         error: std::io::Error,
     },
 
@@ -108,15 +144,23 @@ pub enum CommError {
     /// Ranks were configured differently ([`crate::agree`]): `ranks` differ from rank 0, and `detail`
     /// names the first one's differing settings.
     #[error("the ranks were configured differently ({}); {detail}", differing(ranks))]
-    Disagree { ranks: Vec<usize>, detail: String },
+    Disagree {
+        /// Ranks whose settings differ from rank 0's, ascending.
+        ranks: Vec<usize>,
+        /// The first differing rank's differing settings, by key, with both values.
+        detail: String,
+    },
 
     /// A shared library a backend needs at run time could not be loaded.
     #[error(
         "cannot load the {library} shared library (tried {searched}; last error: {last_error}); install it or add its directory to LD_LIBRARY_PATH"
     )]
     LibraryMissing {
+        /// The library's short name, e.g. `cuda` or `nccl`.
         library: String,
+        /// The file names or paths tried, comma-separated.
         searched: String,
+        /// The loader's error for the last candidate.
         last_error: String,
     },
 }

@@ -23,33 +23,51 @@ pub const DEFAULT_MASTER_ADDR: &str = "127.0.0.1";
 /// Where the launch information came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Source {
+    /// The rank came from an explicit argument (`--rank`), with `--world-size` or a launcher's world size.
     Explicit,
+    /// torchrun-style variables: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`.
     Torchrun,
+    /// Open MPI's `mpirun`: `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`.
     OpenMpi,
+    /// A PMI launcher (MPICH, Hydra): `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID` or `PMI_LOCAL_RANK`.
     Pmi,
+    /// `srun`: `SLURM_PROCID`, `SLURM_NTASKS` (or `SLURM_NPROCS`), `SLURM_LOCALID`; the master address
+    /// defaults to the node list's first host and the port to `29500 + SLURM_JOB_ID % 1000`.
     Slurm,
+    /// No launcher and no explicit rank: a single process, rank 0 of 1.
     Single,
 }
 
 /// Values given on the command line or in a config; each overrides the environment.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Explicit {
+    /// This process's rank (`--rank`); overrides any launcher's.
     pub rank: Option<usize>,
+    /// Number of processes K (`--world-size`); overrides any launcher's.
     pub world_size: Option<usize>,
+    /// Rank among the processes of this host (`--local-rank`); overrides any launcher's.
     pub local_rank: Option<usize>,
+    /// Rank 0's rendezvous host (`--master-addr`); overrides `MASTER_ADDR` and the SLURM node list.
     pub master_addr: Option<String>,
+    /// Rank 0's rendezvous port (`--master-port`); overrides `MASTER_PORT`.
     pub master_port: Option<u16>,
 }
 
 /// The resolved launch environment of this process.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LaunchEnv {
+    /// This process's rank, in `0..world_size`.
     pub rank: usize,
+    /// Number of processes K, at least 1.
     pub world_size: usize,
     /// Rank among the processes on this host (selects the GPU).
     pub local_rank: usize,
+    /// Host rank 0 listens on for the rendezvous (`MASTER_ADDR`; default [`DEFAULT_MASTER_ADDR`]).
     pub master_addr: String,
+    /// Port rank 0 listens on for the rendezvous (`MASTER_PORT`; default [`DEFAULT_MASTER_PORT`]); never 0
+    /// when `world_size > 1`.
     pub master_port: u16,
+    /// Which launcher (or explicit arguments) the rank came from.
     pub source: Source,
 }
 

@@ -97,7 +97,9 @@ impl CallKind {
 pub struct CommStats {
     /// Collective calls completed (successfully or not).
     pub calls: u64,
+    /// Payload bytes this rank sent, headers excluded.
     pub bytes_sent: u64,
+    /// Payload bytes this rank received, headers excluded.
     pub bytes_received: u64,
     /// Wall time spent inside collective calls.
     pub seconds: f64,

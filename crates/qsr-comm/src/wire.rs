@@ -48,50 +48,80 @@ use std::fmt;
 /// Bumped whenever any layout in this module changes.
 pub const PROTOCOL_VERSION: u32 = 1;
 
+/// First 8 bytes of every hello.
 pub const HELLO_MAGIC: [u8; 8] = *b"QSRHELLO";
+/// First 8 bytes of every reply.
 pub const REPLY_MAGIC: [u8; 8] = *b"QSRREPLY";
 /// magic + version + body_len.
 pub const PREFIX_LEN: usize = 16;
+/// Longest job token a hello may carry, in bytes.
 pub const MAX_TOKEN_LEN: usize = 1024;
+/// Longest host name a hello or an address table entry may carry, in bytes.
 pub const MAX_HOST_LEN: usize = 255;
+/// Longest refusal message a reply carries, in bytes (longer messages are cut at a character boundary).
 pub const MAX_MESSAGE_LEN: usize = 1024;
 /// Largest hello body: purpose, world, rank, token, host, port.
 pub const MAX_HELLO_BODY: usize = 1 + 4 + 4 + 2 + MAX_TOKEN_LEN + 2 + MAX_HOST_LEN + 2;
 /// Largest world size the TCP backend accepts (bounds the address table a client will read).
 pub const MAX_WORLD_SIZE: usize = 1 << 16;
 
+/// First 4 bytes of every [`CallHeader`].
 pub const CALL_MAGIC: [u8; 4] = *b"QSRH";
+/// Encoded size of a [`CallHeader`], in bytes.
 pub const CALL_HEADER_LEN: usize = 32;
+/// Tag of a [`Frame::Data`].
 pub const TAG_DATA: [u8; 4] = *b"QSRD";
+/// Tag of a [`Frame::KeepAlive`].
 pub const TAG_KEEPALIVE: [u8; 4] = *b"QSRK";
+/// Tag of a [`Frame::Abort`].
 pub const TAG_ABORT: [u8; 4] = *b"QSRA";
+/// Encoded size of a [`Frame`] (its header; a data frame's payload follows), in bytes.
 pub const FRAME_LEN: usize = 16;
+/// First 4 bytes of every reverse-direction message ([`Back`]).
 pub const BACK_MAGIC: [u8; 4] = *b"QSRB";
+/// Encoded size of a [`Back`] message, in bytes.
 pub const BACK_LEN: usize = 16;
 
 /// What went wrong while decoding; turned into [`crate::CommError::Protocol`] with the peer's name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WireError {
+    /// The bytes do not start with the expected magic (the peer is not a qsr rank, or the stream is out of
+    /// step).
     BadMagic {
+        /// The message being decoded, e.g. `hello` or `call header`.
         what: &'static str,
     },
+    /// The input ended before the message did.
     Truncated {
+        /// The message being decoded.
         what: &'static str,
     },
+    /// A length field exceeds its bound.
     TooLong {
+        /// The field or message, e.g. `job token` or `address table`.
         what: &'static str,
+        /// The length the peer announced.
         len: usize,
+        /// The largest accepted length.
         max: usize,
     },
+    /// A field holds a value outside its range (an unknown kind, op, purpose, status or type).
     BadValue {
+        /// The field, e.g. `call kind` or `reduce op`.
         what: &'static str,
+        /// The value received.
         value: u64,
     },
+    /// A string field is not valid UTF-8.
     NotUtf8 {
+        /// The field, e.g. `host`.
         what: &'static str,
     },
+    /// Bytes remain after a complete message.
     TrailingBytes {
+        /// The message being decoded.
         what: &'static str,
+        /// How many bytes remain.
         extra: usize,
     },
 }
@@ -186,7 +216,9 @@ fn put_bytes16(out: &mut Vec<u8>, b: &[u8]) {
 /// The fixed prefix of a hello or a reply: magic, protocol version, body length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Prefix {
+    /// The sender's protocol version (compare with [`PROTOCOL_VERSION`]).
     pub version: u32,
+    /// Length of the body that follows the prefix, in bytes, already checked against the caller's bound.
     pub body_len: usize,
 }
 
@@ -235,17 +267,25 @@ pub enum Purpose {
 /// The handshake a rank sends: who it is, which job, and where its ring listener is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hello {
+    /// Protocol version the sender speaks ([`PROTOCOL_VERSION`]).
     pub version: u32,
+    /// Registration at rank 0 or a ring connection.
     pub purpose: Purpose,
+    /// World size K the sender was launched with; must equal the receiver's.
     pub world_size: u32,
+    /// The sender's rank.
     pub rank: u32,
+    /// The job token (`QSR_JOB_TOKEN`, at most [`MAX_TOKEN_LEN`] bytes; may be empty); must equal the
+    /// receiver's.
     pub token: Vec<u8>,
     /// Host of the sender's ring listener; empty means "the address you see me connect from".
     pub host: String,
+    /// Port of the sender's ring listener.
     pub port: u16,
 }
 
 impl Hello {
+    /// The complete message: prefix ([`HELLO_MAGIC`], version, body length) and body.
     pub fn encode(&self) -> Vec<u8> {
         let mut body = Vec::with_capacity(32 + self.token.len() + self.host.len());
         body.push(self.purpose as u8);
@@ -309,14 +349,21 @@ impl Hello {
 /// Which handshake field a refusal is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Field {
+    /// The job token differs.
     Token = 1,
+    /// The protocol version differs.
     Version = 2,
+    /// The world size differs.
     WorldSize = 3,
+    /// The rank is out of range, already registered, or not the expected neighbour.
     Rank = 4,
+    /// Anything else about the request (e.g. the wrong hello purpose).
     Other = 5,
 }
 
 impl Field {
+    /// The field's name as error messages show it: `job token`, `protocol version`, `world size`, `rank`
+    /// or `request`.
     pub fn name(self) -> &'static str {
         match self {
             Field::Token => "job token",
@@ -347,12 +394,21 @@ impl Field {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reply {
     /// Accepted; for a registration, the ring listener address of every rank (index = rank).
-    Accepted { table: Vec<(String, u16)> },
+    Accepted {
+        /// `(host, port)` of every rank's ring listener, index = rank; empty for a ring connection.
+        table: Vec<(String, u16)>,
+    },
     /// Refused because `field` differs; `message` says how.
-    Refused { field: Field, message: String },
+    Refused {
+        /// The field that differs.
+        field: Field,
+        /// Human-readable reason, at most [`MAX_MESSAGE_LEN`] bytes.
+        message: String,
+    },
 }
 
 impl Reply {
+    /// The complete message: prefix ([`REPLY_MAGIC`], [`PROTOCOL_VERSION`], body length) and body.
     pub fn encode(&self) -> Vec<u8> {
         let mut body = Vec::new();
         match self {
@@ -440,20 +496,29 @@ impl Reply {
 /// First bytes of every collective call on the forward stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CallHeader {
+    /// Which collective: one of the `KIND_*` constants.
     pub kind: u8,
+    /// Reduction: 0 sum (also a barrier's), 1 mean, [`OP_NONE`] for broadcasts.
     pub op: u8,
     /// Pipelining block size in 4 KiB units (ranks must agree on it to agree on frame lengths).
     pub chunk: u16,
+    /// Root rank of a broadcast (0 for calls without a root).
     pub root: u32,
+    /// Sequence number of the call on this communicator; every rank's must match.
     pub seq: u64,
     /// Payload length of the call in bytes (the whole buffer, not this link's share).
     pub len: u64,
+    /// Rank that sent the header (the receiver's left neighbour).
     pub sender: u32,
 }
 
+/// [`CallHeader::kind`] of an all-reduce.
 pub const KIND_ALL_REDUCE: u8 = 1;
+/// [`CallHeader::kind`] of an `f32` broadcast.
 pub const KIND_BROADCAST: u8 = 2;
+/// [`CallHeader::kind`] of a barrier.
 pub const KIND_BARRIER: u8 = 3;
+/// [`CallHeader::kind`] of a byte broadcast's payload.
 pub const KIND_BROADCAST_BYTES: u8 = 4;
 /// The length announcement that precedes a `broadcast_bytes` payload.
 pub const KIND_BROADCAST_LEN: u8 = 5;
@@ -461,6 +526,7 @@ pub const KIND_BROADCAST_LEN: u8 = 5;
 pub const OP_NONE: u8 = 0xff;
 
 impl CallHeader {
+    /// The 32-byte header, starting with [`CALL_MAGIC`].
     pub fn encode(&self) -> [u8; CALL_HEADER_LEN] {
         let mut out = [0u8; CALL_HEADER_LEN];
         out[0..4].copy_from_slice(&CALL_MAGIC);
@@ -474,6 +540,7 @@ impl CallHeader {
         out
     }
 
+    /// Decodes exactly [`CALL_HEADER_LEN`] bytes, checking the magic, the kind, the op and a non-zero `chunk`.
     pub fn decode(bytes: &[u8]) -> Result<CallHeader, WireError> {
         let mut c = Cursor::new(bytes, "call header");
         if c.take(4)? != CALL_MAGIC {
@@ -522,12 +589,26 @@ impl CallHeader {
 /// One frame of the forward stream after the call header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Frame {
-    Data { len: u32, block: u64 },
+    /// A block of payload, `len` bytes, follows.
+    Data {
+        /// Payload bytes that follow; must equal the block length both ranks derive from the header.
+        len: u32,
+        /// Index of the block within the call, in sending order.
+        block: u64,
+    },
+    /// Sent while the sender waits, so a live but idle peer is not blamed for a stall.
     KeepAlive,
-    Abort { culprit: u32, reason: u64 },
+    /// A failure notice travelling forwards around the ring, so every rank names the same peer.
+    Abort {
+        /// Rank blamed for the failure.
+        culprit: u32,
+        /// What happened, a [`Reason`] code ([`Reason::from_code`]).
+        reason: u64,
+    },
 }
 
 impl Frame {
+    /// The 16-byte frame header.
     pub fn encode(&self) -> [u8; FRAME_LEN] {
         let (tag, a, b) = match *self {
             Frame::Data { len, block } => (TAG_DATA, len, block),
@@ -541,6 +622,7 @@ impl Frame {
         out
     }
 
+    /// Decodes exactly [`FRAME_LEN`] bytes; an unknown tag or a keepalive with non-zero fields is an error.
     pub fn decode(bytes: &[u8]) -> Result<Frame, WireError> {
         let mut c = Cursor::new(bytes, "frame");
         let tag = c.take(4)?;
@@ -571,11 +653,19 @@ impl Frame {
 /// A message on the reverse direction of a ring connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Back {
+    /// The receiver is alive (sent while the sender waits on it).
     Heartbeat,
-    Abort { culprit: u32, reason: u32 },
+    /// A failure notice travelling backwards around the ring, so every rank names the same peer.
+    Abort {
+        /// Rank blamed for the failure.
+        culprit: u32,
+        /// What happened, a [`Reason`] code ([`Reason::from_code`]).
+        reason: u32,
+    },
 }
 
 impl Back {
+    /// The 16-byte message, starting with [`BACK_MAGIC`].
     pub fn encode(&self) -> [u8; BACK_LEN] {
         let (ty, culprit, reason) = match *self {
             Back::Heartbeat => (1u32, 0u32, 0u32),
@@ -589,6 +679,7 @@ impl Back {
         out
     }
 
+    /// Decodes exactly [`BACK_LEN`] bytes; an unknown type is an error.
     pub fn decode(bytes: &[u8]) -> Result<Back, WireError> {
         let mut c = Cursor::new(bytes, "reverse message");
         if c.take(4)? != BACK_MAGIC {
@@ -614,14 +705,20 @@ impl Back {
 /// Why a rank aborted, carried in abort frames so every rank can say what happened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reason {
+    /// The culprit's connection closed or failed.
     Lost = 1,
+    /// The culprit made no progress within the timeout.
     Timeout = 2,
+    /// The culprit sent bytes that break the protocol.
     Protocol = 3,
+    /// The culprit made a different collective call.
     Diverged = 4,
+    /// Any other failure, e.g. a local error of the reporting rank; also any unknown code.
     Other = 5,
 }
 
 impl Reason {
+    /// The reason of a wire code (1 to 4; anything else is [`Reason::Other`]).
     pub fn from_code(v: u64) -> Reason {
         match v {
             1 => Reason::Lost,
@@ -631,6 +728,7 @@ impl Reason {
             _ => Reason::Other,
         }
     }
+    /// Short description for error messages, e.g. `connection lost`.
     pub fn describe(self) -> &'static str {
         match self {
             Reason::Lost => "connection lost",

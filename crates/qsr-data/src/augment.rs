@@ -20,16 +20,27 @@ pub enum Crop {
     /// Keep the image as is (all samples must have the dataset's fixed size).
     None,
     /// Zero-pad `pad` pixels on every side, then take a random crop of the original size (CIFAR recipe).
-    RandomPad { pad: usize },
+    RandomPad {
+        /// Zero pixels added on each side before cropping (4 for 32x32 CIFAR images).
+        pad: usize,
+    },
     /// torchvision `RandomResizedCrop(size, scale, ratio)`: random area fraction and log-uniform aspect ratio,
     /// 10 attempts then the center-crop fallback, resized to `size x size` (bilinear, antialiased).
     RandomResized {
+        /// Side of the square output, in pixels (224 for ImageNet).
         size: usize,
+        /// Range `(min, max)` of the crop's area as a fraction of the image's; torchvision's default `(0.08, 1.0)`.
         scale: (f64, f64),
+        /// Range `(min, max)` of the crop's aspect ratio width / height, drawn log-uniformly; default `(3/4, 4/3)`.
         ratio: (f64, f64),
     },
     /// Evaluation: resize the shorter side to `resize` (torchvision `Resize(int)`), then center-crop `size x size`.
-    CenterResize { resize: usize, size: usize },
+    CenterResize {
+        /// Length, in pixels, the shorter side is resized to (256 for ImageNet).
+        resize: usize,
+        /// Side of the square center crop, in pixels, at most `resize` (224 for ImageNet).
+        size: usize,
+    },
 }
 
 impl Crop {
@@ -49,11 +60,15 @@ impl Crop {
 /// Per-channel normalization on the 0..1 scale (after division by `pixel_max`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Normalize {
+    /// Per-channel mean on the 0..1 scale, subtracted first; one value per channel, or one for all.
     pub mean: Vec<f32>,
+    /// Per-channel standard deviation on the 0..1 scale, divided by after the mean; one value per channel, or
+    /// one for all; every value finite and > 0.
     pub std: Vec<f32>,
 }
 
 impl Normalize {
+    /// `(x - mean[c]) / std[c]` with the given statistics (checked by [`Transform::output_shape`]).
     pub fn new(mean: Vec<f32>, std: Vec<f32>) -> Self {
         Normalize { mean, std }
     }
@@ -64,18 +79,23 @@ impl Normalize {
             std: vec![1.0; channels],
         }
     }
+    /// ImageNet's RGB statistics (torchvision's mean 0.485/0.456/0.406, std 0.229/0.224/0.225).
     pub fn imagenet() -> Self {
         Self::new(vec![0.485, 0.456, 0.406], vec![0.229, 0.224, 0.225])
     }
+    /// CIFAR-10's RGB training-set statistics.
     pub fn cifar10() -> Self {
         Self::new(vec![0.4914, 0.4822, 0.4465], vec![0.2470, 0.2435, 0.2616])
     }
+    /// CIFAR-100's RGB training-set statistics.
     pub fn cifar100() -> Self {
         Self::new(vec![0.5071, 0.4865, 0.4409], vec![0.2673, 0.2564, 0.2762])
     }
+    /// MNIST's statistics (mean 0.1307, std 0.3081).
     pub fn mnist() -> Self {
         Self::new(vec![0.1307], vec![0.3081])
     }
+    /// Fashion-MNIST's statistics (mean 0.2860, std 0.3530).
     pub fn fashion_mnist() -> Self {
         Self::new(vec![0.2860], vec![0.3530])
     }
@@ -100,17 +120,22 @@ impl Normalize {
 /// A complete per-sample transform.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Transform {
+    /// How the sample is cropped and resized, first.
     pub crop: Crop,
     /// Random horizontal flip with probability 1/2.
     pub flip: bool,
+    /// Per-channel normalization, applied last.
     pub normalize: Normalize,
 }
 
 /// Identifies one sample draw; the key of its random stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct SampleKey {
+    /// Run seed of the data (the sampler's seed).
     pub seed: u64,
+    /// Epoch of the draw: the same sample is augmented differently every epoch.
     pub epoch: u64,
+    /// Index of the sample in its dataset.
     pub index: u64,
 }
 

@@ -10,16 +10,22 @@ use crate::error::{DataError, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Split {
+    /// The training split.
     Train,
+    /// The test (evaluation) split.
     Test,
 }
 
 /// One decoded image: `u8` pixels in CHW order (planar), any size.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Image {
+    /// Pixels, `channels * height * width` bytes, channel-major (CHW).
     pub data: Vec<u8>,
+    /// Number of channels (1 for grayscale, 3 for RGB).
     pub channels: usize,
+    /// Rows, in pixels.
     pub height: usize,
+    /// Columns, in pixels.
     pub width: usize,
 }
 
@@ -36,8 +42,11 @@ impl Image {
 pub struct DatasetInfo {
     /// Short name ("digits", "fashion-mnist", "cifar10", a folder path...).
     pub name: String,
+    /// Number of samples.
     pub len: usize,
+    /// Number of classes; every label is below it.
     pub classes: usize,
+    /// Channels of every sample (1 or 3).
     pub channels: usize,
     /// `(height, width)` when every sample has that size; `None` for folders of arbitrary images.
     pub size: Option<(usize, usize)>,
@@ -51,13 +60,17 @@ pub struct DatasetInfo {
 /// A finite, indexable set of labelled images. `load` must be a pure function of `index` (it is called from
 /// many threads, in any order).
 pub trait Dataset: Send + Sync {
+    /// The dataset's name, size, classes and image format.
     fn info(&self) -> &DatasetInfo;
+    /// Number of samples (`info().len`).
     fn len(&self) -> usize {
         self.info().len
     }
+    /// Whether the dataset has no samples.
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// Number of classes (`info().classes`).
     fn classes(&self) -> usize {
         self.info().classes
     }
@@ -75,8 +88,11 @@ pub trait Dataset: Send + Sync {
 /// An in-memory dataset: all images in one buffer (`N*C*H*W`, CHW per image), labels `< classes`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ImageSet {
+    /// All pixels, `len * C * H * W` bytes: image `i` is bytes `i*C*H*W..(i+1)*C*H*W`, CHW.
     pub images: Vec<u8>,
+    /// Label of each image, `< info.classes`.
     pub labels: Vec<u16>,
+    /// Name, length, classes and the fixed image size (`size` is always `Some`).
     pub info: DatasetInfo,
 }
 
@@ -139,12 +155,15 @@ impl ImageSet {
         })
     }
 
+    /// Channels per image.
     pub fn channels(&self) -> usize {
         self.info.channels
     }
+    /// Height of every image, in pixels.
     pub fn height(&self) -> usize {
         self.info.size.map_or(0, |s| s.0)
     }
+    /// Width of every image, in pixels.
     pub fn width(&self) -> usize {
         self.info.size.map_or(0, |s| s.1)
     }

@@ -112,6 +112,7 @@ impl ImageFolder {
         Self::new(root.as_ref().join(sub))
     }
 
+    /// The directory scanned, holding one sub-folder per class.
     pub fn root(&self) -> &Path {
         &self.root
     }

@@ -30,7 +30,9 @@ pub fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
 /// An IDX array of unsigned bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdxArray {
+    /// Dimensions from the header, outermost first: `[N, H, W]` for an image file, `[N]` for a label file.
     pub dims: Vec<usize>,
+    /// The values, row-major: exactly the product of `dims` bytes.
     pub data: Vec<u8>,
 }
 

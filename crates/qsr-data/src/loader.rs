@@ -17,7 +17,9 @@ use crate::sampler::{ShardedSampler, check_micro};
 /// A batch in host memory: images `f32` NCHW (normalized), labels as `i64`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HostBatch {
+    /// Pixels after the transform, `N * C * H * W` values in NCHW order (sample `i` is the `i`-th `C*H*W` run).
     pub images: Vec<f32>,
+    /// Class index of each sample, in batch order.
     pub labels: Vec<i64>,
     /// `[N, C, H, W]`.
     pub shape: [usize; 4],
@@ -35,9 +37,11 @@ pub struct Batch {
 }
 
 impl HostBatch {
+    /// Number of samples `N`.
     pub fn len(&self) -> usize {
         self.shape[0]
     }
+    /// Whether the batch holds no samples.
     pub fn is_empty(&self) -> bool {
         self.shape[0] == 0
     }
@@ -189,12 +193,15 @@ impl TrainLoader {
             shape,
         })
     }
+    /// The training set the batches are drawn from.
     pub fn dataset(&self) -> &Arc<dyn Dataset> {
         &self.dataset
     }
+    /// The sharded sampler that picks each step's sample indices.
     pub fn sampler(&self) -> &ShardedSampler {
         &self.sampler
     }
+    /// The per-sample transform (augmentation and normalization).
     pub fn transform(&self) -> &Transform {
         &self.transform
     }
@@ -433,9 +440,11 @@ impl EvalLoader {
         self.indices = (rank..self.dataset.len()).step_by(world_size).collect();
         Ok(self)
     }
+    /// Samples this loader evaluates: the whole dataset, or this rank's shard after [`EvalLoader::shard`].
     pub fn num_samples(&self) -> usize {
         self.indices.len()
     }
+    /// Batches of at most `batch_size` samples covering `num_samples()`; the last may be shorter.
     pub fn num_batches(&self) -> usize {
         self.indices.len().div_ceil(self.batch_size)
     }

@@ -26,12 +26,14 @@ pub struct SamplerConfig {
     pub local_batch: usize,
     /// Steps per epoch; `None` = `floor(N / (K * local_batch))` (drop the remainder, as the authors do).
     pub steps_per_epoch: Option<usize>,
+    /// Seed of the per-epoch permutations (the recipe's top-level `seed` in `qsr train`); it also keys augmentation.
     pub seed: u64,
 }
 
 /// Where a global step falls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct EpochStep {
+    /// 0-based epoch, `global_step / steps_per_epoch`.
     pub epoch: u64,
     /// Step within the epoch, `0..steps_per_epoch`.
     pub step: u64,
@@ -40,7 +42,9 @@ pub struct EpochStep {
 /// The sampler position for a checkpoint: the config it was made with and the next global step to read.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SamplerState {
+    /// The sampler's settings; [`ShardedSampler::from_state`] validates them again.
     pub config: SamplerConfig,
+    /// Next global step (0-based) whose batch is to be read.
     pub next_step: u64,
 }
 
@@ -130,12 +134,15 @@ impl ShardedSampler {
         })
     }
 
+    /// The settings the sampler was made with.
     pub fn config(&self) -> &SamplerConfig {
         &self.config
     }
+    /// Steps per epoch in effect: the configured value, or `floor(N / (K * local_batch))` by default.
     pub fn steps_per_epoch(&self) -> usize {
         self.steps_per_epoch
     }
+    /// Samples per worker per optimizer step, B/K.
     pub fn local_batch(&self) -> usize {
         self.config.local_batch
     }

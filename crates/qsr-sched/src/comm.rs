@@ -15,10 +15,13 @@ pub fn ring_allreduce_bytes_per_rank(params: u64, bytes_per_elem: u64, world_siz
 /// Communication of a whole run under a ring all-reduce, per rank.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CommVolume {
+    /// Synchronizations (all-reduces of the model) over the run: the plan's round count.
     pub syncs: u64,
+    /// Optimizer steps the run performs (`run_steps`).
     pub steps: u64,
     /// `100 * syncs / steps`; data parallel is 100.
     pub comm_percent: f64,
+    /// Bytes one rank sends in one ring all-reduce of the model ([`ring_allreduce_bytes_per_rank`]).
     pub bytes_per_sync: u64,
     /// `syncs * bytes_per_sync`, saturating.
     pub bytes_per_rank: u64,
@@ -27,6 +30,8 @@ pub struct CommVolume {
 }
 
 impl CommVolume {
+    /// Volume of `syncs` all-reduces over `steps` steps, each of `params` elements of `bytes_per_elem` bytes
+    /// (4 for f32) across `world_size` = K ranks. `comm_percent` is 0 when `steps` is 0.
     pub fn new(syncs: u64, steps: u64, params: u64, bytes_per_elem: u64, world_size: u64) -> Self {
         let bytes_per_sync = ring_allreduce_bytes_per_rank(params, bytes_per_elem, world_size);
         CommVolume {

@@ -4,7 +4,9 @@ use std::fmt;
 /// recipe (`schedule.warmup_steps`, `sync.h_base`), so a user can find it.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub struct ConfigError {
+    /// Dotted recipe name of the offending setting, e.g. `sync.h_base` or `schedule.decay_points[1]`.
     pub field: String,
+    /// Why the value is refused, with the value itself (e.g. `must be at least 1 (got 0)`).
     pub reason: String,
 }
 

@@ -18,11 +18,16 @@ pub enum SyncMode {
 /// One round: `len` optimizer steps starting at global step `start`, then one synchronization.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Round {
+    /// 0-based position of the round in the run.
     pub index: u64,
+    /// Global step (0-based) of the round's first step.
     pub start: u64,
+    /// Optimizer steps in the round: the rule's `H`, except that the last round is clamped to end at the
+    /// run's end. Always >= 1.
     pub len: u64,
     /// The scheduled lr of the round's first step (the one the rule decided `len` from).
     pub lr_start: f64,
+    /// What the round's synchronization all-reduces: gradients (data parallel) or parameters.
     pub mode: SyncMode,
 }
 
@@ -87,10 +92,12 @@ impl Plan {
         Ok(Self { schedule, sync, run_steps })
     }
 
+    /// The lr schedule (the recipe's `[schedule]` section).
     pub fn schedule(&self) -> &LrSchedule {
         &self.schedule
     }
 
+    /// The sync rule (the recipe's `[sync]` section).
     pub fn sync(&self) -> &SyncRule {
         &self.sync
     }
@@ -101,6 +108,7 @@ impl Plan {
         self.run_steps.unwrap_or(self.schedule.total_steps)
     }
 
+    /// The scheduled learning rate of global step `t` (0-based); see [`LrSchedule::lr`].
     pub fn lr(&self, t: u64) -> f64 {
         self.schedule.lr(t)
     }
@@ -201,6 +209,7 @@ fn make_round(plan: &Plan, start: u64, index: u64, warm_rounds: u64) -> Round {
 /// Aggregate shape of a plan.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PlanSummary {
+    /// Name of the sync rule ([`SyncRule::name`]), e.g. `qsr`.
     pub rule: String,
     /// The lr horizon T.
     pub total_steps: u64,
@@ -216,7 +225,9 @@ pub struct PlanSummary {
     pub first_h: u64,
     /// Start of the first round longer than the first one (`None` if H never grows).
     pub first_h_increase_step: Option<u64>,
+    /// Longest round, in steps (the largest `H` after clamping).
     pub max_h: u64,
+    /// Length of the last round, which may be clamped short to end at `run_steps`.
     pub last_round_len: u64,
 }
 
@@ -243,6 +254,7 @@ pub struct StepInfo {
     pub h: u64,
     /// Whether a synchronization follows this step (it is the round's last).
     pub sync_after: bool,
+    /// What the synchronization of this step's round all-reduces.
     pub mode: SyncMode,
 }
 
@@ -298,6 +310,7 @@ impl TryFrom<CursorSpec> for Cursor {
 }
 
 impl Cursor {
+    /// The plan the cursor walks.
     pub fn plan(&self) -> &Plan {
         &self.plan
     }
@@ -312,6 +325,7 @@ impl Cursor {
         &self.round
     }
 
+    /// Whether every step of the run has been handed out (`step() == plan().end_step()`).
     pub fn is_done(&self) -> bool {
         self.step >= self.plan.end_step()
     }

@@ -15,17 +15,46 @@ pub enum SyncRule {
     #[serde(alias = "data-parallel")]
     Dp,
     /// Local method with a constant number of local steps `h` per round.
-    Constant { h: u64 },
+    Constant {
+        /// Local steps per round, `H` (recipe key `sync.h`); at least 1.
+        h: u64,
+    },
     /// Post-local SGD (Lin et al.): data parallel before `switch_step`, then constant `h`.
-    PostLocal { switch_step: u64, h: u64 },
+    PostLocal {
+        /// Global step at which rounds switch from data parallel to local (`sync.switch_step`); at most
+        /// `schedule.total_steps`.
+        switch_step: u64,
+        /// Local steps per round after the switch, `H` (`sync.h`); at least 1.
+        h: u64,
+    },
     /// `H = max(h_base, floor((alpha / lr)^power))`: `power` 1 is the H ~ 1/lr rule, 2 is QSR, 3 the
     /// cubic ablation; any positive real is accepted.
-    Power { h_base: u64, alpha: f64, power: f64 },
+    Power {
+        /// Smallest `H`, used as is for rounds that start in warmup (`sync.h_base`); at least 1.
+        h_base: u64,
+        /// Scale `alpha` of the rule (`sync.alpha`): `H` exceeds `h_base` once the lr falls below
+        /// about `alpha / h_base^(1/power)`; finite and > 0.
+        alpha: f64,
+        /// Exponent of `alpha / lr` (`sync.power`); finite and > 0.
+        power: f64,
+    },
     /// The Quadratic Synchronization Rule: the power rule with `power = 2`.
-    Qsr { h_base: u64, alpha: f64 },
+    Qsr {
+        /// Smallest `H`, used as is for rounds that start in warmup (`sync.h_base`); at least 1.
+        h_base: u64,
+        /// Scale `alpha` in `H = max(h_base, floor((alpha / lr)^2))` (`sync.alpha`); finite and > 0.
+        alpha: f64,
+    },
     /// Exponentially growing interval in the style of DeepSpeed's 0/1 Adam: `h_base` doubles every
     /// `scaler` rounds after warmup, clipped at `h_max`.
-    Exponential { h_base: u64, scaler: u64, h_max: u64 },
+    Exponential {
+        /// `H` during warmup and the first `scaler` rounds after it (`sync.h_base`); at least 1.
+        h_base: u64,
+        /// Rounds after warmup between two doublings of `H` (`sync.scaler`); at least 1.
+        scaler: u64,
+        /// Largest `H` (`sync.h_max`); at least `h_base`.
+        h_max: u64,
+    },
 }
 
 /// What `SyncRule` deserializes from: the same rules, with `dp` as an empty struct variant, because
@@ -57,6 +86,8 @@ impl From<RuleRepr> for SyncRule {
 }
 
 impl SyncRule {
+    /// The rule's name as written in a recipe's `sync.rule` and on the command line (`--sync`): `dp`,
+    /// `constant`, `post-local`, `power`, `qsr` or `exponential`.
     pub fn name(&self) -> &'static str {
         match self {
             SyncRule::Dp => "dp",
@@ -93,6 +124,12 @@ impl SyncRule {
         }
     }
 
+    /// Checks the rule's settings against `schedule`: `h`, `h_base` and `scaler` at least 1; `alpha` and
+    /// `power` finite and > 0; `switch_step` at most `schedule.total_steps`; `h_max >= h_base`.
+    ///
+    /// # Errors
+    ///
+    /// The first invalid setting, as a [`ConfigError`] naming it (`sync.h_base`, `sync.alpha`, ...).
     pub fn validate(&self, schedule: &LrSchedule) -> Result<(), ConfigError> {
         let at_least_one = |field: &str, v: u64| {
             if v == 0 { Err(ConfigError::new(format!("sync.{field}"), "must be at least 1 (got 0)")) } else { Ok(()) }

@@ -17,9 +17,12 @@ pub enum ScheduleKind {
 }
 
 impl ScheduleKind {
+    /// Every kind, in the order `cosine`, `linear`, `step`, `constant`.
     pub const ALL: [ScheduleKind; 4] =
         [ScheduleKind::Cosine, ScheduleKind::Linear, ScheduleKind::Step, ScheduleKind::Constant];
 
+    /// The kind's name in recipes (`schedule.kind`) and on the command line (`--schedule`): `cosine`,
+    /// `linear`, `step` or `constant`; [`FromStr`](std::str::FromStr) parses it back.
     pub fn name(self) -> &'static str {
         match self {
             ScheduleKind::Cosine => "cosine",
@@ -50,17 +53,27 @@ fn default_decay_gamma() -> f64 {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LrSchedule {
+    /// Shape of the decay after warmup (recipe key `schedule.kind`).
     pub kind: ScheduleKind,
+    /// Horizon `T` of the decay in steps (`schedule.total_steps`): the lr reaches `lr_min` (cosine, linear) at
+    /// `T` and stays at its final value past it. At least 1, at most [`crate::MAX_STEPS`].
     pub total_steps: u64,
+    /// Steps of linear warmup from `lr_min` to `lr_max` (`schedule.warmup_steps`, default 0); smaller than
+    /// `total_steps`. The power and exponential rules use `h_base` for rounds that start in warmup.
     #[serde(default)]
     pub warmup_steps: u64,
+    /// Peak learning rate, reached at the end of warmup (`schedule.lr_max`); finite and > 0.
     pub lr_max: f64,
+    /// Learning rate at step 0 of warmup and at the end `T` of a cosine or linear decay
+    /// (`schedule.lr_min`, default 0); finite, in `[0, lr_max]`.
     #[serde(default)]
     pub lr_min: f64,
     /// Steps at which a `step` schedule multiplies the lr by `decay_gamma`; strictly increasing, each in
     /// `(warmup_steps, total_steps)`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub decay_points: Vec<u64>,
+    /// Factor a `step` schedule multiplies the lr by at each of `decay_points` (`schedule.decay_gamma`,
+    /// default 0.1); in `(0, 1]`.
     #[serde(default = "default_decay_gamma")]
     pub decay_gamma: f64,
 }
@@ -80,6 +93,13 @@ impl LrSchedule {
         }
     }
 
+    /// Checks every setting: `total_steps` in `1..=MAX_STEPS`, `warmup_steps < total_steps`, `lr_max > 0`,
+    /// `0 <= lr_min <= lr_max`, `decay_gamma` in `(0, 1]`, and `decay_points` only for a `step` schedule,
+    /// strictly increasing inside `(warmup_steps, total_steps)`.
+    ///
+    /// # Errors
+    ///
+    /// The first invalid setting, as a [`ConfigError`] naming it (`schedule.warmup_steps`, ...).
     pub fn validate(&self) -> Result<(), ConfigError> {
         let f = |name: &str| format!("schedule.{name}");
         if self.total_steps == 0 {
@@ -168,6 +188,7 @@ impl LrSchedule {
         }
     }
 
+    /// Whether step `t` lies in the warmup, `t < warmup_steps`.
     pub fn in_warmup(&self, t: u64) -> bool {
         t < self.warmup_steps
     }

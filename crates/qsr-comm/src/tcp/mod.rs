@@ -1,11 +1,11 @@
 //! Our own TCP ring all-reduce, for processes on one or many hosts.
 //!
-//! Setup ([`rendezvous`]): rank 0 listens at `MASTER_ADDR:MASTER_PORT`, the others register with
+//! Setup (`rendezvous.rs`): rank 0 listens at `MASTER_ADDR:MASTER_PORT`, the others register with
 //! a handshake (magic, protocol version, job token, world size, rank, ring listener address), rank
 //! 0 answers with the address table, and each rank connects to its right neighbour (same
 //! handshake) and accepts its left one. A mismatch is refused with a message naming the field.
 //!
-//! Collectives ([`plan`], [`engine`]): a ring reduce-scatter then all-gather, split into blocks
+//! Collectives (`plan.rs`, `engine.rs`): a ring reduce-scatter then all-gather, split into blocks
 //! of `chunk_bytes` and pipelined: each block is forwarded as soon as it has been received and
 //! reduced, and sending right / receiving left progress together on non-blocking sockets, so
 //! every link is busy in both the rank's send and receive direction and no message size can
