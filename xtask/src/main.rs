@@ -21,7 +21,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// The test suite as CI runs it (release build: training code is ~50x slower in debug).
+    /// The test suite as CI runs it, examples included (release build: training code is ~50x slower in debug).
     Ci,
     /// The paper's communication plans (and their lr/H picture), then the README's main job.
     Demo {
@@ -102,6 +102,59 @@ fn run_mpi_check(mut c: Command) -> Result<Totals> {
     Ok(Totals { passed: cases, failed: 0, ignored: 0 })
 }
 
+/// Examples `cargo xtask ci` runs after the workspace tests, as (package, example), each counted as one passed
+/// test when it exits 0. Each finishes in seconds and needs no data beyond the embedded digits. Not here:
+/// qsr-comm's `mpi_check` (its own step, under mpirun), and the measurements `allreduce_bench` (qsr-comm) and
+/// `loader_throughput` (qsr-data), which take tens of seconds and are `cargo xtask bench`'s.
+const CI_EXAMPLES: [(&str, &str); 8] = [
+    ("qsr-sched", "plan_qsr"),
+    ("qsr-kernels", "fused_average"),
+    ("qsr-models", "count_params"),
+    ("qsr-data", "sharded_digits"),
+    ("qsr-comm", "allreduce_threads"),
+    ("qsr-comm", "allreduce_processes"),
+    ("qsr-optim", "averager"),
+    ("qsr-optim", "worker_custom_model"),
+];
+
+/// Builds [`CI_EXAMPLES`] in one cargo invocation (one shared build), then runs each with `cargo run`.
+/// Every example runs even after a failure; any failure then fails the step, naming the examples.
+fn run_examples() -> Result<Totals> {
+    let mut b = cargo();
+    b.args(["build", "--release", "--locked"]);
+    let mut packages: Vec<&str> = Vec::new();
+    for (package, _) in CI_EXAMPLES {
+        if !packages.contains(&package) {
+            packages.push(package);
+            b.args(["-p", package]);
+        }
+    }
+    for (_, example) in CI_EXAMPLES {
+        b.args(["--example", example]);
+    }
+    run(b)?;
+    let mut totals = Totals::default();
+    let mut failed = Vec::new();
+    for (package, example) in CI_EXAMPLES {
+        let mut c = cargo();
+        c.args(["run", "--release", "--locked", "-p", package, "--example", example]);
+        eprintln!("xtask: {c:?}");
+        let status = c.status().with_context(|| format!("cannot start {c:?}"))?;
+        if status.success() {
+            println!("example {package}/{example} ... ok");
+            totals.passed += 1;
+        } else {
+            println!("example {package}/{example} ... FAILED ({status})");
+            totals.failed += 1;
+            failed.push(format!("{package}/{example}"));
+        }
+    }
+    if !failed.is_empty() {
+        bail!("{} of {} examples failed: {}", failed.len(), CI_EXAMPLES.len(), failed.join(", "));
+    }
+    Ok(totals)
+}
+
 /// Runs a libtest-style command, echoing its output and adding up its `test result:` lines.
 fn run_tests(mut c: Command) -> Result<Totals> {
     use std::io::{BufRead, BufReader};
@@ -137,6 +190,8 @@ fn main() -> Result<()> {
             let mut t = cargo();
             t.args(["test", "--workspace", "--release", "--locked"]);
             let mut totals = run_tests(t)?;
+            // The crates' examples, built once, each run as its users would run it.
+            totals.add(run_examples()?);
             // The cubecl kernels, on cubecl's wgpu runtime (Mesa lavapipe on a machine without a GPU).
             let mut k = cargo();
             k.args(["test", "--release", "--locked", "-p", "qsr-kernels", "--features", "wgpu"]);

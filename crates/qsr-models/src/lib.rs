@@ -1,6 +1,23 @@
 //! Models of the QSR paper (Gu et al., ICLR 2024) and small models for fast experiments, as burn
 //! 0.22 modules that run on any burn `Device`.
 //!
+//! ```
+//! use burn::tensor::{Device, Tensor};
+//! use qsr_models::{CifarResNetConfig, CifarShortcut, InputSpec, ModelConfig, param_count};
+//!
+//! // A recipe's `[model]` section: { kind = "cifar-resnet", depth = 20 }.
+//! let config = ModelConfig::CifarResnet(CifarResNetConfig { depth: 20, shortcut: CifarShortcut::A });
+//! let device = Device::flex();
+//! device.seed(0); // parameters are drawn lazily, on first use
+//! let model = config.init(InputSpec::new(3, 32, 32), 10, &device).unwrap();
+//! assert_eq!(param_count(&model), 269_722);
+//! let logits = model.forward(Tensor::zeros([2, 3, 32, 32], &device));
+//! assert_eq!(logits.dims(), [2, 10]);
+//! ```
+//!
+//! `cargo run --release -p qsr-models --example count_params` prints the parameter counts of ResNet-18/50,
+//! CIFAR ResNet-20 and SimpleViT-Ti.
+//!
 //! # Presets
 //!
 //! | config | model | notes |
