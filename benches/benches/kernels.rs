@@ -13,7 +13,8 @@ const K: usize = 4;
 const LEN: usize = 64 * 1024 * 1024 / 4;
 
 fn averaging(c: &mut Criterion) {
-    let mut bufs: Vec<Vec<f32>> = (0..K).map(|k| (0..LEN).map(|i| ((i * 7 + k) % 1000) as f32 * 1e-3).collect()).collect();
+    let mut bufs: Vec<Vec<f32>> =
+        (0..K).map(|k| (0..LEN).map(|i| ((i * 7 + k) % 1000) as f32 * 1e-3).collect()).collect();
     let mut dst: Vec<Vec<f32>> = (0..K).map(|_| vec![0.0f32; LEN]).collect();
     let mut g = c.benchmark_group("average_k4_64MiB");
     g.sample_size(20);
@@ -27,7 +28,9 @@ fn averaging(c: &mut Criterion) {
     g.bench_function("memcpy_same_bytes_parallel", |b| {
         b.iter(|| {
             for (d, s) in dst.iter_mut().zip(&bufs) {
-                d.par_chunks_mut(qsr_kernels::CHUNK).zip(s.par_chunks(qsr_kernels::CHUNK)).for_each(|(d, s)| d.copy_from_slice(s));
+                d.par_chunks_mut(qsr_kernels::CHUNK)
+                    .zip(s.par_chunks(qsr_kernels::CHUNK))
+                    .for_each(|(d, s)| d.copy_from_slice(s));
             }
             black_box(&dst);
         })

@@ -52,7 +52,14 @@ fn step(c: &mut Criterion) {
     let layout = ParamLayout::of(&m);
     assert_eq!(layout.len(), 11_689_512);
     for (name, ours, mut theirs) in [
-        ("sgd_momentum_wd", OptimizerConfig::sgd(0.9, 1e-4), SgdConfig::new().with_momentum(Some(MomentumConfig::new().with_momentum(0.9))).with_weight_decay(Some(WeightDecayConfig::new(1e-4))).init()),
+        (
+            "sgd_momentum_wd",
+            OptimizerConfig::sgd(0.9, 1e-4),
+            SgdConfig::new()
+                .with_momentum(Some(MomentumConfig::new().with_momentum(0.9)))
+                .with_weight_decay(Some(WeightDecayConfig::new(1e-4)))
+                .init(),
+        ),
         ("adamw_wd", OptimizerConfig::adamw(0.05), AdamWConfig::new().with_weight_decay(0.05).init()),
     ] {
         let mut g = c.benchmark_group(format!("optimizer_step_resnet18_{name}"));

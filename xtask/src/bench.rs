@@ -79,7 +79,9 @@ fn section_sched(root: &Path) -> Result<String> {
 fn section_kernels(root: &Path) -> Result<String> {
     let m = criterion(root, "kernels")?;
     let fused = get(&m, "average_k4_64MiB/fused_average_and_broadcast").context("no fused result")?;
-    let mut o = String::from("| operation (K = 4 x 64 MiB) | median | GiB/s (read + write) | fused bandwidth vs this |\n|---|---|---|---|\n");
+    let mut o = String::from(
+        "| operation (K = 4 x 64 MiB) | median | GiB/s (read + write) | fused bandwidth vs this |\n|---|---|---|---|\n",
+    );
     let bytes = 2.0 * 4.0 * 64.0 * 1024.0 * 1024.0;
     for (id, ms) in &m {
         let gib = bytes / (ms / 1e3) / (1024.0 * 1024.0 * 1024.0);
@@ -101,7 +103,8 @@ fn section_optim(root: &Path) -> Result<String> {
 }
 
 fn sweep(json: &Path) -> Result<Vec<(u64, f64)>> {
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(json).with_context(|| format!("{} missing", json.display()))?)?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(json).with_context(|| format!("{} missing", json.display()))?)?;
     Ok(v.as_array()
         .map(|rows| rows.iter().filter_map(|r| Some((r["bytes"].as_u64()?, r["busbw_gbs"].as_f64()?))).collect())
         .unwrap_or_default())
@@ -115,7 +118,8 @@ fn section_comm(root: &Path, target: &Path) -> Result<String> {
     let tmp = std::env::temp_dir().join("qsr-bench-comm");
     std::fs::create_dir_all(&tmp)?;
     // Gloo (torch.distributed) is a peer only where Python torch is importable.
-    let gloo = Command::new("python3").args(["-c", "import torch.distributed"]).output().is_ok_and(|o| o.status.success());
+    let gloo =
+        Command::new("python3").args(["-c", "import torch.distributed"]).output().is_ok_and(|o| o.status.success());
     let mut o = String::from(
         "busbw GB/s (algbw x 2(n-1)/n), sizes 4 KiB..256 MiB; ratios of our ring to MPI_Allreduce (our MPI backend, \
          Open MPI's default transport), to Gloo (torch.distributed, `benches/peers/gloo_allreduce.py`) and to raw \
@@ -130,7 +134,16 @@ fn section_comm(root: &Path, target: &Path) -> Result<String> {
                 if gloo {
                     let mut c = Command::new("python3");
                     c.arg(root.join("benches/peers/gloo_allreduce.py"));
-                    c.args(["--ranks", &ranks.to_string(), "--min-bytes", "4096", "--max-bytes", "268435456", "--json"]).arg(&json);
+                    c.args([
+                        "--ranks",
+                        &ranks.to_string(),
+                        "--min-bytes",
+                        "4096",
+                        "--max-bytes",
+                        "268435456",
+                        "--json",
+                    ])
+                    .arg(&json);
                     output(c)?;
                     results.push(sweep(&json)?);
                 } else {
@@ -186,12 +199,16 @@ fn section_train(root: &Path, target: &Path) -> Result<String> {
     output(b)?;
     let qsr = target.join("release/qsr");
     let tmp = std::env::temp_dir().join("qsr-bench-train");
-    let mut o = String::from("| recipe | rule | steps | steps/s | syncs | comm share of wall | test accuracy |\n|---|---|---|---|---|---|---|\n");
+    let mut o = String::from(
+        "| recipe | rule | steps | steps/s | syncs | comm share of wall | test accuracy |\n|---|---|---|---|---|---|---|\n",
+    );
     for recipe in ["digits-mlp-qsr", "digits-qsr"] {
         for label in ["dp", "qsr"] {
             let dir = tmp.join(format!("{recipe}-{label}"));
             let mut c = Command::new(&qsr);
-            c.current_dir(root).args(["train", "--recipe", &format!("recipes/{recipe}.toml"), "--quiet", "--out"]).arg(&dir);
+            c.current_dir(root)
+                .args(["train", "--recipe", &format!("recipes/{recipe}.toml"), "--quiet", "--out"])
+                .arg(&dir);
             if label == "dp" {
                 // A rule's own keys go with it: replace the whole sync table.
                 c.args(["--set", "sync={ rule = \"dp\" }"]);
@@ -220,7 +237,11 @@ fn human(b: u64) -> String {
 fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
         .unwrap_or_else(|| "unknown CPU".into());
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     format!("{cores} cores, {cpu}")
@@ -261,7 +282,8 @@ pub fn run(which: &str, root: &Path, target: &Path) -> Result<()> {
         .unwrap_or_default();
         let body = format!("Measured {} on {} by `cargo xtask bench {g}`.\n\n{table}", date.trim(), machine());
         let doc = std::fs::read_to_string(&doc_path).unwrap_or_default();
-        std::fs::write(&doc_path, replace_section(&doc, g, &body)).with_context(|| format!("cannot write {}", doc_path.display()))?;
+        std::fs::write(&doc_path, replace_section(&doc, g, &body))
+            .with_context(|| format!("cannot write {}", doc_path.display()))?;
     }
     Ok(())
 }

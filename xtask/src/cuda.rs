@@ -90,7 +90,9 @@ pub fn run(args: &CudaArgs, root: &Path, target: &Path) -> Result<()> {
         }
         if let Some(bad) = new.iter().find(|s| !is_llvm_symbol(s)) {
             eprint!("{stderr}");
-            bail!("unresolved symbol `{bad}` is not part of the LLVM C API or cubecl's LLVM shims: refusing to stub it");
+            bail!(
+                "unresolved symbol `{bad}` is not part of the LLVM C API or cubecl's LLVM shims: refusing to stub it"
+            );
         }
         symbols.extend(new);
         std::fs::write(&symbols_file, symbols.iter().map(|s| format!("{s}\n")).collect::<String>())?;
@@ -158,7 +160,8 @@ fn llvm_symbols_in_rlibs(deps: &Path) -> BTreeSet<String> {
 /// Only the LLVM C API and cubecl's C++ shims around it may be stubbed; anything else unresolved is
 /// a real build problem.
 pub fn is_llvm_symbol(s: &str) -> bool {
-    (s.starts_with("LLVM") || s.starts_with("cubecl_") || s.starts_with("lld")) && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+    (s.starts_with("LLVM") || s.starts_with("cubecl_") || s.starts_with("lld"))
+        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
 }
 
 /// A C file defining each symbol as a function that aborts, compiled into a static archive.
@@ -193,9 +196,15 @@ fn package(out_dir: &Path, bin: &Path) -> Result<()> {
     let data = Path::new("/usr/share/datasets/fashion-mnist");
     let dest = out_dir.join("fashion-mnist");
     std::fs::create_dir_all(&dest)?;
-    for f in ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"] {
-        std::fs::copy(data.join(f), dest.join(f))
-            .with_context(|| format!("cannot copy {} (apt-get install dataset-fashion-mnist)", data.join(f).display()))?;
+    for f in [
+        "train-images-idx3-ubyte.gz",
+        "train-labels-idx1-ubyte.gz",
+        "t10k-images-idx3-ubyte.gz",
+        "t10k-labels-idx1-ubyte.gz",
+    ] {
+        std::fs::copy(data.join(f), dest.join(f)).with_context(|| {
+            format!("cannot copy {} (apt-get install dataset-fashion-mnist)", data.join(f).display())
+        })?;
     }
     let _ = std::fs::remove_file(bin);
     eprintln!("xtask cuda: packaged {} (qsr.xz + fashion-mnist/) for scripts/gpu-check.sh", out_dir.display());

@@ -45,7 +45,8 @@ enum Cmd {
 /// target dir shared by two checkouts can hand one checkout the other's (fresh-looking) xtask binary,
 /// whose compile-time path would run everything in the other checkout.
 fn root() -> PathBuf {
-    let manifest = std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from);
+    let manifest =
+        std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from);
     manifest.parent().expect("xtask lives in the workspace").to_path_buf()
 }
 
@@ -184,9 +185,25 @@ fn run_tests(mut c: Command) -> Result<Totals> {
     Ok(totals)
 }
 
+/// The tidy step, first in CI: formatting, clippy with warnings denied (the workspace lints include
+/// `missing_docs` and `undocumented_unsafe_blocks`), and rustdoc with warnings denied. Release profile for
+/// clippy and doc alike, so they share the dependencies' check builds.
+fn tidy() -> Result<()> {
+    let mut f = cargo();
+    f.args(["fmt", "--all", "--", "--check"]);
+    run(f).context("`cargo fmt --all` would change files: run it and commit")?;
+    let mut c = cargo();
+    c.args(["clippy", "--release", "--locked", "--workspace", "--all-targets", "--", "-D", "warnings"]);
+    run(c)?;
+    let mut d = cargo();
+    d.args(["doc", "--release", "--locked", "--no-deps", "--workspace"]).env("RUSTDOCFLAGS", "-D warnings");
+    run(d)
+}
+
 fn main() -> Result<()> {
     match Cli::parse().command {
         Cmd::Ci => {
+            tidy()?;
             let mut t = cargo();
             t.args(["test", "--workspace", "--release", "--locked"]);
             let mut totals = run_tests(t)?;
@@ -203,9 +220,13 @@ fn main() -> Result<()> {
             let have_mpi = Command::new("mpirun").arg("--version").output().is_ok_and(|o| o.status.success());
             if !have_mpi {
                 if std::env::var("QSR_REQUIRE_MPI").is_ok_and(|v| v == "1") {
-                    bail!("QSR_REQUIRE_MPI=1 but `mpirun` is not available (apt-get install openmpi-bin libopenmpi-dev libclang-dev)");
+                    bail!(
+                        "QSR_REQUIRE_MPI=1 but `mpirun` is not available (apt-get install openmpi-bin libopenmpi-dev libclang-dev)"
+                    );
                 }
-                eprintln!("xtask ci: SKIP the MPI backend test: no `mpirun` (apt-get install openmpi-bin libopenmpi-dev libclang-dev)");
+                eprintln!(
+                    "xtask ci: SKIP the MPI backend test: no `mpirun` (apt-get install openmpi-bin libopenmpi-dev libclang-dev)"
+                );
                 println!("{} passed, {} failed, {} ignored", totals.passed, totals.failed, totals.ignored);
                 return Ok(());
             }
@@ -214,7 +235,8 @@ fn main() -> Result<()> {
             run(b)?;
             let target = target_dir();
             let mut m = Command::new("mpirun");
-            m.args(["--allow-run-as-root", "--oversubscribe", "-np", "3"]).arg(target.join("release/examples/mpi_check"));
+            m.args(["--allow-run-as-root", "--oversubscribe", "-np", "3"])
+                .arg(target.join("release/examples/mpi_check"));
             totals.add(run_mpi_check(m)?);
             // One closing line for the whole suite (cargo's own last line is the doc-test binary's).
             println!("{} passed, {} failed, {} ignored", totals.passed, totals.failed, totals.ignored);

@@ -105,7 +105,10 @@ pub fn netem_available(t: &Topology) -> bool {
 
 /// Runs a command, failing with its stderr.
 fn sh(program: &str, args: &[&str]) -> Result<String> {
-    let out = Command::new(program).args(args).output().with_context(|| format!("cannot run {program} (install iproute2)"))?;
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .with_context(|| format!("cannot run {program} (install iproute2)"))?;
     if !out.status.success() {
         bail!("{program} {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
     }
@@ -123,7 +126,12 @@ pub fn unavailable() -> Option<String> {
         return Some("not root (network namespaces and tc need CAP_NET_ADMIN)".into());
     }
     for tool in ["ip", "tc"] {
-        let found = Command::new(tool).arg("-V").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
+        let found = Command::new(tool)
+            .arg("-V")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
         if !found {
             return Some(format!("`{tool}` not found (apt-get install iproute2)"));
         }
@@ -237,10 +245,22 @@ impl Topology {
             let tbf: Vec<&str> = tbf.iter().map(String::as_str).collect();
             match &s.delay {
                 Some(d) => {
-                    sh("tc", &["-n", &ns, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "netem", "delay", d, "limit", "100000"])?;
-                    sh("tc", &[&["-n", &ns, "qdisc", "add", "dev", "eth0", "parent", "1:1", "handle", "10:"][..], &tbf].concat())?;
+                    sh(
+                        "tc",
+                        &[
+                            "-n", &ns, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "netem", "delay", d,
+                            "limit", "100000",
+                        ],
+                    )?;
+                    sh(
+                        "tc",
+                        &[&["-n", &ns, "qdisc", "add", "dev", "eth0", "parent", "1:1", "handle", "10:"][..], &tbf]
+                            .concat(),
+                    )?;
                 }
-                None => sh("tc", &[&["-n", &ns, "qdisc", "add", "dev", "eth0", "root"][..], &tbf].concat()).map(|_| ())?,
+                None => {
+                    sh("tc", &[&["-n", &ns, "qdisc", "add", "dev", "eth0", "root"][..], &tbf].concat()).map(|_| ())?
+                }
             }
             sh("tc", &[&["-n", &br, "qdisc", "add", "dev", &port, "root"][..], &tbf].concat())?;
         }
@@ -272,7 +292,10 @@ impl Drop for Topology {
 }
 
 /// Runs `f` on a thread that has entered network namespace `ns` (the namespace is per thread).
-pub fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> Result<T> + Send + 'static) -> std::thread::JoinHandle<Result<T>> {
+pub fn in_netns<T: Send + 'static>(
+    ns: &str,
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> std::thread::JoinHandle<Result<T>> {
     let path = format!("/run/netns/{ns}");
     std::thread::spawn(move || {
         let file = File::open(&path).with_context(|| format!("cannot open {path}"))?;
@@ -453,7 +476,10 @@ fn run_job(t: &Topology, qsr: &Path, recipe: &Path, out: &Path, port: u16, timeo
             match job.children[i].1.try_wait()? {
                 Some(s) if !s.success() => {
                     let log = std::fs::read_to_string(out.join(format!("rank{i}.log"))).unwrap_or_default();
-                    bail!("rank {i} failed ({s}); its log:\n{}", log.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n"));
+                    bail!(
+                        "rank {i} failed ({s}); its log:\n{}",
+                        log.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
+                    );
                 }
                 Some(_) => {}
                 None => still.push(i),
@@ -504,7 +530,9 @@ pub fn time_at(records: &[(u64, f64)], step: u64) -> f64 {
 
 /// Reads a finished run's summary and per-epoch times.
 pub fn read_run(dir: &Path, link: &str, rule: &str, process_seconds: f64) -> Result<Measured> {
-    let s: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("summary.json")).with_context(|| format!("no summary in {}", dir.display()))?)?;
+    let s: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.join("summary.json")).with_context(|| format!("no summary in {}", dir.display()))?,
+    )?;
     let spe = num(&s, "steps_per_epoch")? as u64;
     let steps = num(&s, "steps")? as u64;
     let mut records = Vec::new();
@@ -581,7 +609,9 @@ pub fn run(args: &NetemArgs, root: &Path) -> Result<()> {
     let delay_note = if netem_available(&topo) {
         format!("{} one-way (netem)", args.delay)
     } else {
-        eprintln!("netem: this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM unset): rate shaping only (tbf), latency is the veth's own");
+        eprintln!(
+            "netem: this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM unset): rate shaping only (tbf), latency is the veth's own"
+        );
         "not emulated: this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM unset); latency is the veth's own, see the measured round trips".to_string()
     };
     let delay = netem_available(&topo).then(|| args.delay.clone());
@@ -703,7 +733,8 @@ mod tests {
         let h4 = recipe_text(&args, "h4").unwrap();
         assert!(dp.contains("total_steps = 110") && dp.contains("rule = \"dp\""));
         assert!(h4.contains("rule = \"constant\"\nh = 4"));
-        let strip = |s: &str| s.split("[sync]").map(|p| p.split("[eval]").last().unwrap().to_string()).collect::<Vec<_>>();
+        let strip =
+            |s: &str| s.split("[sync]").map(|p| p.split("[eval]").last().unwrap().to_string()).collect::<Vec<_>>();
         assert_eq!(strip(&dp)[0].replace("netem-dp", ""), strip(&h4)[0].replace("netem-h4", ""));
         assert!(recipe_text(&args, "sometimes").is_err());
     }
@@ -742,7 +773,11 @@ mod tests {
                 p = probe_link(&t, 0, 1, 1.5).unwrap();
             }
             let ratio = p.bits_per_second / configured;
-            println!("{rate} {delay} s: goodput {:.1} Mbit/s ({ratio:.3}x), rtt {:.3} ms", p.bits_per_second / 1e6, p.rtt_seconds * 1e3);
+            println!(
+                "{rate} {delay} s: goodput {:.1} Mbit/s ({ratio:.3}x), rtt {:.3} ms",
+                p.bits_per_second / 1e6,
+                p.rtt_seconds * 1e3
+            );
             // TCP/IP/Ethernet headers take ~4.4% at MTU 1500; a loaded machine can lose a little more.
             assert!((0.80..=1.02).contains(&ratio), "{rate}: measured {ratio:.3}x the configured rate");
             assert!(p.rtt_seconds >= 2.0 * delay * 0.95, "rtt {} < 2 x {delay}", p.rtt_seconds);

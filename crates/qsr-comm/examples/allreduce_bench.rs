@@ -82,8 +82,7 @@ fn sizes(a: &Args) -> Vec<usize> {
 }
 
 fn iters_for(a: &Args, bytes: usize) -> usize {
-    a.iters
-        .unwrap_or_else(|| ((1usize << 30) / bytes).clamp(5, 100))
+    a.iters.unwrap_or_else(|| ((1usize << 30) / bytes).clamp(5, 100))
 }
 
 #[derive(Debug, Clone)]
@@ -122,8 +121,7 @@ fn sweep(c: &mut dyn Collective, a: &Args) -> Result<Vec<Row>, String> {
             // Refilling is not timed; the barrier keeps one rank's refill out of another's time.
             c.barrier().map_err(|e| e.to_string())?;
             let t = Instant::now();
-            c.all_reduce(&mut buf, ReduceOp::Sum)
-                .map_err(|e| e.to_string())?;
+            c.all_reduce(&mut buf, ReduceOp::Sum).map_err(|e| e.to_string())?;
             let dt = t.elapsed().as_secs_f64();
             if it >= a.warmup {
                 times.push(dt);
@@ -156,20 +154,13 @@ fn sweep(c: &mut dyn Collective, a: &Args) -> Result<Vec<Row>, String> {
 /// time = sustained time per message on rank 0's link; busbw = bytes / time (the per-link rate).
 fn raw_sweep(a: &Args) -> Result<Vec<Row>, String> {
     let n = a.ranks.max(2);
-    let listeners: Vec<TcpListener> = (0..n)
-        .map(|_| TcpListener::bind("127.0.0.1:0"))
-        .collect::<Result<_, _>>()
-        .map_err(|e| e.to_string())?;
+    let listeners: Vec<TcpListener> =
+        (0..n).map(|_| TcpListener::bind("127.0.0.1:0")).collect::<Result<_, _>>().map_err(|e| e.to_string())?;
     let addrs: Vec<_> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
-    let rights: Vec<TcpStream> = (0..n)
-        .map(|r| TcpStream::connect(addrs[(r + 1) % n]))
-        .collect::<Result<_, _>>()
-        .map_err(|e| e.to_string())?;
-    let lefts: Vec<TcpStream> = listeners
-        .iter()
-        .map(|l| l.accept().map(|x| x.0))
-        .collect::<Result<_, _>>()
-        .map_err(|e| e.to_string())?;
+    let rights: Vec<TcpStream> =
+        (0..n).map(|r| TcpStream::connect(addrs[(r + 1) % n])).collect::<Result<_, _>>().map_err(|e| e.to_string())?;
+    let lefts: Vec<TcpStream> =
+        listeners.iter().map(|l| l.accept().map(|x| x.0)).collect::<Result<_, _>>().map_err(|e| e.to_string())?;
     let sizes = sizes(a);
     let barrier = std::sync::Arc::new(std::sync::Barrier::new(2 * n));
     let mut handles = Vec::new();
@@ -208,11 +199,7 @@ fn raw_sweep(a: &Args) -> Result<Vec<Row>, String> {
                 for _ in 0..iters {
                     left.read_exact(&mut buf).unwrap();
                 }
-                out.push(if r == 0 {
-                    t.elapsed().as_secs_f64() / iters as f64
-                } else {
-                    0.0
-                });
+                out.push(if r == 0 { t.elapsed().as_secs_f64() / iters as f64 } else { 0.0 });
             }
             out
         }));
@@ -225,14 +212,7 @@ fn raw_sweep(a: &Args) -> Result<Vec<Row>, String> {
         .map(|(i, &bytes)| {
             let t = results[1][i];
             let bw = bytes as f64 / t / 1e9;
-            Row {
-                bytes,
-                count: bytes / 4,
-                time_us: t * 1e6,
-                algbw: bw,
-                busbw: bw,
-                wrong: 0,
-            }
+            Row { bytes, count: bytes / 4, time_us: t * 1e6, algbw: bw, busbw: bw, wrong: 0 }
         })
         .collect())
 }
@@ -264,11 +244,7 @@ fn print(a: &Args, n: usize, rows: &[Row]) {
 }
 
 fn tcp_config(a: &Args) -> TcpConfig {
-    let mut cfg = TcpConfig {
-        token: "bench".into(),
-        timeout: Duration::from_secs(60),
-        ..TcpConfig::default()
-    };
+    let mut cfg = TcpConfig { token: "bench".into(), timeout: Duration::from_secs(60), ..TcpConfig::default() };
     if let Some(c) = a.chunk_bytes {
         cfg.chunk_bytes = c;
     }
@@ -298,25 +274,16 @@ fn main() {
 
 fn run_tcp(a: &Args) -> Result<(), String> {
     if let (Some(rank), Some(master)) = (a.child_rank, &a.master) {
-        let mut c =
-            TcpComm::worker(master, rank, a.ranks, tcp_config(a)).map_err(|e| e.to_string())?;
+        let mut c = TcpComm::worker(master, rank, a.ranks, tcp_config(a)).map_err(|e| e.to_string())?;
         return sweep(&mut c, a).map(|_| ());
     }
     let listener = MasterListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
-    let master = listener
-        .local_addr()
-        .map_err(|e| e.to_string())?
-        .to_string();
+    let master = listener.local_addr().map_err(|e| e.to_string())?.to_string();
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut kids = Vec::new();
     for r in 1..a.ranks {
         let mut cmd = Command::new(&exe);
-        cmd.args(std::env::args().skip(1)).args([
-            "--child-rank",
-            &r.to_string(),
-            "--master",
-            &master,
-        ]);
+        cmd.args(std::env::args().skip(1)).args(["--child-rank", &r.to_string(), "--master", &master]);
         cmd.stdout(Stdio::null());
         kids.push(cmd.spawn().map_err(|e| e.to_string())?);
     }

@@ -16,7 +16,13 @@ fn child() -> Result<(), Box<dyn std::error::Error>> {
     comm.all_reduce(&mut buf, ReduceOp::Sum)?;
     // rank 0 holds i % 7, rank 1 holds 10 + i % 7: the sum is 10 + 2 (i % 7).
     assert!(buf.iter().enumerate().all(|(i, &x)| x == (10 + 2 * (i % 7)) as f32));
-    println!("rank {} of {}: sum of {} floats over the {} backend is correct", comm.rank(), comm.world_size(), buf.len(), comm.backend());
+    println!(
+        "rank {} of {}: sum of {} floats over the {} backend is correct",
+        comm.rank(),
+        comm.world_size(),
+        buf.len(),
+        comm.backend()
+    );
     Ok(())
 }
 

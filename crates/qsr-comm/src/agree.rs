@@ -127,17 +127,24 @@ mod tests {
             std::thread::scope(|s| {
                 let joins: Vec<_> = InProcessGroup::new(4)
                     .into_iter()
-                    .map(|mut c| s.spawn(move || {
-                        let mine = settings(c.rank());
-                        agree(&mut c, &mine)
-                    }))
+                    .map(|mut c| {
+                        s.spawn(move || {
+                            let mine = settings(c.rank());
+                            agree(&mut c, &mine)
+                        })
+                    })
                     .collect();
                 joins.into_iter().map(|j| j.join().unwrap()).collect()
             })
         };
         let errors: Vec<String> = run(&settings).into_iter().map(|r| r.unwrap_err().to_string()).collect();
         assert!(errors.iter().all(|e| e == &errors[0]), "{errors:?}");
-        assert!(errors[0].contains("ranks 1, 3 differ from rank 0") && errors[0].contains("`sync.h_base`: rank 0 has 2, rank 1 has 4"), "{}", errors[0]);
+        assert!(
+            errors[0].contains("ranks 1, 3 differ from rank 0")
+                && errors[0].contains("`sync.h_base`: rank 0 has 2, rank 1 has 4"),
+            "{}",
+            errors[0]
+        );
         assert!(run(&|_| json!({"seed": 0})).into_iter().all(|r| r.is_ok()));
     }
 }

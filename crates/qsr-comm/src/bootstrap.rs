@@ -87,11 +87,7 @@ pub fn probe_library(name: &str, candidates: &[String]) -> Result<(), CommError>
             Err(e) => last = format!("{e:?}"),
         }
     }
-    Err(CommError::LibraryMissing {
-        library: name.to_string(),
-        searched: tried.join(", "),
-        last_error: last,
-    })
+    Err(CommError::LibraryMissing { library: name.to_string(), searched: tried.join(", "), last_error: last })
 }
 
 #[cfg(test)]

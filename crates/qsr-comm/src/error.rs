@@ -167,17 +167,11 @@ pub enum CommError {
 
 impl CommError {
     pub(crate) fn io(context: impl Into<String>, error: std::io::Error) -> Self {
-        CommError::Io {
-            context: context.into(),
-            error,
-        }
+        CommError::Io { context: context.into(), error }
     }
 
     pub(crate) fn launch(var: impl Into<String>, detail: impl Into<String>) -> Self {
-        CommError::Launch {
-            var: var.into(),
-            detail: detail.into(),
-        }
+        CommError::Launch { var: var.into(), detail: detail.into() }
     }
 
     /// The rank this error blames, when it blames one: tests and the trainer use it to report the
@@ -196,7 +190,11 @@ impl CommError {
 /// "rank 1 differs from rank 0" / "ranks 1, 3 differ from rank 0".
 fn differing(ranks: &[usize]) -> String {
     let list = ranks.iter().map(usize::to_string).collect::<Vec<_>>().join(", ");
-    if ranks.len() == 1 { format!("rank {list} differs from rank 0") } else { format!("ranks {list} differ from rank 0") }
+    if ranks.len() == 1 {
+        format!("rank {list} differs from rank 0")
+    } else {
+        format!("ranks {list} differ from rank 0")
+    }
 }
 
 #[cfg(test)]
@@ -221,9 +219,6 @@ mod tests {
             std::io::Error::new(std::io::ErrorKind::AddrInUse, "Address already in use"),
         );
         let printed = chain(&e);
-        assert_eq!(
-            printed,
-            "binding the rendezvous port 127.0.0.1:29500: Address already in use"
-        );
+        assert_eq!(printed, "binding the rendezvous port 127.0.0.1:29500: Address already in use");
     }
 }

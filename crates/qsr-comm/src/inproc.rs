@@ -51,13 +51,7 @@ impl InProcessGroup {
             cv: Condvar::new(),
         });
         (0..k)
-            .map(|rank| InProcessComm {
-                rank,
-                k,
-                shared: Arc::clone(&shared),
-                seq: 0,
-                stats: CommStats::default(),
-            })
+            .map(|rank| InProcessComm { rank, k, shared: Arc::clone(&shared), seq: 0, stats: CommStats::default() })
             .collect()
     }
 }
@@ -80,29 +74,14 @@ struct State {
 
 #[derive(Clone)]
 enum Failure {
-    Diverged {
-        peer: usize,
-        field: &'static str,
-        rank0: String,
-        theirs: String,
-        during: String,
-    },
-    Group {
-        culprit: Option<usize>,
-        detail: String,
-    },
+    Diverged { peer: usize, field: &'static str, rank0: String, theirs: String, during: String },
+    Group { culprit: Option<usize>, detail: String },
 }
 
 impl Failure {
     fn to_error(&self, me: usize) -> CommError {
         match self {
-            Failure::Diverged {
-                peer,
-                field,
-                rank0,
-                theirs,
-                during,
-            } => CommError::Diverged {
+            Failure::Diverged { peer, field, rank0, theirs, during } => CommError::Diverged {
                 me: 0,
                 peer: *peer,
                 field,
@@ -110,10 +89,7 @@ impl Failure {
                 theirs: theirs.clone(),
                 during: format!("{during} (seen by rank {me})"),
             },
-            Failure::Group { culprit, detail } => CommError::Group {
-                culprit: *culprit,
-                detail: detail.clone(),
-            },
+            Failure::Group { culprit, detail } => CommError::Group { culprit: *culprit, detail: detail.clone() },
         }
     }
 }
@@ -175,8 +151,7 @@ impl InProcessComm {
                 }
                 let waited = start.elapsed();
                 if waited >= shared.timeout {
-                    let missing: Vec<usize> =
-                        (0..shared.k).filter(|&j| st.slots[j].is_none()).collect();
+                    let missing: Vec<usize> = (0..shared.k).filter(|&j| st.slots[j].is_none()).collect();
                     let f = Failure::Group {
                         culprit: missing.first().copied(),
                         detail: format!(
@@ -195,11 +170,7 @@ impl InProcessComm {
                     shared.cv.notify_all();
                     return Err(err);
                 }
-                st = shared
-                    .cv
-                    .wait_timeout(st, shared.timeout - waited)
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0;
+                st = shared.cv.wait_timeout(st, shared.timeout - waited).unwrap_or_else(|p| p.into_inner()).0;
             }
         }
         Ok(st.slots.iter().map(|s| s.unwrap_or(slot)).collect())
@@ -239,14 +210,7 @@ impl InProcessComm {
         let start = Instant::now();
         let seq = self.seq;
         self.seq += 1;
-        let slot = Slot {
-            seq,
-            kind,
-            op,
-            root,
-            addr,
-            len,
-        };
+        let slot = Slot { seq, kind, op, root, addr, len };
         let result = self.gather(slot).map(|slots| {
             work(&slots);
             self.release();
@@ -280,21 +244,13 @@ fn validate(slots: &[Option<Slot>]) -> Option<Failure> {
             during: during.clone(),
         };
         if s.seq != first.seq {
-            return Some(diff(
-                "sequence number",
-                first.seq.to_string(),
-                s.seq.to_string(),
-            ));
+            return Some(diff("sequence number", first.seq.to_string(), s.seq.to_string()));
         }
         if s.kind != first.kind {
             return Some(diff("call", first.kind.name().into(), s.kind.name().into()));
         }
         if s.op != first.op {
-            return Some(diff(
-                "reduce op",
-                format!("{:?}", first.op),
-                format!("{:?}", s.op),
-            ));
+            return Some(diff("reduce op", format!("{:?}", first.op), format!("{:?}", s.op)));
         }
         if s.root != first.root {
             return Some(diff("root", first.root.to_string(), s.root.to_string()));
@@ -348,8 +304,8 @@ impl Collective for InProcessComm {
             if rank != root {
                 // SAFETY: root's buffer is only read during the work step; ours is written only
                 // by us through the pointer we published (lengths were validated equal).
-                let src =
-                    unsafe { std::slice::from_raw_parts(slots[root].addr as *const f32, len) };
+                let src = unsafe { std::slice::from_raw_parts(slots[root].addr as *const f32, len) };
+                // SAFETY: as above: this rank's own buffer, of the validated length, written only here.
                 let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut f32, len) };
                 dst.copy_from_slice(src);
             }
@@ -364,14 +320,7 @@ impl Collective for InProcessComm {
         let start = Instant::now();
         let seq = self.seq;
         self.seq += 1;
-        let slot = Slot {
-            seq,
-            kind: CallKind::BroadcastBytes,
-            op: None,
-            root,
-            addr,
-            len,
-        };
+        let slot = Slot { seq, kind: CallKind::BroadcastBytes, op: None, root, addr, len };
         let result = self.gather(slot).map(|slots| {
             if rank != root {
                 let s = slots[root];
@@ -403,9 +352,7 @@ impl Collective for InProcessComm {
 
 pub(crate) fn check_root(root: usize, k: usize) -> Result<(), CommError> {
     if root >= k {
-        return Err(CommError::InvalidArgument(format!(
-            "root {root} >= world size {k}"
-        )));
+        return Err(CommError::InvalidArgument(format!("root {root} >= world size {k}")));
     }
     Ok(())
 }
@@ -416,17 +363,10 @@ impl Drop for InProcessComm {
     fn drop(&mut self) {
         let mut st = lock(&self.shared);
         if st.failure.is_none() && self.k > 1 {
-            let how = if std::thread::panicking() {
-                "panicked"
-            } else {
-                "dropped its handle"
-            };
+            let how = if std::thread::panicking() { "panicked" } else { "dropped its handle" };
             st.failure = Some(Failure::Group {
                 culprit: Some(self.rank),
-                detail: format!(
-                    "rank {} {how}; it can no longer take part in collectives",
-                    self.rank
-                ),
+                detail: format!("rank {} {how}; it can no longer take part in collectives", self.rank),
             });
             self.shared.cv.notify_all();
         }
@@ -439,24 +379,11 @@ mod tests {
 
     #[test]
     fn validate_names_field_and_rank() {
-        let s = Slot {
-            seq: 3,
-            kind: CallKind::AllReduce,
-            op: Some(ReduceOp::Sum),
-            root: 0,
-            addr: 0,
-            len: 10,
-        };
+        let s = Slot { seq: 3, kind: CallKind::AllReduce, op: Some(ReduceOp::Sum), root: 0, addr: 0, len: 10 };
         let mut other = s;
         other.len = 11;
         match validate(&[Some(s), Some(s), Some(other)]) {
-            Some(Failure::Diverged {
-                peer: 2,
-                field: "length",
-                rank0,
-                theirs,
-                ..
-            }) => {
+            Some(Failure::Diverged { peer: 2, field: "length", rank0, theirs, .. }) => {
                 assert_eq!((rank0.as_str(), theirs.as_str()), ("10", "11"))
             }
             _ => panic!("length mismatch not detected"),
@@ -465,11 +392,7 @@ mod tests {
         other.op = Some(ReduceOp::Mean);
         assert!(matches!(
             validate(&[Some(s), Some(other)]),
-            Some(Failure::Diverged {
-                peer: 1,
-                field: "reduce op",
-                ..
-            })
+            Some(Failure::Diverged { peer: 1, field: "reduce op", .. })
         ));
         assert!(validate(&[Some(s), Some(s)]).is_none());
     }

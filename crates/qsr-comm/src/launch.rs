@@ -72,19 +72,14 @@ pub struct LaunchEnv {
 }
 
 fn parse_usize(var: &str, value: &str) -> Result<usize, CommError> {
-    value
-        .trim()
-        .parse::<usize>()
-        .map_err(|_| CommError::launch(var, format!("{var}={value} is not an integer")))
+    value.trim().parse::<usize>().map_err(|_| CommError::launch(var, format!("{var}={value} is not an integer")))
 }
 
 fn parse_port(var: &str, value: &str) -> Result<u16, CommError> {
-    value.trim().parse::<u16>().map_err(|_| {
-        CommError::launch(
-            var,
-            format!("{var}={value} is not a port number (0..65535)"),
-        )
-    })
+    value
+        .trim()
+        .parse::<u16>()
+        .map_err(|_| CommError::launch(var, format!("{var}={value} is not a port number (0..65535)")))
 }
 
 /// Rank, world size and local rank as found in the environment, with the variable names used.
@@ -97,20 +92,14 @@ struct Found {
     master_port: Option<(String, u16)>,
 }
 
-fn get_usize(
-    env: &dyn Fn(&str) -> Option<String>,
-    var: &str,
-) -> Result<Option<(String, usize)>, CommError> {
+fn get_usize(env: &dyn Fn(&str) -> Option<String>, var: &str) -> Result<Option<(String, usize)>, CommError> {
     match env(var) {
         Some(v) => Ok(Some((var.to_string(), parse_usize(var, &v)?))),
         None => Ok(None),
     }
 }
 
-fn first_usize(
-    env: &dyn Fn(&str) -> Option<String>,
-    vars: &[&str],
-) -> Result<Option<(String, usize)>, CommError> {
+fn first_usize(env: &dyn Fn(&str) -> Option<String>, vars: &[&str]) -> Result<Option<(String, usize)>, CommError> {
     for v in vars {
         if let Some(x) = get_usize(env, v)? {
             return Ok(Some(x));
@@ -120,11 +109,7 @@ fn first_usize(
 }
 
 /// Requires the size variable once the rank variable of a launcher is present.
-fn need(
-    found: Option<(String, usize)>,
-    var: &str,
-    because: &str,
-) -> Result<(String, usize), CommError> {
+fn need(found: Option<(String, usize)>, var: &str, because: &str) -> Result<(String, usize), CommError> {
     found.ok_or_else(|| CommError::launch(var, format!("{because} is set but {var} is not")))
 }
 
@@ -148,14 +133,10 @@ fn torchrun_pair(
 }
 
 fn master_addr_env(env: &dyn Fn(&str) -> Option<String>) -> Option<String> {
-    env("MASTER_ADDR")
-        .filter(|s| !s.trim().is_empty())
-        .map(|s| s.trim().to_string())
+    env("MASTER_ADDR").filter(|s| !s.trim().is_empty()).map(|s| s.trim().to_string())
 }
 
-fn master_port_env(
-    env: &dyn Fn(&str) -> Option<String>,
-) -> Result<Option<(String, u16)>, CommError> {
+fn master_port_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<(String, u16)>, CommError> {
     match env("MASTER_PORT") {
         Some(v) => Ok(Some(("MASTER_PORT".into(), parse_port("MASTER_PORT", &v)?))),
         None => Ok(None),
@@ -164,21 +145,12 @@ fn master_port_env(
 
 /// torchrun-style variables; either of RANK and WORLD_SIZE marks the launch, and the other one
 /// must then come from the environment or a flag.
-fn torchrun(
-    env: &dyn Fn(&str) -> Option<String>,
-    explicit: &Explicit,
-) -> Result<Option<Found>, CommError> {
+fn torchrun(env: &dyn Fn(&str) -> Option<String>, explicit: &Explicit) -> Result<Option<Found>, CommError> {
     let (rank, size) = match (get_usize(env, "RANK")?, get_usize(env, "WORLD_SIZE")?) {
         (None, None) => return Ok(None),
         (Some(r), Some(s)) => (r, s),
-        (Some(r), None) => (
-            r,
-            torchrun_pair(explicit.world_size, "--world-size", "WORLD_SIZE", "RANK")?,
-        ),
-        (None, Some(s)) => (
-            torchrun_pair(explicit.rank, "--rank", "RANK", "WORLD_SIZE")?,
-            s,
-        ),
+        (Some(r), None) => (r, torchrun_pair(explicit.world_size, "--world-size", "WORLD_SIZE", "RANK")?),
+        (None, Some(s)) => (torchrun_pair(explicit.rank, "--rank", "RANK", "WORLD_SIZE")?, s),
     };
     Ok(Some(Found {
         source: Source::Torchrun,
@@ -190,20 +162,13 @@ fn torchrun(
     }))
 }
 
-fn from_env(
-    env: &dyn Fn(&str) -> Option<String>,
-    explicit: &Explicit,
-) -> Result<Option<Found>, CommError> {
+fn from_env(env: &dyn Fn(&str) -> Option<String>, explicit: &Explicit) -> Result<Option<Found>, CommError> {
     if let Some(found) = torchrun(env, explicit)? {
         return Ok(Some(found));
     }
     let master_addr = master_addr_env(env);
     if let Some(rank) = get_usize(env, "OMPI_COMM_WORLD_RANK")? {
-        let size = need(
-            get_usize(env, "OMPI_COMM_WORLD_SIZE")?,
-            "OMPI_COMM_WORLD_SIZE",
-            "OMPI_COMM_WORLD_RANK",
-        )?;
+        let size = need(get_usize(env, "OMPI_COMM_WORLD_SIZE")?, "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")?;
         return Ok(Some(Found {
             source: Source::OpenMpi,
             rank,
@@ -235,25 +200,14 @@ fn slurm(
     rank: (String, usize),
     master_addr: Option<String>,
 ) -> Result<Found, CommError> {
-    let size = need(
-        first_usize(env, &["SLURM_NTASKS", "SLURM_NPROCS"])?,
-        "SLURM_NTASKS",
-        "SLURM_PROCID",
-    )?;
+    let size = need(first_usize(env, &["SLURM_NTASKS", "SLURM_NPROCS"])?, "SLURM_NTASKS", "SLURM_PROCID")?;
     let master_addr = match master_addr {
         Some(a) => Some(a),
         None => {
             let mut host = None;
-            for var in [
-                "SLURM_STEP_NODELIST",
-                "SLURM_JOB_NODELIST",
-                "SLURM_NODELIST",
-            ] {
+            for var in ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"] {
                 if let Some(list) = env(var) {
-                    host = Some(
-                        first_host(&list)
-                            .map_err(|e| CommError::launch(var, format!("{var}={list}: {e}")))?,
-                    );
+                    host = Some(first_host(&list).map_err(|e| CommError::launch(var, format!("{var}={list}: {e}")))?);
                     break;
                 }
             }
@@ -263,25 +217,14 @@ fn slurm(
     // Jobs sharing a node must not collide on one port: derive it from the job id unless set.
     let master_port = match master_port_env(env)? {
         Some(p) => Some(p),
-        None => get_usize(env, "SLURM_JOB_ID")?
-            .map(|(var, id)| (var, DEFAULT_MASTER_PORT + (id % 1000) as u16)),
+        None => get_usize(env, "SLURM_JOB_ID")?.map(|(var, id)| (var, DEFAULT_MASTER_PORT + (id % 1000) as u16)),
     };
-    Ok(Found {
-        source: Source::Slurm,
-        rank,
-        size,
-        local: get_usize(env, "SLURM_LOCALID")?,
-        master_addr,
-        master_port,
-    })
+    Ok(Found { source: Source::Slurm, rank, size, local: get_usize(env, "SLURM_LOCALID")?, master_addr, master_port })
 }
 
 /// No launcher variables: explicit rank and world size (both, or neither for a single process).
 /// Rank 0's address without a rank is a launch that lost its RANK/WORLD_SIZE, not a single process.
-fn without_launcher(
-    explicit: &Explicit,
-    env: &dyn Fn(&str) -> Option<String>,
-) -> Result<Found, CommError> {
+fn without_launcher(explicit: &Explicit, env: &dyn Fn(&str) -> Option<String>) -> Result<Found, CommError> {
     let (master_addr, master_port) = (master_addr_env(env), master_port_env(env)?);
     let found = |source, rank: (&str, usize), size: (&str, usize)| Found {
         source,
@@ -336,15 +279,8 @@ fn without_launcher(
 /// (ignored), Open MPI, PMI and SLURM launches with or without `MASTER_ADDR`/`MASTER_PORT`, and
 /// `RANK`/`WORLD_SIZE` without them (one host: [`DEFAULT_MASTER_ADDR`]:[`DEFAULT_MASTER_PORT`]).
 /// A master port of 0 is refused for several ranks.
-pub fn detect(
-    explicit: &Explicit,
-    env: &dyn Fn(&str) -> Option<String>,
-) -> Result<LaunchEnv, CommError> {
-    let found = if explicit.rank.is_some() && explicit.world_size.is_some() {
-        None
-    } else {
-        from_env(env, explicit)?
-    };
+pub fn detect(explicit: &Explicit, env: &dyn Fn(&str) -> Option<String>) -> Result<LaunchEnv, CommError> {
+    let found = if explicit.rank.is_some() && explicit.world_size.is_some() { None } else { from_env(env, explicit)? };
     let f = match found {
         Some(f) => f,
         None => without_launcher(explicit, env)?,
@@ -362,16 +298,10 @@ pub fn detect(
         None => f.size.clone(),
     };
     if world_size == 0 {
-        return Err(CommError::launch(
-            &size_var,
-            format!("{size_var} must be at least 1"),
-        ));
+        return Err(CommError::launch(&size_var, format!("{size_var} must be at least 1")));
     }
     if rank >= world_size {
-        return Err(CommError::launch(
-            &rank_var,
-            format!("{rank_var} {rank} >= {size_var} {world_size}"),
-        ));
+        return Err(CommError::launch(&rank_var, format!("{rank_var} {rank} >= {size_var} {world_size}")));
     }
     // Without a launcher-provided local rank, assume one host: the global rank.
     let (local_var, local_rank) = match (explicit.local_rank, f.local) {
@@ -380,45 +310,23 @@ pub fn detect(
         (None, None) => ("rank".to_string(), rank),
     };
     if local_rank >= world_size {
-        return Err(CommError::launch(
-            &local_var,
-            format!("{local_var} {local_rank} >= {size_var} {world_size}"),
-        ));
+        return Err(CommError::launch(&local_var, format!("{local_var} {local_rank} >= {size_var} {world_size}")));
     }
-    let master_addr = explicit
-        .master_addr
-        .clone()
-        .or(f.master_addr)
-        .unwrap_or_else(|| DEFAULT_MASTER_ADDR.to_string());
+    let master_addr = explicit.master_addr.clone().or(f.master_addr).unwrap_or_else(|| DEFAULT_MASTER_ADDR.to_string());
     let master_port = resolve_port(explicit, f.master_port, world_size)?;
-    Ok(LaunchEnv {
-        rank,
-        world_size,
-        local_rank,
-        master_addr,
-        master_port,
-        source,
-    })
+    Ok(LaunchEnv { rank, world_size, local_rank, master_addr, master_port, source })
 }
 
 /// The master port: explicit, else the launcher's, else the default; 0 is refused for several
 /// ranks, since rank 0 would listen on a random port that the others cannot know.
-fn resolve_port(
-    explicit: &Explicit,
-    env_port: Option<(String, u16)>,
-    world_size: usize,
-) -> Result<u16, CommError> {
+fn resolve_port(explicit: &Explicit, env_port: Option<(String, u16)>, world_size: usize) -> Result<u16, CommError> {
     let (var, port) = match (explicit.master_port, env_port) {
         (Some(p), _) => ("--master-port".to_string(), p),
         (None, Some((var, p))) => (var, p),
         (None, None) => return Ok(DEFAULT_MASTER_PORT),
     };
     if port == 0 && world_size > 1 {
-        let shown = if var.starts_with("--") {
-            format!("{var} 0")
-        } else {
-            format!("{var}=0")
-        };
+        let shown = if var.starts_with("--") { format!("{var} 0") } else { format!("{var}=0") };
         return Err(CommError::launch(
             &var,
             format!(
@@ -471,10 +379,7 @@ pub fn first_host(list: &str) -> Result<String, String> {
     let mut rest = entry;
     while let Some(open) = rest.find('[') {
         host.push_str(&rest[..open]);
-        let close = rest[open..]
-            .find(']')
-            .map(|c| open + c)
-            .ok_or("unbalanced '[' in node list")?;
+        let close = rest[open..].find(']').map(|c| open + c).ok_or("unbalanced '[' in node list")?;
         let inner = &rest[open + 1..close];
         let first = inner.split(',').next().unwrap_or("");
         let start = first.split('-').next().unwrap_or("").trim();
@@ -497,10 +402,7 @@ mod tests {
     use std::collections::HashMap;
 
     fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let map: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        let map: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         move |k: &str| map.get(k).cloned()
     }
 
@@ -526,23 +428,11 @@ mod tests {
 
     #[test]
     fn torchrun_variables() {
-        let env = [
-            ("RANK", "3"),
-            ("WORLD_SIZE", "8"),
-            ("LOCAL_RANK", "1"),
-            ("MASTER_ADDR", "n0"),
-            ("MASTER_PORT", "1234"),
-        ];
+        let env =
+            [("RANK", "3"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "1"), ("MASTER_ADDR", "n0"), ("MASTER_PORT", "1234")];
         let e = detect(&Explicit::default(), &env_of(&env)).unwrap();
         assert_eq!(
-            (
-                e.rank,
-                e.world_size,
-                e.local_rank,
-                e.master_addr.as_str(),
-                e.master_port,
-                e.source
-            ),
+            (e.rank, e.world_size, e.local_rank, e.master_addr.as_str(), e.master_port, e.source),
             (3, 8, 1, "n0", 1234, Source::Torchrun)
         );
     }
@@ -563,140 +453,62 @@ mod tests {
             ("SLURM_NODELIST", "gpu[07-09]"),
         ];
         let d = |skip: usize, ex: &Explicit| detect(ex, &env_of(&all[skip..])).unwrap();
-        let ex = Explicit {
-            rank: Some(0),
-            world_size: Some(2),
-            ..Default::default()
-        };
-        assert_eq!(
-            (d(0, &ex).source, d(0, &ex).rank, d(0, &ex).world_size),
-            (Source::Explicit, 0, 2)
-        );
+        let ex = Explicit { rank: Some(0), world_size: Some(2), ..Default::default() };
+        assert_eq!((d(0, &ex).source, d(0, &ex).rank, d(0, &ex).world_size), (Source::Explicit, 0, 2));
         let none = Explicit::default();
-        assert_eq!(
-            (d(0, &none).source, d(0, &none).rank),
-            (Source::Torchrun, 1)
-        );
-        assert_eq!(
-            (d(2, &none).source, d(2, &none).rank, d(2, &none).world_size),
-            (Source::OpenMpi, 2, 5)
-        );
-        assert_eq!(
-            (d(5, &none).source, d(5, &none).rank, d(5, &none).world_size),
-            (Source::Pmi, 3, 6)
-        );
+        assert_eq!((d(0, &none).source, d(0, &none).rank), (Source::Torchrun, 1));
+        assert_eq!((d(2, &none).source, d(2, &none).rank, d(2, &none).world_size), (Source::OpenMpi, 2, 5));
+        assert_eq!((d(5, &none).source, d(5, &none).rank, d(5, &none).world_size), (Source::Pmi, 3, 6));
         let s = d(7, &none);
         assert_eq!(
-            (
-                s.source,
-                s.rank,
-                s.world_size,
-                s.local_rank,
-                s.master_addr.as_str()
-            ),
+            (s.source, s.rank, s.world_size, s.local_rank, s.master_addr.as_str()),
             (Source::Slurm, 4, 7, 1, "gpu07")
         );
         // explicit fields override single fields of a detected launcher
-        let ex = Explicit {
-            master_addr: Some("h".into()),
-            master_port: Some(9),
-            local_rank: Some(0),
-            ..Default::default()
-        };
+        let ex =
+            Explicit { master_addr: Some("h".into()), master_port: Some(9), local_rank: Some(0), ..Default::default() };
         let e = d(7, &ex);
         assert_eq!(
-            (
-                e.source,
-                e.rank,
-                e.master_addr.as_str(),
-                e.master_port,
-                e.local_rank
-            ),
+            (e.source, e.rank, e.master_addr.as_str(), e.master_port, e.local_rank),
             (Source::Slurm, 4, "h", 9, 0)
         );
         // an explicit rank marks the source explicit even when the size comes from the launcher
-        let ex = Explicit {
-            rank: Some(2),
-            ..Default::default()
-        };
+        let ex = Explicit { rank: Some(2), ..Default::default() };
         let e = d(0, &ex);
         assert_eq!((e.source, e.rank, e.world_size), (Source::Explicit, 2, 4));
     }
 
     #[test]
     fn explicit_rank_ignores_broken_launcher_variables() {
-        let ex = Explicit {
-            rank: Some(1),
-            world_size: Some(2),
-            ..Default::default()
-        };
-        let e = detect(
-            &ex,
-            &env_of(&[("RANK", "abc"), ("MASTER_ADDR", "m"), ("MASTER_PORT", "77")]),
-        )
-        .unwrap();
-        assert_eq!(
-            (e.rank, e.world_size, e.master_addr.as_str(), e.master_port),
-            (1, 2, "m", 77)
-        );
+        let ex = Explicit { rank: Some(1), world_size: Some(2), ..Default::default() };
+        let e = detect(&ex, &env_of(&[("RANK", "abc"), ("MASTER_ADDR", "m"), ("MASTER_PORT", "77")])).unwrap();
+        assert_eq!((e.rank, e.world_size, e.master_addr.as_str(), e.master_port), (1, 2, "m", 77));
     }
 
     #[test]
     fn errors_name_the_variable() {
         let none = Explicit::default();
-        assert!(
-            err(&none, &[("RANK", "abc"), ("WORLD_SIZE", "4")])
-                .contains("RANK=abc is not an integer")
-        );
-        assert!(
-            err(&none, &[("RANK", "4"), ("WORLD_SIZE", "4")]).contains("RANK 4 >= WORLD_SIZE 4")
-        );
+        assert!(err(&none, &[("RANK", "abc"), ("WORLD_SIZE", "4")]).contains("RANK=abc is not an integer"));
+        assert!(err(&none, &[("RANK", "4"), ("WORLD_SIZE", "4")]).contains("RANK 4 >= WORLD_SIZE 4"));
         assert!(err(&none, &[("RANK", "0")]).contains("RANK is set but WORLD_SIZE is not"));
+        assert!(err(&none, &[("RANK", "0"), ("WORLD_SIZE", "0")]).contains("WORLD_SIZE must be at least 1"));
         assert!(
-            err(&none, &[("RANK", "0"), ("WORLD_SIZE", "0")])
-                .contains("WORLD_SIZE must be at least 1")
+            err(&none, &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "70000")])
+                .contains("MASTER_PORT=70000 is not a port")
         );
         assert!(
-            err(
-                &none,
-                &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "70000")]
-            )
-            .contains("MASTER_PORT=70000 is not a port")
+            err(&none, &[("OMPI_COMM_WORLD_RANK", "5"), ("OMPI_COMM_WORLD_SIZE", "2")])
+                .contains("OMPI_COMM_WORLD_RANK 5 >= OMPI_COMM_WORLD_SIZE 2")
         );
         assert!(
-            err(
-                &none,
-                &[("OMPI_COMM_WORLD_RANK", "5"), ("OMPI_COMM_WORLD_SIZE", "2")]
-            )
-            .contains("OMPI_COMM_WORLD_RANK 5 >= OMPI_COMM_WORLD_SIZE 2")
+            err(&none, &[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_LOCALID", "2")])
+                .contains("SLURM_LOCALID 2 >= SLURM_NTASKS 2")
         );
         assert!(
-            err(
-                &none,
-                &[
-                    ("SLURM_PROCID", "0"),
-                    ("SLURM_NTASKS", "2"),
-                    ("SLURM_LOCALID", "2")
-                ]
-            )
-            .contains("SLURM_LOCALID 2 >= SLURM_NTASKS 2")
+            err(&none, &[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_NODELIST", "n[1-")])
+                .contains("SLURM_NODELIST")
         );
-        assert!(
-            err(
-                &none,
-                &[
-                    ("SLURM_PROCID", "0"),
-                    ("SLURM_NTASKS", "2"),
-                    ("SLURM_NODELIST", "n[1-")
-                ]
-            )
-            .contains("SLURM_NODELIST")
-        );
-        let ex = Explicit {
-            rank: Some(3),
-            world_size: Some(2),
-            ..Default::default()
-        };
+        let ex = Explicit { rank: Some(3), world_size: Some(2), ..Default::default() };
         assert!(err(&ex, &[]).contains("--rank 3 >= --world-size 2"));
     }
 
@@ -704,9 +516,7 @@ mod tests {
     fn refusal(explicit: &Explicit, pairs: &[(&str, &str)]) -> (String, String) {
         match detect(explicit, &env_of(pairs)) {
             Err(e @ CommError::Launch { .. }) => {
-                let CommError::Launch { var, .. } = &e else {
-                    unreachable!()
-                };
+                let CommError::Launch { var, .. } = &e else { unreachable!() };
                 (var.clone(), e.to_string())
             }
             other => panic!("{pairs:?}: expected a launch error, got {other:?}"),
@@ -724,34 +534,19 @@ mod tests {
         for (set, value) in [("MASTER_ADDR", "n0"), ("MASTER_PORT", "1234")] {
             let (var, msg) = refusal(&none, &[(set, value)]);
             assert_eq!(var, "RANK", "{msg}");
-            assert!(
-                msg.contains(&format!("{set} is set but RANK and WORLD_SIZE are not")),
-                "{msg}"
-            );
+            assert!(msg.contains(&format!("{set} is set but RANK and WORLD_SIZE are not")), "{msg}");
         }
-        let ex = Explicit {
-            master_addr: Some("n0".into()),
-            ..Default::default()
-        };
+        let ex = Explicit { master_addr: Some("n0".into()), ..Default::default() };
         assert!(refusal(&ex, &[]).1.contains("--master-addr is set"));
     }
 
     #[test]
     fn explicit_rank_and_world_size_come_in_pairs() {
-        let rank = Explicit {
-            rank: Some(0),
-            ..Default::default()
-        };
-        let size = Explicit {
-            world_size: Some(2),
-            ..Default::default()
-        };
+        let rank = Explicit { rank: Some(0), ..Default::default() };
+        let size = Explicit { world_size: Some(2), ..Default::default() };
         let (var, msg) = refusal(&rank, &[]);
         assert_eq!(var, "--world-size", "{msg}");
-        assert!(
-            msg.contains("--rank is given but --world-size is not"),
-            "{msg}"
-        );
+        assert!(msg.contains("--rank is given but --world-size is not"), "{msg}");
         let (var, msg) = refusal(&size, &[]);
         assert_eq!(var, "--rank", "{msg}");
         // The other half may come from a launcher.
@@ -771,30 +566,15 @@ mod tests {
         // LOCAL_RANK alone (set by other tools for device selection) is no launch.
         assert_eq!(d(&[("LOCAL_RANK", "3")]).source, Source::Single);
         // Open MPI / PMI / SLURM give no rank 0 address; MASTER_* may come with them, or not.
-        let ompi = [
-            ("OMPI_COMM_WORLD_RANK", "1"),
-            ("OMPI_COMM_WORLD_SIZE", "2"),
-            ("MASTER_ADDR", "n0"),
-        ];
+        let ompi = [("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2"), ("MASTER_ADDR", "n0")];
         assert_eq!(d(&ompi).master_addr, "n0");
-        let pmi = [
-            ("PMI_RANK", "1"),
-            ("PMI_SIZE", "2"),
-            ("MASTER_PORT", "4000"),
-        ];
+        let pmi = [("PMI_RANK", "1"), ("PMI_SIZE", "2"), ("MASTER_PORT", "4000")];
         assert_eq!(d(&pmi).master_port, 4000);
-        let slurm = [
-            ("SLURM_PROCID", "0"),
-            ("SLURM_NTASKS", "2"),
-            ("MASTER_PORT", "4001"),
-        ];
+        let slurm = [("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2"), ("MASTER_PORT", "4001")];
         assert_eq!(d(&slurm).master_port, 4001);
         // RANK and WORLD_SIZE on one host: the default rank 0 address.
         let e = d(&[("RANK", "1"), ("WORLD_SIZE", "2")]);
-        assert_eq!(
-            (e.master_addr.as_str(), e.master_port),
-            (DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT)
-        );
+        assert_eq!((e.master_addr.as_str(), e.master_port), (DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT));
     }
 
     #[test]
@@ -804,12 +584,7 @@ mod tests {
         let (var, msg) = refusal(&none, &env);
         assert_eq!(var, "MASTER_PORT", "{msg}");
         assert!(msg.contains("MASTER_PORT=0 cannot be used"), "{msg}");
-        let ex = Explicit {
-            rank: Some(1),
-            world_size: Some(2),
-            master_port: Some(0),
-            ..Default::default()
-        };
+        let ex = Explicit { rank: Some(1), world_size: Some(2), master_port: Some(0), ..Default::default() };
         let (var, msg) = refusal(&ex, &[]);
         assert_eq!(var, "--master-port", "{msg}");
         assert!(msg.contains("--master-port 0 cannot be used"), "{msg}");
@@ -823,18 +598,8 @@ mod tests {
         let none = Explicit::default();
         let cases: [(&[(&str, &str)], &str); 4] = [
             (&[("RANK", "abc"), ("WORLD_SIZE", "4")], "RANK="),
-            (
-                &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "x")],
-                "MASTER_PORT",
-            ),
-            (
-                &[
-                    ("SLURM_PROCID", "0"),
-                    ("SLURM_NTASKS", "2"),
-                    ("SLURM_LOCALID", "2"),
-                ],
-                "SLURM_LOCALID",
-            ),
+            (&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "x")], "MASTER_PORT"),
+            (&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_LOCALID", "2")], "SLURM_LOCALID"),
             (&[("RANK", "3"), ("WORLD_SIZE", "2")], "RANK "),
         ];
         for (pairs, var) in cases {
@@ -845,17 +610,10 @@ mod tests {
 
     #[test]
     fn slurm_port_from_job_id_and_master_addr_override() {
-        let env = [
-            ("SLURM_PROCID", "1"),
-            ("SLURM_NTASKS", "2"),
-            ("SLURM_JOB_ID", "123456"),
-            ("SLURM_JOB_NODELIST", "a,b"),
-        ];
+        let env =
+            [("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2"), ("SLURM_JOB_ID", "123456"), ("SLURM_JOB_NODELIST", "a,b")];
         let e = detect(&Explicit::default(), &env_of(&env)).unwrap();
-        assert_eq!(
-            (e.master_addr.as_str(), e.master_port, e.local_rank),
-            ("a", 29500 + 456, 1)
-        );
+        assert_eq!((e.master_addr.as_str(), e.master_port, e.local_rank), ("a", 29500 + 456, 1));
         let mut env2 = env.to_vec();
         env2.push(("MASTER_ADDR", "x"));
         env2.push(("MASTER_PORT", "5000"));

@@ -85,13 +85,7 @@ impl MpiComm {
     }
 
     /// Compares the call's identity across ranks (see the module docs).
-    fn agree(
-        &mut self,
-        kind: CallKind,
-        len: usize,
-        op: Option<ReduceOp>,
-        root: usize,
-    ) -> Result<u64, CommError> {
+    fn agree(&mut self, kind: CallKind, len: usize, op: Option<ReduceOp>, root: usize) -> Result<u64, CommError> {
         if let Some(b) = &self.broken {
             return Err(CommError::Broken(b.clone()));
         }
@@ -121,8 +115,7 @@ impl MpiComm {
             probe[2 * i + 1] = -*v;
         }
         let mut out = [0i64; 10];
-        self.world
-            .all_reduce_into(&probe[..], &mut out[..], SystemOperation::max());
+        self.world.all_reduce_into(&probe[..], &mut out[..], SystemOperation::max());
         for (i, (field, v)) in fields.iter().enumerate() {
             let (max, min) = (out[2 * i], -out[2 * i + 1]);
             if max != min {
@@ -155,8 +148,7 @@ impl Collective for MpiComm {
             // rsmpi has no MPI_IN_PLACE: reduce from a copy into the caller's buffer.
             self.scratch.clear();
             self.scratch.extend_from_slice(buf);
-            self.world
-                .all_reduce_into(&self.scratch[..], buf, SystemOperation::sum());
+            self.world.all_reduce_into(&self.scratch[..], buf, SystemOperation::sum());
             if op == ReduceOp::Mean {
                 let k = self.n as f32;
                 buf.iter_mut().for_each(|x| *x /= k);
@@ -176,11 +168,7 @@ impl Collective for MpiComm {
             self.world.process_at_rank(root as i32).broadcast_into(buf);
         }
         let bytes = (buf.len() * 4) as u64;
-        let (s, r) = if self.rank == root {
-            (bytes, 0)
-        } else {
-            (0, bytes)
-        };
+        let (s, r) = if self.rank == root { (bytes, 0) } else { (0, bytes) };
         self.stats.record(s, r, start.elapsed().as_secs_f64());
         Ok(())
     }
@@ -191,13 +179,9 @@ impl Collective for MpiComm {
         self.agree(CallKind::BroadcastBytes, 0, None, root)?;
         if self.n > 1 {
             let mut len = bytes.len() as u64;
-            self.world
-                .process_at_rank(root as i32)
-                .broadcast_into(&mut len);
+            self.world.process_at_rank(root as i32).broadcast_into(&mut len);
             if len > MAX_BROADCAST_BYTES as u64 {
-                let e = format!(
-                    "rank {root} broadcasts {len} bytes, more than the bound {MAX_BROADCAST_BYTES}"
-                );
+                let e = format!("rank {root} broadcasts {len} bytes, more than the bound {MAX_BROADCAST_BYTES}");
                 self.broken = Some(e.clone());
                 return Err(CommError::InvalidArgument(e));
             }
@@ -206,9 +190,7 @@ impl Collective for MpiComm {
                 bytes.resize(len as usize, 0);
             }
             if len > 0 {
-                self.world
-                    .process_at_rank(root as i32)
-                    .broadcast_into(&mut bytes[..]);
+                self.world.process_at_rank(root as i32).broadcast_into(&mut bytes[..]);
             }
         }
         let n = bytes.len() as u64;

@@ -84,7 +84,10 @@ impl NcclComm {
         bootstrap.all_reduce(&mut failed, ReduceOp::Sum)?;
         let ctx = local?;
         if failed[0] > 0.0 {
-            return Err(CommError::Device(format!("{} rank(s) could not open their GPU; see their logs", failed[0] as usize)));
+            return Err(CommError::Device(format!(
+                "{} rank(s) could not open their GPU; see their logs",
+                failed[0] as usize
+            )));
         }
         let stream = ctx.default_stream();
         let comm = Comm::from_rank(stream.clone(), rank, n, Id::uninit(id.map(|b| b as core::ffi::c_char)))
@@ -132,7 +135,10 @@ impl NcclComm {
         let mut buf: Vec<i64> = ours.iter().copied().chain(ours.iter().map(|v| -v)).collect();
         let mut dev = self.stream.clone_htod(&buf).map_err(|e| device_err("copying the call header", e))?;
         self.comm.all_reduce_in_place(&mut dev, &NcclOp::Max).map_err(|e| device_err("ncclAllReduce (header)", e.0))?;
-        self.stream.memcpy_dtoh(&dev, &mut buf).and_then(|()| self.stream.synchronize()).map_err(|e| device_err("reading the call header", e))?;
+        self.stream
+            .memcpy_dtoh(&dev, &mut buf)
+            .and_then(|()| self.stream.synchronize())
+            .map_err(|e| device_err("reading the call header", e))?;
         const FIELDS: [&str; 5] = ["sequence number", "call kind", "length", "op", "root"];
         for (i, field) in FIELDS.iter().enumerate() {
             let (max, min) = (buf[i], -buf[i + 5]);
@@ -169,7 +175,10 @@ impl NcclComm {
             let mut view = dev.slice_mut(..buf.len());
             self.stream.memcpy_htod(&*buf, &mut view).map_err(|e| device_err("copying to the GPU", e))?;
             self.comm.all_reduce_in_place(&mut view, &NcclOp::Sum).map_err(|e| device_err("ncclAllReduce", e.0))?;
-            self.stream.memcpy_dtoh(&view, buf).and_then(|()| self.stream.synchronize()).map_err(|e| device_err("copying from the GPU", e))
+            self.stream
+                .memcpy_dtoh(&view, buf)
+                .and_then(|()| self.stream.synchronize())
+                .map_err(|e| device_err("copying from the GPU", e))
         })();
         self.scratch = Some(dev);
         result?;
@@ -187,7 +196,10 @@ impl NcclComm {
         }
         let mut dev = self.stream.clone_htod(&*buf).map_err(|e| device_err("copying to the GPU", e))?;
         self.comm.broadcast_in_place(&mut dev, root as i32).map_err(|e| device_err("ncclBroadcast", e.0))?;
-        self.stream.memcpy_dtoh(&dev, buf).and_then(|()| self.stream.synchronize()).map_err(|e| device_err("copying from the GPU", e))?;
+        self.stream
+            .memcpy_dtoh(&dev, buf)
+            .and_then(|()| self.stream.synchronize())
+            .map_err(|e| device_err("copying from the GPU", e))?;
         Ok(())
     }
 
@@ -197,7 +209,10 @@ impl NcclComm {
         self.check_call(CallKind::BroadcastBytes, 0, 0, root)?;
         let mut dev = self.stream.clone_htod(&len).map_err(|e| device_err("copying to the GPU", e))?;
         self.comm.broadcast_in_place(&mut dev, root as i32).map_err(|e| device_err("ncclBroadcast", e.0))?;
-        self.stream.memcpy_dtoh(&dev, &mut len).and_then(|()| self.stream.synchronize()).map_err(|e| device_err("copying from the GPU", e))?;
+        self.stream
+            .memcpy_dtoh(&dev, &mut len)
+            .and_then(|()| self.stream.synchronize())
+            .map_err(|e| device_err("copying from the GPU", e))?;
         let len = len[0] as usize;
         if len > MAX_BROADCAST_BYTES {
             return Err(CommError::Protocol {
@@ -212,7 +227,10 @@ impl NcclComm {
         bytes.resize(len, 0);
         let mut dev = self.stream.clone_htod(bytes.as_slice()).map_err(|e| device_err("copying to the GPU", e))?;
         self.comm.broadcast_in_place(&mut dev, root as i32).map_err(|e| device_err("ncclBroadcast", e.0))?;
-        self.stream.memcpy_dtoh(&dev, bytes.as_mut_slice()).and_then(|()| self.stream.synchronize()).map_err(|e| device_err("copying from the GPU", e))?;
+        self.stream
+            .memcpy_dtoh(&dev, bytes.as_mut_slice())
+            .and_then(|()| self.stream.synchronize())
+            .map_err(|e| device_err("copying from the GPU", e))?;
         Ok(())
     }
 

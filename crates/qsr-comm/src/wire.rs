@@ -189,18 +189,13 @@ impl<'a> Cursor<'a> {
     }
     fn string16(&mut self, what: &'static str, max: usize) -> Result<String, WireError> {
         let b = self.bytes16(what, max)?;
-        std::str::from_utf8(b)
-            .map(str::to_owned)
-            .map_err(|_| WireError::NotUtf8 { what })
+        std::str::from_utf8(b).map(str::to_owned).map_err(|_| WireError::NotUtf8 { what })
     }
     fn finish(self) -> Result<(), WireError> {
         if self.buf.is_empty() {
             Ok(())
         } else {
-            Err(WireError::TrailingBytes {
-                what: self.what,
-                extra: self.buf.len(),
-            })
+            Err(WireError::TrailingBytes { what: self.what, extra: self.buf.len() })
         }
     }
 }
@@ -225,11 +220,7 @@ pub struct Prefix {
 /// Decodes a 16-byte prefix, checking the magic and bounding the body length by `max_body`.
 /// The version is returned, not checked: the caller refuses a different version by name.
 pub fn decode_prefix(bytes: &[u8], magic: &[u8; 8], max_body: usize) -> Result<Prefix, WireError> {
-    let what = if magic == &HELLO_MAGIC {
-        "hello"
-    } else {
-        "reply"
-    };
+    let what = if magic == &HELLO_MAGIC { "hello" } else { "reply" };
     let mut c = Cursor::new(bytes, what);
     if c.take(8)? != magic {
         return Err(WireError::BadMagic { what });
@@ -237,11 +228,7 @@ pub fn decode_prefix(bytes: &[u8], magic: &[u8; 8], max_body: usize) -> Result<P
     let version = c.u32()?;
     let body_len = c.u32()? as usize;
     if body_len > max_body {
-        return Err(WireError::TooLong {
-            what,
-            len: body_len,
-            max: max_body,
-        });
+        return Err(WireError::TooLong { what, len: body_len, max: max_body });
     }
     Ok(Prefix { version, body_len })
 }
@@ -304,10 +291,7 @@ impl Hello {
             1 => Purpose::Register,
             2 => Purpose::Ring,
             v => {
-                return Err(WireError::BadValue {
-                    what: "hello purpose",
-                    value: u64::from(v),
-                });
+                return Err(WireError::BadValue { what: "hello purpose", value: u64::from(v) });
             }
         };
         let world_size = c.u32()?;
@@ -316,31 +300,18 @@ impl Hello {
         let host = c.string16("host", MAX_HOST_LEN)?;
         let port = c.u16()?;
         c.finish()?;
-        Ok(Hello {
-            version,
-            purpose,
-            world_size,
-            rank,
-            token,
-            host,
-            port,
-        })
+        Ok(Hello { version, purpose, world_size, rank, token, host, port })
     }
 
     /// Decodes a complete hello (prefix and body) from one buffer; convenience for tests/fuzzing.
     pub fn decode(bytes: &[u8]) -> Result<Hello, WireError> {
         let prefix = decode_prefix(bytes, &HELLO_MAGIC, MAX_HELLO_BODY)?;
-        let body = bytes
-            .get(PREFIX_LEN..)
-            .ok_or(WireError::Truncated { what: "hello" })?;
+        let body = bytes.get(PREFIX_LEN..).ok_or(WireError::Truncated { what: "hello" })?;
         if body.len() < prefix.body_len {
             return Err(WireError::Truncated { what: "hello" });
         }
         if body.len() > prefix.body_len {
-            return Err(WireError::TrailingBytes {
-                what: "hello",
-                extra: body.len() - prefix.body_len,
-            });
+            return Err(WireError::TrailingBytes { what: "hello", extra: body.len() - prefix.body_len });
         }
         Hello::decode_body(prefix.version, body)
     }
@@ -381,10 +352,7 @@ impl Field {
             4 => Field::Rank,
             5 => Field::Other,
             _ => {
-                return Err(WireError::BadValue {
-                    what: "refusal field",
-                    value: u64::from(v),
-                });
+                return Err(WireError::BadValue { what: "refusal field", value: u64::from(v) });
             }
         })
     }
@@ -439,8 +407,7 @@ impl Reply {
 
     /// Largest reply body a client expecting `world_size` table entries will read.
     pub fn max_body(world_size: usize) -> usize {
-        (1 + 4 + world_size.min(MAX_WORLD_SIZE) * (2 + MAX_HOST_LEN + 2))
-            .max(1 + 1 + 2 + MAX_MESSAGE_LEN)
+        (1 + 4 + world_size.min(MAX_WORLD_SIZE) * (2 + MAX_HOST_LEN + 2)).max(1 + 1 + 2 + MAX_MESSAGE_LEN)
     }
 
     /// Decodes a reply body; an accepted table longer than `max_entries` is an error.
@@ -450,11 +417,7 @@ impl Reply {
             0 => {
                 let n = c.u32()? as usize;
                 if n > max_entries {
-                    return Err(WireError::TooLong {
-                        what: "address table",
-                        len: n,
-                        max: max_entries,
-                    });
+                    return Err(WireError::TooLong { what: "address table", len: n, max: max_entries });
                 }
                 let mut table = Vec::with_capacity(n);
                 for _ in 0..n {
@@ -470,10 +433,7 @@ impl Reply {
                 Reply::Refused { field, message }
             }
             v => {
-                return Err(WireError::BadValue {
-                    what: "reply status",
-                    value: u64::from(v),
-                });
+                return Err(WireError::BadValue { what: "reply status", value: u64::from(v) });
             }
         };
         c.finish()?;
@@ -483,9 +443,7 @@ impl Reply {
     /// Decodes a complete reply (prefix and body) from one buffer; for tests/fuzzing.
     pub fn decode(bytes: &[u8], max_entries: usize) -> Result<Reply, WireError> {
         let prefix = decode_prefix(bytes, &REPLY_MAGIC, Reply::max_body(max_entries))?;
-        let body = bytes
-            .get(PREFIX_LEN..)
-            .ok_or(WireError::Truncated { what: "reply" })?;
+        let body = bytes.get(PREFIX_LEN..).ok_or(WireError::Truncated { what: "reply" })?;
         if body.len() != prefix.body_len {
             return Err(WireError::Truncated { what: "reply" });
         }
@@ -544,45 +502,26 @@ impl CallHeader {
     pub fn decode(bytes: &[u8]) -> Result<CallHeader, WireError> {
         let mut c = Cursor::new(bytes, "call header");
         if c.take(4)? != CALL_MAGIC {
-            return Err(WireError::BadMagic {
-                what: "call header",
-            });
+            return Err(WireError::BadMagic { what: "call header" });
         }
         let kind = c.u8()?;
         if !(KIND_ALL_REDUCE..=KIND_BROADCAST_LEN).contains(&kind) {
-            return Err(WireError::BadValue {
-                what: "call kind",
-                value: u64::from(kind),
-            });
+            return Err(WireError::BadValue { what: "call kind", value: u64::from(kind) });
         }
         let op = c.u8()?;
         if op > 1 && op != OP_NONE {
-            return Err(WireError::BadValue {
-                what: "reduce op",
-                value: u64::from(op),
-            });
+            return Err(WireError::BadValue { what: "reduce op", value: u64::from(op) });
         }
         let chunk = c.u16()?;
         if chunk == 0 {
-            return Err(WireError::BadValue {
-                what: "block size",
-                value: 0,
-            });
+            return Err(WireError::BadValue { what: "block size", value: 0 });
         }
         let root = c.u32()?;
         let seq = c.u64()?;
         let len = c.u64()?;
         let sender = c.u32()?;
         c.finish()?;
-        Ok(CallHeader {
-            kind,
-            op,
-            chunk,
-            root,
-            seq,
-            len,
-            sender,
-        })
+        Ok(CallHeader { kind, op, chunk, root, seq, len, sender })
     }
 }
 
@@ -633,17 +572,11 @@ impl Frame {
             Ok(Frame::Data { len: a, block: b })
         } else if tag == TAG_KEEPALIVE {
             if a != 0 || b != 0 {
-                return Err(WireError::BadValue {
-                    what: "keepalive payload",
-                    value: u64::from(a) | b,
-                });
+                return Err(WireError::BadValue { what: "keepalive payload", value: u64::from(a) | b });
             }
             Ok(Frame::KeepAlive)
         } else if tag == TAG_ABORT {
-            Ok(Frame::Abort {
-                culprit: a,
-                reason: b,
-            })
+            Ok(Frame::Abort { culprit: a, reason: b })
         } else {
             Err(WireError::BadMagic { what: "frame" })
         }
@@ -683,9 +616,7 @@ impl Back {
     pub fn decode(bytes: &[u8]) -> Result<Back, WireError> {
         let mut c = Cursor::new(bytes, "reverse message");
         if c.take(4)? != BACK_MAGIC {
-            return Err(WireError::BadMagic {
-                what: "reverse message",
-            });
+            return Err(WireError::BadMagic { what: "reverse message" });
         }
         let ty = c.u32()?;
         let culprit = c.u32()?;
@@ -694,10 +625,7 @@ impl Back {
         match ty {
             1 => Ok(Back::Heartbeat),
             2 => Ok(Back::Abort { culprit, reason }),
-            v => Err(WireError::BadValue {
-                what: "reverse message type",
-                value: u64::from(v),
-            }),
+            v => Err(WireError::BadValue { what: "reverse message type", value: u64::from(v) }),
         }
     }
 }
@@ -765,10 +693,7 @@ mod tests {
         assert_eq!(p.version, PROTOCOL_VERSION);
         assert_eq!(p.body_len, bytes.len() - PREFIX_LEN);
         // a reply magic is not a hello
-        assert_eq!(
-            decode_prefix(&bytes, &REPLY_MAGIC, 100),
-            Err(WireError::BadMagic { what: "reply" })
-        );
+        assert_eq!(decode_prefix(&bytes, &REPLY_MAGIC, 100), Err(WireError::BadMagic { what: "reply" }));
     }
 
     #[test]
@@ -777,49 +702,22 @@ mod tests {
         // token length field sits after purpose(1) world(4) rank(4) in the body
         let at = PREFIX_LEN + 9;
         bytes[at..at + 2].copy_from_slice(&2000u16.to_le_bytes());
-        assert_eq!(
-            Hello::decode(&bytes),
-            Err(WireError::TooLong {
-                what: "job token",
-                len: 2000,
-                max: MAX_TOKEN_LEN
-            })
-        );
+        assert_eq!(Hello::decode(&bytes), Err(WireError::TooLong { what: "job token", len: 2000, max: MAX_TOKEN_LEN }));
         let mut bytes = hello().encode();
         bytes[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(matches!(
-            Hello::decode(&bytes),
-            Err(WireError::TooLong { what: "hello", .. })
-        ));
+        assert!(matches!(Hello::decode(&bytes), Err(WireError::TooLong { what: "hello", .. })));
         let bytes = hello().encode();
-        assert_eq!(
-            Hello::decode(&bytes[..bytes.len() - 1]),
-            Err(WireError::Truncated { what: "hello" })
-        );
+        assert_eq!(Hello::decode(&bytes[..bytes.len() - 1]), Err(WireError::Truncated { what: "hello" }));
     }
 
     #[test]
     fn reply_roundtrip_and_bounds() {
-        let ok = Reply::Accepted {
-            table: vec![("127.0.0.1".into(), 1), ("host-b".into(), 65535)],
-        };
+        let ok = Reply::Accepted { table: vec![("127.0.0.1".into(), 1), ("host-b".into(), 65535)] };
         assert_eq!(Reply::decode(&ok.encode(), 2), Ok(ok.clone()));
-        assert!(matches!(
-            Reply::decode(&ok.encode(), 1),
-            Err(WireError::TooLong {
-                what: "address table",
-                ..
-            })
-        ));
-        let no = Reply::Refused {
-            field: Field::Token,
-            message: "job token differs".into(),
-        };
+        assert!(matches!(Reply::decode(&ok.encode(), 1), Err(WireError::TooLong { what: "address table", .. })));
+        let no = Reply::Refused { field: Field::Token, message: "job token differs".into() };
         assert_eq!(Reply::decode(&no.encode(), 0), Ok(no));
-        let long = Reply::Refused {
-            field: Field::Other,
-            message: "é".repeat(1000),
-        };
+        let long = Reply::Refused { field: Field::Other, message: "é".repeat(1000) };
         match Reply::decode(&long.encode(), 0) {
             Ok(Reply::Refused { message, .. }) => assert!(message.len() <= MAX_MESSAGE_LEN),
             other => panic!("{other:?}"),
@@ -828,66 +726,26 @@ mod tests {
 
     #[test]
     fn call_header_roundtrip_and_validation() {
-        let h = CallHeader {
-            kind: KIND_ALL_REDUCE,
-            op: 1,
-            chunk: 128,
-            root: 0,
-            seq: 77,
-            len: 4096,
-            sender: 2,
-        };
+        let h = CallHeader { kind: KIND_ALL_REDUCE, op: 1, chunk: 128, root: 0, seq: 77, len: 4096, sender: 2 };
         assert_eq!(CallHeader::decode(&h.encode()), Ok(h));
         let mut b = h.encode();
         b[4] = 9;
-        assert_eq!(
-            CallHeader::decode(&b),
-            Err(WireError::BadValue {
-                what: "call kind",
-                value: 9
-            })
-        );
+        assert_eq!(CallHeader::decode(&b), Err(WireError::BadValue { what: "call kind", value: 9 }));
         let mut b = h.encode();
         b[0] = b'X';
-        assert_eq!(
-            CallHeader::decode(&b),
-            Err(WireError::BadMagic {
-                what: "call header"
-            })
-        );
-        assert_eq!(
-            CallHeader::decode(&h.encode()[..31]),
-            Err(WireError::Truncated {
-                what: "call header"
-            })
-        );
+        assert_eq!(CallHeader::decode(&b), Err(WireError::BadMagic { what: "call header" }));
+        assert_eq!(CallHeader::decode(&h.encode()[..31]), Err(WireError::Truncated { what: "call header" }));
     }
 
     #[test]
     fn frames_and_back_roundtrip() {
-        for f in [
-            Frame::Data { len: 7, block: 3 },
-            Frame::KeepAlive,
-            Frame::Abort {
-                culprit: 4,
-                reason: 2,
-            },
-        ] {
+        for f in [Frame::Data { len: 7, block: 3 }, Frame::KeepAlive, Frame::Abort { culprit: 4, reason: 2 }] {
             assert_eq!(Frame::decode(&f.encode()), Ok(f));
         }
-        for m in [
-            Back::Heartbeat,
-            Back::Abort {
-                culprit: 1,
-                reason: 1,
-            },
-        ] {
+        for m in [Back::Heartbeat, Back::Abort { culprit: 1, reason: 1 }] {
             assert_eq!(Back::decode(&m.encode()), Ok(m));
         }
-        assert_eq!(
-            Frame::decode(&[0u8; 16]),
-            Err(WireError::BadMagic { what: "frame" })
-        );
+        assert_eq!(Frame::decode(&[0u8; 16]), Err(WireError::BadMagic { what: "frame" }));
         assert_eq!(Reason::from_code(99), Reason::Other);
     }
 }

@@ -22,11 +22,7 @@ fn deterministic_across_runs() {
     };
     let a = run();
     let b = run();
-    assert!(
-        a[0].iter()
-            .zip(&b[0])
-            .all(|(x, y)| x.to_bits() == y.to_bits())
-    );
+    assert!(a[0].iter().zip(&b[0]).all(|(x, y)| x.to_bits() == y.to_bits()));
 }
 
 #[test]
@@ -40,22 +36,9 @@ fn mismatched_length_fails_on_every_rank() {
     });
     for (r, (first, second)) in res.into_iter().enumerate() {
         let e = first.expect_err("divergent call must fail");
-        assert!(
-            matches!(
-                e,
-                CommError::Diverged {
-                    peer: 2,
-                    field: "length",
-                    ..
-                }
-            ),
-            "rank {r}: {e}"
-        );
+        assert!(matches!(e, CommError::Diverged { peer: 2, field: "length", .. }), "rank {r}: {e}");
         assert!(e.to_string().contains("rank 2"), "{e}");
-        assert!(
-            matches!(second, Err(CommError::Broken(_))),
-            "rank {r}: later calls refused"
-        );
+        assert!(matches!(second, Err(CommError::Broken(_))), "rank {r}: later calls refused");
     }
 }
 
@@ -63,32 +46,15 @@ fn mismatched_length_fails_on_every_rank() {
 fn mismatched_op_and_call_kind_fail() {
     let res = common::on_threads(InProcessGroup::new(2), |mut c| {
         let mut b = vec![1.0; 4];
-        let op = if c.rank() == 0 {
-            ReduceOp::Sum
-        } else {
-            ReduceOp::Mean
-        };
+        let op = if c.rank() == 0 { ReduceOp::Sum } else { ReduceOp::Mean };
         c.all_reduce(&mut b, op).map_err(|e| e.to_string())
     });
-    assert!(
-        res.iter()
-            .all(|r| r.as_ref().is_err_and(|e| e.contains("reduce op"))),
-        "{res:?}"
-    );
+    assert!(res.iter().all(|r| r.as_ref().is_err_and(|e| e.contains("reduce op"))), "{res:?}");
     let res = common::on_threads(InProcessGroup::new(2), |mut c| {
         let mut b = vec![1.0; 4];
-        if c.rank() == 0 {
-            c.barrier()
-        } else {
-            c.broadcast(&mut b, 0)
-        }
-        .map_err(|e| e.to_string())
+        if c.rank() == 0 { c.barrier() } else { c.broadcast(&mut b, 0) }.map_err(|e| e.to_string())
     });
-    assert!(
-        res.iter()
-            .all(|r| r.as_ref().is_err_and(|e| e.contains("call"))),
-        "{res:?}"
-    );
+    assert!(res.iter().all(|r| r.as_ref().is_err_and(|e| e.contains("call"))), "{res:?}");
 }
 
 #[test]
@@ -108,11 +74,7 @@ fn panicking_rank_fails_the_others_quickly() {
         assert_eq!(e.blamed_rank(), Some(2), "{e}");
         assert!(e.to_string().contains("panicked"), "{e}");
     }
-    assert!(
-        start.elapsed() < Duration::from_secs(10),
-        "took {:?}",
-        start.elapsed()
-    );
+    assert!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
 }
 
 #[test]
@@ -131,15 +93,10 @@ fn missing_rank_times_out_naming_it() {
 
 #[test]
 fn boxed_trait_object_and_invalid_root() {
-    let comms: Vec<Box<dyn Collective>> = InProcessGroup::new(2)
-        .into_iter()
-        .map(|c| Box::new(c) as Box<dyn Collective>)
-        .collect();
+    let comms: Vec<Box<dyn Collective>> =
+        InProcessGroup::new(2).into_iter().map(|c| Box::new(c) as Box<dyn Collective>).collect();
     let res = common::on_threads(comms, |mut c| {
-        assert!(matches!(
-            c.broadcast(&mut [0.0], 2),
-            Err(CommError::InvalidArgument(_))
-        ));
+        assert!(matches!(c.broadcast(&mut [0.0], 2), Err(CommError::InvalidArgument(_))));
         let mut b = vec![c.rank() as f32 + 1.0; 3];
         c.all_reduce(&mut b, ReduceOp::Mean).unwrap();
         (b, *c.stats(), c.backend())

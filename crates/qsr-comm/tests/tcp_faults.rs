@@ -8,16 +8,11 @@ use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use qsr_comm::wire::{self, CallHeader, Frame, Hello, Purpose, Reply};
-use qsr_comm::{
-    Collective, CommError, LaunchEnv, MasterListener, ReduceOp, Source, TcpComm, TcpConfig,
-};
+use qsr_comm::{Collective, CommError, LaunchEnv, MasterListener, ReduceOp, Source, TcpComm, TcpConfig};
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-fn start_master(
-    n: usize,
-    cfg: TcpConfig,
-) -> (String, std::thread::JoinHandle<Result<TcpComm, CommError>>) {
+fn start_master(n: usize, cfg: TcpConfig) -> (String, std::thread::JoinHandle<Result<TcpComm, CommError>>) {
     let l = MasterListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap().to_string();
     (addr, std::thread::spawn(move || TcpComm::master(l, n, cfg)))
@@ -37,28 +32,19 @@ fn wrong_token_version_and_world_size_are_refused_and_rank0_keeps_waiting() {
 
     let mut bad = cfg.clone();
     bad.token = "another-job".into();
-    let e = TcpComm::worker(&addr, 1, 2, bad)
-        .err()
-        .expect("wrong token must be refused");
+    let e = TcpComm::worker(&addr, 1, 2, bad).err().expect("wrong token must be refused");
     assert_eq!(refused_field(&e), "job token");
     assert!(e.to_string().contains("job token differs"), "{e}");
 
     let mut bad = cfg.clone();
     bad.protocol_version = 99;
-    let e = TcpComm::worker(&addr, 1, 2, bad)
-        .err()
-        .expect("wrong version must be refused");
+    let e = TcpComm::worker(&addr, 1, 2, bad).err().expect("wrong version must be refused");
     assert_eq!(refused_field(&e), "protocol version");
     assert!(e.to_string().contains("sent 99"), "{e}");
 
-    let e = TcpComm::worker(&addr, 1, 3, cfg.clone())
-        .err()
-        .expect("wrong world size must be refused");
+    let e = TcpComm::worker(&addr, 1, 3, cfg.clone()).err().expect("wrong world size must be refused");
     assert_eq!(refused_field(&e), "world size");
-    assert!(
-        e.to_string().contains("this job has 2, rank 1 sent 3"),
-        "{e}"
-    );
+    assert!(e.to_string().contains("this job has 2, rank 1 sent 3"), "{e}");
 
     // The legitimate rank still gets in, and the ring works.
     let mut w = TcpComm::worker(&addr, 1, 2, cfg).expect("valid worker");
@@ -84,26 +70,13 @@ fn duplicate_rank_is_refused() {
         let (addr, cfg, tx) = (addr.clone(), cfg.clone(), tx.clone());
         std::thread::spawn(move || tx.send(TcpComm::worker(&addr, 1, 3, cfg)).unwrap());
     }
-    let first = rx
-        .recv_timeout(Duration::from_secs(15))
-        .expect("one registration is answered at once");
+    let first = rx.recv_timeout(Duration::from_secs(15)).expect("one registration is answered at once");
     let err = first.err().expect("the first answer is the refusal");
     assert_eq!(refused_field(&err), "rank");
-    assert!(
-        err.to_string()
-            .contains("rank 1 is already registered from 127.0.0.1:"),
-        "{err}"
-    );
+    assert!(err.to_string().contains("rank 1 is already registered from 127.0.0.1:"), "{err}");
     let third = std::thread::spawn(move || TcpComm::worker(&addr, 2, 3, cfg));
-    let winner = rx
-        .recv_timeout(Duration::from_secs(15))
-        .unwrap()
-        .expect("winner joins the ring");
-    let all = vec![
-        master.join().unwrap().expect("master"),
-        winner,
-        third.join().unwrap().expect("rank 2"),
-    ];
+    let winner = rx.recv_timeout(Duration::from_secs(15)).unwrap().expect("winner joins the ring");
+    let all = vec![master.join().unwrap().expect("master"), winner, third.join().unwrap().expect("rank 2")];
     let got = common::on_threads(all, |mut c| {
         let mut b = vec![1.0f32; 3];
         c.all_reduce(&mut b, ReduceOp::Sum).unwrap();
@@ -157,16 +130,10 @@ fn garbage_on_the_rendezvous_port_does_not_stall_rank0() {
         keep.push(s);
     }
     // Real ranks arrive while the garbage connections are still open.
-    let comms = common::on_threads(vec![1usize, 2], move |r| {
-        TcpComm::worker(&addr, r, 3, cfg.clone())
-    });
+    let comms = common::on_threads(vec![1usize, 2], move |r| TcpComm::worker(&addr, r, 3, cfg.clone()));
     let mut all = vec![master.join().unwrap().expect("master survives garbage")];
     all.extend(comms.into_iter().map(|c| c.expect("worker")));
-    assert!(
-        start.elapsed() < Duration::from_secs(8),
-        "rendezvous took {:?}",
-        start.elapsed()
-    );
+    assert!(start.elapsed() < Duration::from_secs(8), "rendezvous took {:?}", start.elapsed());
     let got = common::on_threads(all, |mut c| {
         let mut b = vec![c.rank() as f32; 7];
         c.all_reduce(&mut b, ReduceOp::Sum).unwrap();
@@ -186,16 +153,9 @@ fn rendezvous_times_out_with_a_message_naming_missing_ranks() {
     assert!(TcpComm::worker(&addr, 2, 3, bad).is_err());
     let e = master.join().unwrap().err().expect("must time out");
     let msg = e.to_string();
-    assert!(
-        msg.contains("missing rank(s) [1, 2]") && msg.contains("job token"),
-        "{msg}"
-    );
+    assert!(msg.contains("missing rank(s) [1, 2]") && msg.contains("job token"), "{msg}");
     // A worker with nobody listening gives up after its rendezvous timeout too.
-    let dead = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .to_string();
+    let dead = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
     let e = TcpComm::worker(&dead, 1, 2, cfg).err().expect("no master");
     assert!(matches!(e, CommError::Rendezvous(_)), "{e}");
 }
@@ -227,30 +187,17 @@ fn fake_rank1(master: &str, token: &str) -> FakePeer {
         port,
     };
     let mut reg = TcpStream::connect(master).unwrap();
-    reg.write_all(&hello(Purpose::Register, own.local_addr().unwrap().port()).encode())
-        .unwrap();
-    let Reply::Accepted { table } =
-        Reply::decode_body(&read_msg(&mut reg, &wire::REPLY_MAGIC), 2).unwrap()
-    else {
+    reg.write_all(&hello(Purpose::Register, own.local_addr().unwrap().port()).encode()).unwrap();
+    let Reply::Accepted { table } = Reply::decode_body(&read_msg(&mut reg, &wire::REPLY_MAGIC), 2).unwrap() else {
         panic!("registration refused")
     };
     let mut to_rank0 = TcpStream::connect((table[0].0.as_str(), table[0].1)).unwrap();
-    to_rank0
-        .write_all(&hello(Purpose::Ring, 0).encode())
-        .unwrap();
+    to_rank0.write_all(&hello(Purpose::Ring, 0).encode()).unwrap();
     let (mut from_rank0, _) = own.accept().unwrap();
     let _ = read_msg(&mut from_rank0, &wire::HELLO_MAGIC);
-    from_rank0
-        .write_all(&Reply::Accepted { table: vec![] }.encode())
-        .unwrap();
-    assert!(matches!(
-        Reply::decode_body(&read_msg(&mut to_rank0, &wire::REPLY_MAGIC), 0),
-        Ok(Reply::Accepted { .. })
-    ));
-    FakePeer {
-        to_rank0,
-        _from_rank0: from_rank0,
-    }
+    from_rank0.write_all(&Reply::Accepted { table: vec![] }.encode()).unwrap();
+    assert!(matches!(Reply::decode_body(&read_msg(&mut to_rank0, &wire::REPLY_MAGIC), 0), Ok(Reply::Accepted { .. })));
+    FakePeer { to_rank0, _from_rank0: from_rank0 }
 }
 
 fn rank0_against_fake(bytes_after_setup: impl FnOnce(&mut TcpStream)) -> CommError {
@@ -261,19 +208,10 @@ fn rank0_against_fake(bytes_after_setup: impl FnOnce(&mut TcpStream)) -> CommErr
     bytes_after_setup(&mut fake.to_rank0);
     let start = Instant::now();
     let mut b = vec![1.0f32; 1000];
-    let e = m
-        .all_reduce(&mut b, ReduceOp::Sum)
-        .expect_err("corrupt stream must fail");
-    assert!(
-        start.elapsed() < Duration::from_secs(5),
-        "took {:?}",
-        start.elapsed()
-    );
+    let e = m.all_reduce(&mut b, ReduceOp::Sum).expect_err("corrupt stream must fail");
+    assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
     // Broken afterwards.
-    assert!(matches!(
-        m.all_reduce(&mut b, ReduceOp::Sum),
-        Err(CommError::Broken(_))
-    ));
+    assert!(matches!(m.all_reduce(&mut b, ReduceOp::Sum), Err(CommError::Broken(_))));
     e
 }
 
@@ -293,21 +231,12 @@ fn header(len: u64) -> CallHeader {
 fn hostile_frame_length_is_rejected_without_allocation() {
     let e = rank0_against_fake(|s| {
         s.write_all(&header(4000).encode()).unwrap();
-        s.write_all(
-            &Frame::Data {
-                len: u32::MAX,
-                block: 0,
-            }
-            .encode(),
-        )
-        .unwrap();
+        s.write_all(&Frame::Data { len: u32::MAX, block: 0 }.encode()).unwrap();
     });
     let msg = e.to_string();
     assert!(matches!(e, CommError::Protocol { .. }), "{msg}");
     assert!(
-        msg.contains("rank 1")
-            && msg.contains("4294967295 bytes")
-            && msg.contains("expected block 0 with 2000 bytes"),
+        msg.contains("rank 1") && msg.contains("4294967295 bytes") && msg.contains("expected block 0 with 2000 bytes"),
         "{msg}"
     );
 }
@@ -323,14 +252,7 @@ fn header_mismatch_and_garbage_header_are_rejected() {
     assert!(e.to_string().contains("bad magic in call header"), "{e}");
     let e = rank0_against_fake(|s| {
         s.write_all(&header(4000).encode()).unwrap();
-        s.write_all(
-            &Frame::Abort {
-                culprit: 77,
-                reason: 1,
-            }
-            .encode(),
-        )
-        .unwrap();
+        s.write_all(&Frame::Abort { culprit: 77, reason: 1 }.encode()).unwrap();
     });
     assert!(e.to_string().contains("names rank 77 of 2"), "{e}");
     // A peer that vanishes mid-stream is named.
@@ -346,15 +268,11 @@ fn diverging_lengths_fail_on_every_rank() {
     let res = common::on_threads(common::tcp_group(3, common::test_config()), |mut c| {
         let len = if c.rank() == 1 { 999 } else { 1000 };
         let mut b = vec![1.0; len];
-        c.all_reduce(&mut b, ReduceOp::Sum)
-            .map_err(|e| e.to_string())
+        c.all_reduce(&mut b, ReduceOp::Sum).map_err(|e| e.to_string())
     });
     for (r, x) in res.iter().enumerate() {
         let msg = x.as_ref().expect_err("must fail");
-        assert!(
-            msg.contains("length") || msg.contains("diverging"),
-            "rank {r}: {msg}"
-        );
+        assert!(msg.contains("length") || msg.contains("diverging"), "rank {r}: {msg}");
     }
 }
 
@@ -372,20 +290,14 @@ fn stalled_rank_is_named_by_everyone_within_the_timeout() {
         }
         let t = Instant::now();
         let mut b = vec![1.0f32; 4 << 20];
-        let e = c
-            .all_reduce(&mut b, ReduceOp::Sum)
-            .expect_err("must time out");
+        let e = c.all_reduce(&mut b, ReduceOp::Sum).expect_err("must time out");
         Some((e, t.elapsed()))
     });
     for (r, x) in res.into_iter().enumerate() {
         let Some((e, took)) = x else { continue };
         assert_eq!(e.blamed_rank(), Some(2), "rank {r}: {e}");
         assert!(e.to_string().contains("rank 2"), "rank {r}: {e}");
-        assert_eq!(
-            common::repeated_phrase(&e.to_string()),
-            None,
-            "rank {r}: {e}"
-        );
+        assert_eq!(common::repeated_phrase(&e.to_string()), None, "rank {r}: {e}");
         assert!(took < Duration::from_millis(3500), "rank {r} took {took:?}");
     }
     assert!(start.elapsed() < Duration::from_secs(10));
@@ -406,16 +318,9 @@ fn different_block_sizes_are_refused_by_name() {
     });
     // The rank that reads the other's header names the field; the other may learn of the failure
     // from its abort notice first.
-    let msgs: Vec<String> = res
-        .into_iter()
-        .map(|r| r.expect_err("must refuse").to_string())
-        .collect();
+    let msgs: Vec<String> = res.into_iter().map(|r| r.expect_err("must refuse").to_string()).collect();
     assert!(msgs.iter().any(|m| m.contains("block size")), "{msgs:?}");
-    assert!(
-        msgs.iter()
-            .all(|m| m.contains("block size") || m.contains("diverging collective calls")),
-        "{msgs:?}"
-    );
+    assert!(msgs.iter().all(|m| m.contains("block size") || m.contains("diverging collective calls")), "{msgs:?}");
 }
 
 /// Runs `f` on a thread and waits at most `limit` for its answer (so a test of "at once" cannot
@@ -445,18 +350,10 @@ fn idle_connections_do_not_starve_real_ranks() {
     let mut cfg = common::test_config();
     cfg.hello_timeout = Duration::from_secs(30);
     let (addr, master) = start_master(3, cfg.clone());
-    let idle: Vec<TcpStream> = (0..300)
-        .map(|_| TcpStream::connect(&addr).expect("idle connect"))
-        .collect();
-    let comms = common::on_threads(vec![1usize, 2], move |r| {
-        TcpComm::worker(&addr, r, 3, cfg.clone())
-    });
+    let idle: Vec<TcpStream> = (0..300).map(|_| TcpStream::connect(&addr).expect("idle connect")).collect();
+    let comms = common::on_threads(vec![1usize, 2], move |r| TcpComm::worker(&addr, r, 3, cfg.clone()));
     let mut all = vec![master.join().unwrap().expect("master")];
-    all.extend(
-        comms
-            .into_iter()
-            .map(|c| c.expect("a real rank gets in despite the idle connections")),
-    );
+    all.extend(comms.into_iter().map(|c| c.expect("a real rank gets in despite the idle connections")));
     sum_on_ring(all);
     drop(idle);
 }
@@ -498,9 +395,7 @@ fn rank_whose_registration_closed_can_register_again() {
     gone.write_all(&hello.encode()).unwrap();
     drop(gone);
     std::thread::sleep(Duration::from_millis(200));
-    let comms = common::on_threads(vec![1usize, 2], move |r| {
-        TcpComm::worker(&addr, r, 3, cfg.clone())
-    });
+    let comms = common::on_threads(vec![1usize, 2], move |r| TcpComm::worker(&addr, r, 3, cfg.clone()));
     let mut all = vec![master.join().unwrap().expect("master")];
     all.extend(comms.into_iter().map(|c| c.expect("worker")));
     sum_on_ring(all);
@@ -513,17 +408,12 @@ fn late_duplicate_rank_is_refused_after_the_ring_formed() {
     let w = TcpComm::worker(&addr, 1, 2, cfg.clone()).expect("rank 1");
     let m = master.join().unwrap().expect("master");
     // A second copy of rank 1: answered by rank 0, not left to wait for its rendezvous timeout.
-    let late = within(Duration::from_secs(15), move || {
-        TcpComm::worker(&addr, 1, 2, cfg).map(|_| ())
-    })
-    .expect("the late rank is answered before its rendezvous timeout");
+    let late = within(Duration::from_secs(15), move || TcpComm::worker(&addr, 1, 2, cfg).map(|_| ()))
+        .expect("the late rank is answered before its rendezvous timeout");
     let e = late.expect_err("a late duplicate must be refused");
     assert_eq!(refused_field(&e), "rank");
     let msg = e.to_string();
-    assert!(
-        msg.contains("rank 1 already joined from 127.0.0.1:") && msg.contains("ring has formed"),
-        "{msg}"
-    );
+    assert!(msg.contains("rank 1 already joined from 127.0.0.1:") && msg.contains("ring has formed"), "{msg}");
     assert_eq!(common::repeated_phrase(&msg), None, "{msg}");
     sum_on_ring(vec![m, w]);
 }
@@ -538,19 +428,11 @@ fn master_port_zero_is_refused_at_once() {
         master_port: 0,
         source: Source::Explicit,
     };
-    let res = within(Duration::from_secs(10), move || {
-        TcpComm::from_launch(&env, common::test_config()).map(|_| ())
-    })
-    .expect("refused at once, not after the rendezvous timeout");
+    let res = within(Duration::from_secs(10), move || TcpComm::from_launch(&env, common::test_config()).map(|_| ()))
+        .expect("refused at once, not after the rendezvous timeout");
     let e = res.expect_err("port 0 must be refused");
-    assert!(
-        matches!(&e, CommError::Launch { var, .. } if var == "MASTER_PORT"),
-        "{e}"
-    );
-    assert!(
-        e.to_string().contains("MASTER_PORT=0 cannot be used"),
-        "{e}"
-    );
+    assert!(matches!(&e, CommError::Launch { var, .. } if var == "MASTER_PORT"), "{e}");
+    assert!(e.to_string().contains("MASTER_PORT=0 cannot be used"), "{e}");
 }
 
 #[test]

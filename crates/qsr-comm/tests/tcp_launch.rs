@@ -40,22 +40,13 @@ fn launch_child_entry() {
 
 /// A port nobody listens on.
 fn dead_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 /// Rank 1 of 2 looking for rank 0 at `addr:port` for `wait_ms`; returns (stdout, stderr).
 fn rank1(addr: &str, port: u16, token: &str, wait_ms: u64) -> (String, String) {
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "launch_child_entry",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+        .args(["--exact", "launch_child_entry", "--nocapture", "--test-threads=1"])
         .env("QSR_LAUNCH_ADDR", addr)
         .env("QSR_LAUNCH_RANK", "1")
         .env("QSR_LAUNCH_PORT", port.to_string())
@@ -88,15 +79,12 @@ fn rank1(addr: &str, port: u16, token: &str, wait_ms: u64) -> (String, String) {
 #[test]
 fn open_launch_without_token_warns_naming_qsr_job_token() {
     let port = dead_port();
-    let runs = common::on_threads(
-        vec![("0.0.0.0", ""), ("127.0.0.1", ""), ("0.0.0.0", "secret")],
-        move |(addr, token)| rank1(addr, port, token, 1000),
-    );
+    let runs =
+        common::on_threads(vec![("0.0.0.0", ""), ("127.0.0.1", ""), ("0.0.0.0", "secret")], move |(addr, token)| {
+            rank1(addr, port, token, 1000)
+        });
     let (_, open) = &runs[0];
-    assert!(
-        open.contains("QSR_JOB_TOKEN is not set and MASTER_ADDR=0.0.0.0 is not a loopback address"),
-        "{open}"
-    );
+    assert!(open.contains("QSR_JOB_TOKEN is not set and MASTER_ADDR=0.0.0.0 is not a loopback address"), "{open}");
     for (what, (_, err)) in ["loopback", "token set"].iter().zip(&runs[1..]) {
         assert!(!err.contains("QSR_JOB_TOKEN"), "{what}: {err}");
     }
@@ -107,13 +95,11 @@ fn rank_waiting_for_rank0_says_what_it_waits_for() {
     let port = dead_port();
     let (out, err) = rank1("127.0.0.1", port, "t", 2000);
     assert!(
-        err.contains(&format!("rank 1: waiting for rank 0 at 127.0.0.1:{port} ("))
-            && err.contains(" of 2.0 s): "),
+        err.contains(&format!("rank 1: waiting for rank 0 at 127.0.0.1:{port} (")) && err.contains(" of 2.0 s): "),
         "{err}"
     );
     assert!(
-        out.contains("could not connect to rank 0")
-            && out.contains("the rendezvous completed without this rank"),
+        out.contains("could not connect to rank 0") && out.contains("the rendezvous completed without this rank"),
         "{out}"
     );
     assert_eq!(common::repeated_phrase(&out), None, "{out}");

@@ -17,16 +17,11 @@ fn hash(v: &[f32]) -> u64 {
     // FNV-1a over the bit patterns: equal hashes <=> (practically) bit-identical results.
     v.iter()
         .flat_map(|x| x.to_bits().to_le_bytes())
-        .fold(0xcbf29ce484222325u64, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x100000001b3)
-        })
+        .fold(0xcbf29ce484222325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100000001b3))
 }
 
 fn child_config(timeout_ms: u64) -> TcpConfig {
-    TcpConfig {
-        timeout: Duration::from_millis(timeout_ms),
-        ..common::test_config()
-    }
+    TcpConfig { timeout: Duration::from_millis(timeout_ms), ..common::test_config() }
 }
 
 /// The matrix every rank runs; returns (case name, result) pairs.
@@ -94,10 +89,7 @@ fn child_process_entry() {
             let err = run_loop(&mut c, |i| println!("QSR iter {i}"));
             match err {
                 Some(e) => {
-                    let blamed = e
-                        .blamed_rank()
-                        .map(|r| r.to_string())
-                        .unwrap_or_else(|| "none".into());
+                    let blamed = e.blamed_rank().map(|r| r.to_string()).unwrap_or_else(|| "none".into());
                     println!("QSR error {blamed} {e}");
                     // A real program returns through its stack and drops the communicator, whose Drop
                     // lets the abort notice reach the other neighbour before the sockets close;
@@ -133,12 +125,7 @@ fn spawn_children(mode: &str, n: usize, master: &str, timeout_ms: u64) -> Childr
     let mut procs = Vec::new();
     for rank in 1..n {
         let mut child = Command::new(&exe)
-            .args([
-                "--exact",
-                "child_process_entry",
-                "--nocapture",
-                "--test-threads=1",
-            ])
+            .args(["--exact", "child_process_entry", "--nocapture", "--test-threads=1"])
             .env("QSR_CHILD_MODE", mode)
             .env("QSR_CHILD_RANK", rank.to_string())
             .env("QSR_CHILD_N", n.to_string())
@@ -177,34 +164,16 @@ fn process_matrix_world_sizes_2_3_5() {
         let mut i = 0;
         for (li, len) in common::lengths(n).into_iter().enumerate() {
             let inputs: Vec<Vec<f32>> = (0..n).map(|r| common::input(li as u64, r, len)).collect();
-            common::check(
-                &inputs,
-                &[cases[i].1.clone()],
-                ReduceOp::Sum,
-                &format!("n {n} {}", cases[i].0),
-            );
-            common::check(
-                &inputs,
-                &[cases[i + 1].1.clone()],
-                ReduceOp::Mean,
-                &format!("n {n} {}", cases[i + 1].0),
-            );
-            assert_eq!(
-                cases[i + 2].1,
-                common::input(50 + li as u64, n - 1, len),
-                "n {n} {}",
-                cases[i + 2].0
-            );
+            common::check(&inputs, &[cases[i].1.clone()], ReduceOp::Sum, &format!("n {n} {}", cases[i].0));
+            common::check(&inputs, &[cases[i + 1].1.clone()], ReduceOp::Mean, &format!("n {n} {}", cases[i + 1].0));
+            assert_eq!(cases[i + 2].1, common::input(50 + li as u64, n - 1, len), "n {n} {}", cases[i + 2].0);
             i += 3;
         }
         let deadline = Instant::now() + Duration::from_secs(60);
         let mut done = 0;
         let mut seen = 0;
         while done < n - 1 {
-            let (rank, line) = kids
-                .lines
-                .recv_timeout(deadline - Instant::now())
-                .expect("children report in time");
+            let (rank, line) = kids.lines.recv_timeout(deadline - Instant::now()).expect("children report in time");
             let parts: Vec<&str> = line.split_whitespace().collect();
             match parts.as_slice() {
                 ["case", idx, h] => {
@@ -223,10 +192,7 @@ fn process_matrix_world_sizes_2_3_5() {
         }
         assert_eq!(seen, cases.len() * (n - 1));
         for (rank, child) in &mut kids.procs {
-            assert!(
-                child.wait().unwrap().success(),
-                "n {n}: child rank {rank} failed"
-            );
+            assert!(child.wait().unwrap().success(), "n {n}: child rank {rank} failed");
         }
     }
 }
@@ -247,14 +213,8 @@ fn fault_test(timeout_ms: u64, bound: Duration, fault: impl FnOnce(&mut Child)) 
     // Wait until the victim has completed a few all-reduces: it is in the middle of the next.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let (rank, line) = kids
-            .lines
-            .recv_timeout(deadline - Instant::now())
-            .expect("victim makes progress");
-        assert!(
-            !line.starts_with("error") && !line.starts_with("setup-error"),
-            "rank {rank}: {line}"
-        );
+        let (rank, line) = kids.lines.recv_timeout(deadline - Instant::now()).expect("victim makes progress");
+        assert!(!line.starts_with("error") && !line.starts_with("setup-error"), "rank {rank}: {line}");
         if rank == victim && line == "iter 3" {
             break;
         }
@@ -264,12 +224,8 @@ fn fault_test(timeout_ms: u64, bound: Duration, fault: impl FnOnce(&mut Child)) 
     fault(child);
     let mut errors = Vec::new();
     while errors.len() < n - 2 {
-        let left =
-            (fault_at + bound + Duration::from_secs(5)).saturating_duration_since(Instant::now());
-        let (rank, line) = kids
-            .lines
-            .recv_timeout(left)
-            .expect("every survivor reports an error in time");
+        let left = (fault_at + bound + Duration::from_secs(5)).saturating_duration_since(Instant::now());
+        let (rank, line) = kids.lines.recv_timeout(left).expect("every survivor reports an error in time");
         if line.starts_with("error") {
             errors.push((rank, line, fault_at.elapsed()));
         }
@@ -278,38 +234,24 @@ fn fault_test(timeout_ms: u64, bound: Duration, fault: impl FnOnce(&mut Child)) 
     let e = e.expect("rank 0 fails");
     errors.push((
         0,
-        format!(
-            "error {} {e}",
-            e.blamed_rank().map(|r| r.to_string()).unwrap_or_default()
-        ),
+        format!("error {} {e}", e.blamed_rank().map(|r| r.to_string()).unwrap_or_default()),
         at.duration_since(fault_at),
     ));
     for (rank, line, took) in errors {
         eprintln!("survivor rank {rank} after {took:?}: {line}");
         assert_eq!(common::repeated_phrase(&line), None, "rank {rank}: {line}");
-        assert!(
-            line.starts_with(&format!("error {victim} ")),
-            "rank {rank} must blame rank {victim}: {line}"
-        );
-        assert!(
-            line.contains(&format!("rank {victim}")),
-            "rank {rank}: message must name rank {victim}: {line}"
-        );
-        assert!(
-            took <= bound,
-            "rank {rank} took {took:?} (bound {bound:?}): {line}"
-        );
+        assert!(line.starts_with(&format!("error {victim} ")), "rank {rank} must blame rank {victim}: {line}");
+        assert!(line.contains(&format!("rank {victim}")), "rank {rank}: message must name rank {victim}: {line}");
+        assert!(took <= bound, "rank {rank} took {took:?} (bound {bound:?}): {line}");
     }
 }
 
 #[test]
 fn killed_rank_is_named_by_every_survivor() {
     // Death is seen at once (EOF / reset), long before the 5 s no-progress timeout.
-    fault_test(
-        5_000,
-        Duration::from_secs(5) + Duration::from_millis(2_000),
-        |child| child.kill().expect("kill victim"),
-    );
+    fault_test(5_000, Duration::from_secs(5) + Duration::from_millis(2_000), |child| {
+        child.kill().expect("kill victim")
+    });
 }
 
 #[test]

@@ -6,10 +6,7 @@ use qsr_comm::{Collective, ReduceOp};
 
 #[test]
 fn matrix_world_sizes_1_2_3_5() {
-    common::matrix(
-        |n| common::tcp_group(n, common::test_config()),
-        &[1, 2, 3, 5],
-    );
+    common::matrix(|n| common::tcp_group(n, common::test_config()), &[1, 2, 3, 5]);
 }
 
 #[test]

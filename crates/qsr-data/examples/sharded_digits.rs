@@ -37,7 +37,8 @@ fn main() -> qsr_data::Result<()> {
     }
 
     for epoch in 0..2 {
-        let shards: Vec<HashSet<usize>> = loaders.iter().map(|l| l.sampler().shard(epoch).into_iter().collect()).collect();
+        let shards: Vec<HashSet<usize>> =
+            loaders.iter().map(|l| l.sampler().shard(epoch).into_iter().collect()).collect();
         let common = shards[0].intersection(&shards[1]).count();
         assert_eq!(common, 0, "epoch {epoch}: the shards share {common} samples");
         println!(

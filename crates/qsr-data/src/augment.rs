@@ -46,11 +46,7 @@ pub enum Crop {
 impl Crop {
     /// RandomResizedCrop with torchvision's defaults (scale 0.08..1, ratio 3/4..4/3).
     pub fn random_resized(size: usize) -> Crop {
-        Crop::RandomResized {
-            size,
-            scale: (0.08, 1.0),
-            ratio: (3.0 / 4.0, 4.0 / 3.0),
-        }
+        Crop::RandomResized { size, scale: (0.08, 1.0), ratio: (3.0 / 4.0, 4.0 / 3.0) }
     }
     fn is_random(&self) -> bool {
         matches!(self, Crop::RandomPad { .. } | Crop::RandomResized { .. })
@@ -74,10 +70,7 @@ impl Normalize {
     }
     /// Identity (values stay in 0..1).
     pub fn identity(channels: usize) -> Self {
-        Normalize {
-            mean: vec![0.0; channels],
-            std: vec![1.0; channels],
-        }
+        Normalize { mean: vec![0.0; channels], std: vec![1.0; channels] }
     }
     /// ImageNet's RGB statistics (torchvision's mean 0.485/0.456/0.406, std 0.229/0.224/0.225).
     pub fn imagenet() -> Self {
@@ -145,9 +138,7 @@ impl Transform {
     pub fn train_default(info: &DatasetInfo) -> Self {
         match info.size {
             Some((h, w)) if h.max(w) <= 64 => Transform {
-                crop: Crop::RandomPad {
-                    pad: (h.min(w) / 8).max(1),
-                },
+                crop: Crop::RandomPad { pad: (h.min(w) / 8).max(1) },
                 flip: info.flip_ok,
                 normalize: Normalize::for_dataset(info),
             },
@@ -161,16 +152,11 @@ impl Transform {
     /// Evaluation default: small images unchanged; larger ones resize 256 / center-crop 224.
     pub fn eval_default(info: &DatasetInfo) -> Self {
         match info.size {
-            Some((h, w)) if h.max(w) <= 64 => Transform {
-                crop: Crop::None,
-                flip: false,
-                normalize: Normalize::for_dataset(info),
-            },
+            Some((h, w)) if h.max(w) <= 64 => {
+                Transform { crop: Crop::None, flip: false, normalize: Normalize::for_dataset(info) }
+            }
             _ => Transform {
-                crop: Crop::CenterResize {
-                    resize: 256,
-                    size: 224,
-                },
+                crop: Crop::CenterResize { resize: 256, size: 224 },
                 flip: false,
                 normalize: Normalize::for_dataset(info),
             },
@@ -178,11 +164,7 @@ impl Transform {
     }
     /// Only normalization.
     pub fn normalize_only(normalize: Normalize) -> Self {
-        Transform {
-            crop: Crop::None,
-            flip: false,
-            normalize,
-        }
+        Transform { crop: Crop::None, flip: false, normalize }
     }
 
     /// Whether the transform draws random numbers.
@@ -195,17 +177,10 @@ impl Transform {
         let c = info.channels;
         for (name, v) in [("mean", &self.normalize.mean), ("std", &self.normalize.std)] {
             if v.len() != c && v.len() != 1 {
-                return Err(DataError::Config(format!(
-                    "normalize {name} has {} values for {c} channels",
-                    v.len()
-                )));
+                return Err(DataError::Config(format!("normalize {name} has {} values for {c} channels", v.len())));
             }
         }
-        if self
-            .normalize
-            .std
-            .iter()
-            .any(|s| s.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) || !s.is_finite())
+        if self.normalize.std.iter().any(|s| s.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) || !s.is_finite())
         {
             return Err(DataError::Config("normalize std must be positive".into()));
         }
@@ -218,22 +193,14 @@ impl Transform {
                 ))),
             },
             Crop::RandomResized { size, scale, ratio } => {
-                if *size == 0
-                    || !(scale.0 > 0.0 && scale.0 <= scale.1)
-                    || !(ratio.0 > 0.0 && ratio.0 <= ratio.1)
-                {
-                    return Err(DataError::Config(format!(
-                        "bad RandomResized crop {:?}",
-                        self.crop
-                    )));
+                if *size == 0 || !(scale.0 > 0.0 && scale.0 <= scale.1) || !(ratio.0 > 0.0 && ratio.0 <= ratio.1) {
+                    return Err(DataError::Config(format!("bad RandomResized crop {:?}", self.crop)));
                 }
                 Ok((c, *size, *size))
             }
             Crop::CenterResize { resize, size } => {
                 if *size == 0 || size > resize {
-                    return Err(DataError::Config(format!(
-                        "center crop {size} must be in 1..=resize {resize}"
-                    )));
+                    return Err(DataError::Config(format!("center crop {size} must be in 1..=resize {resize}")));
                 }
                 Ok((c, *size, *size))
             }
@@ -245,15 +212,8 @@ impl Transform {
         let mut r = rng::stream(key.seed, key.epoch, key.index, rng::TAG_AUGMENT);
         let c = img.channels;
         let scale = 1.0 / f32::from(pixel_max.max(1));
-        let mean = |ch: usize| {
-            self.normalize.mean[if self.normalize.mean.len() == 1 {
-                0
-            } else {
-                ch
-            }]
-        };
-        let std =
-            |ch: usize| self.normalize.std[if self.normalize.std.len() == 1 { 0 } else { ch }];
+        let mean = |ch: usize| self.normalize.mean[if self.normalize.mean.len() == 1 { 0 } else { ch }];
+        let std = |ch: usize| self.normalize.std[if self.normalize.std.len() == 1 { 0 } else { ch }];
         match &self.crop {
             Crop::None | Crop::RandomPad { .. } => {
                 let (h, w) = (img.height, img.width);
@@ -263,17 +223,10 @@ impl Transform {
                         out.len()
                     )));
                 }
-                let pad = if let Crop::RandomPad { pad } = self.crop {
-                    pad
-                } else {
-                    0
-                };
+                let pad = if let Crop::RandomPad { pad } = self.crop { pad } else { 0 };
                 let (top, left) = if pad > 0 {
                     let n = 2 * pad as u64 + 1;
-                    (
-                        rng::below(&mut r, n) as isize,
-                        rng::below(&mut r, n) as isize,
-                    )
+                    (rng::below(&mut r, n) as isize, rng::below(&mut r, n) as isize)
                 } else {
                     (0, 0)
                 };
@@ -297,13 +250,8 @@ impl Transform {
                     }
                 }
             }
-            Crop::RandomResized {
-                size,
-                scale: sc,
-                ratio,
-            } => {
-                let (top, left, ch_, cw) =
-                    random_resized_crop_params(&mut r, img.height, img.width, *sc, *ratio);
+            Crop::RandomResized { size, scale: sc, ratio } => {
+                let (top, left, ch_, cw) = random_resized_crop_params(&mut r, img.height, img.width, *sc, *ratio);
                 let flip = self.flip && rng::unit(&mut r) < 0.5;
                 let tmp = resample(img, top, left, ch_, cw, *size, *size);
                 finish(&tmp, c, *size, *size, flip, scale, &mean, &std, out)?;
@@ -312,12 +260,8 @@ impl Transform {
                 let (nh, nw) = resize_shorter(img.height, img.width, *resize);
                 // Resize the whole image (torchvision Resize), then cut the center crop out of it.
                 let full = resample(img, 0, 0, img.height, img.width, nh, nw);
-                let top = ((nh as f64 - *size as f64) / 2.0)
-                    .round_ties_even()
-                    .max(0.0) as usize;
-                let left = ((nw as f64 - *size as f64) / 2.0)
-                    .round_ties_even()
-                    .max(0.0) as usize;
+                let top = ((nh as f64 - *size as f64) / 2.0).round_ties_even().max(0.0) as usize;
+                let left = ((nw as f64 - *size as f64) / 2.0).round_ties_even().max(0.0) as usize;
                 let mut crop = vec![0f32; c * size * size];
                 for ch in 0..c {
                     for y in 0..*size {
@@ -345,10 +289,7 @@ fn finish(
     out: &mut [f32],
 ) -> Result<()> {
     if out.len() != c * h * w {
-        return Err(DataError::Config(format!(
-            "output of {} values, transform makes {c}x{h}x{w}",
-            out.len()
-        )));
+        return Err(DataError::Config(format!("output of {} values, transform makes {c}x{h}x{w}", out.len())));
     }
     for ch in 0..c {
         let (m, s) = (mean(ch), 1.0 / std(ch));
@@ -368,15 +309,9 @@ fn finish(
 /// (truncated).
 pub fn resize_shorter(h: usize, w: usize, size: usize) -> (usize, usize) {
     if h <= w {
-        (
-            size,
-            ((size as u64 * w as u64) / h.max(1) as u64).max(1) as usize,
-        )
+        (size, ((size as u64 * w as u64) / h.max(1) as u64).max(1) as usize)
     } else {
-        (
-            ((size as u64 * h as u64) / w.max(1) as u64).max(1) as usize,
-            size,
-        )
+        (((size as u64 * h as u64) / w.max(1) as u64).max(1) as usize, size)
     }
 }
 
@@ -405,15 +340,9 @@ pub fn random_resized_crop_params(
     }
     let in_ratio = width as f64 / height as f64;
     let (h, w) = if in_ratio < ratio.0 {
-        (
-            ((width as f64 / ratio.0).round_ties_even() as usize).clamp(1, height),
-            width,
-        )
+        (((width as f64 / ratio.0).round_ties_even() as usize).clamp(1, height), width)
     } else if in_ratio > ratio.1 {
-        (
-            height,
-            ((height as f64 * ratio.1).round_ties_even() as usize).clamp(1, width),
-        )
+        (height, ((height as f64 * ratio.1).round_ties_even() as usize).clamp(1, width))
     } else {
         (height, width)
     };
@@ -430,9 +359,7 @@ fn coefficients(in_len: usize, out_len: usize) -> Vec<(usize, Vec<f32>)> {
         .map(|o| {
             let center = (o as f64 + 0.5) * scale;
             let lo = ((center - support + 0.5).floor().max(0.0)) as usize;
-            let hi = ((center + support + 0.5).floor() as usize)
-                .min(in_len)
-                .max(lo + 1);
+            let hi = ((center + support + 0.5).floor() as usize).min(in_len).max(lo + 1);
             let mut ws: Vec<f64> = (lo..hi)
                 .map(|i| {
                     let d = ((i as f64 - center + 0.5) / fscale).abs();
@@ -454,15 +381,7 @@ fn coefficients(in_len: usize, out_len: usize) -> Vec<(usize, Vec<f32>)> {
 
 /// Resamples the region `(top, left, h, w)` of `img` to `out_h x out_w` (CHW f32, raw pixel units), separable
 /// horizontal then vertical pass.
-pub fn resample(
-    img: &Image,
-    top: usize,
-    left: usize,
-    h: usize,
-    w: usize,
-    out_h: usize,
-    out_w: usize,
-) -> Vec<f32> {
+pub fn resample(img: &Image, top: usize, left: usize, h: usize, w: usize, out_h: usize, out_w: usize) -> Vec<f32> {
     let c = img.channels;
     let cx = coefficients(w, out_w);
     let cy = coefficients(h, out_h);
@@ -473,11 +392,7 @@ pub fn resample(
             let src = &img.data[(ch * img.height + top + y) * img.width + left..][..w];
             let dst = &mut tmp[(ch * h + y) * out_w..][..out_w];
             for (d, (lo, ws)) in dst.iter_mut().zip(&cx) {
-                *d = ws
-                    .iter()
-                    .zip(&src[*lo..])
-                    .map(|(wt, &p)| wt * f32::from(p))
-                    .sum();
+                *d = ws.iter().zip(&src[*lo..]).map(|(wt, &p)| wt * f32::from(p)).sum();
             }
         }
     }

@@ -49,47 +49,27 @@ pub fn read_cifar_files(
         for (i, rec) in bytes.chunks_exact(record).enumerate() {
             let l = rec[label_at];
             if usize::from(l) >= classes {
-                return Err(DataError::LabelOutOfRange {
-                    path: path.clone(),
-                    index: i,
-                    label: l.into(),
-                    classes,
-                });
+                return Err(DataError::LabelOutOfRange { path: path.clone(), index: i, label: l.into(), classes });
             }
             labels.push(u16::from(l));
             images.extend_from_slice(&rec[label_bytes..]);
         }
     }
     let source = files.first().cloned().unwrap_or_default();
-    ImageSet::new(
-        name,
-        images,
-        labels,
-        (3, 32, 32),
-        classes,
-        255,
-        true,
-        source,
-    )
+    ImageSet::new(name, images, labels, (3, 32, 32), classes, 255, true, source)
 }
 
 /// `dir` itself or the sub-folder the official archive unpacks to, whichever holds `probe`.
 fn resolve(dir: &Path, sub: &str, probe: &str, name: &str) -> Result<PathBuf> {
     if !dir.is_dir() {
-        return Err(DataError::MissingDir {
-            path: dir.to_path_buf(),
-            what: format!("{name} directory"),
-        });
+        return Err(DataError::MissingDir { path: dir.to_path_buf(), what: format!("{name} directory") });
     }
     for d in [dir.to_path_buf(), dir.join(sub)] {
         if d.join(probe).is_file() {
             return Ok(d);
         }
     }
-    Err(DataError::MissingFile {
-        path: dir.join(probe),
-        what: format!("{name} binary file (also looked in {sub}/)"),
-    })
+    Err(DataError::MissingFile { path: dir.join(probe), what: format!("{name} binary file (also looked in {sub}/)") })
 }
 
 fn existing(d: &Path, names: &[String]) -> Result<Vec<PathBuf>> {
@@ -97,14 +77,7 @@ fn existing(d: &Path, names: &[String]) -> Result<Vec<PathBuf>> {
         .iter()
         .map(|n| {
             let p = d.join(n);
-            if p.is_file() {
-                Ok(p)
-            } else {
-                Err(DataError::MissingFile {
-                    path: p,
-                    what: "CIFAR binary file".into(),
-                })
-            }
+            if p.is_file() { Ok(p) } else { Err(DataError::MissingFile { path: p, what: "CIFAR binary file".into() }) }
         })
         .collect()
 }
@@ -125,11 +98,7 @@ pub fn cifar100(dir: impl AsRef<Path>, split: Split) -> Result<ImageSet> {
 }
 
 /// CIFAR-100 with the chosen label kind.
-pub fn cifar100_with(
-    dir: impl AsRef<Path>,
-    split: Split,
-    label: Cifar100Label,
-) -> Result<ImageSet> {
+pub fn cifar100_with(dir: impl AsRef<Path>, split: Split, label: Cifar100Label) -> Result<ImageSet> {
     let name = match split {
         Split::Train => "train.bin",
         Split::Test => "test.bin",
@@ -139,11 +108,5 @@ pub fn cifar100_with(
         Cifar100Label::Fine => (1, 100),
         Cifar100Label::Coarse => (0, 20),
     };
-    read_cifar_files(
-        "cifar100",
-        &existing(&d, &[name.to_string()])?,
-        2,
-        at,
-        classes,
-    )
+    read_cifar_files("cifar100", &existing(&d, &[name.to_string()])?, 2, at, classes)
 }

@@ -127,17 +127,8 @@ impl ImageSet {
                 ),
             ));
         }
-        if let Some((index, &l)) = labels
-            .iter()
-            .enumerate()
-            .find(|(_, l)| usize::from(**l) >= classes)
-        {
-            return Err(DataError::LabelOutOfRange {
-                path: source,
-                index,
-                label: l.into(),
-                classes,
-            });
+        if let Some((index, &l)) = labels.iter().enumerate().find(|(_, l)| usize::from(**l) >= classes) {
+            return Err(DataError::LabelOutOfRange { path: source, index, label: l.into(), classes });
         }
         let info = DatasetInfo {
             name: name.into(),
@@ -148,11 +139,7 @@ impl ImageSet {
             pixel_max,
             flip_ok,
         };
-        Ok(ImageSet {
-            images,
-            labels,
-            info,
-        })
+        Ok(ImageSet { images, labels, info })
     }
 
     /// Channels per image.
@@ -186,11 +173,7 @@ impl ImageSet {
         }
         let mut info = self.info.clone();
         info.len = labels.len();
-        ImageSet {
-            images,
-            labels,
-            info,
-        }
+        ImageSet { images, labels, info }
     }
 }
 
@@ -203,10 +186,7 @@ impl Dataset for ImageSet {
     }
     fn load(&self, index: usize) -> Result<(Image, u16)> {
         if index >= self.labels.len() {
-            return Err(DataError::Config(format!(
-                "sample {index} out of range (len {})",
-                self.labels.len()
-            )));
+            return Err(DataError::Config(format!("sample {index} out of range (len {})", self.labels.len())));
         }
         let img = Image {
             data: self.image(index).to_vec(),

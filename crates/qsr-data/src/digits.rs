@@ -21,9 +21,7 @@ pub const DIGITS_TEST: usize = DIGITS_TOTAL - DIGITS_TRAIN;
 fn parse_all() -> Result<(Vec<u8>, Vec<u16>)> {
     let src = std::path::PathBuf::from("<embedded digits.csv.gz>");
     let mut text = String::new();
-    flate2::read::GzDecoder::new(DIGITS_CSV_GZ)
-        .read_to_string(&mut text)
-        .map_err(|e| DataError::io(&src, e))?;
+    flate2::read::GzDecoder::new(DIGITS_CSV_GZ).read_to_string(&mut text).map_err(|e| DataError::io(&src, e))?;
     let mut images = Vec::with_capacity(DIGITS_TOTAL * 64);
     let mut labels = Vec::with_capacity(DIGITS_TOTAL);
     for (row, line) in text.lines().filter(|l| !l.trim().is_empty()).enumerate() {
@@ -33,27 +31,18 @@ fn parse_all() -> Result<(Vec<u8>, Vec<u16>)> {
             .collect::<Result<_, _>>()
             .map_err(|e| DataError::format(&src, format!("row {row}: {e}")))?;
         if vals.len() != 65 {
-            return Err(DataError::format(
-                &src,
-                format!("row {row}: {} values, expected 65", vals.len()),
-            ));
+            return Err(DataError::format(&src, format!("row {row}: {} values, expected 65", vals.len())));
         }
         for &v in &vals[..64] {
             if !(0.0..=16.0).contains(&v) {
-                return Err(DataError::format(
-                    &src,
-                    format!("row {row}: pixel {v} outside 0..=16"),
-                ));
+                return Err(DataError::format(&src, format!("row {row}: pixel {v} outside 0..=16")));
             }
             images.push(v as u8);
         }
         labels.push(vals[64] as u16);
     }
     if labels.len() != DIGITS_TOTAL {
-        return Err(DataError::format(
-            &src,
-            format!("{} rows, expected {DIGITS_TOTAL}", labels.len()),
-        ));
+        return Err(DataError::format(&src, format!("{} rows, expected {DIGITS_TOTAL}", labels.len())));
     }
     Ok((images, labels))
 }
@@ -68,31 +57,13 @@ pub fn digits(split: Split) -> ImageSet {
     };
     let imgs = images[range.start * 64..range.end * 64].to_vec();
     let labs = labels[range].to_vec();
-    ImageSet::new(
-        "digits",
-        imgs,
-        labs,
-        (1, 8, 8),
-        10,
-        16,
-        false,
-        "<embedded digits.csv.gz>",
-    )
-    .expect("embedded digits are consistent")
+    ImageSet::new("digits", imgs, labs, (1, 8, 8), 10, 16, false, "<embedded digits.csv.gz>")
+        .expect("embedded digits are consistent")
 }
 
 /// All 1797 digits in file order (train followed by test).
 pub fn digits_all() -> ImageSet {
     let (images, labels) = parse_all().expect("embedded digits.csv.gz is valid");
-    ImageSet::new(
-        "digits",
-        images,
-        labels,
-        (1, 8, 8),
-        10,
-        16,
-        false,
-        "<embedded digits.csv.gz>",
-    )
-    .expect("embedded digits are consistent")
+    ImageSet::new("digits", images, labels, (1, 8, 8), 10, 16, false, "<embedded digits.csv.gz>")
+        .expect("embedded digits are consistent")
 }

@@ -107,22 +107,13 @@ pub enum DataError {
 
 impl DataError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        DataError::Io {
-            path: path.into(),
-            source,
-        }
+        DataError::Io { path: path.into(), source }
     }
     pub(crate) fn truncated(path: impl Into<PathBuf>, detail: impl Into<String>) -> Self {
-        DataError::Truncated {
-            path: path.into(),
-            detail: detail.into(),
-        }
+        DataError::Truncated { path: path.into(), detail: detail.into() }
     }
     pub(crate) fn format(path: impl Into<PathBuf>, detail: impl Into<String>) -> Self {
-        DataError::Format {
-            path: path.into(),
-            detail: detail.into(),
-        }
+        DataError::Format { path: path.into(), detail: detail.into() }
     }
 }
 

@@ -19,9 +19,7 @@ pub struct ImageFolder {
 }
 
 fn is_image(p: &Path) -> bool {
-    p.extension()
-        .and_then(|e| e.to_str())
-        .is_some_and(|e| IMAGE_EXTENSIONS.iter().any(|x| x.eq_ignore_ascii_case(e)))
+    p.extension().and_then(|e| e.to_str()).is_some_and(|e| IMAGE_EXTENSIONS.iter().any(|x| x.eq_ignore_ascii_case(e)))
 }
 
 /// All image files under `dir`, recursively, in sorted path order.
@@ -46,10 +44,7 @@ impl ImageFolder {
     pub fn new(root: impl AsRef<Path>) -> Result<Self> {
         let root = root.as_ref().to_path_buf();
         if !root.is_dir() {
-            return Err(DataError::MissingDir {
-                path: root,
-                what: "ImageFolder root".into(),
-            });
+            return Err(DataError::MissingDir { path: root, what: "ImageFolder root".into() });
         }
         let mut class_names: Vec<String> = std::fs::read_dir(&root)
             .map_err(|e| DataError::io(&root, e))?
@@ -59,16 +54,10 @@ impl ImageFolder {
             .collect();
         class_names.sort();
         if class_names.is_empty() {
-            return Err(DataError::Empty {
-                path: root,
-                detail: "no class sub-folders".into(),
-            });
+            return Err(DataError::Empty { path: root, detail: "no class sub-folders".into() });
         }
         if class_names.len() > usize::from(u16::MAX) {
-            return Err(DataError::format(
-                &root,
-                format!("{} classes, at most 65535 supported", class_names.len()),
-            ));
+            return Err(DataError::format(&root, format!("{} classes, at most 65535 supported", class_names.len())));
         }
         let mut samples = Vec::new();
         for (label, name) in class_names.iter().enumerate() {
@@ -78,10 +67,7 @@ impl ImageFolder {
             if files.is_empty() {
                 return Err(DataError::Empty {
                     path: dir,
-                    detail: format!(
-                        "class folder has no image files ({})",
-                        IMAGE_EXTENSIONS.join(", ")
-                    ),
+                    detail: format!("class folder has no image files ({})", IMAGE_EXTENSIONS.join(", ")),
                 });
             }
             samples.extend(files.into_iter().map(|f| (f, label as u16)));
@@ -95,12 +81,7 @@ impl ImageFolder {
             pixel_max: 255,
             flip_ok: true,
         };
-        Ok(ImageFolder {
-            root,
-            class_names,
-            samples,
-            info,
-        })
+        Ok(ImageFolder { root, class_names, samples, info })
     }
 
     /// ImageNet laid out as `root/train/<wnid>/*.JPEG` and `root/val/<wnid>/*.JPEG`.
@@ -128,10 +109,7 @@ impl ImageFolder {
 
 /// Decodes a PNG/JPEG file (format guessed from content) to 3-channel CHW `u8`.
 pub fn decode_rgb(path: &Path) -> Result<Image> {
-    let bad = |reason: String| DataError::UnreadableImage {
-        path: path.to_path_buf(),
-        reason,
-    };
+    let bad = |reason: String| DataError::UnreadableImage { path: path.to_path_buf(), reason };
     let reader = image::ImageReader::open(path)
         .map_err(|e| DataError::io(path, e))?
         .with_guessed_format()
@@ -149,12 +127,7 @@ pub fn decode_rgb(path: &Path) -> Result<Image> {
         data[plane + p] = px[1];
         data[2 * plane + p] = px[2];
     }
-    Ok(Image {
-        data,
-        channels: 3,
-        height: h,
-        width: w,
-    })
+    Ok(Image { data, channels: 3, height: h, width: w })
 }
 
 impl Dataset for ImageFolder {
@@ -165,12 +138,10 @@ impl Dataset for ImageFolder {
         self.samples[index].1
     }
     fn load(&self, index: usize) -> Result<(Image, u16)> {
-        let (path, label) = self.samples.get(index).ok_or_else(|| {
-            DataError::Config(format!(
-                "sample {index} out of range (len {})",
-                self.samples.len()
-            ))
-        })?;
+        let (path, label) = self
+            .samples
+            .get(index)
+            .ok_or_else(|| DataError::Config(format!("sample {index} out of range (len {})", self.samples.len())))?;
         Ok((decode_rgb(path)?, *label))
     }
 }

@@ -12,15 +12,10 @@ pub fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
     let raw = std::fs::read(path).map_err(|e| DataError::io(path, e))?;
     if raw.len() >= 2 && raw[0] == 0x1f && raw[1] == 0x8b {
         let mut out = Vec::with_capacity(raw.len() * 4);
-        flate2::read::MultiGzDecoder::new(&raw[..])
-            .read_to_end(&mut out)
-            .map_err(|e| {
-                let kind = e.kind();
-                DataError::io(
-                    path,
-                    std::io::Error::new(kind, format!("corrupt or truncated gzip stream: {e}")),
-                )
-            })?;
+        flate2::read::MultiGzDecoder::new(&raw[..]).read_to_end(&mut out).map_err(|e| {
+            let kind = e.kind();
+            DataError::io(path, std::io::Error::new(kind, format!("corrupt or truncated gzip stream: {e}")))
+        })?;
         Ok(out)
     } else {
         Ok(raw)
@@ -39,10 +34,7 @@ pub struct IdxArray {
 /// Parses IDX bytes; `path` only names the file in errors. `expected_ndim` is 1 for labels, 3 for images.
 pub fn parse_idx(bytes: &[u8], path: &Path, expected_ndim: u8) -> Result<IdxArray> {
     if bytes.len() < 4 {
-        return Err(DataError::truncated(
-            path,
-            format!("{} bytes, shorter than the 4-byte IDX magic", bytes.len()),
-        ));
+        return Err(DataError::truncated(path, format!("{} bytes, shorter than the 4-byte IDX magic", bytes.len())));
     }
     let magic = u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
     let expected = 0x0800 | u32::from(expected_ndim);
@@ -50,9 +42,7 @@ pub fn parse_idx(bytes: &[u8], path: &Path, expected_ndim: u8) -> Result<IdxArra
         return Err(DataError::BadMagic {
             path: path.to_path_buf(),
             found: magic,
-            expected: format!(
-                "{expected:#010x} (IDX, unsigned byte, {expected_ndim} dimension(s))"
-            ),
+            expected: format!("{expected:#010x} (IDX, unsigned byte, {expected_ndim} dimension(s))"),
         });
     }
     let ndim = usize::from(expected_ndim);
@@ -60,25 +50,18 @@ pub fn parse_idx(bytes: &[u8], path: &Path, expected_ndim: u8) -> Result<IdxArra
     if bytes.len() < header {
         return Err(DataError::truncated(
             path,
-            format!(
-                "{} bytes, shorter than the {header}-byte header",
-                bytes.len()
-            ),
+            format!("{} bytes, shorter than the {header}-byte header", bytes.len()),
         ));
     }
-    let dims: Vec<usize> = (0..ndim)
-        .map(|i| u32::from_be_bytes(bytes[4 + 4 * i..8 + 4 * i].try_into().unwrap()) as usize)
-        .collect();
+    let dims: Vec<usize> =
+        (0..ndim).map(|i| u32::from_be_bytes(bytes[4 + 4 * i..8 + 4 * i].try_into().unwrap()) as usize).collect();
     let want = dims
         .iter()
         .try_fold(1usize, |a, &d| a.checked_mul(d))
         .ok_or_else(|| DataError::format(path, format!("dimensions {dims:?} overflow")))?;
     let have = bytes.len() - header;
     if have < want {
-        return Err(DataError::truncated(
-            path,
-            format!("header {dims:?} needs {want} data bytes, file has {have}"),
-        ));
+        return Err(DataError::truncated(path, format!("header {dims:?} needs {want} data bytes, file has {have}")));
     }
     if have > want {
         return Err(DataError::format(
@@ -86,10 +69,7 @@ pub fn parse_idx(bytes: &[u8], path: &Path, expected_ndim: u8) -> Result<IdxArra
             format!("header {dims:?} needs {want} data bytes, file has {have} (trailing data)"),
         ));
     }
-    Ok(IdxArray {
-        dims,
-        data: bytes[header..].to_vec(),
-    })
+    Ok(IdxArray { dims, data: bytes[header..].to_vec() })
 }
 
 /// Reads an IDX image file (`N x H x W`).
@@ -103,13 +83,7 @@ pub fn read_idx_labels(path: &Path) -> Result<Vec<u8>> {
 }
 
 /// Reads an image file and a label file into a 1-channel [`ImageSet`], checking counts and label range.
-pub fn load_idx_pair(
-    name: &str,
-    images: &Path,
-    labels: &Path,
-    classes: usize,
-    flip_ok: bool,
-) -> Result<ImageSet> {
+pub fn load_idx_pair(name: &str, images: &Path, labels: &Path, classes: usize, flip_ok: bool) -> Result<ImageSet> {
     let img = read_idx_images(images)?;
     let lab = read_idx_labels(labels)?;
     let (n, h, w) = (img.dims[0], img.dims[1], img.dims[2]);
@@ -121,29 +95,11 @@ pub fn load_idx_pair(
             labels: lab.len(),
         });
     }
-    if let Some((index, &l)) = lab
-        .iter()
-        .enumerate()
-        .find(|(_, l)| usize::from(**l) >= classes)
-    {
-        return Err(DataError::LabelOutOfRange {
-            path: labels.to_path_buf(),
-            index,
-            label: l.into(),
-            classes,
-        });
+    if let Some((index, &l)) = lab.iter().enumerate().find(|(_, l)| usize::from(**l) >= classes) {
+        return Err(DataError::LabelOutOfRange { path: labels.to_path_buf(), index, label: l.into(), classes });
     }
     let labels16 = lab.into_iter().map(u16::from).collect();
-    ImageSet::new(
-        name,
-        img.data,
-        labels16,
-        (1, h, w),
-        classes,
-        255,
-        flip_ok,
-        images,
-    )
+    ImageSet::new(name, img.data, labels16, (1, h, w), classes, 255, flip_ok, images)
 }
 
 /// Finds `{prefix}-{kind}` under `dir` in the usual spellings (`-idx3-ubyte`, `.idx3-ubyte`, with or without `.gz`).
@@ -154,22 +110,15 @@ fn find_idx(dir: &Path, prefix: &str, kind: &str, ndim: u8) -> Result<PathBuf> {
         format!("{prefix}-{kind}.idx{ndim}-ubyte.gz"),
         format!("{prefix}-{kind}.idx{ndim}-ubyte"),
     ];
-    names
-        .iter()
-        .map(|n| dir.join(n))
-        .find(|p| p.is_file())
-        .ok_or_else(|| DataError::MissingFile {
-            path: dir.join(&names[0]),
-            what: format!("none of {names:?} in {}", dir.display()),
-        })
+    names.iter().map(|n| dir.join(n)).find(|p| p.is_file()).ok_or_else(|| DataError::MissingFile {
+        path: dir.join(&names[0]),
+        what: format!("none of {names:?} in {}", dir.display()),
+    })
 }
 
 fn idx_dataset(name: &str, dir: &Path, split: Split, flip_ok: bool) -> Result<ImageSet> {
     if !dir.is_dir() {
-        return Err(DataError::MissingDir {
-            path: dir.to_path_buf(),
-            what: format!("{name} IDX directory"),
-        });
+        return Err(DataError::MissingDir { path: dir.to_path_buf(), what: format!("{name} IDX directory") });
     }
     let prefix = match split {
         Split::Train => "train",

@@ -22,6 +22,8 @@
 //! `cargo run --release -p qsr-data --example sharded_digits` reads the digits for two workers and shows that
 //! their shards are disjoint.
 
+#![forbid(unsafe_code)]
+
 pub mod augment;
 pub mod cifar;
 pub mod dataset;
@@ -40,7 +42,5 @@ pub use digits::{DIGITS_TEST, DIGITS_TOTAL, DIGITS_TRAIN, digits, digits_all};
 pub use error::{DataError, Result};
 pub use folder::ImageFolder;
 pub use idx::{FASHION_MNIST_DEFAULT_DIR, fashion_mnist, load_idx_pair, mnist};
-pub use loader::{
-    Batch, EvalLoader, HostBatch, PrefetchOptions, Prefetcher, TrainLoader, load_batch,
-};
+pub use loader::{Batch, EvalLoader, HostBatch, PrefetchOptions, Prefetcher, TrainLoader, load_batch};
 pub use sampler::{EpochStep, SamplerConfig, SamplerState, ShardedSampler, check_micro};

@@ -74,9 +74,7 @@ impl HostBatch {
     }
     /// Concatenates batches of equal sample shape (inverse of [`split`](Self::split)).
     pub fn concat(parts: &[HostBatch]) -> Result<HostBatch> {
-        let first = parts
-            .first()
-            .ok_or_else(|| DataError::Config("concat of no batches".into()))?;
+        let first = parts.first().ok_or_else(|| DataError::Config("concat of no batches".into()))?;
         let mut out = HostBatch {
             images: vec![],
             labels: vec![],
@@ -85,10 +83,7 @@ impl HostBatch {
         };
         for p in parts {
             if p.shape[1..] != first.shape[1..] {
-                return Err(DataError::Config(format!(
-                    "concat of shapes {:?} and {:?}",
-                    first.shape, p.shape
-                )));
+                return Err(DataError::Config(format!("concat of shapes {:?} and {:?}", first.shape, p.shape)));
             }
             out.images.extend_from_slice(&p.images);
             out.labels.extend_from_slice(&p.labels);
@@ -117,37 +112,17 @@ pub fn load_batch(
         .zip(indices.par_iter())
         .map(|(out, &i)| {
             if i >= dataset.len() {
-                return Err(DataError::Config(format!(
-                    "sample {i} out of range (len {})",
-                    dataset.len()
-                )));
+                return Err(DataError::Config(format!("sample {i} out of range (len {})", dataset.len())));
             }
             let (img, label) = dataset.load(i)?;
             if img.channels != c {
-                return Err(DataError::Config(format!(
-                    "sample {i} has {} channels, expected {c}",
-                    img.channels
-                )));
+                return Err(DataError::Config(format!("sample {i} has {} channels, expected {c}", img.channels)));
             }
-            transform.apply(
-                &img,
-                info.pixel_max,
-                SampleKey {
-                    seed,
-                    epoch,
-                    index: i as u64,
-                },
-                out,
-            )?;
+            transform.apply(&img, info.pixel_max, SampleKey { seed, epoch, index: i as u64 }, out)?;
             Ok(i64::from(label))
         })
         .collect::<Result<_>>()?;
-    Ok(HostBatch {
-        images,
-        labels,
-        shape: [indices.len(), c, h, w],
-        indices: indices.to_vec(),
-    })
+    Ok(HostBatch { images, labels, shape: [indices.len(), c, h, w], indices: indices.to_vec() })
 }
 
 /// Training batches: sampler + dataset + transform. `host_batch(step)` is a pure function of
@@ -172,11 +147,7 @@ impl std::fmt::Debug for TrainLoader {
 
 impl TrainLoader {
     /// Checks that the sampler was made for this dataset's length and that the transform fits the dataset.
-    pub fn new(
-        dataset: Arc<dyn Dataset>,
-        sampler: ShardedSampler,
-        transform: Transform,
-    ) -> Result<Self> {
+    pub fn new(dataset: Arc<dyn Dataset>, sampler: ShardedSampler, transform: Transform) -> Result<Self> {
         if sampler.config().len != dataset.len() {
             return Err(DataError::Config(format!(
                 "sampler is for {} samples, dataset {} has {}",
@@ -186,12 +157,7 @@ impl TrainLoader {
             )));
         }
         let shape = transform.output_shape(dataset.info())?;
-        Ok(TrainLoader {
-            dataset,
-            sampler,
-            transform,
-            shape,
-        })
+        Ok(TrainLoader { dataset, sampler, transform, shape })
     }
     /// The training set the batches are drawn from.
     pub fn dataset(&self) -> &Arc<dyn Dataset> {
@@ -213,20 +179,10 @@ impl TrainLoader {
     pub fn host_batch(&self, global_step: u64) -> Result<HostBatch> {
         let idx = self.sampler.batch_indices(global_step);
         let epoch = self.sampler.position(global_step).epoch;
-        load_batch(
-            &*self.dataset,
-            &self.transform,
-            &idx,
-            self.sampler.config().seed,
-            epoch,
-        )
+        load_batch(&*self.dataset, &self.transform, &idx, self.sampler.config().seed, epoch)
     }
     /// The local batch at `global_step` split into micro-batches, in order.
-    pub fn host_micro_batches(
-        &self,
-        global_step: u64,
-        micro_batch: usize,
-    ) -> Result<Vec<HostBatch>> {
+    pub fn host_micro_batches(&self, global_step: u64, micro_batch: usize) -> Result<Vec<HostBatch>> {
         check_micro(self.sampler.local_batch(), micro_batch)?;
         self.host_batch(global_step)?.split(micro_batch)
     }
@@ -253,11 +209,7 @@ pub struct PrefetchOptions {
 
 impl Default for PrefetchOptions {
     fn default() -> Self {
-        PrefetchOptions {
-            depth: 3,
-            threads: None,
-            end_step: None,
-        }
+        PrefetchOptions { depth: 3, threads: None, end_step: None }
     }
 }
 
@@ -275,19 +227,14 @@ pub struct Prefetcher {
 
 impl std::fmt::Debug for Prefetcher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Prefetcher")
-            .field("next_step", &self.next_step)
-            .field("end_step", &self.end_step)
-            .finish()
+        f.debug_struct("Prefetcher").field("next_step", &self.next_step).field("end_step", &self.end_step).finish()
     }
 }
 
 impl Prefetcher {
     fn start(loader: TrainLoader, start_step: u64, options: PrefetchOptions) -> Result<Self> {
         if options.depth == 0 {
-            return Err(DataError::Config(
-                "prefetch depth must be at least 1".into(),
-            ));
+            return Err(DataError::Config("prefetch depth must be at least 1".into()));
         }
         let pool = match options.threads {
             Some(n) => Some(
@@ -307,14 +254,7 @@ impl Prefetcher {
             .name("qsr-data-prefetch".into())
             .spawn(move || produce(loader, start_step, end, pool, tx, stop2))
             .map_err(|e| DataError::Prefetch(format!("cannot spawn prefetch thread: {e}")))?;
-        Ok(Prefetcher {
-            rx: Some(rx),
-            stop,
-            handle: Some(handle),
-            next_step: start_step,
-            end_step: end,
-            failed: false,
-        })
+        Ok(Prefetcher { rx: Some(rx), stop, handle: Some(handle), next_step: start_step, end_step: end, failed: false })
     }
 
     /// The global step of the batch the next call returns (what a checkpoint records).
@@ -369,10 +309,7 @@ impl Iterator for Prefetcher {
             }
             Err(_) => {
                 self.failed = true;
-                Some(Err(DataError::Prefetch(format!(
-                    "producer ended before step {}",
-                    self.next_step
-                ))))
+                Some(Err(DataError::Prefetch(format!("producer ended before step {}", self.next_step))))
             }
         }
     }
@@ -412,30 +349,19 @@ impl EvalLoader {
     /// `transform` must not be random (use [`Transform::eval_default`]).
     pub fn new(dataset: Arc<dyn Dataset>, transform: Transform, batch_size: usize) -> Result<Self> {
         if batch_size == 0 {
-            return Err(DataError::Config(
-                "eval batch size must be at least 1".into(),
-            ));
+            return Err(DataError::Config("eval batch size must be at least 1".into()));
         }
         if transform.is_random() {
-            return Err(DataError::Config(
-                "evaluation transform must not flip or crop randomly".into(),
-            ));
+            return Err(DataError::Config("evaluation transform must not flip or crop randomly".into()));
         }
         transform.output_shape(dataset.info())?;
         let indices = (0..dataset.len()).collect();
-        Ok(EvalLoader {
-            dataset,
-            transform,
-            batch_size,
-            indices,
-        })
+        Ok(EvalLoader { dataset, transform, batch_size, indices })
     }
     /// Keeps only samples `rank, rank + world, ...` (distributed evaluation; the union over ranks is everything).
     pub fn shard(mut self, rank: usize, world_size: usize) -> Result<Self> {
         if world_size == 0 || rank >= world_size {
-            return Err(DataError::Config(format!(
-                "rank {rank} not in 0..{world_size}"
-            )));
+            return Err(DataError::Config(format!("rank {rank} not in 0..{world_size}")));
         }
         self.indices = (rank..self.dataset.len()).step_by(world_size).collect();
         Ok(self)
@@ -452,10 +378,7 @@ impl EvalLoader {
     pub fn host_batch(&self, i: usize) -> Result<HostBatch> {
         let lo = i * self.batch_size;
         if lo >= self.indices.len() {
-            return Err(DataError::Config(format!(
-                "eval batch {i} out of range ({})",
-                self.num_batches()
-            )));
+            return Err(DataError::Config(format!("eval batch {i} out of range ({})", self.num_batches())));
         }
         let hi = (lo + self.batch_size).min(self.indices.len());
         load_batch(&*self.dataset, &self.transform, &self.indices[lo..hi], 0, 0)

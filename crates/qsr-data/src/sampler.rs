@@ -59,11 +59,7 @@ pub struct ShardedSampler {
 impl Clone for ShardedSampler {
     fn clone(&self) -> Self {
         let cache = self.cache.lock().map(|c| c.clone()).unwrap_or(None);
-        ShardedSampler {
-            config: self.config.clone(),
-            steps_per_epoch: self.steps_per_epoch,
-            cache: Mutex::new(cache),
-        }
+        ShardedSampler { config: self.config.clone(), steps_per_epoch: self.steps_per_epoch, cache: Mutex::new(cache) }
     }
 }
 
@@ -79,19 +75,13 @@ impl ShardedSampler {
     pub fn new(config: SamplerConfig) -> Result<Self> {
         let c = &config;
         if c.world_size == 0 || c.rank >= c.world_size {
-            return Err(DataError::Config(format!(
-                "rank {} not in 0..world_size {}",
-                c.rank, c.world_size
-            )));
+            return Err(DataError::Config(format!("rank {} not in 0..world_size {}", c.rank, c.world_size)));
         }
         if c.local_batch == 0 {
             return Err(DataError::Config("local_batch must be at least 1".into()));
         }
         if c.len > u32::MAX as usize {
-            return Err(DataError::Config(format!(
-                "dataset of {} samples exceeds u32 indices",
-                c.len
-            )));
+            return Err(DataError::Config(format!("dataset of {} samples exceeds u32 indices", c.len)));
         }
         let max_steps = c.len / (c.world_size * c.local_batch);
         let steps = c.steps_per_epoch.unwrap_or(max_steps);
@@ -101,37 +91,17 @@ impl ShardedSampler {
                 c.len, c.world_size, c.local_batch
             )));
         }
-        Ok(ShardedSampler {
-            config,
-            steps_per_epoch: steps,
-            cache: Mutex::new(None),
-        })
+        Ok(ShardedSampler { config, steps_per_epoch: steps, cache: Mutex::new(None) })
     }
 
     /// Shorthand for the default steps per epoch.
-    pub fn simple(
-        len: usize,
-        world_size: usize,
-        rank: usize,
-        local_batch: usize,
-        seed: u64,
-    ) -> Result<Self> {
-        Self::new(SamplerConfig {
-            len,
-            world_size,
-            rank,
-            local_batch,
-            steps_per_epoch: None,
-            seed,
-        })
+    pub fn simple(len: usize, world_size: usize, rank: usize, local_batch: usize, seed: u64) -> Result<Self> {
+        Self::new(SamplerConfig { len, world_size, rank, local_batch, steps_per_epoch: None, seed })
     }
 
     /// The same sampler for another rank (same seed and shape).
     pub fn for_rank(&self, rank: usize) -> Result<Self> {
-        Self::new(SamplerConfig {
-            rank,
-            ..self.config.clone()
-        })
+        Self::new(SamplerConfig { rank, ..self.config.clone() })
     }
 
     /// The settings the sampler was made with.
@@ -154,10 +124,7 @@ impl ShardedSampler {
     /// (epoch, step in epoch) of a global step.
     pub fn position(&self, global_step: u64) -> EpochStep {
         let s = self.steps_per_epoch as u64;
-        EpochStep {
-            epoch: global_step / s,
-            step: global_step % s,
-        }
+        EpochStep { epoch: global_step / s, step: global_step % s }
     }
 
     /// Inverse of [`position`](Self::position).
@@ -173,12 +140,7 @@ impl ShardedSampler {
         {
             return p.clone();
         }
-        let mut r = rng::stream(
-            self.config.seed,
-            epoch,
-            self.config.len as u64,
-            rng::TAG_PERMUTATION,
-        );
+        let mut r = rng::stream(self.config.seed, epoch, self.config.len as u64, rng::TAG_PERMUTATION);
         let p = Arc::new(rng::permutation(&mut r, self.config.len));
         if let Ok(mut guard) = self.cache.lock() {
             *guard = Some((epoch, p.clone()));
@@ -190,9 +152,7 @@ impl ShardedSampler {
     pub fn shard(&self, epoch: u64) -> Vec<usize> {
         let p = self.permutation(epoch);
         let k = self.config.world_size;
-        (0..self.shard_len())
-            .map(|j| p[self.config.rank + k * j] as usize)
-            .collect()
+        (0..self.shard_len()).map(|j| p[self.config.rank + k * j] as usize).collect()
     }
 
     /// Sample indices of this worker's local batch at `global_step`.
@@ -201,31 +161,18 @@ impl ShardedSampler {
         let p = self.permutation(epoch);
         let (k, b) = (self.config.world_size, self.config.local_batch);
         let start = step as usize * b;
-        (start..start + b)
-            .map(|j| p[self.config.rank + k * j] as usize)
-            .collect()
+        (start..start + b).map(|j| p[self.config.rank + k * j] as usize).collect()
     }
 
     /// The local batch of `global_step` split into its micro-batches, in order (gradient accumulation).
-    pub fn micro_batch_indices(
-        &self,
-        global_step: u64,
-        micro_batch: usize,
-    ) -> Result<Vec<Vec<usize>>> {
+    pub fn micro_batch_indices(&self, global_step: u64, micro_batch: usize) -> Result<Vec<Vec<usize>>> {
         check_micro(self.config.local_batch, micro_batch)?;
-        Ok(self
-            .batch_indices(global_step)
-            .chunks(micro_batch)
-            .map(<[usize]>::to_vec)
-            .collect())
+        Ok(self.batch_indices(global_step).chunks(micro_batch).map(<[usize]>::to_vec).collect())
     }
 
     /// Checkpoint state whose next step is `next_step`.
     pub fn state(&self, next_step: u64) -> SamplerState {
-        SamplerState {
-            config: self.config.clone(),
-            next_step,
-        }
+        SamplerState { config: self.config.clone(), next_step }
     }
 
     /// Rebuilds the sampler from a checkpoint; returns it with the step to continue at.

@@ -1,3 +1,5 @@
+//! The embedded sklearn digits: splits, shapes and labels as documented.
+
 use qsr_data::*;
 
 #[test]
@@ -23,11 +25,7 @@ fn digits_split_as_documented() {
     assert_eq!(&test.labels[..10], &[2, 3, 4, 5, 6, 7, 8, 9, 0, 9]);
     assert_eq!(train.image(0), all.image(0));
     assert_eq!(test.image(0), all.image(1437));
-    assert_eq!(
-        &all.image(0)[..16],
-        &[0, 0, 5, 13, 9, 1, 0, 0, 0, 0, 13, 15, 10, 15, 5, 0],
-        "first row of digits.csv"
-    );
+    assert_eq!(&all.image(0)[..16], &[0, 0, 5, 13, 9, 1, 0, 0, 0, 0, 13, 15, 10, 15, 5, 0], "first row of digits.csv");
     assert_eq!(*all.images.iter().max().unwrap(), 16);
 }
 

@@ -29,16 +29,10 @@ fn write(path: &Path, bytes: &[u8]) -> PathBuf {
 
 /// 3 images of 2x3 with pixel value = 10*image + position, labels 7, 0, 9.
 fn write_small_mnist(dir: &Path, gzip: bool, prefix: &str) {
-    let pixels: Vec<u8> = (0..3)
-        .flat_map(|i| (0..6).map(move |p| 10 * i + p))
-        .collect();
+    let pixels: Vec<u8> = (0..3).flat_map(|i| (0..6).map(move |p| 10 * i + p)).collect();
     let img = idx_bytes(0x0803, &[3, 2, 3], &pixels);
     let lab = idx_bytes(0x0801, &[3], &[7, 0, 9]);
-    let (img, lab, ext) = if gzip {
-        (gz(&img), gz(&lab), ".gz")
-    } else {
-        (img, lab, "")
-    };
+    let (img, lab, ext) = if gzip { (gz(&img), gz(&lab), ".gz") } else { (img, lab, "") };
     write(&dir.join(format!("{prefix}-images-idx3-ubyte{ext}")), &img);
     write(&dir.join(format!("{prefix}-labels-idx1-ubyte{ext}")), &lab);
 }
@@ -68,22 +62,15 @@ fn idx_raw_and_gz() {
 fn idx_wrong_magic() {
     let d = tempfile::tempdir().unwrap();
     write_small_mnist(d.path(), false, "train");
-    let p = write(
-        &d.path().join("train-images-idx3-ubyte"),
-        &idx_bytes(0x0801, &[3, 2, 3], &[0; 18]),
-    );
+    let p = write(&d.path().join("train-images-idx3-ubyte"), &idx_bytes(0x0801, &[3, 2, 3], &[0; 18]));
     let e = mnist(d.path(), Split::Train).unwrap_err();
     assert!(matches!(e, DataError::BadMagic { .. }), "{e}");
     assert_names(&e, &p);
     assert!(e.to_string().contains("magic"));
     // a PNG (or anything) posing as a label file
-    let p = write(
-        &d.path().join("train-labels-idx1-ubyte"),
-        b"\x89PNG\r\n\x1a\n....",
-    );
+    let p = write(&d.path().join("train-labels-idx1-ubyte"), b"\x89PNG\r\n\x1a\n....");
     write_small_mnist(d.path(), false, "t10k");
-    let e =
-        load_idx_pair("x", &d.path().join("t10k-images-idx3-ubyte"), &p, 10, false).unwrap_err();
+    let e = load_idx_pair("x", &d.path().join("t10k-images-idx3-ubyte"), &p, 10, false).unwrap_err();
     assert!(matches!(e, DataError::BadMagic { .. }), "{e}");
     assert_names(&e, &p);
 }
@@ -93,19 +80,13 @@ fn idx_truncated() {
     let d = tempfile::tempdir().unwrap();
     write_small_mnist(d.path(), false, "train");
     // header says 3 images of 2x3, only 17 bytes follow
-    let p = write(
-        &d.path().join("train-images-idx3-ubyte"),
-        &idx_bytes(0x0803, &[3, 2, 3], &[0; 17]),
-    );
+    let p = write(&d.path().join("train-images-idx3-ubyte"), &idx_bytes(0x0803, &[3, 2, 3], &[0; 17]));
     let e = mnist(d.path(), Split::Train).unwrap_err();
     assert!(matches!(e, DataError::Truncated { .. }), "{e}");
     assert_names(&e, &p);
     assert!(e.to_string().contains("truncated"));
     // shorter than the header
-    let p = write(
-        &d.path().join("train-images-idx3-ubyte"),
-        &[0, 0, 8, 3, 0, 0],
-    );
+    let p = write(&d.path().join("train-images-idx3-ubyte"), &[0, 0, 8, 3, 0, 0]);
     let e = mnist(d.path(), Split::Train).unwrap_err();
     assert!(matches!(e, DataError::Truncated { .. }), "{e}");
     assert_names(&e, &p);
@@ -133,22 +114,9 @@ fn idx_truncated_gzip() {
 fn idx_count_mismatch() {
     let d = tempfile::tempdir().unwrap();
     write_small_mnist(d.path(), false, "train");
-    let p = write(
-        &d.path().join("train-labels-idx1-ubyte"),
-        &idx_bytes(0x0801, &[2], &[1, 2]),
-    );
+    let p = write(&d.path().join("train-labels-idx1-ubyte"), &idx_bytes(0x0801, &[2], &[1, 2]));
     let e = mnist(d.path(), Split::Train).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            DataError::CountMismatch {
-                images: 3,
-                labels: 2,
-                ..
-            }
-        ),
-        "{e}"
-    );
+    assert!(matches!(e, DataError::CountMismatch { images: 3, labels: 2, .. }), "{e}");
     assert_names(&e, &p);
     assert_names(&e, &d.path().join("train-images-idx3-ubyte"));
 }
@@ -157,23 +125,9 @@ fn idx_count_mismatch() {
 fn idx_label_out_of_range() {
     let d = tempfile::tempdir().unwrap();
     write_small_mnist(d.path(), false, "train");
-    let p = write(
-        &d.path().join("train-labels-idx1-ubyte"),
-        &idx_bytes(0x0801, &[3], &[1, 10, 2]),
-    );
+    let p = write(&d.path().join("train-labels-idx1-ubyte"), &idx_bytes(0x0801, &[3], &[1, 10, 2]));
     let e = mnist(d.path(), Split::Train).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            DataError::LabelOutOfRange {
-                index: 1,
-                label: 10,
-                classes: 10,
-                ..
-            }
-        ),
-        "{e}"
-    );
+    assert!(matches!(e, DataError::LabelOutOfRange { index: 1, label: 10, classes: 10, .. }), "{e}");
     assert_names(&e, &p);
 }
 
@@ -206,15 +160,9 @@ fn cifar10_reads_batches_in_order() {
     let d = tempfile::tempdir().unwrap();
     let sub = d.path().join("cifar-10-batches-bin");
     for b in 1..=5 {
-        write(
-            &sub.join(format!("data_batch_{b}.bin")),
-            &cifar_bytes(2, &|i| vec![((b * 2 + i) % 10) as u8]),
-        );
+        write(&sub.join(format!("data_batch_{b}.bin")), &cifar_bytes(2, &|i| vec![((b * 2 + i) % 10) as u8]));
     }
-    write(
-        &sub.join("test_batch.bin"),
-        &cifar_bytes(3, &|i| vec![i as u8]),
-    );
+    write(&sub.join("test_batch.bin"), &cifar_bytes(3, &|i| vec![i as u8]));
     let tr = cifar10(d.path(), Split::Train).unwrap();
     assert_eq!(tr.len(), 10);
     assert_eq!(tr.shape(), Some((3, 32, 32)));
@@ -232,19 +180,10 @@ fn cifar10_reads_batches_in_order() {
 #[test]
 fn cifar100_fine_and_coarse() {
     let d = tempfile::tempdir().unwrap();
-    write(
-        &d.path().join("train.bin"),
-        &cifar_bytes(4, &|i| vec![i as u8, 90 + i as u8]),
-    );
-    write(
-        &d.path().join("test.bin"),
-        &cifar_bytes(1, &|_| vec![19, 99]),
-    );
+    write(&d.path().join("train.bin"), &cifar_bytes(4, &|i| vec![i as u8, 90 + i as u8]));
+    write(&d.path().join("test.bin"), &cifar_bytes(1, &|_| vec![19, 99]));
     let fine = cifar100(d.path(), Split::Train).unwrap();
-    assert_eq!(
-        (fine.classes(), fine.labels.clone()),
-        (100, vec![90, 91, 92, 93])
-    );
+    assert_eq!((fine.classes(), fine.labels.clone()), (100, vec![90, 91, 92, 93]));
     let coarse = cifar100_with(d.path(), Split::Test, Cifar100Label::Coarse).unwrap();
     assert_eq!((coarse.classes(), coarse.labels.clone()), (20, vec![19]));
 }
@@ -267,27 +206,11 @@ fn cifar_truncated() {
 #[test]
 fn cifar_label_out_of_range() {
     let d = tempfile::tempdir().unwrap();
-    let p = write(
-        &d.path().join("test_batch.bin"),
-        &cifar_bytes(3, &|i| vec![if i == 2 { 10 } else { 0 }]),
-    );
+    let p = write(&d.path().join("test_batch.bin"), &cifar_bytes(3, &|i| vec![if i == 2 { 10 } else { 0 }]));
     let e = cifar10(d.path(), Split::Test).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            DataError::LabelOutOfRange {
-                index: 2,
-                label: 10,
-                ..
-            }
-        ),
-        "{e}"
-    );
+    assert!(matches!(e, DataError::LabelOutOfRange { index: 2, label: 10, .. }), "{e}");
     assert_names(&e, &p);
-    let p = write(
-        &d.path().join("test.bin"),
-        &cifar_bytes(1, &|_| vec![20, 5]),
-    );
+    let p = write(&d.path().join("test.bin"), &cifar_bytes(1, &|_| vec![20, 5]));
     let e = cifar100_with(d.path(), Split::Test, Cifar100Label::Coarse).unwrap_err();
     assert!(matches!(e, DataError::LabelOutOfRange { .. }), "{e}");
     assert_names(&e, &p);
@@ -301,14 +224,8 @@ fn cifar_missing() {
     assert!(matches!(e, DataError::MissingDir { .. }), "{e}");
     assert_names(&e, &missing);
     // batch 1 present, batch 3 missing
-    write(
-        &d.path().join("data_batch_1.bin"),
-        &cifar_bytes(1, &|_| vec![0]),
-    );
-    write(
-        &d.path().join("data_batch_2.bin"),
-        &cifar_bytes(1, &|_| vec![0]),
-    );
+    write(&d.path().join("data_batch_1.bin"), &cifar_bytes(1, &|_| vec![0]));
+    write(&d.path().join("data_batch_2.bin"), &cifar_bytes(1, &|_| vec![0]));
     let e = cifar10(d.path(), Split::Train).unwrap_err();
     assert!(matches!(e, DataError::MissingFile { .. }), "{e}");
     assert!(e.to_string().contains("data_batch_3.bin"), "{e}");
@@ -318,9 +235,7 @@ fn cifar_missing() {
 
 fn png(path: &Path, w: u32, h: u32, f: impl Fn(u32, u32) -> [u8; 3]) {
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-    image::RgbImage::from_fn(w, h, |x, y| image::Rgb(f(x, y)))
-        .save(path)
-        .unwrap();
+    image::RgbImage::from_fn(w, h, |x, y| image::Rgb(f(x, y))).save(path).unwrap();
 }
 
 #[test]
@@ -328,80 +243,44 @@ fn image_folder_png_and_jpeg() {
     let d = tempfile::tempdir().unwrap();
     let r = d.path();
     // classes deliberately created out of order; labels follow sorted names
-    png(&r.join("zebra/b.png"), 5, 4, |x, y| {
-        [x as u8 * 10, y as u8 * 20, 200]
-    });
+    png(&r.join("zebra/b.png"), 5, 4, |x, y| [x as u8 * 10, y as u8 * 20, 200]);
     png(&r.join("zebra/a.png"), 3, 2, |_, _| [1, 2, 3]);
     png(&r.join("ant/sub/x.jpg"), 16, 16, |_, _| [200, 100, 50]);
     png(&r.join("ant/y.JPEG"), 8, 8, |_, _| [10, 20, 30]);
     std::fs::write(r.join("ant/notes.txt"), "not an image").unwrap();
     // a grayscale PNG is converted to RGB
     std::fs::create_dir_all(r.join("mole")).unwrap();
-    image::GrayImage::from_fn(4, 4, |_, _| image::Luma([77]))
-        .save(r.join("mole/g.png"))
-        .unwrap();
+    image::GrayImage::from_fn(4, 4, |_, _| image::Luma([77])).save(r.join("mole/g.png")).unwrap();
 
     let f = ImageFolder::new(r).unwrap();
     assert_eq!(f.class_names(), &["ant", "mole", "zebra"]);
     assert_eq!(f.len(), 5);
     assert_eq!(f.classes(), 3);
     assert_eq!(f.shape(), None);
-    let names: Vec<String> = f
-        .samples()
-        .iter()
-        .map(|(p, _)| p.strip_prefix(r).unwrap().display().to_string())
-        .collect();
-    assert_eq!(
-        names,
-        [
-            "ant/sub/x.jpg",
-            "ant/y.JPEG",
-            "mole/g.png",
-            "zebra/a.png",
-            "zebra/b.png"
-        ]
-    );
-    assert_eq!(
-        (0..5).map(|i| f.label(i)).collect::<Vec<_>>(),
-        vec![0, 0, 1, 2, 2]
-    );
+    let names: Vec<String> =
+        f.samples().iter().map(|(p, _)| p.strip_prefix(r).unwrap().display().to_string()).collect();
+    assert_eq!(names, ["ant/sub/x.jpg", "ant/y.JPEG", "mole/g.png", "zebra/a.png", "zebra/b.png"]);
+    assert_eq!((0..5).map(|i| f.label(i)).collect::<Vec<_>>(), vec![0, 0, 1, 2, 2]);
 
     let (img, l) = f.load(4).unwrap();
     assert_eq!((img.channels, img.height, img.width, l), (3, 4, 5, 2));
-    assert_eq!(
-        (img.at(0, 3, 4), img.at(1, 3, 4), img.at(2, 3, 4)),
-        (40, 60, 200)
-    );
+    assert_eq!((img.at(0, 3, 4), img.at(1, 3, 4), img.at(2, 3, 4)), (40, 60, 200));
     let (img, _) = f.load(0).unwrap();
     assert_eq!((img.height, img.width), (16, 16));
     for (c, want) in [200i32, 100, 50].into_iter().enumerate() {
         assert!((i32::from(img.at(c, 8, 8)) - want).abs() <= 3, "jpeg pixel");
     }
     let (img, _) = f.load(2).unwrap();
-    assert_eq!(
-        (img.at(0, 1, 1), img.at(1, 1, 1), img.at(2, 1, 1)),
-        (77, 77, 77)
-    );
+    assert_eq!((img.at(0, 1, 1), img.at(1, 1, 1), img.at(2, 1, 1)), (77, 77, 77));
 
     // through the loader: RandomResizedCrop to 8x8 makes a uniform batch from different sizes
     let ds: std::sync::Arc<dyn Dataset> = std::sync::Arc::new(f);
-    let t = Transform {
-        crop: Crop::random_resized(8),
-        flip: true,
-        normalize: Normalize::imagenet(),
-    };
+    let t = Transform { crop: Crop::random_resized(8), flip: true, normalize: Normalize::imagenet() };
     let b = load_batch(&*ds, &t, &[0, 1, 2, 3, 4], 1, 0).unwrap();
     assert_eq!(b.shape, [5, 3, 8, 8]);
     assert_eq!(b.labels, vec![0, 0, 1, 2, 2]);
     // a fixed-size crop cannot batch a folder of arbitrary sizes: a configuration error, not a panic
-    let e = load_batch(
-        &*ds,
-        &Transform::normalize_only(Normalize::imagenet()),
-        &[0],
-        0,
-        0,
-    )
-    .unwrap_err();
+    let e = load_batch(&*ds, &Transform::normalize_only(Normalize::imagenet()), &[0], 0, 0).unwrap_err();
     assert!(matches!(e, DataError::Config(_)), "{e}");
 }
 
@@ -438,14 +317,8 @@ fn image_folder_missing_dir() {
 fn image_folder_unreadable_image() {
     let d = tempfile::tempdir().unwrap();
     png(&d.path().join("cat/good.png"), 2, 2, |_, _| [0, 0, 0]);
-    let bad = write(
-        &d.path().join("cat/bad.png"),
-        b"\x89PNG\r\n\x1a\n this is not really a png",
-    );
-    let bad_jpg = write(
-        &d.path().join("dog/bad.jpg"),
-        &[0xff, 0xd8, 0xff, 0xe0, 0, 16, 1, 2],
-    );
+    let bad = write(&d.path().join("cat/bad.png"), b"\x89PNG\r\n\x1a\n this is not really a png");
+    let bad_jpg = write(&d.path().join("dog/bad.jpg"), &[0xff, 0xd8, 0xff, 0xe0, 0, 16, 1, 2]);
     let f = ImageFolder::new(d.path()).unwrap();
     assert_eq!(f.len(), 3);
     let e = f.load(0).unwrap_err();
@@ -455,11 +328,8 @@ fn image_folder_unreadable_image() {
     assert!(matches!(e, DataError::UnreadableImage { .. }), "{e}");
     assert_names(&e, &bad_jpg);
     // inside a batch the error is returned, the batch is not half-built
-    let t = Transform {
-        crop: Crop::CenterResize { resize: 4, size: 2 },
-        flip: false,
-        normalize: Normalize::imagenet(),
-    };
+    let t =
+        Transform { crop: Crop::CenterResize { resize: 4, size: 2 }, flip: false, normalize: Normalize::imagenet() };
     let e = load_batch(&f, &t, &[1, 0], 0, 0).unwrap_err();
     assert_names(&e, &bad);
 }

@@ -6,22 +6,15 @@ use std::path::PathBuf;
 use qsr_data::*;
 
 fn data_dir() -> Option<PathBuf> {
-    let dir = PathBuf::from(
-        std::env::var("QSR_FASHION_MNIST_DIR").unwrap_or_else(|_| FASHION_MNIST_DEFAULT_DIR.into()),
-    );
+    let dir =
+        PathBuf::from(std::env::var("QSR_FASHION_MNIST_DIR").unwrap_or_else(|_| FASHION_MNIST_DEFAULT_DIR.into()));
     if dir.is_dir() {
         return Some(dir);
     }
     if std::env::var("QSR_REQUIRE_DATA").as_deref() == Ok("1") {
-        panic!(
-            "QSR_REQUIRE_DATA=1 but {} is missing (apt-get install dataset-fashion-mnist)",
-            dir.display()
-        );
+        panic!("QSR_REQUIRE_DATA=1 but {} is missing (apt-get install dataset-fashion-mnist)", dir.display());
     }
-    eprintln!(
-        "SKIP: {} missing (apt-get install dataset-fashion-mnist, or set QSR_FASHION_MNIST_DIR)",
-        dir.display()
-    );
+    eprintln!("SKIP: {} missing (apt-get install dataset-fashion-mnist, or set QSR_FASHION_MNIST_DIR)", dir.display());
     None
 }
 
@@ -40,14 +33,8 @@ fn fashion_mnist_train_and_test() {
     // pixel range 0..=255 actually used; sums of the first images (also from Python)
     assert_eq!(*train.images.iter().max().unwrap(), 255);
     assert_eq!(*train.images.iter().min().unwrap(), 0);
-    assert_eq!(
-        train.image(0).iter().map(|&v| u64::from(v)).sum::<u64>(),
-        76_247
-    );
-    assert_eq!(
-        test.image(0).iter().map(|&v| u64::from(v)).sum::<u64>(),
-        33_456
-    );
+    assert_eq!(train.image(0).iter().map(|&v| u64::from(v)).sum::<u64>(), 76_247);
+    assert_eq!(test.image(0).iter().map(|&v| u64::from(v)).sum::<u64>(), 33_456);
     // every class present in both splits, 6000 / 1000 each
     for c in 0..10u16 {
         assert_eq!(train.labels.iter().filter(|&&l| l == c).count(), 6000);

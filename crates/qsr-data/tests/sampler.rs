@@ -1,3 +1,5 @@
+//! The authors' sharded sampler: disjoint shards, one permutation per epoch, pure in (seed, rank, step).
+
 use std::collections::HashSet;
 
 use proptest::prelude::*;
@@ -36,10 +38,7 @@ fn shards_are_disjoint_and_cover_the_prefix() {
             union.extend(shard);
         }
         union.sort();
-        let mut prefix: Vec<usize> = perm[..k * s0.steps_per_epoch() * b]
-            .iter()
-            .map(|&i| i as usize)
-            .collect();
+        let mut prefix: Vec<usize> = perm[..k * s0.steps_per_epoch() * b].iter().map(|&i| i as usize).collect();
         prefix.sort();
         assert_eq!(union, prefix);
     }
@@ -47,21 +46,13 @@ fn shards_are_disjoint_and_cover_the_prefix() {
 
 #[test]
 fn same_order_on_every_rank_and_reshuffled_per_epoch() {
-    let s = (0..3)
-        .map(|r| sampler(500, 3, r, 8, 11))
-        .collect::<Vec<_>>();
+    let s = (0..3).map(|r| sampler(500, 3, r, 8, 11)).collect::<Vec<_>>();
     assert_eq!(s[0].permutation(3), s[1].permutation(3));
     assert_eq!(s[0].permutation(3), s[2].permutation(3));
     // independent of local batch and world size too (only seed, epoch, N)
-    assert_eq!(
-        s[0].permutation(3),
-        sampler(500, 1, 0, 100, 11).permutation(3)
-    );
+    assert_eq!(s[0].permutation(3), sampler(500, 1, 0, 100, 11).permutation(3));
     assert_ne!(s[0].permutation(0), s[0].permutation(1));
-    assert_ne!(
-        s[0].permutation(0),
-        sampler(500, 3, 0, 8, 12).permutation(0)
-    );
+    assert_ne!(s[0].permutation(0), sampler(500, 3, 0, 8, 12).permutation(0));
     // a fresh sampler (e.g. after a resume) gives the same batches
     let again = sampler(500, 3, 2, 8, 11);
     for step in [0u64, 1, 19, 20, 21, 1000] {
@@ -83,55 +74,24 @@ fn steps_map_to_epochs_across_boundaries() {
     // last step of epoch 0 comes from perm(0), first of epoch 1 from perm(1)
     let p0 = s.permutation(0);
     let p1 = s.permutation(1);
-    assert_eq!(
-        s.batch_indices(6),
-        (42..49).map(|j| p0[1 + 2 * j] as usize).collect::<Vec<_>>()
-    );
-    assert_eq!(
-        s.batch_indices(7),
-        (0..7).map(|j| p1[1 + 2 * j] as usize).collect::<Vec<_>>()
-    );
+    assert_eq!(s.batch_indices(6), (42..49).map(|j| p0[1 + 2 * j] as usize).collect::<Vec<_>>());
+    assert_eq!(s.batch_indices(7), (0..7).map(|j| p1[1 + 2 * j] as usize).collect::<Vec<_>>());
 }
 
 #[test]
 fn explicit_steps_per_epoch_and_bad_configs() {
-    let cfg = SamplerConfig {
-        len: 100,
-        world_size: 2,
-        rank: 0,
-        local_batch: 5,
-        steps_per_epoch: Some(3),
-        seed: 1,
-    };
+    let cfg = SamplerConfig { len: 100, world_size: 2, rank: 0, local_batch: 5, steps_per_epoch: Some(3), seed: 1 };
     let s = ShardedSampler::new(cfg.clone()).unwrap();
     assert_eq!(s.steps_per_epoch(), 3);
     assert_eq!(s.shard(0).len(), 15);
     assert_eq!(s.position(3).epoch, 1);
     let bad = |c: SamplerConfig| matches!(ShardedSampler::new(c), Err(DataError::Config(_)));
-    assert!(bad(SamplerConfig {
-        steps_per_epoch: Some(11),
-        ..cfg.clone()
-    })); // 11*5*2 > 100
-    assert!(bad(SamplerConfig {
-        steps_per_epoch: Some(0),
-        ..cfg.clone()
-    }));
-    assert!(bad(SamplerConfig {
-        rank: 2,
-        ..cfg.clone()
-    }));
-    assert!(bad(SamplerConfig {
-        world_size: 0,
-        ..cfg.clone()
-    }));
-    assert!(bad(SamplerConfig {
-        local_batch: 0,
-        ..cfg.clone()
-    }));
-    assert!(bad(SamplerConfig {
-        len: 9,
-        ..cfg.clone()
-    })); // not even one step
+    assert!(bad(SamplerConfig { steps_per_epoch: Some(11), ..cfg.clone() })); // 11*5*2 > 100
+    assert!(bad(SamplerConfig { steps_per_epoch: Some(0), ..cfg.clone() }));
+    assert!(bad(SamplerConfig { rank: 2, ..cfg.clone() }));
+    assert!(bad(SamplerConfig { world_size: 0, ..cfg.clone() }));
+    assert!(bad(SamplerConfig { local_batch: 0, ..cfg.clone() }));
+    assert!(bad(SamplerConfig { len: 9, ..cfg.clone() })); // not even one step
 }
 
 #[test]
@@ -190,11 +150,7 @@ fn permutations_are_uniform_enough() {
     for e in 0..4000 {
         let p = s.permutation(e);
         lands[p.iter().position(|&v| v == 0).unwrap()] += 1;
-        fixed += p
-            .iter()
-            .enumerate()
-            .filter(|(i, v)| *i as u32 == **v)
-            .count();
+        fixed += p.iter().enumerate().filter(|(i, v)| *i as u32 == **v).count();
     }
     assert!(lands.iter().all(|&c| (330..=470).contains(&c)), "{lands:?}");
     let mean_fixed = fixed as f64 / 4000.0;

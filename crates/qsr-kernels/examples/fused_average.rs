@@ -18,7 +18,8 @@ const TIMED_PASSES: usize = 5;
 
 fn main() {
     let mut rng = ChaCha8Rng::seed_from_u64(7);
-    let mut buffers: Vec<Vec<f32>> = (0..K).map(|_| (0..LEN).map(|_| rng.random_range(-1.0f32..1.0)).collect()).collect();
+    let mut buffers: Vec<Vec<f32>> =
+        (0..K).map(|_| (0..LEN).map(|_| rng.random_range(-1.0f32..1.0)).collect()).collect();
 
     // The naive mean: element i is ((b_0[i] + b_1[i]) + ...) / K in f32, the order the kernel guarantees.
     let naive: Vec<f32> = (0..LEN)

@@ -47,17 +47,9 @@ pub enum KernelError {
     /// `k` above [`MAX_BUFFERS`].
     TooManyBuffers { k: usize, max: usize },
     /// A device buffer's size does not match the `k` and `len` it was launched with.
-    LengthMismatch {
-        what: &'static str,
-        expected_bytes: u64,
-        actual_bytes: u64,
-    },
+    LengthMismatch { what: &'static str, expected_bytes: u64, actual_bytes: u64 },
     /// A host-side input slice does not have `len` elements (the roundtrip helpers).
-    HostLengthMismatch {
-        index: usize,
-        expected: usize,
-        actual: usize,
-    },
+    HostLengthMismatch { index: usize, expected: usize, actual: usize },
     /// `k * len` elements cannot be addressed by the kernels' 32-bit indices.
     TooLarge { elements: usize },
     /// The runtime reported a failure (compilation, launch or a device fault) when reading back.
@@ -73,21 +65,10 @@ impl core::fmt::Display for KernelError {
         match self {
             Self::NoBuffers => write!(f, "mean of zero buffers (k == 0)"),
             Self::TooManyBuffers { k, max } => write!(f, "k = {k} buffers, at most {max} are supported"),
-            Self::LengthMismatch {
-                what,
-                expected_bytes,
-                actual_bytes,
-            } => {
-                write!(
-                    f,
-                    "{what}: device buffer has {actual_bytes} bytes, k and len need {expected_bytes}"
-                )
+            Self::LengthMismatch { what, expected_bytes, actual_bytes } => {
+                write!(f, "{what}: device buffer has {actual_bytes} bytes, k and len need {expected_bytes}")
             }
-            Self::HostLengthMismatch {
-                index,
-                expected,
-                actual,
-            } => {
+            Self::HostLengthMismatch { index, expected, actual } => {
                 write!(f, "host buffer {index} has {actual} elements, expected {expected}")
             }
             Self::TooLarge { elements } => write!(f, "{elements} elements exceed 32-bit kernel indexing"),
@@ -156,9 +137,11 @@ fn mean_into_kernel<N: Size>(
 /// (a missing driver panics inside cudarc), and a panic here is turned into an error all the same.
 #[cfg(feature = "cuda")]
 pub fn cuda_client(index: usize) -> Result<Client, KernelError> {
-    let device = cubecl::Device::cuda(index).map_err(|e| KernelError::Unavailable(format!("CUDA device {index}: {e:?}")))?;
-    std::panic::catch_unwind(|| device.client())
-        .map_err(|_| KernelError::Unavailable(format!("creating the client of CUDA device {index} panicked (see above)")))
+    let device =
+        cubecl::Device::cuda(index).map_err(|e| KernelError::Unavailable(format!("CUDA device {index}: {e:?}")))?;
+    std::panic::catch_unwind(|| device.client()).map_err(|_| {
+        KernelError::Unavailable(format!("creating the client of CUDA device {index} panicked (see above)"))
+    })
 }
 
 /// The same average-and-broadcast over K **separate** buffers (one per replica, as burn allocates
@@ -298,11 +281,7 @@ fn check_size(what: &'static str, handle: &Handle, elements: usize) -> Result<()
     let expected_bytes = (elements * F32_BYTES) as u64;
     let actual_bytes = handle.size_in_used();
     if actual_bytes != expected_bytes {
-        return Err(KernelError::LengthMismatch {
-            what,
-            expected_bytes,
-            actual_bytes,
-        });
+        return Err(KernelError::LengthMismatch { what, expected_bytes, actual_bytes });
     }
     Ok(())
 }
@@ -311,10 +290,7 @@ fn check_size(what: &'static str, handle: &Handle, elements: usize) -> Result<()
 /// device lists for f32 IO (see the module docs for why a divisor of `len`).
 pub fn vector_size(client: &Client, len: usize) -> usize {
     let supported: Vec<usize> = client.io_optimized_vector_sizes(F32_BYTES).collect();
-    [4usize, 2]
-        .into_iter()
-        .find(|&n| len.is_multiple_of(n) && supported.contains(&n))
-        .unwrap_or(1)
+    [4usize, 2].into_iter().find(|&n| len.is_multiple_of(n) && supported.contains(&n)).unwrap_or(1)
 }
 
 /// Grid for one unit per vector: [`CubeDim::new`] picks a cube size for the device, and the cube
@@ -326,9 +302,7 @@ fn grid(client: &Client, units: usize) -> (CubeCount, CubeDim) {
 
 fn check_common(k: usize, len: usize) -> Result<(), KernelError> {
     check_k(k)?;
-    let elements = k
-        .checked_mul(len)
-        .ok_or(KernelError::TooLarge { elements: usize::MAX })?;
+    let elements = k.checked_mul(len).ok_or(KernelError::TooLarge { elements: usize::MAX })?;
     if elements > u32::MAX as usize {
         return Err(KernelError::TooLarge { elements });
     }
@@ -406,11 +380,7 @@ fn concat(buffers: &[&[f32]]) -> Result<(usize, Vec<f32>), KernelError> {
     let mut flat = Vec::with_capacity(buffers.len() * len);
     for (index, b) in buffers.iter().enumerate() {
         if b.len() != len {
-            return Err(KernelError::HostLengthMismatch {
-                index,
-                expected: len,
-                actual: b.len(),
-            });
+            return Err(KernelError::HostLengthMismatch { index, expected: len, actual: b.len() });
         }
         flat.extend_from_slice(b);
     }
@@ -457,11 +427,7 @@ pub fn mean_into_host(client: &Client, output: &mut [f32], inputs: &[&[f32]]) ->
     check_k(k)?;
     let (len, flat) = concat(inputs)?;
     if output.len() != len {
-        return Err(KernelError::HostLengthMismatch {
-            index: k,
-            expected: len,
-            actual: output.len(),
-        });
+        return Err(KernelError::HostLengthMismatch { index: k, expected: len, actual: output.len() });
     }
     if len == 0 {
         return Ok(());

@@ -80,7 +80,8 @@ pub fn random_replicas(k: usize, len: usize, seed: u64) -> Vec<Vec<f32>> {
 }
 
 fn mismatches(got: &[f32], want: &[f32]) -> usize {
-    got.iter().zip(want).filter(|(g, w)| g.is_nan() || g.to_bits() != w.to_bits()).count() + want.len().abs_diff(got.len())
+    got.iter().zip(want).filter(|(g, w)| g.is_nan() || g.to_bits() != w.to_bits()).count()
+        + want.len().abs_diff(got.len())
 }
 
 /// Runs both kernels for every K in `1..=MAX_BUFFERS` and each of `lengths`; one result per case.
@@ -154,12 +155,19 @@ fn median(mut v: Vec<Duration>) -> f64 {
 
 /// Times the fused average-and-broadcast of `k` replicas of `len` floats against a copy of the
 /// same `k * len` floats, `repeats` launches each (interleaved, so clock changes hit both alike).
-pub fn measure_bandwidth(client: &Client, k: usize, len: usize, repeats: usize, seed: u64) -> Result<Bandwidth, KernelError> {
+pub fn measure_bandwidth(
+    client: &Client,
+    k: usize,
+    len: usize,
+    repeats: usize,
+    seed: u64,
+) -> Result<Bandwidth, KernelError> {
     let total = k * len;
     let data: Vec<f32> = random_replicas(1, total, seed).remove(0);
     let replicas = client.create_from_slice(f32::as_bytes(&data));
     let dst = client.empty(total * 4);
-    let separate: Vec<Handle> = (0..k).map(|j| client.create_from_slice(f32::as_bytes(&data[j * len..(j + 1) * len]))).collect();
+    let separate: Vec<Handle> =
+        (0..k).map(|j| client.create_from_slice(f32::as_bytes(&data[j * len..(j + 1) * len]))).collect();
     let n = cube::vector_size(client, len);
     // Warm-up: compiles the kernels and faults in the pages.
     cube::average_and_broadcast(client, &replicas, k, len)?;

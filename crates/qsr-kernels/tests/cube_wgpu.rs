@@ -63,10 +63,7 @@ fn host_mean(bufs: &[Vec<f32>]) -> Vec<f32> {
 fn check(what: &str, k: usize, len: usize, got: &[f32], host: &[f32], bufs: &[Vec<f32>]) {
     assert_eq!(got.len(), len, "{what} k {k} len {len}: wrong length");
     for i in 0..len {
-        assert!(
-            !got[i].is_nan(),
-            "{what} k {k} len {len}: element {i} not written (NaN)"
-        );
+        assert!(!got[i].is_nan(), "{what} k {k} len {len}: element {i} not written (NaN)");
         assert_eq!(
             got[i].to_bits(),
             host[i].to_bits(),
@@ -145,14 +142,7 @@ fn device_handles_in_place_then_mean() {
 
     let all = f32::from_bytes(&client.read_one(replicas).unwrap()).to_vec();
     for j in 0..k {
-        check(
-            &format!("in place replica {j}"),
-            k,
-            len,
-            &all[j * len..(j + 1) * len],
-            &host,
-            &bufs,
-        );
+        check(&format!("in place replica {j}"), k, len, &all[j * len..(j + 1) * len], &host, &bufs);
     }
     // The mean of K copies of m is m only up to rounding of (m + ... + m) / K, so compare the
     // mean of the averaged replicas with the host path on the same data.
@@ -168,35 +158,17 @@ fn bad_arguments_are_errors_and_empty_is_a_no_op() {
     let buf = client.create_from_slice(f32::as_bytes(&[1.0f32; 12]));
     let out = client.create_from_slice(f32::as_bytes(&[f32::NAN; 4]));
 
-    assert!(matches!(
-        cube::average_and_broadcast(client, &buf, 0, 12),
-        Err(KernelError::NoBuffers)
-    ));
-    assert!(matches!(
-        cube::mean_into(client, &out, &buf, 0, 4),
-        Err(KernelError::NoBuffers)
-    ));
+    assert!(matches!(cube::average_and_broadcast(client, &buf, 0, 12), Err(KernelError::NoBuffers)));
+    assert!(matches!(cube::mean_into(client, &out, &buf, 0, 4), Err(KernelError::NoBuffers)));
     assert!(matches!(
         cube::average_and_broadcast(client, &buf, MAX_BUFFERS + 1, 1),
         Err(KernelError::TooManyBuffers { k: 9, max: 8 })
     ));
     // 12 floats are 3 replicas of 4, not 2 of 4 nor 3 of 5.
-    assert!(matches!(
-        cube::average_and_broadcast(client, &buf, 2, 4),
-        Err(KernelError::LengthMismatch { .. })
-    ));
-    assert!(matches!(
-        cube::average_and_broadcast(client, &buf, 3, 5),
-        Err(KernelError::LengthMismatch { .. })
-    ));
-    assert!(matches!(
-        cube::mean_into(client, &out, &buf, 3, 3),
-        Err(KernelError::LengthMismatch { .. })
-    ));
-    assert!(matches!(
-        cube::mean_into(client, &out, &buf, 2, 6),
-        Err(KernelError::LengthMismatch { .. })
-    ));
+    assert!(matches!(cube::average_and_broadcast(client, &buf, 2, 4), Err(KernelError::LengthMismatch { .. })));
+    assert!(matches!(cube::average_and_broadcast(client, &buf, 3, 5), Err(KernelError::LengthMismatch { .. })));
+    assert!(matches!(cube::mean_into(client, &out, &buf, 3, 3), Err(KernelError::LengthMismatch { .. })));
+    assert!(matches!(cube::mean_into(client, &out, &buf, 2, 6), Err(KernelError::LengthMismatch { .. })));
     cube::mean_into(client, &out, &buf, 3, 4).unwrap();
     assert_eq!(f32::from_bytes(&client.read_one(out).unwrap()), &[1.0f32; 4]);
 
@@ -204,14 +176,8 @@ fn bad_arguments_are_errors_and_empty_is_a_no_op() {
     let a = [1.0f32, 2.0];
     let b = [3.0f32];
     let mut o = [0.0f32; 2];
-    assert!(matches!(
-        cube::mean_into_host(client, &mut o, &[]),
-        Err(KernelError::NoBuffers)
-    ));
-    assert!(matches!(
-        cube::mean_into_host(client, &mut o, &[&a[..]; 9]),
-        Err(KernelError::TooManyBuffers { .. })
-    ));
+    assert!(matches!(cube::mean_into_host(client, &mut o, &[]), Err(KernelError::NoBuffers)));
+    assert!(matches!(cube::mean_into_host(client, &mut o, &[&a[..]; 9]), Err(KernelError::TooManyBuffers { .. })));
     assert!(matches!(
         cube::mean_into_host(client, &mut o, &[&a, &b]),
         Err(KernelError::HostLengthMismatch { index: 1, .. })
@@ -225,10 +191,7 @@ fn bad_arguments_are_errors_and_empty_is_a_no_op() {
         cube::average_and_broadcast_host(client, &mut [&mut x, &mut y]),
         Err(KernelError::HostLengthMismatch { .. })
     ));
-    assert!(matches!(
-        cube::average_and_broadcast_host(client, &mut []),
-        Err(KernelError::NoBuffers)
-    ));
+    assert!(matches!(cube::average_and_broadcast_host(client, &mut []), Err(KernelError::NoBuffers)));
 
     // Length 0 launches nothing, on the device API too.
     let empty = client.create_from_slice(&[]);

@@ -10,7 +10,8 @@
 use burn::module::Module;
 use burn::tensor::Device;
 use qsr_models::{
-    CifarResNetConfig, CifarShortcut, InputSpec, ModelConfig, ModelError, ResNetConfig, VitConfig, VitPreset, param_count,
+    CifarResNetConfig, CifarShortcut, InputSpec, ModelConfig, ModelError, ResNetConfig, VitConfig, VitPreset,
+    param_count,
 };
 
 fn main() -> Result<(), ModelError> {

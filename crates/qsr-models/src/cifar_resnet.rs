@@ -112,7 +112,12 @@ impl CifarBlock {
         let mut x = x;
         if self.subsample > 1 {
             let s = self.subsample as isize;
-            x = x.slice([Slice::new(0, None, 1), Slice::new(0, None, 1), Slice::new(0, None, s), Slice::new(0, None, s)]);
+            x = x.slice([
+                Slice::new(0, None, 1),
+                Slice::new(0, None, 1),
+                Slice::new(0, None, s),
+                Slice::new(0, None, s),
+            ]);
         }
         if self.pad_before + self.pad_after > 0 {
             x = x.pad([(0, 0), (self.pad_before, self.pad_after), (0, 0), (0, 0)], PadMode::Constant(0.0));

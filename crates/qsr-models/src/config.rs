@@ -3,12 +3,12 @@
 use burn::tensor::Device;
 use serde::{Deserialize, Serialize};
 
+use crate::Model;
 use crate::cifar_resnet::{CIFAR_RESNET_DEPTHS, CifarResNet, CifarShortcut};
 use crate::error::ModelError;
 use crate::resnet::{RESNET_DEPTHS, ResNet, resnet_layout};
 use crate::small::{Mlp, SmallCnn};
 use crate::vit::{SimpleVit, VitDims, VitPreset};
-use crate::Model;
 
 /// Shape of one input image (NCHW without the batch dimension).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -236,10 +236,7 @@ impl ModelConfig {
                     return Err(ModelError::config(
                         kind,
                         "depth",
-                        format!(
-                            "must be 6n + 2 with n >= 1 (He et al.: {CIFAR_RESNET_DEPTHS:?}), got {}",
-                            c.depth
-                        ),
+                        format!("must be 6n + 2 with n >= 1 (He et al.: {CIFAR_RESNET_DEPTHS:?}), got {}", c.depth),
                     ));
                 }
             }
@@ -286,7 +283,8 @@ impl ModelConfig {
         if classes == 0 {
             return Err(ModelError::input(kind, "classes", "must be at least 1"));
         }
-        for (v, field) in [(input.channels, "input.channels"), (input.height, "input.height"), (input.width, "input.width")]
+        for (v, field) in
+            [(input.channels, "input.channels"), (input.height, "input.height"), (input.width, "input.width")]
         {
             if v == 0 {
                 return Err(ModelError::input(kind, field, "must be at least 1"));
@@ -327,10 +325,21 @@ impl ModelConfig {
                     return Err(ModelError::input(
                         kind,
                         "input.height",
-                        format!("the CNN pools twice by 2 and needs at least 4x4, got {}x{}", input.height, input.width),
+                        format!(
+                            "the CNN pools twice by 2 and needs at least 4x4, got {}x{}",
+                            input.height, input.width
+                        ),
                     ));
                 }
-                Model::Cnn(SmallCnn::new(c.channels, c.batch_norm, input.channels, input.height, input.width, classes, device))
+                Model::Cnn(SmallCnn::new(
+                    c.channels,
+                    c.batch_norm,
+                    input.channels,
+                    input.height,
+                    input.width,
+                    classes,
+                    device,
+                ))
             }
             ModelConfig::Mlp(c) => {
                 Model::Mlp(Mlp::new(input.channels * input.height * input.width, &c.hidden, classes, device))

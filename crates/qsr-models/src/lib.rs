@@ -55,6 +55,7 @@
 //! burn module. Note that cloning a burn module *shares* its running statistics (they live behind
 //! an `Arc`): use [`Model::deep_clone`] for independent worker replicas.
 
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod bn;
@@ -67,7 +68,9 @@ mod vit;
 
 pub use bn::{bn_running_stat_ids, is_bn_running_stat, param_count, trainable_param_ids};
 pub use cifar_resnet::{CIFAR_RESNET_DEPTHS, CifarBlock, CifarResNet, CifarShortcut, Projection};
-pub use config::{CifarResNetConfig, CnnConfig, InputSpec, MAX_DEPTH, MAX_WIDTH, MlpConfig, ModelConfig, ResNetConfig, VitConfig};
+pub use config::{
+    CifarResNetConfig, CnnConfig, InputSpec, MAX_DEPTH, MAX_WIDTH, MlpConfig, ModelConfig, ResNetConfig, VitConfig,
+};
 pub use error::ModelError;
 pub use resnet::{BasicBlock, Bottleneck, Downsample, RESNET_DEPTHS, ResNet, Stage};
 pub use small::{ConvUnit, Mlp, SmallCnn};

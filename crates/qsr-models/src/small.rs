@@ -10,7 +10,7 @@ use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 
-/// conv3x3 -> [BN] -> ReLU, the CNN's unit.
+/// `conv3x3 -> [BN] -> ReLU`, the CNN's unit (BN optional).
 #[derive(Module, Debug)]
 pub struct ConvUnit {
     /// 3x3 conv, pad 1 (bias only without BN, as BN's beta makes it redundant).
@@ -40,8 +40,8 @@ impl ConvUnit {
     }
 }
 
-/// Small CNN: [conv3x3(c1) -> [BN] -> ReLU -> maxpool 2] -> [conv3x3(c2) -> [BN] -> ReLU ->
-/// maxpool 2] -> flatten -> fc.
+/// Small CNN: `[conv3x3(c1) -> [BN] -> ReLU -> maxpool 2] -> [conv3x3(c2) -> [BN] -> ReLU -> maxpool 2] ->
+/// flatten -> fc` (BN optional).
 ///
 /// Two 2x2 pools take 28x28 to 7x7, 32x32 to 8x8 and the 8x8 sklearn digits to 2x2, so one design
 /// covers MNIST, CIFAR and digits; inputs need H, W >= 4.

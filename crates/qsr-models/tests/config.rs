@@ -4,8 +4,8 @@ mod common;
 
 use burn::tensor::Device;
 use qsr_models::{
-    CifarResNetConfig, CifarShortcut, CnnConfig, InputSpec, MlpConfig, ModelConfig, ModelError, ResNetConfig, VitConfig,
-    VitPreset,
+    CifarResNetConfig, CifarShortcut, CnnConfig, InputSpec, MlpConfig, ModelConfig, ModelError, ResNetConfig,
+    VitConfig, VitPreset,
 };
 
 fn parse(s: &str) -> Result<ModelConfig, toml::de::Error> {
@@ -45,12 +45,18 @@ fn parses_the_documented_examples() {
     assert_eq!(parse(r#"{ kind = "vit", preset = "tiny", image_size = 32 }"#).unwrap(), {
         ModelConfig::Vit(VitConfig::preset(VitPreset::Ti, 16, 32))
     });
-    assert_eq!(parse(r#"{ kind = "cnn" }"#).unwrap(), ModelConfig::Cnn(CnnConfig { batch_norm: true, channels: [32, 64] }));
+    assert_eq!(
+        parse(r#"{ kind = "cnn" }"#).unwrap(),
+        ModelConfig::Cnn(CnnConfig { batch_norm: true, channels: [32, 64] })
+    );
     assert_eq!(
         parse(r#"{ kind = "cnn", batch_norm = false }"#).unwrap(),
         ModelConfig::Cnn(CnnConfig { batch_norm: false, channels: [32, 64] })
     );
-    assert_eq!(parse(r#"{ kind = "mlp", hidden = [256, 256] }"#).unwrap(), ModelConfig::Mlp(MlpConfig { hidden: vec![256, 256] }));
+    assert_eq!(
+        parse(r#"{ kind = "mlp", hidden = [256, 256] }"#).unwrap(),
+        ModelConfig::Mlp(MlpConfig { hidden: vec![256, 256] })
+    );
     assert_eq!(parse(r#"{ kind = "mlp" }"#).unwrap(), ModelConfig::Mlp(MlpConfig::default()));
     // JSON round trip
     let cfg = ModelConfig::Vit(VitConfig::preset(VitPreset::S, 8, 64));
@@ -82,7 +88,10 @@ fn bad_values_name_the_field() {
     assert_eq!(e.field(), "depth");
     let msg = e.to_string();
     assert!(msg.contains("depth") && msg.contains("[18, 34, 50, 101, 152]") && msg.contains("19"), "{msg}");
-    assert_eq!(init_err(&ModelConfig::Resnet(ResNetConfig { depth: 19, zero_init_residual: false }), img, 10).field(), "depth");
+    assert_eq!(
+        init_err(&ModelConfig::Resnet(ResNetConfig { depth: 19, zero_init_residual: false }), img, 10).field(),
+        "depth"
+    );
 
     for depth in [0, 2, 19, 21] {
         let e = init_err(&ModelConfig::CifarResnet(CifarResNetConfig { depth, shortcut: CifarShortcut::A }), img, 10);
@@ -110,15 +119,23 @@ fn bad_values_name_the_field() {
     assert_eq!(init_err(&ModelConfig::Vit(zero_heads), img, 10).field(), "heads");
     let custom = parse(r#"{ kind = "vit", dim = 64, depth = 2, heads = 2 }"#).unwrap();
     assert_eq!(init_err(&custom, img, 10).field(), "mlp_dim");
-    let custom = parse(r#"{ kind = "vit", dim = 64, depth = 2, heads = 2, mlp_dim = 128, dim_head = 16, patch_size = 8 }"#).unwrap();
+    let custom =
+        parse(r#"{ kind = "vit", dim = 64, depth = 2, heads = 2, mlp_dim = 128, dim_head = 16, patch_size = 8 }"#)
+            .unwrap();
     assert!(custom.init(img, 10, &Device::flex()).is_ok());
 
     // small models and inputs
-    assert_eq!(init_err(&ModelConfig::Cnn(CnnConfig { batch_norm: true, channels: [0, 8] }), img, 10).field(), "channels");
+    assert_eq!(
+        init_err(&ModelConfig::Cnn(CnnConfig { batch_norm: true, channels: [0, 8] }), img, 10).field(),
+        "channels"
+    );
     assert_eq!(init_err(&ModelConfig::Cnn(CnnConfig::default()), InputSpec::new(1, 3, 8), 10).field(), "input.height");
     assert_eq!(init_err(&ModelConfig::Mlp(MlpConfig { hidden: vec![8, 0] }), img, 10).field(), "hidden");
     assert_eq!(init_err(&ModelConfig::Mlp(MlpConfig::default()), img, 0).field(), "classes");
-    assert_eq!(init_err(&ModelConfig::Mlp(MlpConfig::default()), InputSpec::new(0, 8, 8), 10).field(), "input.channels");
+    assert_eq!(
+        init_err(&ModelConfig::Mlp(MlpConfig::default()), InputSpec::new(0, 8, 8), 10).field(),
+        "input.channels"
+    );
     assert_eq!(init_err(&ModelConfig::Mlp(MlpConfig::default()), InputSpec::new(1, 8, 0), 10).field(), "input.width");
 }
 

@@ -35,7 +35,12 @@ fn torchvision_resnets() {
 #[test]
 fn cifar_resnets() {
     for depth in [20, 32, 44, 56, 110] {
-        check(&ModelConfig::CifarResnet(CifarResNetConfig { depth, shortcut: CifarShortcut::A }), InputSpec::new(3, 32, 32), 10, 2);
+        check(
+            &ModelConfig::CifarResnet(CifarResNetConfig { depth, shortcut: CifarShortcut::A }),
+            InputSpec::new(3, 32, 32),
+            10,
+            2,
+        );
     }
     let b = ModelConfig::CifarResnet(CifarResNetConfig { depth: 20, shortcut: CifarShortcut::B });
     check(&b, InputSpec::new(3, 32, 32), 100, 2);

@@ -4,8 +4,8 @@
 use burn::module::Module;
 use burn::tensor::Device;
 use qsr_models::{
-    CifarResNetConfig, CifarShortcut, InputSpec, Model, ModelConfig, ResNetConfig, VitConfig, VitPreset, bn_running_stat_ids,
-    param_count, trainable_param_ids,
+    CifarResNetConfig, CifarShortcut, InputSpec, Model, ModelConfig, ResNetConfig, VitConfig, VitPreset,
+    bn_running_stat_ids, param_count, trainable_param_ids,
 };
 
 fn imagenet() -> InputSpec {
@@ -27,13 +27,9 @@ fn bn_features(m: &Model) -> usize {
 
 #[test]
 fn torchvision_resnet_counts() {
-    for (depth, expected) in [
-        (18, 11_689_512),
-        (34, 21_797_672),
-        (50, 25_557_032),
-        (101, 44_549_160),
-        (152, 60_192_808),
-    ] {
+    for (depth, expected) in
+        [(18, 11_689_512), (34, 21_797_672), (50, 25_557_032), (101, 44_549_160), (152, 60_192_808)]
+    {
         let m = resnet(depth);
         assert_eq!(param_count(&m), expected, "resnet{depth}");
         // burn's num_params also counts running_mean and running_var
@@ -52,7 +48,15 @@ fn simple_vit_b16_count() {
 }
 
 /// Closed form of the SimpleViT count, to check the other presets against.
-fn vit_formula(dim: usize, depth: usize, heads: usize, dim_head: usize, mlp: usize, patch_dim: usize, classes: usize) -> usize {
+fn vit_formula(
+    dim: usize,
+    depth: usize,
+    heads: usize,
+    dim_head: usize,
+    mlp: usize,
+    patch_dim: usize,
+    classes: usize,
+) -> usize {
     let inner = heads * dim_head;
     let embed = 2 * patch_dim + patch_dim * dim + dim + 2 * dim;
     let block = 2 * dim + dim * 3 * inner + inner * dim + 2 * dim + dim * mlp + mlp + mlp * dim + dim;
@@ -62,7 +66,9 @@ fn vit_formula(dim: usize, depth: usize, heads: usize, dim_head: usize, mlp: usi
 
 #[test]
 fn simple_vit_presets_match_formula() {
-    for (preset, dim, heads, mlp) in [(VitPreset::Ti, 192, 3, 768), (VitPreset::S, 384, 6, 1536), (VitPreset::B, 768, 12, 3072)] {
+    for (preset, dim, heads, mlp) in
+        [(VitPreset::Ti, 192, 3, 768), (VitPreset::S, 384, 6, 1536), (VitPreset::B, 768, 12, 3072)]
+    {
         let m = ModelConfig::Vit(VitConfig::preset(preset, 16, 224)).init(imagenet(), 1000, &Device::flex()).unwrap();
         assert_eq!(param_count(&m), vit_formula(dim, 12, heads, 64, mlp, 768, 1000), "{preset:?}");
     }
@@ -103,7 +109,9 @@ fn cifar_resnet_counts() {
 #[test]
 fn small_models_counts() {
     let d = Device::flex();
-    let mlp = ModelConfig::Mlp(qsr_models::MlpConfig { hidden: vec![256, 256] }).init(InputSpec::new(1, 28, 28), 10, &d).unwrap();
+    let mlp = ModelConfig::Mlp(qsr_models::MlpConfig { hidden: vec![256, 256] })
+        .init(InputSpec::new(1, 28, 28), 10, &d)
+        .unwrap();
     assert_eq!(param_count(&mlp), 784 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10);
     let cnn = ModelConfig::Cnn(Default::default()).init(InputSpec::new(3, 32, 32), 10, &d).unwrap();
     // convs without bias (BN follows), BN gamma+beta, fc over 64 x 8 x 8

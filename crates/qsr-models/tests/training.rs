@@ -25,7 +25,8 @@ fn train(cfg: ModelConfig, input: InputSpec, classes: usize, batch: usize, lr: f
     let mut model: Model = cfg.init(input, classes, &device).unwrap();
     let (x, y) = class_batch(batch, input.channels, input.height, input.width, classes, 1234, &device);
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
-    let mut optim = SgdConfig::new().with_momentum(Some(MomentumConfig { momentum: 0.9, dampening: 0.0, nesterov: false })).init();
+    let mut optim =
+        SgdConfig::new().with_momentum(Some(MomentumConfig { momentum: 0.9, dampening: 0.0, nesterov: false })).init();
     let mut losses = Vec::new();
     for _ in 0..steps {
         let loss = loss_fn.forward(model.forward(x.clone()), y.clone());
@@ -45,7 +46,14 @@ fn assert_learns((first, last): (f32, f32)) {
 
 #[test]
 fn mlp_learns() {
-    assert_learns(train(ModelConfig::Mlp(MlpConfig { hidden: vec![64, 64] }), InputSpec::new(1, 8, 8), 10, 20, 0.2, 10));
+    assert_learns(train(
+        ModelConfig::Mlp(MlpConfig { hidden: vec![64, 64] }),
+        InputSpec::new(1, 8, 8),
+        10,
+        20,
+        0.2,
+        10,
+    ));
 }
 
 #[test]

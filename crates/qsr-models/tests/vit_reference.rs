@@ -35,17 +35,17 @@ fn matches_vit_pytorch_simple_vit() {
     let d = Device::flex();
     let r = load();
     let p = &r["params"];
-    let cfg: ModelConfig = serde_json::from_str(
-        r#"{"kind":"vit","dim":16,"depth":2,"heads":2,"dim_head":8,"mlp_dim":32,"patch_size":4}"#,
-    )
-    .unwrap();
+    let cfg: ModelConfig =
+        serde_json::from_str(r#"{"kind":"vit","dim":16,"depth":2,"heads":2,"dim_head":8,"mlp_dim":32,"patch_size":4}"#)
+            .unwrap();
     let Model::Vit(mut v) = cfg.init(InputSpec::new(3, 8, 12), 5, &d).unwrap() else { panic!("not a vit") };
 
     // position embedding
     let pos = tensor::<2>(&r["pos_embedding"], &d);
     let ours = Tensor::<2>::from_data(posemb_sincos_2d(2, 3, 16, 10_000.0), &d);
     ours.clone().into_data().assert_approx_eq::<f32>(&pos.into_data(), burn::tensor::Tolerance::absolute(1e-6));
-    ours.into_data().assert_approx_eq::<f32>(&v.pos_embedding.clone().into_data(), burn::tensor::Tolerance::absolute(0.0));
+    ours.into_data()
+        .assert_approx_eq::<f32>(&v.pos_embedding.clone().into_data(), burn::tensor::Tolerance::absolute(0.0));
 
     set_ln(&mut v.patch_norm1, p, "to_patch_embedding.1", &d);
     set_linear(&mut v.patch_linear, p, "to_patch_embedding.2", &d);

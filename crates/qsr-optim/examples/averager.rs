@@ -33,7 +33,11 @@ struct Mlp {
 
 impl Mlp {
     fn new(device: &Device) -> Self {
-        Self { fc1: LinearConfig::new(64, 64).init(device), act: Relu::new(), fc2: LinearConfig::new(64, 10).init(device) }
+        Self {
+            fc1: LinearConfig::new(64, 64).init(device),
+            act: Relu::new(),
+            fc2: LinearConfig::new(64, 10).init(device),
+        }
     }
     fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         self.fc2.forward(self.act.forward(self.fc1.forward(x)))
@@ -42,9 +46,13 @@ impl Mlp {
 
 /// Images `idx` of a split as (pixels / 16, labels).
 fn tensors(set: &qsr_data::ImageSet, idx: &[usize], device: &Device) -> (Tensor<2>, Tensor<1, Int>) {
-    let x: Vec<f32> = idx.iter().flat_map(|&i| set.images[i * 64..(i + 1) * 64].iter().map(|&p| f32::from(p) / 16.0)).collect();
+    let x: Vec<f32> =
+        idx.iter().flat_map(|&i| set.images[i * 64..(i + 1) * 64].iter().map(|&p| f32::from(p) / 16.0)).collect();
     let y: Vec<i64> = idx.iter().map(|&i| i64::from(set.labels[i])).collect();
-    (Tensor::from_data(TensorData::new(x, [idx.len(), 64]), device), Tensor::from_data(TensorData::new(y, [idx.len()]), device))
+    (
+        Tensor::from_data(TensorData::new(x, [idx.len(), 64]), device),
+        Tensor::from_data(TensorData::new(y, [idx.len()]), device),
+    )
 }
 
 /// Deterministic initial weights (burn draws lazily from one global RNG shared by all threads).
@@ -106,7 +114,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for r in results {
         let (rank, syncs, acc) = r?;
         if rank == 0 {
-            println!("syncs {syncs} (plan: {} rounds, {:.1}% of data parallel), test accuracy {:.2}%", plan.summary().rounds, plan.summary().comm_percent, 100.0 * acc);
+            println!(
+                "syncs {syncs} (plan: {} rounds, {:.1}% of data parallel), test accuracy {:.2}%",
+                plan.summary().rounds,
+                plan.summary().comm_percent,
+                100.0 * acc
+            );
         }
     }
     Ok(())

@@ -22,7 +22,11 @@ struct Regressor {
 
 impl Regressor {
     fn new(device: &Device) -> Self {
-        Self { fc1: LinearConfig::new(2, 32).init(device), act: Gelu::new(), fc2: LinearConfig::new(32, 1).init(device) }
+        Self {
+            fc1: LinearConfig::new(2, 32).init(device),
+            act: Gelu::new(),
+            fc2: LinearConfig::new(32, 1).init(device),
+        }
     }
     fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         self.fc2.forward(self.act.forward(self.fc1.forward(x)))
@@ -44,14 +48,25 @@ fn batch(rank: usize, step: u64, device: &Device) -> (Tensor<2>, Tensor<2>) {
 }
 
 fn main() {
-    let plan = Plan::new(LrSchedule::new(ScheduleKind::Cosine, 400, 40, 0.01, 1e-5), SyncRule::Qsr { h_base: 2, alpha: 0.004 }).unwrap();
+    let plan = Plan::new(
+        LrSchedule::new(ScheduleKind::Cosine, 400, 40, 0.01, 1e-5),
+        SyncRule::Qsr { h_base: 2, alpha: 0.004 },
+    )
+    .unwrap();
     let device = Device::flex().autodiff();
     // Build once, then give each worker a replica (the Worker also broadcasts rank 0's weights).
     let model = Regressor::new(&device);
     ParamLayout::of(&model).read_params(&model, &mut vec![0.0; ParamLayout::of(&model).len()]).unwrap();
     let results = qsr_comm::run_threads(2, |comm| {
         let rank = qsr_comm::Collective::rank(&comm);
-        let mut w = Worker::new(model.clone(), OptimizerConfig::adamw(0.01), Box::new(comm), plan.cursor(), DriverConfig::default()).unwrap();
+        let mut w = Worker::new(
+            model.clone(),
+            OptimizerConfig::adamw(0.01),
+            Box::new(comm),
+            plan.cursor(),
+            DriverConfig::default(),
+        )
+        .unwrap();
         let mut loss = 0.0;
         while !w.cursor().is_done() {
             let t = w.cursor().step();
@@ -67,7 +82,10 @@ fn main() {
     });
     let planned = plan.summary();
     for (rank, (syncs, loss)) in results.iter().enumerate() {
-        println!("rank {rank}: {syncs} syncs (plan: {} rounds, {:.1}% of data parallel), last loss {loss:.4}", planned.rounds, planned.comm_percent);
+        println!(
+            "rank {rank}: {syncs} syncs (plan: {} rounds, {:.1}% of data parallel), last loss {loss:.4}",
+            planned.rounds, planned.comm_percent
+        );
         assert_eq!(*syncs, planned.rounds);
     }
 }

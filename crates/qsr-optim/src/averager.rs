@@ -105,7 +105,11 @@ impl Averager {
     /// Sets up averaging of `model` over `comm`: checks that every rank has the same configuration and
     /// model layout (an error naming the differing settings otherwise, on every rank), then hands back
     /// the model with rank 0's parameters (and BN statistics), so every worker starts from the same point.
-    pub fn new<M: Module>(model: M, config: AveragerConfig, mut comm: Box<dyn Collective>) -> Result<(Self, M), OptimError> {
+    pub fn new<M: Module>(
+        model: M,
+        config: AveragerConfig,
+        mut comm: Box<dyn Collective>,
+    ) -> Result<(Self, M), OptimError> {
         if config.rule.syncs_gradients(0) {
             return Err(OptimError::Config {
                 field: "rule".into(),
@@ -199,7 +203,8 @@ impl Averager {
                 reason: format!("step {t}: the power rules need a finite positive learning rate, got {lr}"),
             });
         }
-        let h = self.config.rule.h_at(RoundStart { step: t, lr, in_warmup, rounds_after_warmup: self.rounds_after_warmup });
+        let h =
+            self.config.rule.h_at(RoundStart { step: t, lr, in_warmup, rounds_after_warmup: self.rounds_after_warmup });
         self.rounds_after_warmup += u64::from(!in_warmup);
         let end = t.saturating_add(h).min(self.config.run_steps.unwrap_or(u64::MAX));
         let round = Round { start: t, h, end };

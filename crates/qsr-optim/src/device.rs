@@ -46,7 +46,12 @@ pub struct DeviceOptimizer {
 
 impl DeviceOptimizer {
     /// Same arguments as [`crate::Optimizer::new`], plus the device the state lives on.
-    pub fn new(config: OptimizerConfig, len: usize, no_decay: &[std::ops::Range<usize>], device: &Device) -> Result<Self, OptimError> {
+    pub fn new(
+        config: OptimizerConfig,
+        len: usize,
+        no_decay: &[std::ops::Range<usize>],
+        device: &Device,
+    ) -> Result<Self, OptimError> {
         config.validate()?;
         if config.exclude_norm_and_bias
             && let Some(r) = no_decay.iter().find(|r| r.end > len || r.start > r.end)
@@ -79,7 +84,11 @@ impl DeviceOptimizer {
     /// The state, downloaded (for checkpoints).
     pub fn state(&self) -> Result<OptimState, OptimError> {
         let get = |t: &Option<Tensor<1>>| t.as_ref().map_or(Ok(Vec::new()), to_host);
-        Ok(OptimState { step: self.step, first_moment: get(&self.first_moment)?, second_moment: get(&self.second_moment)? })
+        Ok(OptimState {
+            step: self.step,
+            first_moment: get(&self.first_moment)?,
+            second_moment: get(&self.second_moment)?,
+        })
     }
 
     /// Replaces the state (from a checkpoint), checking that it fits this optimizer.
@@ -88,7 +97,9 @@ impl DeviceOptimizer {
         let want = (want(&self.first_moment), want(&self.second_moment));
         let got = (state.first_moment.len(), state.second_moment.len());
         if want != got {
-            return Err(OptimError::Layout(format!("optimizer state has moments of {got:?} elements, this optimizer needs {want:?}")));
+            return Err(OptimError::Layout(format!(
+                "optimizer state has moments of {got:?} elements, this optimizer needs {want:?}"
+            )));
         }
         // A moment this optimizer has stays present, even for an empty layout.
         let up = |has: bool, v: Vec<f32>| has.then(|| tensor_from(v, device));
@@ -246,7 +257,14 @@ impl DeviceGroup {
         let shared = Arc::new(Shared {
             k,
             timeout,
-            round: Mutex::new(Round { generation: 0, arrived: 0, deposits: vec![None; k], results: vec![None; k], fused: false, failed: None }),
+            round: Mutex::new(Round {
+                generation: 0,
+                arrived: 0,
+                deposits: vec![None; k],
+                results: vec![None; k],
+                fused: false,
+                failed: None,
+            }),
             done: Condvar::new(),
         });
         (0..k).map(|rank| DeviceGroup { rank, shared: Arc::clone(&shared) }).collect()
@@ -281,7 +299,8 @@ impl DeviceGroup {
         round.arrived += 1;
         let generation = round.generation;
         if round.arrived == k {
-            let deposits: Vec<Vec<Tensor<1>>> = round.deposits.iter_mut().map(|d| d.take().expect("every rank deposited")).collect();
+            let deposits: Vec<Vec<Tensor<1>>> =
+                round.deposits.iter_mut().map(|d| d.take().expect("every rank deposited")).collect();
             let outcome = average_deposits(deposits);
             round.arrived = 0;
             round.generation += 1;
@@ -310,7 +329,8 @@ impl DeviceGroup {
             round = r;
             if timeout.timed_out() && round.generation == generation {
                 let missing: Vec<usize> = (0..k).filter(|&j| round.deposits[j].is_none()).collect();
-                let why = format!("rank(s) {missing:?} did not reach the synchronization within {:?}", self.shared.timeout);
+                let why =
+                    format!("rank(s) {missing:?} did not reach the synchronization within {:?}", self.shared.timeout);
                 round.failed = Some(why.clone());
                 self.shared.done.notify_all();
                 return Err(err(why));
@@ -392,7 +412,11 @@ mod fused {
                 let prim = d[s].clone().try_into_primitive::<Cube>().ok()?;
                 let len = d[s].dims()[0];
                 let fits = deposits.len().checked_mul(len).is_some_and(|n| n <= u32::MAX as usize);
-                if !fits || !prim.is_contiguous() || prim.handle.size_in_used() != (len * 4) as u64 || prim.dtype != burn::tensor::DType::F32 {
+                if !fits
+                    || !prim.is_contiguous()
+                    || prim.handle.size_in_used() != (len * 4) as u64
+                    || prim.dtype != burn::tensor::DType::F32
+                {
                     return None;
                 }
                 client.get_or_insert(prim.client.clone());

@@ -23,9 +23,9 @@ use qsr_comm::{Collective, CommStats, ReduceOp};
 use qsr_sched::{Cursor, StepInfo, SyncMode};
 use serde::{Deserialize, Serialize};
 
+use crate::device::{DeviceGroup, DeviceOptimizer, all_finite, to_host};
 use crate::error::{LossError, OptimError};
 use crate::flat::ParamLayout;
-use crate::device::{DeviceGroup, DeviceOptimizer, all_finite, to_host};
 use crate::optim::{OptimState, Optimizer, OptimizerConfig};
 
 /// Which optimizer state is averaged at a synchronization (the authors' `--avg-m` / `--avg-v`).
@@ -198,10 +198,16 @@ impl<M: Module> Worker<M> {
         config: DriverConfig,
     ) -> Result<Self, OptimError> {
         if config.accumulation_steps == 0 {
-            return Err(OptimError::Config { field: "driver.accumulation_steps".into(), reason: "must be at least 1".into() });
+            return Err(OptimError::Config {
+                field: "driver.accumulation_steps".into(),
+                reason: "must be at least 1".into(),
+            });
         }
         if config.bucket_elems == Some(0) {
-            return Err(OptimError::Config { field: "driver.bucket_elems".into(), reason: "must be at least 1".into() });
+            return Err(OptimError::Config {
+                field: "driver.bucket_elems".into(),
+                reason: "must be at least 1".into(),
+            });
         }
         // burn shares BatchNorm running state between clones of a module; `valid().train()` gives this
         // worker its own, so simulated workers keep local statistics as the paper's workers do.
@@ -241,7 +247,8 @@ impl<M: Module> Worker<M> {
         if resolve_residency(w.config.residency, w.model()) == Residency::Device {
             let device = w.model_device().inner();
             let params = w.layout.params_tensor(w.model(), &device)?;
-            let optimizer = DeviceOptimizer::new(w.optimizer.config().clone(), n, &w.layout.no_decay_ranges(), &device)?;
+            let optimizer =
+                DeviceOptimizer::new(w.optimizer.config().clone(), n, &w.layout.no_decay_ranges(), &device)?;
             // The host copies are not used from here on (the host optimizer keeps only its config).
             w.params = Vec::new();
             w.grads = Vec::new();
@@ -355,7 +362,11 @@ impl<M: Module> Worker<M> {
     /// Restores parameters, optimizer state and position (from a checkpoint taken at a sync point).
     pub fn restore(&mut self, params: &[f32], state: crate::OptimState, cursor: Cursor) -> Result<(), OptimError> {
         if params.len() != self.layout.len() {
-            return Err(OptimError::Layout(format!("checkpoint has {} parameters, model {}", params.len(), self.layout.len())));
+            return Err(OptimError::Layout(format!(
+                "checkpoint has {} parameters, model {}",
+                params.len(),
+                self.layout.len()
+            )));
         }
         match &mut self.dev {
             Some(d) => {
@@ -440,7 +451,13 @@ impl<M: Module> Worker<M> {
     }
 
     /// The module rewritten from the flat parameters, and the step counted.
-    fn finish_step(&mut self, info: StepInfo, loss: f64, updated: bool, sync: Option<SyncReport>) -> Result<StepReport, OptimError> {
+    fn finish_step(
+        &mut self,
+        info: StepInfo,
+        loss: f64,
+        updated: bool,
+        sync: Option<SyncReport>,
+    ) -> Result<StepReport, OptimError> {
         self.write_back()?;
         self.stats.steps += 1;
         if let Some(s) = &sync {
@@ -543,7 +560,12 @@ impl<M: Module> Worker<M> {
 
     /// Mean over the workers of each tensor: through the device group where there is one (one
     /// fused launch per tensor on a cubecl backend), else through the host collective.
-    fn average_device(&mut self, step: u64, tensors: Vec<Tensor<1>>, mode: SyncMode) -> Result<(Vec<Tensor<1>>, SyncReport), OptimError> {
+    fn average_device(
+        &mut self,
+        step: u64,
+        tensors: Vec<Tensor<1>>,
+        mode: SyncMode,
+    ) -> Result<(Vec<Tensor<1>>, SyncReport), OptimError> {
         let t = Instant::now();
         let elements: usize = tensors.iter().map(|x| x.dims()[0]).sum();
         let k = self.world_size();
@@ -605,7 +627,8 @@ impl<M: Module> Worker<M> {
         let avg_bn = self.config.bn == BnPolicy::Average && self.layout.running_len() > 0;
         let err = |source| OptimError::Comm { step, source };
         if !(avg_m || avg_v || avg_bn) {
-            let calls = all_reduce_bucketed(self.comm.as_mut(), &mut self.params, self.config.bucket_elems).map_err(err)?;
+            let calls =
+                all_reduce_bucketed(self.comm.as_mut(), &mut self.params, self.config.bucket_elems).map_err(err)?;
             return Ok(self.account(before, t, SyncMode::Parameters, self.params.len(), calls));
         }
         // Append the extra state to one buffer: still one collective per round.
@@ -670,7 +693,11 @@ impl<M: Module> Worker<M> {
 }
 
 /// Mean all-reduce of `buf`, in buckets of at most `bucket` elements; returns the calls made.
-fn all_reduce_bucketed(comm: &mut dyn Collective, buf: &mut [f32], bucket: Option<usize>) -> Result<u64, qsr_comm::CommError> {
+fn all_reduce_bucketed(
+    comm: &mut dyn Collective,
+    buf: &mut [f32],
+    bucket: Option<usize>,
+) -> Result<u64, qsr_comm::CommError> {
     match bucket {
         Some(b) if b < buf.len() => {
             let mut calls = 0;

@@ -154,7 +154,13 @@ impl ParamLayout {
         self.read(module, out, Source::Grads(grads), false)
     }
 
-    fn read<M: Module>(&self, module: &M, out: &mut [f32], source: Source<'_>, running: bool) -> Result<(), OptimError> {
+    fn read<M: Module>(
+        &self,
+        module: &M,
+        out: &mut [f32],
+        source: Source<'_>,
+        running: bool,
+    ) -> Result<(), OptimError> {
         let want = if running { self.running_len() } else { self.len() };
         if out.len() != want {
             return Err(OptimError::Layout(format!("buffer of {} elements for a layout of {want}", out.len())));
@@ -206,11 +212,21 @@ impl ParamLayout {
 
     /// Moves the gradients of `module`'s trainable parameters out of `grads` into one flat tensor
     /// (zeros where a parameter took no part in the loss).
-    pub fn grads_tensor<M: Module>(&self, module: &M, grads: &mut Gradients, device: &Device) -> Result<Tensor<1>, OptimError> {
+    pub fn grads_tensor<M: Module>(
+        &self,
+        module: &M,
+        grads: &mut Gradients,
+        device: &Device,
+    ) -> Result<Tensor<1>, OptimError> {
         self.collect(module, Some(grads), device)
     }
 
-    fn collect<M: Module>(&self, module: &M, grads: Option<&mut Gradients>, device: &Device) -> Result<Tensor<1>, OptimError> {
+    fn collect<M: Module>(
+        &self,
+        module: &M,
+        grads: Option<&mut Gradients>,
+        device: &Device,
+    ) -> Result<Tensor<1>, OptimError> {
         let mut v = CollectVisitor { stack: Vec::new(), grads, parts: Vec::new(), offset: 0, device: device.clone() };
         module.visit(&mut v);
         if v.offset != self.len() {
@@ -350,12 +366,19 @@ impl ModuleVisitor for ReadVisitor<'_> {
                 match data.as_slice::<f32>() {
                     Ok(s) if s.len() == n => dst.copy_from_slice(s),
                     Ok(s) => {
-                        self.error = Some(OptimError::Layout(format!("`{}` has {} elements, expected {n}", path(&self.stack), s.len())))
+                        self.error = Some(OptimError::Layout(format!(
+                            "`{}` has {} elements, expected {n}",
+                            path(&self.stack),
+                            s.len()
+                        )))
                     }
                     // Another float type (f16/bf16 weights): convert element by element.
                     Err(_) => match data.convert::<f32>().as_slice::<f32>() {
                         Ok(s) if s.len() == n => dst.copy_from_slice(s),
-                        _ => self.error = Some(OptimError::Layout(format!("`{}` is not readable as f32", path(&self.stack)))),
+                        _ => {
+                            self.error =
+                                Some(OptimError::Layout(format!("`{}` is not readable as f32", path(&self.stack))))
+                        }
                     },
                 }
             }

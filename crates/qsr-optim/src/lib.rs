@@ -17,8 +17,8 @@ pub mod flat;
 pub mod optim;
 
 pub use averager::{Averager, AveragerConfig, AveragerStats};
+pub use device::{DeviceGroup, DeviceOptimizer};
+pub use driver::{BnPolicy, DriverConfig, DriverStats, Residency, StatePolicy, StepReport, SyncReport, Worker};
 pub use error::{LossError, OptimError};
 pub use flat::{ParamEntry, ParamLayout, ParamRole};
 pub use optim::{OptimState, Optimizer, OptimizerConfig, OptimizerKind, clip_grad_norm};
-pub use device::{DeviceGroup, DeviceOptimizer};
-pub use driver::{BnPolicy, DriverConfig, DriverStats, Residency, StatePolicy, StepReport, SyncReport, Worker};

@@ -128,10 +128,9 @@ impl OptimizerConfig {
         let bad = |field: &str, reason: String| Err(OptimError::Config { field: format!("optimizer.{field}"), reason });
         let in_unit = |field: &str, v: Option<f64>, closed: bool| -> Result<(), OptimError> {
             match v {
-                Some(x) if !x.is_finite() || x < 0.0 || (if closed { x > 1.0 } else { x >= 1.0 }) => bad(
-                    field,
-                    format!("must be in [0, 1{} (got {x})", if closed { "]" } else { ")" }),
-                ),
+                Some(x) if !x.is_finite() || x < 0.0 || (if closed { x > 1.0 } else { x >= 1.0 }) => {
+                    bad(field, format!("must be in [0, 1{} (got {x})", if closed { "]" } else { ")" }))
+                }
                 _ => Ok(()),
             }
         };
@@ -238,7 +237,9 @@ impl Optimizer {
         }
         let moment = |on: bool| if on { vec![0.0; len] } else { Vec::new() };
         let state = match config.kind {
-            OptimizerKind::Sgd => OptimState { step: 0, first_moment: moment(config.momentum() != 0.0), second_moment: Vec::new() },
+            OptimizerKind::Sgd => {
+                OptimState { step: 0, first_moment: moment(config.momentum() != 0.0), second_moment: Vec::new() }
+            }
             OptimizerKind::Adamw => OptimState { step: 0, first_moment: moment(true), second_moment: moment(true) },
         };
         Ok(Self { config, segments, state, tensors: std::iter::once(0..len).collect(), sqrt: None })

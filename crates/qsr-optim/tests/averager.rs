@@ -21,7 +21,11 @@ struct Mlp {
 
 impl Mlp {
     fn new(device: &Device) -> Self {
-        Self { fc1: LinearConfig::new(4, 16).init(device), act: Relu::new(), fc2: LinearConfig::new(16, 1).init(device) }
+        Self {
+            fc1: LinearConfig::new(4, 16).init(device),
+            act: Relu::new(),
+            fc2: LinearConfig::new(16, 1).init(device),
+        }
     }
     fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         self.fc2.forward(self.act.forward(self.fc1.forward(x)))

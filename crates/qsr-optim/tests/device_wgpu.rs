@@ -36,7 +36,8 @@ fn run(device: &Device, k: usize, optim: OptimizerConfig) -> (Vec<Vec<f32>>, Vec
             .zip(DeviceGroup::new(k))
             .enumerate()
             .map(|(rank, (comm, group))| {
-                let (model, optim, config, plan, device) = (model.clone(), optim.clone(), config.clone(), &plan, device.clone());
+                let (model, optim, config, plan, device) =
+                    (model.clone(), optim.clone(), config.clone(), &plan, device.clone());
                 s.spawn(move || {
                     let mut w = Worker::new(model, optim, Box::new(comm), plan.cursor(), config).unwrap();
                     assert!(w.is_device_resident());
@@ -44,8 +45,10 @@ fn run(device: &Device, k: usize, optim: OptimizerConfig) -> (Vec<Vec<f32>>, Vec
                     while !w.cursor().is_done() {
                         let t = w.cursor().step() as usize;
                         w.step(|m: &Net, _| {
-                            let x: Vec<f32> = (0..8 * 6).map(|i| (((i + 7 * rank + 13 * t) % 17) as f32 - 8.0) / 8.0).collect();
-                            let y: Vec<f32> = (0..8 * 3).map(|i| (((i * 3 + rank + t) % 5) as f32 - 2.0) / 2.0).collect();
+                            let x: Vec<f32> =
+                                (0..8 * 6).map(|i| (((i + 7 * rank + 13 * t) % 17) as f32 - 8.0) / 8.0).collect();
+                            let y: Vec<f32> =
+                                (0..8 * 3).map(|i| (((i * 3 + rank + t) % 5) as f32 - 2.0) / 2.0).collect();
                             let x = Tensor::<2>::from_data(TensorData::new(x, [8, 6]), &device);
                             let y = Tensor::<2>::from_data(TensorData::new(y, [8, 3]), &device);
                             Ok((m.fc.forward(x) - y).powf_scalar(2.0).mean())
@@ -73,7 +76,10 @@ fn fused_device_sync_on_wgpu_matches_the_cpu_run() {
         assert!(fused.iter().all(|&f| f == syncs), "every sync on wgpu must use the fused kernel: {fused:?}");
         assert!(cpu_fused.iter().all(|&f| f == 0), "the CPU backend has no cubecl kernel");
         for (j, p) in gpu_params.iter().enumerate() {
-            assert!(p.iter().zip(&gpu_params[0]).all(|(a, b)| a.to_bits() == b.to_bits()), "worker {j} differs after the last sync");
+            assert!(
+                p.iter().zip(&gpu_params[0]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "worker {j} differs after the last sync"
+            );
             for (a, b) in p.iter().zip(&cpu_params[j]) {
                 assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{:?} worker {j}: wgpu {a} vs cpu {b}", optim.kind);
             }

@@ -8,8 +8,8 @@ use burn::optim::{GradientsParams, SgdConfig};
 use burn::tensor::{Device, Tensor, TensorData};
 use qsr_comm::InProcessGroup;
 use qsr_optim::{
-    BnPolicy, DeviceGroup, DeviceOptimizer, DriverConfig, Optimizer, OptimizerConfig, ParamLayout, ParamRole, Residency, StatePolicy,
-    StepReport, Worker,
+    BnPolicy, DeviceGroup, DeviceOptimizer, DriverConfig, Optimizer, OptimizerConfig, ParamLayout, ParamRole,
+    Residency, StatePolicy, StepReport, Worker,
 };
 use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncMode, SyncRule};
 use rand::{Rng, SeedableRng};
@@ -28,7 +28,11 @@ struct Mlp {
 
 impl Mlp {
     fn new(device: &Device) -> Self {
-        Self { fc1: LinearConfig::new(IN, 16).init(device), act: Relu::new(), fc2: LinearConfig::new(16, OUT).init(device) }
+        Self {
+            fc1: LinearConfig::new(IN, 16).init(device),
+            act: Relu::new(),
+            fc2: LinearConfig::new(16, OUT).init(device),
+        }
     }
     fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         self.fc2.forward(self.act.forward(self.fc1.forward(x)))
@@ -44,7 +48,11 @@ struct BnNet {
 
 impl BnNet {
     fn new(device: &Device) -> Self {
-        Self { fc1: LinearConfig::new(IN, 8).init(device), bn: BatchNormConfig::new(8).init(device), fc2: LinearConfig::new(8, OUT).init(device) }
+        Self {
+            fc1: LinearConfig::new(IN, 8).init(device),
+            bn: BatchNormConfig::new(8).init(device),
+            fc2: LinearConfig::new(8, OUT).init(device),
+        }
     }
     fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         // BatchNorm over features: [N, C] -> [N, C, 1] and back.
@@ -138,7 +146,8 @@ fn run_mlp(k: usize, plan: &Plan, optim: OptimizerConfig, config: DriverConfig, 
             .zip(groups)
             .enumerate()
             .map(|(rank, (comm, group))| {
-                let (model, task, device, optim, config) = (model.clone(), &task, device.clone(), optim.clone(), config.clone());
+                let (model, task, device, optim, config) =
+                    (model.clone(), &task, device.clone(), optim.clone(), config.clone());
                 s.spawn(move || {
                     let mut w = Worker::new(model, optim, Box::new(comm), plan.cursor(), config.clone()).unwrap();
                     assert_eq!(w.is_device_resident(), config.residency == Residency::Device);
@@ -161,7 +170,13 @@ fn run_mlp(k: usize, plan: &Plan, optim: OptimizerConfig, config: DriverConfig, 
                         }
                         reports.push(r);
                     }
-                    (w.params().unwrap().to_vec(), reports, after, w.comm().stats().calls, w.optimizer_state().unwrap().first_moment.clone())
+                    (
+                        w.params().unwrap().to_vec(),
+                        reports,
+                        after,
+                        w.comm().stats().calls,
+                        w.optimizer_state().unwrap().first_moment.clone(),
+                    )
                 })
             })
             .collect();
@@ -207,7 +222,10 @@ fn plain_sgd_with_h1_averaging_equals_data_parallel() {
     assert!(dp.reports[0].iter().all(|r| r.sync.unwrap().mode == SyncMode::Gradients));
     // mean_k(p - lr g_k) = p - lr mean_k(g_k): equal up to float rounding.
     assert_close(&local.params[0], &dp.params[0], 1e-5, "H=1 vs data parallel");
-    assert!(!bit_identical(&local.params[0], &run_mlp(k, &plan(20, SyncRule::Constant { h: 4 }), sgd(), DriverConfig::default(), None).params[0]));
+    assert!(!bit_identical(
+        &local.params[0],
+        &run_mlp(k, &plan(20, SyncRule::Constant { h: 4 }), sgd(), DriverConfig::default(), None).params[0]
+    ));
 }
 
 #[test]
@@ -261,7 +279,10 @@ fn qsr_workers_sync_at_the_planned_steps_and_agree_bit_for_bit() {
 
 #[test]
 fn averaging_momentum_makes_it_identical_after_the_last_sync() {
-    let config = DriverConfig { state: StatePolicy { average_first_moment: true, average_second_moment: false }, ..DriverConfig::default() };
+    let config = DriverConfig {
+        state: StatePolicy { average_first_moment: true, average_second_moment: false },
+        ..DriverConfig::default()
+    };
     let run = run_mlp(2, &plan(16, SyncRule::Constant { h: 4 }), OptimizerConfig::sgd(0.9, 0.0), config, None);
     assert!(bit_identical(&run.first_moments[0], &run.first_moments[1]));
     assert_eq!(run.calls[0], 1 + 4, "momentum rides in the same collective as the parameters");
@@ -411,7 +432,11 @@ fn device_optimizer_follows_the_host_optimizer() {
     adamw_excl.exclude_norm_and_bias = true;
     let mut adamw_beta = OptimizerConfig::adamw(0.1);
     adamw_beta.beta1 = Some(0.3); // the lerp's other branch
-    for (case, config) in [OptimizerConfig::sgd(0.0, 0.0), sgd_all, sgd_damp, OptimizerConfig::adamw(0.0), adamw_excl, adamw_beta].into_iter().enumerate() {
+    for (case, config) in
+        [OptimizerConfig::sgd(0.0, 0.0), sgd_all, sgd_damp, OptimizerConfig::adamw(0.0), adamw_excl, adamw_beta]
+            .into_iter()
+            .enumerate()
+    {
         let mut host = Optimizer::new(config.clone(), n, &no_decay).unwrap();
         let mut device = DeviceOptimizer::new(config.clone(), n, &no_decay, &dev).unwrap();
         let mut p_host = random(n, 1, 1.0);
@@ -534,7 +559,8 @@ fn loss_errors_are_typed_and_into_model_returns_the_trained_replica() {
     let task = Task::new();
     let p = plan(40, SyncRule::Qsr { h_base: 2, alpha: 0.02 });
     let comm = InProcessGroup::new(1).remove(0);
-    let mut w = Worker::new(init(Mlp::new(&device)), sgd(), Box::new(comm), p.cursor(), DriverConfig::default()).unwrap();
+    let mut w =
+        Worker::new(init(Mlp::new(&device)), sgd(), Box::new(comm), p.cursor(), DriverConfig::default()).unwrap();
     let mut starts = Vec::new();
     while w.cursor().step() < 20 {
         let t = w.cursor().step();
@@ -547,7 +573,11 @@ fn loss_errors_are_typed_and_into_model_returns_the_trained_replica() {
         starts.push((r.info.round, r.info.round_start));
     }
     for round in p.rounds().take_while(|r| r.start < 20) {
-        assert!(starts.iter().filter(|(i, _)| *i == round.index).all(|(_, s)| *s == round.start), "round {}", round.index);
+        assert!(
+            starts.iter().filter(|(i, _)| *i == round.index).all(|(_, s)| *s == round.start),
+            "round {}",
+            round.index
+        );
     }
     let t = w.cursor().step();
     let err = w.step(|_: &Mlp, _| Err(NoBatch(t))?).unwrap_err();

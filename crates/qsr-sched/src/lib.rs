@@ -18,6 +18,8 @@
 //!
 //! The crate is pure: no I/O, no clock, no randomness. Same inputs, same rounds.
 
+#![forbid(unsafe_code)]
+
 mod comm;
 mod error;
 mod plan;

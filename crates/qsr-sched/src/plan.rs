@@ -294,8 +294,7 @@ impl TryFrom<CursorSpec> for Cursor {
             return Err(ConfigError::new("cursor", format!("position (step {}) lies outside its plan", s.step)));
         }
         let expected = make_round(&s.plan, s.round.start, s.round.index, s.warm_rounds);
-        let inside = s.round.start <= s.step
-            && (s.step < s.round.end() || (s.step == end && s.round.end() == end));
+        let inside = s.round.start <= s.step && (s.step < s.round.end() || (s.step == end && s.round.end() == end));
         // `lr_start` is derived; compare the structure only (a text format may round the float).
         let same = (expected.index, expected.start, expected.len, expected.mode)
             == (s.round.index, s.round.start, s.round.len, s.round.mode);

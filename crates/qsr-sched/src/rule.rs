@@ -65,11 +65,27 @@ pub enum SyncRule {
 enum RuleRepr {
     #[serde(alias = "data-parallel")]
     Dp {},
-    Constant { h: u64 },
-    PostLocal { switch_step: u64, h: u64 },
-    Power { h_base: u64, alpha: f64, power: f64 },
-    Qsr { h_base: u64, alpha: f64 },
-    Exponential { h_base: u64, scaler: u64, h_max: u64 },
+    Constant {
+        h: u64,
+    },
+    PostLocal {
+        switch_step: u64,
+        h: u64,
+    },
+    Power {
+        h_base: u64,
+        alpha: f64,
+        power: f64,
+    },
+    Qsr {
+        h_base: u64,
+        alpha: f64,
+    },
+    Exponential {
+        h_base: u64,
+        scaler: u64,
+        h_max: u64,
+    },
 }
 
 impl From<RuleRepr> for SyncRule {
@@ -142,10 +158,7 @@ impl SyncRule {
                 if switch_step > schedule.total_steps {
                     return Err(ConfigError::new(
                         "sync.switch_step",
-                        format!(
-                            "{switch_step} is beyond schedule.total_steps ({})",
-                            schedule.total_steps
-                        ),
+                        format!("{switch_step} is beyond schedule.total_steps ({})", schedule.total_steps),
                     ));
                 }
                 Ok(())

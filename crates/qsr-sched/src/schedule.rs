@@ -36,9 +36,10 @@ impl ScheduleKind {
 impl std::str::FromStr for ScheduleKind {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::ALL.into_iter().find(|k| k.name() == s).ok_or_else(|| {
-            format!("unknown schedule `{s}` (expected one of cosine, linear, step, constant)")
-        })
+        Self::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| format!("unknown schedule `{s}` (expected one of cosine, linear, step, constant)"))
     }
 }
 
@@ -111,18 +112,12 @@ impl LrSchedule {
         if self.warmup_steps >= self.total_steps {
             return Err(ConfigError::new(
                 f("warmup_steps"),
-                format!(
-                    "must be smaller than schedule.total_steps ({} >= {})",
-                    self.warmup_steps, self.total_steps
-                ),
+                format!("must be smaller than schedule.total_steps ({} >= {})", self.warmup_steps, self.total_steps),
             ));
         }
         positive(&f("lr_max"), self.lr_max)?;
         if !self.lr_min.is_finite() || self.lr_min < 0.0 {
-            return Err(ConfigError::new(
-                f("lr_min"),
-                format!("must be a finite number >= 0 (got {})", self.lr_min),
-            ));
+            return Err(ConfigError::new(f("lr_min"), format!("must be a finite number >= 0 (got {})", self.lr_min)));
         }
         if self.lr_min > self.lr_max {
             return Err(ConfigError::new(
@@ -131,10 +126,7 @@ impl LrSchedule {
             ));
         }
         if !self.decay_gamma.is_finite() || self.decay_gamma <= 0.0 || self.decay_gamma > 1.0 {
-            return Err(ConfigError::new(
-                f("decay_gamma"),
-                format!("must be in (0, 1] (got {})", self.decay_gamma),
-            ));
+            return Err(ConfigError::new(f("decay_gamma"), format!("must be in (0, 1] (got {})", self.decay_gamma)));
         }
         if !self.decay_points.is_empty() && self.kind != ScheduleKind::Step {
             return Err(ConfigError::new(
@@ -176,8 +168,7 @@ impl LrSchedule {
         let d = (t - w).min(total - w) as f64;
         match self.kind {
             ScheduleKind::Cosine => {
-                self.lr_min
-                    + 0.5 * (self.lr_max - self.lr_min) * (1.0 + (std::f64::consts::PI * d / span).cos())
+                self.lr_min + 0.5 * (self.lr_max - self.lr_min) * (1.0 + (std::f64::consts::PI * d / span).cos())
             }
             ScheduleKind::Linear => self.lr_min + (span - d) * (self.lr_max - self.lr_min) / span,
             ScheduleKind::Step => {

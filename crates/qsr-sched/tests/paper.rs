@@ -157,7 +157,12 @@ fn h_at_with_the_schedules_lr_reproduces_the_plan() {
     let mut after_warmup = 0;
     for (i, round) in plan.rounds().enumerate() {
         let in_warmup = round.start < 10_000;
-        let start = RoundStart { step: round.start, lr: schedule.lr(round.start), in_warmup, rounds_after_warmup: after_warmup };
+        let start = RoundStart {
+            step: round.start,
+            lr: schedule.lr(round.start),
+            in_warmup,
+            rounds_after_warmup: after_warmup,
+        };
         let h = rule.h_at(start).min(93_600 - round.start);
         assert_eq!(h, round.len, "round {i} at step {}", round.start);
         after_warmup += u64::from(!in_warmup);

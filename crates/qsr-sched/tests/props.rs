@@ -34,11 +34,17 @@ fn rule(total: u64) -> impl Strategy<Value = SyncRule> {
         Just(SyncRule::Dp),
         (1u64..50).prop_map(|h| SyncRule::Constant { h }),
         (0..=total, 1u64..50).prop_map(|(switch_step, h)| SyncRule::PostLocal { switch_step, h }),
-        (1u64..16, 1e-3f64..1.0, 0.25f64..4.0)
-            .prop_map(|(h_base, alpha, power)| SyncRule::Power { h_base, alpha, power }),
+        (1u64..16, 1e-3f64..1.0, 0.25f64..4.0).prop_map(|(h_base, alpha, power)| SyncRule::Power {
+            h_base,
+            alpha,
+            power
+        }),
         (1u64..16, 1e-3f64..1.0).prop_map(|(h_base, alpha)| SyncRule::Qsr { h_base, alpha }),
-        (1u64..8, 1u64..6, 0u64..64)
-            .prop_map(|(h_base, scaler, extra)| SyncRule::Exponential { h_base, scaler, h_max: h_base + extra }),
+        (1u64..8, 1u64..6, 0u64..64).prop_map(|(h_base, scaler, extra)| SyncRule::Exponential {
+            h_base,
+            scaler,
+            h_max: h_base + extra
+        }),
     ]
 }
 

@@ -139,7 +139,8 @@ fn toml_with_unknown_key_or_bad_rule_is_refused() {
 
 #[test]
 fn dp_rule_refuses_unknown_keys() {
-    let recipe = |sync: &str| format!("[schedule]\nkind = \"constant\"\ntotal_steps = 100\nlr_max = 0.1\n[sync]\n{sync}\n");
+    let recipe =
+        |sync: &str| format!("[schedule]\nkind = \"constant\"\ntotal_steps = 100\nlr_max = 0.1\n[sync]\n{sync}\n");
     let plan: Plan = toml::from_str(&recipe("rule = \"dp\"")).unwrap();
     assert_eq!(plan.sync(), &SyncRule::Dp);
     let alias: Plan = toml::from_str(&recipe("rule = \"data-parallel\"")).unwrap();

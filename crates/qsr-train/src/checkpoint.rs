@@ -144,7 +144,12 @@ pub fn optim_bytes(state: &OptimState) -> Result<Vec<u8>> {
 fn read_f32(st: &SafeTensors<'_>, name: &str, len: usize, file: &Path) -> Result<Vec<f32>> {
     let t = st.tensor(name).map_err(|_| anyhow!("{}: tensor `{name}` is missing", file.display()))?;
     if t.dtype() != Dtype::F32 || t.data().len() != len * 4 {
-        bail!("{}: tensor `{name}` has {} bytes of {:?}, expected {len} f32", file.display(), t.data().len(), t.dtype());
+        bail!(
+            "{}: tensor `{name}` has {} bytes of {:?}, expected {len} f32",
+            file.display(),
+            t.data().len(),
+            t.dtype()
+        );
     }
     Ok(t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
 }
@@ -152,7 +157,8 @@ fn read_f32(st: &SafeTensors<'_>, name: &str, len: usize, file: &Path) -> Result
 /// Loads `model.safetensors` against the layout of the model being resumed.
 pub fn load_model(file: &Path, layout: &ParamLayout) -> Result<(Vec<f32>, Vec<f32>)> {
     let bytes = fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{} is not a safetensors file: {e}", file.display()))?;
+    let st =
+        SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{} is not a safetensors file: {e}", file.display()))?;
     let mut params = vec![0.0; layout.len()];
     for e in &layout.trainable {
         params[e.range.clone()].copy_from_slice(&read_f32(&st, &e.path, e.range.len(), file)?);
@@ -167,7 +173,8 @@ pub fn load_model(file: &Path, layout: &ParamLayout) -> Result<(Vec<f32>, Vec<f3
 /// Loads one rank's optimizer state; `template` gives the moment sizes this optimizer needs.
 pub fn load_optim(file: &Path, template: &OptimState) -> Result<OptimState> {
     let bytes = fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{} is not a safetensors file: {e}", file.display()))?;
+    let st =
+        SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{} is not a safetensors file: {e}", file.display()))?;
     let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| anyhow!("{}: {e}", file.display()))?;
     let step = meta
         .metadata()
@@ -255,7 +262,11 @@ pub fn latest(run_dir: &Path) -> Result<(PathBuf, CheckpointState)> {
     let name = name.trim();
     // LATEST names a checkpoint of this run, never a path elsewhere.
     if !name.strip_prefix("step-").is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())) {
-        bail!("{} is corrupt: it must name a checkpoint `step-<N>` inside {}, not `{name}`", latest.display(), ckpt_root(run_dir).display());
+        bail!(
+            "{} is corrupt: it must name a checkpoint `step-<N>` inside {}, not `{name}`",
+            latest.display(),
+            ckpt_root(run_dir).display()
+        );
     }
     let dir = ckpt_root(run_dir).join(name);
     verify(&dir)?;
@@ -284,7 +295,10 @@ pub fn verify(dir: &Path) -> Result<()> {
         }
         let got = sha256_file(&dir.join(name))?;
         if &got != want {
-            bail!("checkpoint file {} is corrupt: SHA-256 {got} does not match the manifest's {want}", dir.join(name).display());
+            bail!(
+                "checkpoint file {} is corrupt: SHA-256 {got} does not match the manifest's {want}",
+                dir.join(name).display()
+            );
         }
     }
     Ok(())

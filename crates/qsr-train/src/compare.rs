@@ -70,8 +70,8 @@ pub struct Row {
 /// Student's t quantile for a two-sided 95% interval with `df` degrees of freedom.
 pub fn t95(df: usize) -> f64 {
     const T: [f64; 30] = [
-        12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120,
-        2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+        12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
     ];
     if df == 0 { f64::NAN } else { T.get(df - 1).copied().unwrap_or(1.960) }
 }
@@ -163,9 +163,19 @@ pub fn run(args: &CompareArgs) -> Result<Vec<Row>> {
             std::fs::create_dir_all(&run_dir)?;
             write_atomic(&run_dir.join("recipe.toml"), recipe.to_toml()?.as_bytes())?;
             eprintln!("compare: {label} ({}) seed {seed}, K = {}", rule.describe(), recipe.train.workers);
-            let spec = RunSpec { recipe, device: dev.clone(), run_dir: run_dir.clone(), resume: None, progress: false, halt_after: None };
+            let spec = RunSpec {
+                recipe,
+                device: dev.clone(),
+                run_dir: run_dir.clone(),
+                resume: None,
+                progress: false,
+                halt_after: None,
+            };
             let outcomes = crate::launch::simulated(&spec)?;
-            let s = outcomes.into_iter().find_map(|o| o.summary).ok_or_else(|| anyhow!("{label} seed {seed}: no summary"))?;
+            let s = outcomes
+                .into_iter()
+                .find_map(|o| o.summary)
+                .ok_or_else(|| anyhow!("{label} seed {seed}: no summary"))?;
             summaries.push(s);
             runs.push(run_dir);
         }
@@ -193,13 +203,19 @@ pub fn run(args: &CompareArgs) -> Result<Vec<Row>> {
     // One picture per metric, overlaying seed 0 of every rule.
     let series: Vec<crate::plot::RunSeries> = rows
         .iter()
-        .map(|r| crate::plot::RunSeries::load(&r.runs[0]).map(|mut s| {
-            s.name = r.rule.clone();
-            s
-        }))
+        .map(|r| {
+            crate::plot::RunSeries::load(&r.runs[0]).map(|mut s| {
+                s.name = r.rule.clone();
+                s
+            })
+        })
         .collect::<Result<_>>()?;
     let pngs = crate::plot::runs_png(&series, &out)?;
-    eprintln!("compare: wrote {} and {}", out.join("compare.md").display(), pngs.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "));
+    eprintln!(
+        "compare: wrote {} and {}",
+        out.join("compare.md").display(),
+        pngs.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    );
     Ok(rows)
 }
 
@@ -208,7 +224,10 @@ fn markdown(recipe: &TrainRecipe, rows: &[Row], seeds: u64) -> String {
     let _ = writeln!(
         o,
         "\n{}: K = {} workers, {} steps, {} seeds (accuracy: mean ± 95% CI over seeds)\n",
-        recipe.name, recipe.train.workers, recipe.plan().map_or(0, |p| p.end_step()), seeds
+        recipe.name,
+        recipe.train.workers,
+        recipe.plan().map_or(0, |p| p.end_step()),
+        seeds
     );
     let _ = writeln!(o, "| rule | test accuracy (%) | syncs | comm % | MiB sent / rank | wall s |");
     let _ = writeln!(o, "|---|---|---|---|---|---|");
@@ -241,7 +260,8 @@ pub struct PlotArgs {
 
 /// Runs `qsr plot`: draws the runs' metrics into PNGs and returns their paths.
 pub fn plot(args: &PlotArgs) -> Result<Vec<PathBuf>> {
-    let series: Vec<crate::plot::RunSeries> = args.runs.iter().map(|d| crate::plot::RunSeries::load(d)).collect::<Result<_>>()?;
+    let series: Vec<crate::plot::RunSeries> =
+        args.runs.iter().map(|d| crate::plot::RunSeries::load(d)).collect::<Result<_>>()?;
     let out = args.out.clone().unwrap_or_else(|| args.runs[0].clone());
     crate::plot::runs_png(&series, Path::new(&out))
 }

@@ -71,13 +71,15 @@ pub fn probe_cuda(ordinal: usize) -> Result<CudaProbe> {
     let hint = "is this a machine with an NVIDIA GPU and driver?";
     qsr_comm::bootstrap::probe_library("cuda", &cudarc::get_lib_name_candidates("cuda"))
         .map_err(|e| anyhow::anyhow!("--device cuda:{ordinal}: {e} ({hint})"))?;
-    let gpus = CudaContext::device_count().map_err(|e| anyhow::anyhow!("--device cuda:{ordinal}: the CUDA driver failed to initialise: {e:?}"))?;
+    let gpus = CudaContext::device_count()
+        .map_err(|e| anyhow::anyhow!("--device cuda:{ordinal}: the CUDA driver failed to initialise: {e:?}"))?;
     let gpus = gpus.max(0) as usize;
     check_ordinal(ordinal, gpus)?;
     qsr_comm::bootstrap::probe_library("nvrtc", &cudarc::get_lib_name_candidates("nvrtc")).map_err(|e| {
         anyhow::anyhow!("--device cuda:{ordinal}: {e} (NVRTC compiles qsr's kernels at run time: install the CUDA runtime or the nvidia-cuda-nvrtc wheel, and set CUDA_PATH to a directory with the CUDA headers)")
     })?;
-    let ctx = CudaContext::new(ordinal).map_err(|e| anyhow::anyhow!("--device cuda:{ordinal}: cannot create a CUDA context: {e:?}"))?;
+    let ctx = CudaContext::new(ordinal)
+        .map_err(|e| anyhow::anyhow!("--device cuda:{ordinal}: cannot create a CUDA context: {e:?}"))?;
     let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
     Ok(CudaProbe { gpus, name })
 }
@@ -102,7 +104,9 @@ fn open_cuda(ordinal: usize) -> Result<Device> {
 
 #[cfg(not(feature = "cuda"))]
 fn open_cuda(ordinal: usize) -> Result<Device> {
-    bail!("--device cuda:{ordinal}: this qsr binary was built without CUDA support (build it with `cargo xtask cuda`, or `--features cuda` where burn's CUDA build can download its LLVM)")
+    bail!(
+        "--device cuda:{ordinal}: this qsr binary was built without CUDA support (build it with `cargo xtask cuda`, or `--features cuda` where burn's CUDA build can download its LLVM)"
+    )
 }
 
 /// `qsr device-check`: the fused-averaging kernels on a GPU, against the host path and a copy.
@@ -163,11 +167,42 @@ fn check_on_gpu(args: &DeviceCheckArgs, ordinal: usize, out: &mut dyn std::io::W
     let b = measure_bandwidth(&client, args.k, len, args.repeats, 7)?;
     writeln!(out, "| kernel | K x MiB | line | median ms | GB/s (read+write) |")?;
     writeln!(out, "|---|---|---|---|---|")?;
-    writeln!(out, "| fused average-and-broadcast | {} x {} | {} | {:.3} | {:.0} |", b.k, args.mib, b.vector_size, b.fused_seconds * 1e3, b.fused_gbs())?;
-    writeln!(out, "| fused, K separate buffers (training) | {} x {} | {} | {:.3} | {:.0} |", b.k, args.mib, b.vector_size, b.many_seconds * 1e3, b.many_gbs())?;
-    writeln!(out, "| device copy, same bytes | {} x {} | {} | {:.3} | {:.0} |", b.k, args.mib, b.vector_size, b.copy_seconds * 1e3, b.copy_gbs())?;
+    writeln!(
+        out,
+        "| fused average-and-broadcast | {} x {} | {} | {:.3} | {:.0} |",
+        b.k,
+        args.mib,
+        b.vector_size,
+        b.fused_seconds * 1e3,
+        b.fused_gbs()
+    )?;
+    writeln!(
+        out,
+        "| fused, K separate buffers (training) | {} x {} | {} | {:.3} | {:.0} |",
+        b.k,
+        args.mib,
+        b.vector_size,
+        b.many_seconds * 1e3,
+        b.many_gbs()
+    )?;
+    writeln!(
+        out,
+        "| device copy, same bytes | {} x {} | {} | {:.3} | {:.0} |",
+        b.k,
+        args.mib,
+        b.vector_size,
+        b.copy_seconds * 1e3,
+        b.copy_gbs()
+    )?;
     let dtod = memcpy_dtod_seconds(ordinal, b.k * len, args.repeats)?;
-    writeln!(out, "| cuMemcpyDtoD, same bytes | {} x {} | - | {:.3} | {:.0} |", b.k, args.mib, dtod * 1e3, b.bytes as f64 / dtod / 1e9)?;
+    writeln!(
+        out,
+        "| cuMemcpyDtoD, same bytes | {} x {} | - | {:.3} | {:.0} |",
+        b.k,
+        args.mib,
+        dtod * 1e3,
+        b.bytes as f64 / dtod / 1e9
+    )?;
     let ratio = dtod / b.fused_seconds;
     let many = dtod / b.many_seconds;
     writeln!(

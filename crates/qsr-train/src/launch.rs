@@ -156,7 +156,12 @@ fn check_resumable(recipe: &TrainRecipe, path: &Path, dir: &Path, state: &checkp
         );
     }
     if state.step > end {
-        bail!("cannot resume from {}: its step {} is past train.steps = {end}; set train.steps above {}", dir.display(), state.step, state.step);
+        bail!(
+            "cannot resume from {}: its step {} is past train.steps = {end}; set train.steps above {}",
+            dir.display(),
+            state.step,
+            state.step
+        );
     }
     Ok(())
 }
@@ -190,13 +195,17 @@ pub fn run(args: &TrainArgs) -> Result<Option<Summary>> {
             bail!("--nproc starts its workers itself; use mpirun for --comm mpi");
         }
         if n > 1 && args.comm == Some(CommKind::Nccl) && matches!(spec, DeviceSpec::Cuda(Some(_))) {
-            bail!("--nproc {n} --comm nccl needs one GPU per process: use --device cuda (GPU = local rank), not --device {}", args.device);
+            bail!(
+                "--nproc {n} --comm nccl needs one GPU per process: use --device cuda (GPU = local rank), not --device {}",
+                args.device
+            );
         }
         check_world(&resume, recipe.train.workers)?;
         preflight(&recipe, n, n, spec.is_gpu())?;
         let _lock = RunLock::acquire(&run_dir)?;
         prepare_run_dir(&run_dir, &recipe)?;
-        let children = ChildArgs { comm: args.comm.unwrap_or(CommKind::Tcp), run_dir: &run_dir, resuming: resume.is_some(), args };
+        let children =
+            ChildArgs { comm: args.comm.unwrap_or(CommKind::Tcp), run_dir: &run_dir, resuming: resume.is_some(), args };
         return procs::launch(n, |rank, port, token| children.command(rank, n, port, token), &run_dir);
     }
     if let Some(kind) = args.comm {
@@ -227,7 +236,11 @@ pub fn is_peer_failure(e: &anyhow::Error) -> bool {
     e.chain().filter_map(|c| c.downcast_ref::<CommError>()).any(|c| {
         matches!(
             c,
-            CommError::PeerLost { .. } | CommError::PeerTimeout { .. } | CommError::Aborted { .. } | CommError::Broken(_) | CommError::Group { .. }
+            CommError::PeerLost { .. }
+                | CommError::PeerTimeout { .. }
+                | CommError::Aborted { .. }
+                | CommError::Broken(_)
+                | CommError::Group { .. }
         )
     })
 }
@@ -261,10 +274,7 @@ pub fn simulated(spec: &RunSpec) -> Result<Vec<Outcome>> {
                 })
             })
             .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("a worker thread panicked"))))
-            .collect()
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("a worker thread panicked")))).collect()
     });
     let mut outcomes = Vec::new();
     let mut errors = Vec::new();
@@ -388,7 +398,14 @@ impl Member {
         }
         let model = build_model(&self.recipe, &device)?;
         let progress = !args.quiet && rank == 0;
-        let spec = RunSpec { recipe: self.recipe, device, run_dir: self.run_dir, resume: self.resume, progress, halt_after: args.halt_after };
+        let spec = RunSpec {
+            recipe: self.recipe,
+            device,
+            run_dir: self.run_dir,
+            resume: self.resume,
+            progress,
+            halt_after: args.halt_after,
+        };
         let outcome = run_worker(&spec, self.comm, model, None)?;
         Ok(if args.spawned { None } else { outcome.summary })
     }

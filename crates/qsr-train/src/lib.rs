@@ -2,6 +2,8 @@
 //! local processes or an external launch), `qsr compare` and `qsr plot`. This crate owns no method logic:
 //! it composes qsr-sched, qsr-comm, qsr-optim, qsr-models and qsr-data.
 
+#![forbid(unsafe_code)]
+
 pub mod agree;
 pub mod checkpoint;
 pub mod compare;

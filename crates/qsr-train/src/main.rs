@@ -1,3 +1,5 @@
+//! The `qsr` command line: plan, train, compare, plot, simulate, device-check.
+
 use std::io::Write;
 use std::process::ExitCode;
 

@@ -202,7 +202,11 @@ fn human(r: &PlanRecipe, rep: &PlanReport) -> String {
 fn table(reports: &[PlanReport]) -> String {
     let w = reports.iter().map(|r| r.name.len()).max().unwrap_or(6).max(6);
     let mut o = String::new();
-    let _ = writeln!(o, "{:<w$}  {:<11} {:>9} {:>9} {:>7} {:>7} {:>12}", "recipe", "rule", "steps", "rounds", "comm%", "max H", "first grow");
+    let _ = writeln!(
+        o,
+        "{:<w$}  {:<11} {:>9} {:>9} {:>7} {:>7} {:>12}",
+        "recipe", "rule", "steps", "rounds", "comm%", "max H", "first grow"
+    );
     for r in reports {
         let s = &r.summary;
         let _ = writeln!(

@@ -40,11 +40,7 @@ pub const PALETTE: [RGBColor; 6] = [
 fn nice_step(span: f64, max_ticks: usize, integer: bool) -> f64 {
     let raw = (span / max_ticks.max(1) as f64).max(f64::MIN_POSITIVE);
     let pow = 10f64.powf(raw.log10().floor());
-    let step = [1.0, 2.0, 5.0, 10.0]
-        .iter()
-        .map(|m| m * pow)
-        .find(|&s| s >= raw * (1.0 - 1e-9))
-        .unwrap_or(10.0 * pow);
+    let step = [1.0, 2.0, 5.0, 10.0].iter().map(|m| m * pow).find(|&s| s >= raw * (1.0 - 1e-9)).unwrap_or(10.0 * pow);
     if integer { step.max(1.0) } else { step }
 }
 
@@ -72,11 +68,7 @@ fn linear_label(v: f64, step: f64) -> String {
 fn log_label(v: f64) -> String {
     // Round away the error of d * 10^k (e.g. 0.30000000000000004) before printing the shortest form.
     let v: f64 = format!("{v:.5e}").parse().unwrap_or(v);
-    if v != 0.0 && !(1e-4..1e6).contains(&v.abs()) {
-        format!("{v:e}")
-    } else {
-        format!("{v}")
-    }
+    if v != 0.0 && !(1e-4..1e6).contains(&v.abs()) { format!("{v:e}") } else { format!("{v}") }
 }
 
 /// One axis of a chart: its range in drawing coordinates (log10 of the value on a log axis), the
@@ -104,16 +96,8 @@ impl Axis {
             (first..=last).map(move |i| i as f64 * s)
         };
         let major: Vec<f64> = multiples(step).collect();
-        let minor = multiples(minor_step)
-            .filter(|m| major.iter().all(|t| (t - m).abs() > minor_step * 1e-6))
-            .collect();
-        Self {
-            range: lo..hi,
-            log: false,
-            step,
-            major,
-            minor,
-        }
+        let minor = multiples(minor_step).filter(|m| major.iter().all(|t| (t - m).abs() > minor_step * 1e-6)).collect();
+        Self { range: lo..hi, log: false, step, major, minor }
     }
 
     /// A log axis over `lo..hi` (both positive). Labels go at 1-2-5 x 10^k over about two decades, at
@@ -134,29 +118,19 @@ impl Axis {
         let decades = (e1 - e0).max(1);
         let every = (decades as usize).div_ceil(max_ticks.max(1)) as i32;
         let all = with_digits(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0], 1);
-        let labelled = |t: Vec<f64>| -> Vec<f64> {
-            t.into_iter()
-                .filter(|&v| !integer || v >= 1.0 - 1e-9)
-                .collect()
-        };
+        let labelled = |t: Vec<f64>| -> Vec<f64> { t.into_iter().filter(|&v| !integer || v >= 1.0 - 1e-9).collect() };
         let tens = labelled(with_digits(&[1.0], every));
         let one_two_five = labelled(with_digits(&[1.0, 2.0, 5.0], 1));
         // 1-2-5 while that is up to seven labels (about two decades), else powers of ten; three labels at
         // least, to show the scale.
-        let major = if (3..=7).contains(&one_two_five.len())
-            || (tens.len() < 3 && one_two_five.len() >= 3)
-        {
+        let major = if (3..=7).contains(&one_two_five.len()) || (tens.len() < 3 && one_two_five.len() >= 3) {
             one_two_five
         } else if tens.len() >= 3 {
             tens
         } else {
             labelled(all.clone())
         };
-        let minor = all
-            .into_iter()
-            .filter(|m| !major.contains(m))
-            .map(f64::log10)
-            .collect();
+        let minor = all.into_iter().filter(|m| !major.contains(m)).map(f64::log10).collect();
         Self {
             range: lo.log10()..hi.log10(),
             log: true,
@@ -190,11 +164,7 @@ impl Axis {
 
     /// The label of the tick drawn at coordinate `c`.
     fn label(&self, c: f64) -> String {
-        if self.log {
-            log_label(10f64.powf(c))
-        } else {
-            linear_label(c, self.step)
-        }
+        if self.log { log_label(10f64.powf(c)) } else { linear_label(c, self.step) }
     }
 
     /// The labels of all labelled ticks, bottom to top.
@@ -205,11 +175,7 @@ impl Axis {
 
     /// The plotters coordinate: this range with our ticks.
     fn coord(&self) -> AxisCoord {
-        AxisCoord {
-            inner: self.range.clone().into(),
-            major: self.major.clone(),
-            minor: self.minor.clone(),
-        }
+        AxisCoord { inner: self.range.clone().into(), major: self.major.clone(), minor: self.minor.clone() }
     }
 }
 
@@ -230,11 +196,7 @@ impl Ranged for AxisCoord {
     }
 
     fn key_points<H: KeyPointHint>(&self, hint: H) -> Vec<f64> {
-        if hint.weight().allow_light_points() {
-            self.minor.clone()
-        } else {
-            self.major.clone()
-        }
+        if hint.weight().allow_light_points() { self.minor.clone() } else { self.major.clone() }
     }
 
     fn range(&self) -> std::ops::Range<f64> {
@@ -282,8 +244,8 @@ fn flow(widths: &[u32], avail: u32) -> Vec<(u32, u32)> {
     }
     let mut out = vec![(0, 0); widths.len()];
     for (r, row) in rows.iter().enumerate() {
-        let total: u32 = row.iter().map(|&i| widths[i]).sum::<u32>()
-            + LEGEND_GAP * (row.len() as u32).saturating_sub(1);
+        let total: u32 =
+            row.iter().map(|&i| widths[i]).sum::<u32>() + LEGEND_GAP * (row.len() as u32).saturating_sub(1);
         let mut x = avail.saturating_sub(total) / 2;
         for &i in row {
             out[i] = (r as u32, x);
@@ -299,10 +261,7 @@ fn legend_layout(entries: &[LegendEntry], avail: u32) -> Vec<(u32, u32)> {
         .iter()
         .map(|e| {
             LEGEND_SAMPLE
-                + font.box_size(&e.text).map_or(
-                    e.text.chars().count() as u32 * LEGEND_FONT * 6 / 10,
-                    |(w, _)| w,
-                )
+                + font.box_size(&e.text).map_or(e.text.chars().count() as u32 * LEGEND_FONT * 6 / 10, |(w, _)| w)
         })
         .collect();
     flow(&widths, avail)
@@ -310,19 +269,12 @@ fn legend_layout(entries: &[LegendEntry], avail: u32) -> Vec<(u32, u32)> {
 
 /// Height of the strip that holds the legend.
 fn legend_height(entries: &[LegendEntry], avail: u32) -> u32 {
-    let rows = legend_layout(entries, avail)
-        .iter()
-        .map(|&(r, _)| r + 1)
-        .max()
-        .unwrap_or(0);
+    let rows = legend_layout(entries, avail).iter().map(|&(r, _)| r + 1).max().unwrap_or(0);
     rows * LEGEND_ROW + 10
 }
 
 /// Draws the legend into its strip (outside every plot area, so it covers no curve).
-fn draw_legend(
-    area: &DrawingArea<BitMapBackend<'_>, Shift>,
-    entries: &[LegendEntry],
-) -> DrawResult {
+fn draw_legend(area: &DrawingArea<BitMapBackend<'_>, Shift>, entries: &[LegendEntry]) -> DrawResult {
     let (w, _) = area.dim_in_pixel();
     for (e, (row, x)) in entries.iter().zip(legend_layout(entries, w)) {
         let (x, y) = (x as i32, (row * LEGEND_ROW + LEGEND_ROW / 2) as i32);
@@ -334,15 +286,8 @@ fn draw_legend(
         } else {
             area.draw(&PathElement::new(vec![(x, y), (x + 30, y)], style))?;
         }
-        let font = (FONT, LEGEND_FONT)
-            .into_font()
-            .color(&BLACK)
-            .pos(Pos::new(HPos::Left, VPos::Center));
-        area.draw(&Text::new(
-            e.text.clone(),
-            (x + LEGEND_SAMPLE as i32, y),
-            font,
-        ))?;
+        let font = (FONT, LEGEND_FONT).into_font().color(&BLACK).pos(Pos::new(HPos::Left, VPos::Center));
+        area.draw(&Text::new(e.text.clone(), (x + LEGEND_SAMPLE as i32, y), font))?;
     }
     Ok(())
 }
@@ -378,54 +323,22 @@ pub fn plan_png(path: &Path, plans: &[(&str, &Plan)]) -> Result<()> {
         } else {
             (format!("{name} lr"), format!("{name} H"))
         };
-        legend.push(LegendEntry {
-            text: lr,
-            colour,
-            dashed: false,
-        });
-        legend.push(LegendEntry {
-            text: h,
-            colour,
-            dashed: true,
-        });
+        legend.push(LegendEntry { text: lr, colour, dashed: false });
+        legend.push(LegendEntry { text: h, colour, dashed: true });
     }
     let legend_h = legend_height(&legend, width);
     let draw = || -> DrawResult {
         let root = BitMapBackend::new(path, (width, height + legend_h)).into_drawing_area();
         root.fill(&WHITE)?;
         let (top, bottom) = root.split_vertically(height);
-        let end = plans
-            .iter()
-            .map(|(_, p)| p.end_step())
-            .max()
-            .unwrap_or(1)
-            .max(1);
-        let lr_max = plans
-            .iter()
-            .map(|(_, p)| p.schedule().lr_max)
-            .fold(0.0, f64::max)
-            .max(f64::MIN_POSITIVE)
-            * 1.05;
-        let h_min = plans
-            .iter()
-            .flat_map(|(_, p)| p.rounds().map(|r| r.len))
-            .min()
-            .unwrap_or(1)
-            .max(1);
-        let h_max = plans
-            .iter()
-            .map(|(_, p)| p.summary().max_h)
-            .max()
-            .unwrap_or(1)
-            .max(1);
+        let end = plans.iter().map(|(_, p)| p.end_step()).max().unwrap_or(1).max(1);
+        let lr_max = plans.iter().map(|(_, p)| p.schedule().lr_max).fold(0.0, f64::max).max(f64::MIN_POSITIVE) * 1.05;
+        let h_min = plans.iter().flat_map(|(_, p)| p.rounds().map(|r| r.len)).min().unwrap_or(1).max(1);
+        let h_max = plans.iter().map(|(_, p)| p.summary().max_h).max().unwrap_or(1).max(1);
         let x = Axis::linear(0.0, end as f64, 10, true);
         let y = Axis::linear(0.0, lr_max, 10, false);
         let h = Axis::log_for(h_min as f64, h_max as f64, 10, true);
-        let title = if plans.len() == 1 {
-            format!("{}: lr and H", plans[0].0)
-        } else {
-            "lr and H".into()
-        };
+        let title = if plans.len() == 1 { format!("{}: lr and H", plans[0].0) } else { "lr and H".into() };
         let mut chart = ChartBuilder::on(&top)
             .caption(title, (FONT, 26))
             .margin(15)
@@ -453,10 +366,7 @@ pub fn plan_png(path: &Path, plans: &[(&str, &Plan)]) -> Result<()> {
         for (i, (_, plan)) in plans.iter().enumerate() {
             let colour = PALETTE[i % PALETTE.len()];
             let pts = samples(plan, 2_000);
-            chart.draw_series(LineSeries::new(
-                pts.iter().map(|&(t, lr, _)| (t as f64, lr)),
-                colour.stroke_width(2),
-            ))?;
+            chart.draw_series(LineSeries::new(pts.iter().map(|&(t, lr, _)| (t as f64, lr)), colour.stroke_width(2)))?;
             // H is a step function: hold each value until the next sample.
             let mut steps = Vec::with_capacity(pts.len() * 2);
             for w in pts.windows(2) {
@@ -464,20 +374,13 @@ pub fn plan_png(path: &Path, plans: &[(&str, &Plan)]) -> Result<()> {
                 steps.push((w[0].0 as f64, hc));
                 steps.push((w[1].0 as f64, hc));
             }
-            chart.draw_secondary_series(DashedLineSeries::new(
-                steps,
-                6,
-                4,
-                colour.stroke_width(2),
-            ))?;
+            chart.draw_secondary_series(DashedLineSeries::new(steps, 6, 4, colour.stroke_width(2)))?;
         }
         draw_legend(&bottom, &legend)?;
         root.present()?;
         Ok(())
     };
-    draw()
-        .map_err(|e| anyhow!("{e}"))
-        .with_context(|| format!("cannot draw {}", path.display()))
+    draw().map_err(|e| anyhow!("{e}")).with_context(|| format!("cannot draw {}", path.display()))
 }
 
 /// One run's records, read from `metrics.jsonl`.
@@ -492,24 +395,16 @@ impl RunSeries {
     /// Reads `RUN_DIR/metrics.jsonl`; the run is named after its directory.
     pub fn load(run_dir: &Path) -> Result<Self> {
         let path = run_dir.join("metrics.jsonl");
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("cannot read {}", path.display()))?;
+        let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
         let mut records = Vec::new();
-        for (i, line) in text
-            .lines()
-            .enumerate()
-            .filter(|(_, l)| !l.trim().is_empty())
-        {
+        for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
             records.push(
-                serde_json::from_str(line).with_context(|| {
-                    format!("{}:{}: not a metrics record", path.display(), i + 1)
-                })?,
+                serde_json::from_str(line)
+                    .with_context(|| format!("{}:{}: not a metrics record", path.display(), i + 1))?,
             );
         }
-        let name = run_dir.file_name().map_or_else(
-            || run_dir.display().to_string(),
-            |n| n.to_string_lossy().into_owned(),
-        );
+        let name =
+            run_dir.file_name().map_or_else(|| run_dir.display().to_string(), |n| n.to_string_lossy().into_owned());
         Ok(Self { name, records })
     }
 
@@ -540,11 +435,7 @@ fn axis_for(lo: f64, hi: f64, scale: Scale, pad: bool, max_ticks: usize) -> Axis
         Scale::Log => Axis::log_for(lo, hi, max_ticks, false),
         Scale::IntegerLog => Axis::log_for(lo, hi, max_ticks, true),
         Scale::Integer | Scale::Real => {
-            let (lo, hi) = if hi > lo {
-                (lo, hi)
-            } else {
-                (lo - 0.5, hi + 0.5)
-            };
+            let (lo, hi) = if hi > lo { (lo, hi) } else { (lo - 0.5, hi + 0.5) };
             let p = if pad { (hi - lo) * 0.05 } else { 0.0 };
             Axis::linear(lo - p, hi + p, max_ticks, scale == Scale::Integer)
         }
@@ -587,10 +478,7 @@ fn lines(
         .draw()?;
     for (i, (_, p)) in series.iter().enumerate() {
         let c = PALETTE[i % PALETTE.len()];
-        let pts: Vec<(f64, f64)> = p
-            .iter()
-            .filter_map(|&(x, y)| Some((xa.to_coord(x)?, ya.to_coord(y)?)))
-            .collect();
+        let pts: Vec<(f64, f64)> = p.iter().filter_map(|&(x, y)| Some((xa.to_coord(x)?, ya.to_coord(y)?))).collect();
         chart.draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(2)))?;
         if !matches!(y_scale, Scale::Log | Scale::IntegerLog) {
             chart.draw_series(pts.iter().map(|&pt| Circle::new(pt, 3, c.filled())))?;
@@ -603,20 +491,12 @@ fn lines(
 /// against bytes sent), `loss.png` (train loss against step and bytes), overlaying the runs.
 pub fn runs_png(runs: &[RunSeries], out_dir: &Path) -> Result<Vec<std::path::PathBuf>> {
     register_font();
-    std::fs::create_dir_all(out_dir)
-        .with_context(|| format!("cannot create {}", out_dir.display()))?;
-    let series = |kind: &str,
-                  f: &dyn Fn(&crate::train::Record) -> Option<(f64, f64)>|
-     -> Vec<(String, Vec<(f64, f64)>)> {
-        runs.iter()
-            .map(|r| (r.name.clone(), r.of(kind).filter_map(f).collect()))
-            .collect()
-    };
-    let max_bytes = runs
-        .iter()
-        .flat_map(|r| r.records.iter().map(|x| x.bytes))
-        .max()
-        .unwrap_or(0);
+    std::fs::create_dir_all(out_dir).with_context(|| format!("cannot create {}", out_dir.display()))?;
+    let series =
+        |kind: &str, f: &dyn Fn(&crate::train::Record) -> Option<(f64, f64)>| -> Vec<(String, Vec<(f64, f64)>)> {
+            runs.iter().map(|r| (r.name.clone(), r.of(kind).filter_map(f).collect())).collect()
+        };
+    let max_bytes = runs.iter().flat_map(|r| r.records.iter().map(|x| x.bytes)).max().unwrap_or(0);
     let (per, unit) = byte_unit(max_bytes as f64);
     let sent = format!("{unit} sent per rank");
     let sent = sent.as_str();
@@ -625,17 +505,11 @@ pub fn runs_png(runs: &[RunSeries], out_dir: &Path) -> Result<Vec<std::path::Pat
     let legend: Vec<LegendEntry> = runs
         .iter()
         .enumerate()
-        .map(|(i, r)| LegendEntry {
-            text: r.name.clone(),
-            colour: PALETTE[i % PALETTE.len()],
-            dashed: false,
-        })
+        .map(|(i, r)| LegendEntry { text: r.name.clone(), colour: PALETTE[i % PALETTE.len()], dashed: false })
         .collect();
     let legend_h = legend_height(&legend, width);
     let mut written = Vec::new();
-    let mut draw = |file: &str,
-                    body: &dyn Fn(&DrawingArea<BitMapBackend<'_>, Shift>) -> DrawResult|
-     -> Result<()> {
+    let mut draw = |file: &str, body: &dyn Fn(&DrawingArea<BitMapBackend<'_>, Shift>) -> DrawResult| -> Result<()> {
         let path = out_dir.join(file);
         let res = (|| -> DrawResult {
             let root = BitMapBackend::new(&path, (width, height + legend_h)).into_drawing_area();
@@ -653,13 +527,7 @@ pub fn runs_png(runs: &[RunSeries], out_dir: &Path) -> Result<Vec<std::path::Pat
     let step = ("step", Scale::Integer);
     draw("schedule.png", &|root| {
         let (l, r) = root.split_horizontally(width / 2);
-        lines(
-            &l,
-            "learning rate",
-            step,
-            ("lr", Scale::Real),
-            &series("sync", &|r| Some((r.step as f64, r.lr))),
-        )?;
+        lines(&l, "learning rate", step, ("lr", Scale::Real), &series("sync", &|r| Some((r.step as f64, r.lr))))?;
         lines(
             &r,
             "H (local steps per round)",
@@ -671,13 +539,7 @@ pub fn runs_png(runs: &[RunSeries], out_dir: &Path) -> Result<Vec<std::path::Pat
     let acc = ("top-1 accuracy", Scale::Real);
     draw("accuracy.png", &|root| {
         let (l, r) = root.split_horizontally(width / 2);
-        lines(
-            &l,
-            "test accuracy",
-            step,
-            acc,
-            &series("eval", &|r| r.accuracy.map(|a| (r.step as f64, a))),
-        )?;
+        lines(&l, "test accuracy", step, acc, &series("eval", &|r| r.accuracy.map(|a| (r.step as f64, a))))?;
         lines(
             &r,
             "test accuracy vs communication",
@@ -689,13 +551,7 @@ pub fn runs_png(runs: &[RunSeries], out_dir: &Path) -> Result<Vec<std::path::Pat
     let loss = ("loss", Scale::Log);
     draw("loss.png", &|root| {
         let (l, r) = root.split_horizontally(width / 2);
-        lines(
-            &l,
-            "train loss (rank 0)",
-            step,
-            loss,
-            &series("sync", &|r| r.loss.map(|v| (r.step as f64, v))),
-        )?;
+        lines(&l, "train loss (rank 0)", step, loss, &series("sync", &|r| r.loss.map(|v| (r.step as f64, v))))?;
         lines(
             &r,
             "train loss vs communication",
@@ -720,29 +576,16 @@ mod tests {
 
     #[test]
     fn integer_axis_labels_have_no_decimal_point() {
-        for (lo, hi) in [
-            (0.0, 5.0),
-            (0.0, 62_400.0),
-            (220.0, 880.0),
-            (1.0, 3.0),
-            (0.0, 1e9),
-            (17.0, 18.0),
-        ] {
+        for (lo, hi) in [(0.0, 5.0), (0.0, 62_400.0), (220.0, 880.0), (1.0, 3.0), (0.0, 1e9), (17.0, 18.0)] {
             let a = Axis::linear(lo, hi, 8, true);
             let labels = a.labels();
             assert!(!labels.is_empty(), "{lo}..{hi}");
             assert!(distinct(&labels), "{lo}..{hi}: {labels:?}");
             for l in &labels {
-                assert!(
-                    l.parse::<i64>().is_ok(),
-                    "{lo}..{hi}: {l:?} is not an integer label"
-                );
+                assert!(l.parse::<i64>().is_ok(), "{lo}..{hi}: {l:?} is not an integer label");
             }
         }
-        assert_eq!(
-            Axis::linear(0.0, 880.0, 8, true).labels(),
-            ["0", "200", "400", "600", "800"]
-        );
+        assert_eq!(Axis::linear(0.0, 880.0, 8, true).labels(), ["0", "200", "400", "600", "800"]);
     }
 
     #[test]
@@ -753,12 +596,12 @@ mod tests {
         assert_eq!(a.labels(), ["0", "2", "4", "6", "8", "10", "12"]);
         for (lo, hi) in [(0.73, 0.95), (1e-6, 3e-6), (-1.0, 1.0)] {
             let labels = Axis::linear(lo, hi, 10, false).labels();
+            assert!(labels.len() >= 2 && distinct(&labels), "{lo}..{hi}: {labels:?}");
             assert!(
-                labels.len() >= 2 && distinct(&labels),
-                "{lo}..{hi}: {labels:?}"
+                !labels
+                    .iter()
+                    .any(|l| l == "-0" || l.starts_with("-0.0") && l.trim_start_matches(['-', '0', '.']).is_empty())
             );
-            assert!(!labels.iter().any(|l| l == "-0"
-                || l.starts_with("-0.0") && l.trim_start_matches(['-', '0', '.']).is_empty()));
         }
     }
 
@@ -773,67 +616,31 @@ mod tests {
                 assert!(labels.len() <= 10, "{lo}x{ratio}: {labels:?}");
                 assert!(distinct(&labels), "{lo}x{ratio}: {labels:?}");
                 assert!(
-                    labels
-                        .iter()
-                        .all(|l| !l.ends_with(".0") && !l.contains("0000000")),
+                    labels.iter().all(|l| !l.ends_with(".0") && !l.contains("0000000")),
                     "{lo}x{ratio}: {labels:?}"
                 );
                 // Minor grid lines never sit on a label.
-                assert!(
-                    a.minor
-                        .iter()
-                        .all(|m| a.major.iter().all(|t| (t - m).abs() > 1e-9))
-                );
+                assert!(a.minor.iter().all(|m| a.major.iter().all(|t| (t - m).abs() > 1e-9)));
             }
             lo *= 3.7;
         }
         // H from 1 upwards: integer labels only.
-        for (lo, hi) in [
-            (0.8, 3.0),
-            (1.6, 2.5),
-            (1.6, 115.0),
-            (0.8, 3000.0),
-            (3.0, 15.0),
-        ] {
+        for (lo, hi) in [(0.8, 3.0), (1.6, 2.5), (1.6, 115.0), (0.8, 3000.0), (3.0, 15.0)] {
             let labels = Axis::log_for(lo / 0.8, hi / 1.25, 10, true).labels();
-            assert!(
-                labels.len() >= 2 && distinct(&labels),
-                "{lo}..{hi}: {labels:?}"
-            );
-            assert!(
-                labels.iter().all(|l| l.parse::<u64>().is_ok()),
-                "{lo}..{hi}: {labels:?}"
-            );
+            assert!(labels.len() >= 2 && distinct(&labels), "{lo}..{hi}: {labels:?}");
+            assert!(labels.iter().all(|l| l.parse::<u64>().is_ok()), "{lo}..{hi}: {labels:?}");
         }
     }
 
     #[test]
     fn log_axis_labels_powers_of_ten_over_decades_and_1_2_5_within() {
-        assert_eq!(
-            Axis::log(0.8, 3000.0, 10, true).labels(),
-            ["1", "10", "100", "1000"]
-        );
-        assert_eq!(
-            Axis::log(1.6, 115.0, 10, true).labels(),
-            ["2", "5", "10", "20", "50", "100"]
-        );
-        assert_eq!(
-            Axis::log(0.004, 3.0, 10, false).labels(),
-            ["0.01", "0.1", "1"]
-        );
-        assert_eq!(
-            Axis::log(1e-6, 1e-3, 10, false).labels(),
-            ["1e-6", "1e-5", "0.0001", "0.001"]
-        );
-        assert_eq!(
-            Axis::log(0.8, 115.0, 10, true).labels(),
-            ["1", "2", "5", "10", "20", "50", "100"]
-        );
+        assert_eq!(Axis::log(0.8, 3000.0, 10, true).labels(), ["1", "10", "100", "1000"]);
+        assert_eq!(Axis::log(1.6, 115.0, 10, true).labels(), ["2", "5", "10", "20", "50", "100"]);
+        assert_eq!(Axis::log(0.004, 3.0, 10, false).labels(), ["0.01", "0.1", "1"]);
+        assert_eq!(Axis::log(1e-6, 1e-3, 10, false).labels(), ["1e-6", "1e-5", "0.0001", "0.001"]);
+        assert_eq!(Axis::log(0.8, 115.0, 10, true).labels(), ["1", "2", "5", "10", "20", "50", "100"]);
         // A flat series (constant H = 2) still gets a readable axis.
-        assert_eq!(
-            Axis::log_for(2.0, 2.0, 10, true).labels(),
-            ["1", "2", "3", "4"]
-        );
+        assert_eq!(Axis::log_for(2.0, 2.0, 10, true).labels(), ["1", "2", "3", "4"]);
     }
 
     #[test]
@@ -850,10 +657,7 @@ mod tests {
         for (i, (&(r, x), &w)) in pos.iter().zip(&widths).enumerate() {
             assert!(x + w <= 800, "entry {i} overflows");
             for (j, (&(r2, x2), &w2)) in pos.iter().zip(&widths).enumerate().skip(i + 1) {
-                assert!(
-                    r != r2 || x + w <= x2 || x2 + w2 <= x,
-                    "entries {i} and {j} overlap"
-                );
+                assert!(r != r2 || x + w <= x2 || x2 + w2 <= x, "entries {i} and {j} overlap");
             }
         }
         assert_eq!(pos.iter().map(|p| p.0).max(), Some(2));
@@ -882,58 +686,28 @@ mod tests {
             .map(|k| RunSeries {
                 name: format!("run {k}"),
                 records: (1..40)
-                    .map(|i| {
-                        record(
-                            if i % 10 == 0 { "eval" } else { "sync" },
-                            i * 22,
-                            2 + k * i / 8,
-                        )
-                    })
+                    .map(|i| record(if i % 10 == 0 { "eval" } else { "sync" }, i * 22, 2 + k * i / 8))
                     .collect(),
             })
             .collect();
         let written = runs_png(&runs, dir.path()).unwrap();
         assert_eq!(written.len(), 3);
         for p in &written {
-            assert!(
-                std::fs::read(p).unwrap().starts_with(b"\x89PNG"),
-                "{}",
-                p.display()
-            );
+            assert!(std::fs::read(p).unwrap().starts_with(b"\x89PNG"), "{}", p.display());
         }
         // No data at all still draws.
-        runs_png(
-            &[RunSeries {
-                name: "empty".into(),
-                records: vec![],
-            }],
-            &dir.path().join("empty"),
-        )
-        .unwrap();
+        runs_png(&[RunSeries { name: "empty".into(), records: vec![] }], &dir.path().join("empty")).unwrap();
         let plan = |rule| {
-            Plan::new(
-                qsr_sched::LrSchedule::new(qsr_sched::ScheduleKind::Cosine, 880, 44, 0.2, 1e-6),
-                rule,
-            )
-            .unwrap()
+            Plan::new(qsr_sched::LrSchedule::new(qsr_sched::ScheduleKind::Cosine, 880, 44, 0.2, 1e-6), rule).unwrap()
         };
-        let (qsr, constant) = (
-            plan(qsr_sched::SyncRule::Qsr {
-                h_base: 2,
-                alpha: 0.06,
-            }),
-            plan(qsr_sched::SyncRule::Constant { h: 2 }),
-        );
-        for (file, plans) in [
-            ("one.png", vec![("qsr", &qsr)]),
-            ("two.png", vec![("qsr", &qsr), ("constant", &constant)]),
-        ] {
+        let (qsr, constant) =
+            (plan(qsr_sched::SyncRule::Qsr { h_base: 2, alpha: 0.06 }), plan(qsr_sched::SyncRule::Constant { h: 2 }));
+        for (file, plans) in
+            [("one.png", vec![("qsr", &qsr)]), ("two.png", vec![("qsr", &qsr), ("constant", &constant)])]
+        {
             let png = dir.path().join(file);
             plan_png(&png, &plans).unwrap();
-            assert!(
-                std::fs::read(&png).unwrap().starts_with(b"\x89PNG"),
-                "{file}"
-            );
+            assert!(std::fs::read(&png).unwrap().starts_with(b"\x89PNG"), "{file}");
         }
     }
 }

@@ -36,7 +36,8 @@ pub fn die_with_launcher() -> Result<()> {
     let Some(launcher) = std::env::var(LAUNCHER_PID).ok().and_then(|p| p.parse::<i32>().ok()) else {
         bail!("--spawned is for the workers that `qsr train --nproc` starts ({LAUNCHER_PID} is not set)");
     };
-    rustix::process::set_parent_process_death_signal(Some(Signal::KILL)).context("cannot ask for a parent-death signal")?;
+    rustix::process::set_parent_process_death_signal(Some(Signal::KILL))
+        .context("cannot ask for a parent-death signal")?;
     // The launcher may have died before the request above: then our parent is already someone else.
     if Pid::as_raw(rustix::process::getppid()) != launcher {
         bail!("the launcher (pid {launcher}) is gone; this worker stops");
@@ -67,7 +68,8 @@ fn register_signals(signal: &Arc<AtomicUsize>) -> Result<Vec<signal_hook::SigId>
     [SIGINT, SIGTERM, SIGHUP]
         .into_iter()
         .map(|s| {
-            signal_hook::flag::register_usize(s, Arc::clone(signal), s as usize).context("cannot install signal handlers")
+            signal_hook::flag::register_usize(s, Arc::clone(signal), s as usize)
+                .context("cannot install signal handlers")
         })
         .collect()
 }
@@ -104,7 +106,9 @@ impl Failure {
             (_, Some(c)) if c == i32::from(EXIT_PEER_FAILED) => {
                 format!("rank {} stopped after losing a peer (exit status {c}; its error is printed above)", self.rank)
             }
-            (_, code) => format!("rank {} failed (exit status {}; its error is printed above)", self.rank, code.unwrap_or(-1)),
+            (_, code) => {
+                format!("rank {} failed (exit status {}; its error is printed above)", self.rank, code.unwrap_or(-1))
+            }
         }
     }
 }
@@ -145,7 +149,11 @@ fn supervise(n: usize, command: &impl Fn(usize, u16, &str) -> Result<Command>, s
         if let Some(sig) = received(signal) {
             let count = workers.len();
             stop(&mut workers, sig);
-            bail!("interrupted by signal {} ({}): stopped {count} running workers; continue with --resume", sig.as_raw(), signal_name(sig.as_raw()));
+            bail!(
+                "interrupted by signal {} ({}): stopped {count} running workers; continue with --resume",
+                sig.as_raw(),
+                signal_name(sig.as_raw())
+            );
         }
         workers = reap(workers, &mut failures)?;
         if failures.first().is_some_and(|f| f.seen.elapsed() >= FAILURE_WINDOW) {

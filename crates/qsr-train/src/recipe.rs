@@ -201,15 +201,20 @@ pub fn load_plan(path: Option<&Path>, overrides: &PlanOverrides) -> Result<PlanR
     let recipe_steps = root
         .get("train")
         .and_then(|t| t.get("steps"))
-        .map(|v| v.as_integer().filter(|n| *n > 0).map(|n| n as u64).ok_or_else(|| anyhow!("{origin}: `train.steps` must be a positive integer")))
+        .map(|v| {
+            v.as_integer()
+                .filter(|n| *n > 0)
+                .map(|n| n as u64)
+                .ok_or_else(|| anyhow!("{origin}: `train.steps` must be a positive integer"))
+        })
         .transpose()?;
     let plan = plan_from_table(&root, overrides.run_steps.or(recipe_steps), &origin)?;
     let name = match root.get("name") {
         Some(Value::String(s)) => s.clone(),
         Some(_) => bail!("{origin}: `name` must be a string"),
-        None => path
-            .and_then(|p| p.file_stem())
-            .map_or_else(|| "flags".to_string(), |s| s.to_string_lossy().into_owned()),
+        None => {
+            path.and_then(|p| p.file_stem()).map_or_else(|| "flags".to_string(), |s| s.to_string_lossy().into_owned())
+        }
     };
     Ok(PlanRecipe { name, source: path.map(Path::to_path_buf), plan })
 }

@@ -27,7 +27,8 @@ impl RunLock {
     /// Creates `run_dir` if needed and locks it; refuses, naming the holder, when another live process
     /// holds the lock.
     pub fn acquire(run_dir: &Path) -> Result<Self> {
-        std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
+        std::fs::create_dir_all(run_dir)
+            .with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
         let path = run_dir.join(LOCK_FILE);
         let mut file = OpenOptions::new()
             .read(true)
@@ -53,7 +54,9 @@ impl RunLock {
             }
         }
         // We hold the lock: whatever the file says is a previous (dead) holder's line.
-        file.set_len(0).and_then(|()| file.seek(SeekFrom::Start(0))).with_context(|| format!("cannot write {}", path.display()))?;
+        file.set_len(0)
+            .and_then(|()| file.seek(SeekFrom::Start(0)))
+            .with_context(|| format!("cannot write {}", path.display()))?;
         writeln!(file, "{}", holder_line()).with_context(|| format!("cannot write {}", path.display()))?;
         file.sync_all().with_context(|| format!("cannot sync {}", path.display()))?;
         Ok(Self { _file: file, path })
@@ -67,7 +70,8 @@ impl RunLock {
 
 /// "pid P on host H (`qsr train ...`, started at unix time T)".
 fn holder_line() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map_or_else(|_| "this host".to_string(), |h| h.trim().to_string());
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map_or_else(|_| "this host".to_string(), |h| h.trim().to_string());
     let since = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let args: Vec<String> = std::env::args().skip(1).collect();
     format!("pid {} on host {host} (`qsr {}`, started at unix time {since})", std::process::id(), args.join(" "))

@@ -69,7 +69,8 @@ pub fn parse_bandwidth(text: &str) -> Result<f64> {
     let s = text.trim();
     let split = s.find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E').unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let value: f64 = num.trim().parse().map_err(|_| anyhow!("bandwidth `{text}`: expected a number with a unit such as 1gbit"))?;
+    let value: f64 =
+        num.trim().parse().map_err(|_| anyhow!("bandwidth `{text}`: expected a number with a unit such as 1gbit"))?;
     let unit = unit.trim().trim_end_matches("/s").trim_end_matches("ps");
     let bytes = unit.ends_with('B');
     let lower = unit.to_ascii_lowercase();
@@ -80,7 +81,9 @@ pub fn parse_bandwidth(text: &str) -> Result<f64> {
         "m" => 1e6,
         "g" => 1e9,
         "t" => 1e12,
-        _ => bail!("bandwidth `{text}`: unknown unit `{unit}` (expected bit, kbit, mbit, gbit, tbit or kB/s, MB/s, GB/s)"),
+        _ => bail!(
+            "bandwidth `{text}`: unknown unit `{unit}` (expected bit, kbit, mbit, gbit, tbit or kB/s, MB/s, GB/s)"
+        ),
     };
     let bits = value * scale * if bytes { 8.0 } else { 1.0 };
     if !(bits.is_finite() && bits > 0.0) {
@@ -94,7 +97,8 @@ pub fn parse_duration(text: &str) -> Result<f64> {
     let s = text.trim();
     let split = s.find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E').unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let value: f64 = num.trim().parse().map_err(|_| anyhow!("duration `{text}`: expected a number with a unit such as 0.2ms"))?;
+    let value: f64 =
+        num.trim().parse().map_err(|_| anyhow!("duration `{text}`: expected a number with a unit such as 0.2ms"))?;
     let scale = match unit.trim() {
         "" | "s" => 1.0,
         "ms" => 1e-3,
@@ -125,7 +129,12 @@ pub struct SyncPayload {
 impl SyncPayload {
     /// Plain payload: `params` elements both ways, f32, one call.
     pub fn params(params: u64) -> Self {
-        SyncPayload { gradient_elements: params, parameter_elements: params, bytes_per_element: 4, bucket_elements: None }
+        SyncPayload {
+            gradient_elements: params,
+            parameter_elements: params,
+            bytes_per_element: 4,
+            bucket_elements: None,
+        }
     }
 
     fn elements(&self, mode: SyncMode) -> u64 {
@@ -241,7 +250,13 @@ pub fn predict(
 
 /// Compute seconds per step implied by a measured wall time of `plan` (normally data parallel): the
 /// total minus the modelled communication, over the steps. Errors if communication alone exceeds it.
-pub fn step_seconds_from_wall(plan: &Plan, wall_seconds: f64, payload: &SyncPayload, world_size: usize, net: &Network) -> Result<f64> {
+pub fn step_seconds_from_wall(
+    plan: &Plan,
+    wall_seconds: f64,
+    payload: &SyncPayload,
+    world_size: usize,
+    net: &Network,
+) -> Result<f64> {
     let comm = predict("calibration", plan, 0.0, payload, world_size, net, None).comm_seconds;
     let steps = plan.end_step() as f64;
     let step = (wall_seconds - comm) / steps;
@@ -381,7 +396,8 @@ struct Item {
 
 fn read_summary(dir: &Path) -> Result<Summary> {
     let path = dir.join("summary.json");
-    let bytes = std::fs::read(&path).with_context(|| format!("cannot read {} (is the run finished?)", path.display()))?;
+    let bytes =
+        std::fs::read(&path).with_context(|| format!("cannot read {} (is the run finished?)", path.display()))?;
     serde_json::from_slice(&bytes).with_context(|| format!("{} is not a qsr summary", path.display()))
 }
 
@@ -389,8 +405,9 @@ fn read_summary(dir: &Path) -> Result<Summary> {
 fn count_params(recipe: &TrainRecipe) -> Result<(u64, u64)> {
     use burn::module::Module;
     let device = crate::launch::device("cpu")?;
-    let model = crate::train::build_model(recipe, &device)
-        .with_context(|| format!("cannot build the model of `{}` to count its parameters (pass --params)", recipe.name))?;
+    let model = crate::train::build_model(recipe, &device).with_context(|| {
+        format!("cannot build the model of `{}` to count its parameters (pass --params)", recipe.name)
+    })?;
     let trainable = qsr_models::param_count(&model) as u64;
     let all = model.num_params() as u64;
     Ok((trainable, all.saturating_sub(trainable)))
@@ -425,7 +442,8 @@ pub fn simulate(args: &SimulateArgs) -> Result<Report> {
     let mut references = Vec::new();
     for r in &args.references {
         let (name, hours) = r.split_once('=').ok_or_else(|| anyhow!("--reference {r}: expected NAME=HOURS"))?;
-        let hours: f64 = hours.trim().parse().map_err(|_| anyhow!("--reference {r}: `{hours}` is not a number of hours"))?;
+        let hours: f64 =
+            hours.trim().parse().map_err(|_| anyhow!("--reference {r}: `{hours}` is not a number of hours"))?;
         if !items.iter().any(|i| i.recipe.name == name.trim()) {
             bail!("--reference {r}: no recipe named `{}`", name.trim());
         }
@@ -439,7 +457,8 @@ pub fn simulate(args: &SimulateArgs) -> Result<Report> {
         let size = match args.params {
             Some(p) => (p, 0),
             None => {
-                let key = serde_json::to_string(&(&item.recipe.model, &item.recipe.data.dataset, &item.recipe.data.path))?;
+                let key =
+                    serde_json::to_string(&(&item.recipe.model, &item.recipe.data.dataset, &item.recipe.data.path))?;
                 match counts.iter().find(|(k, _)| *k == key) {
                     Some((_, c)) => *c,
                     None => {
@@ -463,13 +482,23 @@ pub fn simulate(args: &SimulateArgs) -> Result<Report> {
         let s = read_summary(dir)?;
         let steps = s.steps.max(1) as f64;
         let step = (s.wall_seconds - s.comm_seconds).max(0.0) / steps;
-        (step, format!("run {}: (wall {:.2} s - comm {:.2} s) / {} steps", dir.display(), s.wall_seconds, s.comm_seconds, s.steps))
+        (
+            step,
+            format!(
+                "run {}: (wall {:.2} s - comm {:.2} s) / {} steps",
+                dir.display(),
+                s.wall_seconds,
+                s.comm_seconds,
+                s.steps
+            ),
+        )
     } else if let Some(rate) = args.flop_rate {
         if !(rate.is_finite() && rate > 0.0) {
             bail!("--flop-rate {rate}: must be positive");
         }
         let item = &items[0];
-        let flops = args.flops_per_sample.unwrap_or(6.0 * sizes[0].0 as f64 * tokens_per_sample(&item.recipe.model) as f64);
+        let flops =
+            args.flops_per_sample.unwrap_or(6.0 * sizes[0].0 as f64 * tokens_per_sample(&item.recipe.model) as f64);
         let step = item.recipe.train.local_batch as f64 * flops / rate;
         (step, format!("{} samples x {flops:.3e} FLOP / {rate:.3e} FLOP/s", item.recipe.train.local_batch))
     } else if let Some(hours) = args.dp_hours {
@@ -507,7 +536,13 @@ pub fn simulate(args: &SimulateArgs) -> Result<Report> {
             .or_else(|| steps_per_epoch(&item.recipe, world));
         let prediction = predict(&item.recipe.name, &plan, step_seconds, &payload, world, &net, spe);
         let reference_seconds = references.iter().find(|(n, _)| *n == item.recipe.name).map(|(_, s)| *s);
-        rows.push(Row { prediction, params: *params, payload, measured_seconds: item.summary.as_ref().map(|s| s.wall_seconds), reference_seconds });
+        rows.push(Row {
+            prediction,
+            params: *params,
+            payload,
+            measured_seconds: item.summary.as_ref().map(|s| s.wall_seconds),
+            reference_seconds,
+        });
     }
     Ok(Report { network: net, step_seconds, step_source, rows })
 }
@@ -530,7 +565,8 @@ pub fn render(report: &Report) -> String {
     );
     let has_meas = report.rows.iter().any(|r| r.measured_seconds.is_some());
     let has_ref = report.rows.iter().any(|r| r.reference_seconds.is_some());
-    let mut header = vec!["recipe", "rule", "params", "K", "steps", "syncs", "comm %", "compute", "comm", "per epoch", "predicted"];
+    let mut header =
+        vec!["recipe", "rule", "params", "K", "steps", "syncs", "comm %", "compute", "comm", "per epoch", "predicted"];
     if has_meas {
         header.extend(["measured", "pred/meas"]);
     }
@@ -563,7 +599,8 @@ pub fn render(report: &Report) -> String {
         }
         lines.push(l);
     }
-    let widths: Vec<usize> = (0..lines[0].len()).map(|c| lines.iter().map(|l| l[c].chars().count()).max().unwrap_or(0)).collect();
+    let widths: Vec<usize> =
+        (0..lines[0].len()).map(|c| lines.iter().map(|l| l[c].chars().count()).max().unwrap_or(0)).collect();
     for l in &lines {
         let cells: Vec<String> = l.iter().zip(&widths).map(|(c, w)| format!("{c:>w$}")).collect();
         let _ = writeln!(out, "{}", cells.join("  ").trim_end());

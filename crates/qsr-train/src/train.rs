@@ -11,7 +11,9 @@ use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::tensor::{Device, Tensor};
 use qsr_comm::{Collective, ReduceOp};
-use qsr_data::{EvalLoader, HostBatch, Normalize, PrefetchOptions, SamplerConfig, ShardedSampler, Split, TrainLoader, Transform};
+use qsr_data::{
+    EvalLoader, HostBatch, Normalize, PrefetchOptions, SamplerConfig, ShardedSampler, Split, TrainLoader, Transform,
+};
 use qsr_models::{InputSpec, Model};
 use qsr_optim::{BnPolicy, DeviceGroup, OptimState, OptimizerKind, Worker};
 use serde::{Deserialize, Serialize};
@@ -150,7 +152,12 @@ pub fn preflight(recipe: &TrainRecipe, k: usize, replicas: usize, gpu: bool) -> 
         );
     }
     if test.classes() > train.classes() {
-        bail!("`data`: the test split of {} has {} classes, the training split only {}", test.info().name, test.classes(), train.classes());
+        bail!(
+            "`data`: the test split of {} has {} classes, the training split only {}",
+            test.info().name,
+            test.classes(),
+            train.classes()
+        );
     }
     let model = recipe
         .model
@@ -195,17 +202,27 @@ fn mem_available() -> Option<u64> {
 
 /// This rank's sampler; the error says why the batch does not fit.
 fn sampler(recipe: &TrainRecipe, len: usize, k: usize, rank: usize) -> Result<ShardedSampler> {
-    ShardedSampler::new(SamplerConfig { len, world_size: k, rank, local_batch: recipe.train.local_batch, steps_per_epoch: None, seed: recipe.seed })
-        .with_context(|| format!("`train.local_batch` {} x {k} workers vs {len} training images", recipe.train.local_batch))
+    ShardedSampler::new(SamplerConfig {
+        len,
+        world_size: k,
+        rank,
+        local_batch: recipe.train.local_batch,
+        steps_per_epoch: None,
+        seed: recipe.seed,
+    })
+    .with_context(|| format!("`train.local_batch` {} x {k} workers vs {len} training images", recipe.train.local_batch))
 }
 
 /// The error to report when several workers of one process failed: a failure of a worker's own
 /// (data, disk, ...) before one that only saw another worker fail, and the blamed worker's own error
 /// before the error of a worker blaming it.
 pub fn root_cause(errors: Vec<(usize, anyhow::Error)>) -> Option<(usize, anyhow::Error)> {
-    let blamed = |e: &anyhow::Error| e.chain().filter_map(|c| c.downcast_ref::<qsr_comm::CommError>()).find_map(qsr_comm::CommError::blamed_rank);
+    let blamed = |e: &anyhow::Error| {
+        e.chain().filter_map(|c| c.downcast_ref::<qsr_comm::CommError>()).find_map(qsr_comm::CommError::blamed_rank)
+    };
     let own = errors.iter().position(|(_, e)| !crate::launch::is_peer_failure(e));
-    let via_blame = || errors.iter().find_map(|(_, e)| blamed(e)).and_then(|r| errors.iter().position(|(rank, _)| *rank == r));
+    let via_blame =
+        || errors.iter().find_map(|(_, e)| blamed(e)).and_then(|r| errors.iter().position(|(rank, _)| *rank == r));
     let pick = own.or_else(via_blame).unwrap_or(0);
     errors.into_iter().nth(pick)
 }
@@ -230,7 +247,12 @@ struct Eval {
 ///
 /// `group` is the device group of K simulated workers sharing one device; it is used when the worker
 /// is device-resident (a GPU backend, or `driver.residency = "device"`).
-pub fn run_worker(spec: &RunSpec, comm: Box<dyn Collective>, model: Model, group: Option<DeviceGroup>) -> Result<Outcome> {
+pub fn run_worker(
+    spec: &RunSpec,
+    comm: Box<dyn Collective>,
+    model: Model,
+    group: Option<DeviceGroup>,
+) -> Result<Outcome> {
     let recipe = &spec.recipe;
     let rank = comm.rank();
     let k = comm.world_size();
@@ -242,7 +264,8 @@ pub fn run_worker(spec: &RunSpec, comm: Box<dyn Collective>, model: Model, group
     let sampler = sampler(recipe, train_set.len(), k, rank)?;
     let spe = sampler.steps_per_epoch();
     let loader = TrainLoader::new(train_set, sampler, transform(recipe, &info, true))?;
-    let eval_loader = EvalLoader::new(test_set, transform(recipe, &info, false), recipe.eval.batch_size)?.shard(rank, k)?;
+    let eval_loader =
+        EvalLoader::new(test_set, transform(recipe, &info, false), recipe.eval.batch_size)?.shard(rank, k)?;
     let has_bn = model.has_batch_norm();
     let bn_momentum = {
         let mut m = 0.1;
@@ -281,7 +304,8 @@ pub fn run_worker(spec: &RunSpec, comm: Box<dyn Collective>, model: Model, group
     let micro = recipe.micro_batch();
     let end = plan.end_step();
     let first_step = worker.cursor().step();
-    let mut batches = loader.prefetch(first_step, PrefetchOptions { depth: recipe.data.prefetch, threads: Some(1), end_step: Some(end) })?;
+    let mut batches = loader
+        .prefetch(first_step, PrefetchOptions { depth: recipe.data.prefetch, threads: Some(1), end_step: Some(end) })?;
 
     let mut metrics = if rank == 0 { Some(Metrics::open(&spec.run_dir, start_records)?) } else { None };
     let bar = (rank == 0 && spec.progress).then(|| progress_bar(end, first_step));
@@ -332,7 +356,12 @@ pub fn run_worker(spec: &RunSpec, comm: Box<dyn Collective>, model: Model, group
             wall_seconds: c.wall_seconds,
         };
         if let Some(m) = metrics.as_mut() {
-            m.write(&record("sync", since_sync.0 / since_sync.1.max(1) as f64, None, counters(&base, worker.stats(), t0)))?;
+            m.write(&record(
+                "sync",
+                since_sync.0 / since_sync.1.max(1) as f64,
+                None,
+                counters(&base, worker.stats(), t0),
+            ))?;
         }
         since_sync = (0.0, 0);
         // Evaluate at the last synchronization before an epoch boundary (the next sync would be past it),
@@ -354,7 +383,12 @@ pub fn run_worker(spec: &RunSpec, comm: Box<dyn Collective>, model: Model, group
             m.write(&record("eval", ev.loss, Some(ev.accuracy), counters(&base, worker.stats(), t0)))?;
         }
         if let Some(bar) = &bar {
-            bar.println(format!("step {done_steps:>7}  epoch {:>6.2}  test accuracy {:.2}%  test loss {:.4}", done_steps as f64 / spe as f64, 100.0 * ev.accuracy, ev.loss));
+            bar.println(format!(
+                "step {done_steps:>7}  epoch {:>6.2}  test accuracy {:.2}%  test loss {:.4}",
+                done_steps as f64 / spe as f64,
+                100.0 * ev.accuracy,
+                ev.loss
+            ));
         }
         last_eval = Some(ev);
         if recipe.checkpoint.enabled {
@@ -415,7 +449,14 @@ fn counters(base: &Counters, st: &qsr_optim::DriverStats, t0: Instant) -> Counte
 
 /// The paper's BatchNorm re-estimation: reset the statistics, run `bn_images / K` training images per
 /// worker with momentum 1/(1+i) for micro-batch i (a cumulative average), then average across workers.
-fn reestimate_bn(worker: &mut Worker<Model>, loader: &TrainLoader, recipe: &TrainRecipe, step: u64, momentum: f64, device: &Device) -> Result<()> {
+fn reestimate_bn(
+    worker: &mut Worker<Model>,
+    loader: &TrainLoader,
+    recipe: &TrainRecipe,
+    step: u64,
+    momentum: f64,
+    device: &Device,
+) -> Result<()> {
     let k = worker.world_size();
     let per_worker = recipe.eval.bn_images.div_ceil(k).max(1);
     let micro = recipe.micro_batch();
@@ -461,7 +502,10 @@ fn evaluate(worker: &mut Worker<Model>, loader: &EvalLoader, device: &Device) ->
     }
     let step = worker.cursor().step();
     worker.comm_mut().all_reduce(&mut acc, ReduceOp::Sum).with_context(|| format!("evaluation at step {step}"))?;
-    Ok(Eval { accuracy: f64::from(acc[0]) / f64::from(acc[2].max(1.0)), loss: f64::from(acc[1]) / f64::from(acc[2].max(1.0)) })
+    Ok(Eval {
+        accuracy: f64::from(acc[0]) / f64::from(acc[2].max(1.0)),
+        loss: f64::from(acc[1]) / f64::from(acc[2].max(1.0)),
+    })
 }
 
 fn save_checkpoint(worker: &mut Worker<Model>, spec: &RunSpec, step: u64, counters: Counters) -> Result<()> {
@@ -473,11 +517,19 @@ fn save_checkpoint(worker: &mut Worker<Model>, spec: &RunSpec, step: u64, counte
         checkpoint::begin(run_dir, step)?;
     }
     worker.comm_mut().barrier().with_context(err)?;
-    checkpoint::write_file(&tmp, &format!("optim-rank{rank}.safetensors"), &checkpoint::optim_bytes(&*worker.optimizer_state()?)?)?;
+    checkpoint::write_file(
+        &tmp,
+        &format!("optim-rank{rank}.safetensors"),
+        &checkpoint::optim_bytes(&*worker.optimizer_state()?)?,
+    )?;
     if rank == 0 {
         let mut running = vec![0.0; worker.layout().running_len()];
         worker.layout().read_running(worker.model(), &mut running)?;
-        checkpoint::write_file(&tmp, "model.safetensors", &checkpoint::model_bytes(worker.layout(), &worker.params()?, &running, step)?)?;
+        checkpoint::write_file(
+            &tmp,
+            "model.safetensors",
+            &checkpoint::model_bytes(worker.layout(), &worker.params()?, &running, step)?,
+        )?;
         let state = CheckpointState {
             format: checkpoint::FORMAT,
             step,
@@ -529,7 +581,11 @@ impl Metrics {
         } else if resume_at.is_none() && path.exists() {
             fs::remove_file(&path).with_context(|| format!("cannot replace {}", path.display()))?;
         }
-        let file = OpenOptions::new().create(true).append(true).open(&path).with_context(|| format!("cannot open {}", path.display()))?;
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
         Ok(Self { file })
     }
 

@@ -174,7 +174,9 @@ pub fn apply_sets(root: &mut Table, sets: &[String]) -> Result<()> {
 fn parse_value(raw: &str) -> Result<Value, String> {
     match format!("v = {raw}").parse::<Table>() {
         Ok(mut t) => t.remove("v").ok_or_else(|| format!("`{raw}` is not a single value")),
-        Err(e) if raw.starts_with(['"', '\'', '[', '{']) => Err(format!("`{raw}` is not a valid TOML value: {}", e.message().trim())),
+        Err(e) if raw.starts_with(['"', '\'', '[', '{']) => {
+            Err(format!("`{raw}` is not a valid TOML value: {}", e.message().trim()))
+        }
         Err(_) => Ok(Value::String(raw.to_string())),
     }
 }

@@ -66,7 +66,8 @@ fn processes_with(needle: &str) -> Vec<(u32, String)> {
         let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
         let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else { continue };
         let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-        let zombie = std::fs::read_to_string(e.path().join("stat")).is_ok_and(|st| st.split(") ").nth(1).is_some_and(|r| r.starts_with('Z')));
+        let zombie = std::fs::read_to_string(e.path().join("stat"))
+            .is_ok_and(|st| st.split(") ").nth(1).is_some_and(|r| r.starts_with('Z')));
         if cmd.contains(needle) && !zombie {
             out.push((pid, cmd));
         }
@@ -115,9 +116,22 @@ impl Drop for Background {
 
 /// Arguments of a run long enough to be killed while it trains.
 fn long_run(out: &Path, nproc: &str) -> Vec<String> {
-    ["train", "--recipe", RECIPE, "--nproc", nproc, "--out", s(out), "--quiet", "--set", "schedule.total_steps=200000", "--set", "train.steps=200000"]
-        .map(String::from)
-        .to_vec()
+    [
+        "train",
+        "--recipe",
+        RECIPE,
+        "--nproc",
+        nproc,
+        "--out",
+        s(out),
+        "--quiet",
+        "--set",
+        "schedule.total_steps=200000",
+        "--set",
+        "train.steps=200000",
+    ]
+    .map(String::from)
+    .to_vec()
 }
 
 fn strs(v: &[String]) -> Vec<&str> {
@@ -133,7 +147,11 @@ fn launcher_workers_die_with_it(signal: &str) {
     assert!(wait_until(Duration::from_secs(60), || workers() == 3), "3 workers never started: {}", launcher.stderr());
     kill(launcher.child.id(), signal);
     assert!(launcher.wait(Duration::from_secs(30)).is_some(), "the launcher outlived kill -{signal}");
-    assert!(wait_until(Duration::from_secs(30), || workers() == 0), "workers outlived their launcher (kill -{signal}): {:?}", processes_with(s(&out)));
+    assert!(
+        wait_until(Duration::from_secs(30), || workers() == 0),
+        "workers outlived their launcher (kill -{signal}): {:?}",
+        processes_with(s(&out))
+    );
 }
 
 #[test]
@@ -152,10 +170,15 @@ fn the_nproc_launcher_names_the_rank_that_failed_first() {
     let out = dir.path().join("run");
     let args = long_run(&out, "3");
     let mut launcher = Background::start(&strs(&args), dir.path().join("stderr"));
-    let rank2 = || processes_with(s(&out)).into_iter().find(|(_, c)| c.contains("--spawned") && c.contains("--rank 2 "));
+    let rank2 =
+        || processes_with(s(&out)).into_iter().find(|(_, c)| c.contains("--spawned") && c.contains("--rank 2 "));
     assert!(wait_until(Duration::from_secs(60), || rank2().is_some()), "rank 2 never started: {}", launcher.stderr());
     // Let the ring form, so the other ranks are mid-training when rank 2 dies.
-    assert!(wait_until(Duration::from_secs(60), || out.join("metrics.jsonl").exists()), "no training: {}", launcher.stderr());
+    assert!(
+        wait_until(Duration::from_secs(60), || out.join("metrics.jsonl").exists()),
+        "no training: {}",
+        launcher.stderr()
+    );
     kill(rank2().unwrap().0, "KILL");
     let status = launcher.wait(Duration::from_secs(60)).expect("the launcher must end after a worker dies");
     assert_eq!(status.code(), Some(1));
@@ -174,7 +197,18 @@ fn two_tcp_ranks(out: &Path, rank1_extra: &[&str]) -> [Output; 2] {
     let children: Vec<Child> = (0..2)
         .map(|rank| {
             let r = rank.to_string();
-            let mut args = vec!["train", "--recipe", RECIPE, "--out", s(out), "--quiet", "--set", "schedule.total_steps=400", "--comm", "tcp"];
+            let mut args = vec![
+                "train",
+                "--recipe",
+                RECIPE,
+                "--out",
+                s(out),
+                "--quiet",
+                "--set",
+                "schedule.total_steps=400",
+                "--comm",
+                "tcp",
+            ];
             args.extend(["--rank", &r, "--world-size", "2", "--master-addr", "127.0.0.1", "--master-port", &port]);
             if rank == 1 {
                 args.extend(rank1_extra);
@@ -188,13 +222,20 @@ fn two_tcp_ranks(out: &Path, rank1_extra: &[&str]) -> [Output; 2] {
 
 #[test]
 fn ranks_launched_with_different_recipes_refuse_before_the_first_collective() {
-    for (extra, key) in [(["--set", "seed=7"], "`seed`"), (["--set", "schedule.lr_max=0.3"], "`schedule.lr_max`"), (["--set", "sync.h_base=4"], "`sync.h_base`")] {
+    for (extra, key) in [
+        (["--set", "seed=7"], "`seed`"),
+        (["--set", "schedule.lr_max=0.3"], "`schedule.lr_max`"),
+        (["--set", "sync.h_base=4"], "`sync.h_base`"),
+    ] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("run");
         for (rank, o) in two_tcp_ranks(&out, &extra).iter().enumerate() {
             let err = String::from_utf8_lossy(&o.stderr);
             assert!(!o.status.success(), "rank {rank} trained with {extra:?}");
-            assert!(err.contains("configured differently") && err.contains(key) && err.contains("rank 1"), "rank {rank}, {extra:?}: {err}");
+            assert!(
+                err.contains("configured differently") && err.contains(key) && err.contains("rank 1"),
+                "rank {rank}, {extra:?}: {err}"
+            );
         }
         assert!(!out.join("ckpt").exists(), "a checkpoint was written before the ranks agreed");
     }
@@ -211,7 +252,22 @@ fn ranks_launched_with_different_recipes_refuse_before_the_first_collective() {
 fn resume_with_nproc_applies_set_overrides() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    ok(&["train", "--recipe", RECIPE, "--nproc", "2", "--out", s(&run), "--quiet", "--set", "schedule.total_steps=300", "--set", "eval.every_epochs=1", "--halt-after", "60"]);
+    ok(&[
+        "train",
+        "--recipe",
+        RECIPE,
+        "--nproc",
+        "2",
+        "--out",
+        s(&run),
+        "--quiet",
+        "--set",
+        "schedule.total_steps=300",
+        "--set",
+        "eval.every_epochs=1",
+        "--halt-after",
+        "60",
+    ]);
     assert!(!run.join("summary.json").exists());
     ok(&["train", "--resume", s(&run), "--nproc", "2", "--quiet", "--set", "train.steps=200"]);
     let summary = json(&run.join("summary.json"));
@@ -227,16 +283,39 @@ fn a_second_run_on_a_locked_run_directory_is_refused_naming_the_holder() {
     let args = long_run(&out, "2");
     let mut first = Background::start(&strs(&args), dir.path().join("stderr"));
     let pid = first.child.id().to_string();
-    assert!(wait_until(Duration::from_secs(60), || std::fs::read_to_string(out.join("lock")).is_ok_and(|l| l.contains(&pid))));
+    assert!(wait_until(Duration::from_secs(60), || std::fs::read_to_string(out.join("lock"))
+        .is_ok_and(|l| l.contains(&pid))));
     for mode in [["--workers", "2"], ["--nproc", "2"]] {
-        let err = refused(&["train", "--recipe", RECIPE, "--out", s(&out), "--quiet", mode[0], mode[1], "--set", "schedule.total_steps=100"]);
+        let err = refused(&[
+            "train",
+            "--recipe",
+            RECIPE,
+            "--out",
+            s(&out),
+            "--quiet",
+            mode[0],
+            mode[1],
+            "--set",
+            "schedule.total_steps=100",
+        ]);
         assert!(err.contains("is in use by pid") && err.contains(&pid), "{mode:?}: {err}");
     }
     // A lock left by a dead process is stale: the next run takes it.
     kill(first.child.id(), "KILL");
     first.wait(Duration::from_secs(30)).unwrap();
     assert!(wait_until(Duration::from_secs(30), || processes_with(s(&out)).is_empty()));
-    ok(&["train", "--recipe", RECIPE, "--out", s(&out), "--quiet", "--workers", "2", "--set", "schedule.total_steps=100"]);
+    ok(&[
+        "train",
+        "--recipe",
+        RECIPE,
+        "--out",
+        s(&out),
+        "--quiet",
+        "--workers",
+        "2",
+        "--set",
+        "schedule.total_steps=100",
+    ]);
 }
 
 /// Writes an IDX image file of `n` images of `h` x `w` and its label file.
@@ -262,7 +341,20 @@ fn test_images_of_another_size_are_refused_not_a_panic() {
     write_idx(&data, "t10k", 50, 20, 20);
     let path = format!("data.path={}", s(&data));
     let out = dir.path().join("run");
-    let args = ["train", "--recipe", RECIPE, "--out", s(&out), "--quiet", "--workers", "2", "--set", "data.dataset=mnist", "--set", &path];
+    let args = [
+        "train",
+        "--recipe",
+        RECIPE,
+        "--out",
+        s(&out),
+        "--quiet",
+        "--workers",
+        "2",
+        "--set",
+        "data.dataset=mnist",
+        "--set",
+        &path,
+    ];
     let err = refused(&[&args[..], &["--set", "train.local_batch=8"]].concat());
     assert!(err.contains("test images") && err.contains("(1, 20, 20)") && err.contains("(1, 28, 28)"), "{err}");
 }
@@ -304,7 +396,10 @@ fn a_full_disk_is_reported_as_the_root_cause_not_a_dropped_handle() {
         let out = Command::new("unshare").args(["-m", "sh", "-c", &script]).current_dir(root()).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "attempt {attempt}: {err}");
-        assert!(err.contains("No space left on device") && !err.contains("dropped its handle"), "attempt {attempt}: {err}");
+        assert!(
+            err.contains("No space left on device") && !err.contains("dropped its handle"),
+            "attempt {attempt}: {err}"
+        );
     }
 }
 
@@ -321,7 +416,14 @@ fn counters_continue_after_a_resume() {
             .unwrap()
             .lines()
             .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-            .map(|r| (r["kind"].as_str().unwrap().into(), r["step"].as_u64().unwrap(), r["syncs"].as_u64().unwrap(), r["bytes"].as_u64().unwrap()))
+            .map(|r| {
+                (
+                    r["kind"].as_str().unwrap().into(),
+                    r["step"].as_u64().unwrap(),
+                    r["syncs"].as_u64().unwrap(),
+                    r["bytes"].as_u64().unwrap(),
+                )
+            })
             .collect()
     };
     assert_eq!(records(&straight), records(&resumed));
@@ -334,7 +436,20 @@ fn counters_continue_after_a_resume() {
 fn latest_pointing_outside_the_run_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    ok(&["train", "--recipe", RECIPE, "--out", s(&run), "--quiet", "--workers", "2", "--set", "schedule.total_steps=200", "--halt-after", "60"]);
+    ok(&[
+        "train",
+        "--recipe",
+        RECIPE,
+        "--out",
+        s(&run),
+        "--quiet",
+        "--workers",
+        "2",
+        "--set",
+        "schedule.total_steps=200",
+        "--halt-after",
+        "60",
+    ]);
     let other = dir.path().join("other/ckpt/step-5");
     std::fs::create_dir_all(&other).unwrap();
     for target in ["../../other/ckpt/step-5".to_string(), s(&other).to_string(), "step-5/../../x".into()] {
@@ -348,7 +463,18 @@ fn latest_pointing_outside_the_run_is_refused() {
 fn resuming_a_finished_run_or_below_its_step_says_so() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    ok(&["train", "--recipe", RECIPE, "--out", s(&run), "--quiet", "--workers", "2", "--set", "schedule.total_steps=100"]);
+    ok(&[
+        "train",
+        "--recipe",
+        RECIPE,
+        "--out",
+        s(&run),
+        "--quiet",
+        "--workers",
+        "2",
+        "--set",
+        "schedule.total_steps=100",
+    ]);
     let err = refused(&["train", "--resume", s(&run), "--quiet", "--workers", "2"]);
     assert!(err.contains("already finished at step 100") && err.contains("train.steps"), "{err}");
     let err = refused(&["train", "--resume", s(&run), "--quiet", "--workers", "2", "--set", "train.steps=50"]);
@@ -362,7 +488,20 @@ fn resuming_a_finished_run_or_below_its_step_says_so() {
 fn a_refused_resume_names_the_changed_key() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    ok(&["train", "--recipe", RECIPE, "--out", s(&run), "--quiet", "--workers", "2", "--set", "schedule.total_steps=200", "--halt-after", "60"]);
+    ok(&[
+        "train",
+        "--recipe",
+        RECIPE,
+        "--out",
+        s(&run),
+        "--quiet",
+        "--workers",
+        "2",
+        "--set",
+        "schedule.total_steps=200",
+        "--halt-after",
+        "60",
+    ]);
     let err = refused(&["train", "--resume", s(&run), "--quiet", "--workers", "2", "--set", "optimizer.momentum=0.8"]);
     assert!(err.contains("`optimizer.momentum` (checkpoint: 0.9, now: 0.8)"), "{err}");
 }
@@ -377,7 +516,9 @@ fn malformed_set_values_and_unknown_dp_keys_are_refused() {
     }
     for extra in ["h = 4", "typo_key = 3"] {
         let recipe = dir.path().join("dp.toml");
-        let text = std::fs::read_to_string(root().join(RECIPE)).unwrap().replace("rule = \"qsr\"\nh_base = 2\nalpha = 0.06", &format!("rule = \"dp\"\n{extra}"));
+        let text = std::fs::read_to_string(root().join(RECIPE))
+            .unwrap()
+            .replace("rule = \"qsr\"\nh_base = 2\nalpha = 0.06", &format!("rule = \"dp\"\n{extra}"));
         std::fs::write(&recipe, text).unwrap();
         let err = refused(&["plan", "--recipe", s(&recipe)]);
         assert!(err.contains(extra.split(' ').next().unwrap()), "{extra}: {err}");
@@ -406,7 +547,18 @@ fn checkpoints_of_identical_states_are_byte_identical() {
     };
     let runs: Vec<PathBuf> = (0..3).map(|i| dir.path().join(format!("r{i}"))).collect();
     for r in &runs {
-        ok(&["train", "--recipe", RECIPE, "--out", s(r), "--quiet", "--workers", "2", "--set", "schedule.total_steps=100"]);
+        ok(&[
+            "train",
+            "--recipe",
+            RECIPE,
+            "--out",
+            s(r),
+            "--quiet",
+            "--workers",
+            "2",
+            "--set",
+            "schedule.total_steps=100",
+        ]);
     }
     let first = ckpt_files(&runs[0]);
     assert_eq!(first.len(), 3, "model + 2 optimizer files");

@@ -64,13 +64,43 @@ fn flags_override_the_recipe() {
 #[test]
 fn flags_alone_make_a_plan() {
     let v = json(&[
-        "--total-steps", "62400", "--warmup-steps", "1560", "--lr-max", "0.8", "--lr-min", "1e-6",
-        "--schedule", "cosine", "--sync", "qsr", "--h-base", "2", "--alpha", "0.2",
+        "--total-steps",
+        "62400",
+        "--warmup-steps",
+        "1560",
+        "--lr-max",
+        "0.8",
+        "--lr-min",
+        "1e-6",
+        "--schedule",
+        "cosine",
+        "--sync",
+        "qsr",
+        "--h-base",
+        "2",
+        "--alpha",
+        "0.2",
     ]);
     assert_eq!(v["rounds"], 24_792);
     let v = json(&[
-        "--total-steps", "300", "--lr-max", "0.1", "--schedule", "step", "--decay-points", "100,200",
-        "--decay-gamma", "0.5", "--sync", "power", "--h-base", "1", "--alpha", "0.1", "--power", "1",
+        "--total-steps",
+        "300",
+        "--lr-max",
+        "0.1",
+        "--schedule",
+        "step",
+        "--decay-points",
+        "100,200",
+        "--decay-gamma",
+        "0.5",
+        "--sync",
+        "power",
+        "--h-base",
+        "1",
+        "--alpha",
+        "0.1",
+        "--power",
+        "1",
     ]);
     // H = floor(0.1/lr), lr halving (exactly, in binary) at 100 and 200: 1, then 2, then 4.
     assert_eq!(v["rounds"], 100 + 50 + 25);
@@ -101,11 +131,18 @@ fn csv_has_one_row_per_round_tiling_the_run() {
 
 #[test]
 fn human_summary_and_comparison_table() {
-    let out = qsr(&["plan", "--recipe", "recipes/imagenet-resnet152-qsr.toml", "--params", "60192808", "--world-size", "16"]);
+    let out =
+        qsr(&["plan", "--recipe", "recipes/imagenet-resnet152-qsr.toml", "--params", "60192808", "--world-size", "16"]);
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("24792 syncs = 39.7% of data parallel"), "{text}");
     assert!(text.contains("traffic"), "{text}");
-    let out = qsr(&["plan", "--recipe", "recipes/imagenet-vit-b-qsr-hbase4.toml", "--recipe", "recipes/imagenet-vit-b-h4.toml"]);
+    let out = qsr(&[
+        "plan",
+        "--recipe",
+        "recipes/imagenet-vit-b-qsr-hbase4.toml",
+        "--recipe",
+        "recipes/imagenet-vit-b-h4.toml",
+    ]);
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("imagenet-vit-b-qsr-hbase4") && text.contains("9711") && text.contains("23400"), "{text}");
 }
@@ -114,7 +151,15 @@ fn human_summary_and_comparison_table() {
 fn plot_writes_a_png() {
     let dir = tempfile::tempdir().unwrap();
     let png = dir.path().join("h.png");
-    let out = qsr(&["plan", "--recipe", "recipes/imagenet-resnet152-qsr.toml", "--recipe", "recipes/imagenet-resnet152-h2.toml", "--plot", png.to_str().unwrap()]);
+    let out = qsr(&[
+        "plan",
+        "--recipe",
+        "recipes/imagenet-resnet152-qsr.toml",
+        "--recipe",
+        "recipes/imagenet-resnet152-h2.toml",
+        "--plot",
+        png.to_str().unwrap(),
+    ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let bytes = std::fs::read(&png).unwrap();
     assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
@@ -165,11 +210,15 @@ fn bad_recipe_files_are_refused_naming_the_file_and_key() {
     let err = refused(&["--recipe", &unknown]);
     assert!(err.contains("unknown.toml") && err.contains("warmpu_steps"), "{err}");
 
-    let wrong_type = write("type.toml", "[schedule]\nkind = \"cosine\"\ntotal_steps = \"many\"\nlr_max = 0.1\n[sync]\nrule = \"dp\"\n");
+    let wrong_type = write(
+        "type.toml",
+        "[schedule]\nkind = \"cosine\"\ntotal_steps = \"many\"\nlr_max = 0.1\n[sync]\nrule = \"dp\"\n",
+    );
     let err = refused(&["--recipe", &wrong_type]);
     assert!(err.contains("type.toml") && err.contains("schedule"), "{err}");
 
-    let negative = write("neg.toml", "[schedule]\nkind = \"cosine\"\ntotal_steps = -5\nlr_max = 0.1\n[sync]\nrule = \"dp\"\n");
+    let negative =
+        write("neg.toml", "[schedule]\nkind = \"cosine\"\ntotal_steps = -5\nlr_max = 0.1\n[sync]\nrule = \"dp\"\n");
     let err = refused(&["--recipe", &negative]);
     assert!(err.contains("neg.toml"), "{err}");
 }

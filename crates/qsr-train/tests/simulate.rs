@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncRule};
-use qsr_train::simulate::{Network, SyncPayload, parse_bandwidth, parse_duration, predict, recipe_payload, step_seconds_from_wall};
+use qsr_train::simulate::{
+    Network, SyncPayload, parse_bandwidth, parse_duration, predict, recipe_payload, step_seconds_from_wall,
+};
 use qsr_train::train_recipe::TrainRecipe;
 
 fn close(a: f64, b: f64) -> bool {
@@ -91,7 +93,11 @@ fn rounds_crossing_epochs_split_compute_and_charge_the_sync_to_the_last_step() {
 
 #[test]
 fn qsr_prediction_follows_the_plan() {
-    let qsr = Plan::new(LrSchedule::new(ScheduleKind::Cosine, 93_600, 10_000, 0.008, 1e-6), SyncRule::Qsr { h_base: 4, alpha: 0.0175 }).unwrap();
+    let qsr = Plan::new(
+        LrSchedule::new(ScheduleKind::Cosine, 93_600, 10_000, 0.008, 1e-6),
+        SyncRule::Qsr { h_base: 4, alpha: 0.0175 },
+    )
+    .unwrap();
     let net = Network::new(25e9, 1e-4).unwrap();
     let payload = SyncPayload::params(86_381_800);
     let p = predict("qsr", &qsr, 0.5, &payload, 16, &net, Some(312));
@@ -132,7 +138,8 @@ fn payload_follows_the_state_policy() {
     let r = TrainRecipe::load(&base, &[]).unwrap();
     let p = recipe_payload(&r, 100, 0);
     assert_eq!((p.gradient_elements, p.parameter_elements, p.bytes_per_element), (100, 100, 4));
-    let sets = ["driver.state.average_first_moment=true".to_string(), "driver.state.average_second_moment=true".to_string()];
+    let sets =
+        ["driver.state.average_first_moment=true".to_string(), "driver.state.average_second_moment=true".to_string()];
     let r = TrainRecipe::load(&base, &sets).unwrap();
     let p = recipe_payload(&r, 100, 0);
     assert_eq!((p.gradient_elements, p.parameter_elements), (100, 300));
@@ -250,7 +257,18 @@ fn run_directories_are_compared_with_their_measurement() {
     });
     std::fs::write(run.join("summary.json"), summary.to_string()).unwrap();
     let run_s = run.to_str().unwrap();
-    let out = ok(&["simulate", "--run", run_s, "--step-seconds-from", run_s, "--bandwidth", "1gbit", "--params", "1000", "--json"]);
+    let out = ok(&[
+        "simulate",
+        "--run",
+        run_s,
+        "--step-seconds-from",
+        run_s,
+        "--bandwidth",
+        "1gbit",
+        "--params",
+        "1000",
+        "--json",
+    ]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert!(close(v["step_seconds"].as_f64().unwrap(), (52.0 - 8.0) / 880.0));
     let row = &v["rows"][0];
@@ -281,6 +299,7 @@ fn refusals_name_the_problem() {
     assert!(e.contains("bandwidth `fast`"), "{e}");
     let e = err(&["simulate", "--recipe", recipe, "--bandwidth", "1gbit", "--dp-hours", "1"]);
     assert!(e.contains("data-parallel recipe"), "{e}");
-    let e = err(&["simulate", "--recipe", recipe, "--bandwidth", "1gbit", "--step-seconds", "1", "--reference", "nope=1"]);
+    let e =
+        err(&["simulate", "--recipe", recipe, "--bandwidth", "1gbit", "--step-seconds", "1", "--reference", "nope=1"]);
     assert!(e.contains("no recipe named `nope`"), "{e}");
 }

@@ -68,7 +68,11 @@ fn slurm_problem() -> Option<String> {
     // ending in '*' (not responding) or '~' (powered off) does not count.
     match run_bounded(Command::new("sinfo").args(["-h", "-o", "%t"]), Duration::from_secs(20)) {
         Err(e) => Some(e),
-        Ok(states) if !states.lines().any(|s| matches!(s.trim().trim_end_matches(['#', '!', '%', '@', '^', '-']), "idle" | "mix" | "alloc" | "comp")) => {
+        Ok(states)
+            if !states.lines().any(|s| {
+                matches!(s.trim().trim_end_matches(['#', '!', '%', '@', '^', '-']), "idle" | "mix" | "alloc" | "comp")
+            }) =>
+        {
             Some(format!("no SLURM node takes jobs (sinfo states: {:?})", states.trim()))
         }
         Ok(_) => None,
@@ -116,7 +120,9 @@ impl Job {
         c.current_dir(root());
         c.env("MASTER_ADDR", "127.0.0.1").env("MASTER_PORT", free_port().to_string()).env("QSR_JOB_TOKEN", &name);
         // Other launchers' variables would take precedence over SLURM's in rank detection.
-        for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE"] {
+        for v in
+            ["RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE"]
+        {
             c.env_remove(v);
         }
         c.stdin(Stdio::null()).stdout(File::create(&stdout).unwrap()).stderr(File::create(&stderr).unwrap());
@@ -191,13 +197,16 @@ fn srun_two_tasks_train_with_world_size_two_and_sync_as_planned() {
     let run = dir.path().join("run");
     // 200 steps: well under a second of training.
     let mut job = Job::start(2, &run, &["--set", "schedule.total_steps=200"]);
-    let status = job.wait(Duration::from_secs(90)).unwrap_or_else(|| panic!("srun did not finish within 90 s\n{}", job.logs()));
+    let status =
+        job.wait(Duration::from_secs(90)).unwrap_or_else(|| panic!("srun did not finish within 90 s\n{}", job.logs()));
     assert!(status.success(), "srun failed ({status})\n{}", job.logs());
     let s = json(&run.join("summary.json"));
     assert_eq!(s["world_size"], 2, "{s}");
     assert_eq!(s["steps"], 200, "{s}");
     let plan = run_bounded(
-        Command::new(env!("CARGO_BIN_EXE_qsr")).args(["plan", "--recipe", RECIPE, "--total-steps", "200", "--format", "json"]).current_dir(root()),
+        Command::new(env!("CARGO_BIN_EXE_qsr"))
+            .args(["plan", "--recipe", RECIPE, "--total-steps", "200", "--format", "json"])
+            .current_dir(root()),
         Duration::from_secs(30),
     )
     .unwrap();
@@ -238,9 +247,9 @@ fn srun_task_killed_mid_run_ends_the_job_and_survivors_name_it() {
     };
     run_bounded(Command::new("kill").args(["-KILL", &tasks[&1].to_string()]), Duration::from_secs(10)).unwrap();
     let killed = Instant::now();
-    let status = job
-        .wait(Duration::from_secs(45))
-        .unwrap_or_else(|| panic!("srun still running 45 s after rank 1 was killed (tasks left: {:?})\n{}", job.tasks(), job.logs()));
+    let status = job.wait(Duration::from_secs(45)).unwrap_or_else(|| {
+        panic!("srun still running 45 s after rank 1 was killed (tasks left: {:?})\n{}", job.tasks(), job.logs())
+    });
     eprintln!("srun ended {:.1} s after rank 1 was killed ({status})", killed.elapsed().as_secs_f64());
     assert!(!status.success(), "srun succeeded although rank 1 was killed\n{}", job.logs());
     let left = job.tasks();
@@ -249,7 +258,11 @@ fn srun_task_killed_mid_run_ends_the_job_and_survivors_name_it() {
     for rank in [0, 2] {
         let prefix = format!("{rank}: ");
         let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with(&prefix) && l.contains("error")).collect();
-        assert!(errors.iter().any(|l| l.contains("rank 1")), "rank {rank} did not name rank 1 in an error\n{}", job.logs());
+        assert!(
+            errors.iter().any(|l| l.contains("rank 1")),
+            "rank {rank} did not name rank 1 in an error\n{}",
+            job.logs()
+        );
         for line in errors {
             eprintln!("{line}");
         }

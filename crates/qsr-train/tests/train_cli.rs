@@ -45,10 +45,22 @@ const RECIPE: &str = "recipes/digits-mlp-qsr.toml";
 fn digits_with_two_simulated_workers_learns_and_syncs_as_planned() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    ok(&["train", "--recipe", RECIPE, "--workers", "2", "--out", run.to_str().unwrap(), "--quiet", "--set", "schedule.total_steps=400"]);
+    ok(&[
+        "train",
+        "--recipe",
+        RECIPE,
+        "--workers",
+        "2",
+        "--out",
+        run.to_str().unwrap(),
+        "--quiet",
+        "--set",
+        "schedule.total_steps=400",
+    ]);
     let s = json(&run.join("summary.json"));
     assert!(s["final_test_accuracy"].as_f64().unwrap() > 0.8, "10 classes: chance is 0.1; got {s}");
-    let plan: serde_json::Value = serde_json::from_str(&ok(&["plan", "--recipe", RECIPE, "--total-steps", "400", "--format", "json"])).unwrap();
+    let plan: serde_json::Value =
+        serde_json::from_str(&ok(&["plan", "--recipe", RECIPE, "--total-steps", "400", "--format", "json"])).unwrap();
     assert_eq!(s["syncs"], plan["rounds"]);
     assert_eq!(s["planned_syncs"], plan["rounds"]);
     assert_eq!(s["world_size"], 2);
@@ -93,12 +105,27 @@ fn resume_continues_exactly_with(residency: &str) {
     let dir = tempfile::tempdir().unwrap();
     let (straight, resumed) = (dir.path().join("straight"), dir.path().join("resumed"));
     let residency = format!("driver.residency={residency}");
-    let set = ["--set", "schedule.total_steps=330", "--set", "eval.every_epochs=2", "--quiet", "--workers", "3", "--set", &residency];
+    let set = [
+        "--set",
+        "schedule.total_steps=330",
+        "--set",
+        "eval.every_epochs=2",
+        "--quiet",
+        "--workers",
+        "3",
+        "--set",
+        &residency,
+    ];
     ok(&[&["train", "--recipe", RECIPE, "--out", straight.to_str().unwrap()][..], &set].concat());
     // Stop at the first checkpoint past step 100, then resume to the end.
     ok(&[&["train", "--recipe", RECIPE, "--out", resumed.to_str().unwrap(), "--halt-after", "100"][..], &set].concat());
     assert!(!resumed.join("summary.json").exists(), "the halted run must not claim to be finished");
-    let halted_at: u64 = std::fs::read_to_string(resumed.join("ckpt/LATEST")).unwrap().trim().trim_start_matches("step-").parse().unwrap();
+    let halted_at: u64 = std::fs::read_to_string(resumed.join("ckpt/LATEST"))
+        .unwrap()
+        .trim()
+        .trim_start_matches("step-")
+        .parse()
+        .unwrap();
     assert!((100..330).contains(&halted_at));
     ok(&["train", "--resume", resumed.to_str().unwrap(), "--quiet", "--workers", "3"]);
     assert_eq!(final_params(&straight), final_params(&resumed));
@@ -146,7 +173,22 @@ fn resume_refusals_keep_the_previous_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
     let r = run.to_str().unwrap();
-    ok(&["train", "--recipe", RECIPE, "--out", r, "--quiet", "--workers", "2", "--set", "schedule.total_steps=200", "--set", "eval.every_epochs=1", "--halt-after", "60"]);
+    ok(&[
+        "train",
+        "--recipe",
+        RECIPE,
+        "--out",
+        r,
+        "--quiet",
+        "--workers",
+        "2",
+        "--set",
+        "schedule.total_steps=200",
+        "--set",
+        "eval.every_epochs=1",
+        "--halt-after",
+        "60",
+    ]);
     let latest = std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap();
     let ckpt = run.join("ckpt").join(latest.trim());
     let model_before = std::fs::read(ckpt.join("model.safetensors")).unwrap();
@@ -202,7 +244,10 @@ fn gpu_options_are_refused_clearly_without_gpu_support() {
     let out = dir.path().join("run");
     let out = out.to_str().unwrap();
     let e = refused(&["train", "--recipe", RECIPE, "--device", "cuda:0", "--out", out]);
-    assert!(e.contains("--device cuda:0") && e.contains("built without CUDA support") && e.contains("cargo xtask cuda"), "{e}");
+    assert!(
+        e.contains("--device cuda:0") && e.contains("built without CUDA support") && e.contains("cargo xtask cuda"),
+        "{e}"
+    );
     let e = refused(&["train", "--recipe", RECIPE, "--device", "cuda:x", "--out", out]);
     assert!(e.contains("`x` is not a GPU index"), "{e}");
     let e = refused(&["train", "--recipe", RECIPE, "--comm", "nccl", "--out", out]);

@@ -109,13 +109,8 @@ pub(crate) struct Acceptor<'a> {
 }
 
 impl<'a> Acceptor<'a> {
-    pub(crate) fn new(
-        listener: &'a TcpListener,
-        hello_timeout: Duration,
-    ) -> Result<Self, CommError> {
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| CommError::io("listener setup", e))?;
+    pub(crate) fn new(listener: &'a TcpListener, hello_timeout: Duration) -> Result<Self, CommError> {
+        listener.set_nonblocking(true).map_err(|e| CommError::io("listener setup", e))?;
         Ok(Acceptor {
             listener,
             pending: VecDeque::new(),
@@ -165,22 +160,11 @@ impl<'a> Acceptor<'a> {
             }
             _ => true,
         };
-        let pollfd = |fd| libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
+        let pollfd = |fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
         let mut fds = Vec::with_capacity(1 + self.pending.len());
-        fds.push(pollfd(if listen {
-            self.listener.as_raw_fd()
-        } else {
-            -1
-        }));
+        fds.push(pollfd(if listen { self.listener.as_raw_fd() } else { -1 }));
         fds.extend(self.pending.iter().map(|p| pollfd(p.s.as_raw_fd())));
-        let wait = until
-            .saturating_duration_since(now)
-            .as_micros()
-            .div_ceil(1000);
+        let wait = until.saturating_duration_since(now).as_micros().div_ceil(1000);
         let ms = wait.clamp(1, 1000) as i32;
         // SAFETY: `fds` is a valid array of pollfd structs for the duration of the call.
         let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };

@@ -53,29 +53,14 @@ impl Out {
     fn small(bytes: &[u8]) -> Out {
         let mut head = [0u8; wire::CALL_HEADER_LEN];
         head[..bytes.len()].copy_from_slice(bytes);
-        Out {
-            head,
-            head_len: bytes.len(),
-            head_off: 0,
-            payload: 0..0,
-            pay_off: 0,
-        }
+        Out { head, head_len: bytes.len(), head_off: 0, payload: 0..0, pay_off: 0 }
     }
 }
 
 enum RState {
-    Header {
-        buf: [u8; wire::CALL_HEADER_LEN],
-        got: usize,
-    },
-    FrameHead {
-        buf: [u8; wire::FRAME_LEN],
-        got: usize,
-    },
-    Payload {
-        len: usize,
-        got: usize,
-    },
+    Header { buf: [u8; wire::CALL_HEADER_LEN], got: usize },
+    FrameHead { buf: [u8; wire::FRAME_LEN], got: usize },
+    Payload { len: usize, got: usize },
     Done,
 }
 
@@ -88,11 +73,7 @@ enum Step {
 fn nb<T>(r: io::Result<T>) -> io::Result<Option<T>> {
     match r {
         Ok(v) => Ok(Some(v)),
-        Err(e)
-            if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted =>
-        {
-            Ok(None)
-        }
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => Ok(None),
         Err(e) => Err(e),
     }
 }
@@ -171,10 +152,7 @@ impl<'a> Call<'a> {
             out: None,
             header_queued: false,
             send_idx: 0,
-            rstate: RState::Header {
-                buf: [0; wire::CALL_HEADER_LEN],
-                got: 0,
-            },
+            rstate: RState::Header { buf: [0; wire::CALL_HEADER_LEN], got: 0 },
             recv_idx: 0,
             last_left: now,
             last_right: now,
@@ -197,12 +175,7 @@ impl<'a> Call<'a> {
             Side::Right => (self.right_rank(), self.ring.right_addr.clone()),
         };
         Fail {
-            err: CommError::PeerLost {
-                rank,
-                addr,
-                during: self.during.clone(),
-                detail,
-            },
+            err: CommError::PeerLost { rank, addr, during: self.during.clone(), detail },
             culprit: rank,
             reason: Reason::Lost,
             from: Some(side),
@@ -215,10 +188,7 @@ impl<'a> Call<'a> {
             Side::Right => (self.right_rank(), &self.ring.right_addr),
         };
         Fail {
-            err: CommError::Protocol {
-                peer: format!("rank {rank} ({addr}) during {}", self.during),
-                detail,
-            },
+            err: CommError::Protocol { peer: format!("rank {rank} ({addr}) during {}", self.during), detail },
             culprit: rank,
             reason: Reason::Protocol,
             from: None,
@@ -231,10 +201,7 @@ impl<'a> Call<'a> {
             Side::Right => self.right_rank(),
         };
         if culprit >= self.n as u64 {
-            return self.protocol(
-                side,
-                format!("abort notice names rank {culprit} of {}", self.n),
-            );
+            return self.protocol(side, format!("abort notice names rank {culprit} of {}", self.n));
         }
         let reason = Reason::from_code(reason);
         Fail {
@@ -312,8 +279,7 @@ impl<'a> Call<'a> {
             let now = Instant::now();
             // Liveness: blame the right first when we are blocked writing to it (a live peer
             // always drains its left socket), else whoever we are waiting on.
-            let right_dead =
-                !self.send_done() && now.duration_since(self.last_right) >= self.timeout;
+            let right_dead = !self.send_done() && now.duration_since(self.last_right) >= self.timeout;
             let left_dead = !self.recv_done() && now.duration_since(self.last_left) >= self.timeout;
             if right_dead && (self.out.is_some() || !left_dead) {
                 return Err(self.timed_out(Side::Right));
@@ -339,9 +305,7 @@ impl<'a> Call<'a> {
             {
                 self.ring.back_out.clear();
                 self.ring.back_off = 0;
-                self.ring
-                    .back_out
-                    .extend_from_slice(&Back::Heartbeat.encode());
+                self.ring.back_out.extend_from_slice(&Back::Heartbeat.encode());
                 self.last_back_write = now;
                 queued = true;
             }
@@ -357,32 +321,17 @@ impl<'a> Call<'a> {
             }
             let want_write = self.out.is_some() || !self.header_queued || self.next_block_ready();
             let left_events = (if self.recv_done() { 0 } else { libc::POLLIN })
-                | (if self.ring.back_pending() {
-                    libc::POLLOUT
-                } else {
-                    0
-                });
-            let right_events = (if self.ring.right_closed {
-                0
-            } else {
-                libc::POLLIN
-            }) | (if want_write { libc::POLLOUT } else { 0 });
+                | (if self.ring.back_pending() { libc::POLLOUT } else { 0 });
+            let right_events =
+                (if self.ring.right_closed { 0 } else { libc::POLLIN }) | (if want_write { libc::POLLOUT } else { 0 });
             let mut fds = [
                 libc::pollfd {
-                    fd: if left_events != 0 {
-                        self.ring.left.as_raw_fd()
-                    } else {
-                        -1
-                    },
+                    fd: if left_events != 0 { self.ring.left.as_raw_fd() } else { -1 },
                     events: left_events,
                     revents: 0,
                 },
                 libc::pollfd {
-                    fd: if right_events != 0 {
-                        self.ring.right.as_raw_fd()
-                    } else {
-                        -1
-                    },
+                    fd: if right_events != 0 { self.ring.right.as_raw_fd() } else { -1 },
                     events: right_events,
                     revents: 0,
                 },
@@ -423,12 +372,7 @@ impl<'a> Call<'a> {
             Side::Right => (self.right_rank(), self.ring.right_addr.clone()),
         };
         Fail {
-            err: CommError::PeerTimeout {
-                rank,
-                addr,
-                during: self.during.clone(),
-                timeout: self.timeout,
-            },
+            err: CommError::PeerTimeout { rank, addr, during: self.during.clone(), timeout: self.timeout },
             culprit: rank,
             reason: Reason::Timeout,
             from: Some(side),
@@ -436,10 +380,7 @@ impl<'a> Call<'a> {
     }
 
     fn next_block_ready(&self) -> bool {
-        self.plan
-            .send
-            .get(self.send_idx)
-            .is_some_and(|b| b.after <= self.recv_idx)
+        self.plan.send.get(self.send_idx).is_some_and(|b| b.after <= self.recv_idx)
     }
 
     /// Reads from the left: call header, frame heads, payloads.
@@ -453,10 +394,7 @@ impl<'a> Call<'a> {
     fn read_left(&mut self, dst: &mut [u8]) -> Result<Option<usize>, Fail> {
         match nb((&self.ring.left).read(dst)) {
             Ok(None) => Ok(None),
-            Ok(Some(0)) => Err(self.lost(
-                Side::Left,
-                "connection closed (peer exited or crashed)".into(),
-            )),
+            Ok(Some(0)) => Err(self.lost(Side::Left, "connection closed (peer exited or crashed)".into())),
             Ok(Some(k)) => {
                 self.last_left = Instant::now();
                 Ok(Some(k))
@@ -485,8 +423,7 @@ impl<'a> Call<'a> {
                 if got < wire::CALL_HEADER_LEN {
                     return Ok((RState::Header { buf, got }, Step::Moved));
                 }
-                let theirs = CallHeader::decode(&buf)
-                    .map_err(|e| self.protocol(Side::Left, e.to_string()))?;
+                let theirs = CallHeader::decode(&buf).map_err(|e| self.protocol(Side::Left, e.to_string()))?;
                 self.check_header(&theirs)?;
                 let next = self.next_recv_state();
                 Ok((next, Step::Moved))
@@ -500,16 +437,8 @@ impl<'a> Call<'a> {
                     return Ok((RState::FrameHead { buf, got }, Step::Moved));
                 }
                 match Frame::decode(&buf).map_err(|e| self.protocol(Side::Left, e.to_string()))? {
-                    Frame::KeepAlive => Ok((
-                        RState::FrameHead {
-                            buf: [0; wire::FRAME_LEN],
-                            got: 0,
-                        },
-                        Step::Moved,
-                    )),
-                    Frame::Abort { culprit, reason } => {
-                        Err(self.aborted(Side::Left, u64::from(culprit), reason))
-                    }
+                    Frame::KeepAlive => Ok((RState::FrameHead { buf: [0; wire::FRAME_LEN], got: 0 }, Step::Moved)),
+                    Frame::Abort { culprit, reason } => Err(self.aborted(Side::Left, u64::from(culprit), reason)),
                     Frame::Data { len, block } => {
                         let expect = &self.plan.recv[self.recv_idx];
                         if block != self.recv_idx as u64 || len as usize != expect.range.len() {
@@ -522,13 +451,7 @@ impl<'a> Call<'a> {
                                 ),
                             ));
                         }
-                        Ok((
-                            RState::Payload {
-                                len: len as usize,
-                                got: 0,
-                            },
-                            Step::Moved,
-                        ))
+                        Ok((RState::Payload { len: len as usize, got: 0 }, Step::Moved))
                     }
                 }
             }
@@ -559,10 +482,7 @@ impl<'a> Call<'a> {
                 let k = match k {
                     None => return Ok((RState::Payload { len, got }, Step::Blocked)),
                     Some(0) => {
-                        return Err(self.lost(
-                            Side::Left,
-                            "connection closed (peer exited or crashed)".into(),
-                        ));
+                        return Err(self.lost(Side::Left, "connection closed (peer exited or crashed)".into()));
                     }
                     Some(k) => k,
                 };
@@ -583,10 +503,7 @@ impl<'a> Call<'a> {
         if self.recv_idx == self.plan.recv.len() {
             RState::Done
         } else {
-            RState::FrameHead {
-                buf: [0; wire::FRAME_LEN],
-                got: 0,
-            }
+            RState::FrameHead { buf: [0; wire::FRAME_LEN], got: 0 }
         }
     }
 
@@ -604,9 +521,7 @@ impl<'a> Call<'a> {
             Action::Reduce => dst.iter_mut().zip(src).for_each(|(d, s)| *d += *s),
             Action::ReduceMean => {
                 let k = self.n as f32;
-                dst.iter_mut()
-                    .zip(src)
-                    .for_each(|(d, s)| *d = (*d + *s) / k);
+                dst.iter_mut().zip(src).for_each(|(d, s)| *d = (*d + *s) / k);
             }
         }
     }
@@ -630,29 +545,17 @@ impl<'a> Call<'a> {
         let diff: Option<(&'static str, String, String)> = if theirs.sender as usize != left {
             Some(("sender rank", left.to_string(), theirs.sender.to_string()))
         } else if theirs.seq != ours.seq {
-            Some((
-                "sequence number",
-                ours.seq.to_string(),
-                theirs.seq.to_string(),
-            ))
+            Some(("sequence number", ours.seq.to_string(), theirs.seq.to_string()))
         } else if theirs.kind != ours.kind {
             Some(("call", kind_name(ours.kind), kind_name(theirs.kind)))
         } else if theirs.len != ours.len {
-            Some((
-                "length (bytes)",
-                ours.len.to_string(),
-                theirs.len.to_string(),
-            ))
+            Some(("length (bytes)", ours.len.to_string(), theirs.len.to_string()))
         } else if theirs.op != ours.op {
             Some(("reduce op", op_name(ours.op), op_name(theirs.op)))
         } else if theirs.root != ours.root {
             Some(("root", ours.root.to_string(), theirs.root.to_string()))
         } else if theirs.chunk != ours.chunk {
-            Some((
-                "block size (TcpConfig::chunk_bytes / 4096)",
-                ours.chunk.to_string(),
-                theirs.chunk.to_string(),
-            ))
+            Some(("block size (TcpConfig::chunk_bytes / 4096)", ours.chunk.to_string(), theirs.chunk.to_string()))
         } else {
             None
         };
@@ -682,11 +585,7 @@ impl<'a> Call<'a> {
                 self.header_queued = true;
             } else if self.next_block_ready() {
                 let range = self.plan.send[self.send_idx].range.clone();
-                let head = Frame::Data {
-                    len: range.len() as u32,
-                    block: self.send_idx as u64,
-                }
-                .encode();
+                let head = Frame::Data { len: range.len() as u32, block: self.send_idx as u64 }.encode();
                 let mut out = Out::small(&head);
                 out.payload = range;
                 self.out = Some(out);
@@ -738,10 +637,7 @@ impl<'a> Call<'a> {
                 self.ring.right_closed = true;
                 Ok(Step::Idle)
             }
-            Ok(Some(0)) => Err(self.lost(
-                Side::Right,
-                "connection closed (peer exited or crashed)".into(),
-            )),
+            Ok(Some(0)) => Err(self.lost(Side::Right, "connection closed (peer exited or crashed)".into())),
             Err(e) => Err(self.lost(Side::Right, e.to_string())),
             Ok(Some(k)) => {
                 self.last_right = Instant::now();
@@ -751,11 +647,7 @@ impl<'a> Call<'a> {
                     match Back::decode(&self.ring.back_in) {
                         Ok(Back::Heartbeat) => {}
                         Ok(Back::Abort { culprit, reason }) => {
-                            return Err(self.aborted(
-                                Side::Right,
-                                u64::from(culprit),
-                                u64::from(reason),
-                            ));
+                            return Err(self.aborted(Side::Right, u64::from(culprit), u64::from(reason)));
                         }
                         Err(e) => return Err(self.protocol(Side::Right, e.to_string())),
                     }
@@ -799,27 +691,18 @@ impl<'a> Call<'a> {
         let skip_culprit = matches!(f.reason, Reason::Lost | Reason::Timeout);
         let skip = |r: usize| skip_culprit && r == f.culprit;
         let mut fwd = f.from != Some(Side::Right) && !skip(self.right_rank());
-        let mut back =
-            f.from != Some(Side::Left) && !skip(self.left_rank()) && !self.ring.left_back_broken;
+        let mut back = f.from != Some(Side::Left) && !skip(self.left_rank()) && !self.ring.left_back_broken;
         if self.n == 2 && f.from.is_some() {
             // Both neighbours are the same rank, which told us (or died): nothing to tell.
             fwd = false;
             back = false;
         }
-        let abort_frame = Frame::Abort {
-            culprit: f.culprit as u32,
-            reason: f.reason as u64,
-        }
-        .encode();
+        let abort_frame = Frame::Abort { culprit: f.culprit as u32, reason: f.reason as u64 }.encode();
         let mut abort_queued = false;
         if back {
-            self.ring.back_out.extend_from_slice(
-                &Back::Abort {
-                    culprit: f.culprit as u32,
-                    reason: f.reason as u32,
-                }
-                .encode(),
-            );
+            self.ring
+                .back_out
+                .extend_from_slice(&Back::Abort { culprit: f.culprit as u32, reason: f.reason as u32 }.encode());
         }
         let deadline = Instant::now() + self.timeout.min(Duration::from_secs(2));
         loop {
@@ -852,10 +735,7 @@ impl<'a> Call<'a> {
             }
             let now = Instant::now();
             if now >= deadline {
-                tracing::warn!(
-                    rank = self.rank,
-                    "could not deliver the abort notice before the deadline"
-                );
+                tracing::warn!(rank = self.rank, "could not deliver the abort notice before the deadline");
                 return;
             }
             let mut fds = [

@@ -104,26 +104,19 @@ impl TcpConfig {
             cfg.token = t;
         }
         if let Some(v) = env("QSR_COMM_TIMEOUT_SECS") {
-            let secs: f64 = v
-                .trim()
-                .parse()
-                .ok()
-                .filter(|s: &f64| s.is_finite() && *s > 0.0)
-                .ok_or_else(|| {
-                    CommError::launch(
-                        "QSR_COMM_TIMEOUT_SECS",
-                        format!("QSR_COMM_TIMEOUT_SECS={v} is not a positive number"),
-                    )
-                })?;
+            let secs: f64 = v.trim().parse().ok().filter(|s: &f64| s.is_finite() && *s > 0.0).ok_or_else(|| {
+                CommError::launch(
+                    "QSR_COMM_TIMEOUT_SECS",
+                    format!("QSR_COMM_TIMEOUT_SECS={v} is not a positive number"),
+                )
+            })?;
             cfg.timeout = Duration::from_secs_f64(secs);
         }
         if let Some(v) = env("QSR_BIND_ADDR") {
-            cfg.bind_ip = v.trim().parse().map_err(|_| {
-                CommError::launch(
-                    "QSR_BIND_ADDR",
-                    format!("QSR_BIND_ADDR={v} is not an IP address"),
-                )
-            })?;
+            cfg.bind_ip = v
+                .trim()
+                .parse()
+                .map_err(|_| CommError::launch("QSR_BIND_ADDR", format!("QSR_BIND_ADDR={v} is not an IP address")))?;
         }
         if let Some(v) = env("QSR_ADVERTISE_HOST") {
             cfg.advertise_host = Some(v);
@@ -197,16 +190,14 @@ pub struct MasterListener {
 impl MasterListener {
     /// Binds `addr` (`host:port`; port 0 picks a free one).
     pub fn bind(addr: &str) -> Result<MasterListener, CommError> {
-        let listener = TcpListener::bind(addr)
-            .map_err(|e| CommError::io(format!("binding the rendezvous port {addr}"), e))?;
+        let listener =
+            TcpListener::bind(addr).map_err(|e| CommError::io(format!("binding the rendezvous port {addr}"), e))?;
         Ok(MasterListener { listener })
     }
 
     /// The bound address (with the actual port).
     pub fn local_addr(&self) -> Result<SocketAddr, CommError> {
-        self.listener
-            .local_addr()
-            .map_err(|e| CommError::io("rendezvous listener address", e))
+        self.listener.local_addr().map_err(|e| CommError::io("rendezvous listener address", e))
     }
 }
 
@@ -260,15 +251,10 @@ fn chunk_bytes(cfg: &TcpConfig) -> usize {
 
 fn validate(rank: usize, n: usize, cfg: &TcpConfig) -> Result<(), CommError> {
     if n == 0 || n > wire::MAX_WORLD_SIZE {
-        return Err(CommError::InvalidArgument(format!(
-            "world size {n} is not in 1..={}",
-            wire::MAX_WORLD_SIZE
-        )));
+        return Err(CommError::InvalidArgument(format!("world size {n} is not in 1..={}", wire::MAX_WORLD_SIZE)));
     }
     if rank >= n {
-        return Err(CommError::InvalidArgument(format!(
-            "rank {rank} >= world size {n}"
-        )));
+        return Err(CommError::InvalidArgument(format!("rank {rank} >= world size {n}")));
     }
     if cfg.token.len() > wire::MAX_TOKEN_LEN {
         return Err(CommError::InvalidArgument(format!(
@@ -278,9 +264,7 @@ fn validate(rank: usize, n: usize, cfg: &TcpConfig) -> Result<(), CommError> {
         )));
     }
     if cfg.timeout.is_zero() {
-        return Err(CommError::InvalidArgument(
-            "timeout must be positive".into(),
-        ));
+        return Err(CommError::InvalidArgument("timeout must be positive".into()));
     }
     Ok(())
 }
@@ -300,11 +284,7 @@ fn tune(s: &TcpStream, cfg: &TcpConfig) -> Result<(), CommError> {
 
 impl TcpComm {
     /// Rank 0: waits for the other `world_size - 1` ranks on `listener`, then builds the ring.
-    pub fn master(
-        listener: MasterListener,
-        world_size: usize,
-        cfg: TcpConfig,
-    ) -> Result<TcpComm, CommError> {
+    pub fn master(listener: MasterListener, world_size: usize, cfg: TcpConfig) -> Result<TcpComm, CommError> {
         validate(0, world_size, &cfg)?;
         let mut late = None;
         let mut comm = Self::setup(0, world_size, cfg, |cfg, ring_port| {
@@ -318,17 +298,10 @@ impl TcpComm {
     }
 
     /// Ranks 1..: registers with rank 0 at `master` (`host:port`), then builds the ring.
-    pub fn worker(
-        master: &str,
-        rank: usize,
-        world_size: usize,
-        cfg: TcpConfig,
-    ) -> Result<TcpComm, CommError> {
+    pub fn worker(master: &str, rank: usize, world_size: usize, cfg: TcpConfig) -> Result<TcpComm, CommError> {
         validate(rank, world_size, &cfg)?;
         if rank == 0 {
-            return Err(CommError::InvalidArgument(
-                "rank 0 is the master; use TcpComm::master".into(),
-            ));
+            return Err(CommError::InvalidArgument("rank 0 is the master; use TcpComm::master".into()));
         }
         let master = master.to_string();
         Self::setup(rank, world_size, cfg, |cfg, ring_port| {
@@ -337,10 +310,7 @@ impl TcpComm {
                 rank,
                 world_size,
                 cfg,
-                (
-                    rendezvous::advertised_host(cfg).unwrap_or_default(),
-                    ring_port,
-                ),
+                (rendezvous::advertised_host(cfg).unwrap_or_default(), ring_port),
             )
         })
     }
@@ -359,11 +329,8 @@ impl TcpComm {
         if let Some(w) = open_job_warning(env, &cfg) {
             notice(true, &w);
         }
-        let host = if env.master_addr.contains(':') {
-            format!("[{}]", env.master_addr)
-        } else {
-            env.master_addr.clone()
-        };
+        let host =
+            if env.master_addr.contains(':') { format!("[{}]", env.master_addr) } else { env.master_addr.clone() };
         let addr = format!("{host}:{}", env.master_port);
         if env.rank == 0 {
             if env.world_size == 1 {
@@ -397,22 +364,14 @@ impl TcpComm {
         if n == 1 {
             return Self::master_single(cfg);
         }
-        let ring_listener = TcpListener::bind((cfg.bind_ip, 0)).map_err(|e| {
-            CommError::io(format!("binding the ring listener on {}", cfg.bind_ip), e)
-        })?;
-        let port = ring_listener
-            .local_addr()
-            .map_err(|e| CommError::io("ring listener address", e))?
-            .port();
+        let ring_listener = TcpListener::bind((cfg.bind_ip, 0))
+            .map_err(|e| CommError::io(format!("binding the ring listener on {}", cfg.bind_ip), e))?;
+        let port = ring_listener.local_addr().map_err(|e| CommError::io("ring listener address", e))?.port();
         let table = rendezvous(&cfg, port)?;
         let (left, right) = rendezvous::connect_ring(&ring_listener, rank, n, &table, &cfg)?;
         tune(&left, &cfg)?;
         tune(&right, &cfg)?;
-        let name = |s: &TcpStream| {
-            s.peer_addr()
-                .map(|a| a.to_string())
-                .unwrap_or_else(|_| "?".into())
-        };
+        let name = |s: &TcpStream| s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
         let ring = Ring {
             left_addr: name(&left),
             right_addr: name(&right),
@@ -481,21 +440,11 @@ impl TcpComm {
             sender: self.rank as u32,
         };
         let during = format!("{name} seq {seq} ({len_bytes} bytes)");
-        let mut call = Call::new(
-            ring,
-            self.rank,
-            self.n,
-            self.cfg.timeout,
-            buf,
-            &mut self.scratch,
-            plan,
-            header,
-            during,
-        );
+        let mut call =
+            Call::new(ring, self.rank, self.n, self.cfg.timeout, buf, &mut self.scratch, plan, header, during);
         let res = call.run();
         let (sent, received) = (call.sent, call.received);
-        self.stats
-            .record(sent, received, start.elapsed().as_secs_f64());
+        self.stats.record(sent, received, start.elapsed().as_secs_f64());
         if let Err(e) = &res {
             self.broken = Some(e.to_string());
         }
@@ -524,25 +473,12 @@ impl Collective for TcpComm {
 
     fn all_reduce(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
         let plan = if self.n > 1 {
-            plan::all_reduce(
-                self.rank,
-                self.n,
-                buf.len(),
-                op == ReduceOp::Mean,
-                chunk_bytes(&self.cfg),
-            )
+            plan::all_reduce(self.rank, self.n, buf.len(), op == ReduceOp::Mean, chunk_bytes(&self.cfg))
         } else {
             Default::default()
         };
         let len = buf.len() * 4;
-        self.call(
-            wire::KIND_ALL_REDUCE,
-            op.code(),
-            0,
-            Buf::F32(buf),
-            len,
-            plan,
-        )
+        self.call(wire::KIND_ALL_REDUCE, op.code(), 0, Buf::F32(buf), len, plan)
     }
 
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
@@ -557,9 +493,7 @@ impl Collective for TcpComm {
         self.broadcast_raw(wire::KIND_BROADCAST_LEN, &mut len, root)?;
         let len = u64::from_le_bytes(len);
         if len > MAX_BROADCAST_BYTES as u64 {
-            let e = format!(
-                "rank {root} broadcasts {len} bytes, more than the bound {MAX_BROADCAST_BYTES}"
-            );
+            let e = format!("rank {root} broadcasts {len} bytes, more than the bound {MAX_BROADCAST_BYTES}");
             self.broken = Some(e.clone());
             return Err(CommError::InvalidArgument(e));
         }
@@ -577,21 +511,11 @@ impl Collective for TcpComm {
         } else {
             Default::default()
         };
-        self.call(
-            wire::KIND_BARRIER,
-            ReduceOp::Sum.code(),
-            0,
-            Buf::F32(&mut one),
-            4,
-            plan,
-        )?;
+        self.call(wire::KIND_BARRIER, ReduceOp::Sum.code(), 0, Buf::F32(&mut one), 4, plan)?;
         if one[0] != self.n as f32 {
             let e = format!("barrier counted {} ranks, expected {}", one[0], self.n);
             self.broken = Some(e.clone());
-            return Err(CommError::Protocol {
-                peer: "the ring".into(),
-                detail: e,
-            });
+            return Err(CommError::Protocol { peer: "the ring".into(), detail: e });
         }
         Ok(())
     }
@@ -662,12 +586,7 @@ mod tests {
             ("tok", Duration::from_millis(2500), "0.0.0.0".to_string())
         );
         let bad = |k: &str| (k == "QSR_COMM_TIMEOUT_SECS").then(|| "-1".to_string());
-        assert!(
-            TcpConfig::from_env(&bad)
-                .unwrap_err()
-                .to_string()
-                .contains("QSR_COMM_TIMEOUT_SECS=-1")
-        );
+        assert!(TcpConfig::from_env(&bad).unwrap_err().to_string().contains("QSR_COMM_TIMEOUT_SECS=-1"));
         assert_ne!(random_token(), random_token());
         assert_eq!(random_token().len(), 32);
     }
@@ -684,27 +603,14 @@ mod tests {
         };
         let open = TcpConfig::default();
         let w = open_job_warning(&env("0.0.0.0", 2), &open).expect("open launch");
-        assert!(
-            w.contains("QSR_JOB_TOKEN is not set and MASTER_ADDR=0.0.0.0"),
-            "{w}"
-        );
+        assert!(w.contains("QSR_JOB_TOKEN is not set and MASTER_ADDR=0.0.0.0"), "{w}");
         for loopback in ["127.0.0.1", "::1", "[::1]", "localhost"] {
-            assert_eq!(
-                open_job_warning(&env(loopback, 2), &open),
-                None,
-                "{loopback}"
-            );
+            assert_eq!(open_job_warning(&env(loopback, 2), &open), None, "{loopback}");
         }
         assert_eq!(open_job_warning(&env("0.0.0.0", 1), &open), None);
-        let secret = TcpConfig {
-            token: "s".into(),
-            ..TcpConfig::default()
-        };
+        let secret = TcpConfig { token: "s".into(), ..TcpConfig::default() };
         assert_eq!(open_job_warning(&env("0.0.0.0", 2), &secret), None);
-        let exposed_ring = TcpConfig {
-            bind_ip: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-            ..TcpConfig::default()
-        };
+        let exposed_ring = TcpConfig { bind_ip: IpAddr::V4(Ipv4Addr::UNSPECIFIED), ..TcpConfig::default() };
         let w = open_job_warning(&env("127.0.0.1", 2), &exposed_ring).expect("ring port open");
         assert!(w.contains("QSR_BIND_ADDR=0.0.0.0"), "{w}");
     }
@@ -725,10 +631,7 @@ mod tests {
         c.barrier().unwrap();
         let mut b = b"hi".to_vec();
         c.broadcast_bytes(&mut b, 0).unwrap();
-        assert_eq!(
-            (v, b, c.stats().calls),
-            (vec![1.5, -2.0], b"hi".to_vec(), 4)
-        );
+        assert_eq!((v, b, c.stats().calls), (vec![1.5, -2.0], b"hi".to_vec(), 4));
         assert!(c.broadcast(&mut [0.0], 1).is_err());
     }
 }

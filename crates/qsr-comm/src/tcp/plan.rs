@@ -79,23 +79,13 @@ pub(crate) fn all_reduce(rank: usize, n: usize, len: usize, mean: bool, chunk: u
     for s in 0..n - 1 {
         tmp.clear();
         blocks(seg(rank + 2 * n - s - 1), 4, chunk, &mut tmp);
-        let action = if s == n - 2 && mean {
-            Action::ReduceMean
-        } else {
-            Action::Reduce
-        };
-        recv.extend(tmp.iter().map(|r| RecvBlock {
-            range: r.clone(),
-            action,
-        }));
+        let action = if s == n - 2 && mean { Action::ReduceMean } else { Action::Reduce };
+        recv.extend(tmp.iter().map(|r| RecvBlock { range: r.clone(), action }));
     }
     for t in 0..n - 1 {
         tmp.clear();
         blocks(seg(rank + n - t), 4, chunk, &mut tmp);
-        recv.extend(tmp.iter().map(|r| RecvBlock {
-            range: r.clone(),
-            action: Action::Copy,
-        }));
+        recv.extend(tmp.iter().map(|r| RecvBlock { range: r.clone(), action: Action::Copy }));
     }
     // The last all-gather segment is not forwarded: its next hop is the rank that owns it.
     tmp.clear();
@@ -104,19 +94,8 @@ pub(crate) fn all_reduce(rank: usize, n: usize, len: usize, mean: bool, chunk: u
     let mut send = Vec::new();
     tmp.clear();
     blocks(seg(rank), 4, chunk, &mut tmp);
-    send.extend(tmp.iter().map(|r| SendBlock {
-        range: r.clone(),
-        after: 0,
-    }));
-    send.extend(
-        recv[..forwarded]
-            .iter()
-            .enumerate()
-            .map(|(i, b)| SendBlock {
-                range: b.range.clone(),
-                after: i + 1,
-            }),
-    );
+    send.extend(tmp.iter().map(|r| SendBlock { range: r.clone(), after: 0 }));
+    send.extend(recv[..forwarded].iter().enumerate().map(|(i, b)| SendBlock { range: b.range.clone(), after: i + 1 }));
     Plan { send, recv }
 }
 
@@ -125,31 +104,13 @@ pub(crate) fn broadcast(rank: usize, n: usize, root: usize, bytes: usize, chunk:
     let mut all = Vec::new();
     blocks(0..bytes, 1, chunk, &mut all);
     if rank == root {
-        return Plan {
-            send: all
-                .into_iter()
-                .map(|range| SendBlock { range, after: 0 })
-                .collect(),
-            recv: Vec::new(),
-        };
+        return Plan { send: all.into_iter().map(|range| SendBlock { range, after: 0 }).collect(), recv: Vec::new() };
     }
-    let recv: Vec<RecvBlock> = all
-        .iter()
-        .map(|r| RecvBlock {
-            range: r.clone(),
-            action: Action::Copy,
-        })
-        .collect();
+    let recv: Vec<RecvBlock> = all.iter().map(|r| RecvBlock { range: r.clone(), action: Action::Copy }).collect();
     let send = if (rank + 1) % n == root {
         Vec::new()
     } else {
-        all.into_iter()
-            .enumerate()
-            .map(|(i, range)| SendBlock {
-                range,
-                after: i + 1,
-            })
-            .collect()
+        all.into_iter().enumerate().map(|(i, range)| SendBlock { range, after: i + 1 }).collect()
     };
     Plan { send, recv }
 }
@@ -166,8 +127,7 @@ mod tests {
         for n in 2..=6 {
             for len in [0usize, 1, 2, 3, 5, 7, 64, 1000, 1003] {
                 for chunk in [4usize, 12, 4096] {
-                    let plans: Vec<Plan> =
-                        (0..n).map(|r| all_reduce(r, n, len, true, chunk)).collect();
+                    let plans: Vec<Plan> = (0..n).map(|r| all_reduce(r, n, len, true, chunk)).collect();
                     for r in 0..n {
                         let right = &plans[(r + 1) % n];
                         let sent: Vec<_> = plans[r].send.iter().map(|b| b.range.clone()).collect();
@@ -182,8 +142,7 @@ mod tests {
                     let mut state: Vec<Vec<u64>> = (0..n).map(|r| vec![1u64 << r; len]).collect();
                     let mut recv_done = vec![0usize; n];
                     let mut sent = vec![0usize; n];
-                    let mut inflight: Vec<std::collections::VecDeque<Vec<u64>>> =
-                        vec![Default::default(); n];
+                    let mut inflight: Vec<std::collections::VecDeque<Vec<u64>>> = vec![Default::default(); n];
                     let mut progress = true;
                     while progress {
                         progress = false;
@@ -191,8 +150,7 @@ mod tests {
                             let p = &plans[r];
                             while sent[r] < p.send.len() && p.send[sent[r]].after <= recv_done[r] {
                                 let b = &p.send[sent[r]].range;
-                                inflight[(r + 1) % n]
-                                    .push_back(state[r][b.start / 4..b.end / 4].to_vec());
+                                inflight[(r + 1) % n].push_back(state[r][b.start / 4..b.end / 4].to_vec());
                                 sent[r] += 1;
                                 progress = true;
                             }
@@ -213,15 +171,8 @@ mod tests {
                     }
                     let full = (1u64 << n) - 1;
                     for r in 0..n {
-                        assert_eq!(
-                            recv_done[r],
-                            plans[r].recv.len(),
-                            "deadlock n {n} len {len}"
-                        );
-                        assert!(
-                            state[r].iter().all(|&m| m == full),
-                            "n {n} len {len} rank {r}"
-                        );
+                        assert_eq!(recv_done[r], plans[r].recv.len(), "deadlock n {n} len {len}");
+                        assert!(state[r].iter().all(|&m| m == full), "n {n} len {len} rank {r}");
                     }
                 }
             }
@@ -235,11 +186,7 @@ mod tests {
                 let plans: Vec<Plan> = (0..n).map(|r| broadcast(r, n, root, 10, 4)).collect();
                 for r in 0..n {
                     let sent: Vec<_> = plans[r].send.iter().map(|b| b.range.clone()).collect();
-                    let got: Vec<_> = plans[(r + 1) % n]
-                        .recv
-                        .iter()
-                        .map(|b| b.range.clone())
-                        .collect();
+                    let got: Vec<_> = plans[(r + 1) % n].recv.iter().map(|b| b.range.clone()).collect();
                     assert_eq!(sent, got);
                 }
                 assert_eq!(plans[root].recv.len(), 0);

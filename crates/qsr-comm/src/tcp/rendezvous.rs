@@ -40,11 +40,7 @@ const MASTER_HINT: &str = "; rank 0 has not started, MASTER_ADDR:MASTER_PORT poi
 
 /// Seconds for progress lines: one decimal below 10 s.
 fn secs(d: Duration) -> String {
-    if d < Duration::from_secs(10) {
-        format!("{:.1} s", d.as_secs_f64())
-    } else {
-        format!("{} s", d.as_secs())
-    }
+    if d < Duration::from_secs(10) { format!("{:.1} s", d.as_secs_f64()) } else { format!("{} s", d.as_secs()) }
 }
 
 /// Progress lines of one wait, so that a long rendezvous is never silent.
@@ -57,16 +53,9 @@ struct Waiting {
 
 impl Waiting {
     fn new(total: Duration) -> Waiting {
-        let every = PROGRESS_EVERY
-            .min(total / 4)
-            .max(Duration::from_millis(100));
+        let every = PROGRESS_EVERY.min(total / 4).max(Duration::from_millis(100));
         let start = Instant::now();
-        Waiting {
-            start,
-            total,
-            every,
-            due: start + every,
-        }
+        Waiting { start, total, every, due: start + every }
     }
 
     /// When the next line is due.
@@ -96,10 +85,7 @@ impl Backoff {
     }
 
     fn sleep(&mut self, deadline: Instant) {
-        std::thread::sleep(
-            self.0
-                .min(deadline.saturating_duration_since(Instant::now())),
-        );
+        std::thread::sleep(self.0.min(deadline.saturating_duration_since(Instant::now())));
         self.0 = (self.0 * 2).min(Duration::from_secs(1));
     }
 }
@@ -121,16 +107,8 @@ fn refuse(s: &mut TcpStream, field: Field, message: String, timeout: Duration) {
 }
 
 /// Refuses a hello of another protocol version; returns the message sent.
-fn refuse_version(
-    mut s: TcpStream,
-    peer: SocketAddr,
-    me: usize,
-    theirs: u32,
-    timeout: Duration,
-) -> String {
-    let message = format!(
-        "protocol version differs: rank {me} speaks {PROTOCOL_VERSION}, the hello sent {theirs}"
-    );
+fn refuse_version(mut s: TcpStream, peer: SocketAddr, me: usize, theirs: u32, timeout: Duration) -> String {
+    let message = format!("protocol version differs: rank {me} speaks {PROTOCOL_VERSION}, the hello sent {theirs}");
     tracing::warn!(%peer, "{message}");
     refuse(&mut s, Field::Version, message.clone(), timeout);
     message
@@ -138,31 +116,17 @@ fn refuse_version(
 
 /// Checks a hello against this job; `Err((field, message))` is sent back as a refusal. Messages
 /// name the field themselves (the error shows them as they are).
-fn check_hello(
-    h: &Hello,
-    purpose: Purpose,
-    cfg: &TcpConfig,
-    n: usize,
-) -> Result<(), (Field, String)> {
+fn check_hello(h: &Hello, purpose: Purpose, cfg: &TcpConfig, n: usize) -> Result<(), (Field, String)> {
     if h.purpose != purpose {
-        return Err((
-            Field::Other,
-            format!("expected a {:?} hello, got {:?}", purpose, h.purpose),
-        ));
+        return Err((Field::Other, format!("expected a {:?} hello, got {:?}", purpose, h.purpose)));
     }
     if !same_token(&h.token, cfg.token.as_bytes()) {
-        return Err((
-            Field::Token,
-            "job token differs (is this rank from another job or launch?)".into(),
-        ));
+        return Err((Field::Token, "job token differs (is this rank from another job or launch?)".into()));
     }
     if h.world_size as usize != n {
         return Err((
             Field::WorldSize,
-            format!(
-                "world size differs: this job has {n}, rank {} sent {}",
-                h.rank, h.world_size
-            ),
+            format!("world size differs: this job has {n}, rank {} sent {}", h.rank, h.world_size),
         ));
     }
     Ok(())
@@ -170,10 +134,7 @@ fn check_hello(
 
 fn out_of_range(r: usize, n: usize) -> Result<(), (Field, String)> {
     if r == 0 || r >= n {
-        return Err((
-            Field::Rank,
-            format!("rank {r} is out of range 1..{n} for registration"),
-        ));
+        return Err((Field::Rank, format!("rank {r} is out of range 1..{n} for registration")));
     }
     Ok(())
 }
@@ -213,14 +174,7 @@ struct Registry<'a> {
 
 impl<'a> Registry<'a> {
     fn new(n: usize, cfg: &'a TcpConfig, addr: String) -> Self {
-        Registry {
-            n,
-            cfg,
-            addr,
-            slots: (0..n).map(|_| None).collect(),
-            count: 1,
-            refusals: Vec::new(),
-        }
+        Registry { n, cfg, addr, slots: (0..n).map(|_| None).collect(), count: 1, refusals: Vec::new() }
     }
 
     fn missing(&self) -> Vec<usize> {
@@ -251,17 +205,8 @@ impl<'a> Registry<'a> {
             self.refusals.push(format!("{peer}: {message}"));
             return;
         }
-        let host = if h.host.is_empty() {
-            peer.ip().to_string()
-        } else {
-            h.host
-        };
-        let joined = Joined {
-            s,
-            peer,
-            host,
-            port: h.port,
-        };
+        let host = if h.host.is_empty() { peer.ip().to_string() } else { h.host };
+        let joined = Joined { s, peer, host, port: h.port };
         if self.slots[r].replace(joined).is_none() {
             self.count += 1;
         }
@@ -270,10 +215,9 @@ impl<'a> Registry<'a> {
     /// A second registration of a rank is refused while the first one's connection is open.
     fn duplicate(&self, r: usize) -> Result<(), (Field, String)> {
         match &self.slots[r] {
-            Some(first) if !closed(&first.s) => Err((
-                Field::Rank,
-                format!("rank {r} is already registered from {}", first.peer),
-            )),
+            Some(first) if !closed(&first.s) => {
+                Err((Field::Rank, format!("rank {r} is already registered from {}", first.peer)))
+            }
             Some(first) => {
                 tracing::info!(rank = r, first = %first.peer, "rank re-registered after closing");
                 Ok(())
@@ -287,10 +231,7 @@ impl<'a> Registry<'a> {
     fn prune_closed(&mut self) {
         for (r, slot) in self.slots.iter_mut().enumerate() {
             if slot.as_ref().is_some_and(|j| closed(&j.s)) {
-                tracing::info!(
-                    rank = r,
-                    "a registered rank closed its connection; waiting for it again"
-                );
+                tracing::info!(rank = r, "a registered rank closed its connection; waiting for it again");
                 *slot = None;
                 self.count -= 1;
             }
@@ -333,22 +274,14 @@ impl<'a> Registry<'a> {
                 .unwrap_or_else(|| "127.0.0.1".into())
         });
         let mut table = vec![(own_host, own_ring.1)];
-        table.extend(self.slots.iter().skip(1).map(|j| {
-            j.as_ref()
-                .map(|j| (j.host.clone(), j.port))
-                .unwrap_or_default()
-        }));
-        let reply = Reply::Accepted {
-            table: table.clone(),
-        };
+        table.extend(
+            self.slots.iter().skip(1).map(|j| j.as_ref().map(|j| (j.host.clone(), j.port)).unwrap_or_default()),
+        );
+        let reply = Reply::Accepted { table: table.clone() };
         for j in self.slots.iter_mut().skip(1).flatten() {
             send_reply(&mut j.s, &reply, self.cfg.hello_timeout);
         }
-        let joined = self
-            .slots
-            .iter()
-            .map(|j| j.as_ref().map(|j| j.peer.to_string()).unwrap_or_default())
-            .collect();
+        let joined = self.slots.iter().map(|j| j.as_ref().map(|j| j.peer.to_string()).unwrap_or_default()).collect();
         (table, joined)
     }
 }
@@ -363,9 +296,7 @@ pub(crate) fn serve(
 ) -> Result<(Table, Vec<String>), CommError> {
     let deadline = Instant::now() + cfg.rendezvous_timeout;
     let mut acc = Acceptor::new(listener, cfg.hello_timeout)?;
-    let addr = listener
-        .local_addr()
-        .map_or_else(|_| "?".into(), |a| a.to_string());
+    let addr = listener.local_addr().map_or_else(|_| "?".into(), |a| a.to_string());
     let mut reg = Registry::new(n, cfg, addr);
     let mut wait = Waiting::new(cfg.rendezvous_timeout);
     while reg.count < n {
@@ -390,12 +321,7 @@ pub(crate) struct LateRefuser {
 
 impl LateRefuser {
     /// Serves `listener` on a thread; `joined[r]` is where rank r registered from.
-    pub(crate) fn spawn(
-        listener: TcpListener,
-        n: usize,
-        cfg: &TcpConfig,
-        joined: Vec<String>,
-    ) -> Option<LateRefuser> {
+    pub(crate) fn spawn(listener: TcpListener, n: usize, cfg: &TcpConfig, joined: Vec<String>) -> Option<LateRefuser> {
         let stop = Arc::new(AtomicBool::new(false));
         let (flag, cfg) = (Arc::clone(&stop), cfg.clone());
         let spawned = std::thread::Builder::new()
@@ -417,13 +343,7 @@ impl Drop for LateRefuser {
     }
 }
 
-fn refuse_late(
-    listener: &TcpListener,
-    n: usize,
-    cfg: &TcpConfig,
-    joined: &[String],
-    stop: &AtomicBool,
-) {
+fn refuse_late(listener: &TcpListener, n: usize, cfg: &TcpConfig, joined: &[String], stop: &AtomicBool) {
     let Ok(mut acc) = Acceptor::new(listener, cfg.hello_timeout) else {
         return;
     };
@@ -482,9 +402,7 @@ fn connect_retry(
             }
         };
         for a in &addrs {
-            let left = deadline
-                .saturating_duration_since(Instant::now())
-                .max(Duration::from_millis(1));
+            let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
             match TcpStream::connect_timeout(a, left.min(Duration::from_secs(5))) {
                 Ok(s) => return Ok(s),
                 // The address only where it says more than the target does.
@@ -498,21 +416,13 @@ fn connect_retry(
                 wait.total
             )));
         }
-        wait.tick(
-            &format!("rank {me}: waiting for {name} at {target}"),
-            &last_err,
-        );
+        wait.tick(&format!("rank {me}: waiting for {name} at {target}"), &last_err);
         backoff.sleep(deadline);
     }
 }
 
 /// Fills `buf` by `deadline`, calling `idle` whenever a second passes without data.
-fn read_full(
-    s: &mut TcpStream,
-    buf: &mut [u8],
-    deadline: Instant,
-    idle: &mut dyn FnMut(),
-) -> io::Result<()> {
+fn read_full(s: &mut TcpStream, buf: &mut [u8], deadline: Instant, idle: &mut dyn FnMut()) -> io::Result<()> {
     let mut got = 0;
     while got < buf.len() {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -556,9 +466,7 @@ impl ReplyFail {
                      already complete, or was our hello not understood?"
                 ),
             },
-            ReplyFail::TimedOut(waited) => {
-                CommError::Rendezvous(format!("no reply from {peer} within {waited:?}"))
-            }
+            ReplyFail::TimedOut(waited) => CommError::Rendezvous(format!("no reply from {peer} within {waited:?}")),
             ReplyFail::Err(e) => e,
         }
     }
@@ -573,12 +481,7 @@ fn read_reply(
     idle: &mut dyn FnMut(),
 ) -> Result<Reply, ReplyFail> {
     let waited = deadline.saturating_duration_since(Instant::now());
-    let proto = |detail: String| {
-        ReplyFail::Err(CommError::Protocol {
-            peer: peer.to_string(),
-            detail,
-        })
-    };
+    let proto = |detail: String| ReplyFail::Err(CommError::Protocol { peer: peer.to_string(), detail });
     let mut prefix = [0u8; PREFIX_LEN];
     read_full(s, &mut prefix, deadline, idle).map_err(|e| ReplyFail::from_io(e, waited))?;
     let p = wire::decode_prefix(&prefix, &wire::REPLY_MAGIC, Reply::max_body(max_entries))
@@ -587,26 +490,15 @@ fn read_reply(
         return Err(ReplyFail::Err(CommError::HandshakeRefused {
             peer: peer.to_string(),
             field: Field::Version.name(),
-            detail: format!(
-                "protocol version differs: it speaks {}, we speak {PROTOCOL_VERSION}",
-                p.version
-            ),
+            detail: format!("protocol version differs: it speaks {}, we speak {PROTOCOL_VERSION}", p.version),
         }));
     }
     let mut body = vec![0u8; p.body_len];
-    read_full(s, &mut body, deadline, &mut || {})
-        .map_err(|e| proto(format!("reply body incomplete: {e}")))?;
+    read_full(s, &mut body, deadline, &mut || {}).map_err(|e| proto(format!("reply body incomplete: {e}")))?;
     Reply::decode_body(&body, max_entries).map_err(|e| proto(e.to_string()))
 }
 
-fn hello(
-    cfg: &TcpConfig,
-    purpose: Purpose,
-    n: usize,
-    rank: usize,
-    host: String,
-    port: u16,
-) -> Hello {
+fn hello(cfg: &TcpConfig, purpose: Purpose, n: usize, rank: usize, host: String, port: u16) -> Hello {
     Hello {
         version: cfg.protocol_version,
         purpose,
@@ -643,40 +535,28 @@ impl Registrant<'_> {
         let (host, port) = self.own_ring.clone();
         s.write_all(&hello(self.cfg, Purpose::Register, n, rank, host, port).encode())
             .map_err(|e| Attempt::Retry(format!("sending the registration: {e}")))?;
-        let what = format!(
-            "rank {rank}: registered with rank 0 at {}, waiting for the other ranks",
-            self.master
-        );
+        let what = format!("rank {rank}: registered with rank 0 at {}, waiting for the other ranks", self.master);
         let mut idle = || wait.tick(&what, "");
         let reply = read_reply(&mut s, &self.peer, n, self.deadline, &mut idle);
         match reply {
-            Err(ReplyFail::Closed(e)) => Err(Attempt::Retry(format!(
-                "rank 0 closed the connection before answering ({e})"
-            ))),
-            Err(ReplyFail::TimedOut(waited)) => {
-                Err(Attempt::Fatal(CommError::Rendezvous(format!(
-                    "registered with {}, but it sent no address table within {waited:?}: \
+            Err(ReplyFail::Closed(e)) => {
+                Err(Attempt::Retry(format!("rank 0 closed the connection before answering ({e})")))
+            }
+            Err(ReplyFail::TimedOut(waited)) => Err(Attempt::Fatal(CommError::Rendezvous(format!(
+                "registered with {}, but it sent no address table within {waited:?}: \
                      some other rank did not register (rank 0's error names it)",
-                    self.peer
-                ))))
-            }
+                self.peer
+            )))),
             Err(ReplyFail::Err(e)) => Err(Attempt::Fatal(e)),
-            Ok(Reply::Refused { field, message }) => {
-                Err(Attempt::Fatal(CommError::HandshakeRefused {
-                    peer: self.peer.clone(),
-                    field: field.name(),
-                    detail: message,
-                }))
-            }
-            Ok(Reply::Accepted { table }) if table.len() != n => {
-                Err(Attempt::Fatal(CommError::Protocol {
-                    peer: self.peer.clone(),
-                    detail: format!(
-                        "address table has {} entries for world size {n}",
-                        table.len()
-                    ),
-                }))
-            }
+            Ok(Reply::Refused { field, message }) => Err(Attempt::Fatal(CommError::HandshakeRefused {
+                peer: self.peer.clone(),
+                field: field.name(),
+                detail: message,
+            })),
+            Ok(Reply::Accepted { table }) if table.len() != n => Err(Attempt::Fatal(CommError::Protocol {
+                peer: self.peer.clone(),
+                detail: format!("address table has {} entries for world size {n}", table.len()),
+            })),
             Ok(Reply::Accepted { table }) => Ok(table),
         }
     }
@@ -715,10 +595,7 @@ pub(crate) fn register(
                 me.peer, cfg.rendezvous_timeout
             )));
         }
-        wait.tick(
-            &format!("rank {rank}: waiting for rank 0 at {master}"),
-            &why,
-        );
+        wait.tick(&format!("rank {rank}: waiting for rank 0 at {master}"), &why);
         backoff.sleep(me.deadline);
     }
 }
@@ -735,35 +612,26 @@ pub(crate) fn connect_ring(
     let mut wait = Waiting::new(cfg.rendezvous_timeout);
     let right_rank = (rank + 1) % n;
     let (host, port) = &table[right_rank];
-    let target = if host.contains(':') {
-        format!("[{host}]:{port}")
-    } else {
-        format!("{host}:{port}")
-    };
+    let target = if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") };
     let right_name = format!("rank {right_rank} ({target})");
     let name = format!("ring neighbour rank {right_rank}");
     let mut right = connect_retry(&target, &name, rank, deadline, &mut wait, "")?;
-    right
-        .set_write_timeout(Some(cfg.hello_timeout))
-        .map_err(|e| CommError::io("socket setup", e))?;
-    right
-        .write_all(&hello(cfg, Purpose::Ring, n, rank, String::new(), 0).encode())
-        .map_err(|e| CommError::PeerLost {
+    right.set_write_timeout(Some(cfg.hello_timeout)).map_err(|e| CommError::io("socket setup", e))?;
+    right.write_all(&hello(cfg, Purpose::Ring, n, rank, String::new(), 0).encode()).map_err(|e| {
+        CommError::PeerLost {
             rank: right_rank,
             addr: target.clone(),
             during: "ring setup".into(),
             detail: e.to_string(),
-        })?;
+        }
+    })?;
     let left = accept_left(listener, rank, n, cfg, deadline, &mut wait)?;
-    let reply = read_reply(&mut right, &right_name, 0, deadline, &mut || {})
-        .map_err(|f| f.into_err(&right_name))?;
+    let reply = read_reply(&mut right, &right_name, 0, deadline, &mut || {}).map_err(|f| f.into_err(&right_name))?;
     match reply {
         Reply::Accepted { .. } => Ok((left, right)),
-        Reply::Refused { field, message } => Err(CommError::HandshakeRefused {
-            peer: right_name,
-            field: field.name(),
-            detail: message,
-        }),
+        Reply::Refused { field, message } => {
+            Err(CommError::HandshakeRefused { peer: right_name, field: field.name(), detail: message })
+        }
     }
 }
 
@@ -771,13 +639,7 @@ fn is_left(h: &Hello, rank: usize, left_rank: usize) -> Result<(), (Field, Strin
     if h.rank as usize == left_rank {
         return Ok(());
     }
-    Err((
-        Field::Rank,
-        format!(
-            "rank {rank} expects its left neighbour rank {left_rank}, got rank {}",
-            h.rank
-        ),
-    ))
+    Err((Field::Rank, format!("rank {rank} expects its left neighbour rank {left_rank}, got rank {}", h.rank)))
 }
 
 /// Accepts the left neighbour's ring connection, refusing anyone else.
@@ -799,8 +661,7 @@ fn accept_left(
                     cfg.rendezvous_timeout
                 )));
             }
-            let what =
-                format!("rank {rank}: waiting for ring neighbour rank {left_rank} to connect");
+            let what = format!("rank {rank}: waiting for ring neighbour rank {left_rank} to connect");
             wait.tick(&what, "");
             continue;
         };
@@ -821,11 +682,7 @@ fn accept_left(
                 refuse(&mut s, field, message, cfg.hello_timeout);
             }
             Ok(()) => {
-                send_reply(
-                    &mut s,
-                    &Reply::Accepted { table: Vec::new() },
-                    cfg.hello_timeout,
-                );
+                send_reply(&mut s, &Reply::Accepted { table: Vec::new() }, cfg.hello_timeout);
                 return Ok(s);
             }
         }
@@ -860,15 +717,9 @@ mod tests {
     #[test]
     fn progress_lines_come_at_most_every_ten_seconds() {
         assert_eq!(Waiting::new(Duration::from_secs(300)).every, PROGRESS_EVERY);
+        assert_eq!(Waiting::new(Duration::from_secs(2)).every, Duration::from_millis(500));
         assert_eq!(
-            Waiting::new(Duration::from_secs(2)).every,
-            Duration::from_millis(500)
-        );
-        assert_eq!(
-            (
-                secs(Duration::from_millis(2500)),
-                secs(Duration::from_secs(300))
-            ),
+            (secs(Duration::from_millis(2500)), secs(Duration::from_secs(300))),
             ("2.5 s".to_string(), "300 s".to_string())
         );
     }

@@ -10,13 +10,7 @@ use rand_chacha::ChaCha8Rng;
 /// Buffer lengths every backend is tested with for world size `n`: empty, one element, fewer
 /// elements than ranks, not divisible by the world size, and several MiB.
 pub fn lengths(n: usize) -> Vec<usize> {
-    let mut v = vec![
-        0,
-        1,
-        n.saturating_sub(1),
-        1000 * n + 3,
-        (3 << 20) / 4 + 2 * n + 1,
-    ];
+    let mut v = vec![0, 1, n.saturating_sub(1), 1000 * n + 3, (3 << 20) / 4 + 2 * n + 1];
     v.dedup();
     v
 }
@@ -24,9 +18,7 @@ pub fn lengths(n: usize) -> Vec<usize> {
 /// Rank `rank`'s input: seeded, values of mixed sign and magnitude.
 pub fn input(seed: u64, rank: usize, len: usize) -> Vec<f32> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ ((rank as u64 + 1) << 32));
-    (0..len)
-        .map(|_| rng.random_range(-1.0f32..1.0) * if rng.random_bool(0.1) { 1000.0 } else { 1.0 })
-        .collect()
+    (0..len).map(|_| rng.random_range(-1.0f32..1.0) * if rng.random_bool(0.1) { 1000.0 } else { 1.0 }).collect()
 }
 
 /// Checks `got` (the result on every rank) against an f64 reference of the inputs, bit-identity
@@ -37,33 +29,17 @@ pub fn check(inputs: &[Vec<f32>], got: &[Vec<f32>], op: ReduceOp, what: &str) {
     for (r, g) in got.iter().enumerate() {
         assert_eq!(g.len(), len, "{what}: rank {r} length");
         for i in 0..len {
-            assert_eq!(
-                g[i].to_bits(),
-                got[0][i].to_bits(),
-                "{what}: rank {r} differs from rank 0 at {i}"
-            );
+            assert_eq!(g[i].to_bits(), got[0][i].to_bits(), "{what}: rank {r} differs from rank 0 at {i}");
         }
     }
     for i in 0..len {
         let sum: f64 = inputs.iter().map(|x| f64::from(x[i])).sum();
         let abs: f64 = inputs.iter().map(|x| f64::from(x[i]).abs()).sum();
-        let want = if op == ReduceOp::Mean {
-            sum / k as f64
-        } else {
-            sum
-        };
-        let scale = if op == ReduceOp::Mean {
-            abs / k as f64
-        } else {
-            abs
-        };
+        let want = if op == ReduceOp::Mean { sum / k as f64 } else { sum };
+        let scale = if op == ReduceOp::Mean { abs / k as f64 } else { abs };
         let tol = scale * f64::from(f32::EPSILON) * (k as f64 + 1.0) + 1e-30;
         let diff = (f64::from(got[0][i]) - want).abs();
-        assert!(
-            diff <= tol,
-            "{what}: element {i}: got {} want {want} (tol {tol})",
-            got[0][i]
-        );
+        assert!(diff <= tol, "{what}: element {i}: got {} want {want} (tol {tol})", got[0][i]);
     }
 }
 
@@ -82,10 +58,7 @@ where
             std::thread::spawn(move || f(c))
         })
         .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("rank thread panicked"))
-        .collect()
+    handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
 }
 
 pub fn test_config() -> TcpConfig {
@@ -111,11 +84,7 @@ pub fn tcp_group(n: usize, cfg: TcpConfig) -> Vec<TcpComm> {
     let master = TcpComm::master(listener, n, cfg);
     let mut out = vec![master.expect("rank 0 setup")];
     for (i, w) in workers.into_iter().enumerate() {
-        out.push(
-            w.join()
-                .expect("join")
-                .unwrap_or_else(|e| panic!("rank {} setup: {e}", i + 1)),
-        );
+        out.push(w.join().expect("join").unwrap_or_else(|e| panic!("rank {} setup: {e}", i + 1)));
     }
     out
 }
@@ -124,48 +93,31 @@ pub fn tcp_group(n: usize, cfg: TcpConfig) -> Vec<TcpComm> {
 pub fn matrix<C: Collective + 'static>(make: impl Fn(usize) -> Vec<C>, sizes: &[usize]) {
     for &n in sizes {
         let comms = make(n);
-        let results = on_threads(
-            comms,
-            move |mut c| -> Result<Vec<(String, Vec<f32>)>, CommError> {
-                let mut out = Vec::new();
-                let r = c.rank();
-                for (li, len) in lengths(n).into_iter().enumerate() {
-                    for op in [ReduceOp::Sum, ReduceOp::Mean] {
-                        let mut buf = input(li as u64, r, len);
-                        c.all_reduce(&mut buf, op)?;
-                        out.push((format!("n {n} len {len} {op:?}"), buf));
-                    }
-                    for root in [0, n - 1] {
-                        let mut buf = input(100 + li as u64, r, len);
-                        c.broadcast(&mut buf, root)?;
-                        out.push((format!("n {n} len {len} broadcast root {root}"), buf));
-                    }
+        let results = on_threads(comms, move |mut c| -> Result<Vec<(String, Vec<f32>)>, CommError> {
+            let mut out = Vec::new();
+            let r = c.rank();
+            for (li, len) in lengths(n).into_iter().enumerate() {
+                for op in [ReduceOp::Sum, ReduceOp::Mean] {
+                    let mut buf = input(li as u64, r, len);
+                    c.all_reduce(&mut buf, op)?;
+                    out.push((format!("n {n} len {len} {op:?}"), buf));
                 }
-                c.barrier()?;
-                let mut bytes = if r == n / 2 {
-                    b"config: h_base=4".to_vec()
-                } else {
-                    vec![7u8; 3]
-                };
-                c.broadcast_bytes(&mut bytes, n / 2)?;
-                out.push((
-                    "bytes".into(),
-                    bytes.iter().map(|&b| f32::from(b)).collect(),
-                ));
-                let s = *c.stats();
-                assert!(
-                    s.calls >= (lengths(n).len() * 4 + 2) as u64,
-                    "stats.calls {}",
-                    s.calls
-                );
-                Ok(out)
-            },
-        );
-        let results: Vec<Vec<(String, Vec<f32>)>> = results
-            .into_iter()
-            .enumerate()
-            .map(|(r, x)| x.unwrap_or_else(|e| panic!("rank {r}: {e}")))
-            .collect();
+                for root in [0, n - 1] {
+                    let mut buf = input(100 + li as u64, r, len);
+                    c.broadcast(&mut buf, root)?;
+                    out.push((format!("n {n} len {len} broadcast root {root}"), buf));
+                }
+            }
+            c.barrier()?;
+            let mut bytes = if r == n / 2 { b"config: h_base=4".to_vec() } else { vec![7u8; 3] };
+            c.broadcast_bytes(&mut bytes, n / 2)?;
+            out.push(("bytes".into(), bytes.iter().map(|&b| f32::from(b)).collect()));
+            let s = *c.stats();
+            assert!(s.calls >= (lengths(n).len() * 4 + 2) as u64, "stats.calls {}", s.calls);
+            Ok(out)
+        });
+        let results: Vec<Vec<(String, Vec<f32>)>> =
+            results.into_iter().enumerate().map(|(r, x)| x.unwrap_or_else(|e| panic!("rank {r}: {e}"))).collect();
         let mut idx = 0;
         for (li, len) in lengths(n).into_iter().enumerate() {
             let inputs: Vec<Vec<f32>> = (0..n).map(|r| input(li as u64, r, len)).collect();
@@ -183,12 +135,7 @@ pub fn matrix<C: Collective + 'static>(make: impl Fn(usize) -> Vec<C>, sizes: &[
             for (j, root) in [0, n - 1].into_iter().enumerate() {
                 let want = input(100 + li as u64, root, len);
                 for (r, res) in results.iter().enumerate() {
-                    assert_eq!(
-                        res[idx + 2 + j].1,
-                        want,
-                        "{} on rank {r}",
-                        res[idx + 2 + j].0
-                    );
+                    assert_eq!(res[idx + 2 + j].1, want, "{} on rank {r}", res[idx + 2 + j].0);
                 }
             }
             idx += 4;
@@ -206,10 +153,7 @@ pub fn matrix<C: Collective + 'static>(make: impl Fn(usize) -> Vec<C>, sizes: &[
 pub fn repeated_phrase(msg: &str) -> Option<String> {
     let words: Vec<String> = msg
         .split_whitespace()
-        .map(|w| {
-            w.trim_matches(|c: char| "()[]{}:;,.?!'\"".contains(c))
-                .to_lowercase()
-        })
+        .map(|w| w.trim_matches(|c: char| "()[]{}:;,.?!'\"".contains(c)).to_lowercase())
         .collect();
     let wordy = |w: &String| w.len() >= 3 && w.chars().all(|c| c.is_alphabetic() || c == '_');
     let mut seen = std::collections::HashSet::new();

@@ -25,7 +25,15 @@ pub fn images(n: usize, c: usize, h: usize, w: usize, seed: u64, device: &Device
 }
 
 /// A learnable batch: `n` images, labels `i % classes`, each image = its class prototype + noise.
-pub fn class_batch(n: usize, c: usize, h: usize, w: usize, classes: usize, seed: u64, device: &Device) -> (Tensor<4>, Tensor<1, Int>) {
+pub fn class_batch(
+    n: usize,
+    c: usize,
+    h: usize,
+    w: usize,
+    classes: usize,
+    seed: u64,
+    device: &Device,
+) -> (Tensor<4>, Tensor<1, Int>) {
     let mut g = Lcg(seed);
     let size = c * h * w;
     let protos: Vec<Vec<f32>> = (0..classes).map(|_| (0..size).map(|_| g.next_f32()).collect()).collect();
