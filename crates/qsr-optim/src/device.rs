@@ -287,7 +287,7 @@ impl DeviceGroup {
         if k == 1 {
             return Ok((tensors, false));
         }
-        let err = |detail: String| OptimError::Layout(format!("device group: {detail}"));
+        let err = OptimError::DeviceGroup;
         // This rank's queued work on its tensors finishes before another thread reads them.
         #[cfg(any(feature = "cuda", feature = "wgpu"))]
         fused::finish_own_work(&tensors).map_err(err)?;

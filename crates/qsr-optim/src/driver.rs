@@ -174,7 +174,8 @@ struct DeviceReplica {
 
 /// One worker: a model replica, its flat parameters, its optimizer state, its collective and cursor.
 pub struct Worker<M: Module> {
-    model: Option<M>,
+    /// The replica; writes go through a clone, so a failed write leaves it intact.
+    model: M,
     layout: ParamLayout,
     params: Vec<f32>,
     grads: Vec<f32>,
@@ -220,7 +221,7 @@ impl<M: Module> Worker<M> {
         let mut params = vec![0.0; n];
         layout.read_params(&model, &mut params)?;
         let mut w = Self {
-            model: Some(model),
+            model,
             layout,
             params,
             grads: vec![0.0; n],
@@ -262,8 +263,8 @@ impl<M: Module> Worker<M> {
     /// device, so syncs average there (rank and size must match the collective's).
     pub fn set_device_group(&mut self, group: DeviceGroup) -> Result<(), OptimError> {
         if group.rank() != self.rank() || group.world_size() != self.world_size() {
-            return Err(OptimError::Layout(format!(
-                "device group rank {}/{} does not match the collective's {}/{}",
+            return Err(OptimError::DeviceGroup(format!(
+                "rank {}/{} does not match the collective's {}/{}",
                 group.rank(),
                 group.world_size(),
                 self.rank(),
@@ -275,7 +276,7 @@ impl<M: Module> Worker<M> {
                 d.group = Some(group);
                 Ok(())
             }
-            None => Err(OptimError::Layout("a device group needs device residency".into())),
+            None => Err(OptimError::DeviceGroup("it needs a device-resident worker (driver.residency)".into())),
         }
     }
 
@@ -290,12 +291,12 @@ impl<M: Module> Worker<M> {
 
     /// The worker's model replica (its parameters equal the flat ones after every step).
     pub fn model(&self) -> &M {
-        self.model.as_ref().expect("model is present between calls")
+        &self.model
     }
 
     /// The model replica, ending the worker (after training: to evaluate or save it).
-    pub fn into_model(mut self) -> M {
-        self.model.take().expect("model is present between calls")
+    pub fn into_model(self) -> M {
+        self.model
     }
 
     /// Replaces the model (e.g. after the trainer re-estimated BatchNorm statistics with forward passes).
@@ -305,7 +306,7 @@ impl<M: Module> Worker<M> {
         if layout != self.layout {
             return Err(OptimError::Layout("the new model has a different parameter layout".into()));
         }
-        self.model = Some(model);
+        self.model = model;
         self.write_back()
     }
 
@@ -383,23 +384,17 @@ impl<M: Module> Worker<M> {
     }
 
     fn write_back(&mut self) -> Result<(), OptimError> {
-        let model = self.model.take().expect("model is present between calls");
-        let model = match &self.dev {
-            Some(d) => self.layout.write_params_tensor(model, &d.params),
-            None => self.layout.write_params(model, &self.params),
+        // A clone of a module shares its tensors (cheap); on error the worker keeps its model.
+        let model = self.model.clone();
+        self.model = match &self.dev {
+            Some(d) => self.layout.write_params_tensor(model, &d.params)?,
+            None => self.layout.write_params(model, &self.params)?,
         };
-        match model {
-            Ok(m) => {
-                self.model = Some(m);
-                Ok(())
-            }
-            Err(e) => Err(e),
-        }
+        Ok(())
     }
 
     fn replace_running(&mut self, running: &[f32]) -> Result<(), OptimError> {
-        let model = self.model.take().expect("model is present between calls");
-        self.model = Some(self.layout.write_running(model, running)?);
+        self.model = self.layout.write_running(self.model.clone(), running)?;
         Ok(())
     }
 
@@ -420,7 +415,7 @@ impl<M: Module> Worker<M> {
             self.grad_sum.resize(self.params.len(), 0.0);
         }
         for micro in 0..accum {
-            let model = self.model.as_ref().expect("model is present between calls");
+            let model = &self.model;
             let loss = loss_fn(model, micro).map_err(|source| OptimError::Step { step: info.step, source })?;
             loss_sum += f64::from(loss.clone().into_scalar::<f32>());
             let mut grads = loss.backward();
@@ -481,7 +476,7 @@ impl<M: Module> Worker<M> {
         let mut loss_sum = 0.0f64;
         let mut grad_sum: Option<Tensor<1>> = None;
         for micro in 0..accum {
-            let model = self.model.as_ref().expect("model is present between calls");
+            let model = &self.model;
             let loss = loss_fn(model, micro).map_err(|source| OptimError::Step { step: info.step, source })?;
             loss_sum += f64::from(loss.clone().into_scalar::<f32>());
             let mut grads = loss.backward();

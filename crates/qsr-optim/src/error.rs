@@ -13,6 +13,10 @@ pub enum OptimError {
         /// Why the value is refused, e.g. `must be > 0 (got 0)`.
         reason: String,
     },
+    /// A [`DeviceGroup`](crate::DeviceGroup) failed or does not fit this worker: a peer left or never
+    /// arrived, a worker panicked while averaging, or the group's rank and size differ from the collective's.
+    #[error("device group: {0}")]
+    DeviceGroup(String),
     /// Buffers or state do not fit the model's parameter layout.
     #[error("parameter layout mismatch: {0}")]
     Layout(String),
