@@ -32,7 +32,7 @@ pub mod error;
 pub mod inproc;
 pub mod launch;
 pub mod tcp;
-pub mod wire;
+mod wire;
 
 #[cfg(feature = "mpi")]
 pub mod mpi_backend;

@@ -304,6 +304,7 @@ impl Hello {
     }
 
     /// Decodes a complete hello (prefix and body) from one buffer; convenience for tests/fuzzing.
+    #[cfg(test)]
     pub fn decode(bytes: &[u8]) -> Result<Hello, WireError> {
         let prefix = decode_prefix(bytes, &HELLO_MAGIC, MAX_HELLO_BODY)?;
         let body = bytes.get(PREFIX_LEN..).ok_or(WireError::Truncated { what: "hello" })?;
@@ -441,6 +442,7 @@ impl Reply {
     }
 
     /// Decodes a complete reply (prefix and body) from one buffer; for tests/fuzzing.
+    #[cfg(test)]
     pub fn decode(bytes: &[u8], max_entries: usize) -> Result<Reply, WireError> {
         let prefix = decode_prefix(bytes, &REPLY_MAGIC, Reply::max_body(max_entries))?;
         let body = bytes.get(PREFIX_LEN..).ok_or(WireError::Truncated { what: "reply" })?;

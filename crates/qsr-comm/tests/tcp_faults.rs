@@ -7,10 +7,15 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use qsr_comm::wire::{self, CallHeader, Frame, Hello, Purpose, Reply};
 use qsr_comm::{Collective, CommError, LaunchEnv, MasterListener, ReduceOp, Source, TcpComm, TcpConfig};
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use wire::{CallHeader, Frame, Hello, Purpose, Reply};
+
+// The wire protocol is private to qsr-comm; these tests compile its source file to reach it.
+#[allow(dead_code)]
+#[path = "../src/wire.rs"]
+mod wire;
 
 fn start_master(n: usize, cfg: TcpConfig) -> (String, std::thread::JoinHandle<Result<TcpComm, CommError>>) {
     let l = MasterListener::bind("127.0.0.1:0").unwrap();

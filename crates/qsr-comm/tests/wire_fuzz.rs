@@ -3,7 +3,12 @@
 
 use proptest::prelude::*;
 use qsr_comm::launch::{self, Explicit};
-use qsr_comm::wire::{self, Back, CallHeader, Field, Frame, Hello, Purpose, Reply};
+use wire::{Back, CallHeader, Field, Frame, Hello, Purpose, Reply};
+
+// The wire protocol is private to qsr-comm; these tests compile its source file to reach it.
+#[allow(dead_code)]
+#[path = "../src/wire.rs"]
+mod wire;
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 2000, rng_seed: proptest::test_runner::RngSeed::Fixed(0x5152), ..ProptestConfig::default() })]

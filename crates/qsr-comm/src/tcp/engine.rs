@@ -22,7 +22,7 @@ use crate::CommError;
 use crate::wire::{self, Back, CallHeader, Frame, Reason};
 
 use super::Ring;
-use super::plan::{Action, Plan};
+use super::plan::{Action, Plan, RecvBlock};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Side {
@@ -68,6 +68,48 @@ enum Step {
     Moved,
     Blocked,
     Idle,
+}
+
+/// Which directions are blocked: a direction is blocked after a syscall returned WouldBlock,
+/// until `poll` says otherwise.
+#[derive(Default)]
+struct Blocked {
+    left_read: bool,
+    right_write: bool,
+    right_read: bool,
+    left_write: bool,
+}
+
+impl Blocked {
+    /// Clears the flags of the directions `poll` reported ready (or failed: the next syscall
+    /// reports the error).
+    fn unblock(&mut self, fds: &[libc::pollfd; 2]) {
+        let bad = libc::POLLERR | libc::POLLHUP | libc::POLLNVAL;
+        if fds[0].revents & (libc::POLLIN | bad) != 0 {
+            self.left_read = false;
+        }
+        if fds[0].revents & (libc::POLLOUT | bad) != 0 {
+            self.left_write = false;
+        }
+        if fds[1].revents & (libc::POLLIN | bad) != 0 {
+            self.right_read = false;
+        }
+        if fds[1].revents & (libc::POLLOUT | bad) != 0 {
+            self.right_write = false;
+        }
+    }
+}
+
+/// Records a pump's outcome: sets `blocked` on `Blocked`; returns whether bytes moved.
+fn note(step: Step, blocked: &mut bool) -> bool {
+    match step {
+        Step::Moved => true,
+        Step::Blocked => {
+            *blocked = true;
+            false
+        }
+        Step::Idle => false,
+    }
 }
 
 fn nb<T>(r: io::Result<T>) -> io::Result<Option<T>> {
@@ -236,39 +278,10 @@ impl<'a> Call<'a> {
     }
 
     fn drive(&mut self) -> Result<(), Fail> {
-        // A direction is "blocked" after a syscall returned WouldBlock, until poll says otherwise.
-        let (mut left_rb, mut right_wb, mut right_rb, mut left_wb) = (false, false, false, false);
+        let mut blocked = Blocked::default();
         loop {
             loop {
-                let mut moved = false;
-                if !left_rb {
-                    match self.pump_recv()? {
-                        Step::Moved => moved = true,
-                        Step::Blocked => left_rb = true,
-                        Step::Idle => {}
-                    }
-                }
-                if !right_wb {
-                    match self.pump_send()? {
-                        Step::Moved => moved = true,
-                        Step::Blocked => right_wb = true,
-                        Step::Idle => {}
-                    }
-                }
-                if !right_rb {
-                    match self.pump_back_in()? {
-                        Step::Moved => moved = true,
-                        Step::Blocked => right_rb = true,
-                        Step::Idle => {}
-                    }
-                }
-                if !left_wb {
-                    match self.pump_back_out() {
-                        Step::Moved => moved = true,
-                        Step::Blocked => left_wb = true,
-                        Step::Idle => {}
-                    }
-                }
+                let moved = self.pump_all(&mut blocked)?;
                 if self.send_done() && self.recv_done() {
                     return Ok(());
                 }
@@ -277,93 +290,128 @@ impl<'a> Call<'a> {
                 }
             }
             let now = Instant::now();
-            // Liveness: blame the right first when we are blocked writing to it (a live peer
-            // always drains its left socket), else whoever we are waiting on.
-            let right_dead = !self.send_done() && now.duration_since(self.last_right) >= self.timeout;
-            let left_dead = !self.recv_done() && now.duration_since(self.last_left) >= self.timeout;
-            if right_dead && (self.out.is_some() || !left_dead) {
-                return Err(self.timed_out(Side::Right));
-            }
-            if left_dead {
-                return Err(self.timed_out(Side::Left));
-            }
-            let mut queued = false;
-            // Keepalive forward while we owe the right more frames but have none ready.
-            if !self.send_done()
-                && self.out.is_none()
-                && self.header_queued
-                && now.duration_since(self.last_fwd_write) >= self.heartbeat
-            {
-                self.out = Some(Out::small(&Frame::KeepAlive.encode()));
-                queued = true;
-            }
-            // Heartbeat backward while we still expect frames from the left.
-            if !self.recv_done()
-                && !self.ring.back_pending()
-                && !self.ring.left_back_broken
-                && now.duration_since(self.last_back_write) >= self.heartbeat
-            {
-                self.ring.back_out.clear();
-                self.ring.back_off = 0;
-                self.ring.back_out.extend_from_slice(&Back::Heartbeat.encode());
-                self.last_back_write = now;
-                queued = true;
-            }
-            if queued {
+            self.check_liveness(now)?;
+            if self.queue_idle_traffic(now) {
                 continue;
             }
-            let mut wait = self.heartbeat;
-            if !self.recv_done() {
-                wait = wait.min((self.last_left + self.timeout).saturating_duration_since(now));
-            }
-            if !self.send_done() {
-                wait = wait.min((self.last_right + self.timeout).saturating_duration_since(now));
-            }
-            let want_write = self.out.is_some() || !self.header_queued || self.next_block_ready();
-            let left_events = (if self.recv_done() { 0 } else { libc::POLLIN })
-                | (if self.ring.back_pending() { libc::POLLOUT } else { 0 });
-            let right_events =
-                (if self.ring.right_closed { 0 } else { libc::POLLIN }) | (if want_write { libc::POLLOUT } else { 0 });
-            let mut fds = [
-                libc::pollfd {
-                    fd: if left_events != 0 { self.ring.left.as_raw_fd() } else { -1 },
-                    events: left_events,
-                    revents: 0,
-                },
-                libc::pollfd {
-                    fd: if right_events != 0 { self.ring.right.as_raw_fd() } else { -1 },
-                    events: right_events,
-                    revents: 0,
-                },
-            ];
-            let ms = wait.as_micros().div_ceil(1000).clamp(1, i32::MAX as u128) as i32;
-            // SAFETY: `fds` is a valid array of two pollfd structs for the duration of the call.
-            let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
-            if rc < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() != io::ErrorKind::Interrupted {
-                    return Err(Fail {
-                        err: CommError::io("poll", e),
-                        culprit: self.rank,
-                        reason: Reason::Other,
-                        from: None,
-                    });
-                }
-            }
-            let bad = libc::POLLERR | libc::POLLHUP | libc::POLLNVAL;
-            if fds[0].revents & (libc::POLLIN | bad) != 0 {
-                left_rb = false;
-            }
-            if fds[0].revents & (libc::POLLOUT | bad) != 0 {
-                left_wb = false;
-            }
-            if fds[1].revents & (libc::POLLIN | bad) != 0 {
-                right_rb = false;
-            }
-            if fds[1].revents & (libc::POLLOUT | bad) != 0 {
-                right_wb = false;
+            self.wait_ready(now, &mut blocked)?;
+        }
+    }
+
+    /// One pass over the four directions that are not blocked; returns whether any moved.
+    fn pump_all(&mut self, blocked: &mut Blocked) -> Result<bool, Fail> {
+        let mut moved = false;
+        if !blocked.left_read {
+            moved |= note(self.pump_recv()?, &mut blocked.left_read);
+        }
+        if !blocked.right_write {
+            moved |= note(self.pump_send()?, &mut blocked.right_write);
+        }
+        if !blocked.right_read {
+            moved |= note(self.pump_back_in()?, &mut blocked.right_read);
+        }
+        if !blocked.left_write {
+            moved |= note(self.pump_back_out(), &mut blocked.left_write);
+        }
+        Ok(moved)
+    }
+
+    /// Liveness: blame the right first when we are blocked writing to it (a live peer always
+    /// drains its left socket), else whoever we are waiting on.
+    fn check_liveness(&self, now: Instant) -> Result<(), Fail> {
+        let right_dead = !self.send_done() && now.duration_since(self.last_right) >= self.timeout;
+        let left_dead = !self.recv_done() && now.duration_since(self.last_left) >= self.timeout;
+        if right_dead && (self.out.is_some() || !left_dead) {
+            return Err(self.timed_out(Side::Right));
+        }
+        if left_dead {
+            return Err(self.timed_out(Side::Left));
+        }
+        Ok(())
+    }
+
+    /// Queues a keepalive forward and/or a heartbeat backward when one is due; returns whether
+    /// anything was queued.
+    fn queue_idle_traffic(&mut self, now: Instant) -> bool {
+        let mut queued = false;
+        // Keepalive forward while we owe the right more frames but have none ready.
+        if !self.send_done()
+            && self.out.is_none()
+            && self.header_queued
+            && now.duration_since(self.last_fwd_write) >= self.heartbeat
+        {
+            self.out = Some(Out::small(&Frame::KeepAlive.encode()));
+            queued = true;
+        }
+        // Heartbeat backward while we still expect frames from the left.
+        if !self.recv_done()
+            && !self.ring.back_pending()
+            && !self.ring.left_back_broken
+            && now.duration_since(self.last_back_write) >= self.heartbeat
+        {
+            self.ring.back_out.clear();
+            self.ring.back_off = 0;
+            self.ring.back_out.extend_from_slice(&Back::Heartbeat.encode());
+            self.last_back_write = now;
+            queued = true;
+        }
+        queued
+    }
+
+    /// How long `poll` may sleep: until the next heartbeat or the earliest liveness deadline.
+    fn poll_wait(&self, now: Instant) -> Duration {
+        let mut wait = self.heartbeat;
+        if !self.recv_done() {
+            wait = wait.min((self.last_left + self.timeout).saturating_duration_since(now));
+        }
+        if !self.send_done() {
+            wait = wait.min((self.last_right + self.timeout).saturating_duration_since(now));
+        }
+        wait
+    }
+
+    /// The poll set: the left socket, then the right one (fd -1 when there is nothing to wait for).
+    fn poll_fds(&self) -> [libc::pollfd; 2] {
+        let want_write = self.out.is_some() || !self.header_queued || self.next_block_ready();
+        let left_events = (if self.recv_done() { 0 } else { libc::POLLIN })
+            | (if self.ring.back_pending() { libc::POLLOUT } else { 0 });
+        let right_events =
+            (if self.ring.right_closed { 0 } else { libc::POLLIN }) | (if want_write { libc::POLLOUT } else { 0 });
+        [
+            libc::pollfd {
+                fd: if left_events != 0 { self.ring.left.as_raw_fd() } else { -1 },
+                events: left_events,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: if right_events != 0 { self.ring.right.as_raw_fd() } else { -1 },
+                events: right_events,
+                revents: 0,
+            },
+        ]
+    }
+
+    /// Sleeps in `poll` until a socket is ready or a deadline is due, and unblocks the directions
+    /// that became ready.
+    fn wait_ready(&self, now: Instant, blocked: &mut Blocked) -> Result<(), Fail> {
+        let wait = self.poll_wait(now);
+        let mut fds = self.poll_fds();
+        let ms = wait.as_micros().div_ceil(1000).clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: `fds` is a valid array of two pollfd structs for the duration of the call.
+        let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+        if rc < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(Fail {
+                    err: CommError::io("poll", e),
+                    culprit: self.rank,
+                    reason: Reason::Other,
+                    from: None,
+                });
             }
         }
+        blocked.unblock(&fds);
+        Ok(())
     }
 
     fn timed_out(&self, side: Side) -> Fail {
@@ -406,97 +454,105 @@ impl<'a> Call<'a> {
     fn recv_step(&mut self, state: RState) -> Result<(RState, Step), Fail> {
         match state {
             RState::Done => Ok((RState::Done, Step::Idle)),
-            RState::Header { mut buf, mut got } => {
-                let Some(k) = self.read_left(&mut buf[got..])? else {
-                    return Ok((RState::Header { buf, got }, Step::Blocked));
-                };
-                got += k;
-                // An abort notice may stand where the header would be.
-                if got >= wire::FRAME_LEN && buf[..4] == wire::TAG_ABORT {
-                    return match Frame::decode(&buf[..wire::FRAME_LEN]) {
-                        Ok(Frame::Abort { culprit, reason }) => {
-                            Err(self.aborted(Side::Left, u64::from(culprit), reason))
-                        }
-                        _ => Err(self.protocol(Side::Left, "malformed abort frame".into())),
-                    };
+            RState::Header { buf, got } => self.recv_header(buf, got),
+            RState::FrameHead { buf, got } => self.recv_frame_head(buf, got),
+            RState::Payload { len, got } => self.recv_payload(len, got),
+        }
+    }
+
+    /// Reads the call header (or an abort notice standing in its place) and checks it against ours.
+    fn recv_header(&mut self, mut buf: [u8; wire::CALL_HEADER_LEN], mut got: usize) -> Result<(RState, Step), Fail> {
+        let Some(k) = self.read_left(&mut buf[got..])? else {
+            return Ok((RState::Header { buf, got }, Step::Blocked));
+        };
+        got += k;
+        // An abort notice may stand where the header would be.
+        if got >= wire::FRAME_LEN && buf[..4] == wire::TAG_ABORT {
+            return match Frame::decode(&buf[..wire::FRAME_LEN]) {
+                Ok(Frame::Abort { culprit, reason }) => Err(self.aborted(Side::Left, u64::from(culprit), reason)),
+                _ => Err(self.protocol(Side::Left, "malformed abort frame".into())),
+            };
+        }
+        if got < wire::CALL_HEADER_LEN {
+            return Ok((RState::Header { buf, got }, Step::Moved));
+        }
+        let theirs = CallHeader::decode(&buf).map_err(|e| self.protocol(Side::Left, e.to_string()))?;
+        self.check_header(&theirs)?;
+        let next = self.next_recv_state();
+        Ok((next, Step::Moved))
+    }
+
+    /// Reads a frame head: keepalives are skipped, aborts fail the call, a data frame must be the
+    /// block we expect next.
+    fn recv_frame_head(&mut self, mut buf: [u8; wire::FRAME_LEN], mut got: usize) -> Result<(RState, Step), Fail> {
+        let Some(k) = self.read_left(&mut buf[got..])? else {
+            return Ok((RState::FrameHead { buf, got }, Step::Blocked));
+        };
+        got += k;
+        if got < wire::FRAME_LEN {
+            return Ok((RState::FrameHead { buf, got }, Step::Moved));
+        }
+        match Frame::decode(&buf).map_err(|e| self.protocol(Side::Left, e.to_string()))? {
+            Frame::KeepAlive => Ok((RState::FrameHead { buf: [0; wire::FRAME_LEN], got: 0 }, Step::Moved)),
+            Frame::Abort { culprit, reason } => Err(self.aborted(Side::Left, u64::from(culprit), reason)),
+            Frame::Data { len, block } => {
+                let expect = &self.plan.recv[self.recv_idx];
+                if block != self.recv_idx as u64 || len as usize != expect.range.len() {
+                    return Err(self.protocol(
+                        Side::Left,
+                        format!(
+                            "data frame for block {block} with {len} bytes, expected block {} with {} bytes",
+                            self.recv_idx,
+                            expect.range.len()
+                        ),
+                    ));
                 }
-                if got < wire::CALL_HEADER_LEN {
-                    return Ok((RState::Header { buf, got }, Step::Moved));
-                }
-                let theirs = CallHeader::decode(&buf).map_err(|e| self.protocol(Side::Left, e.to_string()))?;
-                self.check_header(&theirs)?;
-                let next = self.next_recv_state();
-                Ok((next, Step::Moved))
-            }
-            RState::FrameHead { mut buf, mut got } => {
-                let Some(k) = self.read_left(&mut buf[got..])? else {
-                    return Ok((RState::FrameHead { buf, got }, Step::Blocked));
-                };
-                got += k;
-                if got < wire::FRAME_LEN {
-                    return Ok((RState::FrameHead { buf, got }, Step::Moved));
-                }
-                match Frame::decode(&buf).map_err(|e| self.protocol(Side::Left, e.to_string()))? {
-                    Frame::KeepAlive => Ok((RState::FrameHead { buf: [0; wire::FRAME_LEN], got: 0 }, Step::Moved)),
-                    Frame::Abort { culprit, reason } => Err(self.aborted(Side::Left, u64::from(culprit), reason)),
-                    Frame::Data { len, block } => {
-                        let expect = &self.plan.recv[self.recv_idx];
-                        if block != self.recv_idx as u64 || len as usize != expect.range.len() {
-                            return Err(self.protocol(
-                                Side::Left,
-                                format!(
-                                    "data frame for block {block} with {len} bytes, expected block {} with {} bytes",
-                                    self.recv_idx,
-                                    expect.range.len()
-                                ),
-                            ));
-                        }
-                        Ok((RState::Payload { len: len as usize, got: 0 }, Step::Moved))
-                    }
-                }
-            }
-            RState::Payload { len, mut got } => {
-                let block = self.plan.recv[self.recv_idx].clone();
-                let k = match block.action {
-                    Action::Copy => {
-                        let range = block.range.start + got..block.range.end;
-                        // Split borrows: the buffer and the stream live in different fields.
-                        let dst = &mut self.buf.bytes()[range];
-                        match nb((&self.ring.left).read(dst)) {
-                            Ok(v) => v,
-                            Err(e) => return Err(self.lost(Side::Left, e.to_string())),
-                        }
-                    }
-                    Action::Reduce | Action::ReduceMean => {
-                        let floats = len / 4;
-                        if self.scratch.len() < floats {
-                            self.scratch.resize(floats, 0.0);
-                        }
-                        let dst = &mut f32_bytes_mut(&mut self.scratch[..floats])[got..];
-                        match nb((&self.ring.left).read(dst)) {
-                            Ok(v) => v,
-                            Err(e) => return Err(self.lost(Side::Left, e.to_string())),
-                        }
-                    }
-                };
-                let k = match k {
-                    None => return Ok((RState::Payload { len, got }, Step::Blocked)),
-                    Some(0) => {
-                        return Err(self.lost(Side::Left, "connection closed (peer exited or crashed)".into()));
-                    }
-                    Some(k) => k,
-                };
-                self.last_left = Instant::now();
-                self.received += k as u64;
-                got += k;
-                if got < len {
-                    return Ok((RState::Payload { len, got }, Step::Moved));
-                }
-                self.apply(&block);
-                self.recv_idx += 1;
-                Ok((self.next_recv_state(), Step::Moved))
+                Ok((RState::Payload { len: len as usize, got: 0 }, Step::Moved))
             }
         }
+    }
+
+    /// Reads payload bytes of the current block; a complete block is applied to the buffer.
+    fn recv_payload(&mut self, len: usize, mut got: usize) -> Result<(RState, Step), Fail> {
+        let block = self.plan.recv[self.recv_idx].clone();
+        let k = match self.read_payload(&block, len, got)? {
+            None => return Ok((RState::Payload { len, got }, Step::Blocked)),
+            Some(0) => {
+                return Err(self.lost(Side::Left, "connection closed (peer exited or crashed)".into()));
+            }
+            Some(k) => k,
+        };
+        self.last_left = Instant::now();
+        self.received += k as u64;
+        got += k;
+        if got < len {
+            return Ok((RState::Payload { len, got }, Step::Moved));
+        }
+        self.apply(&block);
+        self.recv_idx += 1;
+        Ok((self.next_recv_state(), Step::Moved))
+    }
+
+    /// One non-blocking read of payload bytes `got..len` of `block`: straight into the buffer
+    /// (copy) or into the staging buffer (reduce).
+    fn read_payload(&mut self, block: &RecvBlock, len: usize, got: usize) -> Result<Option<usize>, Fail> {
+        let read = match block.action {
+            Action::Copy => {
+                let range = block.range.start + got..block.range.end;
+                // Split borrows: the buffer and the stream live in different fields.
+                let dst = &mut self.buf.bytes()[range];
+                nb((&self.ring.left).read(dst))
+            }
+            Action::Reduce | Action::ReduceMean => {
+                let floats = len / 4;
+                if self.scratch.len() < floats {
+                    self.scratch.resize(floats, 0.0);
+                }
+                let dst = &mut f32_bytes_mut(&mut self.scratch[..floats])[got..];
+                nb((&self.ring.left).read(dst))
+            }
+        };
+        read.map_err(|e| self.lost(Side::Left, e.to_string()))
     }
 
     fn next_recv_state(&self) -> RState {
@@ -508,7 +564,7 @@ impl<'a> Call<'a> {
     }
 
     /// Applies a fully received reduce block from the staging buffer.
-    fn apply(&mut self, block: &super::plan::RecvBlock) {
+    fn apply(&mut self, block: &RecvBlock) {
         if block.action == Action::Copy {
             return;
         }
@@ -688,15 +744,7 @@ impl<'a> Call<'a> {
     /// in flight, so the stream stays parseable) and an abort message backward. Bounded by a
     /// short deadline; a dead or stalled culprit is not written to.
     fn notify(&mut self, f: &Fail) {
-        let skip_culprit = matches!(f.reason, Reason::Lost | Reason::Timeout);
-        let skip = |r: usize| skip_culprit && r == f.culprit;
-        let mut fwd = f.from != Some(Side::Right) && !skip(self.right_rank());
-        let mut back = f.from != Some(Side::Left) && !skip(self.left_rank()) && !self.ring.left_back_broken;
-        if self.n == 2 && f.from.is_some() {
-            // Both neighbours are the same rank, which told us (or died): nothing to tell.
-            fwd = false;
-            back = false;
-        }
+        let (mut fwd, mut back) = self.notice_targets(f);
         let abort_frame = Frame::Abort { culprit: f.culprit as u32, reason: f.reason as u64 }.encode();
         let mut abort_queued = false;
         if back {
@@ -738,22 +786,33 @@ impl<'a> Call<'a> {
                 tracing::warn!(rank = self.rank, "could not deliver the abort notice before the deadline");
                 return;
             }
-            let mut fds = [
-                libc::pollfd {
-                    fd: if back { self.ring.left.as_raw_fd() } else { -1 },
-                    events: libc::POLLOUT,
-                    revents: 0,
-                },
-                libc::pollfd {
-                    fd: if fwd { self.ring.right.as_raw_fd() } else { -1 },
-                    events: libc::POLLOUT,
-                    revents: 0,
-                },
-            ];
-            let ms = (deadline - now).as_millis().clamp(1, 100) as i32;
-            // SAFETY: valid pollfd array for the duration of the call.
-            unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
+            self.wait_writable(fwd, back, deadline - now);
         }
+    }
+
+    /// Whom a failure notice goes to: (forward to the right, backward to the left). Not to the
+    /// side it came from, nor to a dead or stalled culprit, nor over a broken reverse channel.
+    fn notice_targets(&self, f: &Fail) -> (bool, bool) {
+        let skip_culprit = matches!(f.reason, Reason::Lost | Reason::Timeout);
+        let skip = |r: usize| skip_culprit && r == f.culprit;
+        let fwd = f.from != Some(Side::Right) && !skip(self.right_rank());
+        let back = f.from != Some(Side::Left) && !skip(self.left_rank()) && !self.ring.left_back_broken;
+        if self.n == 2 && f.from.is_some() {
+            // Both neighbours are the same rank, which told us (or died): nothing to tell.
+            return (false, false);
+        }
+        (fwd, back)
+    }
+
+    /// Waits (at most `left`, capped at 100 ms) until a socket we still notify can take bytes.
+    fn wait_writable(&self, fwd: bool, back: bool, left: Duration) {
+        let mut fds = [
+            libc::pollfd { fd: if back { self.ring.left.as_raw_fd() } else { -1 }, events: libc::POLLOUT, revents: 0 },
+            libc::pollfd { fd: if fwd { self.ring.right.as_raw_fd() } else { -1 }, events: libc::POLLOUT, revents: 0 },
+        ];
+        let ms = left.as_millis().clamp(1, 100) as i32;
+        // SAFETY: valid pollfd array for the duration of the call.
+        unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
     }
 }
 

@@ -12,7 +12,8 @@
 //! deadlock. The reduction order of each element is fixed by the ring, and final values travel
 //! as bytes, so all ranks end bit-identical.
 //!
-//! Wire format: see [`crate::wire`]. Every frame length is checked against what the call header
+//! Wire format (`wire.rs`, private to the crate): the byte layouts of the handshake, the call
+//! header, data/keepalive/abort frames and reverse-channel messages. Every frame length is checked against what the call header
 //! implies before anything is read into memory.
 //!
 //! Failures: a peer that dies (EOF/reset) or makes no progress for [`TcpConfig::timeout`] makes
