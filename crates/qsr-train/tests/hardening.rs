@@ -432,24 +432,20 @@ fn counters_continue_after_a_resume() {
     assert!(b["bytes_per_rank"].as_u64().unwrap() > 0);
 }
 
+/// A 2-worker run of 200 steps stopped at its first checkpoint past step 60 (an evaluation every epoch,
+/// so it stops well before the end).
+fn halted_run(run: &Path) {
+    let args =
+        ["--workers", "2", "--set", "schedule.total_steps=200", "--set", "eval.every_epochs=1", "--halt-after", "60"];
+    ok(&[&["train", "--recipe", RECIPE, "--out", s(run), "--quiet"][..], &args].concat());
+    assert!(!run.join("summary.json").exists(), "the run must stop before its end");
+}
+
 #[test]
 fn latest_pointing_outside_the_run_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    ok(&[
-        "train",
-        "--recipe",
-        RECIPE,
-        "--out",
-        s(&run),
-        "--quiet",
-        "--workers",
-        "2",
-        "--set",
-        "schedule.total_steps=200",
-        "--halt-after",
-        "60",
-    ]);
+    halted_run(&run);
     let other = dir.path().join("other/ckpt/step-5");
     std::fs::create_dir_all(&other).unwrap();
     for target in ["../../other/ckpt/step-5".to_string(), s(&other).to_string(), "step-5/../../x".into()] {
@@ -488,20 +484,7 @@ fn resuming_a_finished_run_or_below_its_step_says_so() {
 fn a_refused_resume_names_the_changed_key() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    ok(&[
-        "train",
-        "--recipe",
-        RECIPE,
-        "--out",
-        s(&run),
-        "--quiet",
-        "--workers",
-        "2",
-        "--set",
-        "schedule.total_steps=200",
-        "--halt-after",
-        "60",
-    ]);
+    halted_run(&run);
     let err = refused(&["train", "--resume", s(&run), "--quiet", "--workers", "2", "--set", "optimizer.momentum=0.8"]);
     assert!(err.contains("`optimizer.momentum` (checkpoint: 0.9, now: 0.8)"), "{err}");
 }
