@@ -31,13 +31,18 @@
 //! [`ParamLayout::write_params`](crate::ParamLayout::write_params), as the example does) or build the
 //! model on one thread after `device.seed(..)`.
 //!
+//! Rules that all-reduce gradients (`dp`, `post-local` before its switch) need the gradients before the
+//! optimizer step: call [`Averager::average_grads`] between the backward pass and the optimizer step
+//! (a no-op on the steps of other rules, so a loop may always call it); [`Averager::step`] fails
+//! naming it if such a step's gradients were not averaged.
+//!
 //! What the averager does not do: it averages parameters (and, with [`AveragerConfig::average_bn`],
 //! BatchNorm running statistics) in one all-reduce per round; burn's optimizers keep their state
 //! private, so their moments stay per worker (the paper's default; [`Worker`](crate::Worker) can
-//! average them). Rules that all-reduce gradients (`dp`, `post-local` before its switch) need the
-//! gradients before the optimizer step, which this hook does not see: they are refused here.
+//! average them).
 
 use burn::module::Module;
+use burn::optim::GradientsParams;
 use qsr_comm::{Collective, CommStats, ReduceOp};
 use qsr_sched::{RoundStart, SyncRule};
 use serde::Serialize;
@@ -48,7 +53,8 @@ use crate::flat::ParamLayout;
 /// What an [`Averager`] averages and when.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct AveragerConfig {
-    /// When rounds end: `qsr`, `power`, `constant`, `exponential`.
+    /// When rounds end: any rule; `dp` and `post-local` (before its switch) average gradients through
+    /// [`Averager::average_grads`].
     pub rule: SyncRule,
     /// Steps of the caller's lr warmup: the power rules use `h_base` while `step < warmup_steps`.
     pub warmup_steps: u64,
@@ -98,6 +104,12 @@ pub struct Averager {
     rounds_after_warmup: u64,
     /// Parameters, then (with `average_bn`) running statistics: one buffer, one all-reduce per round.
     params: Vec<f32>,
+    /// The step count at the last synchronization (0 after the initial broadcast).
+    synced_at: u64,
+    /// Gradients of a step that syncs them (empty for rules that never do).
+    grads: Vec<f32>,
+    /// The step whose gradients [`Averager::average_grads`] averaged last.
+    grads_averaged: Option<u64>,
     stats: AveragerStats,
 }
 
@@ -110,15 +122,6 @@ impl Averager {
         config: AveragerConfig,
         mut comm: Box<dyn Collective>,
     ) -> Result<(Self, M), OptimError> {
-        if config.rule.syncs_gradients(0) {
-            return Err(OptimError::Config {
-                field: "rule".into(),
-                reason: format!(
-                    "`{}` all-reduces gradients before the optimizer step, which an Averager (called after the step) does not see: use qsr_optim::Worker for it",
-                    config.rule.name()
-                ),
-            });
-        }
         let layout = ParamLayout::of(&model);
         let settings = serde_json::json!({
             "config": &config,
@@ -134,6 +137,9 @@ impl Averager {
             layout,
             round: None,
             rounds_after_warmup: 0,
+            synced_at: 0,
+            grads: Vec::new(),
+            grads_averaged: None,
             stats: AveragerStats::default(),
         };
         let model = if avg.config.broadcast_initial { avg.broadcast_from_rank0(model)? } else { model };
@@ -143,14 +149,55 @@ impl Averager {
     /// Call after each of the caller's optimizer steps with the learning rate that step used. At the
     /// first step of a round it decides the round's `H` from that lr (QSR: `max(h_base, floor((alpha /
     /// lr)^2))` after warmup); at a round's last step it averages the parameters over all ranks.
+    ///
+    /// On a step whose round syncs gradients, [`Self::average_grads`] must have averaged them before the
+    /// optimizer step; the parameters then need no averaging.
     pub fn step<M: Module>(&mut self, model: M, lr: f64) -> Result<M, OptimError> {
         let t = self.stats.steps;
         let round = match self.round {
             Some(r) if t < r.end => r,
             _ => self.start_round(t, lr)?,
         };
+        if self.config.rule.syncs_gradients(round.start) {
+            if self.grads_averaged != Some(t) {
+                return Err(OptimError::Config {
+                    field: "average_grads".into(),
+                    reason: format!(
+                        "step {t} of rule `{}` all-reduces gradients: call Averager::average_grads between the backward pass and the optimizer step",
+                        self.config.rule.name()
+                    ),
+                });
+            }
+            self.stats.steps += 1;
+            return Ok(model);
+        }
         self.stats.steps += 1;
         if self.stats.steps < round.end { Ok(model) } else { self.average_now(model) }
+    }
+
+    /// Call between the backward pass and the optimizer step. On a step of a round that syncs gradients
+    /// (`dp`, `post-local` before its switch) it returns the mean of every rank's gradients (one
+    /// all-reduce, counted as a synchronization; parameters without a gradient contribute zeros and stay
+    /// without one); on every other step it returns `grads` as they are. Every rank must call it at the
+    /// same steps.
+    pub fn average_grads<M: Module>(
+        &mut self,
+        model: &M,
+        mut grads: GradientsParams,
+    ) -> Result<GradientsParams, OptimError> {
+        let step = self.stats.steps;
+        if !self.config.rule.syncs_gradients(step) {
+            return Ok(grads);
+        }
+        let mut buf = std::mem::take(&mut self.grads);
+        buf.resize(self.layout.len(), 0.0);
+        self.layout.read_grads_params(model, &grads, &mut buf)?;
+        self.all_reduce_counted(&mut buf, step)?;
+        self.layout.write_grads_params(model, &mut grads, &buf)?;
+        self.grads = buf;
+        self.grads_averaged = Some(step);
+        self.synced_at = step + 1;
+        Ok(grads)
     }
 
     /// Averages now, whatever the round: at the end of training (a last round cut short) or before an
@@ -162,8 +209,18 @@ impl Averager {
         if self.config.average_bn {
             self.layout.read_running(&model, &mut self.params[n..])?;
         }
+        let mut params = std::mem::take(&mut self.params);
+        let reduced = self.all_reduce_counted(&mut params, step);
+        self.params = params;
+        reduced?;
+        self.synced_at = step;
+        self.write(model)
+    }
+
+    /// A synchronization: the mean of `buf` over the ranks, counted in the totals.
+    fn all_reduce_counted(&mut self, buf: &mut [f32], step: u64) -> Result<(), OptimError> {
         let before = *self.comm.stats();
-        self.comm.all_reduce(&mut self.params, ReduceOp::Mean).map_err(|source| OptimError::Comm { step, source })?;
+        self.comm.all_reduce(buf, ReduceOp::Mean).map_err(|source| OptimError::Comm { step, source })?;
         self.stats.syncs += 1;
         let delta = self.comm.stats().since(&before);
         self.stats.comm = CommStats {
@@ -172,7 +229,23 @@ impl Averager {
             bytes_received: self.stats.comm.bytes_received + delta.bytes_received,
             seconds: self.stats.comm.seconds + delta.seconds,
         };
-        self.write(model)
+        Ok(())
+    }
+
+    /// Averages if some step since the last synchronization is not averaged yet: the end of a run whose
+    /// length [`AveragerConfig::run_steps`] did not give (the last round cut short, as the planner cuts
+    /// it). Every rank must call it at the same point.
+    pub fn finish<M: Module>(&mut self, model: M) -> Result<M, OptimError> {
+        if self.stats.steps > self.synced_at { self.average_now(model) } else { Ok(model) }
+    }
+
+    /// `true` on every rank when any rank passes `true`: how ranks agree to stop at the same step. One
+    /// 4-byte all-reduce, not counted as a synchronization. Every rank must call it at the same point.
+    pub fn any(&mut self, flag: bool) -> Result<bool, OptimError> {
+        let mut buf = [f32::from(u8::from(flag))];
+        let step = self.stats.steps;
+        self.comm.all_reduce(&mut buf, ReduceOp::Sum).map_err(|source| OptimError::Comm { step, source })?;
+        Ok(buf[0] > 0.0)
     }
 
     /// Totals so far.

@@ -27,7 +27,7 @@ fn tensor_from(values: Vec<f32>, device: &Device) -> Tensor<1> {
 }
 
 /// Downloads a flat tensor.
-pub fn to_host(t: &Tensor<1>) -> Result<Vec<f32>, OptimError> {
+pub(crate) fn to_host(t: &Tensor<1>) -> Result<Vec<f32>, OptimError> {
     let data = t.clone().into_data();
     data.convert::<f32>().try_to_vec::<f32>().map_err(|e| OptimError::Layout(format!("reading a device tensor: {e:?}")))
 }
@@ -200,7 +200,7 @@ impl DeviceOptimizer {
 }
 
 /// Every element finite (one scalar read back).
-pub fn all_finite(t: &Tensor<1>) -> bool {
+pub(crate) fn all_finite(t: &Tensor<1>) -> bool {
     t.clone().is_finite().all().into_scalar::<bool>()
 }
 
@@ -386,8 +386,6 @@ mod fused {
     use burn::backend::Cube;
     use burn::tensor::Tensor;
 
-    /// `None` when the tensors are not plain cubecl buffers of exactly their length (another
-    /// backend, a view): the caller then uses burn operations.
     /// Waits for the calling thread's queued work on `tensors` (its own stream on CUDA).
     pub fn finish_own_work(tensors: &[Tensor<1>]) -> Result<(), String> {
         if let Some(t) = tensors.first()
@@ -398,6 +396,9 @@ mod fused {
         Ok(())
     }
 
+    /// The K ranks' deposits averaged in place, one launch per slot; `None` when the tensors are not
+    /// plain cubecl buffers of exactly their length (another backend, a view): the caller then uses
+    /// burn operations.
     pub fn average_in_place(deposits: &[Vec<Tensor<1>>]) -> Option<Result<(), String>> {
         let slots = deposits[0].len();
         // Beyond what one launch handles, burn operations do it.

@@ -13,20 +13,20 @@
 //! through a [`DeviceGroup`]: one fused launch per averaged tensor (parameters, and each moment the
 //! policy names); BatchNorm statistics, when averaged, still go through the host collective.
 
+use std::borrow::Cow;
 use std::time::Instant;
 
-use std::borrow::Cow;
-
 use burn::module::Module;
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 use qsr_comm::{Collective, CommStats, ReduceOp};
 use qsr_sched::{Cursor, StepInfo, SyncMode};
 use serde::{Deserialize, Serialize};
 
-use crate::device::{DeviceGroup, DeviceOptimizer, all_finite, to_host};
+use crate::device::DeviceGroup;
 use crate::error::{LossError, OptimError};
 use crate::flat::ParamLayout;
-use crate::optim::{OptimState, Optimizer, OptimizerConfig};
+use crate::optim::{OptimState, OptimizerConfig};
+use crate::replica::{DeviceReplica, HostReplica, Replica};
 
 /// Which optimizer state is averaged at a synchronization (the authors' `--avg-m` / `--avg-v`).
 /// Default: none, as in the paper.
@@ -163,30 +163,116 @@ pub struct DriverStats {
     pub fused_syncs: u64,
 }
 
-/// The device-resident state of a worker (see [`Residency::Device`]).
-struct DeviceReplica {
-    /// The training device without autodiff.
-    device: Device,
-    params: Tensor<1>,
-    optimizer: DeviceOptimizer,
-    group: Option<DeviceGroup>,
-}
-
 /// One worker: a model replica, its flat parameters, its optimizer state, its collective and cursor.
 pub struct Worker<M: Module> {
     /// The replica; writes go through a clone, so a failed write leaves it intact.
     model: M,
     layout: ParamLayout,
-    params: Vec<f32>,
-    grads: Vec<f32>,
-    grad_sum: Vec<f32>,
-    sync_buf: Vec<f32>,
-    optimizer: Optimizer,
+    /// The flat state, host- or device-resident.
+    replica: Replica,
+    optimizer: OptimizerConfig,
     comm: Box<dyn Collective>,
     cursor: Cursor,
     config: DriverConfig,
     stats: DriverStats,
-    dev: Option<DeviceReplica>,
+}
+
+/// What a replica's step borrows from its [`Worker`] beside the replica: the collective, the settings
+/// and the totals that syncs add to.
+pub(crate) struct Peers<'a> {
+    pub(crate) comm: &'a mut dyn Collective,
+    pub(crate) config: &'a DriverConfig,
+    pub(crate) stats: &'a mut DriverStats,
+}
+
+impl Peers<'_> {
+    /// The collective's counters and the clock at the start of a sync.
+    pub(crate) fn start(&self) -> (CommStats, Instant) {
+        (*self.comm.stats(), Instant::now())
+    }
+
+    /// Mean all-reduce of `buf` in the configured buckets; returns the calls made.
+    pub(crate) fn all_reduce(&mut self, buf: &mut [f32], step: u64) -> Result<u64, OptimError> {
+        all_reduce_bucketed(&mut *self.comm, buf, self.config.bucket_elems)
+            .map_err(|source| OptimError::Comm { step, source })
+    }
+
+    /// A sync through the collective since `start`, added to the totals.
+    pub(crate) fn account(
+        &mut self,
+        before: CommStats,
+        t: Instant,
+        mode: SyncMode,
+        elements: usize,
+        calls: u64,
+    ) -> SyncReport {
+        let mut delta = self.comm.stats().since(&before);
+        delta.seconds = t.elapsed().as_secs_f64();
+        self.stats.comm.calls += delta.calls;
+        self.stats.comm.bytes_sent += delta.bytes_sent;
+        self.stats.comm.bytes_received += delta.bytes_received;
+        self.stats.comm.seconds += delta.seconds;
+        SyncReport { mode, elements, calls, bytes_sent: delta.bytes_sent, seconds: delta.seconds }
+    }
+
+    /// A sync through a [`DeviceGroup`] since `t`, added to the totals as the bytes a ring all-reduce of
+    /// the same elements would move (as the in-process collective reports).
+    pub(crate) fn account_group(
+        &mut self,
+        t: Instant,
+        mode: SyncMode,
+        elements: usize,
+        calls: u64,
+        fused: bool,
+    ) -> SyncReport {
+        let k = self.comm.world_size() as u64;
+        let bytes = qsr_sched::ring_allreduce_bytes_per_rank(elements as u64, 4, k);
+        let seconds = t.elapsed().as_secs_f64();
+        self.stats.comm.calls += calls;
+        self.stats.comm.bytes_sent += bytes;
+        self.stats.comm.bytes_received += bytes;
+        self.stats.comm.seconds += seconds;
+        if fused {
+            self.stats.fused_syncs += 1;
+        }
+        SyncReport { mode, elements, calls, bytes_sent: bytes, seconds }
+    }
+
+    /// The model's BatchNorm running statistics averaged over the workers (not accounted).
+    pub(crate) fn average_running_unaccounted<M: Module>(
+        &mut self,
+        model: &mut M,
+        layout: &ParamLayout,
+        step: u64,
+    ) -> Result<(usize, u64), OptimError> {
+        let mut running = vec![0.0; layout.running_len()];
+        layout.read_running(model, &mut running)?;
+        let calls = self.all_reduce(&mut running, step)?;
+        *model = layout.write_running(model.clone(), &running)?;
+        Ok((running.len(), calls))
+    }
+
+    /// [`Self::average_running_unaccounted`] as part of a sync, accounted.
+    pub(crate) fn average_running<M: Module>(
+        &mut self,
+        model: &mut M,
+        layout: &ParamLayout,
+        step: u64,
+    ) -> Result<SyncReport, OptimError> {
+        let (before, t) = self.start();
+        let (elements, calls) = self.average_running_unaccounted(model, layout, step)?;
+        Ok(self.account(before, t, SyncMode::Parameters, elements, calls))
+    }
+}
+
+impl SyncReport {
+    /// Adds another part of the same sync (e.g. BatchNorm statistics averaged after the parameters).
+    pub(crate) fn add(&mut self, other: &SyncReport) {
+        self.elements += other.elements;
+        self.calls += other.calls;
+        self.bytes_sent += other.bytes_sent;
+        self.seconds += other.seconds;
+    }
 }
 
 impl<M: Module> Worker<M> {
@@ -194,69 +280,26 @@ impl<M: Module> Worker<M> {
     pub fn new(
         model: M,
         optimizer: OptimizerConfig,
-        comm: Box<dyn Collective>,
+        mut comm: Box<dyn Collective>,
         cursor: Cursor,
         config: DriverConfig,
     ) -> Result<Self, OptimError> {
-        if config.accumulation_steps == 0 {
-            return Err(OptimError::Config {
-                field: "driver.accumulation_steps".into(),
-                reason: "must be at least 1".into(),
-            });
-        }
-        if config.bucket_elems == Some(0) {
-            return Err(OptimError::Config {
-                field: "driver.bucket_elems".into(),
-                reason: "must be at least 1".into(),
-            });
-        }
+        check_config(&config)?;
         // burn shares BatchNorm running state between clones of a module; `valid().train()` gives this
         // worker its own, so simulated workers keep local statistics as the paper's workers do.
-        let model = model.valid().train();
+        let mut model = model.valid().train();
         let layout = ParamLayout::of(&model);
-        let n = layout.len();
-        // Per-tensor ranges: clipping sums squares per tensor, as torch does.
-        let tensors: Vec<_> = layout.trainable.iter().map(|e| e.range.clone()).collect();
-        let optimizer = Optimizer::new(optimizer, n, &layout.no_decay_ranges())?.with_tensors(&tensors)?;
-        let mut params = vec![0.0; n];
-        layout.read_params(&model, &mut params)?;
-        let mut w = Self {
-            model,
-            layout,
-            params,
-            grads: vec![0.0; n],
-            grad_sum: Vec::new(),
-            sync_buf: Vec::new(),
-            optimizer,
-            comm,
-            cursor,
-            config,
-            stats: DriverStats::default(),
-            dev: None,
-        };
-        if w.config.broadcast_initial && w.comm.world_size() > 1 {
-            let step = w.cursor.step();
-            w.comm.broadcast(&mut w.params, 0).map_err(|source| OptimError::Comm { step, source })?;
-            if w.layout.running_len() > 0 {
-                let mut running = vec![0.0; w.layout.running_len()];
-                w.layout.read_running(w.model(), &mut running)?;
-                w.comm.broadcast(&mut running, 0).map_err(|source| OptimError::Comm { step, source })?;
-                w.replace_running(&running)?;
+        if config.broadcast_initial && comm.world_size() > 1 {
+            model = broadcast_initial(model, &layout, comm.as_mut(), cursor.step())?;
+        }
+        let replica = match resolve_residency(config.residency, &model) {
+            Residency::Device => {
+                let device = model_device(&model).inner();
+                Replica::Device(DeviceReplica::new(&model, &layout, optimizer.clone(), device)?)
             }
-            w.write_back()?;
-        }
-        if resolve_residency(w.config.residency, w.model()) == Residency::Device {
-            let device = w.model_device().inner();
-            let params = w.layout.params_tensor(w.model(), &device)?;
-            let optimizer =
-                DeviceOptimizer::new(w.optimizer.config().clone(), n, &w.layout.no_decay_ranges(), &device)?;
-            // The host copies are not used from here on (the host optimizer keeps only its config).
-            w.params = Vec::new();
-            w.grads = Vec::new();
-            w.optimizer = Optimizer::new(w.optimizer.config().clone(), 0, &[])?;
-            w.dev = Some(DeviceReplica { device, params, optimizer, group: None });
-        }
-        Ok(w)
+            _ => Replica::Host(HostReplica::new(&model, &layout, optimizer.clone())?),
+        };
+        Ok(Self { model, layout, replica, optimizer, comm, cursor, config, stats: DriverStats::default() })
     }
 
     /// Gives a device-resident worker the in-process group of its K simulated peers on the same
@@ -271,22 +314,20 @@ impl<M: Module> Worker<M> {
                 self.world_size()
             )));
         }
-        match &mut self.dev {
-            Some(d) => {
-                d.group = Some(group);
+        match &mut self.replica {
+            Replica::Device(d) => {
+                d.set_group(group);
                 Ok(())
             }
-            None => Err(OptimError::DeviceGroup("it needs a device-resident worker (driver.residency)".into())),
+            Replica::Host(_) => {
+                Err(OptimError::DeviceGroup("it needs a device-resident worker (driver.residency)".into()))
+            }
         }
     }
 
     /// Whether parameters and optimizer state live on the device.
     pub fn is_device_resident(&self) -> bool {
-        self.dev.is_some()
-    }
-
-    fn model_device(&self) -> Device {
-        model_device(self.model())
+        matches!(self.replica, Replica::Device(_))
     }
 
     /// The worker's model replica (its parameters equal the flat ones after every step).
@@ -316,21 +357,15 @@ impl<M: Module> Worker<M> {
     }
     /// The worker's flat trainable parameters (equal to the model's); downloaded when device-resident.
     pub fn params(&self) -> Result<Cow<'_, [f32]>, OptimError> {
-        match &self.dev {
-            Some(d) => Ok(Cow::Owned(to_host(&d.params)?)),
-            None => Ok(Cow::Borrowed(&self.params)),
-        }
+        self.replica.params()
     }
     /// The optimizer settings the worker was built with.
     pub fn optimizer_config(&self) -> &OptimizerConfig {
-        self.optimizer.config()
+        &self.optimizer
     }
     /// The optimizer state (for checkpoints); downloaded when device-resident.
     pub fn optimizer_state(&self) -> Result<Cow<'_, OptimState>, OptimError> {
-        match &self.dev {
-            Some(d) => Ok(Cow::Owned(d.optimizer.state()?)),
-            None => Ok(Cow::Borrowed(self.optimizer.state())),
-        }
+        self.replica.optimizer_state()
     }
     /// The position in the plan: [`Cursor::step`] is the next step to run.
     pub fn cursor(&self) -> &Cursor {
@@ -361,7 +396,7 @@ impl<M: Module> Worker<M> {
     }
 
     /// Restores parameters, optimizer state and position (from a checkpoint taken at a sync point).
-    pub fn restore(&mut self, params: &[f32], state: crate::OptimState, cursor: Cursor) -> Result<(), OptimError> {
+    pub fn restore(&mut self, params: &[f32], state: OptimState, cursor: Cursor) -> Result<(), OptimError> {
         if params.len() != self.layout.len() {
             return Err(OptimError::Layout(format!(
                 "checkpoint has {} parameters, model {}",
@@ -369,322 +404,88 @@ impl<M: Module> Worker<M> {
                 self.layout.len()
             )));
         }
-        match &mut self.dev {
-            Some(d) => {
-                d.optimizer.load_state(state, &d.device)?;
-                d.params = Tensor::<1>::from_data(TensorData::new(params.to_vec(), [params.len()]), &d.device);
-            }
-            None => {
-                self.optimizer.load_state(state)?;
-                self.params.copy_from_slice(params);
-            }
-        }
+        self.replica.restore(params, state)?;
         self.cursor = cursor;
         self.write_back()
     }
 
     fn write_back(&mut self) -> Result<(), OptimError> {
         // A clone of a module shares its tensors (cheap); on error the worker keeps its model.
-        let model = self.model.clone();
-        self.model = match &self.dev {
-            Some(d) => self.layout.write_params_tensor(model, &d.params)?,
-            None => self.layout.write_params(model, &self.params)?,
-        };
-        Ok(())
-    }
-
-    fn replace_running(&mut self, running: &[f32]) -> Result<(), OptimError> {
-        self.model = self.layout.write_running(self.model.clone(), running)?;
+        self.model = self.replica.write(&self.layout, self.model.clone())?;
         Ok(())
     }
 
     /// Runs the next step of the plan. `loss_fn(model, micro_batch)` returns the micro-batch's mean loss
     /// as a one-element tensor on the model's autodiff device.
-    pub fn step<F>(&mut self, mut loss_fn: F) -> Result<StepReport, OptimError>
+    pub fn step<F>(&mut self, loss_fn: F) -> Result<StepReport, OptimError>
     where
         F: FnMut(&M, usize) -> Result<Tensor<1>, LossError>,
     {
-        if self.dev.is_some() {
-            return self.step_device(loss_fn);
-        }
         let info = self.cursor.advance().ok_or(OptimError::Finished(self.cursor.step()))?;
-        let accum = self.config.accumulation_steps;
-        let mut loss_sum = 0.0f64;
-        if accum > 1 {
-            self.grad_sum.clear();
-            self.grad_sum.resize(self.params.len(), 0.0);
-        }
-        for micro in 0..accum {
-            let model = &self.model;
-            let loss = loss_fn(model, micro).map_err(|source| OptimError::Step { step: info.step, source })?;
-            loss_sum += f64::from(loss.clone().into_scalar::<f32>());
-            let mut grads = loss.backward();
-            self.layout.read_grads(model, &mut grads, &mut self.grads)?;
-            if accum > 1 {
-                self.grad_sum.iter_mut().zip(&self.grads).for_each(|(s, g)| *s += g);
-            }
-        }
-        if accum > 1 {
-            let inv = 1.0 / accum as f32;
-            self.grads.iter_mut().zip(&self.grad_sum).for_each(|(g, s)| *g = s * inv);
-        }
-        let mut sync = None;
-        if info.mode == SyncMode::Gradients {
-            // Data parallel: every rank averages gradients, so every rank takes the same update.
-            sync = Some(self.all_reduce_grads(info.step)?);
-        }
-        let updated = self.grads.iter().all(|g| g.is_finite());
-        if updated {
-            self.optimizer.step(&mut self.params, &mut self.grads, info.lr);
-        } else {
-            self.stats.skipped_updates += 1;
-        }
-        if info.sync_after && info.mode == SyncMode::Parameters {
-            sync = Some(self.sync_parameters(info.step)?);
-        }
-        self.finish_step(info, loss_sum / accum as f64, updated, sync)
-    }
-
-    /// The module rewritten from the flat parameters, and the step counted.
-    fn finish_step(
-        &mut self,
-        info: StepInfo,
-        loss: f64,
-        updated: bool,
-        sync: Option<SyncReport>,
-    ) -> Result<StepReport, OptimError> {
+        let mut peers = Peers { comm: self.comm.as_mut(), config: &self.config, stats: &mut self.stats };
+        let stepped = match &mut self.replica {
+            Replica::Host(h) => h.step(&mut self.model, &self.layout, &mut peers, &info, loss_fn)?,
+            Replica::Device(d) => d.step(&mut self.model, &self.layout, &mut peers, &info, loss_fn)?,
+        };
+        // The module rewritten from the flat parameters, and the step counted.
         self.write_back()?;
         self.stats.steps += 1;
-        if let Some(s) = &sync {
+        if let Some(s) = &stepped.sync {
             self.stats.syncs += 1;
             if s.mode == SyncMode::Gradients {
                 self.stats.gradient_syncs += 1;
             }
         }
-        Ok(StepReport { info, loss: loss as f32, updated, sync })
-    }
-
-    /// [`Self::step`] with device-resident parameters and state: no host transfer but one
-    /// finiteness flag (and the loss) per step.
-    fn step_device<F>(&mut self, mut loss_fn: F) -> Result<StepReport, OptimError>
-    where
-        F: FnMut(&M, usize) -> Result<Tensor<1>, LossError>,
-    {
-        let info = self.cursor.advance().ok_or(OptimError::Finished(self.cursor.step()))?;
-        let accum = self.config.accumulation_steps;
-        let device = self.dev.as_ref().expect("device-resident").device.clone();
-        let mut loss_sum = 0.0f64;
-        let mut grad_sum: Option<Tensor<1>> = None;
-        for micro in 0..accum {
-            let model = &self.model;
-            let loss = loss_fn(model, micro).map_err(|source| OptimError::Step { step: info.step, source })?;
-            loss_sum += f64::from(loss.clone().into_scalar::<f32>());
-            let mut grads = loss.backward();
-            let g = self.layout.grads_tensor(model, &mut grads, &device)?;
-            grad_sum = Some(match grad_sum {
-                Some(s) => s + g,
-                None => g,
-            });
-        }
-        let mut grads = grad_sum.expect("at least one micro-batch");
-        if accum > 1 {
-            // The host path's sum * (1 / accum).
-            grads = grads.mul_scalar(1.0 / accum as f32);
-        }
-        let mut sync = None;
-        if info.mode == SyncMode::Gradients {
-            let (mut out, report) = self.average_device(info.step, vec![grads], SyncMode::Gradients)?;
-            grads = out.remove(0);
-            sync = Some(report);
-        }
-        let updated = all_finite(&grads);
-        let dev = self.dev.as_mut().expect("device-resident");
-        if updated {
-            let params = dev.params.clone();
-            dev.params = dev.optimizer.step(params, grads, info.lr);
-        } else {
-            self.stats.skipped_updates += 1;
-        }
-        if info.sync_after && info.mode == SyncMode::Parameters {
-            sync = Some(self.sync_parameters_device(info.step)?);
-        }
-        self.finish_step(info, loss_sum / accum as f64, updated, sync)
-    }
-
-    /// Parameters (and the moments the policy names) averaged on the device; BatchNorm statistics,
-    /// when averaged, go through the host collective (they are small).
-    fn sync_parameters_device(&mut self, step: u64) -> Result<SyncReport, OptimError> {
-        let policy = self.config.state;
-        let dev = self.dev.as_mut().expect("device-resident");
-        let mut tensors = vec![dev.params.clone()];
-        let (m, v) = dev.optimizer.moments_mut();
-        let avg_m = policy.average_first_moment && m.is_some();
-        let avg_v = policy.average_second_moment && v.is_some();
-        if avg_m {
-            tensors.push(m.clone().expect("checked"));
-        }
-        if avg_v {
-            tensors.push(v.clone().expect("checked"));
-        }
-        let (mut out, mut report) = self.average_device(step, tensors, SyncMode::Parameters)?;
-        let dev = self.dev.as_mut().expect("device-resident");
-        dev.params = out.remove(0);
-        let (m, v) = dev.optimizer.moments_mut();
-        if avg_m {
-            *m = Some(out.remove(0));
-        }
-        if avg_v {
-            *v = Some(out.remove(0));
-        }
-        if self.config.bn == BnPolicy::Average && self.layout.running_len() > 0 {
-            let before = *self.comm.stats();
-            let t = Instant::now();
-            let mut running = vec![0.0; self.layout.running_len()];
-            self.layout.read_running(self.model(), &mut running)?;
-            let calls = all_reduce_bucketed(self.comm.as_mut(), &mut running, self.config.bucket_elems)
-                .map_err(|source| OptimError::Comm { step, source })?;
-            self.replace_running(&running)?;
-            let extra = self.account(before, t, SyncMode::Parameters, running.len(), calls);
-            report.elements += extra.elements;
-            report.calls += extra.calls;
-            report.bytes_sent += extra.bytes_sent;
-            report.seconds += extra.seconds;
-        }
-        Ok(report)
-    }
-
-    /// Mean over the workers of each tensor: through the device group where there is one (one
-    /// fused launch per tensor on a cubecl backend), else through the host collective.
-    fn average_device(
-        &mut self,
-        step: u64,
-        tensors: Vec<Tensor<1>>,
-        mode: SyncMode,
-    ) -> Result<(Vec<Tensor<1>>, SyncReport), OptimError> {
-        let t = Instant::now();
-        let elements: usize = tensors.iter().map(|x| x.dims()[0]).sum();
-        let k = self.world_size();
-        let dev = self.dev.as_ref().expect("device-resident");
-        if k == 1 && dev.group.is_none() {
-            // Nothing to average with: no transfer.
-            return Ok((tensors, SyncReport { mode, elements, calls: 0, bytes_sent: 0, seconds: 0.0 }));
-        }
-        if let Some(group) = &dev.group {
-            let calls = tensors.len() as u64;
-            let (out, fused) = group.average(tensors)?;
-            // What a ring all-reduce of the same bytes would move, as the in-process collective reports.
-            let bytes = qsr_sched::ring_allreduce_bytes_per_rank(elements as u64, 4, k as u64);
-            let seconds = t.elapsed().as_secs_f64();
-            self.stats.comm.calls += calls;
-            self.stats.comm.bytes_sent += bytes;
-            self.stats.comm.bytes_received += bytes;
-            self.stats.comm.seconds += seconds;
-            if fused {
-                self.stats.fused_syncs += 1;
-            }
-            return Ok((out, SyncReport { mode, elements, calls, bytes_sent: bytes, seconds }));
-        }
-        // Across processes: stage through the host collective in one flat buffer.
-        let device = dev.device.clone();
-        let lens: Vec<usize> = tensors.iter().map(|x| x.dims()[0]).collect();
-        let mut buf = Vec::with_capacity(elements);
-        for x in &tensors {
-            buf.extend(to_host(x)?);
-        }
-        let before = *self.comm.stats();
-        let calls = all_reduce_bucketed(self.comm.as_mut(), &mut buf, self.config.bucket_elems)
-            .map_err(|source| OptimError::Comm { step, source })?;
-        let mut out = Vec::with_capacity(lens.len());
-        let mut at = 0;
-        for n in lens {
-            out.push(Tensor::<1>::from_data(TensorData::new(buf[at..at + n].to_vec(), [n]), &device));
-            at += n;
-        }
-        let report = self.account(before, t, mode, elements, calls);
-        Ok((out, report))
-    }
-
-    fn all_reduce_grads(&mut self, step: u64) -> Result<SyncReport, OptimError> {
-        let before = *self.comm.stats();
-        let t = Instant::now();
-        let calls = all_reduce_bucketed(self.comm.as_mut(), &mut self.grads, self.config.bucket_elems)
-            .map_err(|source| OptimError::Comm { step, source })?;
-        Ok(self.account(before, t, SyncMode::Gradients, self.grads.len(), calls))
-    }
-
-    /// Averages parameters (and the state the policies name) across workers in one flat collective.
-    fn sync_parameters(&mut self, step: u64) -> Result<SyncReport, OptimError> {
-        let before = *self.comm.stats();
-        let t = Instant::now();
-        let policy = self.config.state;
-        let avg_m = policy.average_first_moment && !self.optimizer.state().first_moment.is_empty();
-        let avg_v = policy.average_second_moment && !self.optimizer.state().second_moment.is_empty();
-        let avg_bn = self.config.bn == BnPolicy::Average && self.layout.running_len() > 0;
-        let err = |source| OptimError::Comm { step, source };
-        if !(avg_m || avg_v || avg_bn) {
-            let calls =
-                all_reduce_bucketed(self.comm.as_mut(), &mut self.params, self.config.bucket_elems).map_err(err)?;
-            return Ok(self.account(before, t, SyncMode::Parameters, self.params.len(), calls));
-        }
-        // Append the extra state to one buffer: still one collective per round.
-        let mut buf = std::mem::take(&mut self.sync_buf);
-        buf.clear();
-        buf.extend_from_slice(&self.params);
-        if avg_m {
-            buf.extend_from_slice(&self.optimizer.state().first_moment);
-        }
-        if avg_v {
-            buf.extend_from_slice(&self.optimizer.state().second_moment);
-        }
-        let running_at = buf.len();
-        if avg_bn {
-            buf.resize(running_at + self.layout.running_len(), 0.0);
-            self.layout.read_running(self.model(), &mut buf[running_at..])?;
-        }
-        let calls = all_reduce_bucketed(self.comm.as_mut(), &mut buf, self.config.bucket_elems).map_err(err)?;
-        let n = self.params.len();
-        self.params.copy_from_slice(&buf[..n]);
-        let mut at = n;
-        let state = self.optimizer.state_mut();
-        if avg_m {
-            state.first_moment.copy_from_slice(&buf[at..at + n]);
-            at += n;
-        }
-        if avg_v {
-            state.second_moment.copy_from_slice(&buf[at..at + n]);
-        }
-        if avg_bn {
-            self.replace_running(&buf[running_at..])?;
-        }
-        let elements = buf.len();
-        self.sync_buf = buf;
-        Ok(self.account(before, t, SyncMode::Parameters, elements, calls))
-    }
-
-    fn account(&mut self, before: CommStats, t: Instant, mode: SyncMode, elements: usize, calls: u64) -> SyncReport {
-        let mut delta = self.comm.stats().since(&before);
-        delta.seconds = t.elapsed().as_secs_f64();
-        self.stats.comm.calls += delta.calls;
-        self.stats.comm.bytes_sent += delta.bytes_sent;
-        self.stats.comm.bytes_received += delta.bytes_received;
-        self.stats.comm.seconds += delta.seconds;
-        SyncReport { mode, elements, calls, bytes_sent: delta.bytes_sent, seconds: delta.seconds }
+        let loss = stepped.loss_sum / self.config.accumulation_steps as f64;
+        Ok(StepReport { info, loss: loss as f32, updated: stepped.updated, sync: stepped.sync })
     }
 
     /// Averages BatchNorm running statistics across workers (the last step of the paper's re-estimation,
     /// after the trainer ran its forward passes). A no-op for models without running statistics.
     pub fn average_running_stats(&mut self) -> Result<(), OptimError> {
-        let n = self.layout.running_len();
-        if n == 0 {
+        if self.layout.running_len() == 0 {
             return Ok(());
         }
-        let mut running = vec![0.0; n];
-        self.layout.read_running(self.model(), &mut running)?;
         let step = self.cursor.step();
-        all_reduce_bucketed(self.comm.as_mut(), &mut running, self.config.bucket_elems)
-            .map_err(|source| OptimError::Comm { step, source })?;
-        self.replace_running(&running)
+        let mut peers = Peers { comm: self.comm.as_mut(), config: &self.config, stats: &mut self.stats };
+        peers.average_running_unaccounted(&mut self.model, &self.layout, step)?;
+        Ok(())
     }
+}
+
+/// Settings the driver cannot run with, named by their recipe key.
+fn check_config(config: &DriverConfig) -> Result<(), OptimError> {
+    if config.accumulation_steps == 0 {
+        return Err(OptimError::Config {
+            field: "driver.accumulation_steps".into(),
+            reason: "must be at least 1".into(),
+        });
+    }
+    if config.bucket_elems == Some(0) {
+        return Err(OptimError::Config { field: "driver.bucket_elems".into(), reason: "must be at least 1".into() });
+    }
+    Ok(())
+}
+
+/// `model` with rank 0's parameters and running statistics, as DDP starts.
+fn broadcast_initial<M: Module>(
+    model: M,
+    layout: &ParamLayout,
+    comm: &mut dyn Collective,
+    step: u64,
+) -> Result<M, OptimError> {
+    let err = |source| OptimError::Comm { step, source };
+    let mut params = vec![0.0; layout.len()];
+    layout.read_params(&model, &mut params)?;
+    comm.broadcast(&mut params, 0).map_err(err)?;
+    let mut model = model;
+    if layout.running_len() > 0 {
+        let mut running = vec![0.0; layout.running_len()];
+        layout.read_running(&model, &mut running)?;
+        comm.broadcast(&mut running, 0).map_err(err)?;
+        model = layout.write_running(model, &running)?;
+    }
+    layout.write_params(model, &params)
 }
 
 /// Mean all-reduce of `buf`, in buckets of at most `bucket` elements; returns the calls made.

@@ -14,6 +14,7 @@
 use std::ops::Range;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
 use burn::tensor::{Device, Gradients, Tensor, TensorData};
 
 use crate::error::OptimError;
@@ -152,6 +153,36 @@ impl ParamLayout {
     /// copy where it can.
     pub fn read_grads<M: Module>(&self, module: &M, grads: &mut Gradients, out: &mut [f32]) -> Result<(), OptimError> {
         self.read(module, out, Source::Grads(grads), false)
+    }
+
+    /// Copies the gradients in `grads` (burn's optimizer input, keyed by parameter id) of `module`'s
+    /// trainable parameters into `out` (zero where `grads` has none), leaving `grads` as it is.
+    pub fn read_grads_params<M: Module>(
+        &self,
+        module: &M,
+        grads: &GradientsParams,
+        out: &mut [f32],
+    ) -> Result<(), OptimError> {
+        self.read(module, out, Source::GradsParams(grads), false)
+    }
+
+    /// Replaces each gradient in `grads` of `module`'s trainable parameters with its slice of `src`
+    /// (parameters without a gradient stay without one).
+    pub fn write_grads_params<M: Module>(
+        &self,
+        module: &M,
+        grads: &mut GradientsParams,
+        src: &[f32],
+    ) -> Result<(), OptimError> {
+        if src.len() != self.len() {
+            return Err(OptimError::Layout(format!("buffer of {} elements for a layout of {}", src.len(), self.len())));
+        }
+        let mut v = GradsParamsWriter { stack: Vec::new(), src, grads, offset: 0 };
+        module.visit(&mut v);
+        if v.offset != self.len() {
+            return Err(OptimError::Layout(format!("module has {} elements, layout {}", v.offset, self.len())));
+        }
+        Ok(())
     }
 
     fn read<M: Module>(
@@ -326,6 +357,7 @@ impl ModuleMapper for WriteTensorMapper<'_> {
 enum Source<'a> {
     Params,
     Grads(&'a mut Gradients),
+    GradsParams(&'a GradientsParams),
 }
 
 struct ReadVisitor<'a> {
@@ -358,6 +390,7 @@ impl ModuleVisitor for ReadVisitor<'_> {
         let tensor = match &mut self.source {
             Source::Params => Some(param.val()),
             Source::Grads(g) => param.val().grad_remove(g),
+            Source::GradsParams(g) => g.get::<D>(param.id),
         };
         match tensor {
             None => dst.fill(0.0),
@@ -416,5 +449,32 @@ impl ModuleMapper for WriteMapper<'_> {
             fresh = fresh.require_grad();
         }
         Param::from_mapped_value(id, fresh, mapper)
+    }
+}
+
+struct GradsParamsWriter<'a> {
+    stack: Vec<(String, String)>,
+    src: &'a [f32],
+    grads: &'a mut GradientsParams,
+    offset: usize,
+}
+
+impl ModuleVisitor for GradsParamsWriter<'_> {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.stack.push((name.to_string(), container_type.to_string()));
+    }
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.stack.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if role(&self.stack) == ParamRole::Running {
+            return;
+        }
+        let n = param.lazy_shape().num_elements();
+        let range = self.offset..self.offset + n;
+        self.offset += n;
+        let (Some(values), Some(old)) = (self.src.get(range), self.grads.get::<D>(param.id)) else { return };
+        let fresh = Tensor::<D>::from_data(TensorData::new(values.to_vec(), old.shape()), &old.device());
+        self.grads.register::<D>(param.id, fresh);
     }
 }

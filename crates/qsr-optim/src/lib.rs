@@ -5,20 +5,24 @@
 //! Two ways in:
 //! - [`Averager`]: keep your own burn optimizer, lr scheduler and loop; call [`Averager::step`] after each
 //!   optimizer step with the lr it used, and the model is averaged over the workers whenever a round of
-//!   the sync rule (QSR among them) ends.
+//!   the sync rule (QSR among them) ends; [`Averager::average_grads`] before the optimizer step serves
+//!   the rules that average gradients (data parallel, post-local).
 //! - [`Worker`]: our PyTorch-exact SGD / AdamW over flat state, driven step by step from a `qsr-sched`
 //!   plan, with gradient accumulation, data-parallel rounds and optimizer-state averaging.
 
 mod averager;
-pub mod device;
-pub mod driver;
+mod device;
+mod driver;
 mod error;
-pub mod flat;
-pub mod optim;
+mod flat;
+mod optim;
+mod replica;
 
 pub use averager::{Averager, AveragerConfig, AveragerStats};
 pub use device::{DeviceGroup, DeviceOptimizer};
 pub use driver::{BnPolicy, DriverConfig, DriverStats, Residency, StatePolicy, StepReport, SyncReport, Worker};
 pub use error::{LossError, OptimError};
 pub use flat::{ParamEntry, ParamLayout, ParamRole};
-pub use optim::{OptimState, Optimizer, OptimizerConfig, OptimizerKind, clip_grad_norm};
+pub use optim::{
+    DecaySegment, OptimState, Optimizer, OptimizerConfig, OptimizerKind, clip_grad_norm, clip_grad_norm_per_tensor,
+};

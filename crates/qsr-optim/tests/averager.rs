@@ -1,6 +1,6 @@
 //! The Averager around burn's own optimizer, with K workers on threads: syncs follow the sync rule from
-//! the lr the caller applied, replicas end bit-identical, reruns are bit-identical, and ranks configured
-//! differently fail at construction naming the setting.
+//! the lr the caller applied (gradient rules through `average_grads`), replicas end bit-identical, reruns
+//! are bit-identical, and ranks configured differently fail at construction naming the setting.
 
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig, Relu};
@@ -55,7 +55,8 @@ fn schedule() -> LrSchedule {
 }
 
 /// One worker's plain burn loop with the averager added; returns its final flat parameters and syncs.
-fn train(comm: Box<dyn Collective>, rule: SyncRule) -> Result<(Vec<f32>, u64), OptimError> {
+/// With `known_length` the averager is told the run's length, else the loop calls `finish` at the end.
+fn train(comm: Box<dyn Collective>, rule: SyncRule, known_length: bool) -> Result<(Vec<f32>, u64), OptimError> {
     let device = Device::flex().autodiff();
     let rank = comm.rank();
     // burn draws initial weights lazily from one global RNG, which concurrent threads (and tests) share,
@@ -63,7 +64,7 @@ fn train(comm: Box<dyn Collective>, rule: SyncRule) -> Result<(Vec<f32>, u64), O
     // every worker.
     let model = if rank == 0 { seeded(Mlp::new(&device)) } else { Mlp::new(&device) };
     let mut config = AveragerConfig::new(rule, 20);
-    config.run_steps = Some(STEPS);
+    config.run_steps = known_length.then_some(STEPS);
     let (mut avg, mut model) = Averager::new(model, config, comm)?;
     let mut optim = SgdConfig::new().with_momentum(Some(MomentumConfig::new().with_momentum(0.9))).init();
     let sched = schedule();
@@ -72,8 +73,12 @@ fn train(comm: Box<dyn Collective>, rule: SyncRule) -> Result<(Vec<f32>, u64), O
         let (x, y) = batch(rank, step, &device);
         let loss = (model.forward(x) - y).powi_scalar(2).mean();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let grads = avg.average_grads(&model, grads)?;
         model = optim.step(lr, model, grads);
         model = avg.step(model, lr)?;
+    }
+    if !known_length {
+        model = avg.finish(model)?;
     }
     let layout = ParamLayout::of(&model);
     let mut flat = vec![0.0; layout.len()];
@@ -82,12 +87,20 @@ fn train(comm: Box<dyn Collective>, rule: SyncRule) -> Result<(Vec<f32>, u64), O
 }
 
 fn run(k: usize, rule: impl Fn(usize) -> SyncRule + Sync) -> Vec<Result<(Vec<f32>, u64), OptimError>> {
+    run_with(k, rule, true)
+}
+
+fn run_with(
+    k: usize,
+    rule: impl Fn(usize) -> SyncRule + Sync,
+    known_length: bool,
+) -> Vec<Result<(Vec<f32>, u64), OptimError>> {
     std::thread::scope(|s| {
         let joins: Vec<_> = InProcessGroup::new(k)
             .into_iter()
             .map(|c| {
                 let rule = rule(c.rank());
-                s.spawn(move || train(Box::new(c), rule))
+                s.spawn(move || train(Box::new(c), rule, known_length))
             })
             .collect();
         joins.into_iter().map(|j| j.join().unwrap()).collect()
@@ -110,6 +123,16 @@ fn qsr_around_burns_sgd_syncs_as_planned_and_replicas_end_identical() {
 }
 
 #[test]
+fn finish_cuts_the_last_round_as_a_known_run_length_does() {
+    // 300 steps of constant H = 7 end mid-round: `finish` makes the cut round's sync, bit for bit.
+    let rule = SyncRule::Constant { h: 7 };
+    let known: Vec<_> = run_with(2, |_| rule.clone(), true).into_iter().map(Result::unwrap).collect();
+    let finished: Vec<_> = run_with(2, |_| rule.clone(), false).into_iter().map(Result::unwrap).collect();
+    assert_eq!(known[0].1, STEPS.div_ceil(7));
+    assert_eq!(finished, known);
+}
+
+#[test]
 fn ranks_with_different_rules_fail_at_construction_naming_the_setting() {
     let results = run(2, |r| SyncRule::Qsr { h_base: if r == 1 { 4 } else { 2 }, alpha: 0.03 });
     for r in results {
@@ -120,11 +143,35 @@ fn ranks_with_different_rules_fail_at_construction_naming_the_setting() {
 }
 
 #[test]
-fn gradient_rules_are_refused_with_the_reason() {
+fn dp_through_average_grads_keeps_replicas_bit_identical_and_syncs_every_step() {
+    // No parameter is ever averaged under dp: replicas that start equal stay equal only because every
+    // step's gradients are.
+    let results: Vec<_> = run(3, |_| SyncRule::Dp).into_iter().map(Result::unwrap).collect();
+    for (flat, syncs) in &results {
+        assert_eq!(*syncs, STEPS);
+        assert_eq!(flat, &results[0].0, "dp replicas differ");
+    }
+}
+
+#[test]
+fn post_local_syncs_gradients_then_parameters_as_planned() {
+    let rule = SyncRule::PostLocal { switch_step: 150, h: 8 };
+    let plan = Plan::from_parts(schedule(), rule.clone(), Some(STEPS)).unwrap();
+    let results: Vec<_> = run(2, |_| rule.clone()).into_iter().map(Result::unwrap).collect();
+    assert_eq!(plan.summary().rounds, 150 + 150u64.div_ceil(8));
+    for (flat, syncs) in &results {
+        assert_eq!(*syncs, plan.summary().rounds);
+        assert_eq!(flat, &results[0].0);
+    }
+}
+
+#[test]
+fn a_dp_step_without_average_grads_fails_naming_it() {
     let comm = InProcessGroup::new(1).remove(0);
     let device = Device::flex().autodiff();
-    let Err(e) = Averager::new(Mlp::new(&device), AveragerConfig::new(SyncRule::Dp, 0), Box::new(comm)) else {
-        panic!("dp must be refused");
-    };
-    assert!(e.to_string().contains("all-reduces gradients"), "{e}");
+    let (mut avg, model) =
+        Averager::new(Mlp::new(&device), AveragerConfig::new(SyncRule::Dp, 0), Box::new(comm)).unwrap();
+    let Err(e) = avg.step(model, 0.1) else { panic!("a dp step whose gradients were not averaged must fail") };
+    let text = e.to_string();
+    assert!(text.contains("average_grads") && text.contains("`dp`"), "{text}");
 }

@@ -10,7 +10,7 @@
 use std::ops::Range;
 
 use qsr_optim::clip_grad_norm;
-use qsr_optim::optim::clip_grad_norm_per_tensor;
+use qsr_optim::clip_grad_norm_per_tensor;
 use qsr_optim::{Optimizer, OptimizerConfig, OptimizerKind};
 use serde_json::Value;
 
