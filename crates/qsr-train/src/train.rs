@@ -8,14 +8,16 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
 use burn::module::Module;
-use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::loss::{CrossEntropyLoss, CrossEntropyLossConfig};
 use burn::tensor::{Device, Tensor};
 use qsr_comm::{Collective, ReduceOp};
 use qsr_data::{
-    EvalLoader, HostBatch, Normalize, PrefetchOptions, SamplerConfig, ShardedSampler, Split, TrainLoader, Transform,
+    EvalLoader, HostBatch, Normalize, PrefetchOptions, Prefetcher, SamplerConfig, ShardedSampler, Split, TrainLoader,
+    Transform,
 };
 use qsr_models::{InputSpec, Model};
-use qsr_optim::{BnPolicy, DeviceGroup, OptimState, OptimizerKind, Worker};
+use qsr_optim::{BnPolicy, DeviceGroup, OptimState, OptimizerKind, StepReport, Worker};
+use qsr_sched::{Cursor, Plan};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{self, CheckpointState, Counters};
@@ -243,6 +245,48 @@ struct Eval {
     loss: f64,
 }
 
+/// What a run builds once before its first step and only reads afterwards.
+struct Setup {
+    plan: Plan,
+    /// This rank's training batches (BN re-estimation reads them again).
+    loader: TrainLoader,
+    /// This rank's shard of the test split.
+    eval_loader: EvalLoader,
+    /// Steps per epoch of this rank's sampler.
+    spe: usize,
+    has_bn: bool,
+    /// The momentum the model's BatchNorm layers train with, restored after a re-estimation.
+    bn_momentum: f64,
+}
+
+impl Setup {
+    /// Builds the plan and this rank's loaders, and reads the BatchNorm facts off `model` (before the
+    /// worker takes it).
+    fn new(recipe: &TrainRecipe, model: &Model, rank: usize, k: usize) -> Result<Self> {
+        let plan = recipe.plan()?;
+        let train_set = open_dataset(&recipe.data, Split::Train)?;
+        let test_set = open_dataset(&recipe.data, Split::Test)?;
+        let info = train_set.info().clone();
+        let sampler = sampler(recipe, train_set.len(), k, rank)?;
+        let spe = sampler.steps_per_epoch();
+        let loader = TrainLoader::new(train_set, sampler, transform(recipe, &info, true))?;
+        let eval_loader =
+            EvalLoader::new(test_set, transform(recipe, &info, false), recipe.eval.batch_size)?.shard(rank, k)?;
+        let has_bn = model.has_batch_norm();
+        let bn_momentum = {
+            let mut m = 0.1;
+            model.for_each_batch_norm(|bn| m = bn.momentum);
+            m
+        };
+        Ok(Setup { plan, loader, eval_loader, spe, has_bn, bn_momentum })
+    }
+
+    /// Epochs completed after `steps` steps (fractional).
+    fn epoch(&self, steps: u64) -> f64 {
+        steps as f64 / self.spe as f64
+    }
+}
+
 /// Runs one worker to the end of the plan (or to `halt_after`).
 ///
 /// `group` is the device group of K simulated workers sharing one device; it is used when the worker
@@ -255,185 +299,262 @@ pub fn run_worker(
 ) -> Result<Outcome> {
     let recipe = &spec.recipe;
     let rank = comm.rank();
-    let k = comm.world_size();
     let device = &spec.device;
-    let plan = recipe.plan()?;
-    let train_set = open_dataset(&recipe.data, Split::Train)?;
-    let test_set = open_dataset(&recipe.data, Split::Test)?;
-    let info = train_set.info().clone();
-    let sampler = sampler(recipe, train_set.len(), k, rank)?;
-    let spe = sampler.steps_per_epoch();
-    let loader = TrainLoader::new(train_set, sampler, transform(recipe, &info, true))?;
-    let eval_loader =
-        EvalLoader::new(test_set, transform(recipe, &info, false), recipe.eval.batch_size)?.shard(rank, k)?;
-    let has_bn = model.has_batch_norm();
-    let bn_momentum = {
-        let mut m = 0.1;
-        model.for_each_batch_norm(|bn| m = bn.momentum);
-        m
-    };
-
-    let mut worker = Worker::new(model, recipe.optimizer.clone(), comm, plan.cursor(), recipe.driver_config())?;
+    let setup = Setup::new(recipe, &model, rank, comm.world_size())?;
+    let mut worker = Worker::new(model, recipe.optimizer.clone(), comm, setup.plan.cursor(), recipe.driver_config())?;
     if let Some(g) = group
         && worker.is_device_resident()
     {
         worker.set_device_group(g)?;
     }
-    let mut start_records = None;
-    let mut base = Counters::default();
-    if let Some((dir, state)) = &spec.resume {
-        let (params, running) = checkpoint::load_model(&dir.join("model.safetensors"), worker.layout())?;
-        let template: OptimState = worker.optimizer_state()?.into_owned();
-        let optim = checkpoint::load_optim(&dir.join(format!("optim-rank{rank}.safetensors")), &template)?;
-        let cursor = plan.cursor_at(state.cursor.step());
-        if cursor != state.cursor && plan.end_step() == state.cursor.plan().end_step() {
-            bail!("checkpoint {}: its position does not follow from this recipe's plan", dir.display());
-        }
-        worker.restore(&params, optim, cursor)?;
-        if !running.is_empty() {
-            let m = worker.layout().write_running(worker.model().clone(), &running)?;
-            worker.set_model(m)?;
-        }
-        start_records = Some(state.step);
-        base = state.counters;
-    }
+    let (start_records, base) = resume(spec, &setup.plan, &mut worker)?;
 
     let ce = CrossEntropyLossConfig::new()
         .with_smoothing((recipe.train.label_smoothing > 0.0).then_some(recipe.train.label_smoothing))
         .init(device);
     let micro = recipe.micro_batch();
-    let end = plan.end_step();
+    let end = setup.plan.end_step();
     let first_step = worker.cursor().step();
-    let mut batches = loader
+    let mut batches = setup
+        .loader
         .prefetch(first_step, PrefetchOptions { depth: recipe.data.prefetch, threads: Some(1), end_step: Some(end) })?;
 
-    let mut metrics = if rank == 0 { Some(Metrics::open(&spec.run_dir, start_records)?) } else { None };
-    let bar = (rank == 0 && spec.progress).then(|| progress_bar(end, first_step));
-    let t0 = Instant::now();
-    let mut since_sync = (0.0f64, 0u64);
-    let mut last_eval = None;
+    let mut segment = Segment::start(spec, rank, end, first_step, start_records, base)?;
     let mut finished = true;
-
     while !worker.cursor().is_done() {
-        let host = batches.next().ok_or_else(|| anyhow!("the data loader ended early"))??;
-        let micros: Vec<HostBatch> = if micro == host.len() { vec![host] } else { host.split(micro)? };
-        let report = worker.step(|m: &Model, j| {
-            let b = micros[j].to_batch(device);
-            Ok(ce.forward(m.forward(b.images), b.labels))
-        })?;
-        since_sync.0 += f64::from(report.loss);
-        since_sync.1 += 1;
-        let done_steps = report.info.step + 1;
-        if let Some(bar) = &bar {
-            bar.set_position(done_steps);
-            if report.sync.is_some() || done_steps % 10 == 0 {
-                let syncs = worker.stats().syncs;
-                bar.set_message(format!(
-                    "epoch {:.2} lr {:.2e} H {} loss {:.3} comm {:.1}%",
-                    done_steps as f64 / spe as f64,
-                    report.info.lr,
-                    report.info.h,
-                    report.loss,
-                    100.0 * syncs as f64 / done_steps as f64
-                ));
-            }
-        }
-        if report.sync.is_none() {
-            continue;
-        }
-        // One record shape for syncs and evaluations.
-        let record = |kind: &str, loss: f64, accuracy: Option<f64>, c: Counters| Record {
-            kind: kind.into(),
-            step: done_steps,
-            epoch: done_steps as f64 / spe as f64,
-            lr: report.info.lr,
-            h: report.info.h,
-            loss: Some(loss),
-            accuracy,
-            syncs: c.syncs,
-            bytes: c.bytes,
-            comm_seconds: c.comm_seconds,
-            wall_seconds: c.wall_seconds,
-        };
-        if let Some(m) = metrics.as_mut() {
-            m.write(&record(
-                "sync",
-                since_sync.0 / since_sync.1.max(1) as f64,
-                None,
-                counters(&base, worker.stats(), t0),
-            ))?;
-        }
-        since_sync = (0.0, 0);
-        // Evaluate at the last synchronization before an epoch boundary (the next sync would be past it),
-        // every `every_epochs` epochs, and at the end. Data parallel syncs every step, so it evaluates on
-        // the boundary itself.
-        let is_end = worker.cursor().is_done();
-        let next_end = worker.cursor().round().end();
-        let boundary = done_steps.div_ceil(spe as u64) * spe as u64;
-        let epoch_index = boundary / spe as u64;
-        let due = is_end || (next_end > boundary && epoch_index.is_multiple_of(recipe.eval.every_epochs as u64));
-        if !due {
-            continue;
-        }
-        if has_bn && recipe.driver.bn == BnPolicy::Reestimate {
-            reestimate_bn(&mut worker, &loader, recipe, done_steps, bn_momentum, device)?;
-        }
-        let ev = evaluate(&mut worker, &eval_loader, device)?;
-        if let Some(m) = metrics.as_mut() {
-            m.write(&record("eval", ev.loss, Some(ev.accuracy), counters(&base, worker.stats(), t0)))?;
-        }
-        if let Some(bar) = &bar {
-            bar.println(format!(
-                "step {done_steps:>7}  epoch {:>6.2}  test accuracy {:.2}%  test loss {:.4}",
-                done_steps as f64 / spe as f64,
-                100.0 * ev.accuracy,
-                ev.loss
-            ));
-        }
-        last_eval = Some(ev);
-        if recipe.checkpoint.enabled {
-            let c = counters(&base, worker.stats(), t0);
-            save_checkpoint(&mut worker, spec, done_steps, c)?;
-        }
-        if spec.halt_after.is_some_and(|h| done_steps >= h) && !is_end {
+        let report = train_step(&mut worker, &mut batches, micro, &ce, device)?;
+        segment.stepped(&worker, &report, &setup);
+        if report.sync.is_some() && segment.synced(spec, &setup, &mut worker, &report)? == AfterSync::Halt {
             finished = false;
             break;
         }
     }
-    if let Some(bar) = &bar {
-        bar.finish_and_clear();
-    }
-    let wall = t0.elapsed().as_secs_f64();
-    let c = counters(&base, worker.stats(), t0);
-    let summary = match (rank, finished, last_eval) {
-        (0, true, Some(ev)) => {
-            let planned = plan.summary();
-            let steps_run = end - first_step;
-            let s = Summary {
-                name: recipe.name.clone(),
-                rule: recipe.sync.name().to_string(),
-                seed: recipe.seed,
-                world_size: k,
-                steps: end,
-                epochs: end as f64 / spe as f64,
-                steps_per_epoch: spe,
-                final_test_accuracy: ev.accuracy,
-                final_test_loss: ev.loss,
-                syncs: c.syncs,
-                planned_syncs: planned.rounds,
-                comm_percent: planned.comm_percent,
-                bytes_per_rank: c.bytes,
-                comm_seconds: c.comm_seconds,
-                wall_seconds: c.wall_seconds,
-                steps_per_second: steps_run as f64 / wall.max(1e-9),
-                skipped_updates: c.skipped_updates,
-            };
-            checkpoint::write_atomic(&spec.run_dir.join("summary.json"), serde_json::to_string_pretty(&s)?.as_bytes())?;
-            Some(s)
-        }
-        _ => None,
-    };
+    let summary = segment.finish(spec, &setup, &worker, finished)?;
     Ok(Outcome { rank, params: worker.params()?.to_vec(), summary, finished })
+}
+
+/// Continues from `spec.resume`, if any: the checkpoint's parameters, this rank's optimizer state, its
+/// position in the plan and the BatchNorm statistics go into `worker`. Returns the step past which
+/// metrics records are dropped (`None` for a fresh run) and the counters the run continues from.
+fn resume(spec: &RunSpec, plan: &Plan, worker: &mut Worker<Model>) -> Result<(Option<u64>, Counters)> {
+    let Some((dir, state)) = &spec.resume else {
+        return Ok((None, Counters::default()));
+    };
+    let rank = worker.rank();
+    let (params, running) = checkpoint::load_model(&dir.join("model.safetensors"), worker.layout())?;
+    let template: OptimState = worker.optimizer_state()?.into_owned();
+    let optim = checkpoint::load_optim(&dir.join(format!("optim-rank{rank}.safetensors")), &template)?;
+    // A longer (or shorter) plan may move the cursor; the same plan must land where the checkpoint was.
+    let cursor = plan.cursor_at(state.cursor.step());
+    if cursor != state.cursor && plan.end_step() == state.cursor.plan().end_step() {
+        bail!("checkpoint {}: its position does not follow from this recipe's plan", dir.display());
+    }
+    worker.restore(&params, optim, cursor)?;
+    if !running.is_empty() {
+        let m = worker.layout().write_running(worker.model().clone(), &running)?;
+        worker.set_model(m)?;
+    }
+    Ok((Some(state.step), state.counters))
+}
+
+/// One optimizer step on the next batch, split into the recipe's micro-batches.
+fn train_step(
+    worker: &mut Worker<Model>,
+    batches: &mut Prefetcher,
+    micro: usize,
+    ce: &CrossEntropyLoss,
+    device: &Device,
+) -> Result<StepReport> {
+    let host = batches.next().ok_or_else(|| anyhow!("the data loader ended early"))??;
+    let micros: Vec<HostBatch> = if micro == host.len() { vec![host] } else { host.split(micro)? };
+    let report = worker.step(|m: &Model, j| {
+        let b = micros[j].to_batch(device);
+        Ok(ce.forward(m.forward(b.images), b.labels))
+    })?;
+    Ok(report)
+}
+
+/// Whether the run goes on after a sync.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AfterSync {
+    Continue,
+    /// `halt_after` was reached before the end of the plan.
+    Halt,
+}
+
+/// This process's part of the run (all of it, or what follows a resume): rank 0's metrics file and
+/// progress bar, and what the next records need.
+struct Segment {
+    metrics: Option<Metrics>,
+    bar: Option<indicatif::ProgressBar>,
+    /// The counters of the checkpoint resumed from (zero for a fresh run).
+    base: Counters,
+    t0: Instant,
+    first_step: u64,
+    /// Loss sum and steps since the previous sync record.
+    since_sync: (f64, u64),
+    last_eval: Option<Eval>,
+}
+
+impl Segment {
+    /// Opens rank 0's metrics (cut back to `start_records` on resume) and progress bar, then starts the clock.
+    fn start(
+        spec: &RunSpec,
+        rank: usize,
+        end: u64,
+        first_step: u64,
+        start_records: Option<u64>,
+        base: Counters,
+    ) -> Result<Self> {
+        let metrics = if rank == 0 { Some(Metrics::open(&spec.run_dir, start_records)?) } else { None };
+        let bar = (rank == 0 && spec.progress).then(|| progress_bar(end, first_step));
+        let t0 = Instant::now();
+        Ok(Segment { metrics, bar, base, t0, first_step, since_sync: (0.0, 0), last_eval: None })
+    }
+
+    /// The run's counters now.
+    fn counters(&self, worker: &Worker<Model>) -> Counters {
+        counters(&self.base, worker.stats(), self.t0)
+    }
+
+    /// Rank 0 appends a record, given the counters now, to `metrics.jsonl`.
+    fn write(&mut self, worker: &Worker<Model>, record: impl FnOnce(Counters) -> Record) -> Result<()> {
+        let Some(m) = self.metrics.as_mut() else {
+            return Ok(());
+        };
+        m.write(&record(counters(&self.base, worker.stats(), self.t0)))
+    }
+
+    /// Counts a step's loss towards the next sync record and moves the progress bar.
+    fn stepped(&mut self, worker: &Worker<Model>, report: &StepReport, setup: &Setup) {
+        self.since_sync.0 += f64::from(report.loss);
+        self.since_sync.1 += 1;
+        let Some(bar) = &self.bar else {
+            return;
+        };
+        let done_steps = report.info.step + 1;
+        bar.set_position(done_steps);
+        // The message every 10 steps and at syncs: often enough to watch, rarely enough to cost nothing.
+        if report.sync.is_some() || done_steps.is_multiple_of(10) {
+            let syncs = worker.stats().syncs;
+            bar.set_message(format!(
+                "epoch {:.2} lr {:.2e} H {} loss {:.3} comm {:.1}%",
+                setup.epoch(done_steps),
+                report.info.lr,
+                report.info.h,
+                report.loss,
+                100.0 * syncs as f64 / done_steps as f64
+            ));
+        }
+    }
+
+    /// After a sync: rank 0's sync record; then, when an evaluation is due, BN re-estimation, the
+    /// evaluation (collectives on every rank, so every rank decides alike), its record and line, the
+    /// checkpoint, and whether `halt_after` stops the run here.
+    fn synced(
+        &mut self,
+        spec: &RunSpec,
+        setup: &Setup,
+        worker: &mut Worker<Model>,
+        report: &StepReport,
+    ) -> Result<AfterSync> {
+        let recipe = &spec.recipe;
+        let done_steps = report.info.step + 1;
+        let loss = self.since_sync.0 / self.since_sync.1.max(1) as f64;
+        self.write(worker, |c| record("sync", report, setup, loss, None, c))?;
+        self.since_sync = (0.0, 0);
+        let is_end = worker.cursor().is_done();
+        if !eval_due(worker.cursor(), done_steps, setup.spe, recipe.eval.every_epochs as u64) {
+            return Ok(AfterSync::Continue);
+        }
+        if setup.has_bn && recipe.driver.bn == BnPolicy::Reestimate {
+            reestimate_bn(worker, &setup.loader, recipe, done_steps, setup.bn_momentum, &spec.device)?;
+        }
+        let ev = evaluate(worker, &setup.eval_loader, &spec.device)?;
+        self.write(worker, |c| record("eval", report, setup, ev.loss, Some(ev.accuracy), c))?;
+        if let Some(bar) = &self.bar {
+            bar.println(format!(
+                "step {done_steps:>7}  epoch {:>6.2}  test accuracy {:.2}%  test loss {:.4}",
+                setup.epoch(done_steps),
+                100.0 * ev.accuracy,
+                ev.loss
+            ));
+        }
+        self.last_eval = Some(ev);
+        if recipe.checkpoint.enabled {
+            let c = self.counters(worker);
+            save_checkpoint(worker, spec, done_steps, c)?;
+        }
+        let halt = spec.halt_after.is_some_and(|h| done_steps >= h) && !is_end;
+        Ok(if halt { AfterSync::Halt } else { AfterSync::Continue })
+    }
+
+    /// Clears the progress bar; on rank 0 of a finished run that evaluated, writes `summary.json` and
+    /// returns the summary.
+    fn finish(&self, spec: &RunSpec, setup: &Setup, worker: &Worker<Model>, finished: bool) -> Result<Option<Summary>> {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+        let wall = self.t0.elapsed().as_secs_f64();
+        let c = self.counters(worker);
+        let (0, true, Some(ev)) = (worker.rank(), finished, &self.last_eval) else {
+            return Ok(None);
+        };
+        let recipe = &spec.recipe;
+        let planned = setup.plan.summary();
+        let end = setup.plan.end_step();
+        let steps_run = end - self.first_step;
+        let s = Summary {
+            name: recipe.name.clone(),
+            rule: recipe.sync.name().to_string(),
+            seed: recipe.seed,
+            world_size: worker.world_size(),
+            steps: end,
+            epochs: setup.epoch(end),
+            steps_per_epoch: setup.spe,
+            final_test_accuracy: ev.accuracy,
+            final_test_loss: ev.loss,
+            syncs: c.syncs,
+            planned_syncs: planned.rounds,
+            comm_percent: planned.comm_percent,
+            bytes_per_rank: c.bytes,
+            comm_seconds: c.comm_seconds,
+            wall_seconds: c.wall_seconds,
+            steps_per_second: steps_run as f64 / wall.max(1e-9),
+            skipped_updates: c.skipped_updates,
+        };
+        checkpoint::write_atomic(&spec.run_dir.join("summary.json"), serde_json::to_string_pretty(&s)?.as_bytes())?;
+        Ok(Some(s))
+    }
+}
+
+/// One record shape for syncs and evaluations, at the step `report` completed.
+fn record(kind: &str, report: &StepReport, setup: &Setup, loss: f64, accuracy: Option<f64>, c: Counters) -> Record {
+    let step = report.info.step + 1;
+    Record {
+        kind: kind.into(),
+        step,
+        epoch: setup.epoch(step),
+        lr: report.info.lr,
+        h: report.info.h,
+        loss: Some(loss),
+        accuracy,
+        syncs: c.syncs,
+        bytes: c.bytes,
+        comm_seconds: c.comm_seconds,
+        wall_seconds: c.wall_seconds,
+    }
+}
+
+/// Whether the sync that completed `done_steps` steps evaluates: the last sync before an epoch
+/// boundary (the next sync would be past it), every `every_epochs` epochs, and the end. Data parallel
+/// syncs every step, so it evaluates on the boundary itself.
+fn eval_due(cursor: &Cursor, done_steps: u64, spe: usize, every_epochs: u64) -> bool {
+    let is_end = cursor.is_done();
+    let next_end = cursor.round().end();
+    let boundary = done_steps.div_ceil(spe as u64) * spe as u64;
+    let epoch_index = boundary / spe as u64;
+    is_end || (next_end > boundary && epoch_index.is_multiple_of(every_epochs))
 }
 
 /// The run's counters: those of the checkpoint it resumed from, then this segment's.
