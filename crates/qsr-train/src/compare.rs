@@ -145,45 +145,35 @@ pub fn run(args: &CompareArgs) -> Result<Vec<Row>> {
         .filter(|s| !s.trim().is_empty())
         .map(|s| rule_from_spec(s, &base.sync).map(|r| (s.split(':').next().unwrap_or(s).trim().to_string(), r)))
         .collect::<Result<_>>()?;
-    let dev = device(&args.device)?;
-    let mut rows = Vec::new();
-    for (label, rule) in &rules {
+    let cmp = Compare { args, dev: device(&args.device)?, base, out };
+    let rows = rules.iter().map(|(label, rule)| cmp.rule_row(label, rule)).collect::<Result<Vec<_>>>()?;
+    cmp.write_outputs(&rows)?;
+    Ok(rows)
+}
+
+/// One `qsr compare`: its arguments, the recipe every run starts from, the device and output directory.
+struct Compare<'a> {
+    args: &'a CompareArgs,
+    dev: burn::tensor::Device,
+    base: TrainRecipe,
+    out: PathBuf,
+}
+
+impl Compare<'_> {
+    /// Trains `rule` under every seed and sums the runs up in one row.
+    fn rule_row(&self, label: &str, rule: &SyncRule) -> Result<Row> {
         let mut summaries: Vec<Summary> = Vec::new();
         let mut runs = Vec::new();
-        for seed in 0..args.seeds {
-            let mut recipe = base.clone();
-            recipe.sync = rule.clone();
-            recipe.seed = seed;
-            recipe.name = format!("{}-{label}-seed{seed}", base.name);
-            if let Some(k) = args.workers {
-                recipe.train.workers = k;
-            }
-            recipe.validate()?;
-            let run_dir = out.join(format!("{label}-seed{seed}"));
-            std::fs::create_dir_all(&run_dir)?;
-            write_atomic(&run_dir.join("recipe.toml"), recipe.to_toml()?.as_bytes())?;
-            eprintln!("compare: {label} ({}) seed {seed}, K = {}", rule.describe(), recipe.train.workers);
-            let spec = RunSpec {
-                recipe,
-                device: dev.clone(),
-                run_dir: run_dir.clone(),
-                resume: None,
-                progress: false,
-                halt_after: None,
-            };
-            let outcomes = crate::launch::simulated(&spec)?;
-            let s = outcomes
-                .into_iter()
-                .find_map(|o| o.summary)
-                .ok_or_else(|| anyhow!("{label} seed {seed}: no summary"))?;
+        for seed in 0..self.args.seeds {
+            let (s, run_dir) = self.run_seed(label, rule, seed)?;
             summaries.push(s);
             runs.push(run_dir);
         }
         let accs: Vec<f64> = summaries.iter().map(|s| s.final_test_accuracy).collect();
         let (mean, ci) = mean_ci(&accs);
         let s0 = &summaries[0];
-        rows.push(Row {
-            rule: label.clone(),
+        Ok(Row {
+            rule: label.to_string(),
             sync: rule.clone(),
             seeds: summaries.len(),
             accuracy_mean: mean,
@@ -194,29 +184,64 @@ pub fn run(args: &CompareArgs) -> Result<Vec<Row>> {
             bytes_per_rank: s0.bytes_per_rank,
             wall_seconds_mean: summaries.iter().map(|s| s.wall_seconds).sum::<f64>() / summaries.len() as f64,
             runs,
-        });
-    }
-    let table = markdown(&base, &rows, args.seeds);
-    print!("{table}");
-    write_atomic(&out.join("compare.md"), table.as_bytes())?;
-    write_atomic(&out.join("compare.json"), serde_json::to_string_pretty(&rows)?.as_bytes())?;
-    // One picture per metric, overlaying seed 0 of every rule.
-    let series: Vec<crate::plot::RunSeries> = rows
-        .iter()
-        .map(|r| {
-            crate::plot::RunSeries::load(&r.runs[0]).map(|mut s| {
-                s.name = r.rule.clone();
-                s
-            })
         })
-        .collect::<Result<_>>()?;
-    let pngs = crate::plot::runs_png(&series, &out)?;
-    eprintln!(
-        "compare: wrote {} and {}",
-        out.join("compare.md").display(),
-        pngs.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
-    );
-    Ok(rows)
+    }
+
+    /// Trains one rule and seed in its own run directory (recipe written first); returns rank 0's
+    /// summary and the directory.
+    fn run_seed(&self, label: &str, rule: &SyncRule, seed: u64) -> Result<(Summary, PathBuf)> {
+        let base = &self.base;
+        let mut recipe = base.clone();
+        recipe.sync = rule.clone();
+        recipe.seed = seed;
+        recipe.name = format!("{}-{label}-seed{seed}", base.name);
+        if let Some(k) = self.args.workers {
+            recipe.train.workers = k;
+        }
+        recipe.validate()?;
+        let run_dir = self.out.join(format!("{label}-seed{seed}"));
+        std::fs::create_dir_all(&run_dir)?;
+        write_atomic(&run_dir.join("recipe.toml"), recipe.to_toml()?.as_bytes())?;
+        eprintln!("compare: {label} ({}) seed {seed}, K = {}", rule.describe(), recipe.train.workers);
+        let spec = RunSpec {
+            recipe,
+            device: self.dev.clone(),
+            run_dir: run_dir.clone(),
+            resume: None,
+            progress: false,
+            halt_after: None,
+        };
+        let outcomes = crate::launch::simulated(&spec)?;
+        let s =
+            outcomes.into_iter().find_map(|o| o.summary).ok_or_else(|| anyhow!("{label} seed {seed}: no summary"))?;
+        Ok((s, run_dir))
+    }
+
+    /// Prints the table and writes `compare.md`, `compare.json` and the plots.
+    fn write_outputs(&self, rows: &[Row]) -> Result<()> {
+        let out = &self.out;
+        let table = markdown(&self.base, rows, self.args.seeds);
+        print!("{table}");
+        write_atomic(&out.join("compare.md"), table.as_bytes())?;
+        write_atomic(&out.join("compare.json"), serde_json::to_string_pretty(rows)?.as_bytes())?;
+        // One picture per metric, overlaying seed 0 of every rule.
+        let series: Vec<crate::plot::RunSeries> = rows
+            .iter()
+            .map(|r| {
+                crate::plot::RunSeries::load(&r.runs[0]).map(|mut s| {
+                    s.name = r.rule.clone();
+                    s
+                })
+            })
+            .collect::<Result<_>>()?;
+        let pngs = crate::plot::runs_png(&series, out)?;
+        eprintln!(
+            "compare: wrote {} and {}",
+            out.join("compare.md").display(),
+            pngs.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+        );
+        Ok(())
+    }
 }
 
 fn markdown(recipe: &TrainRecipe, rows: &[Row], seeds: u64) -> String {

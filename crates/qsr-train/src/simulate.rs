@@ -425,106 +425,10 @@ pub fn simulate(args: &SimulateArgs) -> Result<Report> {
         bail!("give at least one --recipe or --run");
     }
     let net = Network::new(parse_bandwidth(&args.bandwidth)?, parse_duration(&args.latency)?)?;
-    let mut items = Vec::new();
-    for path in &args.recipes {
-        let mut recipe = TrainRecipe::load(path, &args.sets)?;
-        if let Some(k) = args.world_size {
-            recipe.train.workers = k;
-        }
-        items.push(Item { recipe, summary: None });
-    }
-    for dir in &args.runs {
-        let summary = read_summary(dir)?;
-        let mut recipe = TrainRecipe::load(&dir.join("recipe.toml"), &[])?;
-        recipe.train.workers = summary.world_size;
-        items.push(Item { recipe, summary: Some(summary) });
-    }
-    let mut references = Vec::new();
-    for r in &args.references {
-        let (name, hours) = r.split_once('=').ok_or_else(|| anyhow!("--reference {r}: expected NAME=HOURS"))?;
-        let hours: f64 =
-            hours.trim().parse().map_err(|_| anyhow!("--reference {r}: `{hours}` is not a number of hours"))?;
-        if !items.iter().any(|i| i.recipe.name == name.trim()) {
-            bail!("--reference {r}: no recipe named `{}`", name.trim());
-        }
-        references.push((name.trim().to_string(), hours * 3600.0));
-    }
-
-    // Parameter counts, once per distinct model config.
-    let mut counts: Vec<(String, (u64, u64))> = Vec::new();
-    let mut sizes = Vec::new();
-    for item in &items {
-        let size = match args.params {
-            Some(p) => (p, 0),
-            None => {
-                let key =
-                    serde_json::to_string(&(&item.recipe.model, &item.recipe.data.dataset, &item.recipe.data.path))?;
-                match counts.iter().find(|(k, _)| *k == key) {
-                    Some((_, c)) => *c,
-                    None => {
-                        let c = count_params(&item.recipe)?;
-                        counts.push((key, c));
-                        c
-                    }
-                }
-            }
-        };
-        sizes.push(size);
-    }
-
-    let world_of = |item: &Item| item.summary.as_ref().map_or(item.recipe.train.workers, |s| s.world_size);
-    let (step_seconds, step_source) = if let Some(s) = args.step_seconds {
-        if !(s.is_finite() && s >= 0.0) {
-            bail!("--step-seconds {s}: must be a non-negative number");
-        }
-        (s, format!("measured: {s} s per step (--step-seconds)"))
-    } else if let Some(dir) = &args.step_seconds_from {
-        let s = read_summary(dir)?;
-        let steps = s.steps.max(1) as f64;
-        let step = (s.wall_seconds - s.comm_seconds).max(0.0) / steps;
-        (
-            step,
-            format!(
-                "run {}: (wall {:.2} s - comm {:.2} s) / {} steps",
-                dir.display(),
-                s.wall_seconds,
-                s.comm_seconds,
-                s.steps
-            ),
-        )
-    } else if let Some(rate) = args.flop_rate {
-        if !(rate.is_finite() && rate > 0.0) {
-            bail!("--flop-rate {rate}: must be positive");
-        }
-        let item = &items[0];
-        let flops =
-            args.flops_per_sample.unwrap_or(6.0 * sizes[0].0 as f64 * tokens_per_sample(&item.recipe.model) as f64);
-        let step = item.recipe.train.local_batch as f64 * flops / rate;
-        (step, format!("{} samples x {flops:.3e} FLOP / {rate:.3e} FLOP/s", item.recipe.train.local_batch))
-    } else if let Some(hours) = args.dp_hours {
-        let idx = items
-            .iter()
-            .position(|i| matches!(i.recipe.sync, qsr_sched::SyncRule::Dp))
-            .ok_or_else(|| anyhow!("--dp-hours needs a data-parallel recipe (sync.rule = \"dp\") among --recipe"))?;
-        let item = &items[idx];
-        let payload = recipe_payload(&item.recipe, sizes[idx].0, sizes[idx].1);
-        let plan = item.recipe.plan()?;
-        let step = step_seconds_from_wall(&plan, hours * 3600.0, &payload, world_of(item), &net)?;
-        let comm = predict("", &plan, 0.0, &payload, world_of(item), &net, None).comm_seconds;
-        (
-            step,
-            format!(
-                "from {}'s {hours} h: ({:.0} s - modelled DP communication {:.0} s) / {} steps",
-                item.recipe.name,
-                hours * 3600.0,
-                comm,
-                plan.end_step()
-            ),
-        )
-    } else {
-        bail!("give one of --step-seconds, --step-seconds-from, --flop-rate, --dp-hours");
-    };
-
+    let items = load_items(args)?;
+    let references = references(args, &items)?;
+    let sizes = model_sizes(args, &items)?;
+    let (step_seconds, step_source) = step_time(args, &items, &sizes, &net)?;
     let mut rows = Vec::new();
     for (item, (params, running)) in items.iter().zip(&sizes) {
         let world = world_of(item);
@@ -545,6 +449,133 @@ pub fn simulate(args: &SimulateArgs) -> Result<Report> {
         });
     }
     Ok(Report { network: net, step_seconds, step_source, rows })
+}
+
+/// The `--recipe` files (with `--set` and `--world-size` applied), then the `--run` directories
+/// (their recipe at the world size they ran with, and their summary).
+fn load_items(args: &SimulateArgs) -> Result<Vec<Item>> {
+    let mut items = Vec::new();
+    for path in &args.recipes {
+        let mut recipe = TrainRecipe::load(path, &args.sets)?;
+        if let Some(k) = args.world_size {
+            recipe.train.workers = k;
+        }
+        items.push(Item { recipe, summary: None });
+    }
+    for dir in &args.runs {
+        let summary = read_summary(dir)?;
+        let mut recipe = TrainRecipe::load(&dir.join("recipe.toml"), &[])?;
+        recipe.train.workers = summary.world_size;
+        items.push(Item { recipe, summary: Some(summary) });
+    }
+    Ok(items)
+}
+
+/// `--reference NAME=HOURS` as `(name, seconds)`; each name must be one of the items'.
+fn references(args: &SimulateArgs, items: &[Item]) -> Result<Vec<(String, f64)>> {
+    let mut references = Vec::new();
+    for r in &args.references {
+        let (name, hours) = r.split_once('=').ok_or_else(|| anyhow!("--reference {r}: expected NAME=HOURS"))?;
+        let hours: f64 =
+            hours.trim().parse().map_err(|_| anyhow!("--reference {r}: `{hours}` is not a number of hours"))?;
+        if !items.iter().any(|i| i.recipe.name == name.trim()) {
+            bail!("--reference {r}: no recipe named `{}`", name.trim());
+        }
+        references.push((name.trim().to_string(), hours * 3600.0));
+    }
+    Ok(references)
+}
+
+/// `(trainable, running)` parameter counts of each item's model: `--params`, or counted once per
+/// distinct model config (building a model is the slow part).
+fn model_sizes(args: &SimulateArgs, items: &[Item]) -> Result<Vec<(u64, u64)>> {
+    let mut counts: Vec<(String, (u64, u64))> = Vec::new();
+    let mut sizes = Vec::new();
+    for item in items {
+        let size = match args.params {
+            Some(p) => (p, 0),
+            None => {
+                let key =
+                    serde_json::to_string(&(&item.recipe.model, &item.recipe.data.dataset, &item.recipe.data.path))?;
+                match counts.iter().find(|(k, _)| *k == key) {
+                    Some((_, c)) => *c,
+                    None => {
+                        let c = count_params(&item.recipe)?;
+                        counts.push((key, c));
+                        c
+                    }
+                }
+            }
+        };
+        sizes.push(size);
+    }
+    Ok(sizes)
+}
+
+/// The world size an item is simulated at: the one its run had, else its recipe's.
+fn world_of(item: &Item) -> usize {
+    item.summary.as_ref().map_or(item.recipe.train.workers, |s| s.world_size)
+}
+
+/// Compute seconds per step and where they come from, from the first of `--step-seconds`,
+/// `--step-seconds-from`, `--flop-rate`, `--dp-hours` given.
+fn step_time(args: &SimulateArgs, items: &[Item], sizes: &[(u64, u64)], net: &Network) -> Result<(f64, String)> {
+    if let Some(s) = args.step_seconds {
+        if !(s.is_finite() && s >= 0.0) {
+            bail!("--step-seconds {s}: must be a non-negative number");
+        }
+        Ok((s, format!("measured: {s} s per step (--step-seconds)")))
+    } else if let Some(dir) = &args.step_seconds_from {
+        let s = read_summary(dir)?;
+        let steps = s.steps.max(1) as f64;
+        let step = (s.wall_seconds - s.comm_seconds).max(0.0) / steps;
+        Ok((
+            step,
+            format!(
+                "run {}: (wall {:.2} s - comm {:.2} s) / {} steps",
+                dir.display(),
+                s.wall_seconds,
+                s.comm_seconds,
+                s.steps
+            ),
+        ))
+    } else if let Some(rate) = args.flop_rate {
+        if !(rate.is_finite() && rate > 0.0) {
+            bail!("--flop-rate {rate}: must be positive");
+        }
+        let item = &items[0];
+        let flops =
+            args.flops_per_sample.unwrap_or(6.0 * sizes[0].0 as f64 * tokens_per_sample(&item.recipe.model) as f64);
+        let step = item.recipe.train.local_batch as f64 * flops / rate;
+        Ok((step, format!("{} samples x {flops:.3e} FLOP / {rate:.3e} FLOP/s", item.recipe.train.local_batch)))
+    } else if let Some(hours) = args.dp_hours {
+        step_time_from_dp_hours(hours, items, sizes, net)
+    } else {
+        bail!("give one of --step-seconds, --step-seconds-from, --flop-rate, --dp-hours");
+    }
+}
+
+/// `--dp-hours`: the data-parallel recipe's wall time less its modelled communication, per step.
+fn step_time_from_dp_hours(hours: f64, items: &[Item], sizes: &[(u64, u64)], net: &Network) -> Result<(f64, String)> {
+    let idx = items
+        .iter()
+        .position(|i| matches!(i.recipe.sync, qsr_sched::SyncRule::Dp))
+        .ok_or_else(|| anyhow!("--dp-hours needs a data-parallel recipe (sync.rule = \"dp\") among --recipe"))?;
+    let item = &items[idx];
+    let payload = recipe_payload(&item.recipe, sizes[idx].0, sizes[idx].1);
+    let plan = item.recipe.plan()?;
+    let step = step_seconds_from_wall(&plan, hours * 3600.0, &payload, world_of(item), net)?;
+    let comm = predict("", &plan, 0.0, &payload, world_of(item), net, None).comm_seconds;
+    Ok((
+        step,
+        format!(
+            "from {}'s {hours} h: ({:.0} s - modelled DP communication {:.0} s) / {} steps",
+            item.recipe.name,
+            hours * 3600.0,
+            comm,
+            plan.end_step()
+        ),
+    ))
 }
 
 fn fmt_time(s: f64) -> String {
