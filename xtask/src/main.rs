@@ -118,29 +118,26 @@ const CI_EXAMPLES: [(&str, &str); 8] = [
     ("qsr-optim", "worker_custom_model"),
 ];
 
-/// Builds [`CI_EXAMPLES`] in one cargo invocation (one shared build), then runs each with `cargo run`.
-/// Every example runs even after a failure; any failure then fails the step, naming the examples.
-fn run_examples() -> Result<Totals> {
+/// The crate that integrates with burn-train (tested in a step of its own, see `Cmd::Ci`).
+const BURN_TRAIN: &str = "qsr-burn-train";
+
+/// Builds `examples` in one cargo invocation over the packages `selection` names (the selection of the
+/// test step before it, so the build reuses its artifacts: another selection would resolve other
+/// features and rebuild burn), then runs each binary as its users would. Every example runs even after a
+/// failure; any failure then fails the step, naming the examples.
+fn run_examples(selection: &[&str], examples: &[(&str, &str)]) -> Result<Totals> {
     let mut b = cargo();
-    b.args(["build", "--release", "--locked"]);
-    let mut packages: Vec<&str> = Vec::new();
-    for (package, _) in CI_EXAMPLES {
-        if !packages.contains(&package) {
-            packages.push(package);
-            b.args(["-p", package]);
-        }
-    }
-    for (_, example) in CI_EXAMPLES {
+    b.args(["build", "--release", "--locked"]).args(selection);
+    for (_, example) in examples {
         b.args(["--example", example]);
     }
     run(b)?;
     let mut totals = Totals::default();
     let mut failed = Vec::new();
-    for (package, example) in CI_EXAMPLES {
-        let mut c = cargo();
-        c.args(["run", "--release", "--locked", "-p", package, "--example", example]);
+    for &(package, example) in examples {
+        let mut c = Command::new(target_dir().join("release/examples").join(example));
         eprintln!("xtask: {c:?}");
-        let status = c.status().with_context(|| format!("cannot start {c:?}"))?;
+        let status = c.status().with_context(|| format!("cannot start example {package}/{example}"))?;
         if status.success() {
             println!("example {package}/{example} ... ok");
             totals.passed += 1;
@@ -151,7 +148,7 @@ fn run_examples() -> Result<Totals> {
         }
     }
     if !failed.is_empty() {
-        bail!("{} of {} examples failed: {}", failed.len(), CI_EXAMPLES.len(), failed.join(", "));
+        bail!("{} of {} examples failed: {}", failed.len(), examples.len(), failed.join(", "));
     }
     Ok(totals)
 }
@@ -186,7 +183,7 @@ fn run_tests(mut c: Command) -> Result<Totals> {
 }
 
 /// The tidy step, first in CI: formatting, clippy with warnings denied (the workspace lints include
-/// `missing_docs` and `undocumented_unsafe_blocks`), and rustdoc with warnings denied. Release profile for
+/// `missing_docs` and `undocumented_unsafe_blocks`), rustdoc with warnings denied, and `cargo package`. Release profile for
 /// clippy and doc alike, so they share the dependencies' check builds.
 fn tidy() -> Result<()> {
     let mut f = cargo();
@@ -197,18 +194,32 @@ fn tidy() -> Result<()> {
     run(c)?;
     let mut d = cargo();
     d.args(["doc", "--release", "--locked", "--no-deps", "--workspace"]).env("RUSTDOCFLAGS", "-D warnings");
-    run(d)
+    run(d)?;
+    // Every crate a user can depend on packages (manifest, files, local dependencies packaged together);
+    // building the packages is left to the test steps, which compile the same sources.
+    let mut p = cargo();
+    p.args(["package", "--workspace", "--exclude", "xtask", "--exclude", "qsr-benches", "--no-verify", "--locked"]);
+    run(p).context("`cargo package` failed for a library crate")
 }
 
 fn main() -> Result<()> {
     match Cli::parse().command {
         Cmd::Ci => {
             tidy()?;
+            // qsr-burn-train is tested on its own: burn-train turns on burn features (datasets, flex's rayon
+            // and simd) that the other crates do not use, and a build that unified them would test those
+            // crates on another burn than their users get and rebuild burn again for the examples.
+            let workspace = ["--workspace", "--exclude", BURN_TRAIN];
             let mut t = cargo();
-            t.args(["test", "--workspace", "--release", "--locked"]);
+            t.args(["test", "--release", "--locked"]).args(workspace);
             let mut totals = run_tests(t)?;
-            // The crates' examples, built once, each run as its users would run it.
-            totals.add(run_examples()?);
+            // The crates' examples, each run as its users would run it.
+            totals.add(run_examples(&workspace, &CI_EXAMPLES)?);
+            let burn_train = ["-p", BURN_TRAIN];
+            let mut bt = cargo();
+            bt.args(["test", "--release", "--locked"]).args(burn_train);
+            totals.add(run_tests(bt)?);
+            totals.add(run_examples(&burn_train, &[(BURN_TRAIN, "learner_digits")])?);
             // The cubecl kernels, on cubecl's wgpu runtime (Mesa lavapipe on a machine without a GPU).
             let mut k = cargo();
             k.args(["test", "--release", "--locked", "-p", "qsr-kernels", "--features", "wgpu"]);

@@ -1,0 +1,37 @@
+//! Local SGD / Local AdamW with the Quadratic Synchronization Rule inside burn-train's `Learner`.
+//!
+//! [`LocalTrainingStrategy`] is a burn-train `SupervisedLearningStrategy`: K replicas of the Learner
+//! (the model with **the Learner's own optimizer and lr scheduler**) each train on their own slice of
+//! the training data, and a [`qsr_optim::Averager`] averages their parameters whenever a round of the
+//! sync rule ends. With QSR each round's `H = max(h_base, floor((alpha / lr)^2))` comes from the lr the
+//! Learner's scheduler gave the round's first step. Data parallel (`SyncRule::Dp`) and post-local
+//! average gradients before the Learner's optimizer step instead. Replicas run as threads of one process
+//! ([`Replicas::Threads`]) or one per process under torchrun / mpirun / srun ([`Replicas::Launched`],
+//! over qsr's TCP ring or MPI).
+//!
+//! A burn-train program changes in two places (the complete program is `examples/learner_digits.rs`):
+//!
+//! ```text
+//! + let rule = SyncRule::Qsr { h_base: 2, alpha: 0.06 };
+//! + let strategy = Arc::new(LocalTrainingStrategy::new(Replicas::Threads(vec![device.clone(); 4]), AveragerConfig::new(rule, 0)));
+//!   let result = SupervisedTraining::new(dir, train_loader, valid_loader)
+//!       .metric_train_numeric(AccuracyMetric::new())
+//!       .num_epochs(epochs)
+//! +     .with_training_strategy(TrainingStrategy::Custom(strategy.clone()))
+//!       .launch(Learner::new(model, optimizer, scheduler));
+//! + println!("{} synchronizations", strategy.stats().map_or(0, |s| s.syncs));
+//! ```
+//!
+//! How the strategy treats data, events, checkpoints and stopping is on [`LocalTrainingStrategy`].
+//! This crate is the only one of qsr's that depends on burn-train.
+
+mod renderer;
+mod replica;
+mod report;
+mod shard;
+mod strategy;
+
+pub use qsr_optim::{AveragerConfig, AveragerStats};
+pub use qsr_sched::SyncRule;
+pub use renderer::EpochLines;
+pub use strategy::{LocalTrainingStrategy, Replicas};

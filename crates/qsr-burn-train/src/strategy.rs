@@ -1,0 +1,259 @@
+//! [`LocalTrainingStrategy`]: burn-train's `SupervisedLearningStrategy` for local methods.
+
+use std::sync::{Mutex, PoisonError};
+
+use burn::tensor::Device;
+use burn::train::{
+    Interrupter, Learner, LearnerModel, SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader,
+    TrainingComponents, TrainingError, ValidLoader, train::WorkerFailure,
+};
+use qsr_comm::{Collective, InProcessGroup};
+use qsr_optim::{Averager, AveragerConfig, AveragerStats};
+
+use crate::replica::{Failure, Replica};
+use crate::report::Reporter;
+
+/// Where a [`LocalTrainingStrategy`]'s replicas run.
+#[derive(Debug, Clone)]
+pub enum Replicas {
+    /// One replica per device, each on its own thread of this process, averaged over qsr's in-process
+    /// group: K simulated workers (the same device K times is fine, e.g. `vec![Device::flex().autodiff(); 4]`).
+    Threads(Vec<Device>),
+    /// One replica in this process, on this device, averaged over the launch's collective
+    /// ([`qsr_comm::from_env`]): run the same program under torchrun, mpirun or srun, one process per worker.
+    Launched(Device),
+}
+
+/// A burn-train strategy for Local SGD / Local AdamW: every replica trains a clone of the Learner (the
+/// model, **the Learner's own optimizer and lr scheduler**) on its own shard of the training data, and a
+/// [`qsr_optim::Averager`] averages the replicas' parameters whenever a round of the sync rule ends,
+/// each round's `H` picked from the lr the Learner's scheduler produced (QSR: at the round's start).
+///
+/// What it does with the rest of burn-train (each choice because replicas must call collectives at
+/// the same steps):
+/// - **Data**: the training loader is cut into K equal contiguous slices (burn's `DataLoader::slice`,
+///   the remainder of `items / K` dropped so every replica takes the same number of steps); shuffle the
+///   dataset before (or give the loader a seed: each slice then shuffles within itself per epoch).
+/// - **Events and metrics**: rank 0 reports its own replica's training items and, after each epoch,
+///   validates its replica's current parameters; other ranks train silently. The model the Learner
+///   returns is the average of all replicas after the last step.
+/// - **Checkpoints**: burn-train's checkpointer saves rank 0's Learner (model, optimizer, scheduler) at
+///   epoch ends. Resuming starts every replica from that checkpoint (the averager broadcasts rank 0's
+///   parameters; each replica's optimizer state is rank 0's) and restarts the averager's step count, so
+///   set `warmup_steps` for the resumed part.
+/// - **Stopping**: an interruption or early stopping takes effect at the end of an epoch, on every rank
+///   together (one 4-byte all-reduce per epoch); a failed rank fails the others at their next collective.
+/// - Gradient accumulation counts one optimizer step per accumulated batch group, as burn-train does.
+pub struct LocalTrainingStrategy {
+    replicas: Replicas,
+    config: AveragerConfig,
+    stats: Mutex<Option<AveragerStats>>,
+}
+
+/// What every replica follows, from [`TrainingComponents`] (shared by reference with the threads).
+struct Run {
+    epochs: std::ops::RangeInclusive<usize>,
+    grad_accumulation: Option<usize>,
+    interrupter: Interrupter,
+}
+
+impl LocalTrainingStrategy {
+    /// Replicas placed as `replicas` says, averaged as `config` says (any rule: `dp` and `post-local`
+    /// before its switch average gradients before the Learner's optimizer step, the others parameters
+    /// after it).
+    pub fn new(replicas: Replicas, config: AveragerConfig) -> Self {
+        Self { replicas, config, stats: Mutex::new(None) }
+    }
+
+    /// The averager's totals (steps, synchronizations, traffic) of this process's first replica (rank 0
+    /// with [`Replicas::Threads`]) after the last training: read them after `launch` returns.
+    pub fn stats(&self) -> Option<AveragerStats> {
+        *self.stats.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn fit_threads<M: LearnerModel>(
+        &self,
+        devices: &[Device],
+        run: Run,
+        (learner, train): (Learner<M>, TrainLoader<M>),
+        reporter: Reporter<M>,
+    ) -> (M, SupervisedTrainingEventProcessor<M>) {
+        let shards = crate::shard::split::<M>(&train, devices.len());
+        let comms = InProcessGroup::new(devices.len());
+        let run = &run;
+        std::thread::scope(|s| {
+            let mut lanes = comms.into_iter().zip(shards).zip(devices);
+            let Some(((comm0, shard0), device0)) = lanes.next() else {
+                run.interrupter.fail(failure(0, "Replicas::Threads needs at least one device".into()));
+                return (learner.model(), reporter.into_processor());
+            };
+            let others: Vec<_> = lanes
+                .map(|((comm, shard), device)| {
+                    let learner = learner.clone();
+                    s.spawn(move || {
+                        self.replica(run, learner, Box::new(comm), shard, device, (None, false)).map(|_| ())
+                    })
+                })
+                .collect();
+            let (model, processor) = self.rank0(run, learner, Box::new(comm0), shard0, device0, reporter);
+            for (rank, handle) in (1..).zip(others) {
+                if let Ok(Err(message)) | Err(message) = handle.join().map_err(panic_message) {
+                    run.interrupter.fail(failure(rank, message));
+                }
+            }
+            (model, processor)
+        })
+    }
+
+    fn fit_launched<M: LearnerModel>(
+        &self,
+        device: &Device,
+        run: Run,
+        (learner, train): (Learner<M>, TrainLoader<M>),
+        reporter: Reporter<M>,
+    ) -> (M, SupervisedTrainingEventProcessor<M>) {
+        let comm = match qsr_comm::from_env() {
+            Ok(comm) => comm,
+            Err(e) => {
+                run.interrupter.fail(failure(0, format!("cannot join the launch: {e}")));
+                return (learner.model(), reporter.into_processor());
+            }
+        };
+        let (rank, k) = (comm.rank(), comm.world_size());
+        let shard = crate::shard::split::<M>(&train, k).swap_remove(rank);
+        if rank == 0 {
+            return self.rank0(&run, learner, comm, shard, device, reporter);
+        }
+        let processor = reporter.into_processor();
+        match self.replica(&run, learner.clone(), comm, shard, device, (None, true)) {
+            Ok(model) => (model, processor),
+            Err(message) => {
+                run.interrupter.fail(failure(rank, message));
+                (learner.model(), processor)
+            }
+        }
+    }
+
+    /// Rank 0: its replica, reporting through burn-train's event processor.
+    fn rank0<M: LearnerModel>(
+        &self,
+        run: &Run,
+        learner: Learner<M>,
+        comm: Box<dyn Collective>,
+        shard: TrainLoader<M>,
+        device: &Device,
+        mut reporter: Reporter<M>,
+    ) -> (M, SupervisedTrainingEventProcessor<M>) {
+        match self.replica(run, learner.clone(), comm, shard, device, (Some(&mut reporter), true)) {
+            Ok(model) => (model, reporter.into_processor()),
+            Err(message) => {
+                run.interrupter.fail(failure(0, message));
+                (learner.model(), reporter.into_processor())
+            }
+        }
+    }
+
+    /// One replica from start to end: joins the group, trains every epoch, agrees with the others on
+    /// stopping after each, averages at the end; `reporter` on rank 0, `record_stats` on this process's
+    /// first replica. Errors are returned as text for burn-train's result.
+    fn replica<M: LearnerModel>(
+        &self,
+        run: &Run,
+        mut learner: Learner<M>,
+        mut comm: Box<dyn Collective>,
+        shard: TrainLoader<M>,
+        device: &Device,
+        (mut reporter, record_stats): (Option<&mut Reporter<M>>, bool),
+    ) -> Result<M, String> {
+        let shard = shard.to_device(device);
+        learner.fork(device);
+        // Every rank must take the same number of steps: check what decides it before the first one.
+        let settings = serde_json::json!({
+            "shard_items": shard.num_items(),
+            "epochs": [run.epochs.start(), run.epochs.end()],
+            "grad_accumulation": run.grad_accumulation,
+        });
+        qsr_comm::agree::agree(comm.as_mut(), &settings).map_err(|e| e.to_string())?;
+        let (avg, model) = Averager::new(learner.model(), self.config.clone(), comm).map_err(|e| e.to_string())?;
+        learner.load_model(model.into_record());
+        let mut replica = Replica { learner, avg, train: shard, grad_accumulation: run.grad_accumulation };
+        let result = self.epochs(run, &mut replica, &mut reporter);
+        if record_stats {
+            *self.stats.lock().unwrap_or_else(PoisonError::into_inner) = Some(*replica.avg.stats());
+        }
+        match result {
+            Ok(()) => Ok(replica.learner.model()),
+            Err(Failure::Training(e)) => {
+                run.interrupter.fail(e);
+                Ok(replica.learner.model())
+            }
+            Err(Failure::Qsr(e)) => Err(e.to_string()),
+        }
+    }
+
+    /// The epochs, then the final average (kept in the replica's Learner).
+    fn epochs<M: LearnerModel>(
+        &self,
+        run: &Run,
+        replica: &mut Replica<M>,
+        reporter: &mut Option<&mut Reporter<M>>,
+    ) -> Result<(), Failure> {
+        for epoch in run.epochs.clone() {
+            if let Some(r) = reporter.as_deref_mut() {
+                r.start_epoch(epoch, replica.train.num_items());
+                replica.train_epoch(|item| r.item(item))?;
+                r.end_training(epoch);
+            } else {
+                replica.train_epoch(|_| ())?;
+            }
+            let mut stop = run.interrupter.should_stop();
+            if let Some(r) = reporter.as_deref_mut()
+                && !stop
+            {
+                stop = r.end_epoch(epoch, &replica.learner);
+            }
+            if replica.avg.any(stop)? {
+                break;
+            }
+        }
+        replica.finish()?;
+        Ok(())
+    }
+}
+
+impl<M: LearnerModel> SupervisedLearningStrategy<M> for LocalTrainingStrategy {
+    fn fit(
+        &self,
+        components: TrainingComponents<M>,
+        learner: Learner<M>,
+        train: TrainLoader<M>,
+        valid: ValidLoader<M>,
+        starting_epoch: usize,
+    ) -> (M, SupervisedTrainingEventProcessor<M>) {
+        let run = Run {
+            epochs: starting_epoch..=components.num_epochs,
+            grad_accumulation: components.grad_accumulation,
+            interrupter: components.interrupter.clone(),
+        };
+        match &self.replicas {
+            Replicas::Threads(devices) => {
+                let main = devices.first().cloned().unwrap_or_default();
+                let reporter = Reporter::new(components, valid, &main);
+                self.fit_threads(devices, run, (learner, train), reporter)
+            }
+            Replicas::Launched(device) => {
+                let reporter = Reporter::new(components, valid, device);
+                self.fit_launched(device, run, (learner, train), reporter)
+            }
+        }
+    }
+}
+
+fn failure(rank: usize, message: String) -> TrainingError {
+    TrainingError::Workers(vec![WorkerFailure { device_id: rank, message: format!("qsr replica {rank}: {message}") }])
+}
+
+fn panic_message(panic: Box<dyn std::any::Any + Send>) -> String {
+    let text = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
+    format!("panicked: {}", text.unwrap_or_else(|| "(no message)".into()))
+}

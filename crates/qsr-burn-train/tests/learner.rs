@@ -1,0 +1,131 @@
+//! The burn-train strategy end to end, through burn-train's own `SupervisedTraining::launch`: the
+//! example's digits MLP with the Learner's SGD and cosine scheduler.
+
+#[path = "../examples/learner_digits.rs"]
+#[allow(dead_code)]
+mod example;
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use burn::tensor::Device;
+use qsr_burn_train::{Replicas, SyncRule};
+
+/// burn's initial weights come from one global RNG per backend (seeded in the example): runs in one test
+/// process take turns so that no other test draws from it between a run's seed and its model's weights.
+static RNG: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    RNG.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn threads(k: usize) -> Replicas {
+    Replicas::Threads(vec![Device::flex().autodiff(); k])
+}
+
+#[test]
+fn qsr_through_the_learner_syncs_as_planned_and_learns_digits() {
+    let _turn = serial();
+    let out = example::run(threads(4), 4, SyncRule::Qsr { h_base: 2, alpha: 0.06 }).unwrap();
+    assert_eq!(out.syncs, out.planned);
+    assert!(out.planned > 20 && out.planned < 1000, "QSR rounds: {}", out.planned);
+    assert!(out.accuracy >= 0.85, "test accuracy {}", out.accuracy);
+}
+
+#[test]
+fn constant_h_reruns_are_bit_identical_and_sync_as_planned() {
+    let _turn = serial();
+    let rule = SyncRule::Constant { h: 4 };
+    let a = example::run(threads(2), 2, rule.clone()).unwrap();
+    let b = example::run(threads(2), 2, rule).unwrap();
+    assert_eq!(a.syncs, a.planned);
+    assert!(a.weights.iter().zip(&b.weights).all(|(x, y)| x.to_bits() == y.to_bits()), "reruns differ");
+    assert!(a.accuracy >= 0.85, "test accuracy {}", a.accuracy);
+}
+
+#[test]
+fn data_parallel_through_the_learner_syncs_every_step_and_learns_digits() {
+    let _turn = serial();
+    let out = example::run(threads(2), 2, SyncRule::Dp).unwrap();
+    assert_eq!(out.syncs, out.planned);
+    assert!(out.accuracy >= 0.85, "test accuracy {}", out.accuracy);
+}
+
+/// One rank of `two_processes_over_the_tcp_ring_sync_as_planned_and_end_identical`: run by that test in
+/// a child process with the variables torchrun would set; prints what the parent checks.
+#[test]
+#[ignore = "a child process of two_processes_over_the_tcp_ring_sync_as_planned_and_end_identical"]
+fn launched_rank() {
+    let out = example::run(Replicas::Launched(Device::flex().autodiff()), 2, SyncRule::Qsr { h_base: 2, alpha: 0.06 })
+        .unwrap();
+    // FNV-1a over the final weights' bits: equal on both ranks when they end on the same average.
+    let hash = out
+        .weights
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, w| (h ^ u64::from(w.to_bits())).wrapping_mul(0x100_0000_01b3));
+    println!(
+        "OUTCOME rank={} syncs={} planned={} accuracy={} weights={hash:016x}",
+        out.rank, out.syncs, out.planned, out.accuracy
+    );
+}
+
+#[test]
+fn two_processes_over_the_tcp_ring_sync_as_planned_and_end_identical() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let exe = std::env::current_exe().unwrap();
+    let children: Vec<_> = (0..2)
+        .map(|rank| {
+            std::process::Command::new(&exe)
+                .args(["--ignored", "--exact", "launched_rank", "--nocapture", "--test-threads", "1"])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("QSR_JOB_TOKEN", "learner-test-token")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // Both ranks run before either is waited for: each waits for the other at the rendezvous.
+    let outputs: Vec<_> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let outcomes: Vec<Vec<(String, String)>> = outputs
+        .iter()
+        .map(|c| {
+            let stdout = String::from_utf8_lossy(&c.stdout);
+            assert!(c.status.success(), "a rank failed: {stdout}\n{}", String::from_utf8_lossy(&c.stderr));
+            // libtest may print `test launched_rank ... ` on the same line first.
+            let line = stdout.lines().find_map(|l| l.split_once("OUTCOME ").map(|(_, r)| r)).expect("no OUTCOME line");
+            line.split(' ').filter_map(|kv| kv.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        })
+        .collect();
+    let get = |rank: usize, key: &str| outcomes[rank].iter().find(|(k, _)| k == key).map(|(_, v)| v.clone()).unwrap();
+    assert_eq!(get(0, "syncs"), get(0, "planned"));
+    assert_eq!(get(1, "syncs"), get(1, "planned"));
+    assert_eq!(get(0, "weights"), get(1, "weights"), "the ranks end on different weights");
+    let accuracy: f64 = get(0, "accuracy").parse().unwrap();
+    assert!(accuracy >= 0.85, "test accuracy {accuracy}");
+}
+
+/// Fashion-MNIST's folder: Debian's `dataset-fashion-mnist` or `QSR_FASHION_MNIST_DIR`; a failure when
+/// `QSR_REQUIRE_DATA=1` (CI) and it is missing, else a printed skip.
+fn fashion_mnist_dir() -> Option<String> {
+    let dir = std::env::var("QSR_FASHION_MNIST_DIR").unwrap_or_else(|_| qsr_data::FASHION_MNIST_DEFAULT_DIR.into());
+    if std::path::Path::new(&dir).is_dir() {
+        return Some(dir);
+    }
+    assert!(std::env::var("QSR_REQUIRE_DATA").as_deref() != Ok("1"), "QSR_REQUIRE_DATA=1 but {dir} is missing");
+    eprintln!("SKIP: {dir} missing (apt-get install dataset-fashion-mnist, or set QSR_FASHION_MNIST_DIR)");
+    None
+}
+
+#[test]
+fn qsr_through_the_learner_learns_fashion_mnist() {
+    let Some(dir) = fashion_mnist_dir() else { return };
+    let _turn = serial();
+    let task = example::Task::fashion_mnist(&dir).unwrap();
+    let out = example::run_task(&task, threads(2), 2, SyncRule::Qsr { h_base: 2, alpha: 0.06 }).unwrap();
+    assert_eq!(out.syncs, out.planned);
+    // 2 epochs of an MLP at the digits' lr: 73.6% here (chance is 10%).
+    assert!(out.accuracy >= 0.70, "test accuracy {}", out.accuracy);
+}
