@@ -31,7 +31,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return child();
     }
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port().to_string();
-    let token = qsr_comm::tcp::random_token();
+    let token = qsr_comm::random_token();
     let exe = std::env::current_exe()?;
     let children: Vec<_> = (0..2)
         .map(|rank| {

@@ -1,32 +1,4 @@
-//! Agreement on settings before the first collective: every rank compares what it was configured with
-//! against rank 0's, so that ranks launched with different settings fail at once, naming the settings,
-//! instead of training different things and failing (or not) hundreds of collectives later.
-//!
-//! Rank 0 broadcasts its settings as JSON; each rank lists the dotted keys in which its own differ; one
-//! all-reduce of mismatch flags tells every rank which ranks differ; the first of them broadcasts its
-//! list, so every rank returns the same [`CommError::Disagree`].
-//!
-//! ```
-//! use qsr_comm::{Collective, InProcessGroup, agree};
-//! use serde_json::json;
-//!
-//! let handles = InProcessGroup::new(2);
-//! let results: Vec<_> = std::thread::scope(|s| {
-//!     let joins: Vec<_> = handles
-//!         .into_iter()
-//!         .map(|mut comm| {
-//!             s.spawn(move || {
-//!                 let seed = if comm.rank() == 1 { 7 } else { 0 };
-//!                 agree::agree(&mut comm, &json!({ "seed": seed, "sync": { "rule": "qsr" } }))
-//!             })
-//!         })
-//!         .collect();
-//!     joins.into_iter().map(|j| j.join().unwrap()).collect()
-//! });
-//! for r in results {
-//!     assert!(r.unwrap_err().to_string().contains("`seed`: rank 0 has 0, rank 1 has 7"));
-//! }
-//! ```
+//! Agreement on settings before the first collective (documented on [`agree`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -76,6 +48,36 @@ fn flatten(prefix: &str, v: &Value, out: &mut BTreeMap<String, Value>) {
 
 /// Makes every rank check its `settings` against rank 0's: `Ok` on every rank, or on every rank the
 /// same [`CommError::Disagree`] naming the differing ranks and, for the first of them, the keys.
+///
+/// Call it before the first collective: every rank compares what it was configured with against rank
+/// 0's, so that ranks launched with different settings fail at once, naming the settings, instead of
+/// training different things and failing (or not) hundreds of collectives later.
+///
+/// Rank 0 broadcasts its settings as JSON; each rank lists the dotted keys in which its own differ
+/// ([`differing_keys`]); one all-reduce of mismatch flags tells every rank which ranks differ; the
+/// first of them broadcasts its list, so every rank returns the same error.
+///
+/// ```
+/// use qsr_comm::{Collective, InProcessGroup, agree};
+/// use serde_json::json;
+///
+/// let handles = InProcessGroup::new(2);
+/// let results: Vec<_> = std::thread::scope(|s| {
+///     let joins: Vec<_> = handles
+///         .into_iter()
+///         .map(|mut comm| {
+///             s.spawn(move || {
+///                 let seed = if comm.rank() == 1 { 7 } else { 0 };
+///                 agree(&mut comm, &json!({ "seed": seed, "sync": { "rule": "qsr" } }))
+///             })
+///         })
+///         .collect();
+///     joins.into_iter().map(|j| j.join().unwrap()).collect()
+/// });
+/// for r in results {
+///     assert!(r.unwrap_err().to_string().contains("`seed`: rank 0 has 0, rank 1 has 7"));
+/// }
+/// ```
 pub fn agree(comm: &mut dyn Collective, settings: &Value) -> Result<(), CommError> {
     let (rank, k) = (comm.rank(), comm.world_size());
     let mut bytes = if rank == 0 { serde_json::to_vec(settings).unwrap_or_default() } else { Vec::new() };

@@ -1,10 +1,5 @@
-//! Bootstrapping a device collective (NCCL) over a host collective, and loading the shared library
-//! it needs with an error a person can act on.
-//!
-//! NCCL ranks find each other through a 128-byte unique id that rank 0 creates and every other rank
-//! must receive out of band. We send it over whichever host [`Collective`] the launch produced (our
-//! TCP rendezvous under `--nproc`, torchrun, mpirun or srun), so NCCL needs no launcher of its own.
-//! This logic is plain bytes and is tested without a GPU.
+//! Bootstrapping a device collective (NCCL) over a host collective ([`share_unique_id`]), and loading
+//! the shared library it needs with an error a person can act on ([`probe_library`]).
 
 use crate::{Collective, CommError};
 
@@ -14,6 +9,12 @@ const ID_OK: u8 = 1;
 const ID_FAILED: u8 = 0;
 
 /// Shares a fixed-size id created by rank 0 with every rank of `bootstrap`.
+///
+/// This is how a device collective is bootstrapped over a host one: NCCL ranks find each other
+/// through a 128-byte unique id that rank 0 creates and every other rank must receive out of band.
+/// We send it over whichever host [`Collective`] the launch produced (our TCP rendezvous under
+/// `--nproc`, torchrun, mpirun or srun), so NCCL needs no launcher of its own. This logic is plain
+/// bytes and is tested without a GPU.
 ///
 /// `create` runs on rank 0 only. Every rank returns the same bytes, or every rank returns an
 /// error: rank 0's own creation error, or on the others a [`CommError::Protocol`] naming rank 0

@@ -1,12 +1,13 @@
-//! The one error type of this crate.
-//!
-//! Every variant that involves another process names it (rank, and address where we know one) and,
-//! for mismatches, the field that differs, because the person reading the message is usually
-//! looking at one of N log files and needs to know which other one to open.
+//! The one error type of this crate, [`CommError`].
 
 use std::time::Duration;
 
-/// Why a collective, a rendezvous or a launch-environment detection failed.
+/// Why a collective, a rendezvous or a launch-environment detection failed: the one error type of
+/// this crate.
+///
+/// Every variant that involves another process names it (rank, and address where we know one) and,
+/// for mismatches, the field that differs, because the person reading the message is usually
+/// looking at one of N log files and needs to know which other one to open.
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
     /// A peer closed its connection or died (EOF, reset, broken pipe).
@@ -141,7 +142,7 @@ pub enum CommError {
     #[error("device collective: {0}")]
     Device(String),
 
-    /// Ranks were configured differently ([`crate::agree`]): `ranks` differ from rank 0, and `detail`
+    /// Ranks were configured differently ([`crate::agree()`]): `ranks` differ from rank 0, and `detail`
     /// names the first one's differing settings.
     #[error("the ranks were configured differently ({}); {detail}", differing(ranks))]
     Disagree {

@@ -1,14 +1,5 @@
-//! Who am I in this job? Rank, world size, local rank and master address from the launcher.
-//!
-//! Precedence (first match wins, field by field for explicit arguments):
-//! explicit arguments > torchrun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
-//! `MASTER_PORT`) > Open MPI (`OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK`) > PMI (`PMI_RANK`,
-//! `PMI_SIZE`, MPICH's `MPI_LOCALRANKID`) > SLURM (`SLURM_PROCID`, `SLURM_NTASKS`,
-//! `SLURM_LOCALID`, first host of `SLURM_STEP_NODELIST`/`SLURM_JOB_NODELIST`/`SLURM_NODELIST`)
-//! > a single process.
-//!
-//! The environment is passed in as a function so detection is testable without touching the
-//! process environment ([`detect_from_process_env`] is the thin wrapper for real use).
+//! Who am I in this job? Rank, world size, local rank and master address from the launcher
+//! (documented on [`detect`]).
 
 use serde::{Deserialize, Serialize};
 
@@ -267,6 +258,17 @@ fn without_launcher(explicit: &Explicit, env: &dyn Fn(&str) -> Option<String>) -
 }
 
 /// Resolves the launch environment; `env` looks a variable up (e.g. `|k| std::env::var(k).ok()`).
+///
+/// Who am I in this job? Rank, world size, local rank and master address from the launcher.
+/// Precedence (first match wins, field by field for explicit arguments):
+/// explicit arguments > torchrun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
+/// `MASTER_PORT`) > Open MPI (`OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK`) > PMI (`PMI_RANK`,
+/// `PMI_SIZE`, MPICH's `MPI_LOCALRANKID`) > SLURM (`SLURM_PROCID`, `SLURM_NTASKS`,
+/// `SLURM_LOCALID`, first host of `SLURM_STEP_NODELIST`/`SLURM_JOB_NODELIST`/`SLURM_NODELIST`)
+/// \> a single process.
+///
+/// The environment is passed in as a function so detection is testable without touching the
+/// process environment ([`detect_from_process_env`] is the thin wrapper for real use).
 ///
 /// Explicit values override the environment field by field; an explicit rank together with an
 /// explicit world size makes the source [`Source::Explicit`] and the launcher variables are then

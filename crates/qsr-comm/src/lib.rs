@@ -9,14 +9,16 @@
 //!   straight from shared memory, no sockets.
 //! - [`TcpComm`]: our own ring all-reduce over TCP, for processes on one or many hosts, with
 //!   rendezvous at `MASTER_ADDR:MASTER_PORT`, a checked handshake, bounded frames and timeouts
-//!   (see [`tcp`] for the wire protocol). Its ranks share a job token, `QSR_JOB_TOKEN`
+//!   (see [`TcpComm`] for the wire protocol). Its ranks share a job token, `QSR_JOB_TOKEN`
 //!   ([`TcpConfig::token`]): set the same secret on every rank of an external launch whose ports
 //!   other hosts can reach, or any process that reaches them can register as a rank (see
-//!   [`tcp`], "The job token").
+//!   [`TcpComm`], "The job token").
 //! - `MpiComm` (cargo feature `mpi`): MPI_Allreduce and friends through rsmpi, for `mpirun`/`srun`.
+//! - `NcclComm` (cargo feature `nccl`): NCCL on CUDA device buffers, bootstrapped over a host
+//!   collective with [`share_unique_id`].
 //!
-//! [`launch`] detects rank, world size and master address from explicit arguments, torchrun,
-//! Open MPI / PMI or SLURM variables.
+//! [`detect`] finds rank, world size and master address from explicit arguments, torchrun,
+//! Open MPI / PMI or SLURM variables; [`agree()`] checks that every rank was configured alike.
 //!
 //! Invariants every backend keeps:
 //! - every rank ends a collective with bit-identical buffers (a fixed reduction order per backend);
@@ -26,26 +28,37 @@
 
 #![forbid(unsafe_op_in_unsafe_fn)]
 
+// Private modules; every public item is re-exported once, below, at the crate root.
+// `agree` alone is still a public module, hidden from the docs: qsr-optim calls
+// `qsr_comm::agree::agree` until its refactor switches to the root `qsr_comm::agree`; remove the `pub`
+// then. (The module and the function share the name in different namespaces, so both paths resolve.)
+#[doc(hidden)]
 pub mod agree;
-pub mod bootstrap;
-pub mod error;
-pub mod inproc;
-pub mod launch;
-pub mod tcp;
+mod bootstrap;
+mod error;
+mod inproc;
+mod launch;
+mod tcp;
 mod wire;
 
 #[cfg(feature = "mpi")]
-pub mod mpi_backend;
+mod mpi_backend;
 #[cfg(feature = "nccl")]
-pub mod nccl;
+mod nccl;
 
+pub use agree::{KeyDiff, agree, differing_keys};
+pub use bootstrap::{probe_library, share_unique_id};
 pub use error::CommError;
-pub use inproc::{InProcessComm, InProcessGroup};
-pub use launch::{Explicit, LaunchEnv, Source};
-pub use tcp::{MasterListener, TcpComm, TcpConfig};
+pub use inproc::{DEFAULT_TIMEOUT, InProcessComm, InProcessGroup};
+pub use launch::{
+    DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, Explicit, LaunchEnv, Source, detect, detect_from_process_env, first_host,
+};
+pub use tcp::{MasterListener, TcpComm, TcpConfig, random_token, resolve};
 
 #[cfg(feature = "mpi")]
 pub use mpi_backend::MpiComm;
+#[cfg(feature = "nccl")]
+pub use nccl::{NcclComm, probe_libraries};
 
 use serde::{Deserialize, Serialize};
 
@@ -152,11 +165,11 @@ pub trait Collective: Send {
 
 /// The collective of this process's launch, for library users: our TCP ring when a launcher started
 /// several processes (torchrun's `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`, Open MPI's or PMI's
-/// mpirun, SLURM's srun; see [`launch::detect`] and [`TcpConfig::from_env`] for the variables read,
+/// mpirun, SLURM's srun; see [`detect`] and [`TcpConfig::from_env`] for the variables read,
 /// `QSR_JOB_TOKEN` among them), MPI itself under mpirun when built with the `mpi` feature, or a group
 /// of one for a plain process. A partial launch environment is an error naming the missing variable.
 pub fn from_env() -> Result<Box<dyn Collective>, CommError> {
-    let env = launch::detect_from_process_env(&Explicit::default())?;
+    let env = detect_from_process_env(&Explicit::default())?;
     #[cfg(feature = "mpi")]
     if matches!(env.source, Source::OpenMpi | Source::Pmi) && env.world_size > 1 {
         return Ok(Box::new(MpiComm::init()?));

@@ -1,19 +1,4 @@
-//! MPI backend (cargo feature `mpi`): runs launched by `mpirun` or `srun` use the system MPI's
-//! collectives through rsmpi.
-//!
-//! Before every call the ranks compare (sequence number, kind, length, op, root) with one tiny
-//! `MPI_Allreduce(MPI_MAX)` over the values and their negations (max and -min in one call): ranks
-//! whose call sequences diverged get an error naming the field instead of MPI mixing buffers of
-//! different lengths or hanging in mismatched collectives. The cost is one 80-byte all-reduce per
-//! call, noise next to a model-sized buffer.
-//!
-//! Failures of a peer process are MPI's business: with the default error handler the MPI runtime
-//! aborts the whole job (mpirun/srun report which rank died).
-//!
-//! Threading: MPI is initialised with `MPI_THREAD_SERIALIZED` when available, so the handle may
-//! move between threads (calls are serialised by `&mut self`). If the library only provides
-//! `FUNNELED` or less, calls from a thread other than the initialising one are refused. Drop the
-//! handle (which finalises MPI) on the thread that created it.
+//! MPI backend (cargo feature `mpi`), documented on [`MpiComm`].
 
 use std::thread::ThreadId;
 use std::time::Instant;
@@ -26,7 +11,22 @@ use mpi::traits::*;
 
 use crate::{CallKind, Collective, CommError, CommStats, MAX_BROADCAST_BYTES, ReduceOp};
 
-/// One rank of an MPI world.
+/// One rank of an MPI world (cargo feature `mpi`): runs launched by `mpirun` or `srun` use the
+/// system MPI's collectives through rsmpi.
+///
+/// Before every call the ranks compare (sequence number, kind, length, op, root) with one tiny
+/// `MPI_Allreduce(MPI_MAX)` over the values and their negations (max and -min in one call): ranks
+/// whose call sequences diverged get an error naming the field instead of MPI mixing buffers of
+/// different lengths or hanging in mismatched collectives. The cost is one 80-byte all-reduce per
+/// call, noise next to a model-sized buffer.
+///
+/// Failures of a peer process are MPI's business: with the default error handler the MPI runtime
+/// aborts the whole job (mpirun/srun report which rank died).
+///
+/// Threading: MPI is initialised with `MPI_THREAD_SERIALIZED` when available, so the handle may
+/// move between threads (calls are serialised by `&mut self`). If the library only provides
+/// `FUNNELED` or less, calls from a thread other than the initialising one are refused. Drop the
+/// handle (which finalises MPI) on the thread that created it.
 pub struct MpiComm {
     world: SimpleCommunicator,
     rank: usize,

@@ -1,26 +1,4 @@
-//! NCCL backend (cargo feature `nccl`): one process per GPU, collectives on device buffers.
-//!
-//! Bootstrap: rank 0 creates the NCCL unique id and sends it over the host [`Collective`] the launch
-//! produced (our TCP rendezvous under `qsr train --nproc`, torchrun variables, mpirun or srun), see
-//! [`crate::bootstrap::share_unique_id`]; NCCL needs no launcher of its own.
-//!
-//! Libraries: libcuda and libnccl are loaded at run time (cudarc's dynamic loading), so this builds
-//! without a CUDA toolkit. They are probed before cudarc touches them, so a missing library is a
-//! [`CommError::LibraryMissing`] naming it rather than a panic inside cudarc.
-//!
-//! Host-slice calls wait for their copies (a stream synchronize after each download).
-//!
-//! Two APIs:
-//! - [`NcclComm::all_reduce_device`]: in place on a device buffer, `ncclAvg` for the mean, for
-//!   callers that hold cudarc buffers (qsr's device-resident workers stage through the host API
-//!   across processes today: burn's buffers are cubecl's, not cudarc's);
-//! - the [`Collective`] impl on host slices (copy in, reduce, copy out), so the round driver and
-//!   trainer work unchanged. There the mean is NCCL's sum divided by K on the host, which keeps the
-//!   crate-wide `mean == sum / K` bit identity (`ncclAvg` pre-multiplies by `1/K`).
-//!
-//! Before every host-slice collective the ranks compare (sequence, kind, length, op, root) with one
-//! 10-element `ncclMax` all-reduce over the values and their negations, as the MPI backend does:
-//! diverged call sequences become [`CommError::Diverged`] instead of a hang inside NCCL.
+//! NCCL backend (cargo feature `nccl`), documented on [`NcclComm`].
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -31,7 +9,30 @@ use cudarc::nccl::{Comm, Id, ReduceOp as NcclOp};
 use crate::bootstrap::{probe_library, share_unique_id};
 use crate::{CallKind, Collective, CommError, CommStats, MAX_BROADCAST_BYTES, ReduceOp};
 
-/// One rank of an NCCL communicator on one GPU.
+/// One rank of an NCCL communicator on one GPU (cargo feature `nccl`): one process per GPU,
+/// collectives on device buffers.
+///
+/// Bootstrap: rank 0 creates the NCCL unique id and sends it over the host [`Collective`] the launch
+/// produced (our TCP rendezvous under `qsr train --nproc`, torchrun variables, mpirun or srun), see
+/// [`share_unique_id`]; NCCL needs no launcher of its own.
+///
+/// Libraries: libcuda and libnccl are loaded at run time (cudarc's dynamic loading), so this builds
+/// without a CUDA toolkit. They are probed before cudarc touches them, so a missing library is a
+/// [`CommError::LibraryMissing`] naming it rather than a panic inside cudarc.
+///
+/// Host-slice calls wait for their copies (a stream synchronize after each download).
+///
+/// Two APIs:
+/// - [`NcclComm::all_reduce_device`]: in place on a device buffer, `ncclAvg` for the mean, for
+///   callers that hold cudarc buffers (qsr's device-resident workers stage through the host API
+///   across processes today: burn's buffers are cubecl's, not cudarc's);
+/// - the [`Collective`] impl on host slices (copy in, reduce, copy out), so the round driver and
+///   trainer work unchanged. There the mean is NCCL's sum divided by K on the host, which keeps the
+///   crate-wide `mean == sum / K` bit identity (`ncclAvg` pre-multiplies by `1/K`).
+///
+/// Before every host-slice collective the ranks compare (sequence, kind, length, op, root) with one
+/// 10-element `ncclMax` all-reduce over the values and their negations, as the MPI backend does:
+/// diverged call sequences become [`CommError::Diverged`] instead of a hang inside NCCL.
 pub struct NcclComm {
     comm: Comm,
     stream: Arc<CudaStream>,

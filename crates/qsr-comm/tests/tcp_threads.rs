@@ -32,12 +32,12 @@ fn small_chunks_and_large_buffer() {
 fn nccl_unique_id_exchange_over_tcp() {
     let id: [u8; 128] = std::array::from_fn(|i| (255 - i) as u8);
     let got = common::on_threads(common::tcp_group(3, common::test_config()), move |mut c| {
-        qsr_comm::bootstrap::share_unique_id(&mut c, || Ok(id)).map_err(|e| e.to_string())
+        qsr_comm::share_unique_id(&mut c, || Ok(id)).map_err(|e| e.to_string())
     });
     assert!(got.iter().all(|r| r.as_ref() == Ok(&id)), "{got:?}");
 
     let got = common::on_threads(common::tcp_group(3, common::test_config()), |mut c| {
-        let r = qsr_comm::bootstrap::share_unique_id::<128>(&mut c, || Err("cannot load libnccl.so.2".into()));
+        let r = qsr_comm::share_unique_id::<128>(&mut c, || Err("cannot load libnccl.so.2".into()));
         // The ring keeps working after a refused id (every rank made the same call).
         let mut x = [c.rank() as f32];
         c.all_reduce(&mut x, ReduceOp::Sum).unwrap();

@@ -2,7 +2,7 @@
 //! them panic, lengths are bounded, and valid messages round-trip.
 
 use proptest::prelude::*;
-use qsr_comm::launch::{self, Explicit};
+use qsr_comm::{Explicit, detect, first_host};
 use wire::{Back, CallHeader, Field, Frame, Hello, Purpose, Reply};
 
 // The wire protocol is private to qsr-comm; these tests compile its source file to reach it.
@@ -68,7 +68,7 @@ proptest! {
 
     #[test]
     fn launch_parsing_never_panics(list in "[a-z0-9\\[\\],-]{0,30}", rank in "[0-9a-z-]{0,6}", size in "[0-9]{0,4}", port in "[0-9]{0,6}") {
-        let _ = launch::first_host(&list);
+        let _ = first_host(&list);
         let env = move |k: &str| match k {
             "SLURM_PROCID" => Some(rank.clone()),
             "SLURM_NTASKS" => Some(size.clone()),
@@ -76,7 +76,7 @@ proptest! {
             "MASTER_PORT" => Some(port.clone()),
             _ => None,
         };
-        if let Ok(e) = launch::detect(&Explicit::default(), &env) {
+        if let Ok(e) = detect(&Explicit::default(), &env) {
             prop_assert!(e.rank < e.world_size && e.local_rank < e.world_size);
         }
     }

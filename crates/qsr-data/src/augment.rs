@@ -1,11 +1,4 @@
-//! Augmentation and normalization, from a `u8` CHW [`Image`] straight into the `f32` slot of a batch.
-//!
-//! Order of operations: crop (and resize) -> horizontal flip -> divide by the dataset's `pixel_max` -> per-channel
-//! `(x - mean) / std`. Padding is done with raw zeros before normalization (as torchvision's `RandomCrop(padding=4)`
-//! on a PIL image), so a padded pixel ends up as `(0 - mean) / std`.
-//!
-//! All randomness of one sample comes from one ChaCha8 stream keyed by (seed, epoch, sample index), so a sample's
-//! pixels never depend on which thread produced them, on the rank, or on the world size.
+//! Augmentation and normalization (documented on [`Transform`]).
 
 use serde::{Deserialize, Serialize};
 
@@ -111,6 +104,15 @@ impl Normalize {
 }
 
 /// A complete per-sample transform.
+///
+/// Augmentation and normalization, from a `u8` CHW [`Image`] straight into the `f32` slot of a batch.
+///
+/// Order of operations: crop (and resize) -> horizontal flip -> divide by the dataset's `pixel_max` -> per-channel
+/// `(x - mean) / std`. Padding is done with raw zeros before normalization (as torchvision's `RandomCrop(padding=4)`
+/// on a PIL image), so a padded pixel ends up as `(0 - mean) / std`.
+///
+/// All randomness of one sample comes from one ChaCha8 stream keyed by (seed, epoch, sample index), so a sample's
+/// pixels never depend on which thread produced them, on the rank, or on the world size.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Transform {
     /// How the sample is cropped and resized, first.

@@ -1,5 +1,4 @@
-//! CIFAR-10 / CIFAR-100 "binary version" files: fixed-size records of label byte(s) + 3072 pixel bytes
-//! (1024 R, 1024 G, 1024 B, row-major 32x32), which is already our CHW layout.
+//! CIFAR-10 / CIFAR-100 binary files (documented on [`cifar10`]).
 
 use std::path::{Path, PathBuf};
 
@@ -83,6 +82,9 @@ fn existing(d: &Path, names: &[String]) -> Result<Vec<PathBuf>> {
 }
 
 /// CIFAR-10 from `data_batch_{1..5}.bin` / `test_batch.bin` in `dir` or `dir/cifar-10-batches-bin`.
+///
+/// CIFAR-10 / CIFAR-100 "binary version" files: fixed-size records of label byte(s) + 3072 pixel bytes
+/// (1024 R, 1024 G, 1024 B, row-major 32x32), which is already our CHW layout.
 pub fn cifar10(dir: impl AsRef<Path>, split: Split) -> Result<ImageSet> {
     let names: Vec<String> = match split {
         Split::Train => (1..=5).map(|i| format!("data_batch_{i}.bin")).collect(),

@@ -1,6 +1,4 @@
-//! The dataset abstraction: small datasets live in memory as one `u8` buffer ([`ImageSet`]); large ones
-//! ([`crate::ImageFolder`]) decode one sample at a time, since ImageNet does not fit in memory. Both are
-//! [`Dataset`]s, so the sampler, transforms and loaders do not care which.
+//! The dataset abstraction (documented on [`Dataset`]).
 
 use std::path::PathBuf;
 
@@ -59,6 +57,10 @@ pub struct DatasetInfo {
 
 /// A finite, indexable set of labelled images. `load` must be a pure function of `index` (it is called from
 /// many threads, in any order).
+///
+/// The dataset abstraction: small datasets live in memory as one `u8` buffer ([`ImageSet`]); large ones
+/// ([`crate::ImageFolder`]) decode one sample at a time, since ImageNet does not fit in memory. Both are
+/// [`Dataset`]s, so the sampler, transforms and loaders do not care which.
 pub trait Dataset: Send + Sync {
     /// The dataset's name, size, classes and image format.
     fn info(&self) -> &DatasetInfo;

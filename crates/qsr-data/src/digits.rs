@@ -1,8 +1,4 @@
-//! scikit-learn's digits (UCI "Optical Recognition of Handwritten Digits" test set, CC BY 4.0, distributed by
-//! scikit-learn under BSD-3; see `data/README.md`), embedded so that the default dataset needs nothing
-//! installed. 1797 images of 8x8, values 0..=16, 10 classes.
-//!
-//! Split (fixed, documented in `data/README.md`): rows `0..1437` train, rows `1437..1797` test.
+//! scikit-learn's digits, embedded (documented on [`digits()`]).
 
 use std::io::Read;
 
@@ -48,6 +44,12 @@ fn parse_all() -> Result<(Vec<u8>, Vec<u16>)> {
 }
 
 /// The embedded digits, one split. Pixel maximum is 16 (not 255); flip is off (digits are not symmetric).
+///
+/// scikit-learn's digits (UCI "Optical Recognition of Handwritten Digits" test set, CC BY 4.0, distributed by
+/// scikit-learn under BSD-3; see `data/README.md`), embedded so that the default dataset needs nothing
+/// installed. 1797 images of 8x8, values 0..=16, 10 classes.
+///
+/// Split (fixed, documented in `data/README.md`): rows `0..1437` train, rows `1437..1797` test.
 pub fn digits(split: Split) -> ImageSet {
     // The embedded file is fixed and checked by the tests, so a failure here is a build defect, not bad user data.
     let (images, labels) = parse_all().expect("embedded digits.csv.gz is valid");

@@ -1,9 +1,11 @@
-//! One error type for everything that can go wrong reading data: every variant that concerns a file names it,
-//! so that a user with a broken download sees which file and what is wrong instead of a panic.
+//! The error type of this crate, [`DataError`].
 
 use std::path::PathBuf;
 
 /// Errors of dataset readers, the sampler and the loaders.
+///
+/// One error type for everything that can go wrong reading data: every variant that concerns a file names it,
+/// so that a user with a broken download sees which file and what is wrong instead of a panic.
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
     /// An I/O error (including a corrupt gzip stream) while reading `path`.

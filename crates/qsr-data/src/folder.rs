@@ -1,5 +1,4 @@
-//! torchvision-style ImageFolder: `root/<class>/**/<image>.{png,jpg,jpeg}`; class names sorted -> label index.
-//! Only paths are held in memory; images are decoded per sample in [`Dataset::load`] (ImageNet does not fit).
+//! torchvision-style ImageFolder (documented on [`ImageFolder`]).
 
 use std::path::{Path, PathBuf};
 
@@ -10,6 +9,9 @@ use crate::error::{DataError, Result};
 pub const IMAGE_EXTENSIONS: &[&str] = &["png", "jpg", "jpeg"];
 
 /// A folder of class sub-folders.
+///
+/// torchvision-style ImageFolder: `root/<class>/**/<image>.{png,jpg,jpeg}`; class names sorted -> label index.
+/// Only paths are held in memory; images are decoded per sample in [`Dataset::load`] (ImageNet does not fit).
 #[derive(Debug, Clone)]
 pub struct ImageFolder {
     root: PathBuf,

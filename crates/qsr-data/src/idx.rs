@@ -1,5 +1,4 @@
-//! IDX files (MNIST, Fashion-MNIST), raw or gzip-compressed (detected by content, not by name).
-//! Format: magic `00 00 08 ndim` (0x08 = unsigned byte), `ndim` big-endian u32 dimensions, then the data.
+//! IDX files: MNIST, Fashion-MNIST (documented on [`mnist`]).
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -130,6 +129,9 @@ fn idx_dataset(name: &str, dir: &Path, split: Split, flip_ok: bool) -> Result<Im
 }
 
 /// MNIST from its four IDX files (`train-images-idx3-ubyte[.gz]`, ...) in `dir`. No flip by default.
+///
+/// IDX files (MNIST, Fashion-MNIST), raw or gzip-compressed (detected by content, not by name).
+/// Format: magic `00 00 08 ndim` (0x08 = unsigned byte), `ndim` big-endian u32 dimensions, then the data.
 pub fn mnist(dir: impl AsRef<Path>, split: Split) -> Result<ImageSet> {
     idx_dataset("mnist", dir.as_ref(), split, false)
 }

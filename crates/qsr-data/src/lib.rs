@@ -24,23 +24,28 @@
 
 #![forbid(unsafe_code)]
 
-pub mod augment;
-pub mod cifar;
-pub mod dataset;
-pub mod digits;
-pub mod error;
-pub mod folder;
-pub mod idx;
-pub mod loader;
+mod augment;
+mod cifar;
+mod dataset;
+mod digits;
+mod error;
+mod folder;
+mod idx;
+mod loader;
+// The one public module: its deterministic-stream primitives have generic names (`stream`, `below`, `unit`,
+// `uniform`, `permutation`) that would read ambiguously at the crate root, so they stay `qsr_data::rng::*`.
 pub mod rng;
-pub mod sampler;
+mod sampler;
 
-pub use augment::{Crop, Normalize, SampleKey, Transform, random_resized_crop_params};
-pub use cifar::{Cifar100Label, cifar10, cifar100, cifar100_with};
+pub use augment::{Crop, Normalize, SampleKey, Transform, random_resized_crop_params, resample, resize_shorter};
+pub use cifar::{Cifar100Label, cifar10, cifar100, cifar100_with, read_cifar_files};
 pub use dataset::{Dataset, DatasetInfo, Image, ImageSet, Split};
 pub use digits::{DIGITS_TEST, DIGITS_TOTAL, DIGITS_TRAIN, digits, digits_all};
 pub use error::{DataError, Result};
-pub use folder::ImageFolder;
-pub use idx::{FASHION_MNIST_DEFAULT_DIR, fashion_mnist, load_idx_pair, mnist};
+pub use folder::{IMAGE_EXTENSIONS, ImageFolder, decode_rgb};
+pub use idx::{
+    FASHION_MNIST_DEFAULT_DIR, IdxArray, fashion_mnist, load_idx_pair, mnist, parse_idx, read_idx_images,
+    read_idx_labels, read_maybe_gz,
+};
 pub use loader::{Batch, EvalLoader, HostBatch, PrefetchOptions, Prefetcher, TrainLoader, load_batch};
 pub use sampler::{EpochStep, SamplerConfig, SamplerState, ShardedSampler, check_micro};

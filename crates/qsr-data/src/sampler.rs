@@ -1,10 +1,4 @@
-//! The authors' data order (paper.md, "Data order"): each epoch one global permutation of all N indices, the same
-//! on every worker (a ChaCha8 stream keyed by seed, epoch and N), split into K disjoint shards strided like torch's
-//! `DistributedSampler` (worker k takes `perm[k], perm[k+K], ...`); every worker uses exactly
-//! `steps_per_epoch * local_batch` samples of its shard, so over one epoch the union of the shards is the prefix
-//! `perm[..K * steps_per_epoch * local_batch]`. Rounds are not aligned to epochs: the trainer asks for the batch of
-//! a *global step* and the sampler maps it to (epoch, step in epoch). A batch is a pure function of
-//! (seed, rank, world size, global step), so a resumed run sees exactly the same data.
+//! The authors' data order (documented on [`ShardedSampler`]).
 
 use std::sync::{Arc, Mutex};
 
@@ -49,6 +43,14 @@ pub struct SamplerState {
 }
 
 /// Per-epoch permuted, sharded sampler. Cheap to clone; caches the permutation of the last epoch asked for.
+///
+/// The authors' data order (paper.md, "Data order"): each epoch one global permutation of all N indices, the same
+/// on every worker (a ChaCha8 stream keyed by seed, epoch and N), split into K disjoint shards strided like torch's
+/// `DistributedSampler` (worker k takes `perm[k], perm[k+K], ...`); every worker uses exactly
+/// `steps_per_epoch * local_batch` samples of its shard, so over one epoch the union of the shards is the prefix
+/// `perm[..K * steps_per_epoch * local_batch]`. Rounds are not aligned to epochs: the trainer asks for the batch of
+/// a *global step* and the sampler maps it to (epoch, step in epoch). A batch is a pure function of
+/// (seed, rank, world size, global step), so a resumed run sees exactly the same data.
 #[derive(Debug)]
 pub struct ShardedSampler {
     config: SamplerConfig,

@@ -45,13 +45,35 @@ pub enum KernelError {
     /// `k == 0`: there is no mean of zero buffers.
     NoBuffers,
     /// `k` above [`MAX_BUFFERS`].
-    TooManyBuffers { k: usize, max: usize },
+    TooManyBuffers {
+        /// The K asked for.
+        k: usize,
+        /// [`MAX_BUFFERS`].
+        max: usize,
+    },
     /// A device buffer's size does not match the `k` and `len` it was launched with.
-    LengthMismatch { what: &'static str, expected_bytes: u64, actual_bytes: u64 },
+    LengthMismatch {
+        /// Which buffer.
+        what: &'static str,
+        /// Its size for `k` and `len`.
+        expected_bytes: u64,
+        /// Its actual size.
+        actual_bytes: u64,
+    },
     /// A host-side input slice does not have `len` elements (the roundtrip helpers).
-    HostLengthMismatch { index: usize, expected: usize, actual: usize },
+    HostLengthMismatch {
+        /// Which slice: an input's position, or K (one past the inputs) for `mean_into_host`'s output.
+        index: usize,
+        /// Elements it must have.
+        expected: usize,
+        /// Elements it has.
+        actual: usize,
+    },
     /// `k * len` elements cannot be addressed by the kernels' 32-bit indices.
-    TooLarge { elements: usize },
+    TooLarge {
+        /// `k * len`.
+        elements: usize,
+    },
     /// The runtime reported a failure (compilation, launch or a device fault) when reading back.
     Server(ServerError),
     /// The runtime or device could not be opened.

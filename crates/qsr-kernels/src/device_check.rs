@@ -1,16 +1,7 @@
-//! The device check behind `qsr device-check` and `scripts/gpu-check.sh`: the cubecl kernels on
-//! whatever runtime a [`Client`] belongs to (CUDA on a GPU, wgpu/lavapipe in CI), checked against
-//! the host path on random data and timed against a plain copy of the same bytes.
-//!
-//! Correctness (all three kernels: mean into one output, average-and-broadcast over one slab and
-//! over K separate buffers): every K in `1..=MAX_BUFFERS` and lengths that exercise every line size (odd, 2 mod 4,
-//! multiples of 4), random nonzero values over several binades, outputs pre-filled with NaN so an
-//! element the kernel skipped is caught; the result must equal [`crate::mean_into`] bit for bit.
-//!
-//! Bandwidth: the fused average-and-broadcast over K replicas of `len` floats moves `2 K len` floats
-//! (K reads, K writes per element), timed on one slab and on K separate buffers (training's kernel). The reference moves the same bytes as a copy of the `K len`
-//! floats into a second buffer, with the same line size and grid. Medians over repeats, after a
-//! warm-up launch that compiles both kernels.
+//! The device check behind `qsr device-check` and `scripts/gpu-check.sh` ([`check_correctness`],
+//! [`measure_bandwidth`]): the cubecl kernels on whatever runtime a [`Client`] belongs to (CUDA on a GPU,
+//! wgpu/lavapipe in CI), checked against the host path on random data and timed against a plain copy of
+//! the same bytes.
 
 use std::time::{Duration, Instant};
 
@@ -24,8 +15,11 @@ use crate::cube::{self, KernelError, MAX_BUFFERS};
 /// One correctness case.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CaseResult {
+    /// Number of replicas K.
     pub k: usize,
+    /// Floats per replica.
     pub len: usize,
+    /// Vector width the kernels used for this length ([`cube::vector_size`]).
     pub vector_size: usize,
     /// Elements (over both kernels and all replicas) that differ from the host path's bits or were
     /// not written.
@@ -35,26 +29,34 @@ pub struct CaseResult {
 /// The fused kernel against a copy of the same bytes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Bandwidth {
+    /// Number of replicas K.
     pub k: usize,
+    /// Floats per replica.
     pub len: usize,
+    /// Vector width of the launches ([`cube::vector_size`]).
     pub vector_size: usize,
+    /// Timed launches of each kernel.
     pub repeats: usize,
     /// Median seconds per launch.
     pub fused_seconds: f64,
     /// The same average over K separate buffers (`average_and_broadcast_many`, what training launches).
     pub many_seconds: f64,
+    /// Median seconds per launch of the reference copy.
     pub copy_seconds: f64,
     /// Bytes read + written per launch (the same for both).
     pub bytes: u64,
 }
 
 impl Bandwidth {
+    /// Fused kernel's bandwidth over one slab, GB/s.
     pub fn fused_gbs(&self) -> f64 {
         self.bytes as f64 / self.fused_seconds / 1e9
     }
+    /// Fused kernel's bandwidth over K separate buffers, GB/s.
     pub fn many_gbs(&self) -> f64 {
         self.bytes as f64 / self.many_seconds / 1e9
     }
+    /// The reference copy's bandwidth, GB/s.
     pub fn copy_gbs(&self) -> f64 {
         self.bytes as f64 / self.copy_seconds / 1e9
     }
@@ -85,6 +87,13 @@ fn mismatches(got: &[f32], want: &[f32]) -> usize {
 }
 
 /// Runs both kernels for every K in `1..=MAX_BUFFERS` and each of `lengths`; one result per case.
+///
+/// The device check's correctness half, on whatever runtime `client` belongs to (CUDA on a GPU,
+/// wgpu/lavapipe in CI): all three kernels (mean into one output, average-and-broadcast over one slab
+/// and over K separate buffers), every K in `1..=MAX_BUFFERS` and lengths that exercise every line size
+/// (odd, 2 mod 4, multiples of 4), random nonzero values over several binades, outputs pre-filled with
+/// NaN so an element the kernel skipped is caught; the result must equal [`crate::mean_into`] bit for
+/// bit.
 pub fn check_correctness(client: &Client, lengths: &[usize], seed: u64) -> Result<Vec<CaseResult>, KernelError> {
     let mut out = Vec::new();
     for k in 1..=MAX_BUFFERS {
@@ -155,6 +164,12 @@ fn median(mut v: Vec<Duration>) -> f64 {
 
 /// Times the fused average-and-broadcast of `k` replicas of `len` floats against a copy of the
 /// same `k * len` floats, `repeats` launches each (interleaved, so clock changes hit both alike).
+///
+/// The device check's bandwidth half: the fused average-and-broadcast over K replicas of `len` floats
+/// moves `2 K len` floats (K reads, K writes per element), timed on one slab and on K separate buffers
+/// (training's kernel). The reference moves the same bytes as a copy of the `K len` floats into a
+/// second buffer, with the same line size and grid. Medians over repeats, after a warm-up launch that
+/// compiles both kernels.
 pub fn measure_bandwidth(
     client: &Client,
     k: usize,

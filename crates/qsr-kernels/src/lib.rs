@@ -25,17 +25,27 @@
 //!
 //! `cargo run --release -p qsr-kernels --example fused_average` checks the fused kernel against a naive mean
 //! on K = 4 buffers of 4 Mi elements and prints its bandwidth.
+//!
+//! Feature `cube` (through `wgpu` or `cuda`) adds the same operations as cubecl kernels on device buffers
+//! (module `cube`) and the device check behind `qsr device-check` and `scripts/gpu-check.sh`:
+//! `check_correctness` (the kernels bit for bit against the host path) and `measure_bandwidth` (the fused
+//! kernel against a device copy of the same bytes).
 
 mod host;
 
-/// cubecl kernels for replicas on a device (wgpu here, CUDA on a GPU machine).
+// cubecl kernels for replicas on a device (wgpu here, CUDA on a GPU machine); documented in cube.rs (an outer
+// doc here would make rustdoc resolve that file's links from the crate root). A public module, not root
+// re-exports: its `average_and_broadcast` and `mean_into` (device buffers) would clash with the host functions
+// of the same names at the root, so the family stays `qsr_kernels::cube::*`.
 #[cfg(feature = "cube")]
 pub mod cube;
 
-/// Kernel correctness and bandwidth on a device (`qsr device-check`, `scripts/gpu-check.sh`).
+// Private: its items (no clash with the host path) are re-exported at the root below.
 #[cfg(feature = "cube")]
-pub mod device_check;
+mod device_check;
 
+#[cfg(feature = "cube")]
+pub use device_check::{Bandwidth, CaseResult, check_correctness, measure_bandwidth, random_replicas};
 pub use host::{average_and_broadcast, mean_into, reduce_and_broadcast_serial, sum_into};
 
 /// Elements per parallel task: large enough to amortize scheduling, small enough to balance 2..64 cores.

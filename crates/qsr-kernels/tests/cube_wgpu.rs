@@ -48,7 +48,7 @@ fn client() -> Option<&'static Client> {
 }
 
 fn random_buffers(k: usize, len: usize, seed: u64) -> Vec<Vec<f32>> {
-    qsr_kernels::device_check::random_replicas(k, len, seed)
+    qsr_kernels::random_replicas(k, len, seed)
 }
 
 fn host_mean(bufs: &[Vec<f32>]) -> Vec<f32> {
@@ -205,7 +205,7 @@ fn bad_arguments_are_errors_and_empty_is_a_no_op() {
 /// correctness sweep passes, and the bandwidth measurement verifies both of its kernels' results.
 #[test]
 fn device_check_passes_on_this_runtime() {
-    use qsr_kernels::device_check::{check_correctness, measure_bandwidth};
+    use qsr_kernels::{check_correctness, measure_bandwidth};
     let Some(client) = client() else { return };
     let lengths = [1, 2, 3, 4, 6, 1023, 4096];
     let cases = check_correctness(client, &lengths, 99).unwrap();

@@ -1,11 +1,4 @@
-//! What every rank of a job agrees on before its first training collective: the binary's version, the
-//! resolved recipe, where the run starts, and whether rank 0 may use the run directory.
-//!
-//! Ranks launched with different recipes (a `--set` on one rank only, an edited file on one host) would
-//! otherwise train different models and only fail hundreds of collectives later, if at all. Rank 0
-//! first broadcasts its refusal, if it has one (the run directory is locked, its inputs are unusable),
-//! then every rank checks its [`LaunchFacts`] against rank 0's with [`qsr_comm::agree`], which names the
-//! differing keys on every rank.
+//! What every rank of a job agrees on before its first training collective (documented on [`agree`]).
 
 use anyhow::{Context, Result, bail};
 use qsr_comm::Collective;
@@ -45,6 +38,15 @@ impl LaunchFacts {
 
 /// Makes every rank agree on rank 0's [`LaunchFacts`] before the first training collective: `Ok` on
 /// every rank, or the same error (rank 0's refusal, or the differing ranks and keys) on every rank.
+///
+/// What every rank of a job agrees on before its first training collective: the binary's version, the
+/// resolved recipe, where the run starts, and whether rank 0 may use the run directory.
+///
+/// Ranks launched with different recipes (a `--set` on one rank only, an edited file on one host) would
+/// otherwise train different models and only fail hundreds of collectives later, if at all. Rank 0
+/// first broadcasts its refusal, if it has one (the run directory is locked, its inputs are unusable),
+/// then every rank checks its [`LaunchFacts`] against rank 0's with [`qsr_comm::agree()`], which names the
+/// differing keys on every rank.
 pub fn agree(comm: &mut dyn Collective, mine: &LaunchFacts) -> Result<()> {
     let during = "while the ranks compared their launch settings";
     let mut refusal = if comm.rank() == 0 { mine.refusal.clone().unwrap_or_default().into_bytes() } else { Vec::new() };
@@ -52,6 +54,6 @@ pub fn agree(comm: &mut dyn Collective, mine: &LaunchFacts) -> Result<()> {
     if !refusal.is_empty() {
         bail!("rank 0 refused to start: {}", String::from_utf8_lossy(&refusal));
     }
-    qsr_comm::agree::agree(comm, &mine.shared()?).context(during)?;
+    qsr_comm::agree(comm, &mine.shared()?).context(during)?;
     Ok(())
 }

@@ -1,5 +1,4 @@
-//! `qsr compare`: one recipe under several sync rules and seeds, K simulated workers each, with a table
-//! of test accuracy (mean and 95% interval over seeds), synchronizations, communication and wall time.
+//! `qsr compare` (documented on [`run`]).
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -132,6 +131,9 @@ pub fn rule_from_spec(spec: &str, base: &SyncRule) -> Result<SyncRule> {
 
 /// Runs `qsr compare`: trains every rule x seed with K simulated workers, prints the table and writes
 /// `compare.md`, `compare.json` and the plots (seed 0 of every rule) into the output directory.
+///
+/// One recipe under several sync rules and seeds, K simulated workers each, with a table
+/// of test accuracy (mean and 95% interval over seeds), synchronizations, communication and wall time.
 pub fn run(args: &CompareArgs) -> Result<Vec<Row>> {
     let base = TrainRecipe::load(&args.recipe, &args.sets)?;
     if args.seeds == 0 {

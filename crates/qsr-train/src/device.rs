@@ -1,13 +1,15 @@
-//! `--device`: which burn device the workers train on, checked before burn touches it.
-//!
-//! With CUDA compiled in (feature `cuda`), a missing driver makes cudarc panic deep inside cubecl's
-//! device thread; we probe libcuda, the GPU count and NVRTC first so the user gets one line naming
-//! what is missing. The parsing and probing logic is plain code, tested without a GPU.
+//! `--device` (documented on [`DeviceSpec`]) and `qsr device-check`.
 
 use anyhow::{Result, bail};
 use burn::tensor::Device;
 
 /// A parsed `--device` value.
+///
+/// Which burn device the workers train on, checked before burn touches it.
+///
+/// With CUDA compiled in (feature `cuda`), a missing driver makes cudarc panic deep inside cubecl's
+/// device thread; we probe libcuda, the GPU count and NVRTC first so the user gets one line naming
+/// what is missing. The parsing and probing logic is plain code, tested without a GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceSpec {
     /// burn's flex backend on the CPU.
@@ -69,13 +71,13 @@ pub struct CudaProbe {
 pub fn probe_cuda(ordinal: usize) -> Result<CudaProbe> {
     use cudarc::driver::CudaContext;
     let hint = "is this a machine with an NVIDIA GPU and driver?";
-    qsr_comm::bootstrap::probe_library("cuda", &cudarc::get_lib_name_candidates("cuda"))
+    qsr_comm::probe_library("cuda", &cudarc::get_lib_name_candidates("cuda"))
         .map_err(|e| anyhow::anyhow!("--device cuda:{ordinal}: {e} ({hint})"))?;
     let gpus = CudaContext::device_count()
         .map_err(|e| anyhow::anyhow!("--device cuda:{ordinal}: the CUDA driver failed to initialise: {e:?}"))?;
     let gpus = gpus.max(0) as usize;
     check_ordinal(ordinal, gpus)?;
-    qsr_comm::bootstrap::probe_library("nvrtc", &cudarc::get_lib_name_candidates("nvrtc")).map_err(|e| {
+    qsr_comm::probe_library("nvrtc", &cudarc::get_lib_name_candidates("nvrtc")).map_err(|e| {
         anyhow::anyhow!("--device cuda:{ordinal}: {e} (NVRTC compiles qsr's kernels at run time: install the CUDA runtime or the nvidia-cuda-nvrtc wheel, and set CUDA_PATH to a directory with the CUDA headers)")
     })?;
     let ctx = CudaContext::new(ordinal)
@@ -147,7 +149,7 @@ pub fn device_check(args: &DeviceCheckArgs, out: &mut dyn std::io::Write) -> Res
 
 #[cfg(feature = "cuda")]
 fn check_on_gpu(args: &DeviceCheckArgs, ordinal: usize, out: &mut dyn std::io::Write) -> Result<bool> {
-    use qsr_kernels::device_check::{check_correctness, measure_bandwidth};
+    use qsr_kernels::{check_correctness, measure_bandwidth};
     let probe = probe_cuda(ordinal)?;
     let client = qsr_kernels::cube::cuda_client(ordinal)?;
     writeln!(out, "device-check on cuda:{ordinal} ({}, {} GPU(s) visible)", probe.name, probe.gpus)?;
@@ -287,7 +289,7 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn a_cuda_build_without_a_driver_says_so() {
-        if qsr_comm::bootstrap::probe_library("cuda", &cudarc::get_lib_name_candidates("cuda")).is_ok() {
+        if qsr_comm::probe_library("cuda", &cudarc::get_lib_name_candidates("cuda")).is_ok() {
             return; // a GPU machine: nothing to check here
         }
         let e = DeviceSpec::Cuda(Some(0)).open(0).unwrap_err().to_string();

@@ -1,15 +1,11 @@
-//! `qsr train`: resolves the recipe and the run directory, then runs the workers in one of three ways
-//! that share the training code: K threads in this process (in-process collective), `--nproc N` local
-//! child processes (TCP ring), or one worker of an externally launched job (torchrun-style env, mpirun,
-//! srun; `--comm tcp|mpi`).
+//! `qsr train` (documented on [`run`]).
 
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, anyhow, bail};
 use burn::tensor::Device;
-use qsr_comm::agree::differing_keys;
-use qsr_comm::{Collective, CommError, Explicit, InProcessGroup, TcpComm, TcpConfig};
+use qsr_comm::{Collective, CommError, Explicit, InProcessGroup, TcpComm, TcpConfig, differing_keys};
 use qsr_optim::DeviceGroup;
 
 use crate::agree::{LaunchFacts, agree};
@@ -180,6 +176,11 @@ fn check_world(resume: &Resume, world: usize) -> Result<()> {
 }
 
 /// Runs `qsr train`; returns rank 0's summary where this process has it.
+///
+/// It resolves the recipe and the run directory, then runs the workers in one of three ways
+/// that share the training code: K threads in this process (in-process collective), `--nproc N` local
+/// child processes (TCP ring), or one worker of an externally launched job (torchrun-style env, mpirun,
+/// srun; `--comm tcp|mpi`).
 pub fn run(args: &TrainArgs) -> Result<Option<Summary>> {
     if args.spawned {
         // Before anything else: a worker must not outlive the `--nproc` launcher that started it.
@@ -340,7 +341,7 @@ fn external(
         master_port: args.master_port,
     };
     let tcp = || -> Result<(TcpComm, usize)> {
-        let env = qsr_comm::launch::detect_from_process_env(&explicit)?;
+        let env = qsr_comm::detect_from_process_env(&explicit)?;
         let cfg = TcpConfig::from_env(&|k| std::env::var(k).ok())?;
         Ok((TcpComm::from_launch(&env, cfg)?, env.local_rank))
     };
@@ -351,7 +352,7 @@ fn external(
         }
         CommKind::Mpi => {
             // The launcher's local rank (OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID) picks the GPU.
-            let local = qsr_comm::launch::detect_from_process_env(&explicit).map_or(0, |e| e.local_rank);
+            let local = qsr_comm::detect_from_process_env(&explicit).map_or(0, |e| e.local_rank);
             (mpi_comm()?, local)
         }
         CommKind::Nccl => {
@@ -413,7 +414,7 @@ impl Member {
 
 #[cfg(feature = "nccl")]
 fn nccl_comm(bootstrap: &mut TcpComm, ordinal: usize) -> Result<Box<dyn Collective>> {
-    Ok(Box::new(qsr_comm::nccl::NcclComm::init(bootstrap, ordinal)?))
+    Ok(Box::new(qsr_comm::NcclComm::init(bootstrap, ordinal)?))
 }
 
 #[cfg(not(feature = "nccl"))]

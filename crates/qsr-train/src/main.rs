@@ -17,24 +17,24 @@ struct Cli {
 enum Command {
     /// Print the round plan of a recipe: rounds, communication share, H over training.
     #[command(allow_negative_numbers = true)]
-    Plan(qsr_train::plan_cmd::PlanArgs),
+    Plan(qsr_train::PlanArgs),
     /// Train a recipe with K workers (threads, local processes, or an external launch).
-    Train(qsr_train::launch::TrainArgs),
+    Train(qsr_train::TrainArgs),
     /// Train one recipe under several sync rules and seeds; print and save a comparison table.
-    Compare(qsr_train::compare::CompareArgs),
+    Compare(qsr_train::CompareArgs),
     /// Draw lr/H, test accuracy and train loss (against step and bytes) for one or more runs.
-    Plot(qsr_train::compare::PlotArgs),
+    Plot(qsr_train::PlotArgs),
     /// Predict wall-clock per sync rule from the round plan and a ring all-reduce cost model.
-    Simulate(qsr_train::simulate::SimulateArgs),
+    Simulate(qsr_train::SimulateArgs),
     /// Check the GPU kernels: bit-exact against the host path, bandwidth against a device copy.
-    DeviceCheck(qsr_train::device::DeviceCheckArgs),
+    DeviceCheck(qsr_train::DeviceCheckArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Plan(args) => qsr_train::plan_cmd::run(&args, &mut std::io::stdout().lock()),
-        Command::Train(args) => qsr_train::launch::run(&args).map(|summary| {
+        Command::Plan(args) => qsr_train::run_plan(&args, &mut std::io::stdout().lock()),
+        Command::Train(args) => qsr_train::run_train(&args).map(|summary| {
             if let Some(s) = summary {
                 println!(
                     "{}: test accuracy {:.2}%, {} syncs ({:.1}% of data parallel), {:.1} s, {:.1} steps/s",
@@ -47,14 +47,14 @@ fn main() -> ExitCode {
                 );
             }
         }),
-        Command::Compare(args) => qsr_train::compare::run(&args).map(|_| ()),
-        Command::Plot(args) => qsr_train::compare::plot(&args).map(|files| {
+        Command::Compare(args) => qsr_train::run_compare(&args).map(|_| ()),
+        Command::Plot(args) => qsr_train::plot(&args).map(|files| {
             for f in files {
                 println!("{}", f.display());
             }
         }),
-        Command::Simulate(args) => qsr_train::simulate::run(&args, &mut std::io::stdout().lock()),
-        Command::DeviceCheck(args) => qsr_train::device::device_check(&args, &mut std::io::stdout().lock())
+        Command::Simulate(args) => qsr_train::run_simulate(&args, &mut std::io::stdout().lock()),
+        Command::DeviceCheck(args) => qsr_train::device_check(&args, &mut std::io::stdout().lock())
             .and_then(|ok| if ok { Ok(()) } else { Err(anyhow::anyhow!("device check failed (see the table above)")) }),
     };
     match result {
@@ -63,7 +63,7 @@ fn main() -> ExitCode {
             // One write per message: the workers of a launch share one terminal, and `eprintln!` writes
             // a line in pieces that interleave with theirs.
             let _ = std::io::stderr().write_all(format!("error: {e:#}\n").as_bytes());
-            ExitCode::from(qsr_train::launch::exit_code(&e))
+            ExitCode::from(qsr_train::exit_code(&e))
         }
     }
 }

@@ -1,4 +1,4 @@
-//! `qsr plan`: the round plan of a recipe as a human summary, JSON or CSV, and an lr/H picture.
+//! `qsr plan` (documented on [`run`]).
 
 use std::fmt::Write as _;
 use std::io::Write;
@@ -69,6 +69,8 @@ pub struct PlanReport {
 
 /// Runs `qsr plan`: loads each recipe with the overrides, writes the plans to `out` in the chosen format,
 /// and draws the PNG if `--plot` is given.
+///
+/// The output: the round plan of a recipe as a human summary, JSON or CSV, and an lr/H picture.
 pub fn run(args: &PlanArgs, out: &mut dyn Write) -> Result<()> {
     let recipes: Vec<PlanRecipe> = if args.recipe.is_empty() {
         vec![load_plan(None, &args.overrides)?]

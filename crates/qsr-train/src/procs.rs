@@ -131,7 +131,7 @@ fn signal_name(s: i32) -> &'static str {
 
 fn supervise(n: usize, command: &impl Fn(usize, u16, &str) -> Result<Command>, signal: &AtomicUsize) -> Result<()> {
     let port = free_port()?;
-    let token = qsr_comm::tcp::random_token();
+    let token = qsr_comm::random_token();
     let mut workers = Vec::new();
     for rank in 0..n {
         let mut c = command(rank, port, &token)?;

@@ -1,5 +1,4 @@
-//! TOML recipes: the `[schedule]` and `[sync]` sections, with command-line overrides applied before
-//! validation so that a flag and a recipe key are checked by the same code.
+//! TOML recipes: the `[schedule]` and `[sync]` sections (documented on [`load_plan`]).
 
 use std::path::{Path, PathBuf};
 
@@ -190,6 +189,9 @@ pub fn plan_from_table(root: &Table, run_steps: Option<u64>, origin: &str) -> Re
 }
 
 /// Loads a recipe (or none: flags only), applies the overrides and validates.
+///
+/// TOML recipes: the `[schedule]` and `[sync]` sections, with command-line overrides applied before
+/// validation so that a flag and a recipe key are checked by the same code.
 pub fn load_plan(path: Option<&Path>, overrides: &PlanOverrides) -> Result<PlanRecipe> {
     let mut root = match path {
         Some(p) => read_table(p)?,

@@ -1,10 +1,4 @@
-//! The run directory's lock: one run at a time writes a run directory.
-//!
-//! Two runs with the same `--out` would interleave their checkpoints (one run's model under the other's
-//! optimizer state and cursor, under a valid manifest). The process that owns a run (`--workers`, the
-//! `--nproc` launcher, or rank 0 of an external launch) holds an advisory lock on `RUN_DIR/lock` for the
-//! run's life. The kernel releases it when the process dies, so a lock left by a dead process is stale
-//! by construction: the next run takes it and rewrites the holder line.
+//! The run directory's lock (documented on [`RunLock`]).
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -17,6 +11,14 @@ use anyhow::{Context, Result, bail};
 pub const LOCK_FILE: &str = "lock";
 
 /// An exclusive lock on a run directory, released on drop (or when the process dies).
+///
+/// The run directory's lock: one run at a time writes a run directory.
+///
+/// Two runs with the same `--out` would interleave their checkpoints (one run's model under the other's
+/// optimizer state and cursor, under a valid manifest). The process that owns a run (`--workers`, the
+/// `--nproc` launcher, or rank 0 of an external launch) holds an advisory lock on `RUN_DIR/lock` for the
+/// run's life. The kernel releases it when the process dies, so a lock left by a dead process is stale
+/// by construction: the next run takes it and rewrites the holder line.
 #[derive(Debug)]
 pub struct RunLock {
     _file: File,

@@ -1,21 +1,4 @@
-//! `qsr simulate`: predicted wall-clock of a recipe under each sync rule, from the exact round plan
-//! (`recipe.plan()`, the same rounds the trainer runs) and a ring all-reduce cost model.
-//!
-//! Model (no overlap of compute and communication, as in the round driver):
-//! - every optimizer step costs `step_seconds` of compute (forward, backward, update; per worker,
-//!   workers in lockstep);
-//! - every synchronization is a ring all-reduce of `n` bytes across K ranks, split into `c` calls
-//!   (1 unless the recipe buckets it), costing
-//!   `c * 2 (K-1) * latency + 2 (K-1)/K * n / bandwidth`;
-//! - a data-parallel round (`SyncMode::Gradients`) all-reduces the gradients (the trainable
-//!   parameters); a local round (`SyncMode::Parameters`) all-reduces the parameters plus the
-//!   optimizer moments the recipe's `driver.state` averages.
-//!
-//! The compute time per step comes from one of: a measured value (`--step-seconds`), a run directory
-//! (`--step-seconds-from`: `(wall_seconds - comm_seconds) / steps` of its summary), a FLOP rate
-//! (`--flop-rate`: `local_batch * flops_per_sample / rate`, with `6 * params * tokens` FLOPs per sample
-//! by default), or a data-parallel wall time (`--dp-hours`: the total minus the modelled
-//! data-parallel communication, divided by its steps), as done for the paper's 26.7 h.
+//! `qsr simulate` (documented on [`simulate()`]).
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -420,6 +403,25 @@ fn steps_per_epoch(recipe: &TrainRecipe, world: usize) -> Option<u64> {
 }
 
 /// Runs `qsr simulate` and returns its report (printed by [`run`]).
+///
+/// Predicted wall-clock of a recipe under each sync rule, from the exact round plan
+/// (`recipe.plan()`, the same rounds the trainer runs) and a ring all-reduce cost model.
+///
+/// Model (no overlap of compute and communication, as in the round driver):
+/// - every optimizer step costs `step_seconds` of compute (forward, backward, update; per worker,
+///   workers in lockstep);
+/// - every synchronization is a ring all-reduce of `n` bytes across K ranks, split into `c` calls
+///   (1 unless the recipe buckets it), costing
+///   `c * 2 (K-1) * latency + 2 (K-1)/K * n / bandwidth`;
+/// - a data-parallel round (`SyncMode::Gradients`) all-reduces the gradients (the trainable
+///   parameters); a local round (`SyncMode::Parameters`) all-reduces the parameters plus the
+///   optimizer moments the recipe's `driver.state` averages.
+///
+/// The compute time per step comes from one of: a measured value (`--step-seconds`), a run directory
+/// (`--step-seconds-from`: `(wall_seconds - comm_seconds) / steps` of its summary), a FLOP rate
+/// (`--flop-rate`: `local_batch * flops_per_sample / rate`, with `6 * params * tokens` FLOPs per sample
+/// by default), or a data-parallel wall time (`--dp-hours`: the total minus the modelled
+/// data-parallel communication, divided by its steps), as done for the paper's 26.7 h.
 pub fn simulate(args: &SimulateArgs) -> Result<Report> {
     if args.recipes.is_empty() && args.runs.is_empty() {
         bail!("give at least one --recipe or --run");

@@ -1,5 +1,4 @@
-//! The training loop: the same code for every worker, whatever carries its collective (threads in one
-//! process, local processes over the TCP ring, MPI, an externally launched job).
+//! The training loop (documented on [`run_worker`]).
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
@@ -291,6 +290,9 @@ impl Setup {
 ///
 /// `group` is the device group of K simulated workers sharing one device; it is used when the worker
 /// is device-resident (a GPU backend, or `driver.residency = "device"`).
+///
+/// This is the training loop: the same code for every worker, whatever carries its collective (threads in one
+/// process, local processes over the TCP ring, MPI, an externally launched job).
 pub fn run_worker(
     spec: &RunSpec,
     comm: Box<dyn Collective>,

@@ -1,6 +1,4 @@
-//! The full training recipe: `[model]`, `[data]`, `[train]`, `[optimizer]`, `[schedule]`, `[sync]`,
-//! `[driver]`, `[eval]`, `[checkpoint]`. Every section refuses unknown keys; `--set a.b=value` overrides
-//! are applied to the TOML table before anything is validated, so a flag and a key fail the same way.
+//! The full training recipe (documented on [`TrainRecipe`]).
 
 use std::path::{Path, PathBuf};
 
@@ -108,6 +106,10 @@ fn bn_images() -> usize {
 }
 
 /// A resolved recipe.
+///
+/// The full training recipe: `[model]`, `[data]`, `[train]`, `[optimizer]`, `[schedule]`, `[sync]`,
+/// `[driver]`, `[eval]`, `[checkpoint]`. Every section refuses unknown keys; `--set a.b=value` overrides
+/// are applied to the TOML table before anything is validated, so a flag and a key fail the same way.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TrainRecipe {

@@ -5,10 +5,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncRule};
-use qsr_train::simulate::{
-    Network, SyncPayload, parse_bandwidth, parse_duration, predict, recipe_payload, step_seconds_from_wall,
+use qsr_train::{
+    Network, SyncPayload, TrainRecipe, parse_bandwidth, parse_duration, predict, recipe_payload, step_seconds_from_wall,
 };
-use qsr_train::train_recipe::TrainRecipe;
 
 fn close(a: f64, b: f64) -> bool {
     (a - b).abs() <= 1e-9 * b.abs().max(1.0)

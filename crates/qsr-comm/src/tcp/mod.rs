@@ -1,38 +1,4 @@
-//! Our own TCP ring all-reduce, for processes on one or many hosts.
-//!
-//! Setup (`rendezvous.rs`): rank 0 listens at `MASTER_ADDR:MASTER_PORT`, the others register with
-//! a handshake (magic, protocol version, job token, world size, rank, ring listener address), rank
-//! 0 answers with the address table, and each rank connects to its right neighbour (same
-//! handshake) and accepts its left one. A mismatch is refused with a message naming the field.
-//!
-//! Collectives (`plan.rs`, `engine.rs`): a ring reduce-scatter then all-gather, split into blocks
-//! of `chunk_bytes` and pipelined: each block is forwarded as soon as it has been received and
-//! reduced, and sending right / receiving left progress together on non-blocking sockets, so
-//! every link is busy in both the rank's send and receive direction and no message size can
-//! deadlock. The reduction order of each element is fixed by the ring, and final values travel
-//! as bytes, so all ranks end bit-identical.
-//!
-//! Wire format (`wire.rs`, private to the crate): the byte layouts of the handshake, the call
-//! header, data/keepalive/abort frames and reverse-channel messages. Every frame length is checked against what the call header
-//! implies before anything is read into memory.
-//!
-//! Failures: a peer that dies (EOF/reset) or makes no progress for [`TcpConfig::timeout`] makes
-//! the call fail with an error naming it; the detecting rank forwards an abort notice around the
-//! ring both ways so every rank names the same culprit. After a failure the communicator is
-//! broken and refuses further calls.
-//!
-//! # The job token (`QSR_JOB_TOKEN`)
-//!
-//! Every handshake carries the job's token ([`TcpConfig::token`], read from `QSR_JOB_TOKEN` by
-//! [`TcpConfig::from_env`]), and a rank whose token differs is refused. It is what keeps a process
-//! that is not part of the job (another job on the same port, a stray or hostile client) from
-//! registering as a rank and stalling or joining the ring. `qsr train --nproc` sets a random one
-//! for its workers; for an external launch (torchrun, mpirun, srun with `--comm tcp`) export the
-//! same secret on every rank, e.g. `export QSR_JOB_TOKEN=$(openssl rand -hex 16)` before launching.
-//! It defaults to empty, which is only safe on loopback: [`TcpComm::from_launch`] warns, naming
-//! `QSR_JOB_TOKEN`, when a multi-rank launch has no token and `MASTER_ADDR` (or `QSR_BIND_ADDR`)
-//! is not a loopback address. The token is compared in constant time but travels in clear text:
-//! it guards against accidents and casual interference, not against an eavesdropper.
+//! Our own TCP ring all-reduce, documented on [`TcpComm`].
 
 pub(crate) mod accept;
 pub(crate) mod engine;
@@ -67,7 +33,7 @@ pub struct TcpConfig {
     /// Shared secret of the job (at most 1024 bytes; `QSR_JOB_TOKEN` in [`TcpConfig::from_env`]):
     /// every rank must use the same one, and a hello with another token is refused. Empty by
     /// default, which lets any process that reaches the rendezvous port register as a rank; set it
-    /// whenever the ports are reachable from other hosts (see the [module docs](self)).
+    /// whenever the ports are reachable from other hosts (see [`TcpComm`], "The job token").
     pub token: String,
     /// Largest pipelining block in bytes (default 512 KiB; rounded to 4 KiB units, at most
     /// 256 MiB - 4 KiB). All ranks must use the same value; it is checked in every call.
@@ -98,7 +64,7 @@ impl Default for TcpConfig {
 impl TcpConfig {
     /// Defaults overridden by `QSR_JOB_TOKEN` (the job's shared secret, [`TcpConfig::token`]),
     /// `QSR_COMM_TIMEOUT_SECS`, `QSR_BIND_ADDR` and `QSR_ADVERTISE_HOST` (the env is passed in, as
-    /// in [`crate::launch::detect`]).
+    /// in [`crate::detect`]).
     pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<TcpConfig, CommError> {
         let mut cfg = TcpConfig::default();
         if let Some(t) = env("QSR_JOB_TOKEN") {
@@ -226,7 +192,41 @@ impl Ring {
     }
 }
 
-/// One rank of a TCP ring.
+/// One rank of a TCP ring: our own ring all-reduce, for processes on one or many hosts.
+///
+/// Setup (`rendezvous.rs`): rank 0 listens at `MASTER_ADDR:MASTER_PORT`, the others register with
+/// a handshake (magic, protocol version, job token, world size, rank, ring listener address), rank
+/// 0 answers with the address table, and each rank connects to its right neighbour (same
+/// handshake) and accepts its left one. A mismatch is refused with a message naming the field.
+///
+/// Collectives (`plan.rs`, `engine.rs`): a ring reduce-scatter then all-gather, split into blocks
+/// of `chunk_bytes` and pipelined: each block is forwarded as soon as it has been received and
+/// reduced, and sending right / receiving left progress together on non-blocking sockets, so
+/// every link is busy in both the rank's send and receive direction and no message size can
+/// deadlock. The reduction order of each element is fixed by the ring, and final values travel
+/// as bytes, so all ranks end bit-identical.
+///
+/// Wire format (`wire.rs`, private to the crate): the byte layouts of the handshake, the call
+/// header, data/keepalive/abort frames and reverse-channel messages. Every frame length is checked against what the call header
+/// implies before anything is read into memory.
+///
+/// Failures: a peer that dies (EOF/reset) or makes no progress for [`TcpConfig::timeout`] makes
+/// the call fail with an error naming it; the detecting rank forwards an abort notice around the
+/// ring both ways so every rank names the same culprit. After a failure the communicator is
+/// broken and refuses further calls.
+///
+/// # The job token (`QSR_JOB_TOKEN`)
+///
+/// Every handshake carries the job's token ([`TcpConfig::token`], read from `QSR_JOB_TOKEN` by
+/// [`TcpConfig::from_env`]), and a rank whose token differs is refused. It is what keeps a process
+/// that is not part of the job (another job on the same port, a stray or hostile client) from
+/// registering as a rank and stalling or joining the ring. `qsr train --nproc` sets a random one
+/// for its workers; for an external launch (torchrun, mpirun, srun with `--comm tcp`) export the
+/// same secret on every rank, e.g. `export QSR_JOB_TOKEN=$(openssl rand -hex 16)` before launching.
+/// It defaults to empty, which is only safe on loopback: [`TcpComm::from_launch`] warns, naming
+/// `QSR_JOB_TOKEN`, when a multi-rank launch has no token and `MASTER_ADDR` (or `QSR_BIND_ADDR`)
+/// is not a loopback address. The token is compared in constant time but travels in clear text:
+/// it guards against accidents and casual interference, not against an eavesdropper.
 pub struct TcpComm {
     rank: usize,
     n: usize,
