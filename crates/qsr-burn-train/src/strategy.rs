@@ -173,7 +173,7 @@ impl LocalTrainingStrategy {
             "epochs": [run.epochs.start(), run.epochs.end()],
             "grad_accumulation": run.grad_accumulation,
         });
-        qsr_comm::agree::agree(comm.as_mut(), &settings).map_err(|e| e.to_string())?;
+        qsr_comm::agree(comm.as_mut(), &settings).map_err(|e| e.to_string())?;
         let (avg, model) = Averager::new(learner.model(), self.config.clone(), comm).map_err(|e| e.to_string())?;
         learner.load_model(model.into_record());
         let mut replica = Replica { learner, avg, train: shard, grad_accumulation: run.grad_accumulation };

@@ -29,11 +29,7 @@
 #![forbid(unsafe_op_in_unsafe_fn)]
 
 // Private modules; every public item is re-exported once, below, at the crate root.
-// `agree` alone is still a public module, hidden from the docs: qsr-optim calls
-// `qsr_comm::agree::agree` until its refactor switches to the root `qsr_comm::agree`; remove the `pub`
-// then. (The module and the function share the name in different namespaces, so both paths resolve.)
-#[doc(hidden)]
-pub mod agree;
+mod agree;
 mod bootstrap;
 mod error;
 mod inproc;

@@ -128,7 +128,7 @@ impl Averager {
             "world_size": comm.world_size(),
             "model": { "parameters": layout.len(), "running_statistics": layout.running_len(), "tensors": layout.trainable.len() },
         });
-        qsr_comm::agree::agree(comm.as_mut(), &settings).map_err(|source| OptimError::Setup { source })?;
+        qsr_comm::agree(comm.as_mut(), &settings).map_err(|source| OptimError::Setup { source })?;
         let running_len = if config.average_bn { layout.running_len() } else { 0 };
         let mut avg = Self {
             params: vec![0.0; layout.len() + running_len],
