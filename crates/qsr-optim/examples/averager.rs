@@ -1,10 +1,12 @@
 //! QSR added to a plain burn training loop: burn's own SGD (momentum 0.9) and cosine lr scheduler, an MLP
 //! on the embedded digits, K workers each on its own shard, parameters averaged by a [`qsr_optim::Averager`]
-//! whenever a QSR round ends. Prints the syncs next to the planned rounds and the test accuracy.
+//! whenever a QSR round ends. Prints the syncs next to the planned rounds and the test accuracy, first for
+//! 4 workers as threads, then for 2 processes it starts over qsr's TCP ring; fails if syncs differ from the
+//! plan.
 //!
 //! ```sh
-//! cargo run --release -p qsr-optim --example averager              # 4 workers as threads
-//! # 2 processes over qsr's TCP ring (what torchrun would set):
+//! cargo run --release -p qsr-optim --example averager              # 4 threads, then 2 processes
+//! # one rank of your own launch (what torchrun would set):
 //! for r in 0 1; do RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 \
 //!   cargo run --release -p qsr-optim --example averager & done; wait
 //! ```
@@ -105,12 +107,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let rule = SyncRule::Qsr { h_base: 2, alpha: 0.06 };
     // The rounds qsr-sched plans for burn's cosine schedule (burn's starts at step 0 with the peak lr).
     let plan = Plan::from_parts(LrSchedule::new(ScheduleKind::Cosine, STEPS as u64, 0, LR, 0.0), rule.clone(), None)?;
-    let launched = std::env::var("WORLD_SIZE").is_ok();
-    let results = if launched {
-        vec![worker(qsr_comm::from_env()?, rule).map_err(|e| e.to_string())]
-    } else {
-        qsr_comm::run_threads(4, |c| worker(Box::new(c), rule.clone()).map_err(|e| e.to_string()))
-    };
+    if std::env::var("WORLD_SIZE").is_ok() {
+        // One rank of a launch (torchrun / mpirun / srun, or the two processes started below).
+        return report(vec![worker(qsr_comm::from_env()?, rule).map_err(|e| e.to_string())], &plan);
+    }
+    println!("4 workers as threads:");
+    report(qsr_comm::run_threads(4, |c| worker(Box::new(c), rule.clone()).map_err(|e| e.to_string())), &plan)?;
+    println!("2 workers as processes over the TCP ring:");
+    spawn_ranks(2)
+}
+
+/// Prints rank 0's line and fails when the synchronizations differ from the plan.
+fn report(results: Vec<Result<(usize, u64, f64), String>>, plan: &Plan) -> Result<(), Box<dyn std::error::Error>> {
     for r in results {
         let (rank, syncs, acc) = r?;
         if rank == 0 {
@@ -120,6 +128,33 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 plan.summary().comm_percent,
                 100.0 * acc
             );
+        }
+        if syncs != plan.summary().rounds {
+            return Err(format!("rank {rank}: {syncs} synchronizations, the plan has {}", plan.summary().rounds).into());
+        }
+    }
+    Ok(())
+}
+
+/// Runs this program as `k` processes with the variables torchrun would set, and waits for them.
+fn spawn_ranks(k: usize) -> Result<(), Box<dyn std::error::Error>> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port().to_string();
+    let token = qsr_comm::random_token();
+    let exe = std::env::current_exe()?;
+    let children: Vec<_> = (0..k)
+        .map(|rank| {
+            std::process::Command::new(&exe)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", k.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("QSR_JOB_TOKEN", &token)
+                .spawn()
+        })
+        .collect::<Result<_, _>>()?;
+    for mut c in children {
+        if !c.wait()?.success() {
+            return Err("a rank failed".into());
         }
     }
     Ok(())

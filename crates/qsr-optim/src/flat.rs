@@ -233,7 +233,7 @@ impl ParamLayout {
     }
 }
 
-/// Device-resident flat buffers (see [`crate::device`]): the same layout as one burn tensor.
+/// Device-resident flat buffers (see [`Residency::Device`](crate::Residency::Device)): the same layout as one burn tensor.
 impl ParamLayout {
     /// The trainable parameters of `module` as one flat tensor on `device` (the module's device
     /// without autodiff): one concatenation, no host copy.

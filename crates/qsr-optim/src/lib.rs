@@ -19,7 +19,7 @@ mod optim;
 mod replica;
 
 pub use averager::{Averager, AveragerConfig, AveragerStats};
-pub use device::{DeviceGroup, DeviceOptimizer};
+pub use device::{DEFAULT_DEVICE_GROUP_TIMEOUT, DeviceGroup, DeviceOptimizer};
 pub use driver::{BnPolicy, DriverConfig, DriverStats, Residency, StatePolicy, StepReport, SyncReport, Worker};
 pub use error::{LossError, OptimError};
 pub use flat::{ParamEntry, ParamLayout, ParamRole};
