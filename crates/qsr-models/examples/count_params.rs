@@ -1,7 +1,8 @@
 //! Builds models from `ModelConfig` (the `[model]` section of a recipe) on burn's flex (CPU) device and prints
 //! their parameter counts: torchvision ResNet-18 and ResNet-50 (11,689,512 and 25,557,032 trainable parameters,
 //! as `sum(p.numel() for p in model.parameters())` in PyTorch), He et al.'s CIFAR ResNet-20, and SimpleViT-Ti/16
-//! and -B/16 (86,381,800). burn creates parameters lazily, so counting reads shapes only and allocates no weights.
+//! and -B/16 (86,381,800), and GPT-2 small (124,439,808 with its tied LM head). burn creates parameters lazily, so
+//! counting reads shapes only and allocates no weights.
 //!
 //! ```sh
 //! cargo run --release -p qsr-models --example count_params
@@ -10,8 +11,8 @@
 use burn::module::Module;
 use burn::tensor::Device;
 use qsr_models::{
-    CifarResNetConfig, CifarShortcut, InputSpec, ModelConfig, ModelError, ResNetConfig, VitConfig, VitPreset,
-    param_count,
+    CifarResNetConfig, CifarShortcut, GptConfig, InputSpec, ModelConfig, ModelError, ResNetConfig, VitConfig,
+    VitPreset, param_count,
 };
 
 fn main() -> Result<(), ModelError> {
@@ -42,5 +43,8 @@ fn main() -> Result<(), ModelError> {
             model.batch_norm_count()
         );
     }
+    let gpt2 = GptConfig::gpt2_small().init(&device)?;
+    let n = param_count(&gpt2);
+    println!("{:<29} {:>7} {n:>12} {:>16} {:>9}", "GPT-2 small (tied head)", "-", n, 0);
     Ok(())
 }

@@ -27,6 +27,7 @@
 //! | `{ kind = "vit", preset = "ti" \| "s" \| "b", patch_size = 16, image_size = 224 }` | SimpleViT (vit-pytorch 1.2.8) | ViT-B/16 at 224: 86,381,800 params with 1000 classes |
 //! | `{ kind = "cnn" }` | conv32-conv64 CNN, BN by default | 1x28x28, 1x8x8, 3x32x32, ... (H, W >= 4) |
 //! | `{ kind = "mlp", hidden = [256, 256] }` | MLP on flattened pixels | |
+//! | [`GptConfig`] (`vocab_size`, `context`, `layers`, `heads`, `width`, `dropout`, `bias`) | GPT-2 / nanoGPT decoder, tied LM head | GPT-2 small ([`GptConfig::gpt2_small`]): 124,439,808 params |
 //!
 //! # Fidelity
 //!
@@ -62,6 +63,7 @@ mod bn;
 mod cifar_resnet;
 mod config;
 mod error;
+mod gpt;
 mod resnet;
 mod small;
 mod vit;
@@ -72,6 +74,7 @@ pub use config::{
     CifarResNetConfig, CnnConfig, InputSpec, MAX_DEPTH, MAX_WIDTH, MlpConfig, ModelConfig, ResNetConfig, VitConfig,
 };
 pub use error::ModelError;
+pub use gpt::{CausalSelfAttention, Gpt, GptBlock, GptConfig, GptMlp};
 pub use resnet::{BasicBlock, Bottleneck, Downsample, RESNET_DEPTHS, ResNet, Stage};
 pub use small::{ConvUnit, Mlp, SmallCnn};
 pub use vit::{Attention, Block, FeedForward, SimpleVit, VitDims, VitPreset, posemb_sincos_2d};

@@ -28,6 +28,8 @@ pub enum ParamRole {
     Bias,
     /// A normalization scale (`gamma` / `weight` inside a `*Norm` module).
     Norm,
+    /// An embedding table (`weight` inside an `Embedding`, e.g. a GPT's token and position tables).
+    Embedding,
     /// A running statistic: not trainable.
     Running,
 }
@@ -65,6 +67,8 @@ fn role(stack: &[(String, String)]) -> ParamRole {
         ParamRole::Bias
     } else if container.contains("Norm") {
         ParamRole::Norm
+    } else if container.contains("Embedding") {
+        ParamRole::Embedding
     } else {
         ParamRole::Weight
     }
@@ -127,11 +131,13 @@ impl ParamLayout {
         self.running.last().map_or(0, |e| e.range.end)
     }
 
-    /// Ranges that `exclude_norm_and_bias` exempts from weight decay.
+    /// Ranges that `exclude_norm_and_bias` exempts from weight decay: biases, normalization scales and
+    /// embedding tables (nanoGPT's rule decays every 2-D tensor, embeddings included; GPT-style
+    /// recipes that exclude norms usually exclude embeddings too, and a tied LM head is the embedding).
     pub fn no_decay_ranges(&self) -> Vec<Range<usize>> {
         self.trainable
             .iter()
-            .filter(|e| matches!(e.role, ParamRole::Bias | ParamRole::Norm))
+            .filter(|e| matches!(e.role, ParamRole::Bias | ParamRole::Norm | ParamRole::Embedding))
             .map(|e| e.range.clone())
             .collect()
     }

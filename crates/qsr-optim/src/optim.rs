@@ -59,8 +59,8 @@ pub struct OptimizerConfig {
     /// Coupled (L2, SGD) or decoupled (AdamW) weight decay; default 0.
     #[serde(default)]
     pub weight_decay: f64,
-    /// Apply no weight decay to normalization and bias parameters. Off by default: the paper decays
-    /// every parameter.
+    /// Apply no weight decay to normalization, bias and embedding parameters. Off by default: the paper
+    /// decays every parameter.
     #[serde(default)]
     pub exclude_norm_and_bias: bool,
     /// Clip gradients to this global L2 norm before the update (as `torch.nn.utils.clip_grad_norm_`).

@@ -590,3 +590,25 @@ fn loss_errors_are_typed_and_into_model_returns_the_trained_replica() {
     ParamLayout::of(&model).read_params(&model, &mut flat).unwrap();
     assert_eq!(flat, params);
 }
+
+#[derive(Module, Debug)]
+struct EmbNet {
+    emb: burn::nn::Embedding,
+    ln: burn::nn::LayerNorm,
+    fc: Linear,
+}
+
+#[test]
+fn exclude_norm_and_bias_also_exempts_embedding_tables() {
+    let device = device();
+    let net = EmbNet {
+        emb: burn::nn::EmbeddingConfig::new(10, 4).init(&device),
+        ln: burn::nn::LayerNormConfig::new(4).init(&device),
+        fc: LinearConfig::new(4, 2).init(&device),
+    };
+    let layout = ParamLayout::of(&net);
+    let roles: Vec<ParamRole> = layout.trainable.iter().map(|e| e.role).collect();
+    assert_eq!(roles, [ParamRole::Embedding, ParamRole::Norm, ParamRole::Bias, ParamRole::Weight, ParamRole::Bias]);
+    // Everything but the Linear weight (elements 48..56) is exempt.
+    assert_eq!(layout.no_decay_ranges(), [0..40, 40..44, 44..48, 56..58]);
+}
