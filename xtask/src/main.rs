@@ -107,11 +107,12 @@ fn run_mpi_check(mut c: Command) -> Result<Totals> {
 /// test when it exits 0. Each finishes in seconds and needs no data beyond the embedded digits. Not here:
 /// qsr-comm's `mpi_check` (its own step, under mpirun), and the measurements `allreduce_bench` (qsr-comm) and
 /// `loader_throughput` (qsr-data), which take tens of seconds and are `cargo xtask bench`'s.
-const CI_EXAMPLES: [(&str, &str); 8] = [
+const CI_EXAMPLES: [(&str, &str); 9] = [
     ("qsr-sched", "plan_qsr"),
     ("qsr-kernels", "fused_average"),
     ("qsr-models", "count_params"),
     ("qsr-data", "sharded_digits"),
+    ("qsr-data", "sharded_text"),
     ("qsr-comm", "allreduce_threads"),
     ("qsr-comm", "allreduce_processes"),
     ("qsr-optim", "averager"),

@@ -36,6 +36,7 @@ mod loader;
 // `uniform`, `permutation`) that would read ambiguously at the crate root, so they stay `qsr_data::rng::*`.
 pub mod rng;
 mod sampler;
+mod text;
 
 pub use augment::{Crop, Normalize, SampleKey, Transform, random_resized_crop_params, resample, resize_shorter};
 pub use cifar::{Cifar100Label, cifar10, cifar100, cifar100_with, read_cifar_files};
@@ -49,3 +50,4 @@ pub use idx::{
 };
 pub use loader::{Batch, EvalLoader, HostBatch, PrefetchOptions, Prefetcher, TrainLoader, load_batch};
 pub use sampler::{EpochStep, SamplerConfig, SamplerState, ShardedSampler, check_micro};
+pub use text::{CharVocab, Corpus, SHAKESPEARE_DEFAULT_DIR, TextBatch, TextWindows, eval_window_starts};
