@@ -36,6 +36,10 @@
 //! (a no-op on the steps of other rules, so a loop may always call it); [`Averager::step`] fails
 //! naming it if such a step's gradients were not averaged.
 //!
+//! With [`AveragerConfig::outer`] a synchronization is DiLoCo's outer step instead of a plain average:
+//! the mean pseudo-gradient (last global parameters minus the worker's) drives an outer SGD with
+//! (Nesterov) momentum, whatever rule decides when, QSR included.
+//!
 //! What the averager does not do: it averages parameters (and, with [`AveragerConfig::average_bn`],
 //! BatchNorm running statistics) in one all-reduce per round; burn's optimizers keep their state
 //! private, so their moments stay per worker (the paper's default; [`Worker`](crate::Worker) can
@@ -49,6 +53,7 @@ use serde::Serialize;
 
 use crate::error::OptimError;
 use crate::flat::ParamLayout;
+use crate::outer::{Outer, OuterConfig};
 
 /// What an [`Averager`] averages and when.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -66,12 +71,15 @@ pub struct AveragerConfig {
     /// Steps the run takes, if known: the last round is cut to end there (with a synchronization), as
     /// the `qsr-sched` planner does. Without it, call [`Averager::average_now`] after the last step.
     pub run_steps: Option<u64>,
+    /// An outer optimizer (DiLoCo) on the mean pseudo-gradient at every parameter synchronization,
+    /// instead of plain averaging (default none). BatchNorm statistics are still averaged plainly.
+    pub outer: Option<OuterConfig>,
 }
 
 impl AveragerConfig {
     /// `rule` with `warmup_steps` of warmup, BN statistics local, rank 0's initial weights.
     pub fn new(rule: SyncRule, warmup_steps: u64) -> Self {
-        Self { rule, warmup_steps, average_bn: false, broadcast_initial: true, run_steps: None }
+        Self { rule, warmup_steps, average_bn: false, broadcast_initial: true, run_steps: None, outer: None }
     }
 }
 
@@ -110,6 +118,8 @@ pub struct Averager {
     grads: Vec<f32>,
     /// The step whose gradients [`Averager::average_grads`] averaged last.
     grads_averaged: Option<u64>,
+    /// The outer optimizer's state, when the config asks for one.
+    outer: Option<Outer>,
     stats: AveragerStats,
 }
 
@@ -122,6 +132,18 @@ impl Averager {
         config: AveragerConfig,
         mut comm: Box<dyn Collective>,
     ) -> Result<(Self, M), OptimError> {
+        if let Some(outer) = &config.outer {
+            outer.validate()?;
+            if config.rule.syncs_gradients(u64::MAX) {
+                return Err(OptimError::Config {
+                    field: "outer".into(),
+                    reason: format!(
+                        "rule `{}` never averages parameters, so an outer optimizer never runs",
+                        config.rule.name()
+                    ),
+                });
+            }
+        }
         let layout = ParamLayout::of(&model);
         let settings = serde_json::json!({
             "config": &config,
@@ -140,9 +162,15 @@ impl Averager {
             synced_at: 0,
             grads: Vec::new(),
             grads_averaged: None,
+            outer: None,
             stats: AveragerStats::default(),
         };
         let model = if avg.config.broadcast_initial { avg.broadcast_from_rank0(model)? } else { model };
+        if let Some(config) = avg.config.outer {
+            let n = avg.layout.len();
+            avg.layout.read_params(&model, &mut avg.params[..n])?;
+            avg.outer = Some(Outer::new(config, &avg.params[..n]));
+        }
         Ok((avg, model))
     }
 
@@ -209,12 +237,33 @@ impl Averager {
         if self.config.average_bn {
             self.layout.read_running(&model, &mut self.params[n..])?;
         }
+        if let Some(outer) = &self.outer {
+            outer.pseudo_gradient(&mut self.params[..n]);
+        }
         let mut params = std::mem::take(&mut self.params);
         let reduced = self.all_reduce_counted(&mut params, step);
         self.params = params;
         reduced?;
+        if let Some(outer) = &mut self.outer {
+            outer.step(&mut self.params[..n]);
+        }
         self.synced_at = step;
         self.write(model)
+    }
+
+    /// The outer optimizer's global parameters and momentum buffer (for a checkpoint), if it has one.
+    pub fn outer_state(&self) -> Option<(&[f32], &[f32])> {
+        self.outer.as_ref().map(Outer::state)
+    }
+
+    /// Restores the outer optimizer's state saved by [`Self::outer_state`].
+    pub fn restore_outer_state(&mut self, global: &[f32], momentum: &[f32]) -> Result<(), OptimError> {
+        match &mut self.outer {
+            Some(outer) => outer.restore(global, momentum),
+            None => {
+                Err(OptimError::Config { field: "outer".into(), reason: "this averager has no outer optimizer".into() })
+            }
+        }
     }
 
     /// A synchronization: the mean of `buf` over the ranks, counted in the totals.

@@ -16,6 +16,7 @@ mod driver;
 mod error;
 mod flat;
 mod optim;
+mod outer;
 mod replica;
 
 pub use averager::{Averager, AveragerConfig, AveragerStats};
@@ -26,3 +27,4 @@ pub use flat::{ParamEntry, ParamLayout, ParamRole};
 pub use optim::{
     DecaySegment, OptimState, Optimizer, OptimizerConfig, OptimizerKind, clip_grad_norm, clip_grad_norm_per_tensor,
 };
+pub use outer::OuterConfig;

@@ -7,7 +7,7 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{GradientsParams, SgdConfig, momentum::MomentumConfig};
 use burn::tensor::{Device, Tensor, TensorData};
 use qsr_comm::{Collective, InProcessGroup};
-use qsr_optim::{Averager, AveragerConfig, OptimError, ParamLayout};
+use qsr_optim::{Averager, AveragerConfig, OptimError, OuterConfig, ParamLayout};
 use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncRule};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -174,4 +174,90 @@ fn a_dp_step_without_average_grads_fails_naming_it() {
     let Err(e) = avg.step(model, 0.1) else { panic!("a dp step whose gradients were not averaged must fail") };
     let text = e.to_string();
     assert!(text.contains("average_grads") && text.contains("`dp`"), "{text}");
+}
+
+/// Rank `rank`'s parameter `i` before synchronization `round` of the outer-optimizer tests.
+fn local_value(rank: usize, round: usize, i: usize) -> f32 {
+    ((i * 7 + rank * 13 + round * 5) % 17) as f32 * 0.1 - 0.8
+}
+
+/// Two ranks start from the seeded weights and synchronize `rounds` times through `average_now`, rank
+/// `r` holding `local_value(r, round, ..)` before each; returns the parameters after each round (equal
+/// on both ranks, checked).
+fn outer_rounds(outer: Option<OuterConfig>, rounds: usize) -> Vec<Vec<f32>> {
+    let per_rank: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+        let joins: Vec<_> = InProcessGroup::new(2)
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let rank = c.rank();
+                    let mut config = AveragerConfig::new(SyncRule::Constant { h: 1 }, 0);
+                    config.outer = outer;
+                    let (mut avg, mut model) = Averager::new(seeded(Mlp::new(&Device::flex())), config, Box::new(c))?;
+                    let layout = ParamLayout::of(&model);
+                    let mut after = Vec::new();
+                    for round in 0..rounds {
+                        let local: Vec<f32> = (0..layout.len()).map(|i| local_value(rank, round, i)).collect();
+                        model = avg.average_now(layout.write_params(model, &local)?)?;
+                        let mut flat = vec![0.0; layout.len()];
+                        layout.read_params(&model, &mut flat)?;
+                        after.push(flat);
+                    }
+                    Ok::<_, OptimError>(after)
+                })
+            })
+            .collect();
+        joins.into_iter().map(|j| j.join().unwrap().unwrap()).collect()
+    });
+    assert_eq!(per_rank[0], per_rank[1], "ranks differ after an outer step");
+    per_rank.into_iter().next().unwrap()
+}
+
+#[test]
+fn outer_lr_one_without_momentum_is_plain_averaging_within_f32_rounding() {
+    let (outer, plain) =
+        (outer_rounds(Some(OuterConfig { lr: 1.0, momentum: 0.0, nesterov: false }), 3), outer_rounds(None, 3));
+    for (o, p) in outer.iter().flatten().zip(plain.iter().flatten()) {
+        assert!((o - p).abs() <= 1e-6, "outer {o} vs plain {p}");
+    }
+}
+
+#[test]
+fn diloco_outer_step_follows_nesterov_sgd_on_the_mean_pseudo_gradient() {
+    let rounds = 3;
+    let got = outer_rounds(Some(OuterConfig::diloco()), rounds);
+    // The reference in f64: delta = mean_k(global - local_k), m = 0.9 m + delta, global -= 0.7 (delta + 0.9 m).
+    let layout = ParamLayout::of(&Mlp::new(&Device::flex()));
+    let mut start = vec![0.0f32; layout.len()];
+    layout.read_params(&seeded(Mlp::new(&Device::flex())), &mut start).unwrap();
+    let mut global: Vec<f64> = start.iter().map(|&x| f64::from(x)).collect();
+    let mut m = vec![0.0f64; global.len()];
+    for (round, got) in got.iter().enumerate() {
+        for i in 0..global.len() {
+            let delta = (0..2).map(|r| global[i] - f64::from(local_value(r, round, i))).sum::<f64>() / 2.0;
+            m[i] = 0.9 * m[i] + delta;
+            global[i] -= 0.7 * (delta + 0.9 * m[i]);
+            assert!(
+                (f64::from(got[i]) - global[i]).abs() <= 1e-5,
+                "round {round} parameter {i}: {} vs {}",
+                got[i],
+                global[i]
+            );
+        }
+    }
+}
+
+#[test]
+fn outer_settings_that_cannot_run_are_refused_naming_the_key() {
+    let build = |rule, outer| {
+        let mut config = AveragerConfig::new(rule, 0);
+        config.outer = Some(outer);
+        Averager::new(Mlp::new(&Device::flex()), config, Box::new(InProcessGroup::new(1).remove(0))).map(|_| ())
+    };
+    let Err(e) = build(SyncRule::Dp, OuterConfig::diloco()) else { panic!("dp with an outer optimizer") };
+    assert!(e.to_string().contains("`outer`"), "{e}");
+    let Err(e) = build(SyncRule::Constant { h: 4 }, OuterConfig { lr: -1.0, ..OuterConfig::diloco() }) else {
+        panic!("negative outer lr")
+    };
+    assert!(e.to_string().contains("`outer.lr`"), "{e}");
 }
