@@ -179,7 +179,8 @@ pub fn run_task(
 ) -> Result<Outcome, Box<dyn std::error::Error>> {
     let device = Device::flex().autodiff();
     device.seed(42); // the Learner's model is built once, here; the strategy gives every replica its weights
-    let steps = task.epochs * (task.train.labels.len() / k).div_ceil(BATCH);
+    // At least 1: burn's scheduler refuses 0 (the strategy then names an empty slice).
+    let steps = (task.epochs * (task.train.labels.len() / k).div_ceil(BATCH)).max(1);
     let loader = |set: &ImageSet| {
         DataLoaderBuilder::new(DigitBatcher::of(set)).batch_size(BATCH).shuffle(7).build(InMemDataset::new(digits(set)))
     };

@@ -174,6 +174,12 @@ impl LocalTrainingStrategy {
             "grad_accumulation": run.grad_accumulation,
         });
         qsr_comm::agree(comm.as_mut(), &settings).map_err(|e| e.to_string())?;
+        if shard.num_items() == 0 {
+            return Err(format!(
+                "its slice of the training loader is empty: fewer training items than the {} replicas",
+                comm.world_size()
+            ));
+        }
         let (avg, model) = Averager::new(learner.model(), self.config.clone(), comm).map_err(|e| e.to_string())?;
         learner.load_model(model.into_record());
         let mut replica = Replica { learner, avg, train: shard, grad_accumulation: run.grad_accumulation };

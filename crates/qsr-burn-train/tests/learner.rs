@@ -129,3 +129,25 @@ fn qsr_through_the_learner_learns_fashion_mnist() {
     // 2 epochs of an MLP at the digits' lr: 73.6% here (chance is 10%).
     assert!(out.accuracy >= 0.70, "test accuracy {}", out.accuracy);
 }
+
+#[test]
+fn fewer_training_items_than_replicas_is_an_error_not_an_empty_run() {
+    let _turn = serial();
+    let digits = qsr_data::digits(qsr_data::Split::Train);
+    let train = qsr_data::ImageSet::new(
+        "three-digits",
+        digits.images[..3 * 64].to_vec(),
+        digits.labels[..3].to_vec(),
+        (1, 8, 8),
+        10,
+        16,
+        false,
+        "three-digits",
+    )
+    .unwrap();
+    let task = example::Task { train, test: qsr_data::digits(qsr_data::Split::Test), epochs: 1 };
+    let Err(e) = example::run_task(&task, threads(4), 4, SyncRule::Constant { h: 2 }) else {
+        panic!("3 items for 4 replicas")
+    };
+    assert!(e.to_string().contains("fewer training items than the 4 replicas"), "{e}");
+}

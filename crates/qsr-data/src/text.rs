@@ -223,7 +223,7 @@ impl<'a> TextWindows<'a> {
             )));
         }
         let per = corpus.train.len() / world;
-        if per < context + 1 {
+        if per < context.saturating_add(1) {
             return Err(DataError::Empty {
                 path: corpus.name.clone().into(),
                 detail: format!(
@@ -258,7 +258,7 @@ impl<'a> TextWindows<'a> {
 /// `context + 1` tokens from its start, at most `max_windows`, and of those the ones of `rank`
 /// (window `i` belongs to rank `i % world`), as their start offsets.
 pub fn eval_window_starts(valid: &[u32], context: usize, max_windows: usize, rank: usize, world: usize) -> Vec<usize> {
-    let step = context + 1;
+    let step = context.saturating_add(1);
     let count = (valid.len() / step).min(max_windows);
     (0..count).filter(|i| i % world.max(1) == rank).map(|i| i * step).collect()
 }

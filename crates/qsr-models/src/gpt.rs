@@ -121,8 +121,9 @@ pub struct Gpt {
 }
 
 impl Gpt {
-    /// Next-token logits for every position of `tokens` (`[B, T]`, ids below the vocabulary size).
-    /// Refuses sequences longer than the context.
+    /// Next-token logits for every position of `tokens` (`[B, T]`). Refuses sequences longer than the
+    /// context. Ids must be below `vocab_size`, as every token of a `qsr_data::Corpus` with this
+    /// vocabulary is (checking here would cost a device read per call; burn's lookup panics otherwise).
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Result<Tensor<3>, ModelError> {
         let [_, t] = tokens.dims();
         if t > self.context {
