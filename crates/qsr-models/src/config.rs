@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use crate::Model;
 use crate::cifar_resnet::{CIFAR_RESNET_DEPTHS, CifarResNet, CifarShortcut};
 use crate::error::ModelError;
+use crate::gpt::GptConfig;
 use crate::resnet::{RESNET_DEPTHS, ResNet, resnet_layout};
 use crate::small::{Mlp, SmallCnn};
 use crate::vit::{SimpleVit, VitDims, VitPreset};
@@ -32,8 +33,12 @@ impl InputSpec {
 ///
 /// Internally tagged by `kind`, e.g. (TOML) `{ kind = "resnet", depth = 50 }`,
 /// `{ kind = "cifar-resnet", depth = 20 }`, `{ kind = "vit", preset = "b", patch_size = 16,
-/// image_size = 224 }`, `{ kind = "cnn" }`, `{ kind = "mlp", hidden = [256, 256] }`. Unknown fields
-/// are rejected (a typo must not silently fall back to a default).
+/// image_size = 224 }`, `{ kind = "cnn" }`, `{ kind = "mlp", hidden = [256, 256] }`, `{ kind = "gpt",
+/// vocab_size = 65, context = 128, layers = 4, heads = 4, width = 128 }`. Unknown fields are rejected (a
+/// typo must not silently fall back to a default).
+///
+/// The image models are built by [`init`](Self::init) into a [`Model`]; a GPT reads tokens, not
+/// images, and is built by [`GptConfig::init`] into a [`crate::Gpt`] (see [`as_gpt`](Self::as_gpt)).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "kebab-case")]
 pub enum ModelConfig {
@@ -47,6 +52,8 @@ pub enum ModelConfig {
     Cnn(CnnConfig),
     /// Multi-layer perceptron.
     Mlp(MlpConfig),
+    /// GPT-style decoder (a language model over tokens).
+    Gpt(GptConfig),
 }
 
 /// torchvision ResNet settings.
@@ -215,6 +222,15 @@ impl ModelConfig {
             ModelConfig::Vit(_) => "vit",
             ModelConfig::Cnn(_) => "cnn",
             ModelConfig::Mlp(_) => "mlp",
+            ModelConfig::Gpt(_) => "gpt",
+        }
+    }
+
+    /// The GPT settings when this is a language model (`kind = "gpt"`).
+    pub fn as_gpt(&self) -> Option<&GptConfig> {
+        match self {
+            ModelConfig::Gpt(c) => Some(c),
+            _ => None,
         }
     }
 
@@ -270,13 +286,15 @@ impl ModelConfig {
                     ModelError::config(kind, "hidden", format!("has {} layers, more than {MAX_DEPTH}", c.hidden.len()))
                 })?;
             }
+            ModelConfig::Gpt(c) => c.validate()?,
         }
         Ok(())
     }
 
-    /// Builds the model for `input` images and `classes` outputs on `device` (use
+    /// Builds the image model for `input` images and `classes` outputs on `device` (use
     /// `device.autodiff()` to train). Parameters are created lazily by burn: they are allocated
     /// and drawn from the device's RNG on first use, so seed the device before the first forward.
+    /// A `gpt` is refused (field `kind`): it takes tokens; build it with [`GptConfig::init`].
     pub fn init(&self, input: InputSpec, classes: usize, device: &Device) -> Result<Model, ModelError> {
         self.validate()?;
         let kind = self.kind();
@@ -291,6 +309,13 @@ impl ModelConfig {
             }
         }
         let model = match self {
+            ModelConfig::Gpt(_) => {
+                return Err(ModelError::config(
+                    kind,
+                    "kind",
+                    "a GPT reads tokens, not images: build it with GptConfig::init (ModelConfig::as_gpt)",
+                ));
+            }
             ModelConfig::Resnet(c) => {
                 let net = ResNet::new(c.depth, input.channels, classes, c.zero_init_residual, device)
                     .ok_or_else(|| ModelError::config(kind, "depth", format!("must be one of {RESNET_DEPTHS:?}")))?;

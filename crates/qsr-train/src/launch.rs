@@ -266,7 +266,7 @@ pub fn simulated(spec: &RunSpec) -> Result<Vec<Outcome>> {
             .zip(groups)
             .map(|(comm, group)| {
                 // Each replica gets its own BatchNorm state (a plain clone would share it).
-                let replica = model.deep_clone();
+                let replica = model.replica();
                 let spec = spec.clone();
                 s.spawn(move || {
                     let progress = spec.progress && comm.rank() == 0;

@@ -26,6 +26,7 @@ mod procs;
 mod recipe;
 mod run_lock;
 mod simulate;
+mod task;
 mod train;
 mod train_recipe;
 
@@ -46,7 +47,10 @@ pub use simulate::{
     Network, Prediction, Report, Row as SimulateRow, SimulateArgs, SyncPayload, parse_bandwidth, parse_duration,
     predict, recipe_payload, render, run as run_simulate, simulate, step_seconds_from_wall,
 };
-pub use train::{Outcome, Record, RunSpec, Summary, build_model, input_spec, preflight, root_cause, run_worker};
+pub use train::{
+    Outcome, Record, RunSpec, Summary, TrainModel, build_model, input_spec, preflight, root_cause, run_worker,
+};
 pub use train_recipe::{
-    CheckpointConfig, DataConfig, EvalConfig, MAX_PREFETCH, TrainConfig, TrainRecipe, apply_sets, open_dataset,
+    CheckpointConfig, DataConfig, EvalConfig, MAX_PREFETCH, TrainConfig, TrainRecipe, apply_sets, open_corpus,
+    open_dataset,
 };

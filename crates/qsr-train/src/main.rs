@@ -36,14 +36,18 @@ fn main() -> ExitCode {
         Command::Plan(args) => qsr_train::run_plan(&args, &mut std::io::stdout().lock()),
         Command::Train(args) => qsr_train::run_train(&args).map(|summary| {
             if let Some(s) = summary {
+                let eval = match s.unigram_entropy {
+                    Some(h) => format!(
+                        "validation loss {:.4} nats (perplexity {:.2}; unigram entropy {h:.4} nats), next-token accuracy {:.2}%",
+                        s.final_test_loss,
+                        s.final_test_loss.exp(),
+                        100.0 * s.final_test_accuracy
+                    ),
+                    None => format!("test accuracy {:.2}%", 100.0 * s.final_test_accuracy),
+                };
                 println!(
-                    "{}: test accuracy {:.2}%, {} syncs ({:.1}% of data parallel), {:.1} s, {:.1} steps/s",
-                    s.name,
-                    100.0 * s.final_test_accuracy,
-                    s.syncs,
-                    s.comm_percent,
-                    s.wall_seconds,
-                    s.steps_per_second
+                    "{}: {eval}, {} syncs ({:.1}% of data parallel), {:.1} s, {:.1} steps/s",
+                    s.name, s.syncs, s.comm_percent, s.wall_seconds, s.steps_per_second
                 );
             }
         }),

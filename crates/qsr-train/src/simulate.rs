@@ -279,6 +279,8 @@ pub fn recipe_payload(recipe: &TrainRecipe, params: u64, running: u64) -> SyncPa
 fn tokens_per_sample(model: &ModelConfig) -> u64 {
     match model {
         ModelConfig::Vit(v) => v.image_size.map_or(1, |i| ((i / v.patch_size.max(1)) as u64).pow(2)),
+        // A sample is one window: every position predicts a token.
+        ModelConfig::Gpt(g) => g.context as u64,
         _ => 1,
     }
 }
@@ -314,7 +316,7 @@ pub struct SimulateArgs {
     /// Sustained FLOP/s per worker; compute per step = local_batch * flops_per_sample / rate.
     #[arg(long)]
     pub flop_rate: Option<f64>,
-    /// FLOPs of forward + backward per sample (default 6 * params * tokens; tokens = patches for ViT, else 1).
+    /// FLOPs of forward + backward per sample (default 6 * params * tokens; tokens = patches for ViT, the context for a GPT, else 1).
     #[arg(long, requires = "flop_rate")]
     pub flops_per_sample: Option<f64>,
     /// Derive compute per step from this wall time (hours) of the data-parallel recipe among --recipe:
@@ -386,17 +388,20 @@ fn read_summary(dir: &Path) -> Result<Summary> {
 
 /// Trainable parameters and BN running statistics of a recipe's model (built on the CPU).
 fn count_params(recipe: &TrainRecipe) -> Result<(u64, u64)> {
-    use burn::module::Module;
     let device = crate::launch::device("cpu")?;
     let model = crate::train::build_model(recipe, &device).with_context(|| {
         format!("cannot build the model of `{}` to count its parameters (pass --params)", recipe.name)
     })?;
-    let trainable = qsr_models::param_count(&model) as u64;
+    let trainable = model.trainable_params() as u64;
     let all = model.num_params() as u64;
     Ok((trainable, all.saturating_sub(trainable)))
 }
 
 fn steps_per_epoch(recipe: &TrainRecipe, world: usize) -> Option<u64> {
+    if let Some(gpt) = recipe.model.as_gpt() {
+        let corpus = crate::train_recipe::open_corpus(&recipe.data).ok()?;
+        return crate::task::text_steps_per_epoch(recipe, &corpus, gpt.context, world).ok().map(|s| s as u64);
+    }
     let set = crate::train_recipe::open_dataset(&recipe.data, qsr_data::Split::Train).ok()?;
     let per = world * recipe.train.local_batch;
     (per > 0).then(|| (set.len() / per) as u64).filter(|&s| s > 0)

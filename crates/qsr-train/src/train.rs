@@ -7,20 +7,17 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
 use burn::module::Module;
-use burn::nn::loss::{CrossEntropyLoss, CrossEntropyLossConfig};
 use burn::tensor::{Device, Tensor};
-use qsr_comm::{Collective, ReduceOp};
-use qsr_data::{
-    EvalLoader, HostBatch, Normalize, PrefetchOptions, Prefetcher, SamplerConfig, ShardedSampler, Split, TrainLoader,
-    Transform,
-};
-use qsr_models::{InputSpec, Model};
-use qsr_optim::{BnPolicy, DeviceGroup, OptimState, OptimizerKind, StepReport, Worker};
+use qsr_comm::Collective;
+use qsr_data::Split;
+use qsr_models::{Gpt, GptConfig, InputSpec, Model};
+use qsr_optim::{DeviceGroup, OptimState, OptimizerKind, StepReport, Worker};
 use qsr_sched::{Cursor, Plan};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{self, CheckpointState, Counters};
-use crate::train_recipe::{TrainRecipe, open_dataset};
+use crate::task::{Eval, ImageTask, Task, TextTask, check_vocab, transform};
+use crate::train_recipe::{TrainRecipe, open_corpus, open_dataset};
 
 /// One line of `metrics.jsonl`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -68,9 +65,10 @@ pub struct Summary {
     pub epochs: f64,
     /// Steps per epoch: `floor(N / (K * train.local_batch))` for N training images.
     pub steps_per_epoch: usize,
-    /// Top-1 test accuracy of the final evaluation, as a fraction in `[0, 1]`.
+    /// Top-1 accuracy of the final evaluation, as a fraction in `[0, 1]`: of the test images' class, or
+    /// of the next token of the validation windows (language models).
     pub final_test_accuracy: f64,
-    /// Mean test loss of the final evaluation.
+    /// Mean loss of the final evaluation: on the test split, or per token on the validation windows.
     pub final_test_loss: f64,
     /// Synchronizations performed (counted across resumes).
     pub syncs: u64,
@@ -88,6 +86,10 @@ pub struct Summary {
     pub steps_per_second: f64,
     /// Updates skipped for non-finite gradients.
     pub skipped_updates: u64,
+    /// Language models: the unigram entropy of the training tokens in nats, the loss of a predictor that
+    /// ignores the context, which `final_test_loss` (the validation loss) should fall well below.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unigram_entropy: Option<f64>,
 }
 
 /// Everything a worker needs besides its collective and its model replica.
@@ -120,30 +122,82 @@ pub struct Outcome {
     pub finished: bool,
 }
 
-/// Input shape the model is built for, from the dataset and its transform.
-pub fn input_spec(recipe: &TrainRecipe) -> Result<(InputSpec, usize)> {
-    let train = open_dataset(&recipe.data, Split::Train)?;
-    let (c, h, w) = transform(recipe, train.info(), true).output_shape(train.info())?;
-    Ok((InputSpec::new(c, h, w), train.classes()))
+/// A recipe's network, built once and copied to every worker.
+// Built once per worker and moved into it at once: boxing would save nothing worth an indirection.
+#[allow(clippy::large_enum_variant)]
+pub enum TrainModel {
+    /// An image classifier (`model.kind` resnet, cifar-resnet, vit, cnn, mlp).
+    Image(Model),
+    /// A language model (`model.kind = "gpt"`).
+    Language(Gpt),
 }
 
-fn transform(recipe: &TrainRecipe, info: &qsr_data::DatasetInfo, train: bool) -> Transform {
-    if !train {
-        Transform::eval_default(info)
-    } else if recipe.data.augment {
-        Transform::train_default(info)
-    } else {
-        Transform::normalize_only(Normalize::for_dataset(info))
+impl TrainModel {
+    /// A copy for one more worker (image models get their own BatchNorm state).
+    pub fn replica(&self) -> Self {
+        match self {
+            TrainModel::Image(m) => TrainModel::Image(m.deep_clone()),
+            TrainModel::Language(m) => TrainModel::Language(m.clone()),
+        }
+    }
+
+    /// Trainable parameters (BN running statistics excluded).
+    pub fn trainable_params(&self) -> usize {
+        match self {
+            TrainModel::Image(m) => qsr_models::param_count(m),
+            TrainModel::Language(m) => qsr_models::param_count(m),
+        }
+    }
+
+    /// All float values of the module (parameters and BN running statistics).
+    pub fn num_params(&self) -> usize {
+        match self {
+            TrainModel::Image(m) => m.num_params(),
+            TrainModel::Language(m) => m.num_params(),
+        }
     }
 }
 
-/// Checks a run's inputs before anything large is built: the batch fits the training set for `k`
-/// workers, training and test images have the same shape and the test labels fit the classes, and
-/// `replicas` copies of the model's training state fit in this machine's memory (CPU runs).
+/// Input shape and class count an image recipe's model is built for; an error for a language model.
+pub fn input_spec(recipe: &TrainRecipe) -> Result<(InputSpec, usize)> {
+    crate::task::image_input(recipe)
+}
+
+/// Checks a run's inputs before anything large is built: the batch fits the training data for `k`
+/// workers, the held-out split fits the model, and `replicas` copies of the model's training state fit
+/// in this machine's memory (CPU runs).
 pub fn preflight(recipe: &TrainRecipe, k: usize, replicas: usize, gpu: bool) -> Result<()> {
+    let params = match recipe.model.as_gpt() {
+        Some(gpt) => {
+            let corpus = open_corpus(&recipe.data)?;
+            check_vocab(gpt, &corpus)?;
+            for rank in 0..k {
+                qsr_data::TextWindows::new(&corpus, (gpt.context, recipe.train.local_batch), recipe.seed, rank, k)?;
+            }
+            crate::task::text_steps_per_epoch(recipe, &corpus, gpt.context, k)?;
+            gpt_params(gpt)
+        }
+        None => preflight_images(recipe, k)?,
+    };
+    if !gpu {
+        check_memory(recipe, params, replicas)?;
+    }
+    Ok(())
+}
+
+/// Parameters of a GPT config, counted without building it: embeddings, blocks, final LayerNorm.
+fn gpt_params(c: &GptConfig) -> usize {
+    let (w, b) = (c.width, usize::from(c.bias));
+    let block =
+        2 * (w + b * w) + (3 * w * w + b * 3 * w) + (w * w + b * w) + (4 * w * w + b * 4 * w) + (4 * w * w + b * w);
+    c.vocab_size * w + c.context * w + c.layers * block + (w + b * w)
+}
+
+/// The image checks of [`preflight`]; returns the model's parameter count.
+fn preflight_images(recipe: &TrainRecipe, k: usize) -> Result<usize> {
     let train = open_dataset(&recipe.data, Split::Train)?;
     let test = open_dataset(&recipe.data, Split::Test)?;
-    sampler(recipe, train.len(), k, 0)?;
+    crate::task::sampler(recipe, train.len(), k, 0)?;
     let shape = transform(recipe, train.info(), true).output_shape(train.info())?;
     let test_shape = transform(recipe, test.info(), false).output_shape(test.info())?;
     if shape != test_shape {
@@ -164,10 +218,7 @@ pub fn preflight(recipe: &TrainRecipe, k: usize, replicas: usize, gpu: bool) -> 
         .model
         .init(InputSpec::new(shape.0, shape.1, shape.2), train.classes(), &Device::flex())
         .map_err(|e| anyhow!("invalid `model.{}`: {e}", e.field()))?;
-    if !gpu {
-        check_memory(recipe, model.num_params(), replicas)?;
-    }
-    Ok(())
+    Ok(model.num_params())
 }
 
 /// Refuses a model whose training state (`replicas` times: module, gradients, flat parameters and
@@ -194,24 +245,27 @@ fn check_memory(recipe: &TrainRecipe, params: usize, replicas: usize) -> Result<
     Ok(())
 }
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpt_params_counts_what_the_built_model_has() {
+        for (bias, layers) in [(true, 2), (false, 3)] {
+            let c = GptConfig { bias, layers, ..GptConfig::char_small(65) };
+            let device = Device::flex();
+            let model = c.init(&device).unwrap();
+            let _ = model.forward(Tensor::<2, burn::tensor::Int>::zeros([1, 1], &device).inner());
+            assert_eq!(gpt_params(&c), qsr_models::param_count(&model), "bias {bias}");
+        }
+    }
+}
+
 fn mem_available() -> Option<u64> {
     let text = fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
-}
-
-/// This rank's sampler; the error says why the batch does not fit.
-fn sampler(recipe: &TrainRecipe, len: usize, k: usize, rank: usize) -> Result<ShardedSampler> {
-    ShardedSampler::new(SamplerConfig {
-        len,
-        world_size: k,
-        rank,
-        local_batch: recipe.train.local_batch,
-        steps_per_epoch: None,
-        seed: recipe.seed,
-    })
-    .with_context(|| format!("`train.local_batch` {} x {k} workers vs {len} training images", recipe.train.local_batch))
 }
 
 /// The error to report when several workers of one process failed: a failure of a worker's own
@@ -229,57 +283,31 @@ pub fn root_cause(errors: Vec<(usize, anyhow::Error)>) -> Option<(usize, anyhow:
 }
 
 /// Builds the model of a recipe on `device` (seeded, so every process builds the same one).
-pub fn build_model(recipe: &TrainRecipe, device: &Device) -> Result<Model> {
-    let (input, classes) = input_spec(recipe)?;
+pub fn build_model(recipe: &TrainRecipe, device: &Device) -> Result<TrainModel> {
     device.seed(recipe.seed);
-    let model = recipe.model.init(input, classes, device).map_err(|e| anyhow!("invalid `model.{}`: {e}", e.field()))?;
+    let bad = |e: qsr_models::ModelError| anyhow!("invalid `model.{}`: {e}", e.field());
     // Parameters are created lazily; one forward materializes them now, under this seed.
+    if let Some(gpt) = recipe.model.as_gpt() {
+        let model = gpt.init(device).map_err(bad)?;
+        let probe = Tensor::<2, burn::tensor::Int>::zeros([1, 1], device);
+        model.valid().forward(probe.inner()).map_err(bad)?;
+        return Ok(TrainModel::Language(model));
+    }
+    let (input, classes) = input_spec(recipe)?;
+    let model = recipe.model.init(input, classes, device).map_err(bad)?;
     let probe = Tensor::<4>::zeros([1, input.channels, input.height, input.width], device);
     let _ = model.valid().forward(probe.inner());
-    Ok(model)
+    Ok(TrainModel::Image(model))
 }
 
-struct Eval {
-    accuracy: f64,
-    loss: f64,
-}
-
-/// What a run builds once before its first step and only reads afterwards.
-struct Setup {
+/// The plan and the length of an epoch: what records and evaluation cadence are reckoned in.
+struct Pace {
     plan: Plan,
-    /// This rank's training batches (BN re-estimation reads them again).
-    loader: TrainLoader,
-    /// This rank's shard of the test split.
-    eval_loader: EvalLoader,
-    /// Steps per epoch of this rank's sampler.
+    /// Steps per epoch of this rank's data.
     spe: usize,
-    has_bn: bool,
-    /// The momentum the model's BatchNorm layers train with, restored after a re-estimation.
-    bn_momentum: f64,
 }
 
-impl Setup {
-    /// Builds the plan and this rank's loaders, and reads the BatchNorm facts off `model` (before the
-    /// worker takes it).
-    fn new(recipe: &TrainRecipe, model: &Model, rank: usize, k: usize) -> Result<Self> {
-        let plan = recipe.plan()?;
-        let train_set = open_dataset(&recipe.data, Split::Train)?;
-        let test_set = open_dataset(&recipe.data, Split::Test)?;
-        let info = train_set.info().clone();
-        let sampler = sampler(recipe, train_set.len(), k, rank)?;
-        let spe = sampler.steps_per_epoch();
-        let loader = TrainLoader::new(train_set, sampler, transform(recipe, &info, true))?;
-        let eval_loader =
-            EvalLoader::new(test_set, transform(recipe, &info, false), recipe.eval.batch_size)?.shard(rank, k)?;
-        let has_bn = model.has_batch_norm();
-        let bn_momentum = {
-            let mut m = 0.1;
-            model.for_each_batch_norm(|bn| m = bn.momentum);
-            m
-        };
-        Ok(Setup { plan, loader, eval_loader, spe, has_bn, bn_momentum })
-    }
-
+impl Pace {
     /// Epochs completed after `steps` steps (fractional).
     fn epoch(&self, steps: u64) -> f64 {
         steps as f64 / self.spe as f64
@@ -292,53 +320,69 @@ impl Setup {
 /// is device-resident (a GPU backend, or `driver.residency = "device"`).
 ///
 /// This is the training loop: the same code for every worker, whatever carries its collective (threads in one
-/// process, local processes over the TCP ring, MPI, an externally launched job).
+/// process, local processes over the TCP ring, MPI, an externally launched job), and for every task (images:
+/// test accuracy; text: validation loss of next-token prediction).
 pub fn run_worker(
     spec: &RunSpec,
     comm: Box<dyn Collective>,
-    model: Model,
+    model: TrainModel,
     group: Option<DeviceGroup>,
+) -> Result<Outcome> {
+    let (rank, k) = (comm.rank(), comm.world_size());
+    let recipe = &spec.recipe;
+    match model {
+        TrainModel::Image(m) => {
+            let task = ImageTask::new(recipe, &m, rank, k, &spec.device)?;
+            run(spec, comm, m, group, &task)
+        }
+        TrainModel::Language(m) => {
+            let gpt =
+                recipe.model.as_gpt().ok_or_else(|| anyhow!("a GPT was built for a `model.kind` that is not gpt"))?;
+            let task = TextTask::new(recipe, gpt, rank, k, &spec.device)?;
+            run(spec, comm, m, group, &task)
+        }
+    }
+}
+
+/// [`run_worker`] for one task.
+fn run<T: Task>(
+    spec: &RunSpec,
+    comm: Box<dyn Collective>,
+    model: T::Module,
+    group: Option<DeviceGroup>,
+    task: &T,
 ) -> Result<Outcome> {
     let recipe = &spec.recipe;
     let rank = comm.rank();
-    let device = &spec.device;
-    let setup = Setup::new(recipe, &model, rank, comm.world_size())?;
-    let mut worker = Worker::new(model, recipe.optimizer.clone(), comm, setup.plan.cursor(), recipe.driver_config())?;
+    let pace = Pace { plan: recipe.plan()?, spe: task.steps_per_epoch() };
+    let mut worker = Worker::new(model, recipe.optimizer.clone(), comm, pace.plan.cursor(), recipe.driver_config())?;
     if let Some(g) = group
         && worker.is_device_resident()
     {
         worker.set_device_group(g)?;
     }
-    let (start_records, base) = resume(spec, &setup.plan, &mut worker)?;
-
-    let ce = CrossEntropyLossConfig::new()
-        .with_smoothing((recipe.train.label_smoothing > 0.0).then_some(recipe.train.label_smoothing))
-        .init(device);
-    let micro = recipe.micro_batch();
-    let end = setup.plan.end_step();
+    let (start_records, base) = resume(spec, &pace.plan, &mut worker)?;
+    let end = pace.plan.end_step();
     let first_step = worker.cursor().step();
-    let mut batches = setup
-        .loader
-        .prefetch(first_step, PrefetchOptions { depth: recipe.data.prefetch, threads: Some(1), end_step: Some(end) })?;
-
+    let mut stream = task.stream(first_step, end)?;
     let mut segment = Segment::start(spec, rank, end, first_step, start_records, base)?;
     let mut finished = true;
     while !worker.cursor().is_done() {
-        let report = train_step(&mut worker, &mut batches, micro, &ce, device)?;
-        segment.stepped(&worker, &report, &setup);
-        if report.sync.is_some() && segment.synced(spec, &setup, &mut worker, &report)? == AfterSync::Halt {
+        let report = task.train_step(&mut worker, &mut stream)?;
+        segment.stepped(&worker, &report, &pace);
+        if report.sync.is_some() && segment.synced(spec, &pace, task, &mut worker, &report)? == AfterSync::Halt {
             finished = false;
             break;
         }
     }
-    let summary = segment.finish(spec, &setup, &worker, finished)?;
+    let summary = segment.finish(spec, &pace, task, &worker, finished)?;
     Ok(Outcome { rank, params: worker.params()?.to_vec(), summary, finished })
 }
 
 /// Continues from `spec.resume`, if any: the checkpoint's parameters, this rank's optimizer state, its
 /// position in the plan and the BatchNorm statistics go into `worker`. Returns the step past which
 /// metrics records are dropped (`None` for a fresh run) and the counters the run continues from.
-fn resume(spec: &RunSpec, plan: &Plan, worker: &mut Worker<Model>) -> Result<(Option<u64>, Counters)> {
+fn resume<M: Module>(spec: &RunSpec, plan: &Plan, worker: &mut Worker<M>) -> Result<(Option<u64>, Counters)> {
     let Some((dir, state)) = &spec.resume else {
         return Ok((None, Counters::default()));
     };
@@ -357,23 +401,6 @@ fn resume(spec: &RunSpec, plan: &Plan, worker: &mut Worker<Model>) -> Result<(Op
         worker.set_model(m)?;
     }
     Ok((Some(state.step), state.counters))
-}
-
-/// One optimizer step on the next batch, split into the recipe's micro-batches.
-fn train_step(
-    worker: &mut Worker<Model>,
-    batches: &mut Prefetcher,
-    micro: usize,
-    ce: &CrossEntropyLoss,
-    device: &Device,
-) -> Result<StepReport> {
-    let host = batches.next().ok_or_else(|| anyhow!("the data loader ended early"))??;
-    let micros: Vec<HostBatch> = if micro == host.len() { vec![host] } else { host.split(micro)? };
-    let report = worker.step(|m: &Model, j| {
-        let b = micros[j].to_batch(device);
-        Ok(ce.forward(m.forward(b.images), b.labels))
-    })?;
-    Ok(report)
 }
 
 /// Whether the run goes on after a sync.
@@ -415,12 +442,12 @@ impl Segment {
     }
 
     /// The run's counters now.
-    fn counters(&self, worker: &Worker<Model>) -> Counters {
+    fn counters<M: Module>(&self, worker: &Worker<M>) -> Counters {
         counters(&self.base, worker.stats(), self.t0)
     }
 
     /// Rank 0 appends a record, given the counters now, to `metrics.jsonl`.
-    fn write(&mut self, worker: &Worker<Model>, record: impl FnOnce(Counters) -> Record) -> Result<()> {
+    fn write<M: Module>(&mut self, worker: &Worker<M>, record: impl FnOnce(Counters) -> Record) -> Result<()> {
         let Some(m) = self.metrics.as_mut() else {
             return Ok(());
         };
@@ -428,7 +455,7 @@ impl Segment {
     }
 
     /// Counts a step's loss towards the next sync record and moves the progress bar.
-    fn stepped(&mut self, worker: &Worker<Model>, report: &StepReport, setup: &Setup) {
+    fn stepped<M: Module>(&mut self, worker: &Worker<M>, report: &StepReport, pace: &Pace) {
         self.since_sync.0 += f64::from(report.loss);
         self.since_sync.1 += 1;
         let Some(bar) = &self.bar else {
@@ -441,7 +468,7 @@ impl Segment {
             let syncs = worker.stats().syncs;
             bar.set_message(format!(
                 "epoch {:.2} lr {:.2e} H {} loss {:.3} comm {:.1}%",
-                setup.epoch(done_steps),
+                pace.epoch(done_steps),
                 report.info.lr,
                 report.info.h,
                 report.loss,
@@ -453,34 +480,28 @@ impl Segment {
     /// After a sync: rank 0's sync record; then, when an evaluation is due, BN re-estimation, the
     /// evaluation (collectives on every rank, so every rank decides alike), its record and line, the
     /// checkpoint, and whether `halt_after` stops the run here.
-    fn synced(
+    fn synced<T: Task>(
         &mut self,
         spec: &RunSpec,
-        setup: &Setup,
-        worker: &mut Worker<Model>,
+        pace: &Pace,
+        task: &T,
+        worker: &mut Worker<T::Module>,
         report: &StepReport,
     ) -> Result<AfterSync> {
         let recipe = &spec.recipe;
         let done_steps = report.info.step + 1;
         let loss = self.since_sync.0 / self.since_sync.1.max(1) as f64;
-        self.write(worker, |c| record("sync", report, setup, loss, None, c))?;
+        self.write(worker, |c| record("sync", report, pace, loss, None, c))?;
         self.since_sync = (0.0, 0);
         let is_end = worker.cursor().is_done();
-        if !eval_due(worker.cursor(), done_steps, setup.spe, recipe.eval.every_epochs as u64) {
+        if !eval_due(worker.cursor(), done_steps, pace.spe, recipe.eval.every_epochs as u64) {
             return Ok(AfterSync::Continue);
         }
-        if setup.has_bn && recipe.driver.bn == BnPolicy::Reestimate {
-            reestimate_bn(worker, &setup.loader, recipe, done_steps, setup.bn_momentum, &spec.device)?;
-        }
-        let ev = evaluate(worker, &setup.eval_loader, &spec.device)?;
-        self.write(worker, |c| record("eval", report, setup, ev.loss, Some(ev.accuracy), c))?;
+        task.prepare_eval(worker, done_steps)?;
+        let ev = task.evaluate(worker)?;
+        self.write(worker, |c| record("eval", report, pace, ev.loss, Some(ev.accuracy), c))?;
         if let Some(bar) = &self.bar {
-            bar.println(format!(
-                "step {done_steps:>7}  epoch {:>6.2}  test accuracy {:.2}%  test loss {:.4}",
-                setup.epoch(done_steps),
-                100.0 * ev.accuracy,
-                ev.loss
-            ));
+            bar.println(format!("step {done_steps:>7}  epoch {:>6.2}  {}", pace.epoch(done_steps), task.describe(&ev)));
         }
         self.last_eval = Some(ev);
         if recipe.checkpoint.enabled {
@@ -493,7 +514,14 @@ impl Segment {
 
     /// Clears the progress bar; on rank 0 of a finished run that evaluated, writes `summary.json` and
     /// returns the summary.
-    fn finish(&self, spec: &RunSpec, setup: &Setup, worker: &Worker<Model>, finished: bool) -> Result<Option<Summary>> {
+    fn finish<T: Task>(
+        &self,
+        spec: &RunSpec,
+        pace: &Pace,
+        task: &T,
+        worker: &Worker<T::Module>,
+        finished: bool,
+    ) -> Result<Option<Summary>> {
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
         }
@@ -503,8 +531,8 @@ impl Segment {
             return Ok(None);
         };
         let recipe = &spec.recipe;
-        let planned = setup.plan.summary();
-        let end = setup.plan.end_step();
+        let planned = pace.plan.summary();
+        let end = pace.plan.end_step();
         let steps_run = end - self.first_step;
         let s = Summary {
             name: recipe.name.clone(),
@@ -512,8 +540,8 @@ impl Segment {
             seed: recipe.seed,
             world_size: worker.world_size(),
             steps: end,
-            epochs: setup.epoch(end),
-            steps_per_epoch: setup.spe,
+            epochs: pace.epoch(end),
+            steps_per_epoch: pace.spe,
             final_test_accuracy: ev.accuracy,
             final_test_loss: ev.loss,
             syncs: c.syncs,
@@ -524,6 +552,7 @@ impl Segment {
             wall_seconds: c.wall_seconds,
             steps_per_second: steps_run as f64 / wall.max(1e-9),
             skipped_updates: c.skipped_updates,
+            unigram_entropy: task.unigram_entropy(),
         };
         checkpoint::write_atomic(&spec.run_dir.join("summary.json"), serde_json::to_string_pretty(&s)?.as_bytes())?;
         Ok(Some(s))
@@ -531,12 +560,12 @@ impl Segment {
 }
 
 /// One record shape for syncs and evaluations, at the step `report` completed.
-fn record(kind: &str, report: &StepReport, setup: &Setup, loss: f64, accuracy: Option<f64>, c: Counters) -> Record {
+fn record(kind: &str, report: &StepReport, pace: &Pace, loss: f64, accuracy: Option<f64>, c: Counters) -> Record {
     let step = report.info.step + 1;
     Record {
         kind: kind.into(),
         step,
-        epoch: setup.epoch(step),
+        epoch: pace.epoch(step),
         lr: report.info.lr,
         h: report.info.h,
         loss: Some(loss),
@@ -570,68 +599,7 @@ fn counters(base: &Counters, st: &qsr_optim::DriverStats, t0: Instant) -> Counte
     })
 }
 
-/// The paper's BatchNorm re-estimation: reset the statistics, run `bn_images / K` training images per
-/// worker with momentum 1/(1+i) for micro-batch i (a cumulative average), then average across workers.
-fn reestimate_bn(
-    worker: &mut Worker<Model>,
-    loader: &TrainLoader,
-    recipe: &TrainRecipe,
-    step: u64,
-    momentum: f64,
-    device: &Device,
-) -> Result<()> {
-    let k = worker.world_size();
-    let per_worker = recipe.eval.bn_images.div_ceil(k).max(1);
-    let micro = recipe.micro_batch();
-    let mut model = worker.model().deep_clone();
-    model.reset_bn_running_stats();
-    let (mut seen, mut i, mut t) = (0usize, 0usize, step);
-    while seen < per_worker {
-        for part in loader.host_batch(t)?.split(micro)? {
-            if seen >= per_worker {
-                break;
-            }
-            model.set_bn_momentum(1.0 / (1.0 + i as f64)).map_err(|e| anyhow!("{e}"))?;
-            let b = part.to_batch(device);
-            let _ = model.forward(b.images);
-            seen += part.len();
-            i += 1;
-        }
-        t += 1;
-    }
-    model.set_bn_momentum(momentum).map_err(|e| anyhow!("{e}"))?;
-    worker.set_model(model)?;
-    worker.average_running_stats()?;
-    Ok(())
-}
-
-/// Top-1 accuracy and mean loss on the test split, each rank evaluating its shard.
-fn evaluate(worker: &mut Worker<Model>, loader: &EvalLoader, device: &Device) -> Result<Eval> {
-    let model = worker.model().valid();
-    let inner = device.clone().inner();
-    let ce = CrossEntropyLossConfig::new().init(&inner);
-    let mut acc = [0.0f32; 3]; // correct, loss sum, count
-    for host in loader.iter() {
-        let host = host?;
-        let n = host.len();
-        let b = host.into_batch(&inner);
-        let logits = model.forward(b.images);
-        let loss: f32 = ce.forward(logits.clone(), b.labels.clone()).into_scalar();
-        let pred = logits.argmax(1).squeeze_dim::<1>(1);
-        let correct: i64 = pred.equal(b.labels).int().sum().into_scalar();
-        acc[0] += correct as f32;
-        acc[1] += loss * n as f32;
-        acc[2] += n as f32;
-    }
-    let step = worker.cursor().step();
-    worker.comm_mut().all_reduce(&mut acc, ReduceOp::Sum).with_context(|| format!("evaluation at step {step}"))?;
-    Ok(Eval {
-        accuracy: f64::from(acc[0]) / f64::from(acc[2].max(1.0)),
-        loss: f64::from(acc[1]) / f64::from(acc[2].max(1.0)),
-    })
-}
-
-fn save_checkpoint(worker: &mut Worker<Model>, spec: &RunSpec, step: u64, counters: Counters) -> Result<()> {
+fn save_checkpoint<M: Module>(worker: &mut Worker<M>, spec: &RunSpec, step: u64, counters: Counters) -> Result<()> {
     let rank = worker.rank();
     let run_dir = &spec.run_dir;
     let tmp = checkpoint::tmp_dir(run_dir, step);

@@ -14,9 +14,12 @@ use toml::{Table, Value};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataConfig {
-    /// digits (embedded), fashion-mnist, mnist, cifar10, cifar100, imagefolder.
+    /// Images: digits (embedded), fashion-mnist, mnist, cifar10, cifar100, imagefolder. Text (for
+    /// `model.kind = "gpt"`): shakespeare (the 38 plays of `scripts/fetch-shakespeare.sh`),
+    /// comedy-of-errors (embedded), text (one UTF-8 file at `data.path`).
     pub dataset: String,
-    /// Directory of the files (not used by `digits`; Fashion-MNIST defaults to Debian's path).
+    /// Directory of the files (not used by `digits` and `comedy-of-errors`; Fashion-MNIST and Shakespeare
+    /// default to the paths their set-up commands install to); the file itself for `text`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<PathBuf>,
     /// Train-time augmentation (the dataset's default crop/flip); off = normalization only.
@@ -60,11 +63,15 @@ pub struct EvalConfig {
     /// Training images (over all workers) used to re-estimate BatchNorm statistics before an evaluation.
     #[serde(default = "bn_images")]
     pub bn_images: usize,
+    /// At most this many held-out items per evaluation, over all workers (test images, or validation
+    /// windows of `model.context + 1` tokens from the start of the validation split); default all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_items: Option<usize>,
 }
 
 impl Default for EvalConfig {
     fn default() -> Self {
-        Self { batch_size: eval_batch(), every_epochs: 1, bn_images: bn_images() }
+        Self { batch_size: eval_batch(), every_epochs: 1, bn_images: bn_images(), max_items: None }
     }
 }
 
@@ -144,6 +151,9 @@ pub struct TrainRecipe {
     pub checkpoint: CheckpointConfig,
 }
 
+/// The `data.dataset` names of text corpora (for `model.kind = "gpt"`).
+pub const TEXT_DATASETS: [&str; 3] = ["shakespeare", "comedy-of-errors", "text"];
+
 /// Largest `data.prefetch`: batches prepared ahead of training per worker.
 pub const MAX_PREFETCH: usize = 64;
 
@@ -203,6 +213,7 @@ impl TrainRecipe {
                 bail!("{origin}: unknown key `{key}` (expected {}, name, description, seed)", SECTIONS.join(", "));
             }
         }
+        fill_vocab_size(&mut root).with_context(|| origin.to_string())?;
         // Deserialize section by section first, so an error names its section.
         for section in SECTIONS {
             if let Some(msg) = root.get(section).and_then(|v| section_error(section, v)) {
@@ -238,6 +249,23 @@ impl TrainRecipe {
         }
         if self.eval.every_epochs == 0 {
             bail!("invalid `eval.every_epochs`: must be at least 1");
+        }
+        if self.eval.max_items == Some(0) {
+            bail!("invalid `eval.max_items`: must be at least 1 (leave it out to evaluate on the whole split)");
+        }
+        let text = TEXT_DATASETS.contains(&self.data.dataset.as_str());
+        match (self.model.as_gpt().is_some(), text) {
+            (true, false) => bail!(
+                "invalid `data.dataset`: model.kind = \"gpt\" trains on text ({}), not `{}`",
+                TEXT_DATASETS.join(", "),
+                self.data.dataset
+            ),
+            (false, true) => bail!(
+                "invalid `model.kind`: dataset `{}` is text; train it with kind = \"gpt\", not `{}`",
+                self.data.dataset,
+                self.model.kind()
+            ),
+            _ => {}
         }
         if !(1..=MAX_PREFETCH).contains(&self.data.prefetch) {
             bail!(
@@ -288,6 +316,49 @@ impl TrainRecipe {
     }
 }
 
+/// A `kind = "gpt"` model without `vocab_size` takes its corpus's: the resolved recipe then states it.
+fn fill_vocab_size(root: &mut Table) -> Result<()> {
+    let Some(Value::Table(model)) = root.get("model") else {
+        return Ok(());
+    };
+    if model.get("kind").and_then(Value::as_str) != Some("gpt") || model.contains_key("vocab_size") {
+        return Ok(());
+    }
+    let data: DataConfig = match root.get("data") {
+        Some(v) => v.clone().try_into().map_err(|e: toml::de::Error| anyhow!("[data] {}", e.message().trim()))?,
+        None => bail!("`model.vocab_size` is not given and there is no [data] section to take it from"),
+    };
+    if !TEXT_DATASETS.contains(&data.dataset.as_str()) {
+        return Ok(()); // `validate` names the mismatch.
+    }
+    let corpus = open_corpus(&data).context("`model.vocab_size` is not given, so it is read off the corpus")?;
+    let size = i64::try_from(corpus.vocab().len())?;
+    if let Some(Value::Table(model)) = root.get_mut("model") {
+        model.insert("vocab_size".into(), Value::Integer(size));
+    }
+    Ok(())
+}
+
+/// Opens a text recipe's corpus; errors name the setting and the path.
+pub fn open_corpus(data: &DataConfig) -> Result<qsr_data::Corpus> {
+    let corpus = match data.dataset.as_str() {
+        "shakespeare" => qsr_data::Corpus::shakespeare(
+            data.path.clone().unwrap_or_else(|| PathBuf::from(qsr_data::SHAKESPEARE_DEFAULT_DIR)),
+        )
+        .context("`data.dataset` shakespeare (fetch it with scripts/fetch-shakespeare.sh)")?,
+        "comedy-of-errors" => qsr_data::Corpus::comedy_of_errors(),
+        "text" => {
+            let path = data.path.clone().ok_or_else(|| anyhow!("`data.path` is required for dataset `text`"))?;
+            let name = path.file_stem().map_or_else(|| "text".to_string(), |s| s.to_string_lossy().into_owned());
+            qsr_data::Corpus::from_files(name, &[path]).context("`data.path`")?
+        }
+        other => {
+            bail!("invalid `data.dataset`: `{other}` is not a text corpus (expected {})", TEXT_DATASETS.join(", "))
+        }
+    };
+    Ok(corpus)
+}
+
 fn section_error(section: &str, value: &Value) -> Option<String> {
     fn check<T: serde::de::DeserializeOwned>(v: &Value) -> Option<String> {
         v.clone().try_into::<T>().err().map(|e| e.message().trim().to_string())
@@ -323,7 +394,8 @@ pub fn open_dataset(data: &DataConfig, split: Split) -> Result<std::sync::Arc<dy
         "cifar100" => Arc::new(qsr_data::cifar100(&path(None)?, split)?),
         "imagefolder" => Arc::new(qsr_data::ImageFolder::imagenet(&path(None)?, split)?),
         other => bail!(
-            "invalid `data.dataset`: unknown dataset `{other}` (expected digits, fashion-mnist, mnist, cifar10, cifar100, imagefolder)"
+            "invalid `data.dataset`: unknown dataset `{other}` (expected digits, fashion-mnist, mnist, cifar10, cifar100, imagefolder; text: {})",
+            TEXT_DATASETS.join(", ")
         ),
     };
     Ok(set)

@@ -1,0 +1,129 @@
+//! `qsr train` on text: a character-level GPT on the embedded Comedy of Errors (the Shakespeare recipes
+//! with `data.dataset` swapped, so the shipped recipes are what is tested).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn qsr(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_qsr")).args(args).current_dir(root()).output().expect("run qsr")
+}
+
+fn ok(args: &[&str]) -> String {
+    let out = qsr(args);
+    assert!(out.status.success(), "qsr {args:?} failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn refused(args: &[&str]) -> String {
+    let out = qsr(args);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "qsr {args:?} should fail");
+    assert!(!err.contains("panicked"), "qsr {args:?} panicked: {err}");
+    err
+}
+
+fn json(path: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+}
+
+fn final_params(run: &Path) -> Vec<u8> {
+    let latest = std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap();
+    std::fs::read(run.join("ckpt").join(latest.trim()).join("model.safetensors")).unwrap()
+}
+
+const QSR: &str = "recipes/shakespeare-char-qsr.toml";
+/// The embedded play, 300 steps (about 8 epochs of its 78,237 training characters for 2 workers).
+const COMEDY: [&str; 10] = [
+    "--set",
+    "data.dataset=comedy-of-errors",
+    "--set",
+    "schedule.total_steps=300",
+    "--set",
+    "schedule.warmup_steps=20",
+    "--workers",
+    "2",
+    "--quiet",
+    "--set=eval.max_items=64",
+];
+
+fn train(recipe: &str, out: &Path, extra: &[&str]) -> String {
+    ok(&[&["train", "--recipe", recipe, "--out", out.to_str().unwrap()][..], &COMEDY, extra].concat())
+}
+
+/// The validation loss falls well below the unigram entropy (what a model that ignores the context
+/// reaches); the run syncs as planned; gradient accumulation and clipping are on.
+#[test]
+fn char_gpt_learns_below_the_unigram_entropy_and_syncs_as_planned() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let stdout = train(QSR, &run, &["--set", "train.micro_batch=8"]);
+    let s = json(&run.join("summary.json"));
+    let (loss, entropy) = (s["final_test_loss"].as_f64().unwrap(), s["unigram_entropy"].as_f64().unwrap());
+    assert!((entropy - 3.355).abs() < 1e-3, "the Comedy of Errors' unigram entropy is 3.355 nats: {s}");
+    assert!(loss < entropy - 0.6, "validation loss {loss} is not well below the unigram entropy {entropy}");
+    assert!(stdout.contains("validation loss") && stdout.contains("unigram entropy"), "{stdout}");
+    assert_eq!(s["syncs"], s["planned_syncs"]);
+    let evals = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    assert!(evals.lines().filter(|l| l.contains("\"eval\"")).count() >= 2);
+    let saved = std::fs::read_to_string(run.join("recipe.toml")).unwrap();
+    assert!(saved.contains("kind = \"gpt\"") && saved.contains("vocab_size = 80"), "{saved}");
+}
+
+/// A text run stopped at a checkpoint and resumed ends bit-identical to a straight run.
+#[test]
+fn text_resume_continues_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (straight, resumed) = (dir.path().join("straight"), dir.path().join("resumed"));
+    let short = ["--set", "schedule.total_steps=120"];
+    train(QSR, &straight, &short);
+    train(QSR, &resumed, &[&short[..], &["--halt-after", "40"]].concat());
+    assert!(!resumed.join("summary.json").exists());
+    ok(&["train", "--resume", resumed.to_str().unwrap(), "--quiet", "--workers", "2"]);
+    assert_eq!(final_params(&straight), final_params(&resumed));
+    let (s, r) = (json(&straight.join("summary.json")), json(&resumed.join("summary.json")));
+    assert_eq!(s["final_test_loss"], r["final_test_loss"]);
+    assert_eq!(s["syncs"], r["syncs"]);
+}
+
+/// Two processes over the TCP ring train the same model as two threads: the same windows, the same sums.
+#[test]
+fn text_over_tcp_equals_threads() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("threads"), dir.path().join("procs"));
+    let dp = "recipes/shakespeare-char-dp.toml";
+    let short = ["--set", "schedule.total_steps=40"];
+    train(dp, &a, &short);
+    ok(&[
+        &["train", "--recipe", dp, "--nproc", "2", "--out", b.to_str().unwrap()][..],
+        &COMEDY[..6],
+        &short,
+        &["--quiet"],
+    ]
+    .concat());
+    assert_eq!(final_params(&a), final_params(&b));
+}
+
+#[test]
+fn text_settings_are_refused_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("r");
+    let o = out.to_str().unwrap();
+    let base = ["train", "--recipe", QSR, "--out", o, "--quiet"];
+    let cases: [(&[&str], &str); 5] = [
+        (&["--set", "data.dataset=digits"], "data.dataset"),
+        (&["--set", "data.dataset=comedy-of-errors", "--set", "model.vocab_size=10"], "model.vocab_size"),
+        (&["--set", "data.dataset=text", "--set", "data.path=/nonexistent/play.txt"], "/nonexistent/play.txt"),
+        (&["--set", "data.dataset=comedy-of-errors", "--set", "model.context=60000"], "context"),
+        (&["--set", "data.dataset=comedy-of-errors", "--set", "eval.max_items=0"], "eval.max_items"),
+    ];
+    for (extra, needle) in cases {
+        let err = refused(&[&base[..], extra].concat());
+        assert!(err.contains(needle), "{extra:?}: expected `{needle}` in: {err}");
+    }
+    let digits_gpt = refused(&["train", "--recipe", "recipes/digits-qsr.toml", "--out", o, "--set", "model.kind=gpt"]);
+    assert!(digits_gpt.contains("model"), "{digits_gpt}");
+}
