@@ -26,6 +26,7 @@ use crate::device::DeviceGroup;
 use crate::error::{LossError, OptimError};
 use crate::flat::ParamLayout;
 use crate::optim::{OptimState, OptimizerConfig};
+use crate::outer::{Outer, OuterConfig};
 use crate::replica::{DeviceReplica, HostReplica, Replica};
 
 /// Which optimizer state is averaged at a synchronization (the authors' `--avg-m` / `--avg-v`).
@@ -175,6 +176,8 @@ pub struct Worker<M: Module> {
     cursor: Cursor,
     config: DriverConfig,
     stats: DriverStats,
+    /// DiLoCo's outer optimizer (see [`Worker::set_outer`]).
+    outer: Option<Outer>,
 }
 
 /// What a replica's step borrows from its [`Worker`] beside the replica: the collective, the settings
@@ -183,6 +186,8 @@ pub(crate) struct Peers<'a> {
     pub(crate) comm: &'a mut dyn Collective,
     pub(crate) config: &'a DriverConfig,
     pub(crate) stats: &'a mut DriverStats,
+    /// The outer optimizer, when parameter syncs are outer steps.
+    pub(crate) outer: Option<&'a mut Outer>,
 }
 
 impl Peers<'_> {
@@ -299,7 +304,7 @@ impl<M: Module> Worker<M> {
             }
             _ => Replica::Host(HostReplica::new(&model, &layout, optimizer.clone())?),
         };
-        Ok(Self { model, layout, replica, optimizer, comm, cursor, config, stats: DriverStats::default() })
+        Ok(Self { model, layout, replica, optimizer, comm, cursor, config, stats: DriverStats::default(), outer: None })
     }
 
     /// Gives a device-resident worker the in-process group of its K simulated peers on the same
@@ -321,6 +326,46 @@ impl<M: Module> Worker<M> {
             }
             Replica::Host(_) => {
                 Err(OptimError::DeviceGroup("it needs a device-resident worker (driver.residency)".into()))
+            }
+        }
+    }
+
+    /// Makes every parameter synchronization DiLoCo's outer step: the worker keeps the last global
+    /// parameters (from its parameters now, which the initial broadcast made equal on every rank) and a
+    /// momentum buffer, all-reduces the pseudo-gradient `global - local` and continues from
+    /// `global - outer_lr * step` (two more parameter-sized f32 buffers). Data-parallel steps (post-local
+    /// before its switch) keep the global parameters equal to the synchronized ones. Refused for rules
+    /// that never average parameters and for device-resident workers.
+    pub fn set_outer(&mut self, config: OuterConfig) -> Result<(), OptimError> {
+        config.validate()?;
+        let rule = self.cursor.plan().sync();
+        if rule.syncs_gradients(u64::MAX) {
+            return Err(OptimError::Config {
+                field: "outer".into(),
+                reason: format!("rule `{}` never averages parameters, so an outer optimizer never runs", rule.name()),
+            });
+        }
+        let Replica::Host(_) = &self.replica else {
+            return Err(OptimError::Config {
+                field: "outer".into(),
+                reason: "the outer optimizer runs on host-resident workers (driver.residency = \"host\")".into(),
+            });
+        };
+        self.outer = Some(Outer::new(config, &self.params()?));
+        Ok(())
+    }
+
+    /// The outer optimizer's global parameters and momentum buffer (for a checkpoint), if it has one.
+    pub fn outer_state(&self) -> Option<(&[f32], &[f32])> {
+        self.outer.as_ref().map(Outer::state)
+    }
+
+    /// Restores the outer state saved by [`Self::outer_state`] (after [`Self::set_outer`]).
+    pub fn restore_outer_state(&mut self, global: &[f32], momentum: &[f32]) -> Result<(), OptimError> {
+        match &mut self.outer {
+            Some(outer) => outer.restore(global, momentum),
+            None => {
+                Err(OptimError::Config { field: "outer".into(), reason: "this worker has no outer optimizer".into() })
             }
         }
     }
@@ -422,7 +467,12 @@ impl<M: Module> Worker<M> {
         F: FnMut(&M, usize) -> Result<Tensor<1>, LossError>,
     {
         let info = self.cursor.advance().ok_or(OptimError::Finished(self.cursor.step()))?;
-        let mut peers = Peers { comm: self.comm.as_mut(), config: &self.config, stats: &mut self.stats };
+        let mut peers = Peers {
+            comm: self.comm.as_mut(),
+            config: &self.config,
+            stats: &mut self.stats,
+            outer: self.outer.as_mut(),
+        };
         let stepped = match &mut self.replica {
             Replica::Host(h) => h.step(&mut self.model, &self.layout, &mut peers, &info, loss_fn)?,
             Replica::Device(d) => d.step(&mut self.model, &self.layout, &mut peers, &info, loss_fn)?,
@@ -447,7 +497,7 @@ impl<M: Module> Worker<M> {
             return Ok(());
         }
         let step = self.cursor.step();
-        let mut peers = Peers { comm: self.comm.as_mut(), config: &self.config, stats: &mut self.stats };
+        let mut peers = Peers { comm: self.comm.as_mut(), config: &self.config, stats: &mut self.stats, outer: None };
         peers.average_running_unaccounted(&mut self.model, &self.layout, step)?;
         Ok(())
     }

@@ -79,6 +79,11 @@ impl Outer {
         Ok(())
     }
 
+    /// Makes `params` the global parameters (after a data-parallel step, where every worker holds them).
+    pub(crate) fn follow(&mut self, params: &[f32]) {
+        self.global.copy_from_slice(params);
+    }
+
     /// Replaces a worker's parameters `local` with its pseudo-gradient `global - local`.
     pub(crate) fn pseudo_gradient(&self, local: &mut [f32]) {
         local.iter_mut().zip(&self.global).for_each(|(l, g)| *l = g - *l);

@@ -127,6 +127,12 @@ impl HostReplica {
         } else {
             peers.stats.skipped_updates += 1;
         }
+        if info.mode == SyncMode::Gradients
+            && let Some(outer) = peers.outer.as_deref_mut()
+        {
+            // Every worker took the same update: these are the global parameters.
+            outer.follow(&self.params);
+        }
         if info.sync_after && info.mode == SyncMode::Parameters {
             sync = Some(self.sync_parameters(model, layout, peers, info.step)?);
         }
@@ -175,6 +181,28 @@ impl HostReplica {
         step: u64,
     ) -> Result<SyncReport, OptimError> {
         let (before, t) = peers.start();
+        if let Some(outer) = peers.outer.as_deref() {
+            outer.pseudo_gradient(&mut self.params);
+        }
+        let report = self.average_parameters(model, layout, peers, step, before, t)?;
+        if let Some(outer) = peers.outer.as_deref_mut() {
+            // The mean pseudo-gradient becomes the new global parameters, the same on every rank.
+            outer.step(&mut self.params);
+        }
+        Ok(report)
+    }
+
+    /// The all-reduce of [`Self::sync_parameters`]: parameters (or pseudo-gradients) with the state the
+    /// policies name appended, in one flat collective.
+    fn average_parameters<M: Module>(
+        &mut self,
+        model: &mut M,
+        layout: &ParamLayout,
+        peers: &mut Peers<'_>,
+        step: u64,
+        before: qsr_comm::CommStats,
+        t: Instant,
+    ) -> Result<SyncReport, OptimError> {
         let policy = peers.config.state;
         let avg_m = policy.average_first_moment && !self.optimizer.state().first_moment.is_empty();
         let avg_v = policy.average_second_moment && !self.optimizer.state().second_moment.is_empty();

@@ -8,8 +8,8 @@ use burn::optim::{GradientsParams, SgdConfig};
 use burn::tensor::{Device, Tensor, TensorData};
 use qsr_comm::InProcessGroup;
 use qsr_optim::{
-    BnPolicy, DeviceGroup, DeviceOptimizer, DriverConfig, Optimizer, OptimizerConfig, ParamLayout, ParamRole,
-    Residency, StatePolicy, StepReport, Worker,
+    BnPolicy, DeviceGroup, DeviceOptimizer, DriverConfig, Optimizer, OptimizerConfig, OuterConfig, ParamLayout,
+    ParamRole, Residency, StatePolicy, StepReport, Worker,
 };
 use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncMode, SyncRule};
 use rand::{Rng, SeedableRng};
@@ -133,6 +133,17 @@ struct Run {
 
 /// Trains `k` MLP workers (clones of one initial model) to the end of `plan`.
 fn run_mlp(k: usize, plan: &Plan, optim: OptimizerConfig, config: DriverConfig, poison: Option<(usize, u64)>) -> Run {
+    run_mlp_outer(k, plan, (optim, None), config, poison)
+}
+
+/// [`run_mlp`] with an outer optimizer when given.
+fn run_mlp_outer(
+    k: usize,
+    plan: &Plan,
+    (optim, outer): (OptimizerConfig, Option<OuterConfig>),
+    config: DriverConfig,
+    poison: Option<(usize, u64)>,
+) -> Run {
     let device = device();
     let model = init(Mlp::new(&device));
     let task = Task::new();
@@ -153,6 +164,9 @@ fn run_mlp(k: usize, plan: &Plan, optim: OptimizerConfig, config: DriverConfig, 
                     assert_eq!(w.is_device_resident(), config.residency == Residency::Device);
                     if use_group {
                         w.set_device_group(group).unwrap();
+                    }
+                    if let Some(o) = outer {
+                        w.set_outer(o).unwrap();
                     }
                     let accum = config.accumulation_steps;
                     let (mut reports, mut after) = (Vec::new(), Vec::new());
@@ -611,4 +625,51 @@ fn exclude_norm_and_bias_also_exempts_embedding_tables() {
     assert_eq!(roles, [ParamRole::Embedding, ParamRole::Norm, ParamRole::Bias, ParamRole::Weight, ParamRole::Bias]);
     // Everything but the Linear weight (elements 48..56) is exempt.
     assert_eq!(layout.no_decay_ranges(), [0..40, 40..44, 44..48, 56..58]);
+}
+
+/// The round driver's outer step: lr 1 without momentum is plain averaging (within f32 rounding: the
+/// pseudo-gradient's round trip `g - (g - local)` rounds), DiLoCo's settings move away from it, and every
+/// worker holds the same parameters after every outer step; post-local's data-parallel phase keeps the
+/// global parameters current, so its first outer step starts from the synchronized model.
+#[test]
+fn worker_outer_step_with_lr_one_is_plain_averaging_and_ranks_stay_identical() {
+    let k = 3;
+    for rule in [SyncRule::Constant { h: 4 }, SyncRule::PostLocal { h: 4, switch_step: 20 }] {
+        let p = plan(60, rule.clone());
+        let unit = OuterConfig { lr: 1.0, momentum: 0.0, nesterov: false };
+        let plain = run_mlp(k, &p, sgd(), DriverConfig::default(), None);
+        let outer = run_mlp_outer(k, &p, (sgd(), Some(unit)), DriverConfig::default(), None);
+        for (o, q) in outer.after_sync[0].iter().zip(&plain.after_sync[0]) {
+            assert_close(o, q, 1e-5, &format!("{rule:?}: outer lr 1 vs plain averaging"));
+        }
+        let diloco = run_mlp_outer(k, &p, (sgd(), Some(OuterConfig::diloco())), DriverConfig::default(), None);
+        for r in 1..k {
+            for (a, b) in diloco.after_sync[0].iter().zip(&diloco.after_sync[r]) {
+                assert!(bit_identical(a, b), "{rule:?}: rank {r} differs after an outer step");
+            }
+        }
+        assert!(!bit_identical(&diloco.params[0], &plain.params[0]), "{rule:?}: DiLoCo's step is not an average");
+        assert!(diloco.params[0].iter().all(|x| x.is_finite()));
+    }
+}
+
+#[test]
+fn worker_outer_settings_that_cannot_run_are_refused_naming_the_key() {
+    let device = device();
+    let build = |sync: SyncRule, config: DriverConfig, outer: OuterConfig| {
+        let mut w = Worker::new(
+            init(Mlp::new(&device)),
+            sgd(),
+            Box::new(InProcessGroup::new(1).remove(0)),
+            plan(10, sync).cursor(),
+            config,
+        )
+        .unwrap();
+        w.set_outer(outer).unwrap_err().to_string()
+    };
+    assert!(build(SyncRule::Dp, DriverConfig::default(), OuterConfig::diloco()).contains("`outer`"));
+    let bad_lr = OuterConfig { lr: -1.0, ..OuterConfig::diloco() };
+    assert!(build(SyncRule::Constant { h: 2 }, DriverConfig::default(), bad_lr).contains("`outer.lr`"));
+    let device_resident = DriverConfig { residency: Residency::Device, ..DriverConfig::default() };
+    assert!(build(SyncRule::Constant { h: 2 }, device_resident, OuterConfig::diloco()).contains("host-resident"));
 }

@@ -141,6 +141,28 @@ pub fn optim_bytes(state: &OptimState) -> Result<Vec<u8>> {
     tensors_to_bytes(&named, BTreeMap::from([("step".into(), state.step.to_string())]))
 }
 
+/// `outer.safetensors`: the outer optimizer's global parameters and momentum (the same on every rank).
+pub fn outer_bytes(global: &[f32], momentum: &[f32], step: u64) -> Result<Vec<u8>> {
+    let named = [
+        ("global".to_string(), vec![global.len()], f32_bytes(global)),
+        ("momentum".to_string(), vec![momentum.len()], f32_bytes(momentum)),
+    ];
+    tensors_to_bytes(&named, BTreeMap::from([("step".into(), step.to_string())]))
+}
+
+/// Loads `outer.safetensors` for a model of `len` parameters: (global parameters, momentum).
+pub fn load_outer(file: &Path, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+    let bytes = fs::read(file).with_context(|| {
+        format!(
+            "cannot read {} (the recipe has an [outer] section: was the checkpoint written without it?)",
+            file.display()
+        )
+    })?;
+    let st =
+        SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{} is not a safetensors file: {e}", file.display()))?;
+    Ok((read_f32(&st, "global", len, file)?, read_f32(&st, "momentum", len, file)?))
+}
+
 fn read_f32(st: &SafeTensors<'_>, name: &str, len: usize, file: &Path) -> Result<Vec<f32>> {
     let t = st.tensor(name).map_err(|_| anyhow!("{}: tensor `{name}` is missing", file.display()))?;
     if t.dtype() != Dtype::F32 || t.data().len() != len * 4 {

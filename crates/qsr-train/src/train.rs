@@ -361,6 +361,9 @@ fn run<T: Task>(
     {
         worker.set_device_group(g)?;
     }
+    if let Some(outer) = recipe.outer {
+        worker.set_outer(outer)?;
+    }
     let (start_records, base) = resume(spec, &pace.plan, &mut worker)?;
     let end = pace.plan.end_step();
     let first_step = worker.cursor().step();
@@ -396,6 +399,10 @@ fn resume<M: Module>(spec: &RunSpec, plan: &Plan, worker: &mut Worker<M>) -> Res
         bail!("checkpoint {}: its position does not follow from this recipe's plan", dir.display());
     }
     worker.restore(&params, optim, cursor)?;
+    if worker.outer_state().is_some() {
+        let (global, momentum) = checkpoint::load_outer(&dir.join("outer.safetensors"), params.len())?;
+        worker.restore_outer_state(&global, &momentum)?;
+    }
     if !running.is_empty() {
         let m = worker.layout().write_running(worker.model().clone(), &running)?;
         worker.set_model(m)?;
@@ -630,6 +637,9 @@ fn save_checkpoint<M: Module>(worker: &mut Worker<M>, spec: &RunSpec, step: u64,
             counters,
         };
         checkpoint::write_file(&tmp, "state.json", serde_json::to_string_pretty(&state)?.as_bytes())?;
+        if let Some((global, momentum)) = worker.outer_state() {
+            checkpoint::write_file(&tmp, "outer.safetensors", &checkpoint::outer_bytes(global, momentum, step)?)?;
+        }
     }
     worker.comm_mut().barrier().with_context(err)?;
     if rank == 0 {

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, anyhow, bail};
 use qsr_data::Split;
 use qsr_models::ModelConfig;
-use qsr_optim::{DriverConfig, OptimizerConfig};
+use qsr_optim::{DriverConfig, OptimizerConfig, OuterConfig};
 use qsr_sched::{LrSchedule, Plan, SyncRule};
 use serde::{Deserialize, Serialize};
 use toml::{Table, Value};
@@ -115,7 +115,7 @@ fn bn_images() -> usize {
 /// A resolved recipe.
 ///
 /// The full training recipe: `[model]`, `[data]`, `[train]`, `[optimizer]`, `[schedule]`, `[sync]`,
-/// `[driver]`, `[eval]`, `[checkpoint]`. Every section refuses unknown keys; `--set a.b=value` overrides
+/// `[driver]`, `[eval]`, `[checkpoint]`, `[outer]`. Every section refuses unknown keys; `--set a.b=value` overrides
 /// are applied to the TOML table before anything is validated, so a flag and a key fail the same way.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -149,6 +149,10 @@ pub struct TrainRecipe {
     /// Checkpointing (`[checkpoint]`); on by default, keeping 2.
     #[serde(default)]
     pub checkpoint: CheckpointConfig,
+    /// DiLoCo's outer optimizer at every parameter synchronization (`[outer]`: `lr`, `momentum`,
+    /// `nesterov`; DiLoCo uses 0.7, 0.9, true); none by default (a sync is a plain average).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outer: Option<OuterConfig>,
 }
 
 /// The `data.dataset` names of text corpora (for `model.kind = "gpt"`).
@@ -157,7 +161,8 @@ pub const TEXT_DATASETS: [&str; 3] = ["shakespeare", "comedy-of-errors", "text"]
 /// Largest `data.prefetch`: batches prepared ahead of training per worker.
 pub const MAX_PREFETCH: usize = 64;
 
-const SECTIONS: [&str; 9] = ["model", "data", "train", "optimizer", "schedule", "sync", "driver", "eval", "checkpoint"];
+const SECTIONS: [&str; 10] =
+    ["model", "data", "train", "optimizer", "schedule", "sync", "driver", "eval", "checkpoint", "outer"];
 
 /// Applies `key=value` overrides (dotted keys, TOML values; a bare word is a string).
 pub fn apply_sets(root: &mut Table, sets: &[String]) -> Result<()> {
@@ -273,6 +278,20 @@ impl TrainRecipe {
                 self.data.prefetch
             );
         }
+        if let Some(outer) = &self.outer {
+            outer.validate()?;
+            if self.sync.syncs_gradients(u64::MAX) {
+                bail!(
+                    "invalid `outer`: rule `{}` never averages parameters, so an outer optimizer never runs",
+                    self.sync.name()
+                );
+            }
+            if self.driver.residency == qsr_optim::Residency::Device {
+                bail!(
+                    "invalid `outer`: the outer optimizer runs on host-resident workers, not driver.residency = \"device\""
+                );
+            }
+        }
         self.plan()?;
         Ok(())
     }
@@ -373,6 +392,7 @@ fn section_error(section: &str, value: &Value) -> Option<String> {
         "driver" => check::<DriverConfig>(value),
         "eval" => check::<EvalConfig>(value),
         "checkpoint" => check::<CheckpointConfig>(value),
+        "outer" => check::<OuterConfig>(value),
         _ => None,
     }
 }

@@ -73,12 +73,21 @@ fn char_gpt_learns_below_the_unigram_entropy_and_syncs_as_planned() {
     assert!(saved.contains("kind = \"gpt\"") && saved.contains("vocab_size = 80"), "{saved}");
 }
 
-/// A text run stopped at a checkpoint and resumed ends bit-identical to a straight run.
+/// A text run stopped at a checkpoint and resumed ends bit-identical to a straight run; with DiLoCo's
+/// outer optimizer too, whose state (global parameters, momentum) is checkpointed and restored, and
+/// whose step changed the run.
 #[test]
-fn text_resume_continues_exactly() {
+fn text_resume_continues_exactly_with_and_without_the_outer_optimizer() {
+    let diloco = ["--set", "outer.lr=0.7", "--set", "outer.momentum=0.9", "--set", "outer.nesterov=true"];
+    let (plain, outer) = (resume_continues_exactly_with(&[]), resume_continues_exactly_with(&diloco));
+    assert_ne!(plain, outer, "the outer optimizer did not change the run");
+}
+
+/// Trains straight and with a halt plus resume; asserts they end bit-identical; returns the parameters.
+fn resume_continues_exactly_with(extra: &[&str]) -> Vec<u8> {
     let dir = tempfile::tempdir().unwrap();
     let (straight, resumed) = (dir.path().join("straight"), dir.path().join("resumed"));
-    let short = ["--set", "schedule.total_steps=120"];
+    let short = [&["--set", "schedule.total_steps=120"][..], extra].concat();
     train(QSR, &straight, &short);
     train(QSR, &resumed, &[&short[..], &["--halt-after", "40"]].concat());
     assert!(!resumed.join("summary.json").exists());
@@ -87,6 +96,7 @@ fn text_resume_continues_exactly() {
     let (s, r) = (json(&straight.join("summary.json")), json(&resumed.join("summary.json")));
     assert_eq!(s["final_test_loss"], r["final_test_loss"]);
     assert_eq!(s["syncs"], r["syncs"]);
+    final_params(&straight)
 }
 
 /// Two processes over the TCP ring train the same model as two threads: the same windows, the same sums.
