@@ -4,6 +4,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
+use qsr_optim::OuterConfig;
 use qsr_sched::SyncRule;
 use serde::Serialize;
 
@@ -19,7 +20,9 @@ pub struct CompareArgs {
     #[arg(long)]
     pub recipe: PathBuf,
     /// Comma-separated rules: dp, constant, qsr, post-local, power, exponential; parameters after a
-    /// colon, e.g. `constant:h=4,qsr:h_base=2;alpha=0.06` (default: dp,constant,qsr).
+    /// colon, e.g. `constant:h=4,qsr:h_base=2;alpha=0.06,power:power=3`; a `+outer` suffix on the name
+    /// (`qsr+outer`) adds the recipe's `[outer]` section, or DiLoCo's (lr 0.7, Nesterov momentum 0.9)
+    /// when it has none (default: dp,constant,qsr).
     #[arg(long, default_value = "dp,constant,qsr")]
     pub rules: String,
     /// Seeds 0..N for every rule.
@@ -42,10 +45,12 @@ pub struct CompareArgs {
 /// One row of the table.
 #[derive(Debug, Clone, Serialize)]
 pub struct Row {
-    /// The rule's name as given in `--rules` (without its parameters).
+    /// The rule as given in `--rules`, also the run directories' prefix (`power-power=3-h_base=2`).
     pub rule: String,
     /// The rule with its parameters.
     pub sync: SyncRule,
+    /// The outer optimizer of these runs, if any.
+    pub outer: Option<OuterConfig>,
     /// Number of seeds run.
     pub seeds: usize,
     /// Mean final test accuracy over the seeds, as a fraction in `[0, 1]`.
@@ -54,12 +59,20 @@ pub struct Row {
     pub accuracy_ci95: f64,
     /// Final test accuracy of each seed, in seed order.
     pub accuracies: Vec<f64>,
+    /// Mean final held-out loss (test loss; a language model's validation loss) over the seeds.
+    pub loss_mean: f64,
+    /// Half-width of its 95% confidence interval (Student's t).
+    pub loss_ci95: f64,
+    /// Final held-out loss of each seed, in seed order.
+    pub losses: Vec<f64>,
     /// Synchronizations of seed 0's run.
     pub syncs: u64,
     /// The plan's communication share of seed 0's run (`100 * rounds / steps`; data parallel is 100).
     pub comm_percent: f64,
     /// Bytes rank 0 sent in seed 0's run.
     pub bytes_per_rank: u64,
+    /// Mean seconds rank 0 spent in synchronizations over the seeds.
+    pub comm_seconds_mean: f64,
     /// Mean training wall time over the seeds, in seconds.
     pub wall_seconds_mean: f64,
     /// Run directories, in seed order.
@@ -87,6 +100,27 @@ pub fn mean_ci(xs: &[f64]) -> (f64, f64) {
     }
     let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
     (mean, t95(n - 1) * (var / n as f64).sqrt())
+}
+
+/// One `--rules` entry: its label, the rule, and whether it adds the outer optimizer.
+struct RuleSpec {
+    label: String,
+    rule: SyncRule,
+    outer: bool,
+}
+
+impl RuleSpec {
+    fn parse(spec: &str, base: &SyncRule) -> Result<Self> {
+        let spec = spec.trim();
+        let (name, params) = spec.split_once(':').unwrap_or((spec, ""));
+        let (name, outer) = match name.strip_suffix("+outer") {
+            Some(n) => (n, true),
+            None => (name, false),
+        };
+        let rule = rule_from_spec(&format!("{name}:{params}"), base).map_err(|e| anyhow!("--rules {spec}: {e:#}"))?;
+        let label = spec.replace(['+'], "-").replace([':', ';', ','], "-");
+        Ok(Self { label, rule, outer })
+    }
 }
 
 /// Parses one rule spec against the recipe's own rule (the source of defaults).
@@ -141,14 +175,14 @@ pub fn run(args: &CompareArgs) -> Result<Vec<Row>> {
     }
     let out = args.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(format!("compare-{}", base.name)));
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
-    let rules: Vec<(String, SyncRule)> = args
+    let rules: Vec<RuleSpec> = args
         .rules
         .split(',')
         .filter(|s| !s.trim().is_empty())
-        .map(|s| rule_from_spec(s, &base.sync).map(|r| (s.split(':').next().unwrap_or(s).trim().to_string(), r)))
+        .map(|s| RuleSpec::parse(s, &base.sync))
         .collect::<Result<_>>()?;
     let cmp = Compare { args, dev: device(&args.device)?, base, out };
-    let rows = rules.iter().map(|(label, rule)| cmp.rule_row(label, rule)).collect::<Result<Vec<_>>>()?;
+    let rows = rules.iter().map(|r| cmp.rule_row(r)).collect::<Result<Vec<_>>>()?;
     cmp.write_outputs(&rows)?;
     Ok(rows)
 }
@@ -163,38 +197,53 @@ struct Compare<'a> {
 
 impl Compare<'_> {
     /// Trains `rule` under every seed and sums the runs up in one row.
-    fn rule_row(&self, label: &str, rule: &SyncRule) -> Result<Row> {
+    fn rule_row(&self, spec: &RuleSpec) -> Result<Row> {
+        let outer = spec.outer.then(|| self.base.outer.unwrap_or_else(OuterConfig::diloco));
         let mut summaries: Vec<Summary> = Vec::new();
         let mut runs = Vec::new();
         for seed in 0..self.args.seeds {
-            let (s, run_dir) = self.run_seed(label, rule, seed)?;
+            let (s, run_dir) = self.run_seed(&spec.label, &spec.rule, outer, seed)?;
             summaries.push(s);
             runs.push(run_dir);
         }
         let accs: Vec<f64> = summaries.iter().map(|s| s.final_test_accuracy).collect();
-        let (mean, ci) = mean_ci(&accs);
+        let losses: Vec<f64> = summaries.iter().map(|s| s.final_test_loss).collect();
+        let ((mean, ci), (loss_mean, loss_ci95)) = (mean_ci(&accs), mean_ci(&losses));
         let s0 = &summaries[0];
+        let avg = |f: fn(&Summary) -> f64| summaries.iter().map(f).sum::<f64>() / summaries.len() as f64;
         Ok(Row {
-            rule: label.to_string(),
-            sync: rule.clone(),
+            rule: spec.label.clone(),
+            sync: spec.rule.clone(),
+            outer,
             seeds: summaries.len(),
             accuracy_mean: mean,
             accuracy_ci95: ci,
             accuracies: accs,
+            loss_mean,
+            loss_ci95,
+            losses,
             syncs: s0.syncs,
             comm_percent: s0.comm_percent,
             bytes_per_rank: s0.bytes_per_rank,
-            wall_seconds_mean: summaries.iter().map(|s| s.wall_seconds).sum::<f64>() / summaries.len() as f64,
+            comm_seconds_mean: avg(|s| s.comm_seconds),
+            wall_seconds_mean: avg(|s| s.wall_seconds),
             runs,
         })
     }
 
     /// Trains one rule and seed in its own run directory (recipe written first); returns rank 0's
     /// summary and the directory.
-    fn run_seed(&self, label: &str, rule: &SyncRule, seed: u64) -> Result<(Summary, PathBuf)> {
+    fn run_seed(
+        &self,
+        label: &str,
+        rule: &SyncRule,
+        outer: Option<OuterConfig>,
+        seed: u64,
+    ) -> Result<(Summary, PathBuf)> {
         let base = &self.base;
         let mut recipe = base.clone();
         recipe.sync = rule.clone();
+        recipe.outer = outer;
         recipe.seed = seed;
         recipe.name = format!("{}-{label}-seed{seed}", base.name);
         if let Some(k) = self.args.workers {
@@ -222,7 +271,7 @@ impl Compare<'_> {
     /// Prints the table and writes `compare.md`, `compare.json` and the plots.
     fn write_outputs(&self, rows: &[Row]) -> Result<()> {
         let out = &self.out;
-        let table = markdown(&self.base, rows, self.args.seeds);
+        let table = markdown(&self.base, rows, self.args.seeds)?;
         print!("{table}");
         write_atomic(&out.join("compare.md"), table.as_bytes())?;
         write_atomic(&out.join("compare.json"), serde_json::to_string_pretty(rows)?.as_bytes())?;
@@ -246,32 +295,39 @@ impl Compare<'_> {
     }
 }
 
-fn markdown(recipe: &TrainRecipe, rows: &[Row], seeds: u64) -> String {
+fn markdown(recipe: &TrainRecipe, rows: &[Row], seeds: u64) -> Result<String> {
+    let text = recipe.model.as_gpt().is_some();
+    let (loss, acc) =
+        if text { ("validation loss (nats)", "next-token accuracy (%)") } else { ("test loss", "test accuracy (%)") };
     let mut o = String::new();
-    let _ = writeln!(
+    writeln!(
         o,
-        "\n{}: K = {} workers, {} steps, {} seeds (accuracy: mean ± 95% CI over seeds)\n",
+        "\n{}: K = {} workers, {} steps, {} seeds (mean ± 95% CI over seeds)\n",
         recipe.name,
         recipe.train.workers,
         recipe.plan().map_or(0, |p| p.end_step()),
         seeds
-    );
-    let _ = writeln!(o, "| rule | test accuracy (%) | syncs | comm % | MiB sent / rank | wall s |");
-    let _ = writeln!(o, "|---|---|---|---|---|---|");
+    )?;
+    writeln!(o, "| rule | {loss} | {acc} | syncs | comm % | MiB sent / rank | comm s | wall s |")?;
+    writeln!(o, "|---|---|---|---|---|---|---|---|")?;
     for r in rows {
-        let _ = writeln!(
+        let outer = r.outer.map_or(String::new(), |c| format!(" + outer (lr {}, momentum {})", c.lr, c.momentum));
+        writeln!(
             o,
-            "| {} | {:.2} ± {:.2} | {} | {:.1} | {:.1} | {:.1} |",
+            "| {}{outer} | {:.4} ± {:.4} | {:.2} ± {:.2} | {} | {:.1} | {:.1} | {:.1} | {:.1} |",
             r.sync.describe(),
+            r.loss_mean,
+            r.loss_ci95,
             100.0 * r.accuracy_mean,
             100.0 * r.accuracy_ci95,
             r.syncs,
             r.comm_percent,
             r.bytes_per_rank as f64 / (1024.0 * 1024.0),
+            r.comm_seconds_mean,
             r.wall_seconds_mean
-        );
+        )?;
     }
-    o
+    Ok(o)
 }
 
 /// `qsr plot RUN_DIR... [--out DIR]`.

@@ -488,7 +488,8 @@ fn lines(
 }
 
 /// `qsr plot`: `schedule.png` (lr and H against step), `accuracy.png` (test accuracy against step and
-/// against bytes sent), `loss.png` (train loss against step and bytes), overlaying the runs.
+/// against bytes sent), `loss.png` (train loss against step and bytes), `eval-loss.png` (the held-out
+/// loss: test loss, or a language model's validation loss, against step and bytes), overlaying the runs.
 pub fn runs_png(runs: &[RunSeries], out_dir: &Path) -> Result<Vec<std::path::PathBuf>> {
     register_font();
     std::fs::create_dir_all(out_dir).with_context(|| format!("cannot create {}", out_dir.display()))?;
@@ -558,6 +559,17 @@ pub fn runs_png(runs: &[RunSeries], out_dir: &Path) -> Result<Vec<std::path::Pat
             (sent, Scale::Real),
             loss,
             &series("sync", &|r| r.loss.map(|v| (r.bytes as f64 / per, v))),
+        )
+    })?;
+    draw("eval-loss.png", &|root| {
+        let (l, r) = root.split_horizontally(width / 2);
+        lines(&l, "held-out loss", step, loss, &series("eval", &|r| r.loss.map(|v| (r.step as f64, v))))?;
+        lines(
+            &r,
+            "held-out loss vs communication",
+            (sent, Scale::Real),
+            loss,
+            &series("eval", &|r| r.loss.map(|v| (r.bytes as f64 / per, v))),
         )
     })?;
     Ok(written)

@@ -501,7 +501,11 @@ impl Segment {
         self.write(worker, |c| record("sync", report, pace, loss, None, c))?;
         self.since_sync = (0.0, 0);
         let is_end = worker.cursor().is_done();
-        if !eval_due(worker.cursor(), done_steps, pace.spe, recipe.eval.every_epochs as u64) {
+        let due = match recipe.eval.every_steps {
+            Some(period) => eval_due_every(worker.cursor(), done_steps, period),
+            None => eval_due(worker.cursor(), done_steps, pace.spe, recipe.eval.every_epochs as u64),
+        };
+        if !due {
             return Ok(AfterSync::Continue);
         }
         task.prepare_eval(worker, done_steps)?;
@@ -593,6 +597,13 @@ fn eval_due(cursor: &Cursor, done_steps: u64, spe: usize, every_epochs: u64) -> 
     let boundary = done_steps.div_ceil(spe as u64) * spe as u64;
     let epoch_index = boundary / spe as u64;
     is_end || (next_end > boundary && epoch_index.is_multiple_of(every_epochs))
+}
+
+/// Whether the sync that completed `done_steps` steps evaluates under `eval.every_steps = period`: the
+/// last sync before every multiple of `period` (the next sync would be past it), and the end.
+fn eval_due_every(cursor: &Cursor, done_steps: u64, period: u64) -> bool {
+    let boundary = done_steps.div_ceil(period) * period;
+    cursor.is_done() || cursor.round().end() > boundary
 }
 
 /// The run's counters: those of the checkpoint it resumed from, then this segment's.

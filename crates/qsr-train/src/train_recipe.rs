@@ -60,6 +60,10 @@ pub struct EvalConfig {
     /// Evaluate at the last synchronization before every `every_epochs`-th epoch boundary (and at the end).
     #[serde(default = "one")]
     pub every_epochs: usize,
+    /// Evaluate at the last synchronization before every multiple of this many steps (and at the end)
+    /// instead of by epochs; for runs shorter than an epoch, such as a language model's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub every_steps: Option<u64>,
     /// Training images (over all workers) used to re-estimate BatchNorm statistics before an evaluation.
     #[serde(default = "bn_images")]
     pub bn_images: usize,
@@ -71,7 +75,7 @@ pub struct EvalConfig {
 
 impl Default for EvalConfig {
     fn default() -> Self {
-        Self { batch_size: eval_batch(), every_epochs: 1, bn_images: bn_images(), max_items: None }
+        Self { batch_size: eval_batch(), every_epochs: 1, every_steps: None, bn_images: bn_images(), max_items: None }
     }
 }
 
@@ -254,6 +258,9 @@ impl TrainRecipe {
         }
         if self.eval.every_epochs == 0 {
             bail!("invalid `eval.every_epochs`: must be at least 1");
+        }
+        if self.eval.every_steps == Some(0) {
+            bail!("invalid `eval.every_steps`: must be at least 1");
         }
         if self.eval.max_items == Some(0) {
             bail!("invalid `eval.max_items`: must be at least 1 (leave it out to evaluate on the whole split)");

@@ -137,3 +137,49 @@ fn text_settings_are_refused_naming_the_key() {
     let digits_gpt = refused(&["train", "--recipe", "recipes/digits-qsr.toml", "--out", o, "--set", "model.kind=gpt"]);
     assert!(digits_gpt.contains("model"), "{digits_gpt}");
 }
+
+/// `qsr compare` on text: rules with parameters and `+outer` get their own rows and run directories, the
+/// table reports validation loss and next-token accuracy, the JSON the outer settings.
+#[test]
+fn compare_on_text_reports_validation_loss_per_rule_and_outer_variant() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("cmp");
+    let stdout = ok(&[
+        "compare",
+        "--recipe",
+        QSR,
+        "--seeds",
+        "1",
+        "--workers",
+        "2",
+        "--rules",
+        "dp,power:power=1;h_base=2,qsr+outer",
+        "--out",
+        out.to_str().unwrap(),
+        "--set",
+        "data.dataset=comedy-of-errors",
+        "--set",
+        "schedule.total_steps=40",
+        "--set",
+        "schedule.warmup_steps=4",
+        "--set",
+        "eval.every_steps=20",
+        "--set",
+        "eval.max_items=32",
+    ]);
+    assert!(stdout.contains("validation loss (nats)") && stdout.contains("+ outer (lr 0.7, momentum 0.9)"), "{stdout}");
+    let rows = json(&out.join("compare.json"));
+    let labels: Vec<&str> = rows.as_array().unwrap().iter().map(|r| r["rule"].as_str().unwrap()).collect();
+    assert_eq!(labels, ["dp", "power-power=1-h_base=2", "qsr-outer"]);
+    assert!(rows[0]["outer"].is_null() && rows[2]["outer"]["lr"] == 0.7);
+    assert_eq!(rows[1]["sync"]["power"], 1.0);
+    for r in rows.as_array().unwrap() {
+        assert!(r["loss_mean"].as_f64().unwrap() < 4.2, "{r}");
+        let run = Path::new(r["runs"][0].as_str().unwrap());
+        assert!(run.join("summary.json").exists(), "{}", run.display());
+        // every_steps = 20: evaluations at (or at the last sync before) steps 20 and 40.
+        let evals = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap().matches("\"eval\"").count();
+        assert!(evals >= 2, "{r}: {evals} evaluations");
+    }
+    assert!(out.join("eval-loss.png").exists());
+}
