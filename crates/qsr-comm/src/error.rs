@@ -10,6 +10,14 @@ use std::time::Duration;
 /// looking at one of N log files and needs to know which other one to open.
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
+    /// The backend does not offer this operation (e.g. a bf16 all-reduce over MPI).
+    #[error("{backend} does not support {what}")]
+    Unsupported {
+        /// The backend's name (`mpi`, `nccl`).
+        backend: &'static str,
+        /// The operation, e.g. `a bf16 all-reduce`.
+        what: String,
+    },
     /// A peer closed its connection or died (EOF, reset, broken pipe).
     #[error("peer rank {rank} ({addr}) was lost during {during}: {detail}")]
     PeerLost {

@@ -20,7 +20,14 @@
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::{CallKind, Collective, CommError, CommStats, ReduceOp, split_range};
+use crate::{CallKind, Collective, CommError, CommStats, ReduceOp, bf16_round, split_range};
+
+/// How an all-reduce's payload travels (in a ring; here: how it is rounded).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wire {
+    F32,
+    Bf16,
+}
 
 /// Default time a rank waits for the others to enter the same collective.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -99,7 +106,8 @@ impl Failure {
 struct Slot {
     seq: u64,
     kind: CallKind,
-    op: Option<ReduceOp>,
+    /// The reduction, and whether its payload is carried as bf16.
+    op: Option<(ReduceOp, Wire)>,
     root: usize,
     addr: usize,
     len: usize,
@@ -198,7 +206,7 @@ impl InProcessComm {
     fn run<F>(
         &mut self,
         kind: CallKind,
-        op: Option<ReduceOp>,
+        op: Option<(ReduceOp, Wire)>,
         root: usize,
         addr: usize,
         len: usize,
@@ -218,7 +226,8 @@ impl InProcessComm {
         let bytes = (len * 4) as u64;
         let (sent, recv) = match kind {
             CallKind::AllReduce => {
-                let v = crate::ring_allreduce_bytes(len, self.k);
+                let elem = if matches!(op, Some((_, Wire::Bf16))) { 2 } else { 4 };
+                let v = crate::ring_allreduce_bytes(len, elem, self.k);
                 (v, v)
             }
             CallKind::Broadcast if self.rank == root => (bytes, 0),
@@ -228,6 +237,13 @@ impl InProcessComm {
         self.stats.record(sent, recv, start.elapsed().as_secs_f64());
         result
     }
+}
+
+/// A call's reduction as the TCP ring names it: `sum`, `mean (bf16 payload)`, `none`.
+fn op_name(op: Option<(ReduceOp, Wire)>) -> String {
+    let Some((op, wire)) = op else { return "none".into() };
+    let name = if op == ReduceOp::Mean { "mean" } else { "sum" };
+    if wire == Wire::Bf16 { format!("{name} (bf16 payload)") } else { name.into() }
 }
 
 /// Checks that all K published calls agree; the message compares each rank with rank 0.
@@ -250,7 +266,7 @@ fn validate(slots: &[Option<Slot>]) -> Option<Failure> {
             return Some(diff("call", first.kind.name().into(), s.kind.name().into()));
         }
         if s.op != first.op {
-            return Some(diff("reduce op", format!("{:?}", first.op), format!("{:?}", s.op)));
+            return Some(diff("reduce op", op_name(first.op), op_name(s.op)));
         }
         if s.root != first.root {
             return Some(diff("root", first.root.to_string(), s.root.to_string()));
@@ -278,6 +294,35 @@ fn reduce_slice(slots: &[Slot], range: std::ops::Range<usize>, op: ReduceOp) {
     qsr_kernels::reduce_and_broadcast_serial(&mut views, op == ReduceOp::Mean);
 }
 
+/// The bf16 work step for the slice `split_range(len, K, rank)`: the TCP ring's order and rounding
+/// for its segment `rank`, so both backends give the same bits. The partial sum starts at rank `rank`
+/// and each next rank adds its f32 value to the bf16-rounded partial it "received"; a mean divides the
+/// last sum by K; every rank gets the result rounded to bf16. One rank: unchanged.
+fn reduce_slice_bf16(slots: &[Slot], rank: usize, op: ReduceOp) {
+    let k = slots.len();
+    if k == 1 {
+        return;
+    }
+    let range = split_range(slots[rank].len, k, rank);
+    let view = |r: usize| {
+        // SAFETY: as in `reduce_slice`: elements of `range` are touched only by this thread, each slot a
+        // distinct live buffer of at least `range.end` f32s whose owner waits in this call.
+        unsafe { std::slice::from_raw_parts_mut((slots[r].addr as *mut f32).add(range.start), range.len()) }
+    };
+    let mut views: Vec<&mut [f32]> = (0..k).map(|j| view((rank + j) % k)).collect();
+    for i in 0..range.len() {
+        let mut sum = views[0][i];
+        for v in &views[1..] {
+            sum = bf16_round(sum) + v[i];
+        }
+        if op == ReduceOp::Mean {
+            sum /= k as f32;
+        }
+        let out = bf16_round(sum);
+        views.iter_mut().for_each(|v| v[i] = out);
+    }
+}
+
 impl Collective for InProcessComm {
     fn rank(&self) -> usize {
         self.rank
@@ -290,8 +335,16 @@ impl Collective for InProcessComm {
     fn all_reduce(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
         let (k, rank) = (self.k, self.rank);
         let addr = buf.as_mut_ptr() as usize;
-        self.run(CallKind::AllReduce, Some(op), 0, addr, buf.len(), |slots| {
+        self.run(CallKind::AllReduce, Some((op, Wire::F32)), 0, addr, buf.len(), |slots| {
             reduce_slice(slots, split_range(slots[rank].len, k, rank), op)
+        })
+    }
+
+    fn all_reduce_bf16(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        let rank = self.rank;
+        let addr = buf.as_mut_ptr() as usize;
+        self.run(CallKind::AllReduce, Some((op, Wire::Bf16)), 0, addr, buf.len(), |slots| {
+            reduce_slice_bf16(slots, rank, op)
         })
     }
 
@@ -379,7 +432,8 @@ mod tests {
 
     #[test]
     fn validate_names_field_and_rank() {
-        let s = Slot { seq: 3, kind: CallKind::AllReduce, op: Some(ReduceOp::Sum), root: 0, addr: 0, len: 10 };
+        let s =
+            Slot { seq: 3, kind: CallKind::AllReduce, op: Some((ReduceOp::Sum, Wire::F32)), root: 0, addr: 0, len: 10 };
         let mut other = s;
         other.len = 11;
         match validate(&[Some(s), Some(s), Some(other)]) {
@@ -389,7 +443,7 @@ mod tests {
             _ => panic!("length mismatch not detected"),
         }
         let mut other = s;
-        other.op = Some(ReduceOp::Mean);
+        other.op = Some((ReduceOp::Mean, Wire::F32));
         assert!(matches!(
             validate(&[Some(s), Some(other)]),
             Some(Failure::Diverged { peer: 1, field: "reduce op", .. })

@@ -77,6 +77,11 @@ impl ReduceOp {
     }
 }
 
+/// `x` rounded to bf16 (round to nearest even), as the f32 it stands for.
+pub(crate) fn bf16_round(x: f32) -> f32 {
+    half::bf16::from_f32(x).to_f32()
+}
+
 /// Which collective a call is; carried in frames and compared across ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum CallKind {
@@ -146,6 +151,15 @@ pub trait Collective: Send {
     /// Replaces `buf` on every rank with the element-wise sum (or mean) over ranks; all ranks
     /// end with bit-identical buffers.
     fn all_reduce(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError>;
+    /// [`all_reduce`](Self::all_reduce) with the payload carried as bf16: each hop adds in f32 what it
+    /// received to its own f32 values and sends the partial sum rounded to bf16 (round to nearest
+    /// even), and the result, rounded to bf16, is what every rank ends with, bit-identical; half the
+    /// bytes of the f32 call. With one rank the buffer is unchanged. Backends without it refuse with
+    /// [`CommError::Unsupported`] (the default).
+    fn all_reduce_bf16(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        let _ = (buf, op);
+        Err(CommError::Unsupported { backend: self.backend(), what: "a bf16 all-reduce".into() })
+    }
     /// Copies `root`'s `buf` into every other rank's `buf` (same length on every rank).
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError>;
     /// Copies `root`'s byte payload to every rank; non-roots' `bytes` are resized to match. For
@@ -199,6 +213,9 @@ impl<C: Collective + ?Sized> Collective for Box<C> {
     fn all_reduce(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
         (**self).all_reduce(buf, op)
     }
+    fn all_reduce_bf16(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        (**self).all_reduce_bf16(buf, op)
+    }
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
         (**self).broadcast(buf, root)
     }
@@ -216,14 +233,15 @@ impl<C: Collective + ?Sized> Collective for Box<C> {
     }
 }
 
-/// Bytes one rank sends (and receives) in a ring all-reduce of `len` f32 over `k` ranks: `2 (k-1)/k`
+/// Bytes one rank sends (and receives) in a ring all-reduce of `len` elements over `k` ranks: `2 (k-1)/k`
 /// of the buffer. Every backend accounts its all-reduce traffic with this (as qsr-sched plans it), so
 /// simulated, TCP and NCCL runs report comparable bytes.
-pub(crate) fn ring_allreduce_bytes(len: usize, k: usize) -> u64 {
+/// Elements are `elem_bytes` bytes on the wire (4 for f32, 2 for bf16).
+pub(crate) fn ring_allreduce_bytes(len: usize, elem_bytes: u64, k: usize) -> u64 {
     if k <= 1 {
         return 0;
     }
-    (len as u64 * 4) * 2 * (k as u64 - 1) / k as u64
+    (len as u64 * elem_bytes) * 2 * (k as u64 - 1) / k as u64
 }
 
 /// Largest payload `broadcast_bytes` accepts (a bound on what a peer can make us allocate).

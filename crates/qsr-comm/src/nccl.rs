@@ -110,7 +110,7 @@ impl NcclComm {
             ReduceOp::Mean => NcclOp::Avg,
         };
         let r = self.comm.all_reduce_in_place(buf, &nccl_op).map(|_| ()).map_err(|e| device_err("ncclAllReduce", e.0));
-        let bytes = crate::ring_allreduce_bytes(buf.len(), self.n);
+        let bytes = crate::ring_allreduce_bytes(buf.len(), 4, self.n);
         self.finish(r, bytes, t)
     }
 
@@ -254,7 +254,7 @@ impl Collective for NcclComm {
         self.usable()?;
         let t = Instant::now();
         let r = self.host_all_reduce(buf, op);
-        let bytes = crate::ring_allreduce_bytes(buf.len(), self.n);
+        let bytes = crate::ring_allreduce_bytes(buf.len(), 4, self.n);
         self.finish(r, bytes, t)
     }
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {

@@ -458,7 +458,8 @@ impl Reply {
 pub struct CallHeader {
     /// Which collective: one of the `KIND_*` constants.
     pub kind: u8,
-    /// Reduction: 0 sum (also a barrier's), 1 mean, [`OP_NONE`] for broadcasts.
+    /// Reduction: 0 sum (also a barrier's), 1 mean, [`OP_SUM_BF16`] / [`OP_MEAN_BF16`] with a bf16
+    /// payload, [`OP_NONE`] for broadcasts.
     pub op: u8,
     /// Pipelining block size in 4 KiB units (ranks must agree on it to agree on frame lengths).
     pub chunk: u16,
@@ -484,6 +485,12 @@ pub const KIND_BROADCAST_BYTES: u8 = 4;
 pub const KIND_BROADCAST_LEN: u8 = 5;
 /// `op` value of calls without a reduction.
 pub const OP_NONE: u8 = 0xff;
+
+/// `op` value of a sum whose payload travels as bf16.
+pub const OP_SUM_BF16: u8 = 2;
+
+/// `op` value of a mean whose payload travels as bf16.
+pub const OP_MEAN_BF16: u8 = 3;
 
 impl CallHeader {
     /// The 32-byte header, starting with [`CALL_MAGIC`].
@@ -511,7 +518,7 @@ impl CallHeader {
             return Err(WireError::BadValue { what: "call kind", value: u64::from(kind) });
         }
         let op = c.u8()?;
-        if op > 1 && op != OP_NONE {
+        if op > OP_MEAN_BF16 && op != OP_NONE {
             return Err(WireError::BadValue { what: "reduce op", value: u64::from(op) });
         }
         let chunk = c.u16()?;

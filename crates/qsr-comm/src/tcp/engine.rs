@@ -120,9 +120,15 @@ fn nb<T>(r: io::Result<T>) -> io::Result<Option<T>> {
     }
 }
 
-/// The buffer of a call: f32s (all-reduce) or bytes; all transfers use its byte view.
+/// The buffer of a call: f32s (all-reduce), f32s travelling as bf16, or bytes; all transfers use
+/// its byte view (for bf16: the wire copy).
 pub(crate) enum Buf<'a> {
     F32(&'a mut [f32]),
+    /// The f32 values, reduced in f32, and their bf16 wire copy (little-endian), 2 bytes per value.
+    Bf16 {
+        master: &'a mut [f32],
+        wire: &'a mut [u8],
+    },
     Bytes(&'a mut [u8]),
 }
 
@@ -130,9 +136,20 @@ impl Buf<'_> {
     fn bytes(&mut self) -> &mut [u8] {
         match self {
             Buf::F32(f) => f32_bytes_mut(f),
+            Buf::Bf16 { wire, .. } => wire,
             Buf::Bytes(b) => b,
         }
     }
+}
+
+/// The bf16 of little-endian wire bytes `b`, as f32.
+pub(crate) fn bf16_at(b: &[u8]) -> f32 {
+    half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+}
+
+/// Writes `x` rounded to bf16 into two little-endian wire bytes.
+pub(crate) fn put_bf16(x: f32, out: &mut [u8]) {
+    out.copy_from_slice(&half::bf16::from_f32(x).to_bits().to_le_bytes());
 }
 
 pub(crate) fn f32_bytes_mut(f: &mut [f32]) -> &mut [u8] {
@@ -544,11 +561,12 @@ impl<'a> Call<'a> {
                 nb((&self.ring.left).read(dst))
             }
             Action::Reduce | Action::ReduceMean => {
-                let floats = len / 4;
-                if self.scratch.len() < floats {
-                    self.scratch.resize(floats, 0.0);
+                // f32 words enough for `len` bytes (bf16 blocks may be 2 bytes short of a word).
+                let words = len.div_ceil(4);
+                if self.scratch.len() < words {
+                    self.scratch.resize(words, 0.0);
                 }
-                let dst = &mut f32_bytes_mut(&mut self.scratch[..floats])[got..];
+                let dst = &mut f32_bytes_mut(&mut self.scratch[..words])[got..len];
                 nb((&self.ring.left).read(dst))
             }
         };
@@ -568,17 +586,26 @@ impl<'a> Call<'a> {
         if block.action == Action::Copy {
             return;
         }
-        let Buf::F32(f) = &mut self.buf else { return };
-        let (lo, hi) = (block.range.start / 4, block.range.end / 4);
-        let dst = &mut f[lo..hi];
-        let src = &self.scratch[..hi - lo];
-        match block.action {
-            Action::Copy => {}
-            Action::Reduce => dst.iter_mut().zip(src).for_each(|(d, s)| *d += *s),
-            Action::ReduceMean => {
-                let k = self.n as f32;
-                dst.iter_mut().zip(src).for_each(|(d, s)| *d = (*d + *s) / k);
+        let mean = block.action == Action::ReduceMean;
+        let k = self.n as f32;
+        let finish = |sum: f32| if mean { sum / k } else { sum };
+        match &mut self.buf {
+            Buf::F32(f) => {
+                let (lo, hi) = (block.range.start / 4, block.range.end / 4);
+                let src = &self.scratch[..hi - lo];
+                f[lo..hi].iter_mut().zip(src).for_each(|(d, s)| *d = finish(*d + *s));
             }
+            Buf::Bf16 { master, wire } => {
+                // f32 accumulation of the received bf16 partial sum; the result goes on as bf16.
+                let (lo, hi) = (block.range.start / 2, block.range.end / 2);
+                let src = &f32_bytes_mut(self.scratch)[..(hi - lo) * 2];
+                let out = &mut wire[block.range.clone()];
+                for (i, d) in master[lo..hi].iter_mut().enumerate() {
+                    *d = finish(*d + bf16_at(&src[2 * i..]));
+                    put_bf16(*d, &mut out[2 * i..2 * i + 2]);
+                }
+            }
+            Buf::Bytes(_) => {}
         }
     }
 
@@ -596,6 +623,8 @@ impl<'a> Call<'a> {
         let op_name = |o: u8| match o {
             0 => "sum".to_string(),
             1 => "mean".into(),
+            wire::OP_SUM_BF16 => "sum (bf16 payload)".into(),
+            wire::OP_MEAN_BF16 => "mean (bf16 payload)".into(),
             _ => "none".into(),
         };
         let diff: Option<(&'static str, String, String)> = if theirs.sender as usize != left {
@@ -604,10 +633,11 @@ impl<'a> Call<'a> {
             Some(("sequence number", ours.seq.to_string(), theirs.seq.to_string()))
         } else if theirs.kind != ours.kind {
             Some(("call", kind_name(ours.kind), kind_name(theirs.kind)))
+        } else if theirs.op != ours.op {
+            // Before the length: a bf16 call against an f32 one differs in both, and the op says why.
+            Some(("reduce op", op_name(ours.op), op_name(theirs.op)))
         } else if theirs.len != ours.len {
             Some(("length (bytes)", ours.len.to_string(), theirs.len.to_string()))
-        } else if theirs.op != ours.op {
-            Some(("reduce op", op_name(ours.op), op_name(theirs.op)))
         } else if theirs.root != ours.root {
             Some(("root", ours.root.to_string(), theirs.root.to_string()))
         } else if theirs.chunk != ours.chunk {

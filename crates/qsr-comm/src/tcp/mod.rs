@@ -236,6 +236,8 @@ pub struct TcpComm {
     stats: CommStats,
     broken: Option<String>,
     scratch: Vec<f32>,
+    /// The bf16 wire copy of a bf16 all-reduce (kept to reuse its allocation).
+    wire: Vec<u8>,
     /// Rank 0: answers late registrations on the rendezvous port while we live.
     _late: Option<rendezvous::LateRefuser>,
 }
@@ -354,6 +356,7 @@ impl TcpComm {
             stats: CommStats::default(),
             broken: None,
             scratch: Vec::new(),
+            wire: Vec::new(),
             _late: None,
         })
     }
@@ -395,6 +398,7 @@ impl TcpComm {
             stats: CommStats::default(),
             broken: None,
             scratch: Vec::new(),
+            wire: Vec::new(),
             _late: None,
         })
     }
@@ -480,6 +484,27 @@ impl Collective for TcpComm {
         };
         let len = buf.len() * 4;
         self.call(wire::KIND_ALL_REDUCE, op.code(), 0, Buf::F32(buf), len, plan)
+    }
+
+    fn all_reduce_bf16(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        if self.n == 1 {
+            return self.all_reduce(buf, op); // nothing travels: the buffer stays as it is
+        }
+        let mean = op == ReduceOp::Mean;
+        let plan = plan::all_reduce_of(self.rank, self.n, buf.len(), mean, chunk_bytes(&self.cfg), 2);
+        let mut wire = std::mem::take(&mut self.wire);
+        wire.clear();
+        wire.resize(buf.len() * 2, 0);
+        buf.iter().zip(wire.chunks_exact_mut(2)).for_each(|(x, w)| engine::put_bf16(*x, w));
+        let code = if mean { wire::OP_MEAN_BF16 } else { wire::OP_SUM_BF16 };
+        let len = wire.len();
+        let res = self.call(wire::KIND_ALL_REDUCE, code, 0, Buf::Bf16 { master: buf, wire: &mut wire }, len, plan);
+        if res.is_ok() {
+            // Every rank takes the values on the wire, its own segment's too: bit-identical everywhere.
+            buf.iter_mut().zip(wire.chunks_exact(2)).for_each(|(x, w)| *x = engine::bf16_at(w));
+        }
+        self.wire = wire;
+        res
     }
 
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {

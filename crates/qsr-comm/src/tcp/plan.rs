@@ -73,27 +73,32 @@ fn blocks(seg: Range<usize>, elem: usize, chunk: usize, out: &mut Vec<Range<usiz
 
 /// Plan of an all-reduce of `len` f32s on rank `rank` of `n` (n >= 2).
 pub(crate) fn all_reduce(rank: usize, n: usize, len: usize, mean: bool, chunk: usize) -> Plan {
+    all_reduce_of(rank, n, len, mean, chunk, 4)
+}
+
+/// [`all_reduce`] of elements of `elem` bytes on the wire (4: f32, 2: bf16); ranges are byte ranges.
+pub(crate) fn all_reduce_of(rank: usize, n: usize, len: usize, mean: bool, chunk: usize, elem: usize) -> Plan {
     let seg = |c: usize| split_range(len, n, c % n);
     let mut recv = Vec::new();
     let mut tmp = Vec::new();
     for s in 0..n - 1 {
         tmp.clear();
-        blocks(seg(rank + 2 * n - s - 1), 4, chunk, &mut tmp);
+        blocks(seg(rank + 2 * n - s - 1), elem, chunk, &mut tmp);
         let action = if s == n - 2 && mean { Action::ReduceMean } else { Action::Reduce };
         recv.extend(tmp.iter().map(|r| RecvBlock { range: r.clone(), action }));
     }
     for t in 0..n - 1 {
         tmp.clear();
-        blocks(seg(rank + n - t), 4, chunk, &mut tmp);
+        blocks(seg(rank + n - t), elem, chunk, &mut tmp);
         recv.extend(tmp.iter().map(|r| RecvBlock { range: r.clone(), action: Action::Copy }));
     }
     // The last all-gather segment is not forwarded: its next hop is the rank that owns it.
     tmp.clear();
-    blocks(seg(rank + 2), 4, chunk, &mut tmp);
+    blocks(seg(rank + 2), elem, chunk, &mut tmp);
     let forwarded = recv.len() - tmp.len();
     let mut send = Vec::new();
     tmp.clear();
-    blocks(seg(rank), 4, chunk, &mut tmp);
+    blocks(seg(rank), elem, chunk, &mut tmp);
     send.extend(tmp.iter().map(|r| SendBlock { range: r.clone(), after: 0 }));
     send.extend(recv[..forwarded].iter().enumerate().map(|(i, b)| SendBlock { range: b.range.clone(), after: i + 1 }));
     Plan { send, recv }
