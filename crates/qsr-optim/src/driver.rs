@@ -79,6 +79,33 @@ pub struct DriverConfig {
     /// Where the flat parameters and optimizer state live.
     #[serde(default)]
     pub residency: Residency,
+    /// How the payload of a parameter sync (parameters or pseudo-gradients, with the state the
+    /// policies append) travels: `f32` (default) or `bf16` (f32 accumulation at every hop, half the
+    /// bytes; host-resident workers). Gradient all-reduces stay f32.
+    #[serde(default)]
+    pub wire: Wire,
+}
+
+/// The element type of a parameter sync on the wire (`driver.wire`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Wire {
+    /// 4 bytes per value, exact.
+    #[default]
+    F32,
+    /// 2 bytes per value: every rank ends with the bf16-rounded mean, bit-identical
+    /// ([`qsr_comm::Collective::all_reduce_bf16`]).
+    Bf16,
+}
+
+impl Wire {
+    /// Bytes per value on the wire.
+    pub fn bytes_per_element(self) -> u64 {
+        match self {
+            Wire::F32 => 4,
+            Wire::Bf16 => 2,
+        }
+    }
 }
 
 /// Where a worker's flat parameters and optimizer state live.
@@ -111,6 +138,7 @@ impl Default for DriverConfig {
             bucket_elems: None,
             broadcast_initial: true,
             residency: Residency::Auto,
+            wire: Wire::F32,
         }
     }
 }
@@ -196,9 +224,15 @@ impl Peers<'_> {
         (*self.comm.stats(), Instant::now())
     }
 
-    /// Mean all-reduce of `buf` in the configured buckets; returns the calls made.
+    /// Mean all-reduce of `buf` in the configured buckets, in f32; returns the calls made.
     pub(crate) fn all_reduce(&mut self, buf: &mut [f32], step: u64) -> Result<u64, OptimError> {
-        all_reduce_bucketed(&mut *self.comm, buf, self.config.bucket_elems)
+        all_reduce_bucketed(&mut *self.comm, buf, self.config.bucket_elems, Wire::F32)
+            .map_err(|source| OptimError::Comm { step, source })
+    }
+
+    /// [`Self::all_reduce`] of a parameter sync's payload, on the configured wire (`driver.wire`).
+    pub(crate) fn all_reduce_params(&mut self, buf: &mut [f32], step: u64) -> Result<u64, OptimError> {
+        all_reduce_bucketed(&mut *self.comm, buf, self.config.bucket_elems, self.config.wire)
             .map_err(|source| OptimError::Comm { step, source })
     }
 
@@ -297,7 +331,14 @@ impl<M: Module> Worker<M> {
         if config.broadcast_initial && comm.world_size() > 1 {
             model = broadcast_initial(model, &layout, comm.as_mut(), cursor.step())?;
         }
-        let replica = match resolve_residency(config.residency, &model) {
+        let residency = resolve_residency(config.residency, &model);
+        if config.wire == Wire::Bf16 && residency == Residency::Device {
+            return Err(OptimError::Config {
+                field: "driver.wire".into(),
+                reason: "bf16 syncs run on host-resident workers (driver.residency = \"host\")".into(),
+            });
+        }
+        let replica = match residency {
             Residency::Device => {
                 let device = model_device(&model).inner();
                 Replica::Device(DeviceReplica::new(&model, &layout, optimizer.clone(), device)?)
@@ -543,21 +584,23 @@ fn all_reduce_bucketed(
     comm: &mut dyn Collective,
     buf: &mut [f32],
     bucket: Option<usize>,
+    wire: Wire,
 ) -> Result<u64, qsr_comm::CommError> {
-    match bucket {
-        Some(b) if b < buf.len() => {
-            let mut calls = 0;
-            for chunk in buf.chunks_mut(b) {
-                comm.all_reduce(chunk, ReduceOp::Mean)?;
-                calls += 1;
-            }
-            Ok(calls)
+    let size = bucket.filter(|&b| b < buf.len()).unwrap_or(buf.len()).max(1);
+    let mut calls = 0;
+    for chunk in buf.chunks_mut(size) {
+        match wire {
+            Wire::F32 => comm.all_reduce(chunk, ReduceOp::Mean)?,
+            Wire::Bf16 => comm.all_reduce_bf16(chunk, ReduceOp::Mean)?,
         }
-        _ => {
-            comm.all_reduce(buf, ReduceOp::Mean)?;
-            Ok(1)
-        }
+        calls += 1;
     }
+    // An empty buffer is still one (empty) call on every rank, as before.
+    if calls == 0 {
+        comm.all_reduce(buf, ReduceOp::Mean)?;
+        calls = 1;
+    }
+    Ok(calls)
 }
 
 /// The device of a module's first float parameter (flex when it has none).

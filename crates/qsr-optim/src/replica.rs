@@ -208,7 +208,7 @@ impl HostReplica {
         let avg_v = policy.average_second_moment && !self.optimizer.state().second_moment.is_empty();
         let avg_bn = peers.config.bn == BnPolicy::Average && layout.running_len() > 0;
         if !(avg_m || avg_v || avg_bn) {
-            let calls = peers.all_reduce(&mut self.params, step)?;
+            let calls = peers.all_reduce_params(&mut self.params, step)?;
             return Ok(peers.account(before, t, SyncMode::Parameters, self.params.len(), calls));
         }
         // Append the extra state to one buffer: still one collective per round.
@@ -226,7 +226,7 @@ impl HostReplica {
             buf.resize(running_at + layout.running_len(), 0.0);
             layout.read_running(model, &mut buf[running_at..])?;
         }
-        let calls = peers.all_reduce(&mut buf, step)?;
+        let calls = peers.all_reduce_params(&mut buf, step)?;
         let n = self.params.len();
         self.params.copy_from_slice(&buf[..n]);
         let mut at = n;

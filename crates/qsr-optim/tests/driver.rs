@@ -9,7 +9,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use qsr_comm::InProcessGroup;
 use qsr_optim::{
     BnPolicy, DeviceGroup, DeviceOptimizer, DriverConfig, Optimizer, OptimizerConfig, OuterConfig, ParamLayout,
-    ParamRole, Residency, StatePolicy, StepReport, Worker,
+    ParamRole, Residency, StatePolicy, StepReport, Wire, Worker,
 };
 use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncMode, SyncRule};
 use rand::{Rng, SeedableRng};
@@ -672,4 +672,36 @@ fn worker_outer_settings_that_cannot_run_are_refused_naming_the_key() {
     assert!(build(SyncRule::Constant { h: 2 }, DriverConfig::default(), bad_lr).contains("`outer.lr`"));
     let device_resident = DriverConfig { residency: Residency::Device, ..DriverConfig::default() };
     assert!(build(SyncRule::Constant { h: 2 }, device_resident, OuterConfig::diloco()).contains("host-resident"));
+}
+
+/// `driver.wire = "bf16"`: every worker is bit-identical after every sync, the parameters follow the
+/// f32 run to bf16 rounding, and a sync sends half the bytes.
+#[test]
+fn bf16_parameter_syncs_keep_ranks_identical_and_halve_the_bytes() {
+    let k = 3;
+    let p = plan(60, SyncRule::Constant { h: 4 });
+    let exact = run_mlp(k, &p, sgd(), DriverConfig::default(), None);
+    let bf16 = DriverConfig { wire: Wire::Bf16, ..DriverConfig::default() };
+    let half = run_mlp(k, &p, sgd(), bf16, None);
+    for r in 1..k {
+        for (a, b) in half.after_sync[0].iter().zip(&half.after_sync[r]) {
+            assert!(bit_identical(a, b), "rank {r} differs after a bf16 sync");
+        }
+    }
+    assert!(half.after_sync[0].iter().flatten().all(|x| x.to_bits() & 0xffff == 0), "a synced value is not a bf16");
+    assert_close(&half.params[0], &exact.params[0], 3e-2, "bf16 vs f32 syncs");
+    assert!(!bit_identical(&half.params[0], &exact.params[0]));
+    let bytes = |run: &Run| run.reports[0].iter().filter_map(|r| r.sync).map(|s| s.bytes_sent).sum::<u64>();
+    // The ring's 2 (K-1)/K share of the buffer, rounded down per sync: half, within a byte per sync.
+    let syncs = half.reports[0].iter().filter(|r| r.sync.is_some()).count() as u64;
+    assert!((bytes(&half) * 2).abs_diff(bytes(&exact)) <= 2 * syncs, "{} vs {}", bytes(&half), bytes(&exact));
+    let device_bf16 = DriverConfig { wire: Wire::Bf16, residency: Residency::Device, ..DriverConfig::default() };
+    let refused = Worker::new(
+        init(Mlp::new(&device())),
+        sgd(),
+        Box::new(InProcessGroup::new(1).remove(0)),
+        p.cursor(),
+        device_bf16,
+    );
+    assert!(refused.err().unwrap().to_string().contains("driver.wire"));
 }

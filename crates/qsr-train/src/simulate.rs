@@ -103,8 +103,10 @@ pub struct SyncPayload {
     pub gradient_elements: u64,
     /// Elements of a local-round (parameter) all-reduce, with averaged moments and BN statistics.
     pub parameter_elements: u64,
-    /// Bytes per element on the wire (4: f32).
+    /// Bytes per element of a gradient all-reduce on the wire (4: f32).
     pub bytes_per_element: u64,
+    /// Bytes per element of a parameter all-reduce on the wire (4: f32; 2 with `driver.wire = "bf16"`).
+    pub parameter_bytes_per_element: u64,
     /// Largest bucket in elements (`driver.bucket_elems`), if the recipe buckets its all-reduces.
     pub bucket_elements: Option<u64>,
 }
@@ -116,6 +118,7 @@ impl SyncPayload {
             gradient_elements: params,
             parameter_elements: params,
             bytes_per_element: 4,
+            parameter_bytes_per_element: 4,
             bucket_elements: None,
         }
     }
@@ -131,7 +134,11 @@ impl SyncPayload {
     pub fn seconds(&self, mode: SyncMode, world_size: usize, net: &Network) -> f64 {
         let n = self.elements(mode);
         let calls = self.bucket_elements.filter(|&b| b > 0).map_or(1, |b| n.div_ceil(b).max(1));
-        net.allreduce_seconds((n * self.bytes_per_element) as f64, world_size, calls)
+        let width = match mode {
+            SyncMode::Gradients => self.bytes_per_element,
+            SyncMode::Parameters => self.parameter_bytes_per_element,
+        };
+        net.allreduce_seconds((n * width) as f64, world_size, calls)
     }
 }
 
@@ -271,6 +278,7 @@ pub fn recipe_payload(recipe: &TrainRecipe, params: u64, running: u64) -> SyncPa
         gradient_elements: params,
         parameter_elements: params + extra,
         bytes_per_element: 4,
+        parameter_bytes_per_element: recipe.driver.wire.bytes_per_element(),
         bucket_elements: recipe.driver.bucket_elems.map(|b| b as u64),
     }
 }

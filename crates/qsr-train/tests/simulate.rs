@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncRule};
+use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncMode, SyncRule};
 use qsr_train::{
     Network, SyncPayload, TrainRecipe, parse_bandwidth, parse_duration, predict, recipe_payload, step_seconds_from_wall,
 };
@@ -142,6 +142,20 @@ fn payload_follows_the_state_policy() {
     let r = TrainRecipe::load(&base, &sets).unwrap();
     let p = recipe_payload(&r, 100, 0);
     assert_eq!((p.gradient_elements, p.parameter_elements), (100, 300));
+}
+
+/// `driver.wire = "bf16"` halves the bytes of a parameter sync, so its modelled time on a
+/// bandwidth-bound link; gradient all-reduces stay f32.
+#[test]
+fn bf16_wire_halves_the_parameter_sync_payload() {
+    let base = root().join("recipes/imagenet-vit-b-qsr-hbase4.toml");
+    let f32_payload = recipe_payload(&TrainRecipe::load(&base, &[]).unwrap(), 1_000_000, 0);
+    let bf16 = recipe_payload(&TrainRecipe::load(&base, &["driver.wire=bf16".to_string()]).unwrap(), 1_000_000, 0);
+    assert_eq!((bf16.bytes_per_element, bf16.parameter_bytes_per_element), (4, 2));
+    let net = Network::new(1e9, 0.0).unwrap();
+    let (a, b) = (f32_payload.seconds(SyncMode::Parameters, 4, &net), bf16.seconds(SyncMode::Parameters, 4, &net));
+    assert!(close(b * 2.0, a), "bf16 {b} s vs f32 {a} s");
+    assert!(close(bf16.seconds(SyncMode::Gradients, 4, &net), f32_payload.seconds(SyncMode::Gradients, 4, &net)));
 }
 
 /// A small recipe of our own (the repository's may change): MLP [128] on digits, QSR, K = 4.

@@ -99,22 +99,26 @@ fn resume_continues_exactly_with(extra: &[&str]) -> Vec<u8> {
     final_params(&straight)
 }
 
-/// Two processes over the TCP ring train the same model as two threads: the same windows, the same sums.
+/// Two processes over the TCP ring train the same model as two threads: the same windows, the same sums;
+/// with bf16 parameter syncs too (the in-process group rounds as the ring does), at half the bytes.
 #[test]
-fn text_over_tcp_equals_threads() {
+fn text_over_tcp_equals_threads_in_f32_and_bf16() {
     let dir = tempfile::tempdir().unwrap();
-    let (a, b) = (dir.path().join("threads"), dir.path().join("procs"));
-    let dp = "recipes/shakespeare-char-dp.toml";
     let short = ["--set", "schedule.total_steps=40"];
-    train(dp, &a, &short);
-    ok(&[
-        &["train", "--recipe", dp, "--nproc", "2", "--out", b.to_str().unwrap()][..],
-        &COMEDY[..6],
-        &short,
-        &["--quiet"],
-    ]
-    .concat());
-    assert_eq!(final_params(&a), final_params(&b));
+    let bf16 = [&short[..], &["--set", "driver.wire=bf16"]].concat();
+    for (recipe, extra, name) in [("recipes/shakespeare-char-dp.toml", &short[..], "dp"), (QSR, &bf16[..], "qsr-bf16")]
+    {
+        let (a, b) = (dir.path().join(format!("{name}-threads")), dir.path().join(format!("{name}-procs")));
+        train(recipe, &a, extra);
+        let procs = ["train", "--recipe", recipe, "--nproc", "2", "--out", b.to_str().unwrap(), "--quiet"];
+        ok(&[&procs[..], &COMEDY[..6], extra].concat());
+        assert_eq!(final_params(&a), final_params(&b), "{name}");
+    }
+    let exact = dir.path().join("qsr-f32");
+    train(QSR, &exact, &short);
+    let bytes = |run: &str| json(&dir.path().join(run).join("summary.json"))["bytes_per_rank"].as_u64().unwrap();
+    assert_eq!(bytes("qsr-bf16-procs") * 2, bytes("qsr-f32"), "TCP bytes of bf16 syncs");
+    assert_eq!(bytes("qsr-bf16-threads") * 2, bytes("qsr-f32"), "in-process accounting of bf16 syncs");
 }
 
 #[test]
