@@ -227,6 +227,71 @@ fn section_train(root: &Path, target: &Path) -> Result<String> {
             );
         }
     }
+    o.push_str(&gpt_tokens_per_second(root, target)?);
+    Ok(o)
+}
+
+/// The Python that runs the PyTorch peer: `QSR_BENCH_PYTHON`, else the bench venv.
+fn bench_python() -> PathBuf {
+    std::env::var_os("QSR_BENCH_PYTHON")
+        .map_or_else(|| PathBuf::from("/var/tmp/qsr-bench-venv/bin/python"), PathBuf::from)
+}
+
+/// Tokens/s of one training step of the small GPT (2 layers, 4 heads, width 64, 16 windows of 64
+/// tokens, AdamW with clipping): qsr's `gpt_step` example against PyTorch eager on the same model, batch
+/// and thread count, alternated three times; medians.
+fn gpt_tokens_per_second(root: &Path, target: &Path) -> Result<String> {
+    let mut b = cargo(root);
+    b.args(["build", "--release", "--locked", "--example", "gpt_step"]);
+    output(b)?;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).to_string();
+    let python = bench_python();
+    let has_torch = Command::new(&python).args(["-c", "import torch"]).output().is_ok_and(|o| o.status.success());
+    let tmp = std::env::temp_dir().join("qsr-bench-gpt");
+    std::fs::create_dir_all(&tmp)?;
+    let tps = |json: &Path| -> Result<f64> {
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(json)?)?;
+        v["tokens_per_second"].as_f64().ok_or_else(|| anyhow::anyhow!("{}: no tokens_per_second", json.display()))
+    };
+    let (mut ours, mut torch) = (Vec::new(), Vec::new());
+    for i in 0..3 {
+        let json = tmp.join(format!("qsr-{i}.json"));
+        let mut c = Command::new(target.join("release/examples/gpt_step"));
+        c.args(["--steps", "30", "--json"]).arg(&json);
+        output(c)?;
+        ours.push(tps(&json)?);
+        if has_torch {
+            let json = tmp.join(format!("torch-{i}.json"));
+            let mut c = Command::new(&python);
+            c.arg(root.join("benches/peers/gpt_step.py"))
+                .args(["--threads", &threads, "--steps", "30", "--json"])
+                .arg(&json);
+            output(c)?;
+            torch.push(tps(&json)?);
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let q = median(&mut ours);
+    let mut o = format!(
+        "\nOne training step of a small GPT (2 layers, 4 heads, width 64, 16 windows of 64 tokens, AdamW with \
+         clipping; `gpt_step` example vs `benches/peers/gpt_step.py`, PyTorch eager, {threads} threads), median \
+         of 3 alternated runs of 30 steps each:\n\n| implementation | tokens/s | ratio to PyTorch |\n|---|---|---|\n"
+    );
+    if torch.is_empty() {
+        let _ = writeln!(o, "| qsr (burn flex) | {q:.0} | - |");
+        let _ = writeln!(
+            o,
+            "\nPyTorch skipped: `{}` cannot import torch (set QSR_BENCH_PYTHON, or `python3 -m venv /var/tmp/qsr-bench-venv && /var/tmp/qsr-bench-venv/bin/pip install torch`).",
+            python.display()
+        );
+    } else {
+        let t = median(&mut torch);
+        let _ = writeln!(o, "| qsr (burn flex) | {q:.0} | {:.2} |", q / t);
+        let _ = writeln!(o, "| PyTorch eager | {t:.0} | 1.00 |");
+    }
     Ok(o)
 }
 

@@ -222,7 +222,7 @@ fn preflight_images(recipe: &TrainRecipe, k: usize) -> Result<usize> {
 }
 
 /// Refuses a model whose training state (`replicas` times: module, gradients, flat parameters and
-/// gradients, optimizer moments) exceeds the memory the kernel says is available.
+/// gradients, optimizer moments, the outer optimizer's global parameters and momentum) exceeds the memory the kernel says is available.
 fn check_memory(recipe: &TrainRecipe, params: usize, replicas: usize) -> Result<()> {
     let Some(available) = mem_available() else {
         return Ok(());
@@ -232,12 +232,14 @@ fn check_memory(recipe: &TrainRecipe, params: usize, replicas: usize) -> Result<
         OptimizerKind::Adamw => 2,
         OptimizerKind::Sgd => usize::from(o.momentum() != 0.0),
     };
-    let copies = 4 + moments;
+    // The outer optimizer keeps the global parameters and a momentum buffer.
+    let outer = if recipe.outer.is_some() { 2 } else { 0 };
+    let copies = 4 + moments + outer;
     let need = (params as u128) * 4 * copies as u128 * replicas as u128;
     if need > available as u128 {
         let gib = |b: u128| b as f64 / f64::from(1u32 << 30);
         bail!(
-            "invalid `model`: {params} parameters need about {:.1} GiB ({replicas} worker(s) x {copies} f32 copies: module, gradients, flat parameters, flat gradients, optimizer moments), but only {:.1} GiB of memory is available (MemAvailable in /proc/meminfo)",
+            "invalid `model`: {params} parameters need about {:.1} GiB ({replicas} worker(s) x {copies} f32 copies: module, gradients, flat parameters, flat gradients, optimizer moments, outer state), but only {:.1} GiB of memory is available (MemAvailable in /proc/meminfo)",
             gib(need),
             gib(available as u128)
         );
