@@ -51,6 +51,7 @@ use qsr_comm::{Collective, CommStats, ReduceOp};
 use qsr_sched::{RoundStart, SyncRule};
 use serde::Serialize;
 
+use crate::driver::Wire;
 use crate::error::OptimError;
 use crate::flat::ParamLayout;
 use crate::outer::{Outer, OuterConfig};
@@ -74,12 +75,23 @@ pub struct AveragerConfig {
     /// An outer optimizer (DiLoCo) on the mean pseudo-gradient at every parameter synchronization,
     /// instead of plain averaging (default none). BatchNorm statistics are still averaged plainly.
     pub outer: Option<OuterConfig>,
+    /// How a parameter average travels: f32 (default) or bf16 (half the bytes, every rank ends with
+    /// the same bf16-rounded mean; gradient averages stay f32).
+    pub wire: Wire,
 }
 
 impl AveragerConfig {
     /// `rule` with `warmup_steps` of warmup, BN statistics local, rank 0's initial weights.
     pub fn new(rule: SyncRule, warmup_steps: u64) -> Self {
-        Self { rule, warmup_steps, average_bn: false, broadcast_initial: true, run_steps: None, outer: None }
+        Self {
+            rule,
+            warmup_steps,
+            average_bn: false,
+            broadcast_initial: true,
+            run_steps: None,
+            outer: None,
+            wire: Wire::F32,
+        }
     }
 }
 
@@ -220,7 +232,7 @@ impl Averager {
         let mut buf = std::mem::take(&mut self.grads);
         buf.resize(self.layout.len(), 0.0);
         self.layout.read_grads_params(model, &grads, &mut buf)?;
-        self.all_reduce_counted(&mut buf, step)?;
+        self.all_reduce_counted(&mut buf, step, Wire::F32)?;
         self.layout.write_grads_params(model, &mut grads, &buf)?;
         self.grads = buf;
         self.grads_averaged = Some(step);
@@ -241,7 +253,7 @@ impl Averager {
             outer.pseudo_gradient(&mut self.params[..n]);
         }
         let mut params = std::mem::take(&mut self.params);
-        let reduced = self.all_reduce_counted(&mut params, step);
+        let reduced = self.all_reduce_counted(&mut params, step, self.config.wire);
         self.params = params;
         reduced?;
         if let Some(outer) = &mut self.outer {
@@ -267,9 +279,13 @@ impl Averager {
     }
 
     /// A synchronization: the mean of `buf` over the ranks, counted in the totals.
-    fn all_reduce_counted(&mut self, buf: &mut [f32], step: u64) -> Result<(), OptimError> {
+    fn all_reduce_counted(&mut self, buf: &mut [f32], step: u64, wire: Wire) -> Result<(), OptimError> {
         let before = *self.comm.stats();
-        self.comm.all_reduce(buf, ReduceOp::Mean).map_err(|source| OptimError::Comm { step, source })?;
+        let reduced = match wire {
+            Wire::F32 => self.comm.all_reduce(buf, ReduceOp::Mean),
+            Wire::Bf16 => self.comm.all_reduce_bf16(buf, ReduceOp::Mean),
+        };
+        reduced.map_err(|source| OptimError::Comm { step, source })?;
         self.stats.syncs += 1;
         let delta = self.comm.stats().since(&before);
         self.stats.comm = CommStats {

@@ -7,7 +7,7 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{GradientsParams, SgdConfig, momentum::MomentumConfig};
 use burn::tensor::{Device, Tensor, TensorData};
 use qsr_comm::{Collective, InProcessGroup};
-use qsr_optim::{Averager, AveragerConfig, OptimError, OuterConfig, ParamLayout};
+use qsr_optim::{Averager, AveragerConfig, OptimError, OuterConfig, ParamLayout, Wire};
 use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncRule};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -185,6 +185,11 @@ fn local_value(rank: usize, round: usize, i: usize) -> f32 {
 /// `r` holding `local_value(r, round, ..)` before each; returns the parameters after each round (equal
 /// on both ranks, checked).
 fn outer_rounds(outer: Option<OuterConfig>, rounds: usize) -> Vec<Vec<f32>> {
+    averaged_rounds(outer, Wire::F32, rounds)
+}
+
+/// [`outer_rounds`] with the parameter averages on `wire`.
+fn averaged_rounds(outer: Option<OuterConfig>, wire: Wire, rounds: usize) -> Vec<Vec<f32>> {
     let per_rank: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
         let joins: Vec<_> = InProcessGroup::new(2)
             .into_iter()
@@ -193,6 +198,7 @@ fn outer_rounds(outer: Option<OuterConfig>, rounds: usize) -> Vec<Vec<f32>> {
                     let rank = c.rank();
                     let mut config = AveragerConfig::new(SyncRule::Constant { h: 1 }, 0);
                     config.outer = outer;
+                    config.wire = wire;
                     let (mut avg, mut model) = Averager::new(seeded(Mlp::new(&Device::flex())), config, Box::new(c))?;
                     let layout = ParamLayout::of(&model);
                     let mut after = Vec::new();
@@ -260,4 +266,16 @@ fn outer_settings_that_cannot_run_are_refused_naming_the_key() {
         panic!("negative outer lr")
     };
     assert!(e.to_string().contains("`outer.lr`"), "{e}");
+}
+
+/// `AveragerConfig::wire = Bf16`: both ranks hold the same bf16 values after every average, within bf16
+/// rounding of the f32 average.
+#[test]
+fn bf16_parameter_averages_are_identical_bf16_values_near_the_f32_average() {
+    let (half, exact) = (averaged_rounds(None, Wire::Bf16, 3), averaged_rounds(None, Wire::F32, 3));
+    for (h, e) in half.iter().flatten().zip(exact.iter().flatten()) {
+        assert_eq!(h.to_bits() & 0xffff, 0, "{h} is not a bf16");
+        assert!((h - e).abs() <= 3.0 * 2f32.powi(-8) * e.abs().max(0.1), "bf16 {h} vs f32 {e}");
+    }
+    assert_ne!(half, exact);
 }
