@@ -15,4 +15,7 @@ rules+=",qsr+outer"
 # 600 steps (half the recipe's horizon) keep the 27 runs near half an hour on 2 cores.
 "$qsr" compare --recipe recipes/shakespeare-char-qsr.toml --seeds 3 --rules "$rules" --out runs/study-shakespeare \
     --set schedule.total_steps=600 --set schedule.warmup_steps=30
-"$qsr" compare --recipe recipes/digits-qsr.toml --seeds 3 --rules "${rules/qsr+outer/qsr+outer}" --out runs/study-digits
+"$qsr" compare --recipe recipes/digits-qsr.toml --seeds 3 --rules "$rules" --out runs/study-digits
+# QSR with its parameter syncs in bf16 (driver.wire), against the f32 row above.
+"$qsr" compare --recipe recipes/shakespeare-char-qsr.toml --seeds 3 --rules qsr --out runs/study-shakespeare-bf16 \
+    --set schedule.total_steps=600 --set schedule.warmup_steps=30 --set driver.wire=bf16

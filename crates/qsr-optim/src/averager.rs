@@ -270,12 +270,7 @@ impl Averager {
 
     /// Restores the outer optimizer's state saved by [`Self::outer_state`].
     pub fn restore_outer_state(&mut self, global: &[f32], momentum: &[f32]) -> Result<(), OptimError> {
-        match &mut self.outer {
-            Some(outer) => outer.restore(global, momentum),
-            None => {
-                Err(OptimError::Config { field: "outer".into(), reason: "this averager has no outer optimizer".into() })
-            }
-        }
+        Outer::restore_into(self.outer.as_mut(), global, momentum, "averager")
     }
 
     /// A synchronization: the mean of `buf` over the ranks, counted in the totals.

@@ -403,12 +403,7 @@ impl<M: Module> Worker<M> {
 
     /// Restores the outer state saved by [`Self::outer_state`] (after [`Self::set_outer`]).
     pub fn restore_outer_state(&mut self, global: &[f32], momentum: &[f32]) -> Result<(), OptimError> {
-        match &mut self.outer {
-            Some(outer) => outer.restore(global, momentum),
-            None => {
-                Err(OptimError::Config { field: "outer".into(), reason: "this worker has no outer optimizer".into() })
-            }
-        }
+        Outer::restore_into(self.outer.as_mut(), global, momentum, "worker")
     }
 
     /// Whether parameters and optimizer state live on the device.

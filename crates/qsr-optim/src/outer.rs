@@ -79,6 +79,23 @@ impl Outer {
         Ok(())
     }
 
+    /// Restores `outer`'s state from a checkpoint, or refuses naming `outer` when `owner` (a worker, an
+    /// averager) has none.
+    pub(crate) fn restore_into(
+        outer: Option<&mut Outer>,
+        global: &[f32],
+        momentum: &[f32],
+        owner: &str,
+    ) -> Result<(), OptimError> {
+        match outer {
+            Some(outer) => outer.restore(global, momentum),
+            None => Err(OptimError::Config {
+                field: "outer".into(),
+                reason: format!("this {owner} has no outer optimizer"),
+            }),
+        }
+    }
+
     /// Makes `params` the global parameters (after a data-parallel step, where every worker holds them).
     pub(crate) fn follow(&mut self, params: &[f32]) {
         self.global.copy_from_slice(params);

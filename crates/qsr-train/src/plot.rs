@@ -25,15 +25,25 @@ fn register_font() {
     });
 }
 
-/// Series colours, distinguishable in print.
-pub const PALETTE: [RGBColor; 6] = [
+/// Series colours, distinguishable in print; series past the palette repeat it dashed.
+pub const PALETTE: [RGBColor; 10] = [
     RGBColor(31, 119, 180),
     RGBColor(214, 39, 40),
     RGBColor(44, 160, 44),
     RGBColor(148, 103, 189),
     RGBColor(255, 127, 14),
     RGBColor(23, 190, 207),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
 ];
+
+/// Whether series `i` is drawn dashed: every other pass through the palette, so no two series of a
+/// plot look alike up to twice the palette's length.
+fn dashed(i: usize) -> bool {
+    (i / PALETTE.len()) % 2 == 1
+}
 
 /// The smallest step 1, 2 or 5 x 10^k giving at most `max_ticks` ticks over `span`; at least 1 on an
 /// integer axis.
@@ -479,7 +489,11 @@ fn lines(
     for (i, (_, p)) in series.iter().enumerate() {
         let c = PALETTE[i % PALETTE.len()];
         let pts: Vec<(f64, f64)> = p.iter().filter_map(|&(x, y)| Some((xa.to_coord(x)?, ya.to_coord(y)?))).collect();
-        chart.draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(2)))?;
+        if dashed(i) {
+            chart.draw_series(DashedLineSeries::new(pts.iter().copied(), 6, 4, c.stroke_width(2)))?;
+        } else {
+            chart.draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(2)))?;
+        }
         if !matches!(y_scale, Scale::Log | Scale::IntegerLog) {
             chart.draw_series(pts.iter().map(|&pt| Circle::new(pt, 3, c.filled())))?;
         }
@@ -506,7 +520,7 @@ pub fn runs_png(runs: &[RunSeries], out_dir: &Path) -> Result<Vec<std::path::Pat
     let legend: Vec<LegendEntry> = runs
         .iter()
         .enumerate()
-        .map(|(i, r)| LegendEntry { text: r.name.clone(), colour: PALETTE[i % PALETTE.len()], dashed: false })
+        .map(|(i, r)| LegendEntry { text: r.name.clone(), colour: PALETTE[i % PALETTE.len()], dashed: dashed(i) })
         .collect();
     let legend_h = legend_height(&legend, width);
     let mut written = Vec::new();

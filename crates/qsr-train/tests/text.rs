@@ -1,34 +1,11 @@
 //! `qsr train` on text: a character-level GPT on the embedded Comedy of Errors (the Shakespeare recipes
 //! with `data.dataset` swapped, so the shipped recipes are what is tested).
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+use std::path::Path;
 
-fn qsr(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_qsr")).args(args).current_dir(root()).output().expect("run qsr")
-}
-
-fn ok(args: &[&str]) -> String {
-    let out = qsr(args);
-    assert!(out.status.success(), "qsr {args:?} failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn refused(args: &[&str]) -> String {
-    let out = qsr(args);
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!out.status.success(), "qsr {args:?} should fail");
-    assert!(!err.contains("panicked"), "qsr {args:?} panicked: {err}");
-    err
-}
-
-fn json(path: &Path) -> serde_json::Value {
-    serde_json::from_slice(&std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
-}
+use common::{json, ok, refused};
 
 fn final_params(run: &Path) -> Vec<u8> {
     let latest = std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap();
