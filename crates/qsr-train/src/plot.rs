@@ -705,6 +705,16 @@ mod tests {
         }
     }
 
+    /// Regression: a compare of 9 rules repeated colours (the palette had 6); now 10 colours, then dashed.
+    #[test]
+    fn series_past_the_palette_are_dashed_so_no_two_look_alike() {
+        assert!((0..PALETTE.len()).all(|i| !dashed(i)));
+        assert!((PALETTE.len()..2 * PALETTE.len()).all(dashed));
+        let mut looks: Vec<_> = (0..2 * PALETTE.len()).map(|i| (PALETTE[i % PALETTE.len()], dashed(i))).collect();
+        looks.dedup();
+        assert_eq!(looks.len(), 2 * PALETTE.len());
+    }
+
     #[test]
     fn runs_png_and_plan_png_render_to_files() {
         let dir = tempfile::tempdir().unwrap();
@@ -717,7 +727,8 @@ mod tests {
             })
             .collect();
         let written = runs_png(&runs, dir.path()).unwrap();
-        assert_eq!(written.len(), 3);
+        let names: Vec<_> = written.iter().filter_map(|p| p.file_name()?.to_str()).collect();
+        assert_eq!(names, ["schedule.png", "accuracy.png", "loss.png", "eval-loss.png"]);
         for p in &written {
             assert!(std::fs::read(p).unwrap().starts_with(b"\x89PNG"), "{}", p.display());
         }
