@@ -340,6 +340,10 @@ impl Collective for InProcessComm {
         })
     }
 
+    fn supports_bf16(&self) -> bool {
+        true
+    }
+
     fn all_reduce_bf16(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
         let rank = self.rank;
         let addr = buf.as_mut_ptr() as usize;

@@ -160,6 +160,11 @@ pub trait Collective: Send {
         let _ = (buf, op);
         Err(CommError::Unsupported { backend: self.backend(), what: "a bf16 all-reduce".into() })
     }
+    /// Whether [`all_reduce_bf16`](Self::all_reduce_bf16) is offered (so a caller can refuse a bf16
+    /// setting before training rather than at its first sync). Default false.
+    fn supports_bf16(&self) -> bool {
+        false
+    }
     /// Copies `root`'s `buf` into every other rank's `buf` (same length on every rank).
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError>;
     /// Copies `root`'s byte payload to every rank; non-roots' `bytes` are resized to match. For
@@ -215,6 +220,9 @@ impl<C: Collective + ?Sized> Collective for Box<C> {
     }
     fn all_reduce_bf16(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
         (**self).all_reduce_bf16(buf, op)
+    }
+    fn supports_bf16(&self) -> bool {
+        (**self).supports_bf16()
     }
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
         (**self).broadcast(buf, root)

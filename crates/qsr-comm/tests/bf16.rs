@@ -131,6 +131,8 @@ fn backends_without_bf16_refuse_it_by_name() {
             "mpi"
         }
     }
+    assert!(!Plain(CommStats::default()).supports_bf16());
+    assert!(InProcessGroup::new(1)[0].supports_bf16());
     let e = Plain(CommStats::default()).all_reduce_bf16(&mut [1.0], ReduceOp::Sum).unwrap_err();
     assert!(matches!(e, CommError::Unsupported { backend: "mpi", .. }), "{e}");
     assert!(e.to_string().contains("mpi does not support a bf16 all-reduce"), "{e}");

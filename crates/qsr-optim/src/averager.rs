@@ -156,6 +156,7 @@ impl Averager {
                 });
             }
         }
+        crate::driver::check_wire(config.wire, comm.as_ref())?;
         let layout = ParamLayout::of(&model);
         let settings = serde_json::json!({
             "config": &config,

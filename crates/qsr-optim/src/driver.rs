@@ -331,6 +331,7 @@ impl<M: Module> Worker<M> {
         if config.broadcast_initial && comm.world_size() > 1 {
             model = broadcast_initial(model, &layout, comm.as_mut(), cursor.step())?;
         }
+        check_wire(config.wire, comm.as_ref())?;
         let residency = resolve_residency(config.residency, &model);
         if config.wire == Wire::Bf16 && residency == Residency::Device {
             return Err(OptimError::Config {
@@ -540,6 +541,20 @@ impl<M: Module> Worker<M> {
 }
 
 /// Settings the driver cannot run with, named by their recipe key.
+/// Refuses bf16 syncs over a collective without a bf16 all-reduce before the first step, naming both.
+pub(crate) fn check_wire(wire: Wire, comm: &dyn Collective) -> Result<(), OptimError> {
+    if wire == Wire::Bf16 && !comm.supports_bf16() {
+        return Err(OptimError::Config {
+            field: "driver.wire".into(),
+            reason: format!(
+                "the {} collective has no bf16 all-reduce (the TCP ring and the in-process group do)",
+                comm.backend()
+            ),
+        });
+    }
+    Ok(())
+}
+
 fn check_config(config: &DriverConfig) -> Result<(), OptimError> {
     if config.accumulation_steps == 0 {
         return Err(OptimError::Config {

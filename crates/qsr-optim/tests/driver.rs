@@ -705,3 +705,47 @@ fn bf16_parameter_syncs_keep_ranks_identical_and_halve_the_bytes() {
     );
     assert!(refused.err().unwrap().to_string().contains("driver.wire"));
 }
+
+/// A collective without a bf16 all-reduce (as MPI and NCCL are): the in-process group behind it.
+struct NoBf16(qsr_comm::InProcessComm);
+
+impl qsr_comm::Collective for NoBf16 {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+    fn all_reduce(&mut self, buf: &mut [f32], op: qsr_comm::ReduceOp) -> Result<(), qsr_comm::CommError> {
+        self.0.all_reduce(buf, op)
+    }
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), qsr_comm::CommError> {
+        self.0.broadcast(buf, root)
+    }
+    fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>, root: usize) -> Result<(), qsr_comm::CommError> {
+        self.0.broadcast_bytes(bytes, root)
+    }
+    fn barrier(&mut self) -> Result<(), qsr_comm::CommError> {
+        self.0.barrier()
+    }
+    fn stats(&self) -> &qsr_comm::CommStats {
+        self.0.stats()
+    }
+    fn backend(&self) -> &'static str {
+        "mpi"
+    }
+}
+
+/// Regression: bf16 syncs over a collective without them failed only at the first sync, after a round of
+/// training; now the worker refuses at construction, naming `driver.wire` and the backend.
+#[test]
+fn bf16_syncs_over_a_collective_without_them_are_refused_before_training() {
+    let bf16 = DriverConfig { wire: Wire::Bf16, ..DriverConfig::default() };
+    let comm = Box::new(NoBf16(InProcessGroup::new(1).remove(0)));
+    let p = plan(10, SyncRule::Constant { h: 2 });
+    let Err(e) = Worker::new(init(Mlp::new(&device())), sgd(), comm, p.cursor(), bf16) else {
+        panic!("bf16 over a collective without it was accepted")
+    };
+    let e = e.to_string();
+    assert!(e.contains("driver.wire") && e.contains("mpi"), "{e}");
+}

@@ -486,6 +486,10 @@ impl Collective for TcpComm {
         self.call(wire::KIND_ALL_REDUCE, op.code(), 0, Buf::F32(buf), len, plan)
     }
 
+    fn supports_bf16(&self) -> bool {
+        true
+    }
+
     fn all_reduce_bf16(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
         if self.n == 1 {
             return self.all_reduce(buf, op); // nothing travels: the buffer stays as it is
