@@ -220,6 +220,8 @@ pub(crate) struct TextTask {
     context: usize,
     rank: usize,
     world: usize,
+    /// Steps per epoch: the training tokens over the tokens one step of all workers predicts.
+    spe: usize,
     /// This rank's validation windows (their start offsets in the validation tokens).
     eval_starts: Vec<usize>,
     ce: CrossEntropyLoss,
@@ -247,7 +249,7 @@ impl TextTask {
         check_vocab(gpt, &corpus)?;
         let context = gpt.context;
         TextWindows::new(&corpus, (context, recipe.train.local_batch), recipe.seed, rank, k)?;
-        text_steps_per_epoch(recipe, &corpus, context, k)?;
+        let spe = text_steps_per_epoch(recipe, &corpus, context, k)?;
         let max = recipe.eval.max_items.unwrap_or(usize::MAX);
         let eval_starts = qsr_data::eval_window_starts(corpus.valid(), context, max, rank, k);
         if qsr_data::eval_window_starts(corpus.valid(), context, max, 0, 1).is_empty() {
@@ -265,6 +267,7 @@ impl TextTask {
             context,
             rank,
             world: k,
+            spe,
             eval_starts,
             ce: cross_entropy(recipe, device),
         })
@@ -317,8 +320,7 @@ impl Task for TextTask {
     type Stream = ();
 
     fn steps_per_epoch(&self) -> usize {
-        // `new` checked that it is at least 1.
-        text_steps_per_epoch(&self.recipe, &self.corpus, self.context, self.world).unwrap_or(1)
+        self.spe
     }
 
     fn stream(&self, _first_step: u64, _end_step: u64) -> Result<()> {
