@@ -247,29 +247,7 @@ fn gpt_tokens_per_second(root: &Path, target: &Path) -> Result<String> {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).to_string();
     let python = bench_python();
     let has_torch = Command::new(&python).args(["-c", "import torch"]).output().is_ok_and(|o| o.status.success());
-    let tmp = std::env::temp_dir().join("qsr-bench-gpt");
-    std::fs::create_dir_all(&tmp)?;
-    let tps = |json: &Path| -> Result<f64> {
-        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(json)?)?;
-        v["tokens_per_second"].as_f64().ok_or_else(|| anyhow::anyhow!("{}: no tokens_per_second", json.display()))
-    };
-    let (mut ours, mut torch) = (Vec::new(), Vec::new());
-    for i in 0..3 {
-        let json = tmp.join(format!("qsr-{i}.json"));
-        let mut c = Command::new(target.join("release/examples/gpt_step"));
-        c.args(["--steps", "30", "--json"]).arg(&json);
-        output(c)?;
-        ours.push(tps(&json)?);
-        if has_torch {
-            let json = tmp.join(format!("torch-{i}.json"));
-            let mut c = Command::new(&python);
-            c.arg(root.join("benches/peers/gpt_step.py"))
-                .args(["--threads", &threads, "--steps", "30", "--json"])
-                .arg(&json);
-            output(c)?;
-            torch.push(tps(&json)?);
-        }
-    }
+    let (mut ours, mut torch) = measure_gpt(root, target, has_torch.then_some(python.as_path()), &threads)?;
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
@@ -293,6 +271,35 @@ fn gpt_tokens_per_second(root: &Path, target: &Path) -> Result<String> {
         let _ = writeln!(o, "| PyTorch eager | {t:.0} | 1.00 |");
     }
     Ok(o)
+}
+
+/// Tokens/s of 3 alternated runs of 30 steps: qsr's `gpt_step`, then (with a `python` that has torch) the
+/// PyTorch peer.
+fn measure_gpt(root: &Path, target: &Path, python: Option<&Path>, threads: &str) -> Result<(Vec<f64>, Vec<f64>)> {
+    let tmp = std::env::temp_dir().join("qsr-bench-gpt");
+    std::fs::create_dir_all(&tmp)?;
+    let tps = |json: &Path| -> Result<f64> {
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(json)?)?;
+        v["tokens_per_second"].as_f64().ok_or_else(|| anyhow::anyhow!("{}: no tokens_per_second", json.display()))
+    };
+    let (mut ours, mut torch) = (Vec::new(), Vec::new());
+    for i in 0..3 {
+        let json = tmp.join(format!("qsr-{i}.json"));
+        let mut c = Command::new(target.join("release/examples/gpt_step"));
+        c.args(["--steps", "30", "--json"]).arg(&json);
+        output(c)?;
+        ours.push(tps(&json)?);
+        if let Some(python) = python {
+            let json = tmp.join(format!("torch-{i}.json"));
+            let mut c = Command::new(python);
+            c.arg(root.join("benches/peers/gpt_step.py"))
+                .args(["--threads", threads, "--steps", "30", "--json"])
+                .arg(&json);
+            output(c)?;
+            torch.push(tps(&json)?);
+        }
+    }
+    Ok((ours, torch))
 }
 
 fn human(b: u64) -> String {

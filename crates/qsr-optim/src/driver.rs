@@ -596,21 +596,18 @@ fn all_reduce_bucketed(
     bucket: Option<usize>,
     wire: Wire,
 ) -> Result<u64, qsr_comm::CommError> {
-    let size = bucket.filter(|&b| b < buf.len()).unwrap_or(buf.len()).max(1);
-    let mut calls = 0;
-    for chunk in buf.chunks_mut(size) {
-        match wire {
-            Wire::F32 => comm.all_reduce(chunk, ReduceOp::Mean)?,
-            Wire::Bf16 => comm.all_reduce_bf16(chunk, ReduceOp::Mean)?,
+    let mut reduce = |chunk: &mut [f32]| match wire {
+        Wire::F32 => comm.all_reduce(chunk, ReduceOp::Mean),
+        Wire::Bf16 => comm.all_reduce_bf16(chunk, ReduceOp::Mean),
+    };
+    match bucket {
+        Some(b) if b < buf.len() => {
+            buf.chunks_mut(b).try_for_each(&mut reduce)?;
+            Ok(buf.len().div_ceil(b) as u64)
         }
-        calls += 1;
+        // One call for the whole buffer, an empty one too (every rank makes it, on the same wire).
+        _ => reduce(buf).map(|()| 1),
     }
-    // An empty buffer is still one (empty) call on every rank, as before.
-    if calls == 0 {
-        comm.all_reduce(buf, ReduceOp::Mean)?;
-        calls = 1;
-    }
-    Ok(calls)
 }
 
 /// The device of a module's first float parameter (flex when it has none).
