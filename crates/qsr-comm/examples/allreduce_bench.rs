@@ -1,24 +1,27 @@
 //! All-reduce sweep in nccl-tests form (size, count, time, algbw, busbw = algbw * 2(n-1)/n,
-//! #wrong), for our TCP ring, MPI_Allreduce through our MPI backend, and raw loopback TCP (the
-//! physical reference: every rank streams the same bytes to its right neighbour over a plain
-//! socket, no reduction, so its busbw is the per-link bandwidth a ring can at best reach).
+//! #wrong), for our transports (`tcp`: the TCP ring; `shm`: shared memory; `auto`: what
+//! `qsr_comm::connect` picks), MPI_Allreduce through our MPI backend, and the physical references:
+//! raw loopback TCP (every rank streams the same bytes to its right neighbour over a plain socket,
+//! no reduction, so its busbw is the per-link bandwidth a ring can at best reach) and `raw-shm`
+//! (one memcpy of the buffer per call: what a copy through shared memory costs at least).
 //!
 //! ```text
 //! cargo run -p qsr-comm --release --example allreduce_bench -- --backend tcp --ranks 4
+//! cargo run -p qsr-comm --release --example allreduce_bench -- --backend shm --ranks 4
 //! cargo run -p qsr-comm --release --example allreduce_bench -- --backend raw-tcp --ranks 4
 //! cargo build -p qsr-comm --release --features mpi --example allreduce_bench
 //! mpirun --allow-run-as-root --oversubscribe -np 4 target/release/examples/allreduce_bench --backend mpi
 //! ```
 //! Options: `--min-bytes 4096 --max-bytes 268435456 --iters N --warmup N --json FILE
-//! --chunk-bytes N --socket-buffer N`. For `tcp` the ranks are child processes of this program
-//! on 127.0.0.1 (rank 0 is the parent); time is the median of per-call times on rank 0.
+//! --chunk-bytes N --socket-buffer N`. For `tcp`, `shm` and `auto` the ranks are child processes of
+//! this program on 127.0.0.1 (rank 0 is the parent); time is the median of per-call times on rank 0.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use qsr_comm::{Collective, MasterListener, ReduceOp, TcpComm, TcpConfig};
+use qsr_comm::{Collective, MasterListener, ReduceOp, ShmConfig, TcpComm, TcpConfig, Transport};
 
 #[derive(Clone, Debug)]
 struct Args {
@@ -262,9 +265,15 @@ fn main() {
     };
     let result = match a.backend.as_str() {
         "raw-tcp" => raw_sweep(&a).map(|rows| print(&a, a.ranks.max(2), &rows)),
-        "tcp" => run_tcp(&a),
+        "raw-shm" => {
+            print(&a, a.ranks.max(2), &memcpy_sweep(&a));
+            Ok(())
+        }
+        "tcp" => run_ours(&a, Transport::Tcp),
+        "shm" => run_ours(&a, Transport::Shm),
+        "auto" => run_ours(&a, Transport::Auto),
         "mpi" => run_mpi(&a),
-        other => Err(format!("unknown backend {other} (tcp, raw-tcp, mpi)")),
+        other => Err(format!("unknown backend {other} (tcp, shm, auto, raw-tcp, raw-shm, mpi)")),
     };
     if let Err(e) = result {
         eprintln!("allreduce_bench: {e}");
@@ -272,10 +281,40 @@ fn main() {
     }
 }
 
-fn run_tcp(a: &Args) -> Result<(), String> {
+/// Our collective over the ring `boot`, on the transport asked for.
+fn ours(boot: TcpComm, transport: Transport) -> Result<Box<dyn Collective>, String> {
+    let shm = ShmConfig { timeout: boot.config().timeout, ..ShmConfig::default() };
+    let host = qsr_comm::host_id(&|k| std::env::var(k).ok(), &shm);
+    qsr_comm::over_ring(boot, transport, &host, shm).map_err(|e| e.to_string())
+}
+
+/// The memcpy reference: one copy of the buffer per call (median time per copy).
+fn memcpy_sweep(a: &Args) -> Vec<Row> {
+    sizes(a)
+        .into_iter()
+        .map(|bytes| {
+            let src = vec![1u8; bytes];
+            let mut dst = vec![0u8; bytes];
+            let times: Vec<f64> = (0..a.warmup + iters_for(a, bytes))
+                .map(|_| {
+                    let t = Instant::now();
+                    dst.copy_from_slice(std::hint::black_box(&src));
+                    std::hint::black_box(&mut dst);
+                    t.elapsed().as_secs_f64()
+                })
+                .skip(a.warmup)
+                .collect();
+            let t = median(times);
+            let bw = bytes as f64 / t / 1e9;
+            Row { bytes, count: bytes / 4, time_us: t * 1e6, algbw: bw, busbw: bw, wrong: 0 }
+        })
+        .collect()
+}
+
+fn run_ours(a: &Args, transport: Transport) -> Result<(), String> {
     if let (Some(rank), Some(master)) = (a.child_rank, &a.master) {
-        let mut c = TcpComm::worker(master, rank, a.ranks, tcp_config(a)).map_err(|e| e.to_string())?;
-        return sweep(&mut c, a).map(|_| ());
+        let boot = TcpComm::worker(master, rank, a.ranks, tcp_config(a)).map_err(|e| e.to_string())?;
+        return sweep(ours(boot, transport)?.as_mut(), a).map(|_| ());
     }
     let listener = MasterListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
     let master = listener.local_addr().map_err(|e| e.to_string())?.to_string();
@@ -287,8 +326,10 @@ fn run_tcp(a: &Args) -> Result<(), String> {
         cmd.stdout(Stdio::null());
         kids.push(cmd.spawn().map_err(|e| e.to_string())?);
     }
-    let mut c = TcpComm::master(listener, a.ranks, tcp_config(a)).map_err(|e| e.to_string())?;
-    let rows = sweep(&mut c, a)?;
+    let boot = TcpComm::master(listener, a.ranks, tcp_config(a)).map_err(|e| e.to_string())?;
+    let mut c = ours(boot, transport)?;
+    eprintln!("allreduce_bench: {} ranks on {}", a.ranks, c.backend());
+    let rows = sweep(c.as_mut(), a)?;
     print(a, a.ranks, &rows);
     for mut k in kids {
         let st = k.wait().map_err(|e| e.to_string())?;

@@ -24,7 +24,7 @@ use crate::{CallKind, Collective, CommError, CommStats, ReduceOp, bf16_round, sp
 
 /// How an all-reduce's payload travels (in a ring; here: how it is rounded).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Wire {
+pub(crate) enum Wire {
     F32,
     Bf16,
 }
@@ -240,7 +240,7 @@ impl InProcessComm {
 }
 
 /// A call's reduction as the TCP ring names it: `sum`, `mean (bf16 payload)`, `none`.
-fn op_name(op: Option<(ReduceOp, Wire)>) -> String {
+pub(crate) fn op_name(op: Option<(ReduceOp, Wire)>) -> String {
     let Some((op, wire)) = op else { return "none".into() };
     let name = if op == ReduceOp::Mean { "mean" } else { "sum" };
     if wire == Wire::Bf16 { format!("{name} (bf16 payload)") } else { name.into() }

@@ -13,6 +13,9 @@
 //!   ([`TcpConfig::token`]): set the same secret on every rank of an external launch whose ports
 //!   other hosts can reach, or any process that reaches them can register as a rank (see
 //!   [`TcpComm`], "The job token").
+//! - [`ShmComm`]: processes (or threads) on one host reduce through a shared mapping in `/dev/shm`,
+//!   set up over another collective of the same ranks; [`connect`] picks it by itself when every rank
+//!   of a launch runs on one host (`QSR_TRANSPORT` chooses otherwise, see [`Transport`]).
 //! - `MpiComm` (cargo feature `mpi`): MPI_Allreduce and friends through rsmpi, for `mpirun`/`srun`.
 //! - `NcclComm` (cargo feature `nccl`): NCCL on CUDA device buffers, bootstrapped over a host
 //!   collective with [`share_unique_id`].
@@ -31,9 +34,11 @@
 // Private modules; every public item is re-exported once, below, at the crate root.
 mod agree;
 mod bootstrap;
+mod connect;
 mod error;
 mod inproc;
 mod launch;
+mod shm;
 mod tcp;
 mod wire;
 
@@ -44,11 +49,13 @@ mod nccl;
 
 pub use agree::{KeyDiff, agree, differing_keys};
 pub use bootstrap::{probe_library, share_unique_id};
+pub use connect::{Transport, connect, host_id, over_ring};
 pub use error::CommError;
 pub use inproc::{DEFAULT_TIMEOUT, InProcessComm, InProcessGroup};
 pub use launch::{
     DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, Explicit, LaunchEnv, Source, detect, detect_from_process_env, first_host,
 };
+pub use shm::{ShmComm, ShmConfig};
 pub use tcp::{MasterListener, TcpComm, TcpConfig, random_token, resolve};
 
 #[cfg(feature = "mpi")]

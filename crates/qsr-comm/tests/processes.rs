@@ -1,6 +1,8 @@
-//! TCP ring across real processes on 127.0.0.1: the parent test is rank 0, children re-exec this
-//! test binary (`child_process_entry`) as ranks 1..n. Covers the correctness matrix, a rank
-//! killed in the middle of a large all-reduce, and a rank stopped with SIGSTOP.
+//! Our transports across real processes: the parent test is rank 0, children re-exec this test
+//! binary (`child_process_entry`) as ranks 1..n; every rank forms the TCP ring on 127.0.0.1, then
+//! the transport under test over it (the ring itself, or a shared-memory group). Covers the
+//! correctness matrix, a rank killed in the middle of a large all-reduce, and a rank stopped with
+//! SIGSTOP, for each transport.
 
 mod common;
 
@@ -9,7 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use qsr_comm::{Collective, CommError, MasterListener, ReduceOp, TcpComm, TcpConfig};
+use qsr_comm::{Collective, CommError, MasterListener, ReduceOp, ShmConfig, TcpComm, TcpConfig, Transport};
 
 const LOOP_FLOATS: usize = 2 << 20; // 8 MiB per all-reduce in the fault tests
 
@@ -24,8 +26,22 @@ fn child_config(timeout_ms: u64) -> TcpConfig {
     TcpConfig { timeout: Duration::from_millis(timeout_ms), ..common::test_config() }
 }
 
+/// The transport under test over the ring `boot` ("tcp": the ring itself; "shm": a shared-memory
+/// group of every rank).
+fn connect(boot: TcpComm, transport: &str) -> Box<dyn Collective> {
+    let timeout = boot.config().timeout;
+    let (t, host) = match transport {
+        "tcp" => (Transport::Tcp, "this-host"),
+        "shm" => (Transport::Shm, "this-host"),
+        other => panic!("unknown transport {other}"),
+    };
+    let c = qsr_comm::over_ring(boot, t, host, ShmConfig { timeout, ..ShmConfig::default() }).expect("transport setup");
+    assert_eq!(c.backend(), transport);
+    c
+}
+
 /// The matrix every rank runs; returns (case name, result) pairs.
-fn run_matrix(c: &mut TcpComm) -> Result<Vec<(String, Vec<f32>)>, CommError> {
+fn run_matrix(c: &mut dyn Collective) -> Result<Vec<(String, Vec<f32>)>, CommError> {
     let n = c.world_size();
     let mut out = Vec::new();
     for (li, len) in common::lengths(n).into_iter().enumerate() {
@@ -43,7 +59,7 @@ fn run_matrix(c: &mut TcpComm) -> Result<Vec<(String, Vec<f32>)>, CommError> {
 }
 
 /// Runs all-reduces until one fails; returns the error and how long after the last success.
-fn run_loop(c: &mut TcpComm, mut on_iter: impl FnMut(usize)) -> Option<CommError> {
+fn run_loop(c: &mut dyn Collective, mut on_iter: impl FnMut(usize)) -> Option<CommError> {
     let mut b = common::input(5, c.rank(), LOOP_FLOATS);
     for i in 0..100_000 {
         if let Err(e) = c.all_reduce(&mut b, ReduceOp::Mean) {
@@ -64,15 +80,16 @@ fn child_process_entry() {
     let rank: usize = var("QSR_CHILD_RANK").parse().unwrap();
     let n: usize = var("QSR_CHILD_N").parse().unwrap();
     let timeout_ms: u64 = var("QSR_CHILD_TIMEOUT_MS").parse().unwrap();
+    let transport = var("QSR_CHILD_TRANSPORT");
     let mut c = match TcpComm::worker(&var("QSR_CHILD_MASTER"), rank, n, child_config(timeout_ms)) {
-        Ok(c) => c,
+        Ok(c) => connect(c, &transport),
         Err(e) => {
             println!("QSR setup-error {e}");
             std::process::exit(2);
         }
     };
     match mode.as_str() {
-        "matrix" => match run_matrix(&mut c) {
+        "matrix" => match run_matrix(c.as_mut()) {
             Ok(cases) => {
                 for (i, (_, v)) in cases.iter().enumerate() {
                     println!("QSR case {i} {:016x}", hash(v));
@@ -86,7 +103,7 @@ fn child_process_entry() {
             }
         },
         "loop" => {
-            let err = run_loop(&mut c, |i| println!("QSR iter {i}"));
+            let err = run_loop(c.as_mut(), |i| println!("QSR iter {i}"));
             match err {
                 Some(e) => {
                     let blamed = e.blamed_rank().map(|r| r.to_string()).unwrap_or_else(|| "none".into());
@@ -119,7 +136,7 @@ impl Drop for Children {
     }
 }
 
-fn spawn_children(mode: &str, n: usize, master: &str, timeout_ms: u64) -> Children {
+fn spawn_children(mode: &str, transport: &str, n: usize, master: &str, timeout_ms: u64) -> Children {
     let exe = std::env::current_exe().unwrap();
     let (tx, rx) = mpsc::channel();
     let mut procs = Vec::new();
@@ -127,6 +144,7 @@ fn spawn_children(mode: &str, n: usize, master: &str, timeout_ms: u64) -> Childr
         let mut child = Command::new(&exe)
             .args(["--exact", "child_process_entry", "--nocapture", "--test-threads=1"])
             .env("QSR_CHILD_MODE", mode)
+            .env("QSR_CHILD_TRANSPORT", transport)
             .env("QSR_CHILD_RANK", rank.to_string())
             .env("QSR_CHILD_N", n.to_string())
             .env("QSR_CHILD_MASTER", master)
@@ -152,14 +170,34 @@ fn spawn_children(mode: &str, n: usize, master: &str, timeout_ms: u64) -> Childr
     Children { procs, lines: rx }
 }
 
+/// No shared-memory file of this test process (rank 0 creates the groups) is left behind.
+fn assert_no_group_file_left() {
+    let mine = format!("qsr-shm-{}-", std::process::id());
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    assert!(!left.iter().any(|f| f.starts_with(&mine)), "left in /dev/shm: {left:?}");
+}
+
 #[test]
-fn process_matrix_world_sizes_2_3_5() {
-    for n in [2usize, 3, 5] {
+fn process_matrix_tcp_world_sizes_2_3_5() {
+    process_matrix("tcp", &[2, 3, 5]);
+}
+
+#[test]
+fn process_matrix_shm_world_sizes_2_4() {
+    process_matrix("shm", &[2, 4]);
+    assert_no_group_file_left();
+}
+
+fn process_matrix(transport: &str, sizes: &[usize]) {
+    for &n in sizes {
         let listener = MasterListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
-        let mut kids = spawn_children("matrix", n, &addr, 10_000);
-        let mut c = TcpComm::master(listener, n, child_config(10_000)).expect("rank 0 setup");
-        let cases = run_matrix(&mut c).expect("rank 0 matrix");
+        let mut kids = spawn_children("matrix", transport, n, &addr, 10_000);
+        let boot = TcpComm::master(listener, n, child_config(10_000)).expect("rank 0 setup");
+        let mut c = connect(boot, transport);
+        let cases = run_matrix(c.as_mut()).expect("rank 0 matrix");
         // f64 reference on rank 0's results (bit-identity is checked via the children's hashes).
         let mut i = 0;
         for (li, len) in common::lengths(n).into_iter().enumerate() {
@@ -199,15 +237,16 @@ fn process_matrix_world_sizes_2_3_5() {
 
 /// Starts a 4-rank loop (rank 0 here, 1..3 children), waits until the victim (rank 2) is busy,
 /// applies `fault` to it, and checks that every survivor fails naming rank 2 within `bound`.
-fn fault_test(timeout_ms: u64, bound: Duration, fault: impl FnOnce(&mut Child)) {
+fn fault_test(transport: &str, timeout_ms: u64, bound: Duration, fault: impl FnOnce(&mut Child)) {
     let n = 4;
     let victim = 2;
     let listener = MasterListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    let mut kids = spawn_children("loop", n, &addr, timeout_ms);
-    let mut c = TcpComm::master(listener, n, child_config(timeout_ms)).expect("rank 0 setup");
+    let mut kids = spawn_children("loop", transport, n, &addr, timeout_ms);
+    let boot = TcpComm::master(listener, n, child_config(timeout_ms)).expect("rank 0 setup");
+    let mut c = connect(boot, transport);
     let rank0 = std::thread::spawn(move || {
-        let e = run_loop(&mut c, |_| {});
+        let e = run_loop(c.as_mut(), |_| {});
         (e, Instant::now())
     });
     // Wait until the victim has completed a few all-reduces: it is in the middle of the next.
@@ -246,19 +285,38 @@ fn fault_test(timeout_ms: u64, bound: Duration, fault: impl FnOnce(&mut Child)) 
     }
 }
 
+fn kill(child: &mut Child) {
+    child.kill().expect("kill victim")
+}
+
+fn stop(child: &mut Child) {
+    // SAFETY: plain kill(2) on our own child's pid.
+    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGSTOP) };
+    assert_eq!(rc, 0);
+}
+
+// Death is seen at once (EOF / reset on the ring, the pidfd in shared memory), long before the 5 s
+// no-progress timeout; a stopped rank is named once the 2 s timeout has passed.
+const KILL: (u64, Duration) = (5_000, Duration::from_millis(7_000));
+const STOP: (u64, Duration) = (2_000, Duration::from_millis(4_500));
+
 #[test]
-fn killed_rank_is_named_by_every_survivor() {
-    // Death is seen at once (EOF / reset), long before the 5 s no-progress timeout.
-    fault_test(5_000, Duration::from_secs(5) + Duration::from_millis(2_000), |child| {
-        child.kill().expect("kill victim")
-    });
+fn killed_rank_is_named_by_every_survivor_tcp() {
+    fault_test("tcp", KILL.0, KILL.1, kill);
 }
 
 #[test]
-fn stopped_rank_is_named_by_every_survivor_after_the_timeout() {
-    fault_test(2_000, Duration::from_millis(2_000 + 2_500), |child| {
-        // SAFETY: plain kill(2) on our own child's pid.
-        let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGSTOP) };
-        assert_eq!(rc, 0);
-    });
+fn stopped_rank_is_named_by_every_survivor_after_the_timeout_tcp() {
+    fault_test("tcp", STOP.0, STOP.1, stop);
+}
+
+#[test]
+fn killed_rank_is_named_by_every_survivor_shm() {
+    fault_test("shm", KILL.0, KILL.1, kill);
+    assert_no_group_file_left();
+}
+
+#[test]
+fn stopped_rank_is_named_by_every_survivor_after_the_timeout_shm() {
+    fault_test("shm", STOP.0, STOP.1, stop);
 }

@@ -1,0 +1,147 @@
+//! Choosing the transport of a launch: shared memory among ranks on one host, TCP between hosts.
+
+use serde::{Deserialize, Serialize};
+
+use crate::shm::{self, ShmConfig};
+use crate::tcp::notice;
+use crate::{Collective, CommError, LaunchEnv, TcpComm, TcpConfig};
+
+/// How the ranks of a launch reach each other (`QSR_TRANSPORT`: `auto`, `tcp` or `shm`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// Shared memory when every rank runs on one host, the TCP ring otherwise (the default).
+    #[default]
+    Auto,
+    /// The TCP ring, even between ranks of one host (what `cargo xtask netem` shapes).
+    Tcp,
+    /// Shared memory; an error unless every rank runs on one host.
+    Shm,
+}
+
+impl Transport {
+    /// `QSR_TRANSPORT` from `env` (as in [`crate::detect`]); unset means [`Transport::Auto`].
+    pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Transport, CommError> {
+        match env("QSR_TRANSPORT").as_deref().map(str::trim) {
+            None | Some("auto") => Ok(Transport::Auto),
+            Some("tcp") => Ok(Transport::Tcp),
+            Some("shm") => Ok(Transport::Shm),
+            Some(v) => {
+                Err(CommError::launch("QSR_TRANSPORT", format!("QSR_TRANSPORT={v} is not one of auto, tcp, shm")))
+            }
+        }
+    }
+}
+
+/// This host's identity, which decides which ranks share memory: `QSR_HOST_ID` when set (tests and
+/// `cargo xtask netem` give each simulated node its own), else the host name, the kernel's boot id
+/// and the device and inode of the shared-memory directory (containers with their own `/dev/shm`
+/// differ there).
+pub fn host_id(env: &dyn Fn(&str) -> Option<String>, cfg: &ShmConfig) -> String {
+    use std::os::unix::fs::MetadataExt;
+    if let Some(id) = env("QSR_HOST_ID") {
+        return id;
+    }
+    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
+    let dir = std::fs::metadata(&cfg.dir).map(|m| format!("{}:{}", m.dev(), m.ino())).unwrap_or_default();
+    format!("{}/{}/{dir}", read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id"))
+}
+
+/// The collective of a launch over our own transports: the TCP rendezvous and ring of
+/// [`TcpComm::from_launch`], then, as `transport` says, a shared-memory group when every rank
+/// reported the same [`host_id`]. Under [`Transport::Auto`] a shared-memory setup that fails (no
+/// `/dev/shm`, not enough room in it) falls back to the ring with a warning naming the cause; a job
+/// spread over several hosts runs on the ring.
+pub fn connect(env: &LaunchEnv, cfg: TcpConfig, transport: Transport) -> Result<Box<dyn Collective>, CommError> {
+    let shm_cfg = ShmConfig { timeout: cfg.timeout, ..ShmConfig::default() };
+    let host = host_id(&|k| std::env::var(k).ok(), &shm_cfg);
+    let boot = TcpComm::from_launch(env, cfg)?;
+    over_ring(boot, transport, &host, shm_cfg)
+}
+
+/// [`connect`] once the ring exists: every rank passes its own `host`.
+pub fn over_ring(
+    mut boot: TcpComm,
+    transport: Transport,
+    host: &str,
+    shm_cfg: ShmConfig,
+) -> Result<Box<dyn Collective>, CommError> {
+    if transport == Transport::Tcp || boot.world_size() == 1 {
+        return Ok(Box::new(boot));
+    }
+    let hosts = all_gather_bytes(&mut boot, host.as_bytes())?;
+    let groups = by_host(&hosts);
+    if groups.len() > 1 {
+        if transport == Transport::Shm {
+            return Err(CommError::InvalidArgument(format!(
+                "QSR_TRANSPORT=shm needs every rank on one host, but the ranks report {} hosts (rank {} is \
+                 on another host than rank 0)",
+                groups.len(),
+                groups[1][0]
+            )));
+        }
+        return Ok(Box::new(boot));
+    }
+    match shm::join(&mut boot, &groups, shm_cfg) {
+        Ok(c) => Ok(Box::new(c)),
+        Err(e) if transport == Transport::Auto => {
+            notice(true, &format!("shared memory is not available, using the TCP ring: {e}"));
+            Ok(Box::new(boot))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Every rank's `mine`, in rank order (one broadcast per rank: for setup, not for data).
+fn all_gather_bytes(comm: &mut dyn Collective, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+    (0..comm.world_size())
+        .map(|root| {
+            let mut b = if root == comm.rank() { mine.to_vec() } else { Vec::new() };
+            comm.broadcast_bytes(&mut b, root)?;
+            Ok(b)
+        })
+        .collect()
+}
+
+/// Ranks grouped by equal host identity, groups ordered by their first rank.
+fn by_host(hosts: &[Vec<u8>]) -> Vec<Vec<usize>> {
+    let mut groups: Vec<(&[u8], Vec<usize>)> = Vec::new();
+    for (r, h) in hosts.iter().enumerate() {
+        match groups.iter_mut().find(|(id, _)| *id == h.as_slice()) {
+            Some((_, members)) => members.push(r),
+            None => groups.push((h, vec![r])),
+        }
+    }
+    groups.into_iter().map(|(_, m)| m).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transport_from_env() {
+        let env = |v: &'static str| move |k: &str| (k == "QSR_TRANSPORT").then(|| v.to_string());
+        assert_eq!(Transport::from_env(&|_| None).unwrap(), Transport::Auto);
+        assert_eq!(Transport::from_env(&env("shm")).unwrap(), Transport::Shm);
+        assert_eq!(Transport::from_env(&env(" tcp ")).unwrap(), Transport::Tcp);
+        let e = Transport::from_env(&env("udp")).unwrap_err().to_string();
+        assert!(e.contains("QSR_TRANSPORT=udp"), "{e}");
+    }
+
+    #[test]
+    fn ranks_group_by_host_in_order_of_first_rank() {
+        let h = |s: &str| s.as_bytes().to_vec();
+        assert_eq!(by_host(&[h("b"), h("a"), h("b"), h("a")]), vec![vec![0, 2], vec![1, 3]]);
+        assert_eq!(by_host(&vec![h("x"); 3]), vec![vec![0, 1, 2]]);
+    }
+
+    #[test]
+    fn host_id_prefers_the_override() {
+        let cfg = ShmConfig::default();
+        assert_eq!(host_id(&|k| (k == "QSR_HOST_ID").then(|| "node-7".into()), &cfg), "node-7");
+        let id = host_id(&|_| None, &cfg);
+        assert_eq!(id, host_id(&|_| None, &cfg));
+        assert!(id.len() > 2, "{id}");
+    }
+}

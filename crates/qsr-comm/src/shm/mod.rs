@@ -1,0 +1,656 @@
+//! Collectives through shared memory for ranks on one host, documented on [`ShmComm`].
+
+mod mapping;
+mod watch;
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use crate::inproc::{Wire, check_root, op_name};
+use crate::tcp::engine::f32_bytes_mut;
+use crate::{CallKind, Collective, CommError, CommStats, MAX_BROADCAST_BYTES, ReduceOp, bf16_round, split_range};
+
+use mapping::Mapping;
+use watch::Watch;
+
+/// Settings of the shared-memory backend. `Default`: 30 s timeout, 1 MiB slots, `/dev/shm`.
+#[derive(Debug, Clone)]
+pub struct ShmConfig {
+    /// A peer that makes no progress for this long is declared stalled (default 30 s).
+    pub timeout: Duration,
+    /// Bytes each rank stages per pipeline step, in each of its two halves (default 1 MiB; a
+    /// multiple of 4 KiB in 4 KiB..=64 MiB). The mapping holds `2 * slot_bytes` per rank.
+    pub slot_bytes: usize,
+    /// Directory of the group files (default `/dev/shm`). The file is removed as soon as every
+    /// member has mapped it; files of killed jobs are removed at the next start.
+    pub dir: PathBuf,
+}
+
+impl Default for ShmConfig {
+    fn default() -> Self {
+        ShmConfig { timeout: Duration::from_secs(30), slot_bytes: 1 << 20, dir: PathBuf::from("/dev/shm") }
+    }
+}
+
+impl ShmConfig {
+    fn validate(&self) -> Result<(), CommError> {
+        if self.timeout.is_zero() {
+            return Err(CommError::InvalidArgument("shm timeout must be positive".into()));
+        }
+        if !self.slot_bytes.is_multiple_of(4096) || !(4096..=64 << 20).contains(&self.slot_bytes) {
+            return Err(CommError::InvalidArgument(format!(
+                "shm slot_bytes = {} is not a multiple of 4096 in 4096..={}",
+                self.slot_bytes,
+                64 << 20
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// What a call is, as every member publishes it before its first stage of each pipeline step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Head {
+    seq: u64,
+    kind: CallKind,
+    op: Option<(ReduceOp, Wire)>,
+    root: usize,
+    len: u64,
+}
+
+fn kind_code(k: CallKind) -> u64 {
+    match k {
+        CallKind::AllReduce => 1,
+        CallKind::Broadcast => 2,
+        CallKind::Barrier => 3,
+        CallKind::BroadcastBytes => 4,
+    }
+}
+
+fn op_code(op: Option<(ReduceOp, Wire)>) -> u64 {
+    match op {
+        None => 0,
+        Some((op, wire)) => 1 + u64::from(op.code()) + if wire == Wire::Bf16 { 2 } else { 0 },
+    }
+}
+
+impl Head {
+    fn words(&self) -> [u64; 4] {
+        [self.seq, kind_code(self.kind) | op_code(self.op) << 8, self.root as u64, self.len]
+    }
+
+    fn during(&self) -> String {
+        format!("{} seq {} ({} bytes)", self.kind.name(), self.seq, self.len)
+    }
+
+    /// The first field in which a peer's published words differ from ours, as (field, ours, theirs).
+    fn differs(&self, theirs: [u64; 4]) -> Option<(&'static str, String, String)> {
+        let ours = self.words();
+        let names = ["sequence number", "call", "root", "length (bytes)"];
+        let i = (0..4).find(|&i| ours[i] != theirs[i])?;
+        if i == 1 && (ours[1] & 0xff) == (theirs[1] & 0xff) {
+            let name = |w: u64| match w >> 8 {
+                0 => "none".to_string(),
+                c => {
+                    let op = if (c - 1) % 2 == 1 { ReduceOp::Mean } else { ReduceOp::Sum };
+                    op_name(Some((op, if c > 2 { Wire::Bf16 } else { Wire::F32 })))
+                }
+            };
+            return Some(("reduce op", name(ours[1]), name(theirs[1])));
+        }
+        let kind = |w: u64| match w & 0xff {
+            1 => "all_reduce".to_string(),
+            2 => "broadcast".into(),
+            3 => "barrier".into(),
+            4 => "broadcast_bytes".into(),
+            c => format!("unknown call {c}"),
+        };
+        let show = |w: [u64; 4]| if i == 1 { kind(w[1]) } else { w[i].to_string() };
+        Some((names[i], show(ours), show(theirs)))
+    }
+}
+
+/// Why a member gave up; the first of these any member sees is the group's abort word.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reason {
+    Exited = 1,
+    Stalled = 2,
+    Closed = 3,
+}
+
+impl Reason {
+    fn text(self) -> &'static str {
+        match self {
+            Reason::Exited => "its process exited",
+            Reason::Stalled => "no progress within the timeout",
+            Reason::Closed => "it closed its communicator",
+        }
+    }
+}
+
+/// A failure inside a call, before it becomes a [`CommError`].
+enum Fail {
+    /// Rank `.0` failed for `.1`; we saw it ourselves.
+    Peer(usize, Reason),
+    /// Another member saw it first: (culprit, reason, reporter).
+    Aborted(usize, Reason, usize),
+    Diverged {
+        peer: usize,
+        field: &'static str,
+        ours: String,
+        theirs: String,
+    },
+}
+
+fn abort_word(culprit: usize, reason: Reason, reporter: usize) -> u64 {
+    (reason as u64) << 48 | (reporter as u64) << 24 | (culprit as u64 + 1)
+}
+
+fn decode_abort(w: u64) -> Option<Fail> {
+    let reason = match w >> 48 {
+        1 => Reason::Exited,
+        2 => Reason::Stalled,
+        3 => Reason::Closed,
+        _ => return None,
+    };
+    let culprit = (w & 0xff_ffff) as usize;
+    Some(Fail::Aborted(culprit.checked_sub(1)?, reason, ((w >> 24) & 0xff_ffff) as usize))
+}
+
+/// One rank of a group of processes (or threads) on one host that reduce through a shared mapping.
+///
+/// Setup ([`ShmComm::from_bootstrap`]) runs over any other collective of the same ranks, usually the
+/// TCP ring the launch formed: the group's rank 0 creates `/dev/shm/qsr-shm-<pid>-<random>` (pages
+/// reserved up front, so a full `/dev/shm` is an error naming the file), the others map it, and once
+/// every member has, the file is removed: a job that dies after setup leaves nothing behind, and
+/// files of jobs killed during setup are removed, by their dead creator's pid, at the next start.
+///
+/// A call moves the buffer in steps of [`ShmConfig::slot_bytes`] through two alternating halves per
+/// rank. All-reduce: each rank copies its step into its half and publishes its stage counter; once
+/// every counter has arrived, each rank reduces its `1/K` share of the step over all K halves in rank
+/// order (qsr-kernels' `reduce_and_broadcast_serial`, the order of [`crate::InProcessGroup`], so the
+/// two backends give the same bits) and writes the result into every half; after a second stage
+/// every rank copies the result out. Broadcast: the root copies in, one stage, the others copy out.
+/// The bf16 all-reduce keeps the TCP ring's per-segment order and rounding, so it gives the ring's
+/// bits. Two halves make the next step's copy-in safe without a third stage.
+///
+/// Every step's stage publishes the call's header (sequence number, call, op, root, length), and every
+/// rank compares all headers before touching data: a diverged call fails on every rank. A waiting rank
+/// spins briefly, then yields, then sleeps in growing steps up to 1 ms, and while waiting it watches
+/// every peer's process (a pidfd, which becomes readable when the process dies, zombie or not) and
+/// the group's abort word: the first rank to see a peer die, close its communicator or make no
+/// progress for the timeout writes the culprit there, and every other waiter fails naming the same
+/// rank. After a failure the communicator is broken.
+pub struct ShmComm {
+    rank: usize,
+    n: usize,
+    /// The rank each member has in the job, for messages (identity unless built for a sub-group).
+    names: Vec<usize>,
+    cfg: ShmConfig,
+    map: Mapping,
+    watch: Vec<Watch>,
+    /// Stages completed (every member's counter moves in lockstep with ours).
+    phase: u64,
+    /// Pipeline steps completed; the parity picks the half.
+    steps: u64,
+    seq: u64,
+    stats: CommStats,
+    broken: Option<String>,
+}
+
+impl ShmComm {
+    /// Forms one group of every rank of `boot` (which must all run on this host) and returns this
+    /// rank's member; a collective call on `boot`. See [`ShmComm`] for the setup.
+    pub fn from_bootstrap(boot: &mut dyn Collective, cfg: ShmConfig) -> Result<ShmComm, CommError> {
+        let all: Vec<usize> = (0..boot.world_size()).collect();
+        join(boot, &[all], cfg)
+    }
+
+    /// The configuration this communicator runs with.
+    pub fn config(&self) -> &ShmConfig {
+        &self.cfg
+    }
+
+    fn half(&self) -> usize {
+        (self.steps % 2) as usize
+    }
+
+    /// Publishes our next stage (with `head` for the half, when given) and waits for every member's.
+    fn stage(&mut self, head: Option<&Head>) -> Result<(), Fail> {
+        let me = self.map.ctrl(self.rank);
+        if let Some(h) = head {
+            let slot = &me.call[self.half()];
+            h.words().iter().zip(slot).for_each(|(w, a)| a.store(*w, Ordering::Relaxed));
+        }
+        self.phase += 1;
+        me.phase.store(self.phase, Ordering::Release);
+        self.wait_all(self.phase)?;
+        match head {
+            Some(h) => self.check_heads(h),
+            None => Ok(()),
+        }
+    }
+
+    fn check_heads(&self, head: &Head) -> Result<(), Fail> {
+        for q in (0..self.n).filter(|&q| q != self.rank) {
+            let theirs = self.map.ctrl(q).call[self.half()].each_ref().map(|a| a.load(Ordering::Relaxed));
+            if let Some((field, ours, theirs)) = head.differs(theirs) {
+                return Err(Fail::Diverged { peer: q, field, ours, theirs });
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until every member has completed stage `target`, watching for dead or stalled peers.
+    fn wait_all(&self, target: u64) -> Result<(), Fail> {
+        let start = Instant::now();
+        let (mut last_change, mut last_watch) = (start, start);
+        let (mut next, mut spins, mut nap) = (0, 0u32, Duration::from_micros(20));
+        loop {
+            let before = next;
+            while next < self.n && (next == self.rank || self.map.ctrl(next).phase.load(Ordering::Acquire) >= target) {
+                next += 1;
+            }
+            if next == self.n {
+                return Ok(());
+            }
+            spins += 1;
+            if spins < 128 {
+                std::hint::spin_loop();
+                continue;
+            }
+            if let Some(f) = decode_abort(self.map.header().abort.load(Ordering::Acquire)) {
+                return Err(f);
+            }
+            if self.map.ctrl(next).closed.load(Ordering::Acquire) != 0 {
+                return Err(Fail::Peer(next, Reason::Closed));
+            }
+            let now = Instant::now();
+            if next != before {
+                last_change = now;
+            }
+            if now - last_watch >= Duration::from_millis(1) {
+                last_watch = now;
+                if let Some(q) = (0..self.n).find(|&q| self.watch[q].exited()) {
+                    return Err(Fail::Peer(q, Reason::Exited));
+                }
+            }
+            if now - last_change >= self.cfg.timeout {
+                return Err(Fail::Peer(next, Reason::Stalled));
+            }
+            if now - start < Duration::from_millis(2) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(nap);
+                nap = (nap * 2).min(Duration::from_millis(1));
+            }
+        }
+    }
+
+    /// Copies `src` into our current half.
+    fn put(&self, src: &[u8]) {
+        debug_assert!(src.len() <= self.cfg.slot_bytes);
+        // SAFETY: our half is written only by us, and only between the stage at which every member
+        // finished reading it (two steps ago) and our next publish; `src` fits in it.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.data(self.rank, self.half()), src.len()) }
+    }
+
+    /// Copies the first `dst.len()` bytes of `rank`'s current half out.
+    fn take(&self, rank: usize, dst: &mut [u8]) {
+        // SAFETY: after the stage that completed the half, nobody writes it until we publish again.
+        unsafe { std::ptr::copy_nonoverlapping(self.map.data(rank, self.half()), dst.as_mut_ptr(), dst.len()) }
+    }
+
+    /// Our share of an all-reduce step of `len` elements that starts at element `at` of `total`:
+    /// reduced over every member's half and written back into every half.
+    fn reduce_share(&self, at: usize, len: usize, total: usize, op: ReduceOp, wire: Wire) {
+        let share = split_range(len, self.n, self.rank);
+        let mut views: Vec<&mut [f32]> = (0..self.n)
+            .map(|q| {
+                // SAFETY: between the two stages of a step, elements `share` of every half are touched
+                // only by this rank; the halves are distinct, so the views never alias.
+                unsafe {
+                    std::slice::from_raw_parts_mut(
+                        (self.map.data(q, self.half()) as *mut f32).add(share.start),
+                        share.len(),
+                    )
+                }
+            })
+            .collect();
+        match wire {
+            Wire::F32 => qsr_kernels::reduce_and_broadcast_serial(&mut views, op == ReduceOp::Mean),
+            Wire::Bf16 => reduce_in_ring_order(&mut views, at + share.start, total, op),
+        }
+    }
+
+    /// Runs one call: numbering, the broken state, statistics and the conversion of failures.
+    fn call(
+        &mut self,
+        head: Head,
+        traffic: (u64, u64),
+        body: impl FnOnce(&mut Self, &Head) -> Result<(), Fail>,
+    ) -> Result<(), CommError> {
+        if let Some(b) = &self.broken {
+            return Err(CommError::Broken(b.clone()));
+        }
+        let head = Head { seq: self.seq, ..head };
+        self.seq += 1;
+        let start = Instant::now();
+        let res = if self.n == 1 { Ok(()) } else { body(self, &head) };
+        let (sent, received) = if self.n == 1 { (0, 0) } else { traffic };
+        self.stats.record(sent, received, start.elapsed().as_secs_f64());
+        res.map_err(|f| {
+            let e = self.error(f, &head);
+            self.broken = Some(e.to_string());
+            e
+        })
+    }
+
+    fn error(&self, f: Fail, head: &Head) -> CommError {
+        let f = match f {
+            Fail::Peer(q, why) => {
+                let mine = abort_word(q, why, self.rank);
+                match self.map.header().abort.compare_exchange(0, mine, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(_) => Fail::Peer(q, why),
+                    Err(first) => decode_abort(first).unwrap_or(Fail::Peer(q, why)),
+                }
+            }
+            other => other,
+        };
+        let during = head.during();
+        match f {
+            Fail::Peer(q, Reason::Stalled) => CommError::PeerTimeout {
+                rank: self.names[q],
+                addr: self.watch[q].describe(),
+                during,
+                timeout: self.cfg.timeout,
+            },
+            Fail::Peer(q, why) => CommError::PeerLost {
+                rank: self.names[q],
+                addr: self.watch[q].describe(),
+                during,
+                detail: why.text().into(),
+            },
+            Fail::Aborted(culprit, why, reporter) => CommError::Aborted {
+                culprit: self.names.get(culprit).copied().unwrap_or(culprit),
+                reason: why.text().into(),
+                reporter: self.names.get(reporter).copied().unwrap_or(reporter),
+                during,
+            },
+            Fail::Diverged { peer, field, ours, theirs } => {
+                CommError::Diverged { me: self.names[self.rank], peer: self.names[peer], field, ours, theirs, during }
+            }
+        }
+    }
+
+    fn all_reduce_with(&mut self, buf: &mut [f32], op: ReduceOp, wire: Wire) -> Result<(), CommError> {
+        let total = buf.len();
+        let elem = if wire == Wire::Bf16 { 2 } else { 4 };
+        let bytes = crate::ring_allreduce_bytes(total, elem, self.n);
+        let head = Head { seq: 0, kind: CallKind::AllReduce, op: Some((op, wire)), root: 0, len: total as u64 * 4 };
+        self.call(head, (bytes, bytes), |me, head| {
+            let per = me.cfg.slot_bytes / 4;
+            let mut at = 0;
+            loop {
+                let end = (at + per).min(total);
+                me.put(f32_bytes(&buf[at..end]));
+                me.stage(Some(head))?;
+                me.reduce_share(at, end - at, total, op, wire);
+                me.stage(None)?;
+                me.take(me.rank, f32_bytes_mut(&mut buf[at..end]));
+                me.steps += 1;
+                at = end;
+                if at >= total {
+                    return Ok(());
+                }
+            }
+        })
+    }
+
+    /// Broadcast of raw bytes (`kind` names the call in headers).
+    fn broadcast_raw(&mut self, kind: CallKind, buf: &mut [u8], root: usize) -> Result<(), CommError> {
+        let len = buf.len() as u64;
+        let traffic = if self.rank == root { (len, 0) } else { (0, len) };
+        let head = Head { seq: 0, kind, op: None, root, len };
+        self.call(head, traffic, |me, head| {
+            let per = me.cfg.slot_bytes;
+            let mut at = 0;
+            loop {
+                let end = (at + per).min(buf.len());
+                if me.rank == root {
+                    me.put(&buf[at..end]);
+                }
+                me.stage(Some(head))?;
+                if me.rank != root {
+                    me.take(root, &mut buf[at..end]);
+                }
+                me.steps += 1;
+                at = end;
+                if at >= buf.len() {
+                    return Ok(());
+                }
+            }
+        })
+    }
+}
+
+fn f32_bytes(f: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding; the byte view covers exactly the same memory, borrowed shared.
+    unsafe { std::slice::from_raw_parts(f.as_ptr().cast::<u8>(), std::mem::size_of_val(f)) }
+}
+
+/// The TCP ring's bf16 order for elements `at..at + len` of a `total`-element buffer: element `i` of
+/// segment `s` (of `split_range(total, K, s)`) starts at rank `s`, and each next rank adds its f32
+/// value to the bf16-rounded partial sum; a mean divides the last sum by K; the result is rounded
+/// to bf16 and written to every view.
+fn reduce_in_ring_order(views: &mut [&mut [f32]], at: usize, total: usize, op: ReduceOp) {
+    let k = views.len();
+    let len = views.first().map_or(0, |v| v.len());
+    let mut i = 0;
+    while i < len {
+        let s = segment_of(at + i, total, k);
+        let run = (split_range(total, k, s).end - (at + i)).min(len - i);
+        for e in i..i + run {
+            let mut sum = views[s][e];
+            for j in 1..k {
+                sum = bf16_round(sum) + views[(s + j) % k][e];
+            }
+            if op == ReduceOp::Mean {
+                sum /= k as f32;
+            }
+            let out = bf16_round(sum);
+            views.iter_mut().for_each(|v| v[e] = out);
+        }
+        i += run;
+    }
+}
+
+/// The `s` with `g` in `split_range(total, k, s)`.
+fn segment_of(g: usize, total: usize, k: usize) -> usize {
+    let (base, rem) = (total / k, total % k);
+    let long = rem * (base + 1);
+    if g < long { g / (base + 1) } else { rem + (g - long) / base }
+}
+
+impl Collective for ShmComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.n
+    }
+
+    fn all_reduce(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        self.all_reduce_with(buf, op, Wire::F32)
+    }
+
+    fn supports_bf16(&self) -> bool {
+        true
+    }
+
+    fn all_reduce_bf16(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        self.all_reduce_with(buf, op, Wire::Bf16)
+    }
+
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
+        check_root(root, self.n)?;
+        self.broadcast_raw(CallKind::Broadcast, f32_bytes_mut(buf), root)
+    }
+
+    fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
+        check_root(root, self.n)?;
+        // The length goes first (even when too large, so every rank fails the same way).
+        let mut len = (bytes.len() as u64).to_le_bytes();
+        self.broadcast_raw(CallKind::BroadcastBytes, &mut len, root)?;
+        let len = u64::from_le_bytes(len);
+        if len > MAX_BROADCAST_BYTES as u64 {
+            let e = format!("rank {root} broadcasts {len} bytes, more than the bound {MAX_BROADCAST_BYTES}");
+            self.broken = Some(e.clone());
+            return Err(CommError::InvalidArgument(e));
+        }
+        if self.rank != root {
+            bytes.clear();
+            bytes.resize(len as usize, 0);
+        }
+        self.broadcast_raw(CallKind::BroadcastBytes, bytes, root)
+    }
+
+    fn barrier(&mut self) -> Result<(), CommError> {
+        let head = Head { seq: 0, kind: CallKind::Barrier, op: None, root: 0, len: 0 };
+        self.call(head, (0, 0), |me, head| {
+            me.stage(Some(head))?;
+            me.steps += 1;
+            Ok(())
+        })
+    }
+
+    fn stats(&self) -> &CommStats {
+        &self.stats
+    }
+
+    fn backend(&self) -> &'static str {
+        "shm"
+    }
+}
+
+impl Drop for ShmComm {
+    fn drop(&mut self) {
+        // Members of this process (threads) see it at once; other processes see our pid exit.
+        self.map.ctrl(self.rank).closed.store(1, Ordering::Release);
+    }
+}
+
+/// Forms the shared-memory groups `groups` (ranks of `boot`, ascending; every rank of `boot` in
+/// exactly one, its members on one host) and returns this rank's member. A collective call on
+/// `boot`: every rank passes the same `groups`.
+pub(crate) fn join(boot: &mut dyn Collective, groups: &[Vec<usize>], cfg: ShmConfig) -> Result<ShmComm, CommError> {
+    cfg.validate()?;
+    let me = boot.rank();
+    let (gi, local) = groups
+        .iter()
+        .enumerate()
+        .find_map(|(g, m)| m.iter().position(|&r| r == me).map(|i| (g, i)))
+        .ok_or_else(|| CommError::InvalidArgument(format!("rank {me} is in no shared-memory group")))?;
+    let n = groups[gi].len();
+    let made = (local == 0).then(|| {
+        let swept = mapping::sweep(&cfg.dir);
+        if !swept.is_empty() {
+            crate::tcp::notice(false, &format!("removed shared-memory files of dead jobs: {}", swept.join(", ")));
+        }
+        Mapping::create(&cfg.dir, n, cfg.slot_bytes)
+    });
+    // Each group's rank 0 tells its members the file name (or why it has none).
+    let mut mine = Vec::new();
+    for (g, members) in groups.iter().enumerate() {
+        let mut msg = match (&made, g == gi) {
+            (Some(Ok((_, name))), true) => name.clone().into_bytes(),
+            (Some(Err(e)), true) => format!("!{e}").into_bytes(),
+            _ => Vec::new(),
+        };
+        boot.broadcast_bytes(&mut msg, members[0])?;
+        if g == gi {
+            mine = msg;
+        }
+    }
+    let mapped = match made {
+        Some(r) => r.map(|(m, _)| m),
+        None => match String::from_utf8_lossy(&mine).strip_prefix('!') {
+            Some(why) => Err(CommError::InvalidArgument(format!(
+                "rank {} could not create the shared-memory group: {why}",
+                groups[gi][0]
+            ))),
+            None => Mapping::open(&cfg.dir, &String::from_utf8_lossy(&mine), n, cfg.slot_bytes),
+        },
+    };
+    if let Ok(m) = &mapped {
+        m.ctrl(local).pid.store(u64::from(std::process::id()), Ordering::Release);
+    }
+    // Which ranks failed; also the barrier after which every member has mapped the file.
+    let mut failed = vec![0f32; boot.world_size()];
+    failed[me] = f32::from(u8::from(mapped.is_err()));
+    boot.all_reduce(&mut failed, ReduceOp::Sum)?;
+    let mut map = mapped?;
+    if let Err(e) = map.unlink() {
+        // The group works; only the file outlives us until the next start sweeps it.
+        crate::tcp::notice(true, &e.to_string());
+    }
+    if let Some(r) = failed.iter().position(|&f| f != 0.0) {
+        return Err(CommError::InvalidArgument(format!(
+            "rank {r} could not map its shared-memory group (its log says why)"
+        )));
+    }
+    let watch = (0..n).map(|q| Watch::new(map.ctrl(q).pid.load(Ordering::Acquire), q == local)).collect();
+    Ok(ShmComm {
+        rank: local,
+        n,
+        names: groups[gi].clone(),
+        cfg,
+        map,
+        watch,
+        phase: 0,
+        steps: 0,
+        seq: 0,
+        stats: CommStats::default(),
+        broken: None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segment_of_inverts_split_range() {
+        for total in [0usize, 1, 3, 7, 10, 101] {
+            for k in 1..=6 {
+                for s in 0..k {
+                    for g in split_range(total, k, s) {
+                        assert_eq!(segment_of(g, total, k), s, "total {total} k {k} g {g}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn heads_name_the_first_differing_field() {
+        let h = Head { seq: 3, kind: CallKind::AllReduce, op: Some((ReduceOp::Sum, Wire::F32)), root: 0, len: 8 };
+        let bf16 = Head { op: Some((ReduceOp::Sum, Wire::Bf16)), ..h };
+        assert_eq!(h.differs(h.words()), None);
+        let (field, ours, theirs) = h.differs(bf16.words()).unwrap();
+        assert_eq!((field, ours.as_str(), theirs.as_str()), ("reduce op", "sum", "sum (bf16 payload)"));
+        let b = Head { kind: CallKind::Barrier, op: None, ..h };
+        assert_eq!(h.differs(b.words()).unwrap().0, "call");
+        assert_eq!(h.differs(Head { len: 4, ..h }.words()).unwrap(), ("length (bytes)", "8".into(), "4".into()));
+        assert_eq!(h.differs(Head { seq: 4, ..h }.words()).unwrap().0, "sequence number");
+    }
+
+    #[test]
+    fn abort_words_round_trip() {
+        let w = abort_word(5, Reason::Stalled, 2);
+        assert!(matches!(decode_abort(w), Some(Fail::Aborted(5, Reason::Stalled, 2))));
+        assert!(decode_abort(0).is_none());
+    }
+}
