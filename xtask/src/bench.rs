@@ -102,84 +102,150 @@ fn section_optim(root: &Path) -> Result<String> {
     Ok(o)
 }
 
-fn sweep(json: &Path) -> Result<Vec<(u64, f64)>> {
+/// One measured size of a sweep: (bytes, median time per call in us, busbw GB/s).
+type Point = (u64, f64, f64);
+
+fn sweep(json: &Path) -> Result<Vec<Point>> {
     let v: serde_json::Value =
         serde_json::from_slice(&std::fs::read(json).with_context(|| format!("{} missing", json.display()))?)?;
     Ok(v.as_array()
-        .map(|rows| rows.iter().filter_map(|r| Some((r["bytes"].as_u64()?, r["busbw_gbs"].as_f64()?))).collect())
+        .map(|rows| {
+            rows.iter()
+                .filter_map(|r| Some((r["bytes"].as_u64()?, r["time_us"].as_f64()?, r["busbw_gbs"].as_f64()?)))
+                .collect()
+        })
         .unwrap_or_default())
+}
+
+/// The all-reduce peers of `cargo xtask bench comm`, each run as `allreduce_bench --backend <name>`
+/// (MPI under mpirun, with Open MPI's shared-memory or TCP transport) or by its Python script.
+const COMM_PEERS: [&str; 7] = ["auto", "tcp", "mpi", "mpi-tcp", "gloo", "raw-shm", "raw-tcp"];
+
+/// Runs one sweep of `backend` at `ranks` over `min..=max` bytes (`extra` passed on); empty when
+/// the peer is not installed (Gloo without torch).
+fn comm_sweep(
+    ctx: &CommBench,
+    backend: &str,
+    ranks: usize,
+    (min, max): (u64, u64),
+    extra: &[&str],
+) -> Result<Vec<Point>> {
+    let json = ctx.tmp.join(format!("{backend}-{ranks}-{min}-{max}{}.json", extra.join("")));
+    let sizes = ["--min-bytes".to_string(), min.to_string(), "--max-bytes".into(), max.to_string()];
+    let mut c = match backend {
+        "gloo" if !ctx.gloo => return Ok(Vec::new()),
+        "gloo" => {
+            let mut c = Command::new("python3");
+            c.arg(ctx.root.join("benches/peers/gloo_allreduce.py")).args(["--ranks", &ranks.to_string()]);
+            c
+        }
+        "mpi" | "mpi-tcp" => {
+            let mut c = Command::new("mpirun");
+            c.args(["--allow-run-as-root", "--oversubscribe", "-np", &ranks.to_string()]);
+            if backend == "mpi-tcp" {
+                c.args(["--mca", "btl", "tcp,self"]);
+            }
+            c.arg(&ctx.exe).args(["--backend", "mpi"]);
+            c
+        }
+        _ => {
+            let mut c = Command::new(&ctx.exe);
+            c.args(["--ranks", &ranks.to_string(), "--backend", backend]);
+            c
+        }
+    };
+    c.args(&sizes).args(extra).arg("--json").arg(&json);
+    output(c)?;
+    sweep(&json)
+}
+
+struct CommBench {
+    root: PathBuf,
+    exe: PathBuf,
+    tmp: PathBuf,
+    gloo: bool,
 }
 
 fn section_comm(root: &Path, target: &Path) -> Result<String> {
     let mut b = cargo(root);
     b.args(["build", "--release", "--locked", "-p", "qsr-comm", "--features", "mpi", "--example", "allreduce_bench"]);
     output(b)?;
-    let exe = target.join("release/examples/allreduce_bench");
     let tmp = std::env::temp_dir().join("qsr-bench-comm");
     std::fs::create_dir_all(&tmp)?;
     // Gloo (torch.distributed) is a peer only where Python torch is importable.
     let gloo =
         Command::new("python3").args(["-c", "import torch.distributed"]).output().is_ok_and(|o| o.status.success());
+    let ctx = CommBench { root: root.to_path_buf(), exe: target.join("release/examples/allreduce_bench"), tmp, gloo };
     let mut o = String::from(
-        "busbw GB/s (algbw x 2(n-1)/n), sizes 4 KiB..256 MiB; ratios of our ring to MPI_Allreduce (our MPI backend, \
-         Open MPI's default transport), to Gloo (torch.distributed, `benches/peers/gloo_allreduce.py`) and to raw \
-         loopback TCP, in the same run.\n\n\
-         | ranks | size | tcp ring | mpi | gloo | raw tcp | ring / mpi | ring / gloo | ring / raw |\n|---|---|---|---|---|---|---|---|---|\n",
+        "busbw GB/s (algbw x 2(n-1)/n), sizes 4 KiB..256 MiB, and the 8 B latency; `ours` is what `qsr_comm::connect` \
+         picks (shared memory, every rank being on this host), next to our TCP ring, MPI_Allreduce (our MPI backend \
+         under Open MPI's shared-memory transport and under `--mca btl tcp,self`), Gloo (torch.distributed, \
+         `benches/peers/gloo_allreduce.py`, where torch is installed), one memcpy of the buffer (`raw shm`) and raw \
+         loopback TCP, all in the same run.\n\n",
     );
-    for ranks in [2usize, 4] {
+    let mut latency = String::from(
+        "| ranks | ours (us) | tcp ring | mpi shm | mpi tcp | ours / mpi shm |\n|---|---|---|---|---|---|\n",
+    );
+    o.push_str(
+        "| ranks | size | ours | tcp ring | mpi shm | mpi tcp | gloo | raw shm | raw tcp | ours / mpi shm | ours / mpi tcp | ours / gloo | ours / raw shm | ring / mpi tcp | ring / raw tcp |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for ranks in [2usize, 4, 8] {
         let mut results = Vec::new();
-        for backend in ["tcp", "raw-tcp", "mpi", "gloo"] {
-            let json = tmp.join(format!("{backend}-{ranks}.json"));
-            if backend == "gloo" {
-                if gloo {
-                    let mut c = Command::new("python3");
-                    c.arg(root.join("benches/peers/gloo_allreduce.py"));
-                    c.args([
-                        "--ranks",
-                        &ranks.to_string(),
-                        "--min-bytes",
-                        "4096",
-                        "--max-bytes",
-                        "268435456",
-                        "--json",
-                    ])
-                    .arg(&json);
-                    output(c)?;
-                    results.push(sweep(&json)?);
-                } else {
-                    results.push(Vec::new());
-                }
-                continue;
-            }
-            let mut c = if backend == "mpi" {
-                let mut c = Command::new("mpirun");
-                c.args(["--allow-run-as-root", "--oversubscribe", "-np", &ranks.to_string()]).arg(&exe);
-                c
-            } else {
-                let mut c = Command::new(&exe);
-                c.args(["--ranks", &ranks.to_string()]);
-                c
-            };
-            c.args(["--backend", backend, "--min-bytes", "4096", "--max-bytes", "268435456", "--json"]).arg(&json);
-            output(c)?;
-            results.push(sweep(&json)?);
+        for peer in COMM_PEERS {
+            results.push(comm_sweep(&ctx, peer, ranks, (4096, 256 << 20), &[])?);
         }
-        for (bytes, tcp) in &results[0] {
-            let find = |r: &Vec<(u64, f64)>| r.iter().find(|(b, _)| b == bytes).map(|(_, v)| *v);
-            let (raw, mpi, gl) = (find(&results[1]), find(&results[2]), find(&results[3]));
-            let ratio = |d: Option<f64>| d.map_or("-".into(), |d| format!("{:.2}", tcp / d));
+        let lat: Vec<Option<f64>> = ["auto", "tcp", "mpi", "mpi-tcp"]
+            .iter()
+            .map(|p| Ok(comm_sweep(&ctx, p, ranks, (8, 8), &["--iters", "2000"])?.first().map(|r| r.1)))
+            .collect::<Result<_>>()?;
+        let us = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
+        let _ = writeln!(
+            latency,
+            "| {ranks} | {} | {} | {} | {} | {} |",
+            us(lat[0]),
+            us(lat[1]),
+            us(lat[2]),
+            us(lat[3]),
+            lat[0].zip(lat[2]).map_or("-".into(), |(a, m)| format!("{:.2}", a / m))
+        );
+        for &(bytes, _, ours) in &results[0] {
+            let bw = |i: usize| results[i].iter().find(|r| r.0 == bytes).map(|r| r.2);
             let val = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.2}"));
+            let ratio = |a: Option<f64>, d: Option<f64>| a.zip(d).map_or("-".into(), |(a, d)| format!("{:.2}", a / d));
+            let cols: Vec<String> = (1..COMM_PEERS.len()).map(|i| val(bw(i))).collect();
             let _ = writeln!(
                 o,
-                "| {ranks} | {} | {tcp:.2} | {} | {} | {} | {} | {} | {} |",
-                human(*bytes),
-                val(mpi),
-                val(gl),
-                val(raw),
-                ratio(mpi),
-                ratio(gl),
-                ratio(raw)
+                "| {ranks} | {} | {ours:.2} | {} | {} | {} | {} | {} | {} | {} |",
+                human(bytes),
+                cols.join(" | "),
+                ratio(Some(ours), bw(2)),
+                ratio(Some(ours), bw(3)),
+                ratio(Some(ours), bw(4)),
+                ratio(Some(ours), bw(5)),
+                ratio(bw(1), bw(3)),
+                ratio(bw(1), bw(6)),
             );
+        }
+    }
+    let _ = write!(o, "\n8 B all-reduce latency (median us per call):\n\n{latency}");
+    o.push_str(&shm_cutover(&ctx)?);
+    Ok(o)
+}
+
+/// The shared-memory all-reduce with one stage against two, 8 B..64 KiB at 2 and 4 ranks: where
+/// `ShmConfig::one_stage_bytes` should cut over.
+fn shm_cutover(ctx: &CommBench) -> Result<String> {
+    let mut o = String::from(
+        "\nShared memory, one stage (every rank reduces the whole buffer) against two (each reduces its share), \
+         median us per call; `ShmConfig::one_stage_bytes` takes one stage up to its value:\n\n\
+         | ranks | size | one stage | two stages | one / two |\n|---|---|---|---|---|\n",
+    );
+    for ranks in [2usize, 4] {
+        let one = comm_sweep(ctx, "shm", ranks, (8, 64 << 10), &["--iters", "1000", "--one-stage-bytes", "1048576"])?;
+        let two = comm_sweep(ctx, "shm", ranks, (8, 64 << 10), &["--iters", "1000", "--one-stage-bytes", "0"])?;
+        for (a, b) in one.iter().zip(&two) {
+            let _ = writeln!(o, "| {ranks} | {} | {:.1} | {:.1} | {:.2} |", human(a.0), a.1, b.1, a.1 / b.1);
         }
     }
     Ok(o)
@@ -303,7 +369,11 @@ fn measure_gpt(root: &Path, target: &Path, python: Option<&Path>, threads: &str)
 }
 
 fn human(b: u64) -> String {
-    if b >= 1 << 20 { format!("{} MiB", b >> 20) } else { format!("{} KiB", b >> 10) }
+    match b {
+        _ if b >= 1 << 20 => format!("{} MiB", b >> 20),
+        _ if b >= 1 << 10 => format!("{} KiB", b >> 10),
+        _ => format!("{b} B"),
+    }
 }
 
 fn machine() -> String {

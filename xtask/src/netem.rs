@@ -466,6 +466,9 @@ fn run_job(t: &Topology, qsr: &Path, recipe: &Path, out: &Path, port: u16, timeo
         c.args(["--comm", "tcp", "--rank", &rank.to_string(), "--world-size", &k.to_string()]);
         c.args(["--master-addr", &Topology::addr(0), "--master-port", &port.to_string(), "--quiet"]);
         c.env("QSR_JOB_TOKEN", &token).env("QSR_BIND_ADDR", Topology::addr(rank)).env("QSR_COMM_TIMEOUT_SECS", "60");
+        // Each namespace stands for a host of its own: the ranks talk over the shaped links, not
+        // through this machine's shared memory.
+        c.env("QSR_HOST_ID", t.worker_ns(rank));
         c.stdout(log.try_clone()?).stderr(log);
         job.children.push((rank, c.spawn().with_context(|| format!("cannot start rank {rank}"))?));
     }

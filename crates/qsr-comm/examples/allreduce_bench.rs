@@ -13,7 +13,7 @@
 //! mpirun --allow-run-as-root --oversubscribe -np 4 target/release/examples/allreduce_bench --backend mpi
 //! ```
 //! Options: `--min-bytes 4096 --max-bytes 268435456 --iters N --warmup N --json FILE
-//! --chunk-bytes N --socket-buffer N`. For `tcp`, `shm` and `auto` the ranks are child processes of
+//! --chunk-bytes N --socket-buffer N --one-stage-bytes N` (the last for `shm`). For `tcp`, `shm` and `auto` the ranks are child processes of
 //! this program on 127.0.0.1 (rank 0 is the parent); time is the median of per-call times on rank 0.
 
 use std::io::{Read, Write};
@@ -34,6 +34,7 @@ struct Args {
     json: Option<String>,
     chunk_bytes: Option<usize>,
     socket_buffer: Option<usize>,
+    one_stage_bytes: Option<usize>,
     child_rank: Option<usize>,
     master: Option<String>,
 }
@@ -49,6 +50,7 @@ fn parse() -> Result<Args, String> {
         json: None,
         chunk_bytes: None,
         socket_buffer: None,
+        one_stage_bytes: None,
         child_rank: None,
         master: None,
     };
@@ -66,6 +68,7 @@ fn parse() -> Result<Args, String> {
             "--json" => a.json = Some(v()?),
             "--chunk-bytes" => a.chunk_bytes = Some(num(v()?)?),
             "--socket-buffer" => a.socket_buffer = Some(num(v()?)?),
+            "--one-stage-bytes" => a.one_stage_bytes = Some(num(v()?)?),
             "--child-rank" => a.child_rank = Some(num(v()?)?),
             "--master" => a.master = Some(v()?),
             other => return Err(format!("unknown argument {other}")),
@@ -282,8 +285,11 @@ fn main() {
 }
 
 /// Our collective over the ring `boot`, on the transport asked for.
-fn ours(boot: TcpComm, transport: Transport) -> Result<Box<dyn Collective>, String> {
-    let shm = ShmConfig { timeout: boot.config().timeout, ..ShmConfig::default() };
+fn ours(boot: TcpComm, transport: Transport, a: &Args) -> Result<Box<dyn Collective>, String> {
+    let mut shm = ShmConfig { timeout: boot.config().timeout, ..ShmConfig::default() };
+    if let Some(b) = a.one_stage_bytes {
+        shm.one_stage_bytes = b;
+    }
     let host = qsr_comm::host_id(&|k| std::env::var(k).ok(), &shm);
     qsr_comm::over_ring(boot, transport, &host, shm).map_err(|e| e.to_string())
 }
@@ -314,7 +320,7 @@ fn memcpy_sweep(a: &Args) -> Vec<Row> {
 fn run_ours(a: &Args, transport: Transport) -> Result<(), String> {
     if let (Some(rank), Some(master)) = (a.child_rank, &a.master) {
         let boot = TcpComm::worker(master, rank, a.ranks, tcp_config(a)).map_err(|e| e.to_string())?;
-        return sweep(ours(boot, transport)?.as_mut(), a).map(|_| ());
+        return sweep(ours(boot, transport, a)?.as_mut(), a).map(|_| ());
     }
     let listener = MasterListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
     let master = listener.local_addr().map_err(|e| e.to_string())?.to_string();
@@ -327,7 +333,7 @@ fn run_ours(a: &Args, transport: Transport) -> Result<(), String> {
         kids.push(cmd.spawn().map_err(|e| e.to_string())?);
     }
     let boot = TcpComm::master(listener, a.ranks, tcp_config(a)).map_err(|e| e.to_string())?;
-    let mut c = ours(boot, transport)?;
+    let mut c = ours(boot, transport, a)?;
     eprintln!("allreduce_bench: {} ranks on {}", a.ranks, c.backend());
     let rows = sweep(c.as_mut(), a)?;
     print(a, a.ranks, &rows);

@@ -50,8 +50,9 @@ pub fn host_id(env: &dyn Fn(&str) -> Option<String>, cfg: &ShmConfig) -> String 
 /// The collective of a launch over our own transports: the TCP rendezvous and ring of
 /// [`TcpComm::from_launch`], then, as `transport` says, a shared-memory group when every rank
 /// reported the same [`host_id`]. Under [`Transport::Auto`] a shared-memory setup that fails (no
-/// `/dev/shm`, not enough room in it) falls back to the ring with a warning naming the cause; a job
-/// spread over several hosts runs on the ring.
+/// `/dev/shm`, not enough room in it) falls back to the ring with a warning naming the cause. A job
+/// spread over several hosts, some with several ranks, sums inside each host through shared memory
+/// and between hosts over a ring of one leader per host; with one rank per host it keeps the ring.
 pub fn connect(env: &LaunchEnv, cfg: TcpConfig, transport: Transport) -> Result<Box<dyn Collective>, CommError> {
     let shm_cfg = ShmConfig { timeout: cfg.timeout, ..ShmConfig::default() };
     let host = host_id(&|k| std::env::var(k).ok(), &shm_cfg);
@@ -71,29 +72,34 @@ pub fn over_ring(
     }
     let hosts = all_gather_bytes(&mut boot, host.as_bytes())?;
     let groups = by_host(&hosts);
-    if groups.len() > 1 {
-        if transport == Transport::Shm {
-            return Err(CommError::InvalidArgument(format!(
-                "QSR_TRANSPORT=shm needs every rank on one host, but the ranks report {} hosts (rank {} is \
-                 on another host than rank 0)",
-                groups.len(),
-                groups[1][0]
-            )));
-        }
-        return Ok(Box::new(boot));
+    if groups.len() > 1 && transport == Transport::Shm {
+        return Err(CommError::InvalidArgument(format!(
+            "QSR_TRANSPORT=shm needs every rank on one host, but the ranks report {} hosts (rank {} is on \
+             another host than rank 0)",
+            groups.len(),
+            groups[1][0]
+        )));
     }
-    match shm::join(&mut boot, &groups, shm_cfg) {
-        Ok(c) => Ok(Box::new(c)),
+    if groups.len() == boot.world_size() {
+        return Ok(Box::new(boot)); // one rank per host: nothing to share
+    }
+    // The shared-memory setup fails on every rank alike, so all fall back together.
+    let local = match shm::join(&mut boot, &groups, shm_cfg) {
+        Ok(c) => c,
         Err(e) if transport == Transport::Auto => {
             notice(true, &format!("shared memory is not available, using the TCP ring: {e}"));
-            Ok(Box::new(boot))
+            return Ok(Box::new(boot));
         }
-        Err(e) => Err(e),
+        Err(e) => return Err(e),
+    };
+    if groups.len() == 1 {
+        return Ok(Box::new(local));
     }
+    Ok(Box::new(crate::hier::join(&mut boot, &groups, local)?))
 }
 
 /// Every rank's `mine`, in rank order (one broadcast per rank: for setup, not for data).
-fn all_gather_bytes(comm: &mut dyn Collective, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+pub(crate) fn all_gather_bytes(comm: &mut dyn Collective, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
     (0..comm.world_size())
         .map(|root| {
             let mut b = if root == comm.rank() { mine.to_vec() } else { Vec::new() };

@@ -36,6 +36,7 @@ mod agree;
 mod bootstrap;
 mod connect;
 mod error;
+mod hier;
 mod inproc;
 mod launch;
 mod shm;

@@ -26,17 +26,22 @@ fn child_config(timeout_ms: u64) -> TcpConfig {
     TcpConfig { timeout: Duration::from_millis(timeout_ms), ..common::test_config() }
 }
 
-/// The transport under test over the ring `boot` ("tcp": the ring itself; "shm": a shared-memory
-/// group of every rank).
+/// The transport under test over the ring `boot`: "tcp", the ring itself; "shm", a shared-memory
+/// group of every rank; "mixed-a", hosts (as `QSR_HOST_ID` would name them) of the even and of the
+/// odd ranks, so rank 2 is a member of rank 0's host; "mixed-b", hosts of ranks 0-1 and 2-3, so rank
+/// 2 leads its host.
 fn connect(boot: TcpComm, transport: &str) -> Box<dyn Collective> {
     let timeout = boot.config().timeout;
-    let (t, host) = match transport {
-        "tcp" => (Transport::Tcp, "this-host"),
-        "shm" => (Transport::Shm, "this-host"),
+    let r = boot.rank();
+    let (t, host, backend) = match transport {
+        "tcp" => (Transport::Tcp, "one", "tcp"),
+        "shm" => (Transport::Shm, "one", "shm"),
+        "mixed-a" => (Transport::Auto, if r.is_multiple_of(2) { "node-a" } else { "node-b" }, "shm+tcp"),
+        "mixed-b" => (Transport::Auto, if r < 2 { "node-a" } else { "node-b" }, "shm+tcp"),
         other => panic!("unknown transport {other}"),
     };
     let c = qsr_comm::over_ring(boot, t, host, ShmConfig { timeout, ..ShmConfig::default() }).expect("transport setup");
-    assert_eq!(c.backend(), transport);
+    assert_eq!(c.backend(), backend);
     c
 }
 
@@ -190,6 +195,14 @@ fn process_matrix_shm_world_sizes_2_4() {
     assert_no_group_file_left();
 }
 
+/// Hosts {0, 2} and {1} at 3 ranks (a host of one), {0, 2} and {1, 3} at 4, then {0, 1} and {2, 3}.
+#[test]
+fn process_matrix_mixed_hosts() {
+    process_matrix("mixed-a", &[3, 4]);
+    process_matrix("mixed-b", &[4]);
+    assert_no_group_file_left();
+}
+
 fn process_matrix(transport: &str, sizes: &[usize]) {
     for &n in sizes {
         let listener = MasterListener::bind("127.0.0.1:0").unwrap();
@@ -319,4 +332,25 @@ fn killed_rank_is_named_by_every_survivor_shm() {
 #[test]
 fn stopped_rank_is_named_by_every_survivor_after_the_timeout_shm() {
     fault_test("shm", STOP.0, STOP.1, stop);
+}
+
+#[test]
+fn killed_member_of_another_ranks_host_is_named_by_every_survivor_mixed() {
+    fault_test("mixed-a", KILL.0, KILL.1, kill);
+    assert_no_group_file_left();
+}
+
+#[test]
+fn killed_host_leader_is_named_by_every_survivor_mixed() {
+    fault_test("mixed-b", KILL.0, KILL.1, kill);
+}
+
+#[test]
+fn stopped_member_is_named_by_every_survivor_after_the_timeout_mixed() {
+    fault_test("mixed-a", STOP.0, STOP.1, stop);
+}
+
+#[test]
+fn stopped_host_leader_is_named_by_every_survivor_after_the_timeout_mixed() {
+    fault_test("mixed-b", STOP.0, STOP.1, stop);
 }

@@ -19,7 +19,7 @@ fn dir(test: &str) -> PathBuf {
 
 /// Small slots, so that the matrix's large buffers cross many pipeline steps and both halves.
 fn config(test: &str, timeout: Duration) -> ShmConfig {
-    ShmConfig { timeout, slot_bytes: 64 << 10, dir: dir(test) }
+    ShmConfig { timeout, slot_bytes: 64 << 10, dir: dir(test), ..ShmConfig::default() }
 }
 
 fn shm_group(n: usize, cfg: &ShmConfig) -> Vec<ShmComm> {
@@ -52,6 +52,43 @@ fn results<C: Collective + 'static>(
 
 fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
     v.iter().map(|x| x.iter().map(|f| f.to_bits()).collect()).collect()
+}
+
+#[test]
+fn one_stage_and_two_stage_all_reduces_give_the_in_process_groups_bits() {
+    let one = config("one-stage", Duration::from_secs(20));
+    let two = ShmConfig { one_stage_bytes: 0, ..config("two-stage", Duration::from_secs(20)) };
+    for len in [1, 5, 1000, one.one_stage_bytes / 4] {
+        for op in [ReduceOp::Sum, ReduceOp::Mean] {
+            let run = move |cfg: &ShmConfig| {
+                common::on_threads(shm_group(4, cfg), move |mut c| {
+                    let mut b = common::input(3, c.rank(), len);
+                    c.all_reduce(&mut b, op).unwrap();
+                    b
+                })
+            };
+            let inproc = common::on_threads(qsr_comm::InProcessGroup::new(4), move |mut c| {
+                let mut b = common::input(3, c.rank(), len);
+                c.all_reduce(&mut b, op).unwrap();
+                b
+            });
+            assert_eq!(bits(&run(&one)), bits(&inproc), "one stage, len {len} {op:?}");
+            assert_eq!(bits(&run(&two)), bits(&inproc), "two stages, len {len} {op:?}");
+        }
+    }
+}
+
+#[test]
+fn members_configured_with_different_one_stage_bytes_fail_instead_of_deadlocking() {
+    let cfg = config("one-stage-differs", Duration::from_secs(10));
+    let errors = run_threads(2, |mut boot| {
+        let mine = ShmConfig { one_stage_bytes: if boot.rank() == 0 { 0 } else { 4096 }, ..cfg.clone() };
+        let mut c = ShmComm::from_bootstrap(&mut boot, mine).unwrap();
+        c.all_reduce(&mut [1.0; 4], ReduceOp::Sum).unwrap_err().to_string()
+    });
+    for e in errors {
+        assert!(e.contains("in all-reduce path (shm one_stage_bytes)"), "{e}");
+    }
 }
 
 #[test]

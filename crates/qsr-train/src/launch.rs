@@ -19,7 +19,8 @@ use crate::train_recipe::TrainRecipe;
 /// The collective of an external or `--nproc` launch (`--comm`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum CommKind {
-    /// Our TCP ring (rendezvous at MASTER_ADDR:MASTER_PORT).
+    /// Our collectives: rendezvous and the TCP ring at MASTER_ADDR:MASTER_PORT, then shared memory
+    /// when every rank runs on one host (`QSR_TRANSPORT=tcp` keeps the ring, see `qsr_comm::Transport`).
     Tcp,
     /// The system MPI (under mpirun / srun; feature `mpi`).
     Mpi,
@@ -55,7 +56,7 @@ pub struct TrainArgs {
     /// K simulated workers in this process (overrides train.workers).
     #[arg(long, conflicts_with_all = ["nproc", "comm"])]
     pub workers: Option<usize>,
-    /// Spawn N local worker processes joined by the TCP ring (or NCCL with `--comm nccl`).
+    /// Spawn N local worker processes joined by shared memory (or NCCL with `--comm nccl`).
     #[arg(long)]
     pub nproc: Option<usize>,
     /// Run as one worker of an externally launched job (rank/world from flags or the launcher's env);
@@ -347,8 +348,10 @@ fn external(
     };
     let (comm, local_rank): (Box<dyn Collective>, usize) = match kind {
         CommKind::Tcp => {
-            let (c, local) = tcp()?;
-            (Box::new(c), local)
+            let env = qsr_comm::detect_from_process_env(&explicit)?;
+            let var = |k: &str| std::env::var(k).ok();
+            let transport = qsr_comm::Transport::from_env(&var)?;
+            (qsr_comm::connect(&env, TcpConfig::from_env(&var)?, transport)?, env.local_rank)
         }
         CommKind::Mpi => {
             // The launcher's local rank (OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID) picks the GPU.

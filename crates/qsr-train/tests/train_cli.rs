@@ -3,6 +3,7 @@
 mod common;
 
 use std::path::Path;
+use std::process::Command;
 
 use common::{json, ok, refused};
 
@@ -53,18 +54,35 @@ fn digits_with_two_simulated_workers_learns_and_syncs_as_planned() {
     assert!(saved.contains("total_steps = 400") && saved.contains("workers = 2"), "{saved}");
 }
 
-/// Both modes sum the same worker buffers in the same order (rank 0 + rank 1; the in-process group and
-/// the two-rank ring add the two operands once, and f32 addition is commutative), on the same data
-/// shards and the same initial model, so the final parameters are bit-identical.
+/// Runs `qsr args` with `QSR_TRANSPORT=transport`, asserts success.
+fn ok_over(transport: &str, args: &[&str]) {
+    let out = Command::new(env!("CARGO_BIN_EXE_qsr"))
+        .args(args)
+        .env("QSR_TRANSPORT", transport)
+        .current_dir(common::root())
+        .output()
+        .expect("run qsr");
+    assert!(out.status.success(), "qsr {args:?} over {transport} failed:\n{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// Worker processes sum the same worker buffers in the same order as simulated workers, on the same
+/// data shards and the same initial model, so the final parameters are bit-identical: over shared
+/// memory for any K (it reduces in rank order, as the in-process group does), over the TCP ring for
+/// K = 2 (the ring adds the two operands once, and f32 addition is commutative).
 #[test]
-fn two_processes_over_tcp_equal_two_simulated_workers() {
+fn worker_processes_equal_simulated_workers_over_shm_and_tcp() {
     let dir = tempfile::tempdir().unwrap();
-    let (a, b) = (dir.path().join("threads"), dir.path().join("procs"));
     let set = ["--set", "schedule.total_steps=300", "--quiet"];
-    ok(&[&["train", "--recipe", RECIPE, "--workers", "2", "--out", a.to_str().unwrap()][..], &set].concat());
-    ok(&[&["train", "--recipe", RECIPE, "--nproc", "2", "--out", b.to_str().unwrap()][..], &set].concat());
-    assert_eq!(final_params(&a), final_params(&b));
-    assert_eq!(json(&a.join("summary.json"))["syncs"], json(&b.join("summary.json"))["syncs"]);
+    for (transport, k) in [("shm", "3"), ("tcp", "2")] {
+        let (a, b) = (dir.path().join(format!("threads-{k}")), dir.path().join(format!("procs-{transport}")));
+        ok(&[&["train", "--recipe", RECIPE, "--workers", k, "--out", a.to_str().unwrap()][..], &set].concat());
+        ok_over(
+            transport,
+            &[&["train", "--recipe", RECIPE, "--nproc", k, "--out", b.to_str().unwrap()][..], &set].concat(),
+        );
+        assert_eq!(final_params(&a), final_params(&b), "{transport}");
+        assert_eq!(json(&a.join("summary.json"))["syncs"], json(&b.join("summary.json"))["syncs"]);
+    }
 }
 
 #[test]

@@ -238,6 +238,8 @@ pub struct TcpComm {
     scratch: Vec<f32>,
     /// The bf16 wire copy of a bf16 all-reduce (kept to reuse its allocation).
     wire: Vec<u8>,
+    /// Every rank's host as the rendezvous table gave it (empty for a ring of one).
+    hosts: Vec<String>,
     /// Rank 0: answers late registrations on the rendezvous port while we live.
     _late: Option<rendezvous::LateRefuser>,
 }
@@ -270,6 +272,14 @@ fn validate(rank: usize, n: usize, cfg: &TcpConfig) -> Result<(), CommError> {
         return Err(CommError::InvalidArgument("timeout must be positive".into()));
     }
     Ok(())
+}
+
+/// A fresh ring listener on `cfg.bind_ip` and its port.
+pub(crate) fn ring_listener(cfg: &TcpConfig) -> Result<(TcpListener, u16), CommError> {
+    let l = TcpListener::bind((cfg.bind_ip, 0))
+        .map_err(|e| CommError::io(format!("binding the ring listener on {}", cfg.bind_ip), e))?;
+    let port = l.local_addr().map_err(|e| CommError::io("ring listener address", e))?.port();
+    Ok((l, port))
 }
 
 fn tune(s: &TcpStream, cfg: &TcpConfig) -> Result<(), CommError> {
@@ -357,6 +367,7 @@ impl TcpComm {
             broken: None,
             scratch: Vec::new(),
             wire: Vec::new(),
+            hosts: Vec::new(),
             _late: None,
         })
     }
@@ -368,11 +379,23 @@ impl TcpComm {
         if n == 1 {
             return Self::master_single(cfg);
         }
-        let ring_listener = TcpListener::bind((cfg.bind_ip, 0))
-            .map_err(|e| CommError::io(format!("binding the ring listener on {}", cfg.bind_ip), e))?;
-        let port = ring_listener.local_addr().map_err(|e| CommError::io("ring listener address", e))?.port();
+        let (ring_listener, port) = ring_listener(&cfg)?;
         let table = rendezvous(&cfg, port)?;
-        let (left, right) = rendezvous::connect_ring(&ring_listener, rank, n, &table, &cfg)?;
+        Self::from_table(rank, n, cfg, &ring_listener, table)
+    }
+
+    /// Forms the ring from the address table every rank agreed on, our listener among it.
+    pub(crate) fn from_table(
+        rank: usize,
+        n: usize,
+        cfg: TcpConfig,
+        ring_listener: &TcpListener,
+        table: Vec<(String, u16)>,
+    ) -> Result<TcpComm, CommError> {
+        if n == 1 {
+            return Self::master_single(cfg);
+        }
+        let (left, right) = rendezvous::connect_ring(ring_listener, rank, n, &table, &cfg)?;
         tune(&left, &cfg)?;
         tune(&right, &cfg)?;
         let name = |s: &TcpStream| s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
@@ -399,8 +422,14 @@ impl TcpComm {
             broken: None,
             scratch: Vec::new(),
             wire: Vec::new(),
+            hosts: table.into_iter().map(|(h, _)| h).collect(),
             _late: None,
         })
+    }
+
+    /// Every rank's host, as the others reach it (for rings formed over this one).
+    pub(crate) fn hosts(&self) -> &[String] {
+        &self.hosts
     }
 
     /// The configuration this communicator runs with.

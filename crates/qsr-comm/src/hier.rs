@@ -1,0 +1,332 @@
+//! Jobs spread over several hosts with several ranks on some: shared memory inside each host, a TCP
+//! ring between one leader per host. Documented on [`HostsComm`].
+
+use std::time::Instant;
+
+use crate::shm::{Reason, ShmComm};
+use crate::tcp::ring_listener;
+use crate::{Collective, CommError, CommStats, ReduceOp, TcpComm};
+
+/// One rank of a job whose hosts each hold one or more ranks.
+///
+/// All-reduce: the ranks of a host sum through their shared-memory group; each host's leader (its
+/// lowest rank) sums the host sums over the leaders' TCP ring; each leader broadcasts the total to
+/// its host; a mean divides by K on every rank. The order is fixed (rank order inside a host, the
+/// ring's order between hosts), so every rank ends bit-identical and `Mean` is `Sum / K` exactly.
+/// Broadcast: inside the root's host, over the leaders' ring, then inside every other host.
+///
+/// Failures: a host that saw a failure (a dead, closed or stalled member) still joins the
+/// leaders' all-reduce, carrying the culprit's job rank in a status word appended to the buffer, so
+/// every leader fails naming the same rank and writes it into its host's abort word, where the
+/// waiting members read it. The leaders' ring waits 1.5 times the timeout, so that a host whose
+/// member stalled reports it before another host's leader blames the waiting leader, and members
+/// wait twice the timeout for their leader's result. A failure
+/// seen outside an all-reduce's exchange between hosts reaches the other hosts as the loss of that
+/// host's leader.
+pub(crate) struct HostsComm {
+    rank: usize,
+    n: usize,
+    /// Our host's group; its rank 0 is the host's leader.
+    local: ShmComm,
+    /// The ring of leaders (on leaders only), and the job rank of each of its ranks.
+    leaders: Option<(TcpComm, Vec<usize>)>,
+    /// Leader index (host number) of every job rank, and the job rank of each leader.
+    host_of: Vec<usize>,
+    leader_ranks: Vec<usize>,
+    stats: CommStats,
+    broken: Option<String>,
+    scratch: Vec<f32>,
+}
+
+/// Builds the hierarchy of `groups` (ranks by host, ordered by first rank) over the ring `boot`,
+/// `local` being this rank's host group (from `shm::join` over the same groups).
+pub(crate) fn join(boot: &mut TcpComm, groups: &[Vec<usize>], local: ShmComm) -> Result<HostsComm, CommError> {
+    let leader_ranks: Vec<usize> = groups.iter().map(|g| g[0]).collect();
+    let mut host_of = vec![0; boot.world_size()];
+    for (h, g) in groups.iter().enumerate() {
+        g.iter().for_each(|&r| host_of[r] = h);
+    }
+    let mut cfg = boot.config().clone();
+    cfg.timeout = cfg.timeout.mul_f64(1.5);
+    let me = leader_ranks.iter().position(|&r| r == boot.rank());
+    let listener = me.map(|_| ring_listener(&cfg)).transpose()?;
+    let port = listener.as_ref().map_or(0, |l| l.1);
+    let ports = crate::connect::all_gather_bytes(boot, &port.to_le_bytes())?;
+    let leaders = match (me, listener) {
+        (Some(sub), Some((l, _))) => {
+            let table = leader_ranks
+                .iter()
+                .map(|&r| {
+                    let p = ports[r].get(..2).map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
+                    (boot.hosts()[r].clone(), p)
+                })
+                .collect();
+            Some((TcpComm::from_table(sub, leader_ranks.len(), cfg, &l, table)?, leader_ranks.clone()))
+        }
+        _ => None,
+    };
+    Ok(HostsComm {
+        rank: boot.rank(),
+        n: boot.world_size(),
+        local,
+        leaders,
+        host_of,
+        leader_ranks,
+        stats: CommStats::default(),
+        broken: None,
+        scratch: Vec::new(),
+    })
+}
+
+/// `e` with the leaders' ring ranks it names replaced by job ranks.
+fn rename(e: CommError, names: &[usize]) -> CommError {
+    let job = |r: usize| names.get(r).copied().unwrap_or(r);
+    match e {
+        CommError::PeerLost { rank, addr, during, detail } => {
+            CommError::PeerLost { rank: job(rank), addr, during, detail }
+        }
+        CommError::PeerTimeout { rank, addr, during, timeout } => {
+            CommError::PeerTimeout { rank: job(rank), addr, during, timeout }
+        }
+        CommError::Aborted { culprit, reason, reporter, during } => {
+            CommError::Aborted { culprit: job(culprit), reason, reporter: job(reporter), during }
+        }
+        CommError::Diverged { me, peer, field, ours, theirs, during } => {
+            CommError::Diverged { me: job(me), peer: job(peer), field, ours, theirs, during }
+        }
+        other => other,
+    }
+}
+
+/// The reason for the local abort word of an error from the leaders' ring.
+fn reason_of(e: &CommError) -> Reason {
+    match e {
+        CommError::PeerLost { .. } => Reason::Lost,
+        CommError::PeerTimeout { .. } => Reason::Stalled,
+        CommError::Diverged { .. } => Reason::Diverged,
+        CommError::Aborted { reason, .. } if reason.contains("no progress") => Reason::Stalled,
+        CommError::Aborted { reason, .. } if reason.contains("exited") => Reason::Exited,
+        _ => Reason::Other,
+    }
+}
+
+/// A host's status word in the leaders' all-reduce: 0, or the culprit's job rank + 1 and the
+/// reason's code in bits 20..; exact in f32 (below 2^24).
+fn status_word(culprit: usize, why: Reason) -> f32 {
+    ((why as u32) << 20 | (culprit as u32 + 1)) as f32
+}
+
+fn read_status(w: f32) -> Option<(usize, Reason)> {
+    let w = w as u32;
+    let culprit = (w & 0xf_ffff).checked_sub(1)? as usize;
+    Some((culprit, Reason::from_code(u64::from(w >> 20)).unwrap_or(Reason::Other)))
+}
+
+impl HostsComm {
+    fn is_leader(&self) -> bool {
+        self.leaders.is_some()
+    }
+
+    /// Runs one call: the broken state and the statistics (the sum of both transports' traffic).
+    fn call(&mut self, body: impl FnOnce(&mut Self) -> Result<(), CommError>) -> Result<(), CommError> {
+        if let Some(b) = &self.broken {
+            return Err(CommError::Broken(b.clone()));
+        }
+        let start = Instant::now();
+        let before = self.traffic();
+        let res = body(self);
+        let after = self.traffic();
+        self.stats.record(after.0 - before.0, after.1 - before.1, start.elapsed().as_secs_f64());
+        if let Err(e) = &res {
+            self.broken = Some(e.to_string());
+        }
+        res
+    }
+
+    fn traffic(&self) -> (u64, u64) {
+        let l = self.local.stats();
+        let r = self.leaders.as_ref().map_or((0, 0), |(c, _)| (c.stats().bytes_sent, c.stats().bytes_received));
+        (l.bytes_sent + r.0, l.bytes_received + r.1)
+    }
+
+    /// The leaders' sum of `buf` and of every host's status (appended to an f32 buffer; in a call
+    /// of its own before a bf16 one, whose rounding would garble it); a failure anywhere becomes
+    /// this leader's error and its host's abort word.
+    fn leaders_sum(&mut self, buf: &mut [f32], bf16: bool, mine: Option<(usize, Reason)>) -> Result<(), CommError> {
+        let hosts = self.leader_ranks.len();
+        let host = self.host_of[self.rank];
+        let (ring, names) = self.leaders.as_mut().expect("leaders only");
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.clear();
+        if !bf16 {
+            scratch.extend_from_slice(buf);
+        }
+        let at = scratch.len();
+        scratch.resize(at + hosts, 0.0);
+        if let Some((c, why)) = mine {
+            scratch[at + host] = status_word(c, why);
+        }
+        let res = ring.all_reduce(&mut scratch, ReduceOp::Sum).map_err(|e| rename(e, names)).and_then(|()| {
+            let status = scratch[at..].iter().enumerate().find_map(|(h, &w)| read_status(w).map(|s| (h, s)));
+            match status {
+                None => Ok(()),
+                Some((h, (culprit, why))) => Err(CommError::Aborted {
+                    culprit,
+                    reason: why.text().into(),
+                    reporter: self.leader_ranks[h],
+                    during: "all_reduce between hosts".into(),
+                }),
+            }
+        });
+        let res = match res {
+            Ok(()) if bf16 => ring.all_reduce_bf16(buf, ReduceOp::Sum).map_err(|e| rename(e, names)),
+            Ok(()) => {
+                buf.copy_from_slice(&scratch[..at]);
+                Ok(())
+            }
+            Err(e) => Err(e),
+        };
+        self.scratch = scratch;
+        if let Err(e) = &res {
+            self.local.abort(e.blamed_rank().unwrap_or(self.rank), reason_of(e));
+        }
+        res
+    }
+
+    fn all_reduce_with(&mut self, buf: &mut [f32], op: ReduceOp, bf16: bool) -> Result<(), CommError> {
+        self.call(|me| {
+            let local = if bf16 {
+                me.local.all_reduce_bf16(buf, ReduceOp::Sum)
+            } else {
+                me.local.all_reduce(buf, ReduceOp::Sum)
+            };
+            if me.is_leader() {
+                // A failed host still joins, so that every other host learns whom to blame.
+                let mine = local.as_ref().err().map(|e| me.local.failure().unwrap_or((me.rank, reason_of(e))));
+                let between = me.leaders_sum(buf, bf16, mine);
+                local?;
+                between?;
+            } else {
+                local?;
+            }
+            // Members wait here while the leaders talk, up to 1.5 timeouts: wait longer, so that the
+            // leaders' verdict arrives before they would blame their own leader.
+            let timeout = me.local.config().timeout;
+            me.local.set_timeout(timeout * 2);
+            let res = me.local.broadcast(buf, 0);
+            me.local.set_timeout(timeout);
+            res?;
+            if op == ReduceOp::Mean {
+                let k = me.n as f32;
+                buf.iter_mut().for_each(|x| *x = if bf16 { crate::bf16_round(*x / k) } else { *x / k });
+            }
+            Ok(())
+        })
+    }
+
+    /// The local index of job rank `r` in its host's group (groups hold ascending job ranks).
+    fn local_index(&self, r: usize) -> usize {
+        (0..r).filter(|&q| self.host_of[q] == self.host_of[r]).count()
+    }
+
+    /// A broadcast in three steps: inside the root's host, between leaders, inside the other hosts.
+    fn broadcast_with(
+        &mut self,
+        root: usize,
+        mut step: impl FnMut(&mut dyn Collective, usize) -> Result<(), CommError>,
+    ) -> Result<(), CommError> {
+        crate::inproc::check_root(root, self.n)?;
+        let home = self.host_of[root];
+        let mine = self.host_of[self.rank];
+        if mine == home {
+            let at = self.local_index(root);
+            step(&mut self.local, at)?;
+        }
+        if let Some((ring, names)) = self.leaders.as_mut()
+            && let Err(e) = step(ring, home)
+        {
+            let e = rename(e, names);
+            self.local.abort(e.blamed_rank().unwrap_or(self.rank), reason_of(&e));
+            return Err(e);
+        }
+        if mine != home {
+            step(&mut self.local, 0)?;
+        }
+        Ok(())
+    }
+}
+
+impl Collective for HostsComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.n
+    }
+
+    fn all_reduce(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        self.all_reduce_with(buf, op, false)
+    }
+
+    fn supports_bf16(&self) -> bool {
+        true
+    }
+
+    /// Hierarchical bf16: each host's bf16 sum, the leaders' bf16 ring sum of those, and for a mean
+    /// the division by K rounded to bf16 again.
+    fn all_reduce_bf16(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        self.all_reduce_with(buf, op, true)
+    }
+
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
+        self.call(|me| me.broadcast_with(root, |c, r| c.broadcast(buf, r)))
+    }
+
+    fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
+        self.call(|me| me.broadcast_with(root, |c, r| c.broadcast_bytes(bytes, r)))
+    }
+
+    fn barrier(&mut self) -> Result<(), CommError> {
+        let mut one = [1.0f32];
+        self.all_reduce(&mut one, ReduceOp::Sum)?;
+        if one[0] != self.n as f32 {
+            let e = format!("barrier counted {} ranks, expected {}", one[0], self.n);
+            self.broken = Some(e.clone());
+            return Err(CommError::Protocol { peer: "the hosts".into(), detail: e });
+        }
+        Ok(())
+    }
+
+    fn stats(&self) -> &CommStats {
+        &self.stats
+    }
+
+    fn backend(&self) -> &'static str {
+        "shm+tcp"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_words_round_trip_exactly() {
+        for (c, why) in [(0, Reason::Exited), (2, Reason::Stalled), (70_000, Reason::Lost)] {
+            assert_eq!(read_status(status_word(c, why)), Some((c, why)));
+        }
+        assert_eq!(read_status(0.0), None);
+    }
+
+    #[test]
+    fn ring_ranks_become_job_ranks() {
+        let e = CommError::PeerTimeout {
+            rank: 1,
+            addr: "a".into(),
+            during: "d".into(),
+            timeout: std::time::Duration::from_secs(1),
+        };
+        assert_eq!(rename(e, &[0, 4]).blamed_rank(), Some(4));
+    }
+}
