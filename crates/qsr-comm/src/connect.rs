@@ -34,9 +34,9 @@ impl Transport {
 }
 
 /// This host's identity, which decides which ranks share memory: `QSR_HOST_ID` when set (tests and
-/// `cargo xtask netem` give each simulated node its own), else the host name, the kernel's boot id
-/// and the device and inode of the shared-memory directory (containers with their own `/dev/shm`
-/// differ there).
+/// `cargo xtask netem` give each simulated node its own), else the host name, the kernel's boot id,
+/// the device and inode of the shared-memory directory (containers with their own `/dev/shm`
+/// differ there) and the pid namespace (ranks must see each other's processes to watch them).
 pub fn host_id(env: &dyn Fn(&str) -> Option<String>, cfg: &ShmConfig) -> String {
     use std::os::unix::fs::MetadataExt;
     if let Some(id) = env("QSR_HOST_ID") {
@@ -44,7 +44,8 @@ pub fn host_id(env: &dyn Fn(&str) -> Option<String>, cfg: &ShmConfig) -> String 
     }
     let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
     let dir = std::fs::metadata(&cfg.dir).map(|m| format!("{}:{}", m.dev(), m.ino())).unwrap_or_default();
-    format!("{}/{}/{dir}", read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id"))
+    let (host, boot) = (read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id"));
+    format!("{host}/{boot}/{dir}/{}", crate::shm::pid_ns())
 }
 
 /// The collective of a launch over our own transports: the TCP rendezvous and ring of

@@ -61,7 +61,11 @@ pub(crate) fn join(boot: &mut TcpComm, groups: &[Vec<usize>], local: ShmComm) ->
                     (boot.hosts()[r].clone(), p)
                 })
                 .collect();
-            Some((TcpComm::from_table(sub, leader_ranks.len(), cfg, &l, table)?, leader_ranks.clone()))
+            let mut ring = TcpComm::from_table(sub, leader_ranks.len(), cfg, &l, table)?;
+            // Our members wait while we talk to the other hosts: moving bytes counts as progress.
+            let beat = local.heartbeat();
+            ring.set_progress(Box::new(move || beat.bump()));
+            Some((ring, leader_ranks.clone()))
         }
         _ => None,
     };
@@ -98,14 +102,25 @@ fn rename(e: CommError, names: &[usize]) -> CommError {
     }
 }
 
-/// The reason for the local abort word of an error from the leaders' ring.
+/// The reason for the local abort word of an error from the leaders' ring (an abort notice
+/// carries its reason as the text of the ring's or of the shared memory's reasons).
 fn reason_of(e: &CommError) -> Reason {
+    const ALL: [Reason; 6] =
+        [Reason::Exited, Reason::Stalled, Reason::Closed, Reason::Lost, Reason::Diverged, Reason::Other];
     match e {
         CommError::PeerLost { .. } => Reason::Lost,
         CommError::PeerTimeout { .. } => Reason::Stalled,
         CommError::Diverged { .. } => Reason::Diverged,
-        CommError::Aborted { reason, .. } if reason.contains("no progress") => Reason::Stalled,
-        CommError::Aborted { reason, .. } if reason.contains("exited") => Reason::Exited,
+        CommError::Aborted { reason, .. } => {
+            use crate::wire::Reason as Ring;
+            let ring =
+                [(Ring::Timeout, Reason::Stalled), (Ring::Lost, Reason::Lost), (Ring::Diverged, Reason::Diverged)];
+            ring.iter()
+                .find(|(r, _)| r.describe() == reason)
+                .map(|(_, ours)| *ours)
+                .or_else(|| ALL.into_iter().find(|r| r.text() == reason))
+                .unwrap_or(Reason::Other)
+        }
         _ => Reason::Other,
     }
 }
@@ -201,27 +216,37 @@ impl HostsComm {
                 me.local.all_reduce(buf, ReduceOp::Sum)
             };
             if me.is_leader() {
-                // A failed host still joins, so that every other host learns whom to blame.
-                let mine = local.as_ref().err().map(|e| me.local.failure().unwrap_or((me.rank, reason_of(e))));
+                // A failed host still joins, so that every other host learns whom to blame; so does
+                // one where only a member's call failed (it left the culprit in the abort word).
+                let mine = match &local {
+                    Err(e) => Some(me.local.failure().unwrap_or((me.rank, reason_of(e)))),
+                    Ok(()) => me.local.failure(),
+                };
                 let between = me.leaders_sum(buf, bf16, mine);
                 local?;
                 between?;
             } else {
                 local?;
             }
-            // Members wait here while the leaders talk, up to 1.5 timeouts: wait longer, so that the
-            // leaders' verdict arrives before they would blame their own leader.
-            let timeout = me.local.config().timeout;
-            me.local.set_timeout(timeout * 2);
-            let res = me.local.broadcast(buf, 0);
-            me.local.set_timeout(timeout);
-            res?;
+            me.patiently(|c| c.broadcast(buf, 0))?;
             if op == ReduceOp::Mean {
                 let k = me.n as f32;
                 buf.iter_mut().for_each(|x| *x = if bf16 { crate::bf16_round(*x / k) } else { *x / k });
             }
             Ok(())
         })
+    }
+
+    /// Runs a local step that waits for the leader while it talks to the other hosts: the ring gives
+    /// up after 1.5 timeouts without progress (and the leader's heartbeat shows its progress), so
+    /// members wait 2 timeouts without a beat, and the leaders' verdict arrives before they would
+    /// blame their own leader.
+    fn patiently<T>(&mut self, step: impl FnOnce(&mut ShmComm) -> Result<T, CommError>) -> Result<T, CommError> {
+        let timeout = self.local.config().timeout;
+        self.local.set_timeout(timeout * 2);
+        let res = step(&mut self.local);
+        self.local.set_timeout(timeout);
+        res
     }
 
     /// The local index of job rank `r` in its host's group (groups hold ascending job ranks).
@@ -238,19 +263,32 @@ impl HostsComm {
         crate::inproc::check_root(root, self.n)?;
         let home = self.host_of[root];
         let mine = self.host_of[self.rank];
-        if mine == home {
+        let local = if mine == home {
             let at = self.local_index(root);
-            step(&mut self.local, at)?;
-        }
-        if let Some((ring, names)) = self.leaders.as_mut()
-            && let Err(e) = step(ring, home)
-        {
-            let e = rename(e, names);
-            self.local.abort(e.blamed_rank().unwrap_or(self.rank), reason_of(&e));
-            return Err(e);
+            step(&mut self.local, at)
+        } else {
+            Ok(())
+        };
+        if self.is_leader() {
+            // The leaders first learn whether the root's host (or any other) failed, so that a
+            // failure there is named the same everywhere instead of timing out the ring.
+            let failed = match &local {
+                Err(e) => Some(self.local.failure().unwrap_or((self.rank, reason_of(e)))),
+                Ok(()) => self.local.failure(),
+            };
+            self.leaders_sum(&mut [], false, failed)?;
+            local?;
+            let (ring, names) = self.leaders.as_mut().expect("a leader");
+            if let Err(e) = step(ring, home) {
+                let e = rename(e, names);
+                self.local.abort(e.blamed_rank().unwrap_or(self.rank), reason_of(&e));
+                return Err(e);
+            }
+        } else {
+            local?;
         }
         if mine != home {
-            step(&mut self.local, 0)?;
+            self.patiently(|c| step(c, 0))?;
         }
         Ok(())
     }
@@ -284,7 +322,22 @@ impl Collective for HostsComm {
     }
 
     fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
-        self.call(|me| me.broadcast_with(root, |c, r| c.broadcast_bytes(bytes, r)))
+        self.call(|me| {
+            // The length first, so that every rank applies the bound, not only the root's host.
+            let mut len = (bytes.len() as u64).to_le_bytes().to_vec();
+            me.broadcast_with(root, |c, r| c.broadcast_bytes(&mut len, r))?;
+            let len = <[u8; 8]>::try_from(len.as_slice()).map(u64::from_le_bytes).map_err(|_| CommError::Protocol {
+                peer: format!("rank {root}"),
+                detail: format!("a broadcast length of {} bytes", len.len()),
+            })?;
+            if len > crate::MAX_BROADCAST_BYTES as u64 {
+                let bound = crate::MAX_BROADCAST_BYTES;
+                return Err(CommError::InvalidArgument(format!(
+                    "rank {root} broadcasts {len} bytes, more than the bound {bound}"
+                )));
+            }
+            me.broadcast_with(root, |c, r| c.broadcast_bytes(bytes, r))
+        })
     }
 
     fn barrier(&mut self) -> Result<(), CommError> {

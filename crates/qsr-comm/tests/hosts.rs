@@ -53,3 +53,14 @@ fn bf16_over_mixed_hosts_is_bit_identical_and_close() {
         }
     }
 }
+
+#[test]
+fn oversized_byte_broadcast_is_refused_on_every_rank_of_every_host() {
+    let errors = common::on_threads(group(4, parity), |mut c| {
+        let mut b = if c.rank() == 1 { vec![0u8; qsr_comm::MAX_BROADCAST_BYTES + 1] } else { Vec::new() };
+        c.broadcast_bytes(&mut b, 1).unwrap_err().to_string()
+    });
+    for (r, e) in errors.iter().enumerate() {
+        assert!(e.contains("more than the bound"), "rank {r}: {e}");
+    }
+}

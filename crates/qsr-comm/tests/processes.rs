@@ -177,11 +177,12 @@ fn spawn_children(mode: &str, transport: &str, n: usize, master: &str, timeout_m
 
 /// No shared-memory file of this test process (rank 0 creates the groups) is left behind.
 fn assert_no_group_file_left() {
-    let mine = format!("qsr-shm-{}-", std::process::id());
+    let mine = format!("-{}-", std::process::id());
     let left: Vec<String> = std::fs::read_dir("/dev/shm")
         .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
         .unwrap_or_default();
-    assert!(!left.iter().any(|f| f.starts_with(&mine)), "left in /dev/shm: {left:?}");
+    let ours = |f: &String| f.starts_with("qsr-shm-") && f.contains(&mine);
+    assert!(!left.iter().any(ours), "left in /dev/shm: {left:?}");
 }
 
 #[test]

@@ -194,7 +194,8 @@ fn group_file_is_gone_once_every_member_mapped_it_and_dead_jobs_files_are_swept(
     let mut child = std::process::Command::new("true").spawn().unwrap();
     let dead = child.id();
     child.wait().unwrap();
-    let stale = format!("qsr-shm-{dead}-0123456789abcdef");
+    let ns = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata("/proc/self/ns/pid").unwrap());
+    let stale = format!("qsr-shm-{ns}-{dead}-0123456789abcdef");
     std::fs::write(cfg.dir.join(&stale), vec![0u8; 4096]).unwrap();
     let group = shm_group(2, &cfg);
     assert!(files(&cfg.dir).is_empty(), "left behind: {:?}", files(&cfg.dir));

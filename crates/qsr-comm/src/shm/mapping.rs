@@ -10,14 +10,23 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use memmap2::MmapRaw;
 
 use crate::CommError;
 
-/// File names of our mappings start with this, then the creator's pid: `qsr-shm-<pid>-<random>`.
+/// File names of our mappings start with this, then the creator's pid namespace (the inode of
+/// `/proc/self/ns/pid`) and pid: `qsr-shm-<pidns>-<pid>-<random>`. The namespace keeps a sweep from
+/// judging files of processes it cannot see (another container sharing `/dev/shm`).
 pub(crate) const PREFIX: &str = "qsr-shm-";
+
+/// This process's pid namespace (0 where `/proc` does not say).
+pub(crate) fn pid_ns() -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino())
+}
 const MAGIC: u64 = u64::from_le_bytes(*b"QSRSHM01");
 const HEADER: usize = 128;
 const CTRL: usize = 256;
@@ -42,7 +51,10 @@ pub(crate) struct Ctrl {
     pub pid: AtomicU64,
     /// Nonzero once the owner dropped its communicator.
     pub closed: AtomicU64,
-    _pad: [u64; 13],
+    /// Bumped by the owner while it works elsewhere for the group (a leader on the ring between
+    /// hosts), so that members waiting for it count that as progress.
+    pub beat: AtomicU64,
+    _pad: [u64; 12],
     /// The call header of each data half: sequence number, kind|op<<8, root, length in bytes.
     pub call: [[AtomicU64; 4]; 2],
 }
@@ -61,16 +73,12 @@ pub(crate) fn size(n: usize, slot: usize) -> usize {
 /// A mapped group file. The creator removes the file when told (once every member mapped it) or,
 /// failing that, when dropped; the memory stays until the last member unmaps it.
 pub(crate) struct Mapping {
-    raw: MmapRaw,
+    raw: Arc<MmapRaw>,
     n: usize,
     slot: usize,
     /// The file while it still exists and we created it.
     owned: Option<PathBuf>,
 }
-
-// SAFETY: the mapping is plain shared memory; every access goes through atomics or through data
-// halves whose ownership the stage protocol hands over with Acquire/Release (see `super`).
-unsafe impl Send for Mapping {}
 
 fn io(path: &Path, what: &str, e: std::io::Error) -> CommError {
     CommError::io(format!("{what} shared-memory file {}", path.display()), e)
@@ -79,7 +87,7 @@ fn io(path: &Path, what: &str, e: std::io::Error) -> CommError {
 impl Mapping {
     /// Creates `dir/<PREFIX><pid>-<random>` for `n` ranks and maps it; returns it and its file name.
     pub(crate) fn create(dir: &Path, n: usize, slot: usize) -> Result<(Mapping, String), CommError> {
-        let name = format!("{PREFIX}{}-{:016x}", std::process::id(), rand::random::<u64>());
+        let name = format!("{PREFIX}{}-{}-{:016x}", pid_ns(), std::process::id(), rand::random::<u64>());
         let path = dir.join(&name);
         let file = OpenOptions::new()
             .read(true)
@@ -99,7 +107,7 @@ impl Mapping {
             }
         };
         // From here on the file is removed when the mapping drops, unless unlinked before.
-        let map = Mapping { raw, n, slot, owned: Some(path) };
+        let map = Mapping { raw: Arc::new(raw), n, slot, owned: Some(path) };
         let h = map.header();
         h.n.store(n as u64, Ordering::Relaxed);
         h.slot.store(slot as u64, Ordering::Relaxed);
@@ -122,7 +130,7 @@ impl Mapping {
                 size(n, slot)
             )));
         }
-        let map = Mapping { raw: map_file(&file, &path)?, n, slot, owned: None };
+        let map = Mapping { raw: Arc::new(map_file(&file, &path)?), n, slot, owned: None };
         let h = map.header();
         let found = (h.magic.load(Ordering::Acquire), h.n.load(Ordering::Relaxed), h.slot.load(Ordering::Relaxed));
         if found != (MAGIC, n as u64, slot as u64) {
@@ -154,11 +162,33 @@ impl Mapping {
         unsafe { &*(self.raw.as_mut_ptr().add(HEADER + rank * CTRL) as *const Ctrl) }
     }
 
+    /// A handle on `rank`'s heartbeat that keeps the mapping alive (for a closure another
+    /// transport calls while it makes progress).
+    pub(crate) fn beat(&self, rank: usize) -> Beat {
+        assert!(rank < self.n);
+        Beat { raw: Arc::clone(&self.raw), offset: HEADER + rank * CTRL + std::mem::offset_of!(Ctrl, beat) }
+    }
+
     /// The start of `rank`'s data half `half` (`slot` bytes, page aligned).
     pub(crate) fn data(&self, rank: usize, half: usize) -> *mut u8 {
         assert!(rank < self.n && half < 2);
         // SAFETY: the offset is inside the mapping (see `size`).
         unsafe { self.raw.as_mut_ptr().add(data_offset(self.n) + (rank * 2 + half) * self.slot) }
+    }
+}
+
+/// See [`Mapping::beat`].
+pub(crate) struct Beat {
+    raw: Arc<MmapRaw>,
+    offset: usize,
+}
+
+impl Beat {
+    pub(crate) fn bump(&self) {
+        // SAFETY: `offset` is the 8-byte aligned `beat` field of a control block inside the mapping,
+        // which `raw` keeps mapped.
+        let beat = unsafe { &*(self.raw.as_mut_ptr().add(self.offset) as *const AtomicU64) };
+        beat.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -194,16 +224,21 @@ pub(crate) fn alive(pid: u32) -> bool {
     }
 }
 
-/// Removes group files in `dir` left by processes that no longer exist (a job killed between
-/// creating its mapping and every member opening it); returns the names removed.
+/// Removes group files in `dir` left by processes of our pid namespace that no longer exist (a
+/// job killed between creating its mapping and every member opening it); returns the names removed.
 pub(crate) fn sweep(dir: &Path) -> Vec<String> {
     let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    let ours = pid_ns().to_string();
     let mut removed = Vec::new();
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name.strip_prefix(PREFIX).and_then(|r| r.split('-').next()?.parse::<u32>().ok()) else {
+        let mut parts = name.strip_prefix(PREFIX).unwrap_or("").split('-');
+        let (Some(ns), Some(Ok(pid))) = (parts.next(), parts.next().map(str::parse::<u32>)) else {
             continue;
         };
+        if ns != ours {
+            continue;
+        }
         if !alive(pid) && std::fs::remove_file(e.path()).is_ok() {
             removed.push(name);
         }
@@ -250,13 +285,15 @@ mod tests {
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let dead = child.id();
         child.wait().unwrap();
-        let stale = format!("{PREFIX}{dead}-00");
-        let live = format!("{PREFIX}{}-00", std::process::id());
-        for f in [&stale, &live, &"unrelated".to_string()] {
+        let ns = pid_ns();
+        let stale = format!("{PREFIX}{ns}-{dead}-00");
+        let live = format!("{PREFIX}{ns}-{}-00", std::process::id());
+        let elsewhere = format!("{PREFIX}{}-{dead}-00", ns + 1);
+        for f in [&stale, &live, &elsewhere, &"unrelated".to_string()] {
             std::fs::write(dir.join(f), b"x").unwrap();
         }
         assert_eq!(sweep(&dir), vec![stale.clone()]);
-        assert!(dir.join(&live).exists() && dir.join("unrelated").exists());
+        assert!(dir.join(&live).exists() && dir.join(&elsewhere).exists() && dir.join("unrelated").exists());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -12,6 +12,7 @@ use crate::tcp::engine::f32_bytes_mut;
 use crate::{CallKind, Collective, CommError, CommStats, MAX_BROADCAST_BYTES, ReduceOp, bf16_round, split_range};
 
 use mapping::Mapping;
+pub(crate) use mapping::pid_ns;
 use watch::Watch;
 
 /// Settings of the shared-memory backend. `Default`: 30 s timeout, 1 MiB slots, one stage up to
@@ -199,7 +200,7 @@ fn decode_abort(w: u64) -> Option<Fail> {
 /// One rank of a group of processes (or threads) on one host that reduce through a shared mapping.
 ///
 /// Setup ([`ShmComm::from_bootstrap`]) runs over any other collective of the same ranks, usually the
-/// TCP ring the launch formed: the group's rank 0 creates `/dev/shm/qsr-shm-<pid>-<random>` (pages
+/// TCP ring the launch formed: the group's rank 0 creates `/dev/shm/qsr-shm-<pidns>-<pid>-<random>` (pages
 /// reserved up front, so a full `/dev/shm` is an error naming the file), the others map it, and once
 /// every member has, the file is removed: a job that dies after setup leaves nothing behind, and
 /// files of jobs killed during setup are removed, by their dead creator's pid, at the next start.
@@ -287,6 +288,7 @@ impl ShmComm {
         let start = Instant::now();
         let (mut last_change, mut last_watch) = (start, start);
         let (mut next, mut spins, mut nap) = (0, 0u32, Duration::from_micros(20));
+        let mut beat = u64::MAX;
         loop {
             let before = next;
             while next < self.n && (next == self.rank || self.map.ctrl(next).phase.load(Ordering::Acquire) >= target) {
@@ -307,12 +309,17 @@ impl ShmComm {
                 return Err(Fail::Peer(next, Reason::Closed));
             }
             let now = Instant::now();
-            if next != before {
+            let b = self.map.ctrl(next).beat.load(Ordering::Relaxed);
+            if next != before || b != beat {
                 last_change = now;
+                beat = b;
             }
             if now - last_watch >= Duration::from_millis(1) {
                 last_watch = now;
-                if let Some(q) = (0..self.n).find(|&q| self.watch[q].exited()) {
+                // Only peers this stage still needs: one that published and then exited (its job
+                // done) is no failure.
+                let behind = |q: usize| q != self.rank && self.map.ctrl(q).phase.load(Ordering::Acquire) < target;
+                if let Some(q) = (next..self.n).find(|&q| behind(q) && self.watch[q].exited()) {
                     return Err(Fail::Peer(q, Reason::Exited));
                 }
             }
@@ -421,9 +428,18 @@ impl ShmComm {
         self.cfg.timeout = t;
     }
 
-    /// The job rank and reason of the failure that broke this communicator, if any.
+    /// The job rank and reason of the failure that broke this communicator, if any, else of one
+    /// another member recorded in the abort word (its call failed where ours got through).
     pub(crate) fn failure(&self) -> Option<(usize, Reason)> {
-        self.failure
+        self.failure.or_else(|| match decode_abort(self.map.header().abort.load(Ordering::Acquire)) {
+            Some(Fail::Aborted(c, why, _)) => Some((c, why)),
+            _ => None,
+        })
+    }
+
+    /// A handle that counts as progress of this member while it works on another transport.
+    pub(crate) fn heartbeat(&self) -> mapping::Beat {
+        self.map.beat(self.rank)
     }
 
     fn error(&mut self, f: Fail, head: &Head) -> CommError {
@@ -435,13 +451,21 @@ impl ShmComm {
                     Err(first) => decode_abort(first).unwrap_or(Fail::Peer(q, why)),
                 }
             }
+            Fail::Diverged { peer, .. } => {
+                // Every member sees a divergence and names the field itself; the abort word makes
+                // the culprit a layer above passes on the same on every member.
+                let word = abort_word(self.names[peer], Reason::Diverged, self.names[self.rank]);
+                let _ = self.map.header().abort.compare_exchange(0, word, Ordering::AcqRel, Ordering::Acquire);
+                f
+            }
             other => other,
         };
-        self.failure = Some(match &f {
-            Fail::Peer(q, why) => (self.names[*q], *why),
-            Fail::Aborted(c, why, _) => (*c, *why),
-            Fail::Diverged { peer, .. } => (self.names[*peer], Reason::Diverged),
-        });
+        let word = decode_abort(self.map.header().abort.load(Ordering::Acquire));
+        self.failure = match (&f, word.as_ref()) {
+            (Fail::Peer(q, why), _) => Some((self.names[*q], *why)),
+            (Fail::Aborted(c, why, _), _) | (_, Some(Fail::Aborted(c, why, _))) => Some((*c, *why)),
+            (Fail::Diverged { peer, .. }, _) => Some((self.names[*peer], Reason::Diverged)),
+        };
         let during = head.during();
         match f {
             Fail::Peer(q, Reason::Stalled) => CommError::PeerTimeout {
@@ -759,6 +783,53 @@ mod tests {
             h.differs(one.words()).unwrap(),
             ("all-reduce path (shm one_stage_bytes)", "two stages".into(), "one stage".into())
         );
+    }
+
+    /// Regression: each member named the peer it compared against, so a layer above passed on
+    /// different culprits for one divergence; the abort word now settles it.
+    #[test]
+    fn diverged_members_pass_on_the_same_culprit() {
+        let dir = std::env::temp_dir().join(format!("qsr-shm-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = ShmConfig { dir: dir.clone(), ..ShmConfig::default() };
+        let culprits = crate::run_threads(3, |mut boot| {
+            let mut c = ShmComm::from_bootstrap(&mut boot, cfg.clone()).unwrap();
+            let len = if c.rank() == 2 { 3 } else { 4 };
+            assert!(c.all_reduce(&mut vec![0.0; len], ReduceOp::Sum).is_err());
+            c.failure()
+        });
+        assert!(culprits[0].is_some() && culprits.iter().all(|c| *c == culprits[0]), "{culprits:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Regression: members waited for a leader working on the ring between hosts only a fixed
+    /// time; a member's heartbeat now counts as progress, and without beats the timeout holds.
+    #[test]
+    fn a_beating_member_is_waited_for_past_the_timeout() {
+        let dir = std::env::temp_dir().join(format!("qsr-shm-beat-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = ShmConfig { timeout: Duration::from_millis(200), dir: dir.clone(), ..ShmConfig::default() };
+        for beating in [true, false] {
+            let results = crate::run_threads(2, |mut boot| {
+                let mut c = ShmComm::from_bootstrap(&mut boot, cfg.clone()).unwrap();
+                if c.rank() == 0 {
+                    let beat = c.heartbeat();
+                    for _ in 0..60 {
+                        std::thread::sleep(Duration::from_millis(10));
+                        if beating {
+                            beat.bump();
+                        }
+                    }
+                }
+                c.barrier().map_err(|e| e.blamed_rank())
+            });
+            if beating {
+                assert_eq!(results, vec![Ok(()), Ok(())], "600 ms of beats are progress");
+            } else {
+                assert_eq!(results[1], Err(Some(0)), "600 ms of silence outlast the 200 ms timeout");
+            }
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

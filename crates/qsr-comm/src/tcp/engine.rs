@@ -180,6 +180,8 @@ pub(crate) struct Call<'a> {
     last_fwd_write: Instant,
     last_back_write: Instant,
     heartbeat: Duration,
+    /// Called when bytes moved (at most once per wait), for a layer above that reports progress.
+    pub progress: Option<&'a (dyn Fn() + Send + Sync)>,
 }
 
 impl<'a> Call<'a> {
@@ -218,6 +220,7 @@ impl<'a> Call<'a> {
             last_fwd_write: now,
             last_back_write: now,
             heartbeat: (timeout / 4).max(Duration::from_millis(5)),
+            progress: None,
         }
     }
 
@@ -297,14 +300,19 @@ impl<'a> Call<'a> {
     fn drive(&mut self) -> Result<(), Fail> {
         let mut blocked = Blocked::default();
         loop {
+            let mut any = false;
             loop {
                 let moved = self.pump_all(&mut blocked)?;
                 if self.send_done() && self.recv_done() {
                     return Ok(());
                 }
+                any |= moved;
                 if !moved {
                     break;
                 }
+            }
+            if let (true, Some(p)) = (any, self.progress) {
+                p();
             }
             let now = Instant::now();
             self.check_liveness(now)?;

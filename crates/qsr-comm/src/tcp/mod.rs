@@ -240,6 +240,8 @@ pub struct TcpComm {
     wire: Vec<u8>,
     /// Every rank's host as the rendezvous table gave it (empty for a ring of one).
     hosts: Vec<String>,
+    /// Called while a call makes progress (a hierarchy's leader tells its host it is alive).
+    progress: Option<Box<dyn Fn() + Send + Sync>>,
     /// Rank 0: answers late registrations on the rendezvous port while we live.
     _late: Option<rendezvous::LateRefuser>,
 }
@@ -368,6 +370,7 @@ impl TcpComm {
             scratch: Vec::new(),
             wire: Vec::new(),
             hosts: Vec::new(),
+            progress: None,
             _late: None,
         })
     }
@@ -423,8 +426,14 @@ impl TcpComm {
             scratch: Vec::new(),
             wire: Vec::new(),
             hosts: table.into_iter().map(|(h, _)| h).collect(),
+            progress: None,
             _late: None,
         })
+    }
+
+    /// Calls `f` whenever a call moves bytes (at most once per wait for the sockets).
+    pub(crate) fn set_progress(&mut self, f: Box<dyn Fn() + Send + Sync>) {
+        self.progress = Some(f);
     }
 
     /// Every rank's host, as the others reach it (for rings formed over this one).
@@ -476,6 +485,7 @@ impl TcpComm {
         let during = format!("{name} seq {seq} ({len_bytes} bytes)");
         let mut call =
             Call::new(ring, self.rank, self.n, self.cfg.timeout, buf, &mut self.scratch, plan, header, during);
+        call.progress = self.progress.as_deref();
         let res = call.run();
         let (sent, received) = (call.sent, call.received);
         self.stats.record(sent, received, start.elapsed().as_secs_f64());
@@ -672,6 +682,25 @@ mod tests {
         let exposed_ring = TcpConfig { bind_ip: IpAddr::V4(Ipv4Addr::UNSPECIFIED), ..TcpConfig::default() };
         let w = open_job_warning(&env("127.0.0.1", 2), &exposed_ring).expect("ring port open");
         assert!(w.contains("QSR_BIND_ADDR=0.0.0.0"), "{w}");
+    }
+
+    #[test]
+    fn progress_is_reported_while_a_call_moves_bytes() {
+        let listener = MasterListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let worker = std::thread::spawn(move || {
+            let mut c = TcpComm::worker(&addr, 1, 2, TcpConfig::default()).unwrap();
+            c.all_reduce(&mut vec![1.0; 4 << 20], ReduceOp::Sum).unwrap();
+        });
+        let mut c = TcpComm::master(listener, 2, TcpConfig::default()).unwrap();
+        let beats = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let b = std::sync::Arc::clone(&beats);
+        c.set_progress(Box::new(move || {
+            b.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }));
+        c.all_reduce(&mut vec![1.0; 4 << 20], ReduceOp::Sum).unwrap();
+        worker.join().unwrap();
+        assert!(beats.load(std::sync::atomic::Ordering::Relaxed) > 0);
     }
 
     #[test]
