@@ -16,7 +16,7 @@ pub(crate) use mapping::pid_ns;
 use watch::Watch;
 
 /// Settings of the shared-memory backend. `Default`: 30 s timeout, 1 MiB slots, one stage up to
-/// 8 KiB, `/dev/shm`.
+/// 4 KiB, `/dev/shm`.
 #[derive(Debug, Clone)]
 pub struct ShmConfig {
     /// A peer that makes no progress for this long is declared stalled (default 30 s).
@@ -26,7 +26,8 @@ pub struct ShmConfig {
     pub slot_bytes: usize,
     /// All-reduces of at most this many f32 bytes take one stage instead of two: every rank
     /// reduces the whole buffer from every half, which costs K times the reads but one handoff
-    /// fewer (default 8 KiB, from `cargo xtask bench comm`; 0 turns it off). All ranks must use
+    /// fewer (default 4 KiB, between the sizes where `cargo xtask bench comm` measured one stage
+    /// winning (2 KiB) and losing (8 KiB) at 2 ranks; 0 turns it off). All ranks must use
     /// the same value; it is checked in every call.
     pub one_stage_bytes: usize,
     /// Directory of the group files (default `/dev/shm`). The file is removed as soon as every
@@ -39,7 +40,7 @@ impl Default for ShmConfig {
         ShmConfig {
             timeout: Duration::from_secs(30),
             slot_bytes: 1 << 20,
-            one_stage_bytes: 8 << 10,
+            one_stage_bytes: 4 << 10,
             dir: PathBuf::from("/dev/shm"),
         }
     }
