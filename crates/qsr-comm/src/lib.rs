@@ -263,6 +263,30 @@ pub(crate) fn ring_allreduce_bytes(len: usize, elem_bytes: u64, k: usize) -> u64
 /// Largest payload `broadcast_bytes` accepts (a bound on what a peer can make us allocate).
 pub const MAX_BROADCAST_BYTES: usize = 256 << 20;
 
+/// `broadcast_bytes` over a raw byte broadcast `raw(buf, is_length)`: the length first (even when
+/// too large, so that every rank checks it against [`MAX_BROADCAST_BYTES`] and fails alike), then
+/// the payload into `bytes`, resized on non-roots. A payload over the bound is
+/// `CommError::InvalidArgument` on every rank; the caller marks itself broken on any error.
+pub(crate) fn broadcast_sized(
+    bytes: &mut Vec<u8>,
+    root: usize,
+    rank: usize,
+    mut raw: impl FnMut(&mut [u8], bool) -> Result<(), CommError>,
+) -> Result<(), CommError> {
+    let mut len = (bytes.len() as u64).to_le_bytes();
+    raw(&mut len, true)?;
+    let len = u64::from_le_bytes(len);
+    if len > MAX_BROADCAST_BYTES as u64 {
+        let e = format!("rank {root} broadcasts {len} bytes, more than the bound {MAX_BROADCAST_BYTES}");
+        return Err(CommError::InvalidArgument(e));
+    }
+    if rank != root {
+        bytes.clear();
+        bytes.resize(len as usize, 0);
+    }
+    raw(bytes, false)
+}
+
 /// Balanced split of `len` elements into `parts` contiguous ranges: the first `len % parts` ranges
 /// get one extra element. Shared by the in-process and ring backends.
 pub(crate) fn split_range(len: usize, parts: usize, i: usize) -> std::ops::Range<usize> {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use crate::inproc::{Wire, check_root, op_name};
 use crate::tcp::engine::f32_bytes_mut;
-use crate::{CallKind, Collective, CommError, CommStats, MAX_BROADCAST_BYTES, ReduceOp, bf16_round, split_range};
+use crate::{CallKind, Collective, CommError, CommStats, ReduceOp, bf16_round, split_range};
 
 use mapping::Mapping;
 pub(crate) use mapping::pid_ns;
@@ -634,20 +634,13 @@ impl Collective for ShmComm {
 
     fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
         check_root(root, self.n)?;
-        // The length goes first (even when too large, so every rank fails the same way).
-        let mut len = (bytes.len() as u64).to_le_bytes();
-        self.broadcast_raw(CallKind::BroadcastBytes, &mut len, root)?;
-        let len = u64::from_le_bytes(len);
-        if len > MAX_BROADCAST_BYTES as u64 {
-            let e = format!("rank {root} broadcasts {len} bytes, more than the bound {MAX_BROADCAST_BYTES}");
-            self.broken = Some(e.clone());
-            return Err(CommError::InvalidArgument(e));
+        let rank = self.rank;
+        let res =
+            crate::broadcast_sized(bytes, root, rank, |b, _| self.broadcast_raw(CallKind::BroadcastBytes, b, root));
+        if let Err(e) = &res {
+            self.broken.get_or_insert_with(|| e.to_string());
         }
-        if self.rank != root {
-            bytes.clear();
-            bytes.resize(len as usize, 0);
-        }
-        self.broadcast_raw(CallKind::BroadcastBytes, bytes, root)
+        res
     }
 
     fn barrier(&mut self) -> Result<(), CommError> {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use crate::launch::LaunchEnv;
 use crate::wire::{self, CallHeader, PROTOCOL_VERSION};
-use crate::{Collective, CommError, CommStats, MAX_BROADCAST_BYTES, ReduceOp};
+use crate::{Collective, CommError, CommStats, ReduceOp};
 
 use engine::{Buf, Call};
 
@@ -557,20 +557,16 @@ impl Collective for TcpComm {
 
     fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
         crate::inproc::check_root(root, self.n)?;
-        // The length goes first (even when too large, so every rank fails the same way).
-        let mut len = (bytes.len() as u64).to_le_bytes();
-        self.broadcast_raw(wire::KIND_BROADCAST_LEN, &mut len, root)?;
-        let len = u64::from_le_bytes(len);
-        if len > MAX_BROADCAST_BYTES as u64 {
-            let e = format!("rank {root} broadcasts {len} bytes, more than the bound {MAX_BROADCAST_BYTES}");
-            self.broken = Some(e.clone());
-            return Err(CommError::InvalidArgument(e));
+        let rank = self.rank;
+        let raw = |b: &mut [u8], length: bool| {
+            let kind = if length { wire::KIND_BROADCAST_LEN } else { wire::KIND_BROADCAST_BYTES };
+            self.broadcast_raw(kind, b, root)
+        };
+        let res = crate::broadcast_sized(bytes, root, rank, raw);
+        if let Err(e) = &res {
+            self.broken.get_or_insert_with(|| e.to_string());
         }
-        if self.rank != root {
-            bytes.clear();
-            bytes.resize(len as usize, 0);
-        }
-        self.broadcast_raw(wire::KIND_BROADCAST_BYTES, bytes, root)
+        res
     }
 
     fn barrier(&mut self) -> Result<(), CommError> {
