@@ -1,6 +1,7 @@
-//! All-reduce across two processes over qsr's TCP ring: run without arguments, it starts itself twice
-//! with the variables torchrun would set (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and a job token),
-//! and each child gets its collective from `qsr_comm::from_env()`.
+//! All-reduce across two processes: run without arguments, it starts itself twice with the variables
+//! torchrun would set (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and a job token), and each child
+//! gets its collective from `qsr_comm::from_env()`: shared memory here, both being on this host
+//! (`QSR_TRANSPORT=tcp` keeps qsr's TCP ring).
 //!
 //! ```sh
 //! cargo run --release -p qsr-comm --example allreduce_processes

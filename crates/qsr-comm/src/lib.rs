@@ -186,11 +186,13 @@ pub trait Collective: Send {
     fn backend(&self) -> &'static str;
 }
 
-/// The collective of this process's launch, for library users: our TCP ring when a launcher started
-/// several processes (torchrun's `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`, Open MPI's or PMI's
-/// mpirun, SLURM's srun; see [`detect`] and [`TcpConfig::from_env`] for the variables read,
-/// `QSR_JOB_TOKEN` among them), MPI itself under mpirun when built with the `mpi` feature, or a group
-/// of one for a plain process. A partial launch environment is an error naming the missing variable.
+/// The collective of this process's launch, for library users: our collectives ([`connect`]: shared
+/// memory among ranks of one host, the TCP ring between hosts, as `QSR_TRANSPORT` says) when a
+/// launcher started several processes (torchrun's `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`,
+/// Open MPI's or PMI's mpirun, SLURM's srun; see [`detect`] and [`TcpConfig::from_env`] for the
+/// variables read, `QSR_JOB_TOKEN` among them), MPI itself under mpirun when built with the `mpi`
+/// feature, or a group of one for a plain process. A partial launch environment is an error naming
+/// the missing variable.
 pub fn from_env() -> Result<Box<dyn Collective>, CommError> {
     let env = detect_from_process_env(&Explicit::default())?;
     #[cfg(feature = "mpi")]
@@ -200,8 +202,8 @@ pub fn from_env() -> Result<Box<dyn Collective>, CommError> {
     if env.world_size == 1 {
         return Ok(Box::new(InProcessGroup::new(1).remove(0)));
     }
-    let cfg = TcpConfig::from_env(&|k| std::env::var(k).ok())?;
-    Ok(Box::new(TcpComm::from_launch(&env, cfg)?))
+    let var = |k: &str| std::env::var(k).ok();
+    connect(&env, TcpConfig::from_env(&var)?, Transport::from_env(&var)?)
 }
 
 /// Runs `worker` on `k` threads of this process, each with its handle of one in-process group (rank
