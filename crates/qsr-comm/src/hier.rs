@@ -372,6 +372,21 @@ mod tests {
         assert_eq!(read_status(0.0), None);
     }
 
+    /// Regression: reasons were matched by fragments of their text, so "connection lost",
+    /// "closed" and "diverging" became "it failed" on the next host.
+    #[test]
+    fn reasons_survive_the_hop_between_hosts() {
+        let aborted =
+            |reason: &str| CommError::Aborted { culprit: 1, reason: reason.into(), reporter: 0, during: "d".into() };
+        for r in [Reason::Exited, Reason::Stalled, Reason::Closed, Reason::Lost, Reason::Diverged, Reason::Other] {
+            assert_eq!(reason_of(&aborted(r.text())), r);
+        }
+        use crate::wire::Reason as Ring;
+        assert_eq!(reason_of(&aborted(Ring::Timeout.describe())), Reason::Stalled);
+        assert_eq!(reason_of(&aborted(Ring::Lost.describe())), Reason::Lost);
+        assert_eq!(reason_of(&aborted(Ring::Diverged.describe())), Reason::Diverged);
+    }
+
     #[test]
     fn ring_ranks_become_job_ranks() {
         let e = CommError::PeerTimeout {

@@ -182,7 +182,7 @@ pub trait Collective: Send {
     fn barrier(&mut self) -> Result<(), CommError>;
     /// Cumulative traffic and time.
     fn stats(&self) -> &CommStats;
-    /// Short backend name for logs ("inproc", "tcp", "mpi").
+    /// Short backend name for logs ("inproc", "shm", "tcp", "shm+tcp", "mpi", "nccl").
     fn backend(&self) -> &'static str;
 }
 

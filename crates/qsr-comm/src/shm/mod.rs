@@ -680,36 +680,7 @@ pub(crate) fn join(boot: &mut dyn Collective, groups: &[Vec<usize>], cfg: ShmCon
         .find_map(|(g, m)| m.iter().position(|&r| r == me).map(|i| (g, i)))
         .ok_or_else(|| CommError::InvalidArgument(format!("rank {me} is in no shared-memory group")))?;
     let n = groups[gi].len();
-    let made = (local == 0).then(|| {
-        let swept = mapping::sweep(&cfg.dir);
-        if !swept.is_empty() {
-            crate::tcp::notice(false, &format!("removed shared-memory files of dead jobs: {}", swept.join(", ")));
-        }
-        Mapping::create(&cfg.dir, n, cfg.slot_bytes)
-    });
-    // Each group's rank 0 tells its members the file name (or why it has none).
-    let mut mine = Vec::new();
-    for (g, members) in groups.iter().enumerate() {
-        let mut msg = match (&made, g == gi) {
-            (Some(Ok((_, name))), true) => name.clone().into_bytes(),
-            (Some(Err(e)), true) => format!("!{e}").into_bytes(),
-            _ => Vec::new(),
-        };
-        boot.broadcast_bytes(&mut msg, members[0])?;
-        if g == gi {
-            mine = msg;
-        }
-    }
-    let mapped = match made {
-        Some(r) => r.map(|(m, _)| m),
-        None => match String::from_utf8_lossy(&mine).strip_prefix('!') {
-            Some(why) => Err(CommError::InvalidArgument(format!(
-                "rank {} could not create the shared-memory group: {why}",
-                groups[gi][0]
-            ))),
-            None => Mapping::open(&cfg.dir, &String::from_utf8_lossy(&mine), n, cfg.slot_bytes),
-        },
-    };
+    let mapped = share_mapping(boot, groups, gi, local == 0, &cfg)?;
     if let Ok(m) = &mapped {
         m.ctrl(local).pid.store(u64::from(std::process::id()), Ordering::Release);
     }
@@ -741,6 +712,49 @@ pub(crate) fn join(boot: &mut dyn Collective, groups: &[Vec<usize>], cfg: ShmCon
         stats: CommStats::default(),
         broken: None,
         failure: None,
+    })
+}
+
+/// The group file of every group, made by each group's rank 0 and announced to its members over
+/// `boot` (a collective call): this rank's mapping, or why it has none. The outer error is a failure
+/// of `boot` itself, on which no rank can go on.
+fn share_mapping(
+    boot: &mut dyn Collective,
+    groups: &[Vec<usize>],
+    gi: usize,
+    creator: bool,
+    cfg: &ShmConfig,
+) -> Result<Result<Mapping, CommError>, CommError> {
+    let n = groups[gi].len();
+    let made = creator.then(|| {
+        let swept = mapping::sweep(&cfg.dir);
+        if !swept.is_empty() {
+            crate::tcp::notice(false, &format!("removed shared-memory files of dead jobs: {}", swept.join(", ")));
+        }
+        Mapping::create(&cfg.dir, n, cfg.slot_bytes)
+    });
+    // Each group's rank 0 tells its members the file name (or why it has none).
+    let mut mine = Vec::new();
+    for (g, members) in groups.iter().enumerate() {
+        let mut msg = match (&made, g == gi) {
+            (Some(Ok((_, name))), true) => name.clone().into_bytes(),
+            (Some(Err(e)), true) => format!("!{e}").into_bytes(),
+            _ => Vec::new(),
+        };
+        boot.broadcast_bytes(&mut msg, members[0])?;
+        if g == gi {
+            mine = msg;
+        }
+    }
+    Ok(match made {
+        Some(r) => r.map(|(m, _)| m),
+        None => match String::from_utf8_lossy(&mine).strip_prefix('!') {
+            Some(why) => Err(CommError::InvalidArgument(format!(
+                "rank {} could not create the shared-memory group: {why}",
+                groups[gi][0]
+            ))),
+            None => Mapping::open(&cfg.dir, &String::from_utf8_lossy(&mine), n, cfg.slot_bytes),
+        },
     })
 }
 
@@ -823,6 +837,30 @@ mod tests {
                 assert_eq!(results[1], Err(Some(0)), "600 ms of silence outlast the 200 ms timeout");
             }
         }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Regression: a waiting rank watched every peer's process, so a peer that had already
+    /// published the stage and then exited (its part done) was blamed while the stage still waited
+    /// for a slower rank. Here rank 1's watch reports a dead process while rank 1 has published.
+    #[test]
+    fn a_peer_that_published_is_not_blamed_for_exiting() {
+        let dir = std::env::temp_dir().join(format!("qsr-shm-published-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let cfg = ShmConfig { dir: dir.clone(), ..ShmConfig::default() };
+        let results = crate::run_threads(3, |mut boot| {
+            let mut c = ShmComm::from_bootstrap(&mut boot, cfg.clone()).unwrap();
+            match c.rank() {
+                0 => c.watch[1] = Watch::Proc(dead),
+                2 => std::thread::sleep(Duration::from_millis(100)),
+                _ => {}
+            }
+            c.barrier().map_err(|e| e.to_string())
+        });
+        assert_eq!(results, vec![Ok(()), Ok(()), Ok(())]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
