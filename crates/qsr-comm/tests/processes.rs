@@ -29,8 +29,8 @@ fn child_config(timeout_ms: u64) -> TcpConfig {
 /// The transport under test over the ring `boot`: "tcp", the ring itself; "shm", a shared-memory
 /// group of every rank; "mixed-a", hosts (as `QSR_HOST_ID` would name them) of the even and of the
 /// odd ranks, so rank 2 is a member of rank 0's host; "mixed-b", hosts of ranks 0-1 and 2-3, so rank
-/// 2 leads its host.
-fn connect(boot: TcpComm, transport: &str) -> Box<dyn Collective> {
+/// 2 leads its host. Group files go to a directory of the job's own ([`group_dir`]).
+fn connect(boot: TcpComm, transport: &str, master: &str) -> Box<dyn Collective> {
     let timeout = boot.config().timeout;
     let r = boot.rank();
     let (t, host, backend) = match transport {
@@ -40,7 +40,10 @@ fn connect(boot: TcpComm, transport: &str) -> Box<dyn Collective> {
         "mixed-b" => (Transport::Auto, if r < 2 { "node-a" } else { "node-b" }, "shm+tcp"),
         other => panic!("unknown transport {other}"),
     };
-    let c = qsr_comm::over_ring(boot, t, host, ShmConfig { timeout, ..ShmConfig::default() }).expect("transport setup");
+    let dir = group_dir(master);
+    std::fs::create_dir_all(&dir).expect("group directory");
+    let shm = ShmConfig { timeout, dir, ..ShmConfig::default() };
+    let c = qsr_comm::over_ring(boot, t, host, shm).expect("transport setup");
     assert_eq!(c.backend(), backend);
     c
 }
@@ -87,7 +90,7 @@ fn child_process_entry() {
     let timeout_ms: u64 = var("QSR_CHILD_TIMEOUT_MS").parse().unwrap();
     let transport = var("QSR_CHILD_TRANSPORT");
     let mut c = match TcpComm::worker(&var("QSR_CHILD_MASTER"), rank, n, child_config(timeout_ms)) {
-        Ok(c) => connect(c, &transport),
+        Ok(c) => connect(c, &transport, &var("QSR_CHILD_MASTER")),
         Err(e) => {
             println!("QSR setup-error {e}");
             std::process::exit(2);
@@ -175,14 +178,21 @@ fn spawn_children(mode: &str, transport: &str, n: usize, master: &str, timeout_m
     Children { procs, lines: rx }
 }
 
-/// No shared-memory file of this test process (rank 0 creates the groups) is left behind.
-fn assert_no_group_file_left() {
-    let mine = format!("-{}-", std::process::id());
-    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+/// The directory of the group files of the job whose rank 0 listens at `master`: one per job, so
+/// that a test checking for leftovers sees only its own job's files, not those of a job another
+/// test is setting up at the same moment.
+fn group_dir(master: &str) -> std::path::PathBuf {
+    std::path::Path::new("/dev/shm").join(format!("qsr-test-{}", master.replace([':', '.'], "-")))
+}
+
+/// The job at `master` left no shared-memory file behind (then its directory is removed).
+fn assert_no_group_file_left(master: &str) {
+    let dir = group_dir(master);
+    let left: Vec<String> = std::fs::read_dir(&dir)
         .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
         .unwrap_or_default();
-    let ours = |f: &String| f.starts_with("qsr-shm-") && f.contains(&mine);
-    assert!(!left.iter().any(ours), "left in /dev/shm: {left:?}");
+    assert!(left.is_empty(), "left in {}: {left:?}", dir.display());
+    let _ = std::fs::remove_dir(&dir);
 }
 
 #[test]
@@ -193,7 +203,6 @@ fn process_matrix_tcp_world_sizes_2_3_5() {
 #[test]
 fn process_matrix_shm_world_sizes_2_4() {
     process_matrix("shm", &[2, 4]);
-    assert_no_group_file_left();
 }
 
 /// Hosts {0, 2} and {1} at 3 ranks (a host of one), {0, 2} and {1, 3} at 4, then {0, 1} and {2, 3}.
@@ -201,7 +210,6 @@ fn process_matrix_shm_world_sizes_2_4() {
 fn process_matrix_mixed_hosts() {
     process_matrix("mixed-a", &[3, 4]);
     process_matrix("mixed-b", &[4]);
-    assert_no_group_file_left();
 }
 
 fn process_matrix(transport: &str, sizes: &[usize]) {
@@ -210,7 +218,7 @@ fn process_matrix(transport: &str, sizes: &[usize]) {
         let addr = listener.local_addr().unwrap().to_string();
         let mut kids = spawn_children("matrix", transport, n, &addr, 10_000);
         let boot = TcpComm::master(listener, n, child_config(10_000)).expect("rank 0 setup");
-        let mut c = connect(boot, transport);
+        let mut c = connect(boot, transport, &addr);
         let cases = run_matrix(c.as_mut()).expect("rank 0 matrix");
         // f64 reference on rank 0's results (bit-identity is checked via the children's hashes).
         let mut i = 0;
@@ -246,6 +254,7 @@ fn process_matrix(transport: &str, sizes: &[usize]) {
         for (rank, child) in &mut kids.procs {
             assert!(child.wait().unwrap().success(), "n {n}: child rank {rank} failed");
         }
+        assert_no_group_file_left(&addr);
     }
 }
 
@@ -258,7 +267,7 @@ fn fault_test(transport: &str, timeout_ms: u64, bound: Duration, fault: impl FnO
     let addr = listener.local_addr().unwrap().to_string();
     let mut kids = spawn_children("loop", transport, n, &addr, timeout_ms);
     let boot = TcpComm::master(listener, n, child_config(timeout_ms)).expect("rank 0 setup");
-    let mut c = connect(boot, transport);
+    let mut c = connect(boot, transport, &addr);
     let rank0 = std::thread::spawn(move || {
         let e = run_loop(c.as_mut(), |_| {});
         (e, Instant::now())
@@ -297,6 +306,8 @@ fn fault_test(transport: &str, timeout_ms: u64, bound: Duration, fault: impl FnO
         assert!(line.contains(&format!("rank {victim}")), "rank {rank}: message must name rank {victim}: {line}");
         assert!(took <= bound, "rank {rank} took {took:?} (bound {bound:?}): {line}");
     }
+    // A killed or stopped job leaves no group file (it was removed once every rank had mapped it).
+    assert_no_group_file_left(&addr);
 }
 
 fn kill(child: &mut Child) {
@@ -327,7 +338,6 @@ fn stopped_rank_is_named_by_every_survivor_after_the_timeout_tcp() {
 #[test]
 fn killed_rank_is_named_by_every_survivor_shm() {
     fault_test("shm", KILL.0, KILL.1, kill);
-    assert_no_group_file_left();
 }
 
 #[test]
@@ -338,7 +348,6 @@ fn stopped_rank_is_named_by_every_survivor_after_the_timeout_shm() {
 #[test]
 fn killed_member_of_another_ranks_host_is_named_by_every_survivor_mixed() {
     fault_test("mixed-a", KILL.0, KILL.1, kill);
-    assert_no_group_file_left();
 }
 
 #[test]
