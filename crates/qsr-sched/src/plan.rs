@@ -2,6 +2,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::comm::CommVolume;
 use crate::error::ConfigError;
+use crate::local::{self, LocalPos, LocalSummary};
 use crate::rule::SyncRule;
 use crate::schedule::LrSchedule;
 
@@ -39,13 +40,15 @@ impl Round {
 }
 
 /// The validated pairing of an lr schedule and a sync rule, plus how many steps a run performs
-/// (`run_steps`, default the schedule's horizon `total_steps`). The one source of truth for "what lr at
-/// step t" and "does step t end a round".
+/// (`run_steps`, default the schedule's horizon `total_steps`) and, for a two-level run, the rule of
+/// the local level ([`Plan::with_local`]). The one source of truth for "what lr at step t" and "does
+/// step t end a round".
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(try_from = "PlanSpec", into = "PlanSpec")]
 pub struct Plan {
     schedule: LrSchedule,
     sync: SyncRule,
+    local: Option<SyncRule>,
     run_steps: Option<u64>,
 }
 
@@ -56,19 +59,25 @@ struct PlanSpec {
     schedule: LrSchedule,
     sync: SyncRule,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    local: Option<SyncRule>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     run_steps: Option<u64>,
 }
 
 impl TryFrom<PlanSpec> for Plan {
     type Error = ConfigError;
     fn try_from(s: PlanSpec) -> Result<Self, Self::Error> {
-        Plan::from_parts(s.schedule, s.sync, s.run_steps)
+        let plan = Plan::from_parts(s.schedule, s.sync, s.run_steps)?;
+        match s.local {
+            Some(rule) => plan.with_local(rule),
+            None => Ok(plan),
+        }
     }
 }
 
 impl From<Plan> for PlanSpec {
     fn from(p: Plan) -> Self {
-        PlanSpec { schedule: p.schedule, sync: p.sync, run_steps: p.run_steps }
+        PlanSpec { schedule: p.schedule, sync: p.sync, local: p.local, run_steps: p.run_steps }
     }
 }
 
@@ -89,7 +98,36 @@ impl Plan {
         if let Some(n) = run_steps.filter(|&n| n > crate::MAX_STEPS) {
             return Err(ConfigError::new("run_steps", crate::schedule::too_many_steps(n)));
         }
-        Ok(Self { schedule, sync, run_steps })
+        Ok(Self { schedule, sync, local: None, run_steps })
+    }
+
+    /// This plan with a local level: between global synchronizations, workers average inside their
+    /// node after every round of `rule` (a recipe's `[sync.local]`). Local rounds tile each global
+    /// round, each taking `H` from `rule` at its first step, clamped to the global round's end; the
+    /// local round that ends with the global round has no local average (the global one supersedes it).
+    ///
+    /// ```
+    /// use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncRule};
+    ///
+    /// let schedule = LrSchedule::new(ScheduleKind::Cosine, 100, 0, 0.1, 0.0);
+    /// let plan = Plan::new(schedule, SyncRule::Constant { h: 10 }).unwrap();
+    /// let plan = plan.with_local(SyncRule::Constant { h: 1 }).unwrap();
+    /// let local: Vec<u64> = plan.cursor().filter(|s| s.local_sync_after).map(|s| s.step).collect();
+    /// assert_eq!(&local[..10], &[0, 1, 2, 3, 4, 5, 6, 7, 8, 10]);
+    /// assert_eq!(plan.summary().local.unwrap().rounds, 90);
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// An invalid setting of `rule` (named `sync.local.*`), or a rule that all-reduces gradients.
+    pub fn with_local(self, rule: SyncRule) -> Result<Plan, ConfigError> {
+        local::validate(&rule, &self)?;
+        Ok(Plan { local: Some(rule), ..self })
+    }
+
+    /// The rule of the local level, for a two-level plan ([`Plan::with_local`]).
+    pub fn local(&self) -> Option<&SyncRule> {
+        self.local.as_ref()
     }
 
     /// The lr schedule (the recipe's `[schedule]` section).
@@ -121,7 +159,8 @@ impl Plan {
     /// A cursor at step 0.
     pub fn cursor(&self) -> Cursor {
         let first = self.rounds().next().expect("a valid plan has at least one round");
-        Cursor { plan: self.clone(), step: 0, round: first, warm_rounds: 0 }
+        let local = self.local.as_ref().map(|rule| LocalPos::first_of(self, rule, &first));
+        Cursor { plan: self.clone(), step: 0, round: first, warm_rounds: 0, local }
     }
 
     /// A cursor positioned at global step `step` (which may lie inside a round), as if it had been advanced
@@ -129,15 +168,24 @@ impl Plan {
     pub fn cursor_at(&self, step: u64) -> Cursor {
         let mut rounds = self.rounds();
         let mut last = None;
+        // The local level: the last local round of the previous global round, walked through.
+        let mut local: Option<LocalPos> = None;
         while let Some(r) = rounds.next() {
             let warm = rounds.warm_rounds - u64::from(self.schedule.in_warmup(r.start));
+            if let Some(rule) = &self.local {
+                let first = match local {
+                    Some(l) => l.next(self, rule, r.start, r.end()),
+                    None => LocalPos::first_of(self, rule, &r),
+                };
+                local = Some(first.seek(self, rule, &r, step));
+            }
             last = Some((r, warm));
             if step < r.end() {
                 break;
             }
         }
         let (round, warm_rounds) = last.expect("a valid plan has at least one round");
-        Cursor { plan: self.clone(), step: step.min(self.end_step()), round, warm_rounds }
+        Cursor { plan: self.clone(), step: step.min(self.end_step()), round, warm_rounds, local }
     }
 
     /// Round count, communication share and the shape of the H schedule, in one pass over the rounds.
@@ -153,6 +201,7 @@ impl Plan {
             first_h_increase_step: None,
             max_h: 0,
             last_round_len: 0,
+            local: self.local.as_ref().map(|rule| LocalSummary::of(self, rule)),
         };
         for r in self.rounds() {
             if r.index == 0 {
@@ -229,6 +278,10 @@ pub struct PlanSummary {
     pub max_h: u64,
     /// Length of the last round, which may be clamped short to end at `run_steps`.
     pub last_round_len: u64,
+    /// The local level of a two-level plan ([`Plan::with_local`]): `rounds` above counts the global
+    /// synchronizations only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local: Option<LocalSummary>,
 }
 
 impl PlanSummary {
@@ -256,6 +309,10 @@ pub struct StepInfo {
     pub sync_after: bool,
     /// What the synchronization of this step's round all-reduces.
     pub mode: SyncMode,
+    /// Whether a local average inside the node follows this step (two-level plans only; never on a
+    /// step with `sync_after`, whose global average supersedes it).
+    #[serde(default)]
+    pub local_sync_after: bool,
 }
 
 /// The trainer's position in a plan, advanced one step at a time. Serializable with its plan, so a
@@ -269,6 +326,8 @@ pub struct Cursor {
     /// The round containing `step` (the last round once the run is done).
     round: Round,
     warm_rounds: u64,
+    /// The local round containing `step`, for a two-level plan.
+    local: Option<LocalPos>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -278,11 +337,13 @@ struct CursorSpec {
     step: u64,
     round: Round,
     warm_rounds: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    local: Option<LocalPos>,
 }
 
 impl From<Cursor> for CursorSpec {
     fn from(c: Cursor) -> Self {
-        CursorSpec { plan: c.plan, step: c.step, round: c.round, warm_rounds: c.warm_rounds }
+        CursorSpec { plan: c.plan, step: c.step, round: c.round, warm_rounds: c.warm_rounds, local: c.local }
     }
 }
 
@@ -304,7 +365,32 @@ impl TryFrom<CursorSpec> for Cursor {
                 format!("round {} at step {} does not follow from its plan", s.round.index, s.round.start),
             ));
         }
-        Ok(Cursor { plan: s.plan, step: s.step, round: expected, warm_rounds: s.warm_rounds })
+        let local = check_local(&s.plan, &expected, s.step, s.local)?;
+        Ok(Cursor { plan: s.plan, step: s.step, round: expected, warm_rounds: s.warm_rounds, local })
+    }
+}
+
+/// The local position of a deserialized cursor, checked against its plan and global round.
+fn check_local(
+    plan: &Plan,
+    global: &Round,
+    step: u64,
+    local: Option<LocalPos>,
+) -> Result<Option<LocalPos>, ConfigError> {
+    let bad = |why: &str| Err(ConfigError::new("cursor.local", why.to_string()));
+    match (plan.local(), local) {
+        (None, None) => Ok(None),
+        (None, Some(_)) => bad("a local position, but its plan has no local level"),
+        (Some(_), None) => bad("no local position, but its plan has a local level"),
+        (Some(rule), Some(l)) => {
+            let r = l.round;
+            let expected = LocalPos::at(plan, rule, r.start, global.end(), r.index, l.warm_rounds);
+            let inside = global.start <= r.start && r.start <= step && (step < r.end() || step == global.end());
+            if (expected.round.len, expected.round.mode) != (r.len, r.mode) || l.warm_rounds > r.index || !inside {
+                return bad(&format!("local round {} at step {} does not follow from its plan", r.index, r.start));
+            }
+            Ok(Some(expected))
+        }
     }
 }
 
@@ -342,14 +428,16 @@ impl Cursor {
             return None;
         }
         let r = self.round;
+        let sync_after = self.step + 1 == r.end();
         let info = StepInfo {
             step: self.step,
             lr: self.plan.lr(self.step),
             round: r.index,
             round_start: r.start,
             h: r.len,
-            sync_after: self.step + 1 == r.end(),
+            sync_after,
             mode: r.mode,
+            local_sync_after: !sync_after && self.local.is_some_and(|l| self.step + 1 == l.round.end()),
         };
         self.step += 1;
         if info.sync_after && !self.is_done() {
@@ -357,6 +445,10 @@ impl Cursor {
                 self.warm_rounds += 1;
             }
             self.round = make_round(&self.plan, r.end(), r.index + 1, self.warm_rounds);
+        }
+        if (info.sync_after || info.local_sync_after) && !self.is_done() {
+            let (g, plan) = (self.round, &self.plan);
+            self.local = plan.local.as_ref().zip(self.local).map(|(rule, l)| l.next(plan, rule, self.step, g.end()));
         }
         Some(info)
     }

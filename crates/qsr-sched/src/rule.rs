@@ -147,9 +147,15 @@ impl SyncRule {
     ///
     /// The first invalid setting, as a [`ConfigError`] naming it (`sync.h_base`, `sync.alpha`, ...).
     pub fn validate(&self, schedule: &LrSchedule) -> Result<(), ConfigError> {
+        self.validate_at(schedule, "sync")
+    }
+
+    /// [`Self::validate`] for a rule found at recipe key `at` (`sync`, or `sync.local`).
+    pub(crate) fn validate_at(&self, schedule: &LrSchedule, at: &str) -> Result<(), ConfigError> {
         let at_least_one = |field: &str, v: u64| {
-            if v == 0 { Err(ConfigError::new(format!("sync.{field}"), "must be at least 1 (got 0)")) } else { Ok(()) }
+            if v == 0 { Err(ConfigError::new(format!("{at}.{field}"), "must be at least 1 (got 0)")) } else { Ok(()) }
         };
+        let positive = |field: &str, v: f64| positive(&format!("{at}.{field}"), v);
         match *self {
             SyncRule::Dp => Ok(()),
             SyncRule::Constant { h } => at_least_one("h", h),
@@ -157,7 +163,7 @@ impl SyncRule {
                 at_least_one("h", h)?;
                 if switch_step > schedule.total_steps {
                     return Err(ConfigError::new(
-                        "sync.switch_step",
+                        format!("{at}.switch_step"),
                         format!("{switch_step} is beyond schedule.total_steps ({})", schedule.total_steps),
                     ));
                 }
@@ -165,20 +171,20 @@ impl SyncRule {
             }
             SyncRule::Power { h_base, alpha, power } => {
                 at_least_one("h_base", h_base)?;
-                positive("sync.alpha", alpha)?;
-                positive("sync.power", power)
+                positive("alpha", alpha)?;
+                positive("power", power)
             }
             SyncRule::Qsr { h_base, alpha } => {
                 at_least_one("h_base", h_base)?;
-                positive("sync.alpha", alpha)
+                positive("alpha", alpha)
             }
             SyncRule::Exponential { h_base, scaler, h_max } => {
                 at_least_one("h_base", h_base)?;
                 at_least_one("scaler", scaler)?;
                 if h_max < h_base {
                     return Err(ConfigError::new(
-                        "sync.h_max",
-                        format!("must be at least sync.h_base ({h_max} < {h_base})"),
+                        format!("{at}.h_max"),
+                        format!("must be at least {at}.h_base ({h_max} < {h_base})"),
                     ));
                 }
                 Ok(())

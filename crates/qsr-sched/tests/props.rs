@@ -52,9 +52,17 @@ fn plan() -> impl Strategy<Value = Plan> {
     schedule()
         .prop_flat_map(|s| {
             let total = s.total_steps;
-            (Just(s), rule(total), prop::option::of(1u64..2 * total + 2))
+            let local =
+                prop::option::weighted(0.3, rule(total).prop_filter("parameter rule", |r| !r.syncs_gradients(0)));
+            (Just(s), rule(total), prop::option::of(1u64..2 * total + 2), local)
         })
-        .prop_map(|(s, r, run)| Plan::from_parts(s, r, run).expect("strategy yields valid plans"))
+        .prop_map(|(s, r, run, local)| {
+            let plan = Plan::from_parts(s, r, run).expect("strategy yields valid plans");
+            match local {
+                Some(l) => plan.with_local(l).expect("strategy yields valid local rules"),
+                None => plan,
+            }
+        })
 }
 
 proptest! {
@@ -113,6 +121,23 @@ proptest! {
         }
         prop_assert!(cursor.advance().is_none());
         prop_assert!(cursor.is_done());
+    }
+
+    #[test]
+    fn local_averages_fall_strictly_inside_global_rounds(p in plan()) {
+        let steps: Vec<_> = p.cursor().collect();
+        let local = steps.iter().filter(|s| s.local_sync_after).count() as u64;
+        prop_assert!(steps.iter().all(|s| !(s.sync_after && s.local_sync_after)));
+        match p.summary().local {
+            Some(l) => prop_assert_eq!(l.rounds, local),
+            None => prop_assert_eq!(local, 0),
+        }
+        if let Some(SyncRule::Constant { h }) = p.local() {
+            // Constant local rounds restart at every global round: the local averages sit h apart from it.
+            for s in steps.iter().filter(|s| s.local_sync_after) {
+                prop_assert_eq!((s.step + 1 - s.round_start) % h, 0);
+            }
+        }
     }
 
     #[test]

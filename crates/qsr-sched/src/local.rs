@@ -1,0 +1,115 @@
+//! The local level of a two-level plan (`[sync.local]`): averaging inside a node between the global
+//! synchronizations.
+//!
+//! Local rounds tile each global round: the first starts where the global round starts, each takes
+//! `H_local` from the local rule at its own first step (clamped to the global round's end), and a
+//! local average follows every local round except the one that ends with the global round, which the
+//! global average supersedes. So with a data-parallel global rule there is no local average at all,
+//! and a node of one worker averages with nobody.
+
+use serde::{Deserialize, Serialize};
+
+use crate::comm::CommVolume;
+use crate::error::ConfigError;
+use crate::plan::{Plan, Round, SyncMode};
+use crate::rule::SyncRule;
+
+/// Checks a local rule: valid at `sync.local`, and one that averages parameters.
+pub(crate) fn validate(rule: &SyncRule, plan: &Plan) -> Result<(), ConfigError> {
+    rule.validate_at(plan.schedule(), "sync.local")?;
+    if rule.syncs_gradients(0) {
+        return Err(ConfigError::new(
+            "sync.local.rule",
+            format!(
+                "`{}` all-reduces gradients, but the local level averages parameters inside a node; use \
+                 rule = \"constant\" with h = 1 to average every step",
+                rule.name()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Where a cursor stands in the local level: the local round under way and how many local rounds
+/// before it started in warmup (the exponential rule counts rounds after warmup).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct LocalPos {
+    pub(crate) round: Round,
+    pub(crate) warm_rounds: u64,
+}
+
+impl LocalPos {
+    /// The local round `index` that starts at `start` inside a global round ending at `end`.
+    pub(crate) fn at(plan: &Plan, rule: &SyncRule, start: u64, end: u64, index: u64, warm_rounds: u64) -> LocalPos {
+        let h = rule.round_h(plan.schedule(), start, index, warm_rounds);
+        let round =
+            Round { index, start, len: h.min(end - start), lr_start: plan.lr(start), mode: SyncMode::Parameters };
+        LocalPos { round, warm_rounds }
+    }
+
+    /// The first local round of the global round `global`.
+    pub(crate) fn first_of(plan: &Plan, rule: &SyncRule, global: &Round) -> LocalPos {
+        LocalPos::at(plan, rule, global.start, global.end(), 0, 0)
+    }
+
+    /// The local round that follows this one, starting at `start` (this round's end, or the start of
+    /// the next global round) inside a global round ending at `end`.
+    pub(crate) fn next(&self, plan: &Plan, rule: &SyncRule, start: u64, end: u64) -> LocalPos {
+        let warm = self.warm_rounds + u64::from(plan.schedule().in_warmup(self.round.start));
+        LocalPos::at(plan, rule, start, end, self.round.index + 1, warm)
+    }
+
+    /// Walks from this local round (of the global round `global`) to the one containing `step`, or
+    /// to the global round's last.
+    pub(crate) fn seek(mut self, plan: &Plan, rule: &SyncRule, global: &Round, step: u64) -> LocalPos {
+        while self.round.end() < global.end() && step >= self.round.end() {
+            self = self.next(plan, rule, self.round.end(), global.end());
+        }
+        self
+    }
+}
+
+/// The local level of a [`PlanSummary`](crate::PlanSummary).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LocalSummary {
+    /// Name of the local rule ([`SyncRule::name`]).
+    pub rule: String,
+    /// Local averages over the run (local rounds that do not end with a global synchronization).
+    pub rounds: u64,
+    /// `100 * rounds / run_steps`.
+    pub comm_percent: f64,
+    /// Longest local round, in steps.
+    pub max_h: u64,
+}
+
+impl LocalSummary {
+    /// The local level of `plan`, whose local rule is `rule`: one pass over its local rounds.
+    pub(crate) fn of(plan: &Plan, rule: &SyncRule) -> LocalSummary {
+        let mut s = LocalSummary { rule: rule.name().to_string(), rounds: 0, comm_percent: 0.0, max_h: 0 };
+        let mut pos: Option<LocalPos> = None;
+        for g in plan.rounds() {
+            let mut l = match pos {
+                Some(p) => p.next(plan, rule, g.start, g.end()),
+                None => LocalPos::first_of(plan, rule, &g),
+            };
+            loop {
+                s.max_h = s.max_h.max(l.round.len);
+                if l.round.end() == g.end() {
+                    break;
+                }
+                s.rounds += 1;
+                l = l.next(plan, rule, l.round.end(), g.end());
+            }
+            pos = Some(l);
+        }
+        s.comm_percent = 100.0 * s.rounds as f64 / plan.end_step() as f64;
+        s
+    }
+
+    /// Bytes each rank sends for the local averages over the run: a ring all-reduce of `params`
+    /// elements of `bytes_per_elem` bytes inside a node of `node_size` workers.
+    pub fn volume(&self, run_steps: u64, params: u64, bytes_per_elem: u64, node_size: u64) -> CommVolume {
+        CommVolume::new(self.rounds, run_steps, params, bytes_per_elem, node_size)
+    }
+}
