@@ -143,12 +143,26 @@ impl Default for DriverConfig {
     }
 }
 
+/// Which level of a two-level plan a synchronization belongs to.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Level {
+    /// Over every worker, through the worker's collective (the only level of a flat plan).
+    #[default]
+    Global,
+    /// Inside the worker's node, through the node's collective ([`Worker::set_local`]).
+    Local,
+}
+
 /// One synchronization.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct SyncReport {
     /// Whether gradients (a data-parallel step, before the update) or parameters (a round's end,
     /// after it) were averaged.
     pub mode: SyncMode,
+    /// Over all workers, or inside the node (a local average of a two-level plan).
+    #[serde(default)]
+    pub level: Level,
     /// Elements all-reduced (parameters or gradients, plus any appended state).
     pub elements: usize,
     /// Collective calls this sync made (1 unless bucketed).
@@ -170,8 +184,17 @@ pub struct StepReport {
     /// False when the gradients were not finite and the update was skipped.
     pub updated: bool,
     /// The synchronization this step made, if any: a gradient all-reduce before the update or the
-    /// parameter average after it.
+    /// parameter average after it, over all workers or (a local average) inside the node.
     pub sync: Option<SyncReport>,
+}
+
+/// Totals of the local level of a two-level plan.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct LocalStats {
+    /// Local averages inside the node.
+    pub syncs: u64,
+    /// Their traffic, through the node's collective.
+    pub comm: CommStats,
 }
 
 /// Totals over a worker's life.
@@ -179,14 +202,17 @@ pub struct StepReport {
 pub struct DriverStats {
     /// Steps completed, skipped updates included.
     pub steps: u64,
-    /// Synchronizations (gradient and parameter), i.e. rounds completed.
+    /// Global synchronizations (gradient and parameter), i.e. rounds completed.
     pub syncs: u64,
     /// Of `syncs`, the data-parallel gradient all-reduces.
     pub gradient_syncs: u64,
     /// Steps whose gradients were not finite, so the optimizer update was skipped (the sync was not).
     pub skipped_updates: u64,
-    /// Traffic of synchronizations only (the initial broadcast is not counted).
+    /// Traffic of global synchronizations only (the initial broadcast is not counted).
     pub comm: CommStats,
+    /// The local averages of a two-level plan, counted apart from the global ones.
+    #[serde(default)]
+    pub local: LocalStats,
     /// Synchronizations averaged on the device by the fused cubecl kernel.
     #[serde(default)]
     pub fused_syncs: u64,
@@ -201,6 +227,8 @@ pub struct Worker<M: Module> {
     replica: Replica,
     optimizer: OptimizerConfig,
     comm: Box<dyn Collective>,
+    /// The node's collective, for the local averages of a two-level plan.
+    local: Option<Box<dyn Collective>>,
     cursor: Cursor,
     config: DriverConfig,
     stats: DriverStats,
@@ -216,6 +244,9 @@ pub(crate) struct Peers<'a> {
     pub(crate) stats: &'a mut DriverStats,
     /// The outer optimizer, when parameter syncs are outer steps.
     pub(crate) outer: Option<&'a mut Outer>,
+    /// Whether `comm` is every worker's collective or the node's; a device group serves the global
+    /// level only.
+    pub(crate) level: Level,
 }
 
 impl Peers<'_> {
@@ -247,11 +278,15 @@ impl Peers<'_> {
     ) -> SyncReport {
         let mut delta = self.comm.stats().since(&before);
         delta.seconds = t.elapsed().as_secs_f64();
-        self.stats.comm.calls += delta.calls;
-        self.stats.comm.bytes_sent += delta.bytes_sent;
-        self.stats.comm.bytes_received += delta.bytes_received;
-        self.stats.comm.seconds += delta.seconds;
-        SyncReport { mode, elements, calls, bytes_sent: delta.bytes_sent, seconds: delta.seconds }
+        let totals = match self.level {
+            Level::Global => &mut self.stats.comm,
+            Level::Local => &mut self.stats.local.comm,
+        };
+        totals.calls += delta.calls;
+        totals.bytes_sent += delta.bytes_sent;
+        totals.bytes_received += delta.bytes_received;
+        totals.seconds += delta.seconds;
+        SyncReport { mode, level: self.level, elements, calls, bytes_sent: delta.bytes_sent, seconds: delta.seconds }
     }
 
     /// A sync through a [`DeviceGroup`] since `t`, added to the totals as the bytes a ring all-reduce of
@@ -274,7 +309,7 @@ impl Peers<'_> {
         if fused {
             self.stats.fused_syncs += 1;
         }
-        SyncReport { mode, elements, calls, bytes_sent: bytes, seconds }
+        SyncReport { mode, level: Level::Global, elements, calls, bytes_sent: bytes, seconds }
     }
 
     /// The model's BatchNorm running statistics averaged over the workers (not accounted).
@@ -346,7 +381,29 @@ impl<M: Module> Worker<M> {
             }
             _ => Replica::Host(HostReplica::new(&model, &layout, optimizer.clone())?),
         };
-        Ok(Self { model, layout, replica, optimizer, comm, cursor, config, stats: DriverStats::default(), outer: None })
+        let stats = DriverStats::default();
+        Ok(Self { model, layout, replica, optimizer, comm, local: None, cursor, config, stats, outer: None })
+    }
+
+    /// Gives the worker its node's collective, through which the local averages of a two-level plan
+    /// ([`qsr_sched::Plan::with_local`]) run: the ranks of this worker's node, in any order, each
+    /// with a worker under the same plan. Refused for a plan without a local level, and for a node's
+    /// collective that cannot carry the configured wire.
+    pub fn set_local(&mut self, local: Box<dyn Collective>) -> Result<(), OptimError> {
+        if self.cursor.plan().local().is_none() {
+            return Err(OptimError::Config {
+                field: "sync.local".into(),
+                reason: "the plan has no local level, so a node's collective would never be used".into(),
+            });
+        }
+        check_wire(self.config.wire, local.as_ref())?;
+        self.local = Some(local);
+        Ok(())
+    }
+
+    /// The node's collective of a two-level plan ([`Self::set_local`]).
+    pub fn local_comm(&self) -> Option<&dyn Collective> {
+        self.local.as_deref()
     }
 
     /// Gives a device-resident worker the in-process group of its K simulated peers on the same
@@ -503,21 +560,35 @@ impl<M: Module> Worker<M> {
     where
         F: FnMut(&M, usize) -> Result<Tensor<1>, LossError>,
     {
+        if self.cursor.plan().local().is_some() && self.local.is_none() {
+            return Err(OptimError::Config {
+                field: "sync.local".into(),
+                reason: "a two-level plan needs the node's collective (Worker::set_local)".into(),
+            });
+        }
         let info = self.cursor.advance().ok_or(OptimError::Finished(self.cursor.step()))?;
         let mut peers = Peers {
             comm: self.comm.as_mut(),
             config: &self.config,
             stats: &mut self.stats,
             outer: self.outer.as_mut(),
+            level: Level::Global,
         };
-        let stepped = match &mut self.replica {
+        let mut stepped = match &mut self.replica {
             Replica::Host(h) => h.step(&mut self.model, &self.layout, &mut peers, &info, loss_fn)?,
             Replica::Device(d) => d.step(&mut self.model, &self.layout, &mut peers, &info, loss_fn)?,
         };
+        if let Some(local) = self.local.as_deref_mut().filter(|_| info.local_sync_after) {
+            // A plain average inside the node: the outer optimizer steps at global syncs only.
+            let mut peers =
+                Peers { comm: local, config: &self.config, stats: &mut self.stats, outer: None, level: Level::Local };
+            stepped.sync = Some(self.replica.sync_parameters(&mut self.model, &self.layout, &mut peers, info.step)?);
+            self.stats.local.syncs += 1;
+        }
         // The module rewritten from the flat parameters, and the step counted.
         self.write_back()?;
         self.stats.steps += 1;
-        if let Some(s) = &stepped.sync {
+        if let Some(s) = stepped.sync.filter(|s| s.level == Level::Global) {
             self.stats.syncs += 1;
             if s.mode == SyncMode::Gradients {
                 self.stats.gradient_syncs += 1;
@@ -534,7 +605,13 @@ impl<M: Module> Worker<M> {
             return Ok(());
         }
         let step = self.cursor.step();
-        let mut peers = Peers { comm: self.comm.as_mut(), config: &self.config, stats: &mut self.stats, outer: None };
+        let mut peers = Peers {
+            comm: self.comm.as_mut(),
+            config: &self.config,
+            stats: &mut self.stats,
+            outer: None,
+            level: Level::Global,
+        };
         peers.average_running_unaccounted(&mut self.model, &self.layout, step)?;
         Ok(())
     }

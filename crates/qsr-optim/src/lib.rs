@@ -21,7 +21,10 @@ mod replica;
 
 pub use averager::{Averager, AveragerConfig, AveragerStats};
 pub use device::{DEFAULT_DEVICE_GROUP_TIMEOUT, DeviceGroup, DeviceOptimizer};
-pub use driver::{BnPolicy, DriverConfig, DriverStats, Residency, StatePolicy, StepReport, SyncReport, Wire, Worker};
+pub use driver::{
+    BnPolicy, DriverConfig, DriverStats, Level, LocalStats, Residency, StatePolicy, StepReport, SyncReport, Wire,
+    Worker,
+};
 pub use error::{LossError, OptimError};
 pub use flat::{ParamEntry, ParamLayout, ParamRole};
 pub use optim::{

@@ -10,7 +10,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use qsr_sched::{StepInfo, SyncMode};
 
 use crate::device::{DeviceGroup, DeviceOptimizer, all_finite, to_host};
-use crate::driver::{BnPolicy, Peers, SyncReport};
+use crate::driver::{BnPolicy, Level, Peers, SyncReport};
 use crate::error::{LossError, OptimError};
 use crate::flat::ParamLayout;
 use crate::optim::{OptimState, Optimizer, OptimizerConfig};
@@ -62,6 +62,20 @@ impl Replica {
             }
         }
         Ok(())
+    }
+
+    /// Averages parameters (and the state the policies name) through `peers`: a round's end.
+    pub(crate) fn sync_parameters<M: Module>(
+        &mut self,
+        model: &mut M,
+        layout: &ParamLayout,
+        peers: &mut Peers<'_>,
+        step: u64,
+    ) -> Result<SyncReport, OptimError> {
+        match self {
+            Replica::Host(h) => h.sync_parameters(model, layout, peers, step),
+            Replica::Device(d) => d.sync_parameters(model, layout, peers, step),
+        }
     }
 
     /// `model` with the flat parameters written into it.
@@ -384,9 +398,12 @@ impl DeviceReplica {
         let t = Instant::now();
         let elements: usize = tensors.iter().map(|x| x.dims()[0]).sum();
         let k = peers.comm.world_size();
-        match &self.group {
+        let level = peers.level;
+        match self.group.as_ref().filter(|_| level == Level::Global) {
             // Nothing to average with: no transfer.
-            None if k == 1 => Ok((tensors, SyncReport { mode, elements, calls: 0, bytes_sent: 0, seconds: 0.0 })),
+            None if k == 1 => {
+                Ok((tensors, SyncReport { mode, level, elements, calls: 0, bytes_sent: 0, seconds: 0.0 }))
+            }
             Some(group) => {
                 let calls = tensors.len() as u64;
                 let (out, fused) = group.average(tensors)?;

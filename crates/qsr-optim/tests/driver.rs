@@ -8,7 +8,7 @@ use burn::optim::{GradientsParams, SgdConfig};
 use burn::tensor::{Device, Tensor, TensorData};
 use qsr_comm::InProcessGroup;
 use qsr_optim::{
-    BnPolicy, DeviceGroup, DeviceOptimizer, DriverConfig, Optimizer, OptimizerConfig, OuterConfig, ParamLayout,
+    BnPolicy, DeviceGroup, DeviceOptimizer, DriverConfig, Level, Optimizer, OptimizerConfig, OuterConfig, ParamLayout,
     ParamRole, Residency, StatePolicy, StepReport, Wire, Worker,
 };
 use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncMode, SyncRule};
@@ -151,12 +151,14 @@ fn run_mlp_outer(
     // Device residency averages through a device group unless the test asks for the host collective.
     let groups = DeviceGroup::new(k);
     let use_group = config.residency == Residency::Device && !HOST_STAGED.with(|h| h.get());
+    let nodes = node_comms(k, plan);
     let results: Vec<_> = thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
             .zip(groups)
+            .zip(nodes)
             .enumerate()
-            .map(|(rank, (comm, group))| {
+            .map(|(rank, ((comm, group), node))| {
                 let (model, task, device, optim, config) =
                     (model.clone(), &task, device.clone(), optim.clone(), config.clone());
                 s.spawn(move || {
@@ -167,6 +169,9 @@ fn run_mlp_outer(
                     }
                     if let Some(o) = outer {
                         w.set_outer(o).unwrap();
+                    }
+                    if let Some(node) = node {
+                        w.set_local(Box::new(node)).unwrap();
                     }
                     let accum = config.accumulation_steps;
                     let (mut reports, mut after) = (Vec::new(), Vec::new());
@@ -210,6 +215,17 @@ fn run_mlp_outer(
 thread_local! {
     /// Set by a test to run device-resident workers without a device group (the cross-process path).
     static HOST_STAGED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Workers per node of a two-level plan: ranks `0..n` form the first node, and so on.
+    static NODE_SIZE: std::cell::Cell<usize> = const { std::cell::Cell::new(1) };
+}
+
+/// Each rank's handle of its node's group, for a plan with a local level (`None` for a flat one).
+fn node_comms(k: usize, plan: &Plan) -> Vec<Option<qsr_comm::InProcessComm>> {
+    let n = NODE_SIZE.with(|c| c.get());
+    match plan.local() {
+        Some(_) => (0..k / n).flat_map(|_| InProcessGroup::new(n)).map(Some).collect(),
+        None => (0..k).map(|_| None).collect(),
+    }
 }
 
 fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
@@ -748,4 +764,87 @@ fn bf16_syncs_over_a_collective_without_them_are_refused_before_training() {
     };
     let e = e.to_string();
     assert!(e.contains("driver.wire") && e.contains("mpi"), "{e}");
+}
+
+fn two_level(total: u64, global: SyncRule, local: SyncRule) -> Plan {
+    plan(total, global).with_local(local).unwrap()
+}
+
+/// [`run_mlp`] with nodes of `node` workers.
+fn run_nodes(k: usize, node: usize, plan: &Plan, optim: OptimizerConfig) -> Run {
+    NODE_SIZE.with(|c| c.set(node));
+    let run = run_mlp(k, plan, optim, DriverConfig::default(), None);
+    NODE_SIZE.with(|c| c.set(1));
+    run
+}
+
+fn same_params(a: &Run, b: &Run) -> bool {
+    a.params.iter().zip(&b.params).all(|(x, y)| bit_identical(x, y))
+}
+
+#[test]
+fn local_every_step_under_a_data_parallel_global_rule_equals_data_parallel() {
+    let momentum = OptimizerConfig::sgd(0.9, 1e-4);
+    let two = run_nodes(4, 2, &two_level(24, SyncRule::Dp, SyncRule::Constant { h: 1 }), momentum.clone());
+    let dp = run_mlp(4, &plan(24, SyncRule::Dp), momentum, DriverConfig::default(), None);
+    assert!(same_params(&two, &dp));
+    assert!(two.reports.iter().flatten().all(|r| r.sync.is_some_and(|s| s.level == Level::Global)));
+}
+
+#[test]
+fn nodes_of_one_worker_equal_the_flat_global_rule() {
+    let qsr = SyncRule::Qsr { h_base: 2, alpha: 0.15 };
+    let momentum = OptimizerConfig::sgd(0.9, 1e-4);
+    let two = run_nodes(3, 1, &two_level(40, qsr.clone(), SyncRule::Constant { h: 1 }), momentum.clone());
+    let flat = run_mlp(3, &plan(40, qsr), momentum, DriverConfig::default(), None);
+    assert!(two.reports[0].iter().any(|r| r.sync.is_some_and(|s| s.level == Level::Local)));
+    assert!(same_params(&two, &flat));
+}
+
+#[test]
+fn one_node_equals_the_flat_rule_that_syncs_at_both_levels() {
+    let momentum = OptimizerConfig::sgd(0.9, 1e-4);
+    let p = two_level(32, SyncRule::Constant { h: 8 }, SyncRule::Constant { h: 2 });
+    let two = run_nodes(4, 4, &p, momentum.clone());
+    let flat = run_mlp(4, &plan(32, SyncRule::Constant { h: 2 }), momentum, DriverConfig::default(), None);
+    assert!(same_params(&two, &flat));
+}
+
+#[test]
+fn local_averages_join_a_node_and_count_apart_from_the_global_ones() {
+    let p = two_level(36, SyncRule::Constant { h: 6 }, SyncRule::Constant { h: 2 });
+    let run = run_nodes(4, 2, &p, OptimizerConfig::sgd(0.9, 0.0));
+    let levels: Vec<Option<Level>> = run.reports[0].iter().map(|r| r.sync.map(|s| s.level)).collect();
+    let (local, global) = (Some(Level::Local), Some(Level::Global));
+    assert_eq!(&levels[..6], &[None, local, None, local, None, global]);
+    for (i, level) in levels.iter().filter(|l| l.is_some()).enumerate() {
+        let after = |rank: usize| &run.after_sync[rank][i];
+        // A node agrees after its local average; the two nodes agree only after a global one.
+        assert!(bit_identical(after(0), after(1)) && bit_identical(after(2), after(3)), "sync {i}");
+        assert_eq!(bit_identical(after(0), after(2)), *level == global, "sync {i} ({level:?})");
+    }
+    // A broadcast, then one call per global sync and none for the local ones.
+    assert_eq!(run.calls[0], 1 + 6);
+}
+
+#[test]
+fn a_two_level_plan_without_a_node_and_a_node_without_one_are_refused() {
+    let device = device();
+    let model = init(Mlp::new(&device));
+    let comm = || Box::new(InProcessGroup::new(1).remove(0));
+    let flat = plan(10, SyncRule::Constant { h: 2 });
+    let mut w = Worker::new(model.clone(), sgd(), comm(), flat.cursor(), DriverConfig::default()).unwrap();
+    let e = w.set_local(comm()).unwrap_err().to_string();
+    assert!(e.contains("sync.local") && e.contains("no local level"), "{e}");
+    let p = two_level(10, SyncRule::Constant { h: 4 }, SyncRule::Constant { h: 2 });
+    let mut w = Worker::new(model, sgd(), comm(), p.cursor(), DriverConfig::default()).unwrap();
+    let task = Task::new();
+    let e = w
+        .step(|m: &Mlp, _| {
+            let (x, y) = task.batch(0, BATCH, &device);
+            Ok(mse(m.forward(x), y))
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("Worker::set_local"), "{e}");
 }
