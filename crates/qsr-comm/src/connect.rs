@@ -99,6 +99,71 @@ pub fn over_ring(
     Ok(Box::new(crate::hier::join(&mut boot, &groups, local)?))
 }
 
+/// Splits a launch's ring into sub-communicators, as `MPI_Comm_split`: the ranks that pass the same
+/// `color` form one group, ranked by `key` (ties by their rank in `ring`), over the same transports
+/// as [`over_ring`] chooses for a launch (shared memory among the members on one host, a ring of their
+/// own between hosts, both for a group spread over hosts with several members on some). Every rank
+/// of `ring` must call it; the ring stays usable. Errors of the new group name its own ranks.
+///
+/// A two-level job splits by node ([`split_by_host`], or `color = rank / workers_per_node`) and keeps
+/// the ring for the global level:
+///
+/// ```no_run
+/// # fn main() -> Result<(), qsr_comm::CommError> {
+/// use qsr_comm::{ShmConfig, TcpComm, TcpConfig, Transport};
+///
+/// let env = qsr_comm::detect_from_process_env(&Default::default())?;
+/// let mut ring = TcpComm::from_launch(&env, TcpConfig::default())?;
+/// let host = qsr_comm::host_id(&|k| std::env::var(k).ok(), &ShmConfig::default());
+/// let node = qsr_comm::split_by_host(&mut ring, Transport::Auto, &host, ShmConfig::default())?;
+/// let world = qsr_comm::over_ring(ring, Transport::Auto, &host, ShmConfig::default())?;
+/// # let _ = (node, world);
+/// # Ok(())
+/// # }
+/// ```
+pub fn split(
+    ring: &mut TcpComm,
+    color: u32,
+    key: u32,
+    transport: Transport,
+    host: &str,
+    shm_cfg: ShmConfig,
+) -> Result<Box<dyn Collective>, CommError> {
+    let cfg = ring.config().clone();
+    let (listener, port) = crate::tcp::ring_listener(&cfg)?;
+    let mine = [&color.to_le_bytes()[..], &key.to_le_bytes(), &port.to_le_bytes()].concat();
+    let all = all_gather_bytes(ring, &mine)?;
+    let field = |b: &[u8], at: usize| b.get(at..at + 4).map(|x| u32::from_le_bytes([x[0], x[1], x[2], x[3]]));
+    let mut members = Vec::new();
+    for (r, b) in all.iter().enumerate() {
+        let (Some(c), Some(k), Some(p)) = (field(b, 0), field(b, 4), b.get(8..10)) else {
+            return Err(CommError::InvalidArgument(format!("rank {r} sent a malformed split request")));
+        };
+        if c == color {
+            members.push((k, r, u16::from_le_bytes([p[0], p[1]])));
+        }
+    }
+    members.sort_unstable();
+    let me = members.iter().position(|&(_, r, _)| r == ring.rank()).expect("this rank passed its own color");
+    let table = members.iter().map(|&(_, r, p)| (ring.hosts()[r].clone(), p)).collect();
+    let sub = TcpComm::from_table(me, members.len(), cfg, &listener, table)?;
+    over_ring(sub, transport, host, shm_cfg)
+}
+
+/// [`split`] into one group per host (the ranks that report the same [`host_id`]), as
+/// `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`: each rank's node, numbered by its first rank.
+pub fn split_by_host(
+    ring: &mut TcpComm,
+    transport: Transport,
+    host: &str,
+    shm_cfg: ShmConfig,
+) -> Result<Box<dyn Collective>, CommError> {
+    let hosts = all_gather_bytes(ring, host.as_bytes())?;
+    let me = ring.rank();
+    let color = by_host(&hosts).iter().position(|g| g.contains(&me)).expect("every rank is in a host group");
+    split(ring, color as u32, me as u32, transport, host, shm_cfg)
+}
+
 /// Every rank's `mine`, in rank order (one broadcast per rank: for setup, not for data).
 pub(crate) fn all_gather_bytes(comm: &mut dyn Collective, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
     (0..comm.world_size())

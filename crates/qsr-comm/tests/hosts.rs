@@ -64,3 +64,49 @@ fn oversized_byte_broadcast_is_refused_on_every_rank_of_every_host() {
         assert!(e.contains("more than the bound"), "rank {r}: {e}");
     }
 }
+
+/// Rank `r` of 4 splits by parity with key `3 - r` on the named hosts: each returns its group's
+/// backend, rank and size, the group sum of `r + 1`, and the sum over the ring afterwards.
+fn split_by_parity(host: fn(usize) -> String) -> Vec<(&'static str, usize, usize, f32, f32)> {
+    common::on_threads(common::tcp_group(4, common::test_config()), move |mut ring| {
+        let r = ring.rank();
+        let shm = ShmConfig { slot_bytes: 64 << 10, ..ShmConfig::default() };
+        let mut sub =
+            qsr_comm::split(&mut ring, (r % 2) as u32, (3 - r) as u32, Transport::Auto, &host(r), shm).expect("split");
+        let mut b = [r as f32 + 1.0];
+        sub.all_reduce(&mut b, ReduceOp::Sum).unwrap();
+        let mut all = [r as f32 + 1.0];
+        ring.all_reduce(&mut all, ReduceOp::Sum).unwrap();
+        (sub.backend(), sub.rank(), sub.world_size(), b[0], all[0])
+    })
+}
+
+#[test]
+fn split_groups_ranks_by_color_orders_them_by_key_and_keeps_the_ring() {
+    for (hosts, backend) in [(parity as fn(usize) -> String, "shm"), (|r| format!("node-{r}"), "tcp")] {
+        let got = split_by_parity(hosts);
+        for (r, &(b, rank, size, sum, all)) in got.iter().enumerate() {
+            // Ranks 0 and 2 (sum 4) and ranks 1 and 3 (sum 6); the higher rank has the lower key.
+            assert_eq!((b, size, sum, all), (backend, 2, if r % 2 == 0 { 4.0 } else { 6.0 }, 10.0), "rank {r}");
+            assert_eq!(rank, usize::from(r < 2), "rank {r}");
+        }
+    }
+}
+
+#[test]
+fn split_by_host_gives_each_node_its_shared_memory_beside_the_global_level() {
+    let got = common::on_threads(common::tcp_group(4, common::test_config()), |mut ring| {
+        let (r, h) = (ring.rank(), parity(ring.rank()));
+        let shm = ShmConfig { slot_bytes: 64 << 10, ..ShmConfig::default() };
+        let mut node = qsr_comm::split_by_host(&mut ring, Transport::Auto, &h, shm.clone()).unwrap();
+        let mut world = qsr_comm::over_ring(ring, Transport::Auto, &h, shm).unwrap();
+        let (mut a, mut b) = ([r as f32], [r as f32]);
+        node.all_reduce(&mut a, ReduceOp::Mean).unwrap();
+        world.all_reduce(&mut b, ReduceOp::Mean).unwrap();
+        (node.backend(), world.backend(), node.rank(), a[0], b[0])
+    });
+    for (r, &(node, world, rank, a, b)) in got.iter().enumerate() {
+        assert_eq!((node, world, rank, b), ("shm", "shm+tcp", r / 2, 1.5), "rank {r}");
+        assert_eq!(a, if r % 2 == 0 { 1.0 } else { 2.0 }, "rank {r}");
+    }
+}
