@@ -55,6 +55,15 @@ pub struct Counters {
     pub wall_seconds: f64,
     /// Updates skipped for non-finite gradients.
     pub skipped_updates: u64,
+    /// Local averages inside the node (two-level runs).
+    #[serde(default)]
+    pub local_syncs: u64,
+    /// Bytes this rank sent for local averages.
+    #[serde(default)]
+    pub local_bytes: u64,
+    /// Seconds spent in local averages.
+    #[serde(default)]
+    pub local_comm_seconds: f64,
 }
 
 impl Counters {
@@ -66,6 +75,9 @@ impl Counters {
             comm_seconds: self.comm_seconds + later.comm_seconds,
             wall_seconds: self.wall_seconds + later.wall_seconds,
             skipped_updates: self.skipped_updates + later.skipped_updates,
+            local_syncs: self.local_syncs + later.local_syncs,
+            local_bytes: self.local_bytes + later.local_bytes,
+            local_comm_seconds: self.local_comm_seconds + later.local_comm_seconds,
         }
     }
 }

@@ -179,7 +179,7 @@ pub fn run(args: &CompareArgs) -> Result<Vec<Row>> {
         .rules
         .split(',')
         .filter(|s| !s.trim().is_empty())
-        .map(|s| RuleSpec::parse(s, &base.sync))
+        .map(|s| RuleSpec::parse(s, &base.sync.rule))
         .collect::<Result<_>>()?;
     let cmp = Compare { args, dev: device(&args.device)?, base, out };
     let rows = rules.iter().map(|r| cmp.rule_row(r)).collect::<Result<Vec<_>>>()?;
@@ -242,7 +242,7 @@ impl Compare<'_> {
     ) -> Result<(Summary, PathBuf)> {
         let base = &self.base;
         let mut recipe = base.clone();
-        recipe.sync = rule.clone();
+        recipe.sync.rule = rule.clone();
         recipe.outer = outer;
         recipe.seed = seed;
         recipe.name = format!("{}-{label}-seed{seed}", base.name);

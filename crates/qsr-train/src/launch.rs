@@ -13,7 +13,7 @@ use crate::checkpoint;
 use crate::device::DeviceSpec;
 use crate::procs;
 use crate::run_lock::RunLock;
-use crate::train::{Outcome, RunSpec, Summary, build_model, preflight, root_cause, run_worker};
+use crate::train::{Comms, Outcome, RunSpec, Summary, build_model, preflight, root_cause, run_worker};
 use crate::train_recipe::TrainRecipe;
 
 /// The collective of an external or `--nproc` launch (`--comm`).
@@ -261,18 +261,21 @@ pub fn simulated(spec: &RunSpec) -> Result<Vec<Outcome>> {
     let comms = InProcessGroup::new(k);
     // Used by device-resident workers (GPU): their syncs average on the device.
     let groups = DeviceGroup::new(k);
+    let nodes = simulated_nodes(&spec.recipe);
     let results: Vec<Result<Outcome>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
             .zip(groups)
-            .map(|(comm, group)| {
+            .zip(nodes)
+            .map(|((comm, group), node)| {
                 // Each replica gets its own BatchNorm state (a plain clone would share it).
                 let replica = model.replica();
                 let spec = spec.clone();
                 s.spawn(move || {
                     let progress = spec.progress && comm.rank() == 0;
                     let spec = RunSpec { progress, ..spec };
-                    run_worker(&spec, Box::new(comm), replica, Some(group))
+                    let comms = Comms { world: Box::new(comm), node };
+                    run_worker(&spec, comms, replica, Some(group))
                 })
             })
             .collect();
@@ -291,6 +294,40 @@ pub fn simulated(spec: &RunSpec) -> Result<Vec<Outcome>> {
         return Err(e.context(format!("worker {rank} failed")));
     }
     Ok(outcomes)
+}
+
+/// Each simulated worker's node group, in rank order, for a two-level recipe: nodes of
+/// `sync.local.workers_per_node` consecutive ranks, or one node (all simulated workers share a host).
+fn simulated_nodes(recipe: &TrainRecipe) -> Vec<Option<Box<dyn Collective>>> {
+    let k = recipe.train.workers;
+    match &recipe.sync.local {
+        Some(l) => {
+            let n = l.workers_per_node.unwrap_or(k);
+            (0..k / n).flat_map(|_| InProcessGroup::new(n)).map(|c| Some(Box::new(c) as Box<dyn Collective>)).collect()
+        }
+        None => (0..k).map(|_| None).collect(),
+    }
+}
+
+/// A launch's collectives over our transports (`connect`), with the node's group of a two-level
+/// recipe split from the same ring: by `sync.local.workers_per_node`, or by host.
+fn connect_levels(env: &qsr_comm::LaunchEnv, recipe: &TrainRecipe) -> Result<Comms> {
+    let var = |k: &str| std::env::var(k).ok();
+    let (cfg, transport) = (TcpConfig::from_env(&var)?, qsr_comm::Transport::from_env(&var)?);
+    let Some(local) = &recipe.sync.local else {
+        return Ok(Comms::flat(qsr_comm::connect(env, cfg, transport)?));
+    };
+    let shm = qsr_comm::ShmConfig { timeout: cfg.timeout, ..qsr_comm::ShmConfig::default() };
+    let host = qsr_comm::host_id(&var, &shm);
+    let mut ring = TcpComm::from_launch(env, cfg)?;
+    let rank = ring.rank();
+    let node = match local.workers_per_node {
+        Some(n) => qsr_comm::split(&mut ring, (rank / n) as u32, rank as u32, transport, &host, shm.clone()),
+        None => qsr_comm::split_by_host(&mut ring, transport, &host, shm.clone()),
+    }
+    .context("forming the node groups of [sync.local]")?;
+    let world = qsr_comm::over_ring(ring, transport, &host, shm)?;
+    Ok(Comms { world, node: Some(node) })
 }
 
 /// The command line of each `--nproc` worker: the run's saved (resolved) recipe, so that every
@@ -346,33 +383,37 @@ fn external(
         let cfg = TcpConfig::from_env(&|k| std::env::var(k).ok())?;
         Ok((TcpComm::from_launch(&env, cfg)?, env.local_rank))
     };
-    let (comm, local_rank): (Box<dyn Collective>, usize) = match kind {
+    if recipe.sync.local.is_some() && kind != CommKind::Tcp {
+        bail!(
+            "[sync.local] splits the job into nodes over our collectives: use --comm tcp, not --comm {}",
+            kind.name()
+        );
+    }
+    let (comms, local_rank) = match kind {
         CommKind::Tcp => {
             let env = qsr_comm::detect_from_process_env(&explicit)?;
-            let var = |k: &str| std::env::var(k).ok();
-            let transport = qsr_comm::Transport::from_env(&var)?;
-            (qsr_comm::connect(&env, TcpConfig::from_env(&var)?, transport)?, env.local_rank)
+            (connect_levels(&env, &recipe)?, env.local_rank)
         }
         CommKind::Mpi => {
             // The launcher's local rank (OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID) picks the GPU.
             let local = qsr_comm::detect_from_process_env(&explicit).map_or(0, |e| e.local_rank);
-            (mpi_comm()?, local)
+            (Comms::flat(mpi_comm()?), local)
         }
         CommKind::Nccl => {
             let (mut bootstrap, local) = tcp()?;
             let ordinal = spec.ordinal(local).unwrap_or(local);
-            (nccl_comm(&mut bootstrap, ordinal)?, local)
+            (Comms::flat(nccl_comm(&mut bootstrap, ordinal)?), local)
         }
     };
-    let (rank, world) = (comm.rank(), comm.world_size());
+    let (rank, world) = (comms.world.rank(), comms.world.world_size());
     recipe.train.workers = world;
-    let member = Member { comm, local_rank, spec, recipe, run_dir, resume };
+    let member = Member { comms, local_rank, spec, recipe, run_dir, resume };
     member.train(args).with_context(|| format!("rank {rank} of {world}"))
 }
 
 /// This process's part of an external launch, once its collective is up.
 struct Member {
-    comm: Box<dyn Collective>,
+    comms: Comms,
     local_rank: usize,
     spec: DeviceSpec,
     recipe: TrainRecipe,
@@ -382,7 +423,7 @@ struct Member {
 
 impl Member {
     fn train(mut self, args: &TrainArgs) -> Result<Option<Summary>> {
-        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let (rank, world) = (self.comms.world.rank(), self.comms.world.world_size());
         let device = self.spec.open(self.local_rank)?;
         check_world(&self.resume, world)?;
         // Rank 0 owns the run directory (a `--nproc` launcher holds the lock for its workers).
@@ -396,7 +437,7 @@ impl Member {
             (_, Some(e)) => return Err(e),
             _ => {}
         }
-        agree(self.comm.as_mut(), &facts)?;
+        agree(self.comms.world.as_mut(), &facts)?;
         if owner {
             prepare_run_dir(&self.run_dir, &self.recipe)?;
         }
@@ -410,7 +451,7 @@ impl Member {
             progress,
             halt_after: args.halt_after,
         };
-        let outcome = run_worker(&spec, self.comm, model, None)?;
+        let outcome = run_worker(&spec, self.comms, model, None)?;
         Ok(if args.spawned { None } else { outcome.summary })
     }
 }

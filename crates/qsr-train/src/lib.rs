@@ -41,14 +41,15 @@ pub use launch::{
 };
 pub use plan_cmd::{Format, PlanArgs, PlanReport, run as run_plan, write_csv};
 pub use plot::{PALETTE, RunSeries, plan_png, runs_png};
-pub use recipe::{PlanOverrides, PlanRecipe, load_plan, plan_from_table, read_table};
+pub use recipe::{LocalSync, PlanOverrides, PlanRecipe, SyncSection, load_plan, plan_from_table, read_table};
 pub use run_lock::{LOCK_FILE, RunLock};
 pub use simulate::{
     Network, Prediction, Report, Row as SimulateRow, SimulateArgs, SyncPayload, parse_bandwidth, parse_duration,
     predict, recipe_payload, render, run as run_simulate, simulate, step_seconds_from_wall,
 };
 pub use train::{
-    Outcome, Record, RunSpec, Summary, TrainModel, build_model, input_spec, preflight, root_cause, run_worker,
+    Comms, LocalLevel, Outcome, Record, RunSpec, Summary, TrainModel, build_model, input_spec, preflight, root_cause,
+    run_worker,
 };
 pub use train_recipe::{
     CheckpointConfig, DataConfig, EvalConfig, MAX_PREFETCH, TrainConfig, TrainRecipe, apply_sets, open_corpus,

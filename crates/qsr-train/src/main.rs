@@ -45,8 +45,9 @@ fn main() -> ExitCode {
                     ),
                     None => format!("test accuracy {:.2}%", 100.0 * s.final_test_accuracy),
                 };
+                let local = s.local.as_ref().map_or(String::new(), |l| format!(" + {} inside nodes", l.syncs));
                 println!(
-                    "{}: {eval}, {} syncs ({:.1}% of data parallel), {:.1} s, {:.1} steps/s",
+                    "{}: {eval}, {} syncs ({:.1}% of data parallel){local}, {:.1} s, {:.1} steps/s",
                     s.name, s.syncs, s.comm_percent, s.wall_seconds, s.steps_per_second
                 );
             }

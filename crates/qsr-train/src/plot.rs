@@ -702,6 +702,8 @@ mod tests {
             bytes: step * 50_000,
             comm_seconds: 0.0,
             wall_seconds: 0.0,
+            local_syncs: 0,
+            local_bytes: 0,
         }
     }
 

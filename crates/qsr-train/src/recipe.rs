@@ -3,8 +3,50 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
-use qsr_sched::{LrSchedule, Plan, SyncRule};
+use qsr_sched::{ConfigError, LrSchedule, Plan, SyncRule};
+use serde::{Deserialize, Serialize};
 use toml::{Table, Value};
+
+/// A recipe's `[sync]` section: the sync rule (`sync.rule` and its settings) and, for a two-level
+/// run, the local level `[sync.local]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SyncSection {
+    /// The global rule: how often every worker averages.
+    #[serde(flatten)]
+    pub rule: SyncRule,
+    /// Averaging inside each node between the global syncs (`[sync.local]`); none by default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local: Option<LocalSync>,
+}
+
+/// `[sync.local]`: the local level of a two-level run (see [`Plan::with_local`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LocalSync {
+    /// The local rule (`sync.local.rule` and its settings, e.g. `rule = "constant"`, `h = 1`); it
+    /// averages parameters, so `dp` is refused.
+    #[serde(flatten)]
+    pub rule: SyncRule,
+    /// Workers per node (`sync.local.workers_per_node`): ranks `0..n` form the first node, `n..2n`
+    /// the next. Default: the ranks of one host form a node (all simulated workers are one host).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workers_per_node: Option<usize>,
+}
+
+impl SyncSection {
+    /// A flat section: `rule` alone.
+    pub fn flat(rule: SyncRule) -> Self {
+        SyncSection { rule, local: None }
+    }
+
+    /// The plan of this section under `schedule` for a run of `run_steps` (default the horizon).
+    pub fn plan(&self, schedule: LrSchedule, run_steps: Option<u64>) -> Result<Plan, ConfigError> {
+        let plan = Plan::from_parts(schedule, self.rule.clone(), run_steps)?;
+        match &self.local {
+            Some(l) => plan.with_local(l.rule.clone()),
+            None => Ok(plan),
+        }
+    }
+}
 
 /// Keys each sync rule accepts, so switching the rule from the command line keeps what still applies.
 fn rule_keys(rule: &str) -> &'static [&'static str] {
@@ -147,7 +189,7 @@ impl PlanOverrides {
             let old = sync.get("rule").and_then(Value::as_str).map(str::to_string);
             if old.as_deref() != Some(rule.as_str()) {
                 let keep = rule_keys(rule);
-                sync.retain(|k, _| keep.contains(&k));
+                sync.retain(|k, _| keep.contains(&k) || k == "local");
                 if rule == "power" && !sync.contains_key("power") && old.as_deref() == Some("qsr") {
                     sync.insert("power".into(), Value::Float(2.0));
                 }
@@ -184,8 +226,8 @@ fn parse_section<T: serde::de::DeserializeOwned>(root: &Table, name: &str, origi
 /// Builds the plan of a recipe table (already overridden).
 pub fn plan_from_table(root: &Table, run_steps: Option<u64>, origin: &str) -> Result<Plan> {
     let schedule: LrSchedule = parse_section(root, "schedule", origin)?;
-    let sync: SyncRule = parse_section(root, "sync", origin)?;
-    Plan::from_parts(schedule, sync, run_steps).map_err(|e| anyhow!("{origin}: {e}"))
+    let sync: SyncSection = parse_section(root, "sync", origin)?;
+    sync.plan(schedule, run_steps).map_err(|e| anyhow!("{origin}: {e}"))
 }
 
 /// Loads a recipe (or none: flags only), applies the overrides and validates.

@@ -574,7 +574,7 @@ fn step_time(args: &SimulateArgs, items: &[Item], sizes: &[(u64, u64)], net: &Ne
 fn step_time_from_dp_hours(hours: f64, items: &[Item], sizes: &[(u64, u64)], net: &Network) -> Result<(f64, String)> {
     let idx = items
         .iter()
-        .position(|i| matches!(i.recipe.sync, qsr_sched::SyncRule::Dp))
+        .position(|i| matches!(i.recipe.sync.rule, qsr_sched::SyncRule::Dp))
         .ok_or_else(|| anyhow!("--dp-hours needs a data-parallel recipe (sync.rule = \"dp\") among --recipe"))?;
     let item = &items[idx];
     let payload = recipe_payload(&item.recipe, sizes[idx].0, sizes[idx].1);

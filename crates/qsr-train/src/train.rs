@@ -11,7 +11,7 @@ use burn::tensor::{Device, Tensor};
 use qsr_comm::Collective;
 use qsr_data::Split;
 use qsr_models::{Gpt, GptConfig, InputSpec, Model};
-use qsr_optim::{DeviceGroup, OptimState, OptimizerKind, StepReport, Worker};
+use qsr_optim::{DeviceGroup, Level, OptimState, OptimizerKind, StepReport, Worker};
 use qsr_sched::{Cursor, Plan};
 use serde::{Deserialize, Serialize};
 
@@ -46,6 +46,33 @@ pub struct Record {
     pub comm_seconds: f64,
     /// Seconds of training so far (across resumes, excluding the time between a stop and its resume).
     pub wall_seconds: f64,
+    /// Local averages inside rank 0's node so far (two-level runs; `syncs` counts the global ones).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub local_syncs: u64,
+    /// Bytes rank 0 sent for local averages so far.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub local_bytes: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// The local level of a two-level run in `summary.json`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct LocalLevel {
+    /// The local rule's name.
+    pub rule: String,
+    /// Workers in rank 0's node.
+    pub node_size: usize,
+    /// Local averages performed (counted across resumes).
+    pub syncs: u64,
+    /// Local averages in the plan.
+    pub planned_syncs: u64,
+    /// Bytes rank 0 sent for local averages over the run.
+    pub bytes_per_rank: u64,
+    /// Seconds rank 0 spent in local averages over the run.
+    pub comm_seconds: f64,
 }
 
 /// `summary.json`.
@@ -70,10 +97,13 @@ pub struct Summary {
     pub final_test_accuracy: f64,
     /// Mean loss of the final evaluation: on the test split, or per token on the validation windows.
     pub final_test_loss: f64,
-    /// Synchronizations performed (counted across resumes).
+    /// Global synchronizations performed (counted across resumes).
     pub syncs: u64,
-    /// Synchronizations in the plan (its rounds).
+    /// Global synchronizations in the plan (its rounds).
     pub planned_syncs: u64,
+    /// The local level of a two-level run (`[sync.local]`), counted apart from the global one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local: Option<LocalLevel>,
     /// The plan's `100 * rounds / steps`: data parallel is 100.
     pub comm_percent: f64,
     /// Bytes rank 0 sent for synchronizations over the run.
@@ -324,40 +354,54 @@ impl Pace {
 /// This is the training loop: the same code for every worker, whatever carries its collective (threads in one
 /// process, local processes over the TCP ring, MPI, an externally launched job), and for every task (images:
 /// test accuracy; text: validation loss of next-token prediction).
-pub fn run_worker(
-    spec: &RunSpec,
-    comm: Box<dyn Collective>,
-    model: TrainModel,
-    group: Option<DeviceGroup>,
-) -> Result<Outcome> {
-    let (rank, k) = (comm.rank(), comm.world_size());
+pub fn run_worker(spec: &RunSpec, comms: Comms, model: TrainModel, group: Option<DeviceGroup>) -> Result<Outcome> {
+    let (rank, k) = (comms.world.rank(), comms.world.world_size());
     let recipe = &spec.recipe;
     match model {
         TrainModel::Image(m) => {
             let task = ImageTask::new(recipe, &m, rank, k, &spec.device)?;
-            run(spec, comm, m, group, &task)
+            run(spec, comms, m, group, &task)
         }
         TrainModel::Language(m) => {
             let gpt =
                 recipe.model.as_gpt().ok_or_else(|| anyhow!("a GPT was built for a `model.kind` that is not gpt"))?;
             let task = TextTask::new(recipe, gpt, rank, k, &spec.device)?;
-            run(spec, comm, m, group, &task)
+            run(spec, comms, m, group, &task)
         }
+    }
+}
+
+/// A worker's collectives: every worker's, and for a two-level run (`[sync.local]`) its node's.
+pub struct Comms {
+    /// All workers: global syncs, the initial broadcast, evaluation and checkpoint barriers.
+    pub world: Box<dyn Collective>,
+    /// The worker's node, for the local averages of a two-level run.
+    pub node: Option<Box<dyn Collective>>,
+}
+
+impl Comms {
+    /// The collective of a flat run.
+    pub fn flat(world: Box<dyn Collective>) -> Self {
+        Comms { world, node: None }
     }
 }
 
 /// [`run_worker`] for one task.
 fn run<T: Task>(
     spec: &RunSpec,
-    comm: Box<dyn Collective>,
+    comms: Comms,
     model: T::Module,
     group: Option<DeviceGroup>,
     task: &T,
 ) -> Result<Outcome> {
     let recipe = &spec.recipe;
-    let rank = comm.rank();
+    let rank = comms.world.rank();
     let pace = Pace { plan: recipe.plan()?, spe: task.steps_per_epoch() };
-    let mut worker = Worker::new(model, recipe.optimizer.clone(), comm, pace.plan.cursor(), recipe.driver_config())?;
+    let (cursor, driver) = (pace.plan.cursor(), recipe.driver_config());
+    let mut worker = Worker::new(model, recipe.optimizer.clone(), comms.world, cursor, driver)?;
+    if let Some(node) = comms.node {
+        worker.set_local(node)?;
+    }
     if let Some(g) = group
         && worker.is_device_resident()
     {
@@ -375,7 +419,8 @@ fn run<T: Task>(
     while !worker.cursor().is_done() {
         let report = task.train_step(&mut worker, &mut stream)?;
         segment.stepped(&worker, &report, &pace);
-        if report.sync.is_some() && segment.synced(spec, &pace, task, &mut worker, &report)? == AfterSync::Halt {
+        let global = report.sync.is_some_and(|s| s.level == Level::Global);
+        if global && segment.synced(spec, &pace, task, &mut worker, &report)? == AfterSync::Halt {
             finished = false;
             break;
         }
@@ -549,7 +594,7 @@ impl Segment {
         let steps_run = end - self.first_step;
         let s = Summary {
             name: recipe.name.clone(),
-            rule: recipe.sync.name().to_string(),
+            rule: recipe.sync.rule.name().to_string(),
             seed: recipe.seed,
             world_size: worker.world_size(),
             steps: end,
@@ -559,6 +604,14 @@ impl Segment {
             final_test_loss: ev.loss,
             syncs: c.syncs,
             planned_syncs: planned.rounds,
+            local: recipe.sync.local.as_ref().zip(planned.local).map(|(l, p)| LocalLevel {
+                rule: l.rule.name().to_string(),
+                node_size: worker.local_comm().map_or(1, |c| c.world_size()),
+                syncs: c.local_syncs,
+                planned_syncs: p.rounds,
+                bytes_per_rank: c.local_bytes,
+                comm_seconds: c.local_comm_seconds,
+            }),
             comm_percent: planned.comm_percent,
             bytes_per_rank: c.bytes,
             comm_seconds: c.comm_seconds,
@@ -587,6 +640,8 @@ fn record(kind: &str, report: &StepReport, pace: &Pace, loss: f64, accuracy: Opt
         bytes: c.bytes,
         comm_seconds: c.comm_seconds,
         wall_seconds: c.wall_seconds,
+        local_syncs: c.local_syncs,
+        local_bytes: c.local_bytes,
     }
 }
 
@@ -616,6 +671,9 @@ fn counters(base: &Counters, st: &qsr_optim::DriverStats, t0: Instant) -> Counte
         comm_seconds: st.comm.seconds,
         wall_seconds: t0.elapsed().as_secs_f64(),
         skipped_updates: st.skipped_updates,
+        local_syncs: st.local.syncs,
+        local_bytes: st.local.comm.bytes_sent,
+        local_comm_seconds: st.local.comm.seconds,
     })
 }
 

@@ -6,7 +6,9 @@ use anyhow::{Context, Result, anyhow, bail};
 use qsr_data::Split;
 use qsr_models::ModelConfig;
 use qsr_optim::{DriverConfig, OptimizerConfig, OuterConfig};
-use qsr_sched::{LrSchedule, Plan, SyncRule};
+use qsr_sched::{LrSchedule, Plan};
+
+use crate::recipe::SyncSection;
 use serde::{Deserialize, Serialize};
 use toml::{Table, Value};
 
@@ -142,8 +144,9 @@ pub struct TrainRecipe {
     pub optimizer: OptimizerConfig,
     /// The learning-rate schedule (`[schedule]`); required.
     pub schedule: LrSchedule,
-    /// The synchronization rule (`[sync]`, selected by `sync.rule`); required.
-    pub sync: SyncRule,
+    /// The synchronization rule (`[sync]`, selected by `sync.rule`), and the local level of a
+    /// two-level run (`[sync.local]`); required.
+    pub sync: SyncSection,
     /// Round-driver options (`[driver]`); default [`DriverConfig::default`].
     #[serde(default)]
     pub driver: DriverConfig,
@@ -285,12 +288,17 @@ impl TrainRecipe {
                 self.data.prefetch
             );
         }
+        if let Some(n) = self.sync.local.as_ref().and_then(|l| l.workers_per_node)
+            && (n == 0 || !t.workers.is_multiple_of(n))
+        {
+            bail!("invalid `sync.local.workers_per_node`: {n} must divide train.workers ({})", t.workers);
+        }
         if let Some(outer) = &self.outer {
             outer.validate()?;
-            if self.sync.syncs_gradients(u64::MAX) {
+            if self.sync.rule.syncs_gradients(u64::MAX) {
                 bail!(
                     "invalid `outer`: rule `{}` never averages parameters, so an outer optimizer never runs",
-                    self.sync.name()
+                    self.sync.rule.name()
                 );
             }
             if self.driver.residency == qsr_optim::Residency::Device {
@@ -315,7 +323,7 @@ impl TrainRecipe {
 
     /// The round plan: the schedule and rule over `train.steps` (default the horizon).
     pub fn plan(&self) -> Result<Plan> {
-        Plan::from_parts(self.schedule.clone(), self.sync.clone(), self.train.steps).map_err(|e| anyhow!("{e}"))
+        self.sync.plan(self.schedule.clone(), self.train.steps).map_err(|e| anyhow!("{e}"))
     }
 
     /// The driver options with the accumulation the batch sizes imply.
@@ -395,7 +403,7 @@ fn section_error(section: &str, value: &Value) -> Option<String> {
         "train" => check::<TrainConfig>(value),
         "optimizer" => check::<OptimizerConfig>(value),
         "schedule" => check::<LrSchedule>(value),
-        "sync" => check::<SyncRule>(value),
+        "sync" => check::<SyncSection>(value),
         "driver" => check::<DriverConfig>(value),
         "eval" => check::<EvalConfig>(value),
         "checkpoint" => check::<CheckpointConfig>(value),

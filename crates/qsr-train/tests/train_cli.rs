@@ -85,6 +85,36 @@ fn worker_processes_equal_simulated_workers_over_shm_and_tcp() {
     }
 }
 
+/// A two-level run (nodes of 2 workers averaging every step, QSR across the nodes): processes split
+/// into nodes over shared memory equal simulated workers in nodes, bit for bit, with the local
+/// averages counted apart from the global syncs; and the local level changes the run.
+#[test]
+fn two_level_processes_equal_two_level_simulated_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let local = ["sync.local.rule=constant", "sync.local.h=1", "sync.local.workers_per_node=2"];
+    let mut set = vec!["--set", "schedule.total_steps=300", "--quiet"];
+    local.iter().for_each(|l| set.extend(["--set", l]));
+    let (threads, procs, flat) = (dir.path().join("threads"), dir.path().join("procs"), dir.path().join("flat"));
+    ok(&[&["train", "--recipe", RECIPE, "--workers", "4", "--out", threads.to_str().unwrap()][..], &set].concat());
+    ok_over(
+        "shm",
+        &[&["train", "--recipe", RECIPE, "--nproc", "4", "--out", procs.to_str().unwrap()][..], &set].concat(),
+    );
+    let flat_args = ["train", "--recipe", RECIPE, "--workers", "4", "--quiet", "--out", flat.to_str().unwrap()];
+    ok(&[&flat_args[..], &["--set", "schedule.total_steps=300"]].concat());
+    assert_eq!(final_params(&threads), final_params(&procs));
+    assert_ne!(final_params(&threads), final_params(&flat));
+    let (t, p) = (json(&threads.join("summary.json")), json(&procs.join("summary.json")));
+    assert_eq!(t["syncs"], json(&flat.join("summary.json"))["syncs"], "the global level is the flat rule's");
+    for s in [&t, &p] {
+        let l = &s["local"];
+        assert_eq!((l["rule"].as_str(), l["node_size"].as_u64()), (Some("constant"), Some(2)), "{s}");
+        assert_eq!(l["syncs"], l["planned_syncs"]);
+        assert_eq!(l["syncs"].as_u64().unwrap() + s["syncs"].as_u64().unwrap(), 300);
+        assert!(l["bytes_per_rank"].as_u64().unwrap() > 0, "{s}");
+    }
+}
+
 #[test]
 fn resume_continues_exactly() {
     resume_continues_exactly_with("host");
