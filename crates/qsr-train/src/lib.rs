@@ -44,8 +44,8 @@ pub use plot::{PALETTE, RunSeries, plan_png, runs_png};
 pub use recipe::{LocalSync, PlanOverrides, PlanRecipe, SyncSection, load_plan, plan_from_table, read_table};
 pub use run_lock::{LOCK_FILE, RunLock};
 pub use simulate::{
-    Network, Prediction, Report, Row as SimulateRow, SimulateArgs, SyncPayload, parse_bandwidth, parse_duration,
-    predict, recipe_payload, render, run as run_simulate, simulate, step_seconds_from_wall,
+    Cluster, Network, Nodes, Prediction, Report, Row as SimulateRow, SimulateArgs, SyncPayload, parse_bandwidth,
+    parse_duration, predict, recipe_payload, render, run as run_simulate, simulate, step_seconds_from_wall,
 };
 pub use train::{
     Comms, LocalLevel, Outcome, Record, RunSpec, Summary, TrainModel, build_model, input_spec, preflight, root_cause,

@@ -46,6 +46,10 @@ pub struct PlanArgs {
     /// Bytes per parameter on the wire.
     #[arg(long, default_value_t = 4)]
     pub bytes_per_param: u64,
+    /// Workers per node for the byte count of a two-level plan's local averages (default: the
+    /// world size, one node).
+    #[arg(long)]
+    pub node_size: Option<u64>,
 }
 
 /// The JSON record of one plan.
@@ -65,6 +69,13 @@ pub struct PlanReport {
     /// Bytes each rank sends (per sync, over the run, and for data parallel); only with `--params`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub volume: Option<qsr_sched::CommVolume>,
+    /// The local level of a two-level plan: its rule with its parameters.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub local_sync: Option<qsr_sched::SyncRule>,
+    /// Bytes each rank sends for the local averages inside its node of `--node-size` workers; only
+    /// with `--params` and a local level.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub local_volume: Option<qsr_sched::CommVolume>,
 }
 
 /// Runs `qsr plan`: loads each recipe with the overrides, writes the plans to `out` in the chosen format,
@@ -79,6 +90,9 @@ pub fn run(args: &PlanArgs, out: &mut dyn Write) -> Result<()> {
     };
     if args.params.is_some() && args.world_size == 0 {
         bail!("--world-size must be at least 1");
+    }
+    if args.node_size.is_some_and(|n| n == 0 || n > args.world_size) {
+        bail!("--node-size must be in 1..=--world-size ({})", args.world_size);
     }
     let reports: Vec<PlanReport> = recipes.iter().map(|r| report(r, args)).collect();
     match args.format {
@@ -106,6 +120,12 @@ pub fn run(args: &PlanArgs, out: &mut dyn Write) -> Result<()> {
 fn report(r: &PlanRecipe, args: &PlanArgs) -> PlanReport {
     let summary = r.plan.summary();
     let volume = args.params.map(|n| summary.volume(n, args.bytes_per_param, args.world_size));
+    let node = args.node_size.unwrap_or(args.world_size);
+    let local_volume = summary
+        .local
+        .as_ref()
+        .zip(args.params)
+        .map(|(l, n)| l.volume(summary.run_steps, n, args.bytes_per_param, node));
     PlanReport {
         name: r.name.clone(),
         rule: r.plan.sync().name().to_string(),
@@ -113,6 +133,8 @@ fn report(r: &PlanRecipe, args: &PlanArgs) -> PlanReport {
         schedule: r.plan.schedule().clone(),
         summary,
         volume,
+        local_sync: r.plan.local().cloned(),
+        local_volume,
     }
 }
 
@@ -176,6 +198,18 @@ fn human(r: &PlanRecipe, rep: &PlanReport) -> String {
             bytes(v.data_parallel_bytes_per_rank)
         );
     }
+    if let (Some(rule), Some(l)) = (p.local(), &s.local) {
+        let _ = writeln!(o, "local       {} inside each node", rule.describe());
+        let _ = writeln!(o, "            {} averages = {:.1}% of steps, max H {}", l.rounds, l.comm_percent, l.max_h);
+    }
+    if let Some(v) = &rep.local_volume {
+        let _ = writeln!(
+            o,
+            "            {} per rank inside its node ({} per average)",
+            bytes(v.bytes_per_rank),
+            bytes(v.bytes_per_sync)
+        );
+    }
     // The shape of H over training, in tenths of the run.
     let _ = writeln!(o, "\n  steps              lr at start   rounds   H (min..max)");
     let end = s.run_steps;
@@ -206,21 +240,22 @@ fn table(reports: &[PlanReport]) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "{:<w$}  {:<11} {:>9} {:>9} {:>7} {:>7} {:>12}",
-        "recipe", "rule", "steps", "rounds", "comm%", "max H", "first grow"
+        "{:<w$}  {:<11} {:>9} {:>9} {:>7} {:>7} {:>12} {:>9}",
+        "recipe", "rule", "steps", "rounds", "comm%", "max H", "first grow", "local"
     );
     for r in reports {
         let s = &r.summary;
         let _ = writeln!(
             o,
-            "{:<w$}  {:<11} {:>9} {:>9} {:>7.1} {:>7} {:>12}",
+            "{:<w$}  {:<11} {:>9} {:>9} {:>7.1} {:>7} {:>12} {:>9}",
             r.name,
             r.rule,
             s.run_steps,
             s.rounds,
             s.comm_percent,
             s.max_h,
-            s.first_h_increase_step.map_or("-".to_string(), |t| t.to_string())
+            s.first_h_increase_step.map_or("-".to_string(), |t| t.to_string()),
+            s.local.as_ref().map_or("-".to_string(), |l| l.rounds.to_string())
         );
     }
     o

@@ -46,6 +46,52 @@ impl Network {
     }
 }
 
+/// Where the workers sit: one network between all of them, or nodes of `size` workers on a faster
+/// network of their own, the nodes joined by `inter`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Cluster {
+    /// The network between nodes (between all workers when there are no nodes).
+    pub inter: Network,
+    /// Nodes of several workers, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nodes: Option<Nodes>,
+}
+
+/// Nodes of a [`Cluster`].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Nodes {
+    /// Workers per node.
+    pub size: usize,
+    /// The network inside a node.
+    pub intra: Network,
+}
+
+impl From<Network> for Cluster {
+    fn from(net: Network) -> Self {
+        Cluster { inter: net, nodes: None }
+    }
+}
+
+impl Cluster {
+    /// Seconds of a global sync over `world_size` workers: one ring over `inter`, or with nodes (as
+    /// our collectives do it) a sum inside each node, a ring of one leader per node over `inter`
+    /// and a broadcast inside each node, the two node phases costed as one all-reduce on `intra`.
+    fn global_seconds(&self, payload: &SyncPayload, mode: SyncMode, world_size: usize) -> f64 {
+        match self.nodes {
+            None => payload.seconds(mode, world_size, &self.inter),
+            Some(n) => {
+                let hosts = world_size.div_ceil(n.size.max(1));
+                payload.seconds(mode, n.size.min(world_size), &n.intra) + payload.seconds(mode, hosts, &self.inter)
+            }
+        }
+    }
+
+    /// Seconds of a local average inside a node (on `inter` without nodes: every worker is a node).
+    fn local_seconds(&self, payload: &SyncPayload) -> f64 {
+        self.nodes.map_or(0.0, |n| payload.seconds(SyncMode::Parameters, n.size, &n.intra))
+    }
+}
+
 /// Parses a rate as `tc` writes it: `1gbit`, `10Gbit/s`, `25gbps` (bits), `100mbit`, `512kbit`, `1e9`
 /// (bits per second); `GB/s`/`MB/s` with a capital `B` are bytes.
 pub fn parse_bandwidth(text: &str) -> Result<f64> {
@@ -165,8 +211,14 @@ pub struct Prediction {
     pub step_seconds: f64,
     /// `steps * step_seconds`.
     pub compute_seconds: f64,
-    /// Modelled seconds of all synchronizations.
+    /// Local averages inside the nodes (two-level plans).
+    #[serde(default)]
+    pub local_syncs: u64,
+    /// Modelled seconds of all synchronizations, local averages included.
     pub comm_seconds: f64,
+    /// Of `comm_seconds`, the local averages'.
+    #[serde(default)]
+    pub local_comm_seconds: f64,
     /// `compute_seconds + comm_seconds` (no overlap).
     pub total_seconds: f64,
     /// Time of each epoch (steps and syncs whose last step falls in it); the last may be partial.
@@ -180,24 +232,27 @@ impl Prediction {
     }
 }
 
-/// Predicts the wall-clock of `plan`: `steps * step_seconds` plus the cost of every round's sync.
+/// Predicts the wall-clock of `plan`: `steps * step_seconds` plus the cost of every round's sync on
+/// `net` (a [`Network`] between all workers, or a [`Cluster`] of nodes), and of every local average
+/// of a two-level plan inside a node.
 pub fn predict(
     name: &str,
     plan: &Plan,
     step_seconds: f64,
     payload: &SyncPayload,
     world_size: usize,
-    net: &Network,
+    net: impl Into<Cluster>,
     steps_per_epoch: Option<u64>,
 ) -> Prediction {
+    let net: Cluster = net.into();
     let steps = plan.end_step();
     let mut syncs = 0;
     let mut gradient_syncs = 0;
     let mut comm = 0.0;
     let spe = steps_per_epoch.filter(|&s| s > 0);
     let mut epochs = vec![0.0; spe.map_or(0, |s| steps.div_ceil(s) as usize)];
-    let grad_cost = payload.seconds(SyncMode::Gradients, world_size, net);
-    let param_cost = payload.seconds(SyncMode::Parameters, world_size, net);
+    let grad_cost = net.global_seconds(payload, SyncMode::Gradients, world_size);
+    let param_cost = net.global_seconds(payload, SyncMode::Parameters, world_size);
     for r in plan.rounds() {
         let c = match r.mode {
             SyncMode::Gradients => {
@@ -220,6 +275,8 @@ pub fn predict(
             epochs[((r.end() - 1) / s) as usize] += c;
         }
     }
+    let (local_syncs, local_comm) = local_averages(plan, &net, payload, spe, &mut epochs);
+    comm += local_comm;
     let compute = steps as f64 * step_seconds;
     Prediction {
         name: name.to_string(),
@@ -232,10 +289,35 @@ pub fn predict(
         comm_percent: 100.0 * syncs as f64 / steps.max(1) as f64,
         step_seconds,
         compute_seconds: compute,
+        local_syncs,
         comm_seconds: comm,
+        local_comm_seconds: local_comm,
         total_seconds: compute + comm,
         epoch_seconds: epochs,
     }
+}
+
+/// The local averages of a two-level plan and their modelled seconds, each added to the epoch of its
+/// step.
+fn local_averages(
+    plan: &Plan,
+    net: &Cluster,
+    payload: &SyncPayload,
+    spe: Option<u64>,
+    epochs: &mut [f64],
+) -> (u64, f64) {
+    if plan.local().is_none() {
+        return (0, 0.0);
+    }
+    let cost = net.local_seconds(payload);
+    let mut n = 0;
+    for s in plan.cursor().filter(|s| s.local_sync_after) {
+        n += 1;
+        if let Some(e) = spe.and_then(|spe| epochs.get_mut((s.step / spe) as usize)) {
+            *e += cost;
+        }
+    }
+    (n, n as f64 * cost)
 }
 
 /// Compute seconds per step implied by a measured wall time of `plan` (normally data parallel): the
@@ -245,9 +327,10 @@ pub fn step_seconds_from_wall(
     wall_seconds: f64,
     payload: &SyncPayload,
     world_size: usize,
-    net: &Network,
+    net: impl Into<Cluster>,
 ) -> Result<f64> {
-    let comm = predict("calibration", plan, 0.0, payload, world_size, net, None).comm_seconds;
+    let net = &net.into();
+    let comm = predict("calibration", plan, 0.0, payload, world_size, *net, None).comm_seconds;
     let steps = plan.end_step() as f64;
     let step = (wall_seconds - comm) / steps;
     if !(step.is_finite() && step > 0.0) {
@@ -315,6 +398,16 @@ pub struct SimulateArgs {
     /// One-way latency between ring neighbours: 0.2ms, 50us ...
     #[arg(long, default_value = "0")]
     pub latency: String,
+    /// Workers per node (default: the recipe's `sync.local.workers_per_node`): `--bandwidth` and
+    /// `--latency` are then the links between nodes, and a global sync sums inside each node first.
+    #[arg(long)]
+    pub node_size: Option<usize>,
+    /// Bandwidth of the links inside a node (default: `--bandwidth`).
+    #[arg(long)]
+    pub intra_bandwidth: Option<String>,
+    /// Latency inside a node (default: `--latency`).
+    #[arg(long)]
+    pub intra_latency: Option<String>,
     /// Measured compute seconds per optimizer step (forward, backward, update), per worker.
     #[arg(long)]
     pub step_seconds: Option<f64>,
@@ -372,8 +465,12 @@ impl Row {
 /// The full report of `qsr simulate`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Report {
-    /// The network the predictions assume (`--bandwidth`, `--latency`).
+    /// The network the predictions assume (`--bandwidth`, `--latency`), between nodes when there
+    /// are nodes.
     pub network: Network,
+    /// The network inside a node (`--intra-bandwidth`, `--intra-latency`), when nodes are given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intra: Option<Network>,
     /// Compute seconds per optimizer step, the same for every row.
     pub step_seconds: f64,
     /// Where `step_seconds` came from, in words (the flag and its arithmetic).
@@ -440,6 +537,11 @@ pub fn simulate(args: &SimulateArgs) -> Result<Report> {
         bail!("give at least one --recipe or --run");
     }
     let net = Network::new(parse_bandwidth(&args.bandwidth)?, parse_duration(&args.latency)?)?;
+    let intra = Network::new(
+        args.intra_bandwidth.as_deref().map_or(Ok(net.bandwidth_bits_per_second), parse_bandwidth)?,
+        args.intra_latency.as_deref().map_or(Ok(net.latency_seconds), parse_duration)?,
+    )?;
+    let wants_nodes = args.intra_bandwidth.is_some() || args.intra_latency.is_some() || args.node_size.is_some();
     let items = load_items(args)?;
     let references = references(args, &items)?;
     let sizes = model_sizes(args, &items)?;
@@ -453,7 +555,18 @@ pub fn simulate(args: &SimulateArgs) -> Result<Report> {
             .steps_per_epoch
             .or_else(|| item.summary.as_ref().map(|s| s.steps_per_epoch as u64))
             .or_else(|| steps_per_epoch(&item.recipe, world));
-        let prediction = predict(&item.recipe.name, &plan, step_seconds, &payload, world, &net, spe);
+        let size = args.node_size.or_else(|| item.recipe.sync.local.as_ref().and_then(|l| l.workers_per_node));
+        let nodes = match size {
+            Some(0) => bail!("--node-size must be at least 1"),
+            Some(size) => Some(Nodes { size, intra }),
+            None if wants_nodes => bail!(
+                "`{}`: the intra-node network needs the node size (--node-size or sync.local.workers_per_node)",
+                item.recipe.name
+            ),
+            None => None,
+        };
+        let cluster = Cluster { inter: net, nodes };
+        let prediction = predict(&item.recipe.name, &plan, step_seconds, &payload, world, cluster, spe);
         let reference_seconds = references.iter().find(|(n, _)| *n == item.recipe.name).map(|(_, s)| *s);
         rows.push(Row {
             prediction,
@@ -463,7 +576,7 @@ pub fn simulate(args: &SimulateArgs) -> Result<Report> {
             reference_seconds,
         });
     }
-    Ok(Report { network: net, step_seconds, step_source, rows })
+    Ok(Report { network: net, intra: wants_nodes.then_some(intra), step_seconds, step_source, rows })
 }
 
 /// The `--recipe` files (with `--set` and `--world-size` applied), then the `--run` directories
@@ -579,8 +692,8 @@ fn step_time_from_dp_hours(hours: f64, items: &[Item], sizes: &[(u64, u64)], net
     let item = &items[idx];
     let payload = recipe_payload(&item.recipe, sizes[idx].0, sizes[idx].1);
     let plan = item.recipe.plan()?;
-    let step = step_seconds_from_wall(&plan, hours * 3600.0, &payload, world_of(item), net)?;
-    let comm = predict("", &plan, 0.0, &payload, world_of(item), net, None).comm_seconds;
+    let step = step_seconds_from_wall(&plan, hours * 3600.0, &payload, world_of(item), *net)?;
+    let comm = predict("", &plan, 0.0, &payload, world_of(item), *net, None).comm_seconds;
     Ok((
         step,
         format!(
@@ -609,10 +722,22 @@ pub fn render(report: &Report) -> String {
         report.step_seconds,
         report.step_source
     );
+    if let Some(intra) = &report.intra {
+        let _ = writeln!(
+            out,
+            "inside a node: {:.3} Gbit/s per link, {:.3} ms latency",
+            intra.bandwidth_bits_per_second / 1e9,
+            intra.latency_seconds * 1e3
+        );
+    }
+    let has_local = report.rows.iter().any(|r| r.prediction.local_syncs > 0);
     let has_meas = report.rows.iter().any(|r| r.measured_seconds.is_some());
     let has_ref = report.rows.iter().any(|r| r.reference_seconds.is_some());
     let mut header =
         vec!["recipe", "rule", "params", "K", "steps", "syncs", "comm %", "compute", "comm", "per epoch", "predicted"];
+    if has_local {
+        header.extend(["local", "local comm"]);
+    }
     if has_meas {
         header.extend(["measured", "pred/meas"]);
     }
@@ -635,6 +760,10 @@ pub fn render(report: &Report) -> String {
             p.mean_epoch_seconds().map_or("-".into(), fmt_time),
             fmt_time(p.total_seconds),
         ];
+        if has_local {
+            l.push(p.local_syncs.to_string());
+            l.push(fmt_time(p.local_comm_seconds));
+        }
         if has_meas {
             l.push(r.measured_seconds.map_or("-".into(), fmt_time));
             l.push(r.measured_seconds.map_or("-".into(), |m| format!("{:.3}", p.total_seconds / m)));

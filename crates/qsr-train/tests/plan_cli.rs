@@ -222,3 +222,33 @@ fn bad_recipe_files_are_refused_naming_the_file_and_key() {
     let err = refused(&["--recipe", &negative]);
     assert!(err.contains("neg.toml"), "{err}");
 }
+
+#[test]
+fn plan_shows_the_local_level_of_a_two_level_recipe_with_its_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = dir.path().join("two.toml");
+    std::fs::write(
+        &recipe,
+        "[schedule]\nkind = \"cosine\"\ntotal_steps = 100\nwarmup_steps = 0\nlr_max = 0.1\nlr_min = 0.0\n\
+         [sync]\nrule = \"constant\"\nh = 10\n[sync.local]\nrule = \"constant\"\nh = 1\nworkers_per_node = 2\n",
+    )
+    .unwrap();
+    let args = ["--recipe", recipe.to_str().unwrap(), "--params", "1000", "--world-size", "4"];
+    let text = |extra: &[&str]| {
+        let out = qsr(&[&["plan"][..], &args, extra].concat());
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let out = text(&["--node-size", "2"]);
+    assert!(out.contains("local       constant (h 1) inside each node"), "{out}");
+    assert!(out.contains("90 averages = 90.0% of steps"), "{out}");
+    // 90 local averages of 1000 f32 in a 2-worker ring: 4000 B each.
+    assert!(out.contains("351.56 KiB per rank inside its node (3.91 KiB per average)"), "{out}");
+    let json = json(&args);
+    assert_eq!(json["rounds"], 10);
+    assert_eq!(json["local"]["rounds"], 90);
+    assert_eq!(json["local_sync"]["rule"], "constant");
+    // The flag keeps the local level when it switches the global rule.
+    let dp = text(&["--sync", "dp"]);
+    assert!(dp.contains("0 averages"), "{dp}");
+}

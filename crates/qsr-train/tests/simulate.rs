@@ -60,7 +60,7 @@ fn constant_h_prediction_hand_computed() {
     // 16 steps of 0.1 s, H = 4 -> 4 syncs of 1000 f32 across K = 4 at 1 Mbit/s, no latency:
     // each 2*3/4 * 32,000 bit / 1e6 = 0.048 s. Total 1.6 + 0.192 = 1.792 s.
     let net = Network::new(1e6, 0.0).unwrap();
-    let p = predict("h4", &plan(SyncRule::Constant { h: 4 }, 16), 0.1, &SyncPayload::params(1000), 4, &net, Some(8));
+    let p = predict("h4", &plan(SyncRule::Constant { h: 4 }, 16), 0.1, &SyncPayload::params(1000), 4, net, Some(8));
     assert_eq!((p.steps, p.syncs, p.gradient_syncs), (16, 4, 0));
     assert!(close(p.compute_seconds, 1.6));
     assert!(close(p.comm_seconds, 0.192));
@@ -72,7 +72,7 @@ fn constant_h_prediction_hand_computed() {
     assert!(close(p.comm_percent, 25.0));
 
     // Data parallel: one gradient all-reduce per step.
-    let d = predict("dp", &plan(SyncRule::Dp, 16), 0.1, &SyncPayload::params(1000), 4, &net, None);
+    let d = predict("dp", &plan(SyncRule::Dp, 16), 0.1, &SyncPayload::params(1000), 4, net, None);
     assert_eq!((d.syncs, d.gradient_syncs), (16, 16));
     assert!(close(d.total_seconds, 1.6 + 16.0 * 0.048));
     assert!(d.epoch_seconds.is_empty());
@@ -83,7 +83,7 @@ fn rounds_crossing_epochs_split_compute_and_charge_the_sync_to_the_last_step() {
     // H = 3 over 8 steps with 4 steps per epoch: rounds [0,3) [3,6) [6,8). Sync cost 1 s (no latency,
     // K = 2, 1 element of 4 bytes at 32 bit/s: 2*1/2 * 32 / 32), steps 0.5 s.
     let net = Network::new(32.0, 0.0).unwrap();
-    let p = predict("h3", &plan(SyncRule::Constant { h: 3 }, 8), 0.5, &SyncPayload::params(1), 2, &net, Some(4));
+    let p = predict("h3", &plan(SyncRule::Constant { h: 3 }, 8), 0.5, &SyncPayload::params(1), 2, net, Some(4));
     assert_eq!(p.syncs, 3);
     // Epoch 0: steps 0..4 (2 s) + the sync after step 2 (1 s); epoch 1: steps 4..8 (2 s) + syncs after 5 and 7.
     assert!(close(p.epoch_seconds[0], 3.0), "{:?}", p.epoch_seconds);
@@ -99,7 +99,7 @@ fn qsr_prediction_follows_the_plan() {
     .unwrap();
     let net = Network::new(25e9, 1e-4).unwrap();
     let payload = SyncPayload::params(86_381_800);
-    let p = predict("qsr", &qsr, 0.5, &payload, 16, &net, Some(312));
+    let p = predict("qsr", &qsr, 0.5, &payload, 16, net, Some(312));
     assert_eq!(p.syncs, 9_711, "the paper's round count");
     let per = net.allreduce_seconds(86_381_800.0 * 4.0, 16, 1);
     assert!(close(p.comm_seconds, 9_711.0 * per));
@@ -113,7 +113,7 @@ fn bucketing_pays_latency_per_call() {
     let net = Network::new(8e3, 0.5).unwrap();
     let payload = SyncPayload { bucket_elements: Some(300), ..SyncPayload::params(1000) };
     // 1000 / 300 -> 4 calls; K = 2: 4 * 2 * 0.5 + 1 * 32,000 / 8,000.
-    let p = predict("b", &plan(SyncRule::Constant { h: 10 }, 10), 0.0, &payload, 2, &net, None);
+    let p = predict("b", &plan(SyncRule::Constant { h: 10 }, 10), 0.0, &payload, 2, net, None);
     assert!(close(p.comm_seconds, 4.0 + 4.0));
 }
 
@@ -122,12 +122,12 @@ fn calibration_from_a_data_parallel_wall_time_round_trips() {
     let dp = plan(SyncRule::Dp, 1000);
     let net = Network::new(1e9, 2e-4).unwrap();
     let payload = SyncPayload::params(10_000_000);
-    let step = step_seconds_from_wall(&dp, 700.0, &payload, 4, &net).unwrap();
+    let step = step_seconds_from_wall(&dp, 700.0, &payload, 4, net).unwrap();
     let per = net.allreduce_seconds(40e6, 4, 1);
     assert!(close(step, (700.0 - 1000.0 * per) / 1000.0));
-    assert!(close(predict("dp", &dp, step, &payload, 4, &net, None).total_seconds, 700.0));
+    assert!(close(predict("dp", &dp, step, &payload, 4, net, None).total_seconds, 700.0));
     // A wall time below the communication alone is refused.
-    let err = step_seconds_from_wall(&dp, 100.0, &payload, 4, &net).unwrap_err();
+    let err = step_seconds_from_wall(&dp, 100.0, &payload, 4, net).unwrap_err();
     assert!(format!("{err}").contains("faster than assumed"), "{err}");
 }
 
@@ -315,4 +315,29 @@ fn refusals_name_the_problem() {
     let e =
         err(&["simulate", "--recipe", recipe, "--bandwidth", "1gbit", "--step-seconds", "1", "--reference", "nope=1"]);
     assert!(e.contains("no recipe named `nope`"), "{e}");
+}
+
+#[test]
+fn two_level_prediction_hand_computed() {
+    use qsr_train::{Cluster, Nodes};
+    // K = 4 in 2 nodes of 2; 1000 f32 = 32 kbit. Inside a node at 32 kbit/s a 2-rank ring moves the
+    // buffer once: 1 s. Between the 2 nodes at 8 kbit/s: 4 s. No latency.
+    let cluster = Cluster {
+        inter: Network::new(8e3, 0.0).unwrap(),
+        nodes: Some(Nodes { size: 2, intra: Network::new(32e3, 0.0).unwrap() }),
+    };
+    let flat = plan(SyncRule::Constant { h: 4 }, 16);
+    let two = flat.clone().with_local(SyncRule::Constant { h: 1 }).unwrap();
+    let payload = SyncPayload::params(1000);
+    // 4 global syncs, each 1 s inside the nodes + 4 s between them; 12 local averages of 1 s.
+    let p = predict("two", &two, 0.1, &payload, 4, cluster, Some(8));
+    assert_eq!((p.syncs, p.local_syncs), (4, 12));
+    assert!(close(p.local_comm_seconds, 12.0) && close(p.comm_seconds, 4.0 * 5.0 + 12.0), "{p:?}");
+    assert!(close(p.total_seconds, 1.6 + 32.0));
+    // Each epoch of 8 steps: 0.8 s compute, 2 global syncs (10 s), 6 local averages (6 s).
+    assert!(p.epoch_seconds.iter().all(|&e| close(e, 16.8)), "{:?}", p.epoch_seconds);
+    // The flat plan on the same cluster pays the global syncs only.
+    let f = predict("flat", &flat, 0.1, &payload, 4, cluster, None);
+    assert_eq!(f.local_syncs, 0);
+    assert!(close(f.comm_seconds, 20.0));
 }
