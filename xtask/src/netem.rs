@@ -33,6 +33,11 @@ pub struct NetemArgs {
     /// K: worker namespaces, one `qsr train` process each.
     #[arg(long, default_value_t = 4)]
     pub workers: usize,
+    /// Workers per simulated node: consecutive namespaces share a `QSR_HOST_ID`, so inside a node
+    /// the ranks talk through shared memory (unshaped) and only the nodes' leaders use the shaped
+    /// links. Default 1: every namespace is a host of its own.
+    #[arg(long, default_value_t = 1)]
+    pub workers_per_node: usize,
     /// Link rates (tc units), comma separated; each gets a full sweep of the rules.
     #[arg(long, value_delimiter = ',', default_value = "1gbit,10gbit")]
     pub rates: Vec<String>,
@@ -53,7 +58,8 @@ pub struct NetemArgs {
     /// Hidden widths of the MLP on digits (the default gives 10,779,658 parameters).
     #[arg(long, value_delimiter = ',', default_value = "4096,2560")]
     pub hidden: Vec<usize>,
-    /// Rules to run: dp, `h<N>` (constant H = N), qsr.
+    /// Rules to run: dp, `h<N>` (constant H = N), qsr; `l<N>+<rule>` adds a local level averaging
+    /// inside each node every N steps (`[sync.local]`), e.g. `l1+qsr`.
     #[arg(long, value_delimiter = ',', default_value = "dp,h4,qsr")]
     pub rules: Vec<String>,
     /// QSR: h_base.
@@ -412,12 +418,7 @@ pub fn recipe_text(args: &NetemArgs, rule: &str) -> Result<String> {
     let steps = spe * args.epochs;
     // Warmup: a tenth of the run, the paper's ViT-B proportion (10,000 of 93,600 steps).
     let warmup = (steps / 10).max(1);
-    let sync = match rule {
-        "dp" => "rule = \"dp\"".to_string(),
-        "qsr" => format!("rule = \"qsr\"\nh_base = {}\nalpha = {}", args.h_base, args.alpha),
-        h if h.starts_with('h') && h[1..].parse::<u64>().is_ok() => format!("rule = \"constant\"\nh = {}", &h[1..]),
-        other => bail!("unknown rule `{other}` (expected dp, h<N>, qsr)"),
-    };
+    let sync = sync_text(args, rule)?;
     let hidden: Vec<String> = args.hidden.iter().map(usize::to_string).collect();
     Ok(format!(
         "# cargo xtask netem: MLP on digits, K = {k}, {epochs} epochs of {spe} steps; only [sync] differs between runs.\n\
@@ -432,6 +433,23 @@ pub fn recipe_text(args: &NetemArgs, rule: &str) -> Result<String> {
         hidden = hidden.join(", "),
         lr = args.lr_max,
     ))
+}
+
+/// The `[sync]` section of `rule` (see [`NetemArgs::rules`]).
+fn sync_text(args: &NetemArgs, rule: &str) -> Result<String> {
+    if let Some((local, global)) = rule.split_once('+') {
+        let h = local.strip_prefix('l').and_then(|h| h.parse::<u64>().ok());
+        let Some(h) = h.filter(|&h| h > 0) else {
+            bail!("unknown local level `{local}` in `{rule}` (expected l<N>+<rule>, e.g. l1+qsr)");
+        };
+        return Ok(format!("{}\n\n[sync.local]\nrule = \"constant\"\nh = {h}", sync_text(args, global)?));
+    }
+    Ok(match rule {
+        "dp" => "rule = \"dp\"".to_string(),
+        "qsr" => format!("rule = \"qsr\"\nh_base = {}\nalpha = {}", args.h_base, args.alpha),
+        h if h.starts_with('h') && h[1..].parse::<u64>().is_ok() => format!("rule = \"constant\"\nh = {}", &h[1..]),
+        other => bail!("unknown rule `{other}` (expected dp, h<N>, qsr, l<N>+<rule>)"),
+    })
 }
 
 /// The K worker processes of one run; killed (by their pids) if still running on drop.
@@ -451,7 +469,15 @@ impl Drop for Job {
 }
 
 /// Runs one `qsr train` job, one process per worker namespace; returns its run directory.
-fn run_job(t: &Topology, qsr: &Path, recipe: &Path, out: &Path, port: u16, timeout: Duration) -> Result<f64> {
+fn run_job(
+    t: &Topology,
+    qsr: &Path,
+    recipe: &Path,
+    out: &Path,
+    port: u16,
+    timeout: Duration,
+    node: usize,
+) -> Result<f64> {
     let _ = std::fs::remove_dir_all(out);
     std::fs::create_dir_all(out)?;
     let token = format!("netem-{}-{port}", std::process::id());
@@ -466,9 +492,9 @@ fn run_job(t: &Topology, qsr: &Path, recipe: &Path, out: &Path, port: u16, timeo
         c.args(["--comm", "tcp", "--rank", &rank.to_string(), "--world-size", &k.to_string()]);
         c.args(["--master-addr", &Topology::addr(0), "--master-port", &port.to_string(), "--quiet"]);
         c.env("QSR_JOB_TOKEN", &token).env("QSR_BIND_ADDR", Topology::addr(rank)).env("QSR_COMM_TIMEOUT_SECS", "60");
-        // Each namespace stands for a host of its own: the ranks talk over the shaped links, not
-        // through this machine's shared memory.
-        c.env("QSR_HOST_ID", t.worker_ns(rank));
+        // Each node (one namespace, or `node` consecutive ones) stands for a host of its own: ranks
+        // on different nodes talk over the shaped links, not through this machine's shared memory.
+        c.env("QSR_HOST_ID", format!("{}node{}", t.prefix, rank / node.max(1)));
         c.stdout(log.try_clone()?).stderr(log);
         job.children.push((rank, c.spawn().with_context(|| format!("cannot start rank {rank}"))?));
     }
@@ -504,6 +530,8 @@ pub struct Measured {
     pub rule: String,
     pub steps: u64,
     pub syncs: u64,
+    /// Local averages inside the nodes (two-level rules).
+    pub local_syncs: u64,
     pub wall_seconds: f64,
     pub comm_seconds: f64,
     pub accuracy: f64,
@@ -559,6 +587,7 @@ pub fn read_run(dir: &Path, link: &str, rule: &str, process_seconds: f64) -> Res
         rule: rule.to_string(),
         steps,
         syncs: num(&s, "syncs")? as u64,
+        local_syncs: s.get("local").map_or(Ok(0.0), |l| num(l, "syncs"))? as u64,
         wall_seconds: num(&s, "wall_seconds")?,
         comm_seconds: num(&s, "comm_seconds")?,
         accuracy: num(&s, "final_test_accuracy")?,
@@ -583,7 +612,7 @@ pub fn table(rows: &[Measured]) -> String {
             r.link,
             r.rule,
             r.steps,
-            r.syncs,
+            if r.local_syncs > 0 { format!("{} + {} local", r.syncs, r.local_syncs) } else { r.syncs.to_string() },
             epochs.join(" / "),
             mean,
             r.wall_seconds,
@@ -607,6 +636,9 @@ pub fn run(args: &NetemArgs, root: &Path) -> Result<()> {
     }
     for r in &args.rates {
         rate_bits(r)?;
+    }
+    if args.workers_per_node == 0 || !args.workers.is_multiple_of(args.workers_per_node) {
+        bail!("--workers-per-node {} must divide --workers {}", args.workers_per_node, args.workers);
     }
     let topo = Topology::create(PREFIX, args.workers)?;
     let delay_note = if netem_available(&topo) {
@@ -672,7 +704,8 @@ pub fn run(args: &NetemArgs, root: &Path) -> Result<()> {
             let dir = out.join(format!("{link}-{rule}"));
             eprintln!("netem: {link} {rule} -> {}", dir.display());
             port += 1;
-            let secs = run_job(&topo, &bin, recipe, &dir, port, Duration::from_secs(args.timeout))?;
+            let timeout = Duration::from_secs(args.timeout);
+            let secs = run_job(&topo, &bin, recipe, &dir, port, timeout, args.workers_per_node)?;
             let m = read_run(&dir, link, rule, secs)?;
             eprintln!("netem:   {:.2} s total, {} syncs, {:.2} s comm", m.wall_seconds, m.syncs, m.comm_seconds);
             rows.push(m);
@@ -680,8 +713,12 @@ pub fn run(args: &NetemArgs, root: &Path) -> Result<()> {
     }
     drop(topo);
     let _ = std::fs::remove_file(&bin);
+    let nodes = match args.workers_per_node {
+        1 => String::new(),
+        n => format!(" in {} nodes of {n} (shared memory inside a node, shaped links between)", args.workers / n),
+    };
     let mut text = format!(
-        "K = {} namespaces, delay {delay_note}, MLP {:?} on digits, local batch {}, {} epochs; QSR h_base {} alpha {}.\n\n{probes}\n",
+        "K = {} namespaces{nodes}, delay {delay_note}, MLP {:?} on digits, local batch {}, {} epochs; QSR h_base {} alpha {}.\n\n{probes}\n",
         args.workers, args.hidden, args.local_batch, args.epochs, args.h_base, args.alpha
     );
     text.push_str(&table(&rows));
@@ -717,6 +754,7 @@ mod tests {
     fn recipes_differ_only_in_sync() {
         let args = NetemArgs {
             workers: 4,
+            workers_per_node: 2,
             rates: vec![],
             delay: "0.2ms".into(),
             no_unshaped: false,
@@ -740,6 +778,9 @@ mod tests {
             |s: &str| s.split("[sync]").map(|p| p.split("[eval]").last().unwrap().to_string()).collect::<Vec<_>>();
         assert_eq!(strip(&dp)[0].replace("netem-dp", ""), strip(&h4)[0].replace("netem-h4", ""));
         assert!(recipe_text(&args, "sometimes").is_err());
+        let two = recipe_text(&args, "l1+qsr").unwrap();
+        assert!(two.contains("rule = \"qsr\"") && two.contains("[sync.local]\nrule = \"constant\"\nh = 1"), "{two}");
+        assert!(recipe_text(&args, "lx+qsr").is_err() && recipe_text(&args, "l0+dp").is_err());
     }
 
     /// Namespace pair, a shaped link, its measured rate and round trip, and teardown (also of leftovers).
