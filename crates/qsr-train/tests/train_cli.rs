@@ -117,30 +117,28 @@ fn two_level_processes_equal_two_level_simulated_workers() {
 
 #[test]
 fn resume_continues_exactly() {
-    resume_continues_exactly_with("host");
+    resume_continues_exactly_with("3", &["--set", "driver.residency=host"]);
+}
+
+/// A two-level run resumes at its local position: the cursor's local round comes back from the
+/// checkpoint, and the local averages continue as in a straight run.
+#[test]
+fn a_two_level_run_resumes_exactly() {
+    let local = ["sync.local.rule=constant", "sync.local.h=2", "sync.local.workers_per_node=2"];
+    resume_continues_exactly_with("4", &local.iter().flat_map(|l| ["--set", l]).collect::<Vec<_>>());
 }
 
 /// Device-resident state (parameters and moments as burn tensors) checkpoints and restores exactly too.
 #[test]
 fn resume_continues_exactly_with_device_residency() {
-    resume_continues_exactly_with("device");
+    resume_continues_exactly_with("3", &["--set", "driver.residency=device"]);
 }
 
-fn resume_continues_exactly_with(residency: &str) {
+fn resume_continues_exactly_with(workers: &str, extra: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let (straight, resumed) = (dir.path().join("straight"), dir.path().join("resumed"));
-    let residency = format!("driver.residency={residency}");
-    let set = [
-        "--set",
-        "schedule.total_steps=330",
-        "--set",
-        "eval.every_epochs=2",
-        "--quiet",
-        "--workers",
-        "3",
-        "--set",
-        &residency,
-    ];
+    let base = ["--set", "schedule.total_steps=330", "--set", "eval.every_epochs=2", "--quiet", "--workers", workers];
+    let set = [&base[..], extra].concat();
     ok(&[&["train", "--recipe", RECIPE, "--out", straight.to_str().unwrap()][..], &set].concat());
     // Stop at the first checkpoint past step 100, then resume to the end.
     ok(&[&["train", "--recipe", RECIPE, "--out", resumed.to_str().unwrap(), "--halt-after", "100"][..], &set].concat());
@@ -152,10 +150,12 @@ fn resume_continues_exactly_with(residency: &str) {
         .parse()
         .unwrap();
     assert!((100..330).contains(&halted_at));
-    ok(&["train", "--resume", resumed.to_str().unwrap(), "--quiet", "--workers", "3"]);
+    ok(&["train", "--resume", resumed.to_str().unwrap(), "--quiet", "--workers", workers]);
     assert_eq!(final_params(&straight), final_params(&resumed));
     let (s, r) = (json(&straight.join("summary.json")), json(&resumed.join("summary.json")));
     assert_eq!(s["syncs"], r["syncs"]);
+    assert_eq!(s["local"]["syncs"], r["local"]["syncs"]);
+    assert_eq!(s["local"]["bytes_per_rank"], r["local"]["bytes_per_rank"]);
     assert_eq!(s["final_test_accuracy"], r["final_test_accuracy"]);
     // The metrics of the resumed run read as one run: no step recorded twice.
     let text = std::fs::read_to_string(resumed.join("metrics.jsonl")).unwrap();
