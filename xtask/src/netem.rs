@@ -442,6 +442,9 @@ fn sync_text(args: &NetemArgs, rule: &str) -> Result<String> {
         let Some(h) = h.filter(|&h| h > 0) else {
             bail!("unknown local level `{local}` in `{rule}` (expected l<N>+<rule>, e.g. l1+qsr)");
         };
+        if global.contains('+') {
+            bail!("`{rule}`: one local level at most (l<N>+<rule>)");
+        }
         return Ok(format!("{}\n\n[sync.local]\nrule = \"constant\"\nh = {h}", sync_text(args, global)?));
     }
     Ok(match rule {

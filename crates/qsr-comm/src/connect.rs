@@ -103,7 +103,9 @@ pub fn over_ring(
 /// `color` form one group, ranked by `key` (ties by their rank in `ring`), over the same transports
 /// as [`over_ring`] chooses for a launch (shared memory among the members on one host, a ring of their
 /// own between hosts, both for a group spread over hosts with several members on some). Every rank
-/// of `ring` must call it; the ring stays usable. Errors of the new group name its own ranks.
+/// of `ring` must call it; the ring stays usable. The new group's ranks are `0..members`, in key
+/// order; its errors name the peers by their rank in `ring`, so a culprit reads the same at every
+/// level.
 ///
 /// A two-level job splits by node ([`split_by_host`], or `color = rank / workers_per_node`) and keeps
 /// the ring for the global level:
@@ -146,8 +148,62 @@ pub fn split(
     members.sort_unstable();
     let me = members.iter().position(|&(_, r, _)| r == ring.rank()).expect("this rank passed its own color");
     let table = members.iter().map(|&(_, r, p)| (ring.hosts()[r].clone(), p)).collect();
-    let sub = TcpComm::from_table(me, members.len(), cfg, &listener, table)?;
-    over_ring(sub, transport, host, shm_cfg)
+    let names: Vec<usize> = members.iter().map(|&(_, r, _)| r).collect();
+    let rename = |e| crate::hier::rename(e, &names);
+    let sub = TcpComm::from_table(me, members.len(), cfg, &listener, table).map_err(rename)?;
+    let inner = over_ring(sub, transport, host, shm_cfg).map_err(rename)?;
+    Ok(Box::new(Split { inner, names }))
+}
+
+/// A group made by [`split`]: its collectives, with the peers its errors name given by their rank in
+/// the ring it was split from.
+struct Split {
+    inner: Box<dyn Collective>,
+    names: Vec<usize>,
+}
+
+impl Split {
+    fn named<T>(&self, r: Result<T, CommError>) -> Result<T, CommError> {
+        r.map_err(|e| crate::hier::rename(e, &self.names))
+    }
+}
+
+impl Collective for Split {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_reduce(&mut self, buf: &mut [f32], op: crate::ReduceOp) -> Result<(), CommError> {
+        let r = self.inner.all_reduce(buf, op);
+        self.named(r)
+    }
+    fn all_reduce_bf16(&mut self, buf: &mut [f32], op: crate::ReduceOp) -> Result<(), CommError> {
+        let r = self.inner.all_reduce_bf16(buf, op);
+        self.named(r)
+    }
+    fn supports_bf16(&self) -> bool {
+        self.inner.supports_bf16()
+    }
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
+        let r = self.inner.broadcast(buf, root);
+        self.named(r)
+    }
+    fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
+        let r = self.inner.broadcast_bytes(bytes, root);
+        self.named(r)
+    }
+    fn barrier(&mut self) -> Result<(), CommError> {
+        let r = self.inner.barrier();
+        self.named(r)
+    }
+    fn stats(&self) -> &crate::CommStats {
+        self.inner.stats()
+    }
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
 }
 
 /// [`split`] into one group per host (the ranks that report the same [`host_id`]), as

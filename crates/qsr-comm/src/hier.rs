@@ -82,8 +82,9 @@ pub(crate) fn join(boot: &mut TcpComm, groups: &[Vec<usize>], local: ShmComm) ->
     })
 }
 
-/// `e` with the leaders' ring ranks it names replaced by job ranks.
-fn rename(e: CommError, names: &[usize]) -> CommError {
+/// `e` with the ranks it names (of a ring of leaders, or of a split group) replaced by their ranks in
+/// the job, `names[r]` for rank `r`.
+pub(crate) fn rename(e: CommError, names: &[usize]) -> CommError {
     let job = |r: usize| names.get(r).copied().unwrap_or(r);
     match e {
         CommError::PeerLost { rank, addr, during, detail } => {

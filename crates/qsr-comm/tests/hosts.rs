@@ -110,3 +110,19 @@ fn split_by_host_gives_each_node_its_shared_memory_beside_the_global_level() {
         assert_eq!(a, if r % 2 == 0 { 1.0 } else { 2.0 }, "rank {r}");
     }
 }
+
+#[test]
+fn a_split_group_names_a_lost_member_by_its_rank_in_the_ring() {
+    let got = common::on_threads(common::tcp_group(4, common::test_config()), |mut ring| {
+        let r = ring.rank();
+        let shm = ShmConfig { slot_bytes: 64 << 10, ..ShmConfig::default() };
+        let mut sub = qsr_comm::split(&mut ring, (r % 2) as u32, r as u32, Transport::Auto, "one", shm).unwrap();
+        let mut b = [1.0f32];
+        match r {
+            2 => String::new(), // leaves its group (rank 1 of ranks 0 and 2) without a call
+            0 => sub.all_reduce(&mut b, ReduceOp::Sum).unwrap_err().to_string(),
+            _ => sub.all_reduce(&mut b, ReduceOp::Sum).map(|()| String::new()).unwrap(),
+        }
+    });
+    assert!(got[0].contains("rank 2") && !got[0].contains("rank 1 "), "{}", got[0]);
+}

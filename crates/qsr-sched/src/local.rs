@@ -5,7 +5,9 @@
 //! `H_local` from the local rule at its own first step (clamped to the global round's end), and a
 //! local average follows every local round except the one that ends with the global round, which the
 //! global average supersedes. So with a data-parallel global rule there is no local average at all,
-//! and a node of one worker averages with nobody.
+//! and a node of one worker averages with nobody. The local rule's round count (which the
+//! exponential rule doubles by) runs over the whole run and counts every local round, also the one
+//! that ends with its global round.
 
 use serde::{Deserialize, Serialize};
 

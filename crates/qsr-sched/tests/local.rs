@@ -72,6 +72,11 @@ fn a_cursor_whose_local_position_is_tampered_or_missing_is_refused() {
     moved["local"]["round"]["len"] = 3.into();
     let e = serde_json::from_value::<Cursor>(moved).unwrap_err().to_string();
     assert!(e.contains("cursor.local"), "{e}");
+    // A local round moved within its global round (one step later) is refused too.
+    let mut shifted = json.clone();
+    shifted["local"]["round"]["start"] = 3.into();
+    let e = serde_json::from_value::<Cursor>(shifted).unwrap_err().to_string();
+    assert!(e.contains("does not follow"), "{e}");
     let mut missing = json;
     missing.as_object_mut().unwrap().remove("local");
     let e = serde_json::from_value::<Cursor>(missing).unwrap_err().to_string();

@@ -118,6 +118,7 @@ pub fn resolve(args: &TrainArgs) -> Result<(TrainRecipe, PathBuf, Resume)> {
             None => {}
         }
     }
+    recipe.check_nodes(recipe.train.workers).with_context(|| format!("recipe {}", path.display()))?;
     if let Some(run_dir) = &args.resume {
         let (dir, state) = checkpoint::latest(run_dir)?;
         check_resumable(&recipe, &path, &dir, &state)?;
@@ -261,7 +262,7 @@ pub fn simulated(spec: &RunSpec) -> Result<Vec<Outcome>> {
     let comms = InProcessGroup::new(k);
     // Used by device-resident workers (GPU): their syncs average on the device.
     let groups = DeviceGroup::new(k);
-    let nodes = simulated_nodes(&spec.recipe);
+    let nodes = simulated_nodes(&spec.recipe)?;
     let results: Vec<Result<Outcome>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
@@ -298,15 +299,16 @@ pub fn simulated(spec: &RunSpec) -> Result<Vec<Outcome>> {
 
 /// Each simulated worker's node group, in rank order, for a two-level recipe: nodes of
 /// `sync.local.workers_per_node` consecutive ranks, or one node (all simulated workers share a host).
-fn simulated_nodes(recipe: &TrainRecipe) -> Vec<Option<Box<dyn Collective>>> {
+fn simulated_nodes(recipe: &TrainRecipe) -> Result<Vec<Option<Box<dyn Collective>>>> {
     let k = recipe.train.workers;
-    match &recipe.sync.local {
+    recipe.check_nodes(k)?;
+    Ok(match &recipe.sync.local {
         Some(l) => {
             let n = l.workers_per_node.unwrap_or(k);
             (0..k / n).flat_map(|_| InProcessGroup::new(n)).map(|c| Some(Box::new(c) as Box<dyn Collective>)).collect()
         }
         None => (0..k).map(|_| None).collect(),
-    }
+    })
 }
 
 /// A launch's collectives over our transports (`connect`), with the node's group of a two-level
@@ -314,12 +316,20 @@ fn simulated_nodes(recipe: &TrainRecipe) -> Vec<Option<Box<dyn Collective>>> {
 fn connect_levels(env: &qsr_comm::LaunchEnv, recipe: &TrainRecipe) -> Result<Comms> {
     let var = |k: &str| std::env::var(k).ok();
     let (cfg, transport) = (TcpConfig::from_env(&var)?, qsr_comm::Transport::from_env(&var)?);
-    let Some(local) = &recipe.sync.local else {
-        return Ok(Comms::flat(qsr_comm::connect(env, cfg, transport)?));
-    };
     let shm = qsr_comm::ShmConfig { timeout: cfg.timeout, ..qsr_comm::ShmConfig::default() };
     let host = qsr_comm::host_id(&var, &shm);
     let mut ring = TcpComm::from_launch(env, cfg)?;
+    // Every rank must take the same path below: ranks whose recipes differ here refuse together
+    // (the whole recipe is agreed on later, over the collectives this forms).
+    let nodes = match &recipe.sync.local {
+        None => "none (one level)".to_string(),
+        Some(l) => l.workers_per_node.map_or("one node per host".into(), |n| format!("{n} workers per node")),
+    };
+    qsr_comm::agree(&mut ring, &serde_json::json!({ "sync.local": nodes }))?;
+    let Some(local) = &recipe.sync.local else {
+        return Ok(Comms::flat(qsr_comm::over_ring(ring, transport, &host, shm)?));
+    };
+    recipe.check_nodes(ring.world_size())?;
     let rank = ring.rank();
     let node = match local.workers_per_node {
         Some(n) => qsr_comm::split(&mut ring, (rank / n) as u32, rank as u32, transport, &host, shm.clone()),

@@ -86,7 +86,7 @@ impl Cluster {
         }
     }
 
-    /// Seconds of a local average inside a node (on `inter` without nodes: every worker is a node).
+    /// Seconds of a local average inside a node (none without nodes: every worker is its own node).
     fn local_seconds(&self, payload: &SyncPayload) -> f64 {
         self.nodes.map_or(0.0, |n| payload.seconds(SyncMode::Parameters, n.size, &n.intra))
     }
@@ -543,9 +543,10 @@ pub fn simulate(args: &SimulateArgs) -> Result<Report> {
     )?;
     let wants_nodes = args.intra_bandwidth.is_some() || args.intra_latency.is_some() || args.node_size.is_some();
     let items = load_items(args)?;
+    let cluster = cluster_of(args, &items, net, intra, wants_nodes)?;
     let references = references(args, &items)?;
     let sizes = model_sizes(args, &items)?;
-    let (step_seconds, step_source) = step_time(args, &items, &sizes, &net)?;
+    let (step_seconds, step_source) = step_time(args, &items, &sizes, &cluster)?;
     let mut rows = Vec::new();
     for (item, (params, running)) in items.iter().zip(&sizes) {
         let world = world_of(item);
@@ -555,17 +556,9 @@ pub fn simulate(args: &SimulateArgs) -> Result<Report> {
             .steps_per_epoch
             .or_else(|| item.summary.as_ref().map(|s| s.steps_per_epoch as u64))
             .or_else(|| steps_per_epoch(&item.recipe, world));
-        let size = args.node_size.or_else(|| item.recipe.sync.local.as_ref().and_then(|l| l.workers_per_node));
-        let nodes = match size {
-            Some(0) => bail!("--node-size must be at least 1"),
-            Some(size) => Some(Nodes { size, intra }),
-            None if wants_nodes => bail!(
-                "`{}`: the intra-node network needs the node size (--node-size or sync.local.workers_per_node)",
-                item.recipe.name
-            ),
-            None => None,
-        };
-        let cluster = Cluster { inter: net, nodes };
+        if let Some(n) = cluster.nodes.filter(|n| n.size > world) {
+            bail!("`{}`: nodes of {} workers do not fit its {world} workers", item.recipe.name, n.size);
+        }
         let prediction = predict(&item.recipe.name, &plan, step_seconds, &payload, world, cluster, spe);
         let reference_seconds = references.iter().find(|(n, _)| *n == item.recipe.name).map(|(_, s)| *s);
         rows.push(Row {
@@ -577,6 +570,25 @@ pub fn simulate(args: &SimulateArgs) -> Result<Report> {
         });
     }
     Ok(Report { network: net, intra: wants_nodes.then_some(intra), step_seconds, step_source, rows })
+}
+
+/// The one cluster every row is priced on: nodes of `--node-size` workers (or of the first recipe's
+/// `sync.local.workers_per_node`) on the intra-node network, or one network between all workers.
+/// A two-level recipe needs nodes: its local averages would cost nothing without them.
+fn cluster_of(args: &SimulateArgs, items: &[Item], inter: Network, intra: Network, wants: bool) -> Result<Cluster> {
+    let from_recipe = || items.iter().find_map(|i| i.recipe.sync.local.as_ref().and_then(|l| l.workers_per_node));
+    let nodes = match args.node_size.or_else(from_recipe) {
+        Some(0) => bail!("--node-size must be at least 1"),
+        Some(size) => Some(Nodes { size, intra }),
+        None if wants => {
+            bail!("the intra-node network needs the node size (--node-size or sync.local.workers_per_node)")
+        }
+        None => None,
+    };
+    if let Some(i) = items.iter().find(|i| i.recipe.sync.local.is_some() && nodes.is_none()) {
+        bail!("`{}` averages inside nodes ([sync.local]): give --node-size", i.recipe.name);
+    }
+    Ok(Cluster { inter, nodes })
 }
 
 /// The `--recipe` files (with `--set` and `--world-size` applied), then the `--run` directories
@@ -647,7 +659,7 @@ fn world_of(item: &Item) -> usize {
 
 /// Compute seconds per step and where they come from, from the first of `--step-seconds`,
 /// `--step-seconds-from`, `--flop-rate`, `--dp-hours` given.
-fn step_time(args: &SimulateArgs, items: &[Item], sizes: &[(u64, u64)], net: &Network) -> Result<(f64, String)> {
+fn step_time(args: &SimulateArgs, items: &[Item], sizes: &[(u64, u64)], net: &Cluster) -> Result<(f64, String)> {
     if let Some(s) = args.step_seconds {
         if !(s.is_finite() && s >= 0.0) {
             bail!("--step-seconds {s}: must be a non-negative number");
@@ -656,16 +668,12 @@ fn step_time(args: &SimulateArgs, items: &[Item], sizes: &[(u64, u64)], net: &Ne
     } else if let Some(dir) = &args.step_seconds_from {
         let s = read_summary(dir)?;
         let steps = s.steps.max(1) as f64;
-        let step = (s.wall_seconds - s.comm_seconds).max(0.0) / steps;
+        // Both levels' communication: local averages are not compute either.
+        let comm = s.comm_seconds + s.local.as_ref().map_or(0.0, |l| l.comm_seconds);
+        let step = (s.wall_seconds - comm).max(0.0) / steps;
         Ok((
             step,
-            format!(
-                "run {}: (wall {:.2} s - comm {:.2} s) / {} steps",
-                dir.display(),
-                s.wall_seconds,
-                s.comm_seconds,
-                s.steps
-            ),
+            format!("run {}: (wall {:.2} s - comm {comm:.2} s) / {} steps", dir.display(), s.wall_seconds, s.steps),
         ))
     } else if let Some(rate) = args.flop_rate {
         if !(rate.is_finite() && rate > 0.0) {
@@ -684,7 +692,7 @@ fn step_time(args: &SimulateArgs, items: &[Item], sizes: &[(u64, u64)], net: &Ne
 }
 
 /// `--dp-hours`: the data-parallel recipe's wall time less its modelled communication, per step.
-fn step_time_from_dp_hours(hours: f64, items: &[Item], sizes: &[(u64, u64)], net: &Network) -> Result<(f64, String)> {
+fn step_time_from_dp_hours(hours: f64, items: &[Item], sizes: &[(u64, u64)], net: &Cluster) -> Result<(f64, String)> {
     let idx = items
         .iter()
         .position(|i| matches!(i.recipe.sync.rule, qsr_sched::SyncRule::Dp))

@@ -288,10 +288,8 @@ impl TrainRecipe {
                 self.data.prefetch
             );
         }
-        if let Some(n) = self.sync.local.as_ref().and_then(|l| l.workers_per_node)
-            && (n == 0 || !t.workers.is_multiple_of(n))
-        {
-            bail!("invalid `sync.local.workers_per_node`: {n} must divide train.workers ({})", t.workers);
+        if self.sync.local.as_ref().and_then(|l| l.workers_per_node) == Some(0) {
+            bail!("invalid `sync.local.workers_per_node`: must be at least 1");
         }
         if let Some(outer) = &self.outer {
             outer.validate()?;
@@ -309,6 +307,17 @@ impl TrainRecipe {
         }
         self.plan()?;
         Ok(())
+    }
+
+    /// Checks that nodes of `sync.local.workers_per_node` ranks tile a world of `world` workers (the
+    /// launch's, which `--workers` / `--nproc` or the launcher decide after the recipe is read).
+    pub fn check_nodes(&self, world: usize) -> Result<()> {
+        match self.sync.local.as_ref().and_then(|l| l.workers_per_node) {
+            Some(n) if n == 0 || !world.is_multiple_of(n) => {
+                bail!("invalid `sync.local.workers_per_node`: {n} must divide the {world} workers of the run")
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Samples per forward/backward pass: `train.micro_batch`, or the whole local batch.

@@ -341,3 +341,40 @@ fn two_level_prediction_hand_computed() {
     assert_eq!(f.local_syncs, 0);
     assert!(close(f.comm_seconds, 20.0));
 }
+
+/// `--step-seconds-from` a two-level run takes both levels' communication out of the wall time, and
+/// every row is priced on the recipe's nodes.
+#[test]
+fn step_seconds_from_a_two_level_run_leave_out_its_local_averages() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    std::fs::create_dir_all(&run).unwrap();
+    let two_level = format!("{DIGITS_MLP}[sync.local]\nrule = \"constant\"\nh = 1\nworkers_per_node = 2\n");
+    std::fs::write(run.join("recipe.toml"), &two_level).unwrap();
+    let plan = TrainRecipe::load(&run.join("recipe.toml"), &[]).unwrap().plan().unwrap().summary();
+    let local = plan.local.as_ref().unwrap().rounds;
+    let summary = serde_json::json!({
+        "name": "digits-qsr", "rule": "qsr", "seed": 0, "world_size": 4, "steps": 880, "epochs": 40.0,
+        "steps_per_epoch": 22, "final_test_accuracy": 0.9, "final_test_loss": 0.3, "syncs": plan.rounds,
+        "planned_syncs": plan.rounds, "comm_percent": 10.0, "bytes_per_rank": 0, "comm_seconds": 8.0,
+        "wall_seconds": 52.0, "steps_per_second": 16.9, "skipped_updates": 0,
+        "local": { "rule": "constant", "node_size": 2, "syncs": local, "planned_syncs": local,
+                   "bytes_per_rank": 0, "comm_seconds": 4.0 }
+    });
+    std::fs::write(run.join("summary.json"), summary.to_string()).unwrap();
+    let run_s = run.to_str().unwrap();
+    let args = ["simulate", "--run", run_s, "--bandwidth", "1gbit", "--params", "1000"];
+    let out = ok(&[&args[..], &["--step-seconds-from", run_s, "--intra-bandwidth", "8gbit", "--json"]].concat());
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(close(v["step_seconds"].as_f64().unwrap(), (52.0 - 8.0 - 4.0) / 880.0), "{v}");
+    let p = &v["rows"][0]["prediction"];
+    assert_eq!(p["local_syncs"].as_u64(), Some(local));
+    // A local average of 1000 f32 in a node of 2 at 8 Gbit/s: 4000 B once over the link.
+    assert!(close(p["local_comm_seconds"].as_f64().unwrap(), local as f64 * 32_000.0 / 8e9), "{p}");
+    let e = String::from_utf8(qsr(&[&args[..], &["--step-seconds", "0.1", "--node-size", "8"]].concat()).stderr);
+    assert!(e.unwrap().contains("nodes of 8 workers do not fit its 4 workers"));
+    let flat_nodes = format!("{DIGITS_MLP}[sync.local]\nrule = \"constant\"\nh = 1\n");
+    std::fs::write(run.join("recipe.toml"), flat_nodes).unwrap();
+    let e = String::from_utf8(qsr(&[&args[..], &["--step-seconds", "0.1"]].concat()).stderr).unwrap();
+    assert!(e.contains("averages inside nodes ([sync.local]): give --node-size"), "{e}");
+}

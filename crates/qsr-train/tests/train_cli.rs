@@ -284,3 +284,21 @@ fn gpu_options_are_refused_clearly_without_gpu_support() {
     let e = refused(&["device-check", "--device", "cpu"]);
     assert!(e.contains("runs on a GPU"), "{e}");
 }
+
+/// `sync.local.workers_per_node` is checked against the world the run has, after `--workers`: a
+/// node size that does not divide it is refused naming the key, one that does trains.
+#[test]
+fn workers_per_node_is_checked_against_the_world_the_run_has() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("r");
+    let mut args = vec!["train", "--recipe", RECIPE, "--quiet", "--out", out.to_str().unwrap()];
+    for set in
+        ["schedule.total_steps=66", "sync.local.rule=constant", "sync.local.h=1", "sync.local.workers_per_node=3"]
+    {
+        args.extend(["--set", set]);
+    }
+    let e = refused(&[&args[..], &["--workers", "4"]].concat());
+    assert!(e.contains("`sync.local.workers_per_node`: 3 must divide the 4 workers"), "{e}");
+    ok(&[&args[..], &["--workers", "6"]].concat());
+    assert_eq!(json(&out.join("summary.json"))["local"]["node_size"], 3);
+}
