@@ -13,7 +13,7 @@
 //! mpirun --allow-run-as-root --oversubscribe -np 4 target/release/examples/allreduce_bench --backend mpi
 //! ```
 //! Options: `--min-bytes 4096 --max-bytes 268435456 --iters N --warmup N --json FILE
-//! --chunk-bytes N --socket-buffer N --one-stage-bytes N` (the last for `shm`). For `tcp`, `shm` and `auto` the ranks are child processes of
+//! --chunk-bytes N --socket-buffer N --doubling-bytes N --one-stage-bytes N` (the last for `shm`). For `tcp`, `shm` and `auto` the ranks are child processes of
 //! this program on 127.0.0.1 (rank 0 is the parent); time is the median of per-call times on rank 0.
 
 use std::io::{Read, Write};
@@ -35,6 +35,7 @@ struct Args {
     chunk_bytes: Option<usize>,
     socket_buffer: Option<usize>,
     one_stage_bytes: Option<usize>,
+    doubling_bytes: Option<usize>,
     child_rank: Option<usize>,
     master: Option<String>,
 }
@@ -51,6 +52,7 @@ fn parse() -> Result<Args, String> {
         chunk_bytes: None,
         socket_buffer: None,
         one_stage_bytes: None,
+        doubling_bytes: None,
         child_rank: None,
         master: None,
     };
@@ -69,6 +71,7 @@ fn parse() -> Result<Args, String> {
             "--chunk-bytes" => a.chunk_bytes = Some(num(v()?)?),
             "--socket-buffer" => a.socket_buffer = Some(num(v()?)?),
             "--one-stage-bytes" => a.one_stage_bytes = Some(num(v()?)?),
+            "--doubling-bytes" => a.doubling_bytes = Some(num(v()?)?),
             "--child-rank" => a.child_rank = Some(num(v()?)?),
             "--master" => a.master = Some(v()?),
             other => return Err(format!("unknown argument {other}")),
@@ -255,6 +258,9 @@ fn tcp_config(a: &Args) -> TcpConfig {
         cfg.chunk_bytes = c;
     }
     cfg.socket_buffer = a.socket_buffer;
+    if let Some(d) = a.doubling_bytes {
+        cfg.doubling_bytes = d;
+    }
     cfg
 }
 

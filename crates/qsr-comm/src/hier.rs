@@ -105,7 +105,7 @@ pub(crate) fn rename(e: CommError, names: &[usize]) -> CommError {
 
 /// The reason for the local abort word of an error from the leaders' ring (an abort notice
 /// carries its reason as the text of the ring's or of the shared memory's reasons).
-fn reason_of(e: &CommError) -> Reason {
+pub(crate) fn reason_of(e: &CommError) -> Reason {
     const ALL: [Reason; 6] =
         [Reason::Exited, Reason::Stalled, Reason::Closed, Reason::Lost, Reason::Diverged, Reason::Other];
     match e {
@@ -128,11 +128,11 @@ fn reason_of(e: &CommError) -> Reason {
 
 /// A host's status word in the leaders' all-reduce: 0, or the culprit's job rank + 1 and the
 /// reason's code in bits 20..; exact in f32 (below 2^24).
-fn status_word(culprit: usize, why: Reason) -> f32 {
+pub(crate) fn status_word(culprit: usize, why: Reason) -> f32 {
     ((why as u32) << 20 | (culprit as u32 + 1)) as f32
 }
 
-fn read_status(w: f32) -> Option<(usize, Reason)> {
+pub(crate) fn read_status(w: f32) -> Option<(usize, Reason)> {
     let w = w as u32;
     let culprit = (w & 0xf_ffff).checked_sub(1)? as usize;
     Some((culprit, Reason::from_code(u64::from(w >> 20)).unwrap_or(Reason::Other)))

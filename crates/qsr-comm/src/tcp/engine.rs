@@ -540,6 +540,10 @@ impl<'a> Call<'a> {
     /// Reads payload bytes of the current block; a complete block is applied to the buffer.
     fn recv_payload(&mut self, len: usize, mut got: usize) -> Result<(RState, Step), Fail> {
         let block = self.plan.recv[self.recv_idx].clone();
+        if got == len {
+            // Held until our own bytes are out (an exchange reduces into what it sends).
+            return self.apply_when_sent(block, len, got);
+        }
         let k = match self.read_payload(&block, len, got)? {
             None => return Ok((RState::Payload { len, got }, Step::Blocked)),
             Some(0) => {
@@ -552,6 +556,14 @@ impl<'a> Call<'a> {
         got += k;
         if got < len {
             return Ok((RState::Payload { len, got }, Step::Moved));
+        }
+        self.apply_when_sent(block, len, got).map(|(s, _)| (s, Step::Moved))
+    }
+
+    /// Applies a complete block, unless the plan reduces after sending and our sends are not done.
+    fn apply_when_sent(&mut self, block: RecvBlock, len: usize, got: usize) -> Result<(RState, Step), Fail> {
+        if self.plan.reduce_after_send && !self.send_done() {
+            return Ok((RState::Payload { len, got }, Step::Idle));
         }
         self.apply(&block);
         self.recv_idx += 1;

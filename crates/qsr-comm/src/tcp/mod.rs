@@ -1,11 +1,13 @@
 //! Our own TCP ring all-reduce, documented on [`TcpComm`].
 
 pub(crate) mod accept;
+mod doubling;
 pub(crate) mod engine;
 pub(crate) mod plan;
 pub(crate) mod rendezvous;
 
 use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::launch::LaunchEnv;
@@ -40,6 +42,14 @@ pub struct TcpConfig {
     pub chunk_bytes: usize,
     /// SO_SNDBUF/SO_RCVBUF for ring sockets; `None` keeps the kernel's autotuning.
     pub socket_buffer: Option<usize>,
+    /// All-reduces of at most this many bytes (and of at most `chunk_bytes`, on 3 to 64 ranks, of at
+    /// least one value per rank) take recursive doubling, `log2 K` exchanges between pairs instead of the ring's `2 (K-1)`
+    /// hops; larger ones take the pipelined ring. Default 32 KiB: on loopback doubling wins at every
+    /// size `cargo xtask bench comm`'s cutover table measures, and the latency/bandwidth model of a
+    /// 1 Gbit/s link with 30 us hops puts the crossover near 30 KB at 4 and 8 ranks (doubling sends
+    /// the whole buffer `log2 K` times, the ring `2 (K-1)/K` of it); 0 keeps every call on the
+    /// ring. All ranks must use the same value: it is compared when the pairs form.
+    pub doubling_bytes: usize,
     /// Protocol version sent in handshakes; only tests change it, to check refusals.
     #[doc(hidden)]
     pub protocol_version: u32,
@@ -56,6 +66,7 @@ impl Default for TcpConfig {
             token: String::new(),
             chunk_bytes: 512 << 10,
             socket_buffer: None,
+            doubling_bytes: 32 << 10,
             protocol_version: PROTOCOL_VERSION,
         }
     }
@@ -241,7 +252,9 @@ pub struct TcpComm {
     /// Every rank's host as the rendezvous table gave it (empty for a ring of one).
     hosts: Vec<String>,
     /// Called while a call makes progress (a hierarchy's leader tells its host it is alive).
-    progress: Option<Box<dyn Fn() + Send + Sync>>,
+    progress: Option<Arc<dyn Fn() + Send + Sync>>,
+    /// The pairs of recursive doubling, formed on the first small all-reduce (more than 2 ranks).
+    doubling: Option<Box<doubling::Doubling>>,
     /// Rank 0: answers late registrations on the rendezvous port while we live.
     _late: Option<rendezvous::LateRefuser>,
 }
@@ -371,6 +384,7 @@ impl TcpComm {
             wire: Vec::new(),
             hosts: Vec::new(),
             progress: None,
+            doubling: None,
             _late: None,
         })
     }
@@ -427,13 +441,61 @@ impl TcpComm {
             wire: Vec::new(),
             hosts: table.into_iter().map(|(h, _)| h).collect(),
             progress: None,
+            doubling: None,
             _late: None,
         })
     }
 
     /// Calls `f` whenever a call moves bytes (at most once per wait for the sockets).
     pub(crate) fn set_progress(&mut self, f: Box<dyn Fn() + Send + Sync>) {
+        let f: Arc<dyn Fn() + Send + Sync> = Arc::from(f);
+        if let Some(d) = &mut self.doubling {
+            d.set_progress(&f);
+        }
         self.progress = Some(f);
+    }
+
+    /// Whether an all-reduce of `len` f32s takes recursive doubling (see [`TcpConfig::doubling_bytes`]).
+    /// Not for two ranks, where the ring's two half-buffer hops measured as fast as one exchange,
+    /// nor for fewer values than ranks, where most ring segments are empty and cost nothing.
+    fn doubles(&self, len: usize) -> bool {
+        (3..=doubling::MAX_RANKS).contains(&self.n)
+            && len >= self.n
+            && len * 4 <= self.cfg.doubling_bytes.min(chunk_bytes(&self.cfg))
+    }
+
+    /// One exchange with the other rank of a ring of two: both end with the sum, bit-identical.
+    pub(crate) fn exchange(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+        let len = buf.len() * 4;
+        let plan = plan::exchange(buf.len());
+        self.call(wire::KIND_ALL_REDUCE, ReduceOp::Sum.code(), 0, Buf::F32(buf), len, plan)
+    }
+
+    /// A small all-reduce by recursive doubling over the pairs (formed on the first).
+    fn all_reduce_small(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        if let Some(b) = &self.broken {
+            return Err(CommError::Broken(b.clone()));
+        }
+        let mut d = match self.doubling.take() {
+            Some(d) => d,
+            None => {
+                let mut d =
+                    Box::new(doubling::Doubling::join(self).inspect_err(|e| self.broken = Some(e.to_string()))?);
+                if let Some(f) = &self.progress {
+                    d.set_progress(f);
+                }
+                d
+            }
+        };
+        let (start, before) = (Instant::now(), d.traffic());
+        let res = d.all_reduce(buf, op == ReduceOp::Mean);
+        let after = d.traffic();
+        self.stats.record(after.0 - before.0, after.1 - before.1, start.elapsed().as_secs_f64());
+        self.doubling = Some(d);
+        if let Err(e) = &res {
+            self.broken = Some(e.to_string());
+        }
+        res
     }
 
     /// Every rank's host, as the others reach it (for rings formed over this one).
@@ -516,6 +578,9 @@ impl Collective for TcpComm {
     }
 
     fn all_reduce(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        if self.doubles(buf.len()) {
+            return self.all_reduce_small(buf, op);
+        }
         let plan = if self.n > 1 {
             plan::all_reduce(self.rank, self.n, buf.len(), op == ReduceOp::Mean, chunk_bytes(&self.cfg))
         } else {

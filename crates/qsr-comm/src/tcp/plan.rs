@@ -50,6 +50,9 @@ pub(crate) struct SendBlock {
 pub(crate) struct Plan {
     pub send: Vec<SendBlock>,
     pub recv: Vec<RecvBlock>,
+    /// Received blocks are reduced into the buffer only once all of ours are sent (an exchange
+    /// sends the very range it reduces into).
+    pub reduce_after_send: bool,
 }
 
 /// Smallest block the pipeline splits a segment into (smaller costs more in syscalls than it
@@ -101,7 +104,21 @@ pub(crate) fn all_reduce_of(rank: usize, n: usize, len: usize, mean: bool, chunk
     blocks(seg(rank), elem, chunk, &mut tmp);
     send.extend(tmp.iter().map(|r| SendBlock { range: r.clone(), after: 0 }));
     send.extend(recv[..forwarded].iter().enumerate().map(|(i, b)| SendBlock { range: b.range.clone(), after: i + 1 }));
-    Plan { send, recv }
+    Plan { send, recv, reduce_after_send: false }
+}
+
+/// Plan of an exchange between the two ranks of a ring of two (a level of recursive doubling):
+/// each sends its whole buffer of `len` f32s in one block and adds the other's into it once its own
+/// is sent, so one side computes `a + b` and the other `b + a`, the same bits, in one hop instead of
+/// two. One block, because a rank reads nothing after it until its own send is done; the caller
+/// keeps exchanges small (at most `TcpConfig::chunk_bytes`).
+pub(crate) fn exchange(len: usize) -> Plan {
+    let range = 0..len * 4;
+    Plan {
+        send: vec![SendBlock { range: range.clone(), after: 0 }],
+        recv: vec![RecvBlock { range, action: Action::Reduce }],
+        reduce_after_send: true,
+    }
 }
 
 /// Plan of a broadcast of `bytes` bytes from `root` on rank `rank` of `n` (n >= 2).
@@ -109,7 +126,8 @@ pub(crate) fn broadcast(rank: usize, n: usize, root: usize, bytes: usize, chunk:
     let mut all = Vec::new();
     blocks(0..bytes, 1, chunk, &mut all);
     if rank == root {
-        return Plan { send: all.into_iter().map(|range| SendBlock { range, after: 0 }).collect(), recv: Vec::new() };
+        let send = all.into_iter().map(|range| SendBlock { range, after: 0 }).collect();
+        return Plan { send, recv: Vec::new(), reduce_after_send: false };
     }
     let recv: Vec<RecvBlock> = all.iter().map(|r| RecvBlock { range: r.clone(), action: Action::Copy }).collect();
     let send = if (rank + 1) % n == root {
@@ -117,7 +135,7 @@ pub(crate) fn broadcast(rank: usize, n: usize, root: usize, bytes: usize, chunk:
     } else {
         all.into_iter().enumerate().map(|(i, range)| SendBlock { range, after: i + 1 }).collect()
     };
-    Plan { send, recv }
+    Plan { send, recv, reduce_after_send: false }
 }
 
 #[cfg(test)]
