@@ -143,26 +143,30 @@ impl HostsComm {
         self.leaders.is_some()
     }
 
-    /// Runs one call: the broken state and the statistics (the sum of both transports' traffic).
-    fn call(&mut self, body: impl FnOnce(&mut Self) -> Result<(), CommError>) -> Result<(), CommError> {
+    /// Runs one call: the broken state and the statistics. `traffic` is what the call accounts, as
+    /// every backend does: a ring all-reduce's bytes over all K ranks, a broadcast's payload, so that
+    /// the counts compare with the other backends' and with the plans (not the sum over both
+    /// transports, which counts the host's shared memory too).
+    fn call(
+        &mut self,
+        traffic: (u64, u64),
+        body: impl FnOnce(&mut Self) -> Result<(), CommError>,
+    ) -> Result<(), CommError> {
         if let Some(b) = &self.broken {
             return Err(CommError::Broken(b.clone()));
         }
         let start = Instant::now();
-        let before = self.traffic();
         let res = body(self);
-        let after = self.traffic();
-        self.stats.record(after.0 - before.0, after.1 - before.1, start.elapsed().as_secs_f64());
+        self.stats.record(traffic.0, traffic.1, start.elapsed().as_secs_f64());
         if let Err(e) = &res {
             self.broken = Some(e.to_string());
         }
         res
     }
 
-    fn traffic(&self) -> (u64, u64) {
-        let l = self.local.stats();
-        let r = self.leaders.as_ref().map_or((0, 0), |(c, _)| (c.stats().bytes_sent, c.stats().bytes_received));
-        (l.bytes_sent + r.0, l.bytes_received + r.1)
+    /// What a broadcast of `len` bytes from `root` accounts on this rank.
+    fn broadcast_traffic(&self, root: usize, len: usize) -> (u64, u64) {
+        if self.rank == root { (len as u64, 0) } else { (0, len as u64) }
     }
 
     /// The leaders' sum of `buf` and of every host's status (appended to an f32 buffer; in a call
@@ -210,7 +214,8 @@ impl HostsComm {
     }
 
     fn all_reduce_with(&mut self, buf: &mut [f32], op: ReduceOp, bf16: bool) -> Result<(), CommError> {
-        self.call(|me| {
+        let bytes = crate::ring_allreduce_bytes(buf.len(), if bf16 { 2 } else { 4 }, self.n);
+        self.call((bytes, bytes), |me| {
             let local = if bf16 {
                 me.local.all_reduce_bf16(buf, ReduceOp::Sum)
             } else {
@@ -319,11 +324,14 @@ impl Collective for HostsComm {
     }
 
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
-        self.call(|me| me.broadcast_with(root, |c, r| c.broadcast(buf, r)))
+        let traffic = self.broadcast_traffic(root, buf.len() * 4);
+        self.call(traffic, |me| me.broadcast_with(root, |c, r| c.broadcast(buf, r)))
     }
 
     fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
-        self.call(|me| {
+        // Every rank accounts the root's payload, as the other backends do.
+        let mut payload = 0;
+        self.call((0, 0), |me| {
             // The length first, so that every rank applies the bound, not only the root's host.
             let mut len = (bytes.len() as u64).to_le_bytes().to_vec();
             me.broadcast_with(root, |c, r| c.broadcast_bytes(&mut len, r))?;
@@ -337,8 +345,13 @@ impl Collective for HostsComm {
                     "rank {root} broadcasts {len} bytes, more than the bound {bound}"
                 )));
             }
+            payload = len as usize;
             me.broadcast_with(root, |c, r| c.broadcast_bytes(bytes, r))
-        })
+        })?;
+        let (sent, received) = self.broadcast_traffic(root, payload);
+        self.stats.bytes_sent += sent;
+        self.stats.bytes_received += received;
+        Ok(())
     }
 
     fn barrier(&mut self) -> Result<(), CommError> {

@@ -126,3 +126,34 @@ fn a_split_group_names_a_lost_member_by_its_rank_in_the_ring() {
     });
     assert!(got[0].contains("rank 2") && !got[0].contains("rank 1 "), "{}", got[0]);
 }
+
+/// Every transport accounts an all-reduce as the ring's bytes over all K ranks and a broadcast as
+/// its payload, as the plans count them: the shared-memory-and-ring hierarchy and the ring's
+/// recursive doubling too, whatever they move in fact.
+#[test]
+fn every_transport_accounts_calls_as_the_plans_count_them() {
+    let ring = |len: u64| 2 * 3 * len * 4 / 4;
+    for host in [parity as fn(usize) -> String, |_| "one".into(), |r| format!("node-{r}")] {
+        let got = common::on_threads(group(4, host), |mut c| {
+            // The first small call over the ring also forms the pairs of recursive doubling.
+            c.all_reduce(&mut vec![1.0; 1000], ReduceOp::Sum).unwrap();
+            let mut deltas = Vec::new();
+            for len in [1000usize, 100_000] {
+                let before = *c.stats();
+                c.all_reduce(&mut vec![1.0; len], ReduceOp::Sum).unwrap();
+                deltas.push(c.stats().since(&before));
+            }
+            let before = *c.stats();
+            let mut b = if c.rank() == 1 { vec![7u8; 10] } else { Vec::new() };
+            c.broadcast_bytes(&mut b, 1).unwrap();
+            (c.backend(), c.rank(), deltas, c.stats().since(&before))
+        });
+        for (backend, rank, deltas, bcast) in got {
+            for (d, len) in deltas.iter().zip([1000u64, 100_000]) {
+                assert_eq!((d.bytes_sent, d.bytes_received), (ring(len), ring(len)), "{backend} rank {rank} len {len}");
+            }
+            let want = if rank == 1 { (10, 0) } else { (0, 10) };
+            assert!(bcast.bytes_sent >= want.0 && bcast.bytes_received >= want.1, "{backend} rank {rank}: {bcast:?}");
+        }
+    }
+}

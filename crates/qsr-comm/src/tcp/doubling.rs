@@ -101,14 +101,6 @@ impl Doubling {
         self.fold.iter_mut().chain(&mut self.levels).for_each(|p| p.comm.progress = Some(f.clone()));
     }
 
-    /// Bytes sent and received by all pairs so far.
-    pub(crate) fn traffic(&self) -> (u64, u64) {
-        self.fold
-            .iter()
-            .chain(&self.levels)
-            .fold((0, 0), |(s, r), p| (s + p.comm.stats().bytes_sent, r + p.comm.stats().bytes_received))
-    }
-
     /// The sum (or mean) of `buf` over all ranks, into `buf` on every rank.
     pub(crate) fn all_reduce(&mut self, buf: &mut [f32], mean: bool) -> Result<(), CommError> {
         let (len, me) = (buf.len(), self.rank);
