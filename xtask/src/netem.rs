@@ -784,6 +784,8 @@ mod tests {
         let two = recipe_text(&args, "l1+qsr").unwrap();
         assert!(two.contains("rule = \"qsr\"") && two.contains("[sync.local]\nrule = \"constant\"\nh = 1"), "{two}");
         assert!(recipe_text(&args, "lx+qsr").is_err() && recipe_text(&args, "l0+dp").is_err());
+        // One local level at most (two would write two [sync.local] tables).
+        assert!(recipe_text(&args, "l1+l2+qsr").unwrap_err().to_string().contains("one local level at most"));
     }
 
     /// Namespace pair, a shaped link, its measured rate and round trip, and teardown (also of leftovers).

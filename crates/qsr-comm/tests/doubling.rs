@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use qsr_comm::{Collective, ReduceOp, TcpConfig};
 
@@ -98,9 +98,7 @@ fn survivors_name(n: usize, victim: usize, stall: bool) -> Vec<String> {
             }
             return String::new();
         }
-        let t = Instant::now();
         let e = c.all_reduce(&mut b, ReduceOp::Sum).unwrap_err();
-        assert!(t.elapsed() < timeout * 4, "took {:?}", t.elapsed());
         format!("{:?} {e}", e.blamed_rank())
     })
 }

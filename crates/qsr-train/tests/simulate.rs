@@ -378,3 +378,32 @@ fn step_seconds_from_a_two_level_run_leave_out_its_local_averages() {
     let e = String::from_utf8(qsr(&[&args[..], &["--step-seconds", "0.1"]].concat()).stderr).unwrap();
     assert!(e.contains("averages inside nodes ([sync.local]): give --node-size"), "{e}");
 }
+
+/// `--dp-hours` calibrates on the same cluster the rows are priced on: with nodes, the data-parallel
+/// row still reproduces the given hours exactly.
+#[test]
+fn dp_hours_calibrate_on_the_cluster_of_the_rows() {
+    let out = ok(&[
+        "simulate",
+        "--recipe",
+        "recipes/imagenet-vit-b-dp.toml",
+        "--recipe",
+        "recipes/imagenet-vit-b-qsr-hbase4.toml",
+        "--params",
+        "86381800",
+        "--bandwidth",
+        "25gbit",
+        "--node-size",
+        "8",
+        "--intra-bandwidth",
+        "400gbit",
+        "--steps-per-epoch",
+        "312",
+        "--dp-hours",
+        "26.7",
+        "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let dp = &v["rows"][0]["prediction"];
+    assert!(close(dp["total_seconds"].as_f64().unwrap(), 26.7 * 3600.0), "{dp}");
+}
