@@ -46,7 +46,7 @@
 use std::fmt;
 
 /// Bumped whenever any layout in this module changes.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// First 8 bytes of every hello.
 pub const HELLO_MAGIC: [u8; 8] = *b"QSRHELLO";
@@ -269,6 +269,9 @@ pub struct Hello {
     pub host: String,
     /// Port of the sender's ring listener.
     pub port: u16,
+    /// The membership generation of an elastic job (0 otherwise); must equal the receiver's, so a
+    /// rank of a generation that is over cannot join the ring of the next.
+    pub generation: u64,
 }
 
 impl Hello {
@@ -281,6 +284,7 @@ impl Hello {
         put_bytes16(&mut body, &self.token);
         put_bytes16(&mut body, self.host.as_bytes());
         body.extend_from_slice(&self.port.to_le_bytes());
+        body.extend_from_slice(&self.generation.to_le_bytes());
         encode_with_prefix(&HELLO_MAGIC, self.version, &body)
     }
 
@@ -299,8 +303,9 @@ impl Hello {
         let token = c.bytes16("job token", MAX_TOKEN_LEN)?.to_vec();
         let host = c.string16("host", MAX_HOST_LEN)?;
         let port = c.u16()?;
+        let generation = c.u64()?;
         c.finish()?;
-        Ok(Hello { version, purpose, world_size, rank, token, host, port })
+        Ok(Hello { version, purpose, world_size, rank, token, host, port, generation })
     }
 
     /// Decodes a complete hello (prefix and body) from one buffer; convenience for tests/fuzzing.
@@ -331,6 +336,8 @@ pub enum Field {
     Rank = 4,
     /// Anything else about the request (e.g. the wrong hello purpose).
     Other = 5,
+    /// The membership generation of an elastic job differs.
+    Generation = 6,
 }
 
 impl Field {
@@ -343,6 +350,7 @@ impl Field {
             Field::WorldSize => "world size",
             Field::Rank => "rank",
             Field::Other => "request",
+            Field::Generation => "generation",
         }
     }
     fn from_code(v: u8) -> Result<Field, WireError> {
@@ -352,6 +360,7 @@ impl Field {
             3 => Field::WorldSize,
             4 => Field::Rank,
             5 => Field::Other,
+            6 => Field::Generation,
             _ => {
                 return Err(WireError::BadValue { what: "refusal field", value: u64::from(v) });
             }
@@ -690,6 +699,7 @@ mod tests {
             token: b"secret".to_vec(),
             host: "10.1.2.3".into(),
             port: 40123,
+            generation: 7,
         }
     }
 

@@ -120,6 +120,7 @@ fn garbage_on_the_rendezvous_port_does_not_stall_rank0() {
                     token: b"test-token".to_vec(),
                     host: String::new(),
                     port: 1,
+                    generation: 0,
                 }
                 .encode();
                 let at = wire::PREFIX_LEN + 9;
@@ -190,6 +191,7 @@ fn fake_rank1(master: &str, token: &str) -> FakePeer {
         token: token.as_bytes().to_vec(),
         host: "127.0.0.1".into(),
         port,
+        generation: 0,
     };
     let mut reg = TcpStream::connect(master).unwrap();
     reg.write_all(&hello(Purpose::Register, own.local_addr().unwrap().port()).encode()).unwrap();
@@ -396,6 +398,7 @@ fn rank_whose_registration_closed_can_register_again() {
         token: cfg.token.as_bytes().to_vec(),
         host: "127.0.0.1".into(),
         port: 1,
+        generation: 0,
     };
     gone.write_all(&hello.encode()).unwrap();
     drop(gone);

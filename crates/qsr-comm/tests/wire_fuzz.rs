@@ -37,7 +37,7 @@ proptest! {
         flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..6),
         cut in any::<usize>(),
     ) {
-        let h = Hello { version: wire::PROTOCOL_VERSION, purpose: Purpose::Ring, world_size: 9, rank: 4, token, host: host.clone(), port: 7 };
+        let h = Hello { version: wire::PROTOCOL_VERSION, purpose: Purpose::Ring, world_size: 9, rank: 4, token, host: host.clone(), port: 7, generation: 3 };
         let good = h.encode();
         prop_assert_eq!(Hello::decode(&good), Ok(h));
         let reply = Reply::Accepted { table: vec![(host, 1), ("x".into(), 2)] };

@@ -50,6 +50,9 @@ pub struct TcpConfig {
     /// the whole buffer `log2 K` times, the ring `2 (K-1)/K` of it); 0 keeps every call on the
     /// ring. All ranks must use the same value: it is compared when the pairs form.
     pub doubling_bytes: usize,
+    /// The membership generation of an elastic job ([`crate::Elastic`] sets it for every ring it forms;
+    /// 0 otherwise): a hello of another generation is refused, naming both.
+    pub generation: u64,
     /// Protocol version sent in handshakes; only tests change it, to check refusals.
     #[doc(hidden)]
     pub protocol_version: u32,
@@ -67,6 +70,7 @@ impl Default for TcpConfig {
             chunk_bytes: 512 << 10,
             socket_buffer: None,
             doubling_bytes: 32 << 10,
+            generation: 0,
             protocol_version: PROTOCOL_VERSION,
         }
     }

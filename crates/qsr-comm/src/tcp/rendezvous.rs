@@ -123,6 +123,16 @@ fn check_hello(h: &Hello, purpose: Purpose, cfg: &TcpConfig, n: usize) -> Result
     if !same_token(&h.token, cfg.token.as_bytes()) {
         return Err((Field::Token, "job token differs (is this rank from another job or launch?)".into()));
     }
+    if h.generation != cfg.generation {
+        let age = if h.generation < cfg.generation { "is over" } else { "has not formed here yet" };
+        return Err((
+            Field::Generation,
+            format!(
+                "generation {} of this elastic job {age}: this ring is generation {} (rank {} is stale)",
+                h.generation, cfg.generation, h.rank
+            ),
+        ));
+    }
     if h.world_size as usize != n {
         return Err((
             Field::WorldSize,
@@ -507,6 +517,7 @@ fn hello(cfg: &TcpConfig, purpose: Purpose, n: usize, rank: usize, host: String,
         token: cfg.token.as_bytes().to_vec(),
         host,
         port,
+        generation: cfg.generation,
     }
 }
 

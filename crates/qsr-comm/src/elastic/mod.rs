@@ -1,0 +1,246 @@
+//! Elastic membership: a job whose workers may be lost and may join, through a store that outlives
+//! any of them.
+//!
+//! The protocol (ARCHITECTURE.md states its invariants):
+//! - every worker keeps one connection to the [`Store`] for its life, opened with the job token and
+//!   the settings every worker must share (a worker with other settings is refused, naming the keys);
+//!   a closed connection is a lost worker;
+//! - the store forms generation 0 when [`StoreConfig::workers`] workers have joined, ranked by their
+//!   launcher order; each generation is a ring formed from the store's table with fresh listeners
+//!   and its number in every hello ([`crate::TcpConfig::generation`]), so no rank of an older
+//!   generation can enter it;
+//! - a worker whose collective fails joins again, naming the generation it saw; the first such join
+//!   (or a member's closed connection) ends the generation; the store then waits until every member
+//!   still connected has joined, or [`StoreConfig::settle`] has passed, and forms the next generation
+//!   of the members that joined (in their old rank order) and of waiting new workers; a member that
+//!   did not join in time is expelled, and its later joins and polls are refused;
+//! - each join carries the last completed synchronization the worker holds ([`SyncState`]); the new
+//!   generation learns the newest one and which rank holds it ([`Membership::source`]), so a sync that
+//!   completed on any survivor counts, and no survivor continues from a half-finished one;
+//! - new workers wait until the running generation decides, at a synchronization boundary, to admit
+//!   them ([`Elastic::poll`] by one rank, its answer shared over the collective, then every member
+//!   joins).
+
+mod proto;
+mod store;
+
+use std::io::BufReader;
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::tcp::rendezvous::advertised_host;
+use crate::tcp::{TcpComm, TcpConfig, ring_listener};
+use crate::{Collective, CommError, ShmConfig, Transport, over_ring};
+use proto::{Request, Response, recv, send};
+pub use store::{Store, StoreConfig};
+
+/// The last completed synchronization a worker holds: its step and an opaque payload the new
+/// generation receives from the worker chosen as [`Membership::source`] (the trainer's counters).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncState {
+    /// Steps completed at that synchronization.
+    pub step: u64,
+    /// What the application wants the new generation to have (at most about 1 MiB).
+    pub payload: String,
+}
+
+/// A member of the previous generation that is not in the new one.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lost {
+    /// Its rank in the previous generation.
+    pub rank: usize,
+    /// Why the store dropped it (exited, or did not report within the settle time).
+    pub reason: String,
+}
+
+/// A generation as one worker sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Membership {
+    /// The generation's number: 0 for the first, one more at every change.
+    pub generation: u64,
+    /// This worker's rank in it.
+    pub rank: usize,
+    /// The number of workers in it.
+    pub world_size: usize,
+    /// This worker's rank in the previous generation (`None` for a new worker).
+    pub previous_rank: Option<usize>,
+    /// The rank holding the newest completed synchronization, which the others take over.
+    pub source: Option<usize>,
+    /// That synchronization (`None` when no member holds one: the first generation of a run).
+    pub state: Option<SyncState>,
+    /// Members of the previous generation left out, by their previous rank.
+    pub lost: Vec<Lost>,
+    /// The ranks of new workers in this generation.
+    pub joined: Vec<usize>,
+}
+
+/// How a worker reaches its elastic job: the store's address, and how it forms each generation's
+/// collective (the same transports as [`crate::connect`]).
+#[derive(Debug, Clone)]
+pub struct ElasticConfig {
+    /// The store's `host:port`.
+    pub store: String,
+    /// Ring settings; [`TcpConfig::token`] is also presented to the store.
+    pub tcp: TcpConfig,
+    /// Shared memory, the ring or both, as for a launch.
+    pub transport: Transport,
+    /// Shared-memory settings.
+    pub shm: ShmConfig,
+    /// This worker's host ([`crate::host_id`]).
+    pub host: String,
+    /// The launcher's rank for this worker, which orders the first generation (`None`: arrival).
+    pub order: Option<u64>,
+    /// Settings every worker of the job must share (the store refuses a worker whose differ).
+    pub settings: serde_json::Value,
+}
+
+/// Whether a running generation should admit new workers now ([`Elastic::poll`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Poll {
+    /// The generation runs; this many workers wait to join it.
+    Steady {
+        /// Workers waiting (at most the room the store's worker count leaves).
+        waiting: usize,
+    },
+    /// The generation is over: a failure is being handled, and this worker should join again.
+    Over,
+}
+
+/// A worker's connection to its elastic job's [`Store`].
+///
+/// ```no_run
+/// # fn main() -> Result<(), qsr_comm::CommError> {
+/// use qsr_comm::{Elastic, ElasticConfig, ShmConfig, TcpConfig, Transport};
+///
+/// let cfg = ElasticConfig {
+///     store: "10.0.0.1:29400".into(),
+///     tcp: TcpConfig::default(),
+///     transport: Transport::Auto,
+///     shm: ShmConfig::default(),
+///     host: qsr_comm::host_id(&|k| std::env::var(k).ok(), &ShmConfig::default()),
+///     order: None,
+///     settings: serde_json::json!({ "recipe": "digits" }),
+/// };
+/// let mut job = Elastic::connect(cfg)?;
+/// let (mut comm, membership) = job.form(None, "start")?;
+/// // ... train; on a peer failure: restore the last sync and `job.form(Some(state), reason)` again.
+/// # let _ = (&mut comm, membership);
+/// job.finish()?;
+/// # Ok(())
+/// # }
+/// ```
+pub struct Elastic {
+    cfg: ElasticConfig,
+    reader: BufReader<TcpStream>,
+    writer: TcpStream,
+    generation: Option<u64>,
+}
+
+impl Elastic {
+    /// Connects to the store (retrying until [`TcpConfig::rendezvous_timeout`]) and says hello.
+    pub fn connect(cfg: ElasticConfig) -> Result<Elastic, CommError> {
+        let deadline = Instant::now() + cfg.tcp.rendezvous_timeout;
+        let stream = loop {
+            match TcpStream::connect(&cfg.store) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() >= deadline => {
+                    return Err(store_err(&cfg.store, format!("cannot connect within the rendezvous timeout: {e}")));
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let writer = stream.try_clone().map_err(|e| CommError::io("store connection", e))?;
+        let mut job = Elastic { reader: BufReader::new(stream), writer, cfg, generation: None };
+        let hello = Request::Hello {
+            token: job.cfg.tcp.token.clone(),
+            settings: job.cfg.settings.clone(),
+            order: job.cfg.order,
+        };
+        match job.ask(&hello)? {
+            Response::Welcome { .. } => Ok(job),
+            other => Err(job.unexpected(other)),
+        }
+    }
+
+    /// The generation this worker last formed (`None` before [`Self::form`]).
+    pub fn generation(&self) -> Option<u64> {
+        self.generation
+    }
+
+    /// Joins the next generation and forms its collective. `state` is the last completed
+    /// synchronization this worker holds (`None` for a new worker); `reason` says why (a failure
+    /// seen, a growth). Fails with [`CommError::Expelled`] when this worker's generation ended
+    /// without it.
+    pub fn form(
+        &mut self,
+        state: Option<SyncState>,
+        reason: &str,
+    ) -> Result<(Box<dyn Collective>, Membership), CommError> {
+        let (listener, port) = ring_listener(&self.cfg.tcp)?;
+        let host = advertised_host(&self.cfg.tcp).unwrap_or_default();
+        let join = Request::Join { seen: self.generation, host, port, state, reason: reason.into() };
+        let reply = self.ask(&join)?;
+        let Response::Formed { generation, rank, previous_rank, table, source, state, lost, joined } = reply else {
+            return Err(self.unexpected(reply));
+        };
+        self.generation = Some(generation);
+        let n = table.len();
+        let membership = Membership { generation, rank, world_size: n, previous_rank, source, state, lost, joined };
+        let tcp = TcpConfig { generation, ..self.cfg.tcp.clone() };
+        let ring = TcpComm::from_table(rank, n, tcp, &listener, table)?;
+        let comm = over_ring(ring, self.cfg.transport, &self.cfg.host, self.cfg.shm.clone())?;
+        Ok((comm, membership))
+    }
+
+    /// Asks the store whether the current generation still runs and how many workers wait to join.
+    /// One rank polls and shares the answer, so that every member decides alike.
+    pub fn poll(&mut self) -> Result<Poll, CommError> {
+        let Some(generation) = self.generation else {
+            return Err(CommError::InvalidArgument("poll before the first generation formed".into()));
+        };
+        match self.ask(&Request::Poll { generation })? {
+            Response::Steady { waiting } => Ok(Poll::Steady { waiting }),
+            Response::Over { .. } => Ok(Poll::Over),
+            other => Err(self.unexpected(other)),
+        }
+    }
+
+    /// Tells the store this worker finished the run (so its leaving is not a loss).
+    pub fn finish(&mut self) -> Result<(), CommError> {
+        match self.ask(&Request::Done)? {
+            Response::Ok => Ok(()),
+            other => Err(self.unexpected(other)),
+        }
+    }
+
+    /// Sends a request and reads its answer, skipping the keepalives of a waiting join.
+    fn ask(&mut self, req: &Request) -> Result<Response, CommError> {
+        let addr = self.cfg.store.clone();
+        send(&mut self.writer, req).map_err(|e| store_err(&addr, format!("cannot send: {e}")))?;
+        // The store answers a waiting join every few seconds; silence this long means it is gone.
+        let _ = self.reader.get_ref().set_read_timeout(Some(Duration::from_secs(60)));
+        loop {
+            match recv::<Response>(&mut self.reader) {
+                Ok(Some(Response::Waiting { .. })) => continue,
+                Ok(Some(r)) => return Ok(r),
+                Ok(None) => return Err(store_err(&addr, "the store closed the connection".into())),
+                Err(e) => return Err(store_err(&addr, format!("no usable answer: {e}"))),
+            }
+        }
+    }
+
+    fn unexpected(&self, r: Response) -> CommError {
+        match r {
+            Response::Refused { message } => store_err(&self.cfg.store, format!("refused: {message}")),
+            Response::Expelled { generation, current } => CommError::Expelled { generation, current },
+            other => store_err(&self.cfg.store, format!("unexpected answer {other:?}")),
+        }
+    }
+}
+
+fn store_err(addr: &str, detail: String) -> CommError {
+    CommError::Store { addr: addr.into(), detail }
+}

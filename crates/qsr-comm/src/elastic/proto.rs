@@ -1,0 +1,79 @@
+//! The store's wire format: one JSON object per line, at most [`MAX_LINE`] bytes, each way.
+
+use std::io::{BufRead, Write};
+
+use serde::{Deserialize, Serialize, de::DeserializeOwned};
+
+use super::{Lost, SyncState};
+
+/// The longest line either side reads: the settings (a resolved recipe) and a state payload fit.
+pub(crate) const MAX_LINE: u64 = 1 << 20;
+
+/// A worker's request.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub(crate) enum Request {
+    /// The first request on a connection: the job token, the settings every worker must share, and
+    /// the launcher's rank, which orders the first generation.
+    Hello { token: String, settings: serde_json::Value, order: Option<u64> },
+    /// Join the next generation: `seen` is the generation this worker belonged to (`None` for a
+    /// new worker), `state` the last completed sync it holds.
+    Join { seen: Option<u64>, host: String, port: u16, state: Option<SyncState>, reason: String },
+    /// Whether the generation still runs, and how many workers wait to join it.
+    Poll { generation: u64 },
+    /// This worker finished the run.
+    Done,
+}
+
+/// The store's answer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub(crate) enum Response {
+    /// The hello was accepted.
+    Welcome { id: u64 },
+    /// A request was refused; the message says why.
+    Refused { message: String },
+    /// A join is still waiting (sent every few seconds, so the worker knows the store lives).
+    Waiting { generation: Option<u64> },
+    /// A generation formed with this worker in it.
+    Formed {
+        generation: u64,
+        rank: usize,
+        previous_rank: Option<usize>,
+        table: Vec<(String, u16)>,
+        source: Option<usize>,
+        state: Option<SyncState>,
+        lost: Vec<Lost>,
+        joined: Vec<usize>,
+    },
+    /// The worker's generation ended without it.
+    Expelled { generation: u64, current: u64 },
+    /// Answer to a poll: the generation runs; `waiting` workers would join at the next boundary.
+    Steady { waiting: usize },
+    /// Answer to a poll: the generation is over (a failure is being handled).
+    Over { current: u64 },
+    /// Done was recorded.
+    Ok,
+}
+
+/// Writes one message as a line.
+pub(crate) fn send(w: &mut impl Write, msg: &impl Serialize) -> std::io::Result<()> {
+    let mut line = serde_json::to_vec(msg).map_err(std::io::Error::other)?;
+    line.push(b'\n');
+    w.write_all(&line)?;
+    w.flush()
+}
+
+/// Reads one line (`None` at end of stream) and decodes it; a line over [`MAX_LINE`] is an error.
+pub(crate) fn recv<T: DeserializeOwned>(r: &mut impl BufRead) -> std::io::Result<Option<T>> {
+    let mut line = Vec::new();
+    let n = std::io::Read::take(&mut *r, MAX_LINE + 1).read_until(b'\n', &mut line)?;
+    if n == 0 {
+        return Ok(None);
+    }
+    if line.last() != Some(&b'\n') {
+        let what = if n as u64 > MAX_LINE { "a line longer than 1 MiB" } else { "a line cut off by end of stream" };
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, what));
+    }
+    serde_json::from_slice(&line).map(Some).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}
