@@ -525,6 +525,27 @@ impl<M: Module> Worker<M> {
     pub fn comm_mut(&mut self) -> &mut dyn Collective {
         self.comm.as_mut()
     }
+    /// Replaces the collective (an elastic job's next generation, [`qsr_comm::Elastic`]); returns the
+    /// old one. Refused when the new one cannot carry the configured wire, and for workers of a
+    /// two-level plan or a device group, whose other groups would still span the old membership.
+    pub fn replace_comm(&mut self, comm: Box<dyn Collective>) -> Result<Box<dyn Collective>, OptimError> {
+        check_wire(self.config.wire, comm.as_ref())?;
+        if self.local.is_some() {
+            return Err(OptimError::Config {
+                field: "sync.local".into(),
+                reason: "a two-level worker's node group would still span the old membership".into(),
+            });
+        }
+        if matches!(&self.replica, Replica::Device(d) if d.has_group()) {
+            return Err(OptimError::DeviceGroup("a device group's members are fixed; it cannot change".into()));
+        }
+        Ok(std::mem::replace(&mut self.comm, comm))
+    }
+    /// Takes the totals so far, leaving zeros (a trainer that carries its own counters across a
+    /// membership change).
+    pub fn take_stats(&mut self) -> DriverStats {
+        std::mem::take(&mut self.stats)
+    }
     /// This worker's rank in the collective, `0..world_size()`.
     pub fn rank(&self) -> usize {
         self.comm.rank()

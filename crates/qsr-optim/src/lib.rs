@@ -18,6 +18,7 @@ mod flat;
 mod optim;
 mod outer;
 mod replica;
+mod snapshot;
 
 pub use averager::{Averager, AveragerConfig, AveragerStats};
 pub use device::{DEFAULT_DEVICE_GROUP_TIMEOUT, DeviceGroup, DeviceOptimizer};
@@ -31,3 +32,4 @@ pub use optim::{
     DecaySegment, OptimState, Optimizer, OptimizerConfig, OptimizerKind, clip_grad_norm, clip_grad_norm_per_tensor,
 };
 pub use outer::OuterConfig;
+pub use snapshot::Snapshot;

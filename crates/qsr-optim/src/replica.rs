@@ -289,6 +289,11 @@ impl DeviceReplica {
         self.group = Some(group);
     }
 
+    /// Whether syncs go through a device group.
+    pub(crate) fn has_group(&self) -> bool {
+        self.group.is_some()
+    }
+
     /// [`HostReplica::step`] on the device: no host transfer but one finiteness flag (and the loss).
     pub(crate) fn step<M: Module, F>(
         &mut self,

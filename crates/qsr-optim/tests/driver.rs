@@ -848,3 +848,66 @@ fn a_two_level_plan_without_a_node_and_a_node_without_one_are_refused() {
         .to_string();
     assert!(e.contains("Worker::set_local"), "{e}");
 }
+
+/// One MLP worker of `k` trained from its cursor to `until` steps (`Task::start` data).
+fn train_until(w: &mut Worker<Mlp>, task: &Task, rank: usize, k: usize, until: u64) {
+    let device = device();
+    while w.cursor().step() < until {
+        let t = w.cursor().step();
+        w.step(|m: &Mlp, _| {
+            let (x, y) = task.batch(Task::start(rank, k, t, 0, 1), BATCH, &device);
+            Ok(mse(m.forward(x), y))
+        })
+        .unwrap();
+    }
+}
+
+/// Two workers train to step 8 (two steps into the round after the sync at 6), abandon the round,
+/// form a new group and continue from the newest sync, held by rank 1; with `lagging`, rank 0 had
+/// gone back to an older sync (step 3) and takes rank 1's over. Returns each rank's final parameters.
+fn abandon_and_redo(lagging: bool, p: &Plan, optim: &OptimizerConfig, outer: OuterConfig) -> Vec<Vec<f32>> {
+    let k = 2;
+    let model = init(Mlp::new(&device()));
+    let task = Task::new();
+    let (first, second) = (InProcessGroup::new(k), InProcessGroup::new(k));
+    thread::scope(|s| {
+        let handles: Vec<_> = first
+            .into_iter()
+            .zip(second)
+            .enumerate()
+            .map(|(rank, (a, b))| {
+                let (model, task, optim) = (model.clone(), &task, optim.clone());
+                s.spawn(move || {
+                    let mut w = Worker::new(model, optim, Box::new(a), p.cursor(), DriverConfig::default()).unwrap();
+                    w.set_outer(outer).unwrap();
+                    train_until(&mut w, task, rank, k, 3);
+                    let older = w.snapshot().unwrap();
+                    train_until(&mut w, task, rank, k, 6);
+                    let snap = w.snapshot().unwrap();
+                    train_until(&mut w, task, rank, k, 8);
+                    w.restore_snapshot(if lagging && rank == 0 { &older } else { &snap }).unwrap();
+                    w.replace_comm(Box::new(b)).unwrap();
+                    w.adopt(1, p.cursor_at(6)).unwrap();
+                    assert_eq!(w.cursor().step(), 6);
+                    assert_eq!(&*w.params().unwrap(), snap.params(), "rank {rank} did not take rank 1's sync");
+                    train_until(&mut w, task, rank, k, 12);
+                    w.params().unwrap().to_vec()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn a_round_abandoned_to_its_snapshot_and_redone_over_a_new_group_equals_the_straight_run() {
+    let p = plan(12, SyncRule::Constant { h: 3 });
+    let (optim, outer) = (OptimizerConfig::adamw(0.01), OuterConfig::diloco());
+    let straight = run_mlp_outer(2, &p, (optim.clone(), Some(outer)), DriverConfig::default(), None);
+    let redone = abandon_and_redo(false, &p, &optim, outer);
+    assert_eq!(redone, straight.params, "the redone round left the straight trajectory");
+    // A rank that lagged a sync behind takes the newest one over (with its own, older moments).
+    let lagged = abandon_and_redo(true, &p, &optim, outer);
+    assert_eq!(lagged[0], lagged[1], "the ranks ended apart");
+    assert_ne!(lagged[0], straight.params[0], "older moments should have changed the trajectory");
+}

@@ -1,0 +1,95 @@
+//! A worker's state at a synchronization, kept to abandon a round, and the hand-over of the newest
+//! one to a new membership: what an elastic job ([`qsr_comm::Elastic`]) needs from the driver.
+
+use burn::module::Module;
+use qsr_sched::Cursor;
+
+use crate::{OptimError, OptimState, Worker};
+
+/// Everything a [`Worker`] continues from: flat parameters, BatchNorm running statistics, its own
+/// optimizer state, its position in the plan and the outer optimizer's state. Taken after a
+/// completed synchronization, it is the point a failed round goes back to.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    params: Vec<f32>,
+    running: Vec<f32>,
+    optim: OptimState,
+    cursor: Cursor,
+    outer: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+impl Snapshot {
+    /// Steps completed when it was taken.
+    pub fn step(&self) -> u64 {
+        self.cursor.step()
+    }
+
+    /// The flat parameters it holds.
+    pub fn params(&self) -> &[f32] {
+        &self.params
+    }
+}
+
+impl<M: Module> Worker<M> {
+    /// The worker's state now (downloaded when device-resident): one more copy of the parameters,
+    /// the optimizer moments and the outer state.
+    pub fn snapshot(&self) -> Result<Snapshot, OptimError> {
+        let mut running = vec![0.0; self.layout().running_len()];
+        self.layout().read_running(self.model(), &mut running)?;
+        Ok(Snapshot {
+            params: self.params()?.into_owned(),
+            running,
+            optim: self.optimizer_state()?.into_owned(),
+            cursor: self.cursor().clone(),
+            outer: self.outer_state().map(|(g, m)| (g.to_vec(), m.to_vec())),
+        })
+    }
+
+    /// Goes back to `snap` (its parameters, statistics, optimizer state, position and outer state).
+    pub fn restore_snapshot(&mut self, snap: &Snapshot) -> Result<(), OptimError> {
+        self.restore(&snap.params, snap.optim.clone(), snap.cursor.clone())?;
+        if let Some((global, momentum)) = &snap.outer {
+            self.restore_outer_state(global, momentum)?;
+        }
+        self.set_running(&snap.running)
+    }
+
+    /// Takes rank `source`'s parameters, BatchNorm statistics and outer state (broadcast over the
+    /// collective; every rank calls it) and moves to `cursor`; the optimizer state stays this
+    /// worker's own. This is how the ranks of a new membership continue from the newest
+    /// synchronization one of them holds, and how a new worker gets the job's state (its optimizer
+    /// state is then the fresh one it was built with).
+    pub fn adopt(&mut self, source: usize, cursor: Cursor) -> Result<(), OptimError> {
+        let step = cursor.step();
+        let err = |source| OptimError::Comm { step, source };
+        let mut params = self.params()?.into_owned();
+        self.comm_mut().broadcast(&mut params, source).map_err(err)?;
+        let mut running = vec![0.0; self.layout().running_len()];
+        self.layout().read_running(self.model(), &mut running)?;
+        if !running.is_empty() {
+            self.comm_mut().broadcast(&mut running, source).map_err(err)?;
+        }
+        let outer = match self.outer_state().map(|(g, m)| (g.to_vec(), m.to_vec())) {
+            Some((mut global, mut momentum)) => {
+                self.comm_mut().broadcast(&mut global, source).map_err(err)?;
+                self.comm_mut().broadcast(&mut momentum, source).map_err(err)?;
+                Some((global, momentum))
+            }
+            None => None,
+        };
+        let optim = self.optimizer_state()?.into_owned();
+        self.restore(&params, optim, cursor)?;
+        if let Some((global, momentum)) = outer {
+            self.restore_outer_state(&global, &momentum)?;
+        }
+        self.set_running(&running)
+    }
+
+    fn set_running(&mut self, running: &[f32]) -> Result<(), OptimError> {
+        if running.is_empty() {
+            return Ok(());
+        }
+        let model = self.layout().write_running(self.model().clone(), running)?;
+        self.set_model(model)
+    }
+}
