@@ -82,6 +82,14 @@ pub struct TrainArgs {
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
+    /// Elastic mode: a lost or stalled worker costs the round in flight, not the run (the survivors
+    /// go on from the last completed sync), and restarted or new workers join at a sync. With
+    /// --nproc the launcher serves the store; otherwise give --rendezvous (`qsr rendezvous`).
+    #[arg(long, conflicts_with = "workers")]
+    pub elastic: bool,
+    /// The elastic job's store, `host:port` of `qsr rendezvous` (with --comm tcp --elastic).
+    #[arg(long, requires = "elastic", value_name = "HOST:PORT")]
+    pub rendezvous: Option<String>,
     /// Stop after the first checkpoint at or past this step (to test resumption).
     #[arg(long, hide = true)]
     pub halt_after: Option<u64>,
@@ -190,6 +198,9 @@ pub fn run(args: &TrainArgs) -> Result<Option<Summary>> {
     }
     let (recipe, run_dir, resume) = resolve(args)?;
     let spec = DeviceSpec::parse(&args.device)?;
+    if args.elastic {
+        check_elastic(args, &recipe)?;
+    }
     if args.comm == Some(CommKind::Nccl) && !spec.is_gpu() {
         bail!("--comm nccl needs a GPU device (--device cuda or cuda:N), not --device {}", args.device);
     }
@@ -203,13 +214,26 @@ pub fn run(args: &TrainArgs) -> Result<Option<Summary>> {
                 args.device
             );
         }
-        check_world(&resume, recipe.train.workers)?;
+        if !args.elastic {
+            check_world(&resume, recipe.train.workers)?;
+        }
         preflight(&recipe, n, n, spec.is_gpu())?;
         let _lock = RunLock::acquire(&run_dir)?;
         prepare_run_dir(&run_dir, &recipe)?;
-        let children =
-            ChildArgs { comm: args.comm.unwrap_or(CommKind::Tcp), run_dir: &run_dir, resuming: resume.is_some(), args };
-        return procs::launch(n, |rank, port, token| children.command(rank, n, port, token), &run_dir);
+        let token = qsr_comm::random_token();
+        let store = if args.elastic { Some(crate::elastic::launcher_store(n, &token)?) } else { None };
+        let children = ChildArgs {
+            comm: args.comm.unwrap_or(CommKind::Tcp),
+            run_dir: &run_dir,
+            resuming: resume.is_some(),
+            store: store.as_ref().map(|s| s.local_addr().to_string()),
+            args,
+        };
+        let command = |rank, port| children.command(rank, n, port, &token);
+        return procs::launch(n, command, &run_dir, store.as_ref());
+    }
+    if args.elastic {
+        return crate::elastic::train(args, spec, recipe, run_dir, resume);
     }
     if let Some(kind) = args.comm {
         return external(args, kind, spec, recipe, run_dir, resume);
@@ -222,6 +246,26 @@ pub fn run(args: &TrainArgs) -> Result<Option<Summary>> {
     let spec = RunSpec { recipe, device, run_dir, resume, progress: !args.quiet, halt_after: args.halt_after };
     let outcomes = simulated(&spec)?;
     Ok(outcomes.into_iter().find_map(|o| o.summary))
+}
+
+/// Refuses what elastic mode does not cover, naming the flag or key.
+fn check_elastic(args: &TrainArgs, recipe: &TrainRecipe) -> Result<()> {
+    if args.comm.is_some_and(|c| c != CommKind::Tcp) {
+        bail!("--elastic re-forms our TCP ring and shared memory at every change: use --comm tcp");
+    }
+    if args.nproc.is_none() && args.rendezvous.is_none() {
+        bail!("--elastic needs --nproc N (the launcher serves the store) or --rendezvous HOST:PORT (`qsr rendezvous`)");
+    }
+    if args.nproc.is_some() && args.rendezvous.is_some() {
+        bail!("--nproc --elastic serves its own store: drop --rendezvous");
+    }
+    if recipe.sync.local.is_some() {
+        bail!("--elastic re-forms one flat group: a recipe with [sync.local] cannot run elastic");
+    }
+    if args.halt_after.is_some() {
+        bail!("--halt-after is not supported with --elastic");
+    }
+    Ok(())
 }
 
 /// Exit status of a worker that failed only because another rank failed first (it lost a peer or was
@@ -250,7 +294,7 @@ pub fn is_peer_failure(e: &anyhow::Error) -> bool {
 
 /// Writes the resolved recipe, so that the run directory says what the run follows (on resume too:
 /// a raised `train.steps` then holds for the next resume as well).
-fn prepare_run_dir(run_dir: &Path, recipe: &TrainRecipe) -> Result<()> {
+pub(crate) fn prepare_run_dir(run_dir: &Path, recipe: &TrainRecipe) -> Result<()> {
     std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
     checkpoint::write_atomic(&run_dir.join("recipe.toml"), recipe.to_toml()?.as_bytes())
 }
@@ -346,6 +390,8 @@ struct ChildArgs<'a> {
     comm: CommKind,
     run_dir: &'a Path,
     resuming: bool,
+    /// The elastic store's address (`--elastic`).
+    store: Option<String>,
     args: &'a TrainArgs,
 }
 
@@ -358,8 +404,13 @@ impl ChildArgs<'_> {
         if self.resuming {
             c.arg("--resume").arg(self.run_dir);
         }
-        c.args(["--rank", &rank.to_string(), "--world-size", &n.to_string(), "--master-addr", "127.0.0.1"]);
-        c.args(["--master-port", &port.to_string(), "--device", &self.args.device]);
+        if let Some(store) = &self.store {
+            c.args(["--elastic", "--rendezvous", store, "--rank", &rank.to_string()]);
+        } else {
+            c.args(["--rank", &rank.to_string(), "--world-size", &n.to_string(), "--master-addr", "127.0.0.1"]);
+            c.args(["--master-port", &port.to_string()]);
+        }
+        c.args(["--device", &self.args.device]);
         if rank != 0 || self.args.quiet {
             c.arg("--quiet");
         }

@@ -4,7 +4,8 @@
 //!
 //! Every command of the `qsr` binary is one function here, taking its parsed arguments: [`run_plan`]
 //! ([`PlanArgs`]), [`run_train`] ([`TrainArgs`]), [`run_compare`] ([`CompareArgs`]), [`plot()`]
-//! ([`PlotArgs`]), [`run_simulate`] ([`SimulateArgs`]) and [`device_check`] ([`DeviceCheckArgs`]).
+//! ([`PlotArgs`]), [`run_simulate`] ([`SimulateArgs`]), [`device_check`] ([`DeviceCheckArgs`]) and
+//! [`rendezvous`] ([`RendezvousArgs`], the store of `qsr train --elastic`).
 //! Recipes are [`TrainRecipe`] (training) and [`load_plan`] (the `[schedule]` and `[sync]` sections
 //! only); run directories hold checkpoints ([`checkpoint`]) under a [`RunLock`].
 
@@ -19,6 +20,7 @@ mod agree;
 pub mod checkpoint;
 mod compare;
 mod device;
+mod elastic;
 mod launch;
 mod plan_cmd;
 mod plot;
@@ -35,6 +37,7 @@ pub use compare::{CompareArgs, PlotArgs, Row as CompareRow, mean_ci, plot, rule_
 #[cfg(feature = "cuda")]
 pub use device::probe_cuda;
 pub use device::{CHECK_LENGTHS, CudaProbe, DeviceCheckArgs, DeviceSpec, check_ordinal, device_check};
+pub use elastic::{RendezvousArgs, rendezvous};
 pub use launch::{
     CommKind, EXIT_PEER_FAILED, Resume, TrainArgs, device, exit_code, is_peer_failure, resolve, run as run_train,
     simulated,
@@ -48,8 +51,8 @@ pub use simulate::{
     parse_duration, predict, recipe_payload, render, run as run_simulate, simulate, step_seconds_from_wall,
 };
 pub use train::{
-    Comms, LocalLevel, Outcome, Record, RunSpec, Summary, TrainModel, build_model, input_spec, preflight, root_cause,
-    run_worker,
+    Comms, LocalLevel, MembershipChange, Outcome, Record, RunSpec, Summary, TrainModel, build_model, input_spec,
+    preflight, root_cause, run_worker,
 };
 pub use train_recipe::{
     CheckpointConfig, DataConfig, EvalConfig, MAX_PREFETCH, TrainConfig, TrainRecipe, apply_sets, open_corpus,

@@ -28,6 +28,8 @@ enum Command {
     Simulate(qsr_train::SimulateArgs),
     /// Check the GPU kernels: bit-exact against the host path, bandwidth against a device copy.
     DeviceCheck(qsr_train::DeviceCheckArgs),
+    /// Serve the store of an elastic job (`qsr train --elastic --rendezvous HOST:PORT`) until it finishes.
+    Rendezvous(qsr_train::RendezvousArgs),
 }
 
 fn main() -> ExitCode {
@@ -59,6 +61,7 @@ fn main() -> ExitCode {
             }
         }),
         Command::Simulate(args) => qsr_train::run_simulate(&args, &mut std::io::stdout().lock()),
+        Command::Rendezvous(args) => qsr_train::rendezvous(&args, &mut std::io::stdout().lock()),
         Command::DeviceCheck(args) => qsr_train::device_check(&args, &mut std::io::stdout().lock())
             .and_then(|ok| if ok { Ok(()) } else { Err(anyhow::anyhow!("device check failed (see the table above)")) }),
     };

@@ -45,15 +45,18 @@ pub fn die_with_launcher() -> Result<()> {
     Ok(())
 }
 
-/// Starts `n` workers (`command(rank, port, token)`), waits for them, and returns rank 0's summary.
+/// Starts `n` workers (`command(rank, port)`), waits for them, and returns rank 0's summary. With an
+/// elastic `store`, a failed worker does not stop the others: the run succeeds when the store says
+/// every worker of its last generation finished.
 pub fn launch(
     n: usize,
-    command: impl Fn(usize, u16, &str) -> Result<Command>,
+    command: impl Fn(usize, u16) -> Result<Command>,
     run_dir: &Path,
+    store: Option<&qsr_comm::Store>,
 ) -> Result<Option<Summary>> {
     let signal = Arc::new(AtomicUsize::new(0));
     let ids = register_signals(&signal)?;
-    let result = supervise(n, &command, &signal);
+    let result = supervise(n, &command, &signal, store);
     for id in ids {
         signal_hook::low_level::unregister(id);
     }
@@ -129,12 +132,16 @@ fn signal_name(s: i32) -> &'static str {
     }
 }
 
-fn supervise(n: usize, command: &impl Fn(usize, u16, &str) -> Result<Command>, signal: &AtomicUsize) -> Result<()> {
+fn supervise(
+    n: usize,
+    command: &impl Fn(usize, u16) -> Result<Command>,
+    signal: &AtomicUsize,
+    store: Option<&qsr_comm::Store>,
+) -> Result<()> {
     let port = free_port()?;
-    let token = qsr_comm::random_token();
     let mut workers = Vec::new();
     for rank in 0..n {
-        let mut c = command(rank, port, &token)?;
+        let mut c = command(rank, port)?;
         c.env(LAUNCHER_PID, std::process::id().to_string());
         match c.spawn() {
             Ok(child) => workers.push(Worker { rank, child }),
@@ -145,7 +152,17 @@ fn supervise(n: usize, command: &impl Fn(usize, u16, &str) -> Result<Command>, s
         }
     }
     let mut failures: Vec<Failure> = Vec::new();
+    let mut finished_at: Option<Instant> = None;
     while !workers.is_empty() {
+        // An elastic job that finished leaves only expelled workers (stopped ones, say) running.
+        if let Some(s) = store {
+            if s.finished() && finished_at.is_none() {
+                finished_at = Some(Instant::now());
+            }
+            if finished_at.is_some_and(|t| t.elapsed() >= STOP_GRACE) {
+                break;
+            }
+        }
         if let Some(sig) = received(signal) {
             let count = workers.len();
             stop(&mut workers, sig);
@@ -156,7 +173,7 @@ fn supervise(n: usize, command: &impl Fn(usize, u16, &str) -> Result<Command>, s
             );
         }
         workers = reap(workers, &mut failures)?;
-        if failures.first().is_some_and(|f| f.seen.elapsed() >= FAILURE_WINDOW) {
+        if store.is_none() && failures.first().is_some_and(|f| f.seen.elapsed() >= FAILURE_WINDOW) {
             break;
         }
         std::thread::sleep(POLL);
@@ -164,6 +181,12 @@ fn supervise(n: usize, command: &impl Fn(usize, u16, &str) -> Result<Command>, s
     stop(&mut workers, Signal::TERM);
     workers = reap(workers, &mut failures)?;
     debug_assert!(workers.is_empty());
+    if store.is_some_and(qsr_comm::Store::finished) {
+        for f in &failures {
+            eprintln!("qsr: {}; the elastic job went on without it", f.describe());
+        }
+        return Ok(());
+    }
     if let Some(first) = failures.iter().min_by_key(|f| (f.precedence(), f.seen)) {
         bail!("{} ({} of {n} workers failed)", first.describe(), failures.len());
     }

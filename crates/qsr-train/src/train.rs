@@ -22,7 +22,7 @@ use crate::train_recipe::{TrainRecipe, open_corpus, open_dataset};
 /// One line of `metrics.jsonl`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Record {
-    /// `sync` or `eval`.
+    /// `sync`, `eval`, or `membership` (an elastic run's change of workers, at the step it continues from).
     pub kind: String,
     /// Steps completed.
     pub step: u64,
@@ -52,6 +52,29 @@ pub struct Record {
     /// Bytes rank 0 sent for local averages so far.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub local_bytes: u64,
+    /// The change of a `membership` record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub membership: Option<MembershipChange>,
+}
+
+/// A change of an elastic run's workers (`qsr train --elastic`): a `membership` record of
+/// `metrics.jsonl` and an entry of `summary.json`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct MembershipChange {
+    /// The generation that formed (0 is the first; one more per change).
+    pub generation: u64,
+    /// Workers in it.
+    pub world_size: usize,
+    /// Workers of the previous generation left out, by their rank there, with the store's reason.
+    pub lost: Vec<qsr_comm::Lost>,
+    /// Ranks of the workers that joined.
+    pub joined: Vec<usize>,
+    /// What the survivors saw: the failure that ended the round, or the admission of new workers.
+    pub reason: String,
+    /// Rounds abandoned: 1 when a round was under way, 0 when the change came at a sync.
+    pub rounds_lost: u64,
+    /// Steps trained again because the round they belonged to was abandoned.
+    pub steps_lost: u64,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -120,6 +143,9 @@ pub struct Summary {
     /// ignores the context, which `final_test_loss` (the validation loss) should fall well below.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unigram_entropy: Option<f64>,
+    /// The changes of workers of an elastic run, in order (`world_size` is the last generation's).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub membership: Vec<MembershipChange>,
 }
 
 /// Everything a worker needs besides its collective and its model replica.
@@ -333,10 +359,10 @@ pub fn build_model(recipe: &TrainRecipe, device: &Device) -> Result<TrainModel> 
 }
 
 /// The plan and the length of an epoch: what records and evaluation cadence are reckoned in.
-struct Pace {
-    plan: Plan,
-    /// Steps per epoch of this rank's data.
-    spe: usize,
+pub(crate) struct Pace {
+    pub(crate) plan: Plan,
+    /// Steps per epoch of this rank's data (of the recipe's world in an elastic run).
+    pub(crate) spe: usize,
 }
 
 impl Pace {
@@ -432,14 +458,24 @@ fn run<T: Task>(
 /// Continues from `spec.resume`, if any: the checkpoint's parameters, this rank's optimizer state, its
 /// position in the plan and the BatchNorm statistics go into `worker`. Returns the step past which
 /// metrics records are dropped (`None` for a fresh run) and the counters the run continues from.
-fn resume<M: Module>(spec: &RunSpec, plan: &Plan, worker: &mut Worker<M>) -> Result<(Option<u64>, Counters)> {
+pub(crate) fn resume<M: Module>(
+    spec: &RunSpec,
+    plan: &Plan,
+    worker: &mut Worker<M>,
+) -> Result<(Option<u64>, Counters)> {
     let Some((dir, state)) = &spec.resume else {
         return Ok((None, Counters::default()));
     };
     let rank = worker.rank();
     let (params, running) = checkpoint::load_model(&dir.join("model.safetensors"), worker.layout())?;
     let template: OptimState = worker.optimizer_state()?.into_owned();
-    let optim = checkpoint::load_optim(&dir.join(format!("optim-rank{rank}.safetensors")), &template)?;
+    // An elastic run may resume with more workers than wrote the checkpoint: those start with fresh
+    // moments, as a worker joining a running job does.
+    let optim = if rank < state.world_size {
+        checkpoint::load_optim(&dir.join(format!("optim-rank{rank}.safetensors")), &template)?
+    } else {
+        template
+    };
     // A longer (or shorter) plan may move the cursor; the same plan must land where the checkpoint was.
     let cursor = plan.cursor_at(state.cursor.step());
     if cursor != state.cursor && plan.end_step() == state.cursor.plan().end_step() {
@@ -459,7 +495,7 @@ fn resume<M: Module>(spec: &RunSpec, plan: &Plan, worker: &mut Worker<M>) -> Res
 
 /// Whether the run goes on after a sync.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum AfterSync {
+pub(crate) enum AfterSync {
     Continue,
     /// `halt_after` was reached before the end of the plan.
     Halt,
@@ -467,7 +503,7 @@ enum AfterSync {
 
 /// This process's part of the run (all of it, or what follows a resume): rank 0's metrics file and
 /// progress bar, and what the next records need.
-struct Segment {
+pub(crate) struct Segment {
     metrics: Option<Metrics>,
     bar: Option<indicatif::ProgressBar>,
     /// The counters of the checkpoint resumed from (zero for a fresh run).
@@ -481,7 +517,7 @@ struct Segment {
 
 impl Segment {
     /// Opens rank 0's metrics (cut back to `start_records` on resume) and progress bar, then starts the clock.
-    fn start(
+    pub(crate) fn start(
         spec: &RunSpec,
         rank: usize,
         end: u64,
@@ -495,8 +531,29 @@ impl Segment {
         Ok(Segment { metrics, bar, base, t0, first_step, since_sync: (0.0, 0), last_eval: None })
     }
 
+    /// Continues the counters from `base` (a new membership's, taken over from its source rank), with
+    /// this worker's totals restarted; rank 0 (re)opens `metrics.jsonl`, dropping records past `step`,
+    /// and appends `change` there.
+    pub(crate) fn rebase<M: Module>(
+        &mut self,
+        spec: &RunSpec,
+        worker: &mut Worker<M>,
+        base: Counters,
+        change: Record,
+    ) -> Result<()> {
+        self.base = base;
+        self.t0 = Instant::now();
+        worker.take_stats();
+        self.since_sync = (0.0, 0);
+        self.metrics = if worker.rank() == 0 { Some(Metrics::open(&spec.run_dir, Some(change.step))?) } else { None };
+        if let Some(m) = self.metrics.as_mut() {
+            m.write(&change)?;
+        }
+        Ok(())
+    }
+
     /// The run's counters now.
-    fn counters<M: Module>(&self, worker: &Worker<M>) -> Counters {
+    pub(crate) fn counters<M: Module>(&self, worker: &Worker<M>) -> Counters {
         counters(&self.base, worker.stats(), self.t0)
     }
 
@@ -509,7 +566,7 @@ impl Segment {
     }
 
     /// Counts a step's loss towards the next sync record and moves the progress bar.
-    fn stepped<M: Module>(&mut self, worker: &Worker<M>, report: &StepReport, pace: &Pace) {
+    pub(crate) fn stepped<M: Module>(&mut self, worker: &Worker<M>, report: &StepReport, pace: &Pace) {
         self.since_sync.0 += f64::from(report.loss);
         self.since_sync.1 += 1;
         let Some(bar) = &self.bar else {
@@ -534,7 +591,7 @@ impl Segment {
     /// After a sync: rank 0's sync record; then, when an evaluation is due, BN re-estimation, the
     /// evaluation (collectives on every rank, so every rank decides alike), its record and line, the
     /// checkpoint, and whether `halt_after` stops the run here.
-    fn synced<T: Task>(
+    pub(crate) fn synced<T: Task>(
         &mut self,
         spec: &RunSpec,
         pace: &Pace,
@@ -572,7 +629,7 @@ impl Segment {
 
     /// Clears the progress bar; on rank 0 of a finished run that evaluated, writes `summary.json` and
     /// returns the summary.
-    fn finish<T: Task>(
+    pub(crate) fn finish<T: Task>(
         &self,
         spec: &RunSpec,
         pace: &Pace,
@@ -619,6 +676,7 @@ impl Segment {
             steps_per_second: steps_run as f64 / wall.max(1e-9),
             skipped_updates: c.skipped_updates,
             unigram_entropy: task.unigram_entropy(),
+            membership: membership_changes(&spec.run_dir),
         };
         checkpoint::write_atomic(&spec.run_dir.join("summary.json"), serde_json::to_string_pretty(&s)?.as_bytes())?;
         Ok(Some(s))
@@ -642,7 +700,20 @@ fn record(kind: &str, report: &StepReport, pace: &Pace, loss: f64, accuracy: Opt
         wall_seconds: c.wall_seconds,
         local_syncs: c.local_syncs,
         local_bytes: c.local_bytes,
+        membership: None,
     }
+}
+
+/// The membership records of a run's `metrics.jsonl`, in order (none outside elastic runs).
+fn membership_changes(run_dir: &Path) -> Vec<MembershipChange> {
+    let Ok(file) = File::open(run_dir.join("metrics.jsonl")) else {
+        return Vec::new();
+    };
+    BufReader::new(file)
+        .lines()
+        .map_while(Result::ok)
+        .filter_map(|l| serde_json::from_str::<Record>(&l).ok()?.membership)
+        .collect()
 }
 
 /// Whether the sync that completed `done_steps` steps evaluates: the last sync before an epoch

@@ -1,0 +1,375 @@
+//! `qsr train --elastic` and `qsr rendezvous`: a lost worker costs the round in flight, not the run.
+//!
+//! Every worker keeps a [`Snapshot`] of the last completed global sync (after its evaluation and
+//! checkpoint). When a collective fails because a peer was lost or stalled, the worker goes back to
+//! it and joins the next generation at the store ([`qsr_comm::Elastic`]); the new generation takes
+//! the newest sync any survivor holds from that rank ([`Worker::adopt`]), continues the plan from its
+//! step (the plan and the lr schedule never change), and each rank trains on the shard of its new rank
+//! and world size (the data is a pure function of seed, rank, world size and step). New workers wait
+//! at the store until rank 0, polling after each global sync, finds them waiting; then every rank
+//! joins the next generation at that sync, and the newcomers take the parameters, outer state and
+//! counters over, with fresh optimizer moments. Rank 0's duties (metrics, summary, the shared
+//! checkpoint files) belong to whoever is rank 0 of the current generation: survivors keep their
+//! order, so that is the lowest surviving rank.
+
+use std::io::Write;
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow, bail};
+use qsr_comm::{
+    Collective, CommError, Elastic, ElasticConfig, Membership, Poll, Store, StoreConfig, SyncState, TcpConfig,
+};
+use qsr_optim::{Level, Snapshot, Worker};
+use rustix::process::Signal;
+
+use crate::checkpoint::Counters;
+use crate::device::DeviceSpec;
+use crate::launch::{Resume, TrainArgs, is_peer_failure};
+use crate::task::{ImageTask, Task, TextTask};
+use crate::train::{MembershipChange, Outcome, Pace, Record, RunSpec, Segment, Summary, TrainModel, build_model};
+use crate::train_recipe::TrainRecipe;
+
+/// Arguments of `qsr rendezvous`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RendezvousArgs {
+    /// Address to listen on (`host:port`; port 0 picks one, printed on the first line).
+    #[arg(long, default_value = "127.0.0.1:29400")]
+    pub listen: String,
+    /// Workers of the first generation, and the most any generation admits.
+    #[arg(long)]
+    pub workers: usize,
+    /// The fewest workers a later generation forms with.
+    #[arg(long, default_value_t = 1)]
+    pub min_workers: usize,
+    /// Seconds to wait, once a worker reported a failure, for the others to report before expelling
+    /// them (at least the workers' QSR_COMM_TIMEOUT_SECS).
+    #[arg(long, default_value_t = 30.0)]
+    pub settle_secs: f64,
+}
+
+/// Runs `qsr rendezvous`: serves the elastic job's store until every worker of its last generation
+/// finished. The job token is `QSR_JOB_TOKEN`, as for the workers.
+pub fn rendezvous(args: &RendezvousArgs, out: &mut dyn Write) -> Result<()> {
+    if !(args.settle_secs.is_finite() && args.settle_secs > 0.0) {
+        bail!("--settle-secs must be a positive number of seconds, not {}", args.settle_secs);
+    }
+    let cfg = StoreConfig {
+        workers: args.workers,
+        min_workers: args.min_workers,
+        settle: Duration::from_secs_f64(args.settle_secs),
+        token: std::env::var("QSR_JOB_TOKEN").unwrap_or_default(),
+    };
+    let store = Store::bind(&args.listen, cfg).context("--listen")?;
+    writeln!(out, "listening on {} for {} workers", store.local_addr(), args.workers)?;
+    out.flush()?;
+    store.wait_finished(None);
+    writeln!(out, "job finished: generation {}", store.generation().unwrap_or(0))?;
+    Ok(())
+}
+
+/// The store a `--nproc N --elastic` launcher serves for its workers on loopback; it settles a failure
+/// within the workers' comm timeout.
+pub(crate) fn launcher_store(n: usize, token: &str) -> Result<Store> {
+    let tcp = TcpConfig::from_env(&|k| std::env::var(k).ok())?;
+    let cfg = StoreConfig { settle: tcp.timeout, token: token.into(), ..StoreConfig::new(n) };
+    Ok(Store::bind("127.0.0.1:0", cfg)?)
+}
+
+/// One worker of an elastic job (`--comm tcp --elastic --rendezvous ADDR`, or a `--nproc` child).
+pub(crate) fn train(
+    args: &TrainArgs,
+    spec: DeviceSpec,
+    recipe: TrainRecipe,
+    run_dir: std::path::PathBuf,
+    resume: Resume,
+) -> Result<Option<Summary>> {
+    let store = args
+        .rendezvous
+        .clone()
+        .ok_or_else(|| anyhow!("--elastic needs --rendezvous HOST:PORT (the store of `qsr rendezvous`), or --nproc"))?;
+    let var = |k: &str| std::env::var(k).ok();
+    let tcp = TcpConfig::from_env(&var)?;
+    let shm = qsr_comm::ShmConfig { timeout: tcp.timeout, ..qsr_comm::ShmConfig::default() };
+    let settings = serde_json::json!({ "qsr": env!("CARGO_PKG_VERSION"), "recipe": serde_json::to_value(&recipe)? });
+    let cfg = ElasticConfig {
+        store,
+        host: qsr_comm::host_id(&var, &shm),
+        transport: qsr_comm::Transport::from_env(&var)?,
+        tcp,
+        shm,
+        order: args.rank.map(|r| r as u64),
+        settings,
+    };
+    let mut job = Elastic::connect(cfg)?;
+    let (comm, m) = job.form(None, "start")?;
+    if m.generation == 0 && m.world_size != recipe.train.workers {
+        bail!(
+            "the store formed the first generation with {} workers, but the recipe has train.workers = {} (give `qsr rendezvous --workers` the same number)",
+            m.world_size,
+            recipe.train.workers
+        );
+    }
+    crate::train::preflight(&recipe, m.world_size, 1, spec.is_gpu())?;
+    let device = spec.open(0)?;
+    if m.generation == 0 && m.rank == 0 && !args.spawned {
+        crate::launch::prepare_run_dir(&run_dir, &recipe)?;
+    }
+    let model = build_model(&recipe, &device)?;
+    let first = m.generation == 0;
+    let progress = !args.quiet && m.rank == 0 && first;
+    let resume = if first { resume } else { None };
+    let spec = RunSpec { recipe, device, run_dir, resume, progress, halt_after: None };
+    let outcome = run_member(&spec, &mut job, (comm, m), model)?;
+    job.finish()?;
+    Ok(if args.spawned { None } else { outcome.summary })
+}
+
+/// The training loop of one elastic worker, for the recipe's task.
+fn run_member(
+    spec: &RunSpec,
+    job: &mut Elastic,
+    first: (Box<dyn Collective>, Membership),
+    model: TrainModel,
+) -> Result<Outcome> {
+    let recipe = &spec.recipe;
+    match model {
+        TrainModel::Image(m) => {
+            // The task reads BatchNorm facts from a model; the worker owns this one.
+            let probe = m.deep_clone();
+            Member::run(spec, job, first, m, |rank, k| ImageTask::new(recipe, &probe, rank, k, &spec.device))
+        }
+        TrainModel::Language(m) => {
+            let gpt =
+                recipe.model.as_gpt().ok_or_else(|| anyhow!("a GPT was built for a `model.kind` that is not gpt"))?;
+            Member::run(spec, job, first, m, |rank, k| TextTask::new(recipe, gpt, rank, k, &spec.device))
+        }
+    }
+}
+
+/// What a step of the loop asks for next.
+enum Next {
+    Continue,
+    /// Form the next generation at this sync: new workers wait, or the store ended this generation.
+    Reform(String),
+}
+
+/// One elastic worker's state across generations.
+struct Member<'a, T: Task, F> {
+    spec: &'a RunSpec,
+    job: &'a mut Elastic,
+    make: F,
+    pace: Pace,
+    task: T,
+    stream: T::Stream,
+    worker: Worker<T::Module>,
+    segment: Segment,
+    /// The last completed global sync, and the counters then.
+    snap: (Snapshot, Counters),
+    generation: u64,
+    fault: Option<Fault>,
+}
+
+impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
+    fn run(
+        spec: &'a RunSpec,
+        job: &'a mut Elastic,
+        (comm, m): (Box<dyn Collective>, Membership),
+        model: T::Module,
+        make: F,
+    ) -> Result<Outcome> {
+        let recipe = &spec.recipe;
+        let plan = recipe.plan()?;
+        let task = make(m.rank, m.world_size)?;
+        // Evaluation cadence and epochs are reckoned in the recipe's world, whatever the membership.
+        let nominal = recipe.train.workers;
+        let spe = if m.world_size == nominal { task.steps_per_epoch() } else { make(0, nominal)?.steps_per_epoch() };
+        let pace = Pace { plan, spe };
+        let joining = m.generation > 0;
+        let mut driver = recipe.driver_config();
+        driver.broadcast_initial &= !joining;
+        let mut worker = Worker::new(model, recipe.optimizer.clone(), comm, pace.plan.cursor(), driver)?;
+        if let Some(outer) = recipe.outer {
+            worker.set_outer(outer)?;
+        }
+        let (records, base) =
+            if joining { (None, Counters::default()) } else { crate::train::resume(spec, &pace.plan, &mut worker)? };
+        let (end, step) = (pace.plan.end_step(), worker.cursor().step());
+        let segment = Segment::start(spec, m.rank, end, step, records, base)?;
+        let stream = task.stream(step, end)?;
+        let snap = (worker.snapshot()?, base);
+        let fault = Fault::from_env()?;
+        let generation = m.generation;
+        let mut me = Member { spec, job, make, pace, task, stream, worker, segment, snap, generation, fault };
+        if joining {
+            me.take_over(m, None, "a new worker joined")?;
+        }
+        while !me.worker.cursor().is_done() {
+            match me.step() {
+                Ok(Next::Continue) => {}
+                Ok(Next::Reform(why)) => me.reform(&why)?,
+                Err(e) if is_peer_failure(&e) => me.reform(&format!("{e:#}"))?,
+                Err(e) => return Err(e),
+            }
+        }
+        let summary = me.segment.finish(spec, &me.pace, &me.task, &me.worker, true)?;
+        Ok(Outcome { rank: me.worker.rank(), params: me.worker.params()?.to_vec(), summary, finished: true })
+    }
+
+    /// One training step; after a global sync, its evaluation and checkpoint, the new snapshot and
+    /// whether to form the next generation now (rank 0 asks the store and tells the others).
+    fn step(&mut self) -> Result<Next> {
+        if let Some(f) = &self.fault {
+            f.fire(self.generation, self.worker.rank(), self.worker.cursor().step());
+        }
+        let report = self.task.train_step(&mut self.worker, &mut self.stream)?;
+        self.segment.stepped(&self.worker, &report, &self.pace);
+        if !report.sync.is_some_and(|s| s.level == Level::Global) {
+            return Ok(Next::Continue);
+        }
+        self.segment.synced(self.spec, &self.pace, &self.task, &mut self.worker, &report)?;
+        self.snap = (self.worker.snapshot()?, self.segment.counters(&self.worker));
+        if self.worker.cursor().is_done() {
+            return Ok(Next::Continue);
+        }
+        let mut answer = [0.0f32];
+        if self.worker.rank() == 0 {
+            answer[0] = match self.job.poll()? {
+                Poll::Steady { waiting } => waiting as f32,
+                Poll::Over => -1.0,
+            };
+        }
+        self.worker.comm_mut().broadcast(&mut answer, 0).context("sharing the store's answer")?;
+        Ok(match answer[0] {
+            0.0 => Next::Continue,
+            n if n < 0.0 => Next::Reform(format!("the store ended generation {}", self.generation)),
+            n => Next::Reform(format!("admitting {n} new worker(s)")),
+        })
+    }
+
+    /// Abandons the round in flight (back to the last completed sync) and continues in the next
+    /// generation; a failure while it forms starts over, up to a few times.
+    fn reform(&mut self, why: &str) -> Result<()> {
+        let failed_at = self.worker.cursor().step();
+        for attempt in 0.. {
+            self.worker.restore_snapshot(&self.snap.0)?;
+            let wall = self.segment.counters(&self.worker).wall_seconds;
+            let counters = Counters { wall_seconds: wall, ..self.snap.1 };
+            let state = SyncState { step: self.snap.0.step(), payload: serde_json::to_string(&counters)? };
+            let formed = self.job.form(Some(state), why).and_then(|(comm, m)| {
+                self.worker.replace_comm(comm).map_err(|e| CommError::InvalidArgument(e.to_string()))?;
+                Ok(m)
+            });
+            let result = match formed {
+                Ok(m) => self.take_over(m, Some(failed_at), why),
+                Err(e @ (CommError::Expelled { .. } | CommError::Store { .. })) => return Err(e.into()),
+                Err(e) => Err(e.into()),
+            };
+            match result {
+                Ok(()) => return Ok(()),
+                Err(e) if attempt < 5 && (is_peer_failure(&e) || is_setup_failure(&e)) => {
+                    eprintln!("qsr: forming the next generation failed ({e:#}); trying again");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        unreachable!("the loop returns")
+    }
+
+    /// Continues in generation `m`: the newest sync from its source rank, its counters, this rank's
+    /// shard, and (rank 0) the membership record. `failed_at` is where this worker's round was
+    /// abandoned (`None` for a new worker).
+    fn take_over(&mut self, m: Membership, failed_at: Option<u64>, why: &str) -> Result<()> {
+        let Some(state) = &m.state else {
+            bail!("generation {} formed without any worker holding a completed sync", m.generation);
+        };
+        let step = state.step;
+        self.worker.adopt(m.source.unwrap_or(0), self.pace.plan.cursor_at(step))?;
+        let base: Counters = serde_json::from_str(&state.payload).context("the counters handed over")?;
+        let failed_at = failed_at.unwrap_or(step);
+        let change = MembershipChange {
+            generation: m.generation,
+            world_size: m.world_size,
+            lost: m.lost.clone(),
+            joined: m.joined.clone(),
+            reason: why.to_string(),
+            rounds_lost: u64::from(failed_at > step),
+            steps_lost: failed_at.saturating_sub(step),
+        };
+        let record = self.record(step, base, change);
+        self.segment.rebase(self.spec, &mut self.worker, base, record)?;
+        self.task = (self.make)(m.rank, m.world_size)?;
+        self.stream = self.task.stream(step, self.pace.plan.end_step())?;
+        self.generation = m.generation;
+        self.snap = (self.worker.snapshot()?, base);
+        if m.rank == 0 {
+            eprintln!(
+                "qsr: generation {} continues from step {step} with {} workers (lost {:?}, joined {:?}): {why}",
+                m.generation,
+                m.world_size,
+                m.lost.iter().map(|l| l.rank).collect::<Vec<_>>(),
+                m.joined
+            );
+        }
+        Ok(())
+    }
+
+    /// The `membership` record of a change at `step`.
+    fn record(&self, step: u64, c: Counters, change: MembershipChange) -> Record {
+        Record {
+            kind: "membership".into(),
+            step,
+            epoch: step as f64 / self.pace.spe as f64,
+            lr: self.pace.plan.lr(step.min(self.pace.plan.end_step().saturating_sub(1))),
+            h: self.worker.cursor().round().len,
+            loss: None,
+            accuracy: None,
+            syncs: c.syncs,
+            bytes: c.bytes,
+            comm_seconds: c.comm_seconds,
+            wall_seconds: c.wall_seconds,
+            local_syncs: c.local_syncs,
+            local_bytes: c.local_bytes,
+            membership: Some(change),
+        }
+    }
+}
+
+/// Whether forming a generation's ring failed (a member of it died meanwhile): worth another try.
+fn is_setup_failure(e: &anyhow::Error) -> bool {
+    e.chain()
+        .filter_map(|c| c.downcast_ref::<CommError>())
+        .any(|c| matches!(c, CommError::Rendezvous(_) | CommError::HandshakeRefused { .. }))
+}
+
+/// A failure injected by tests (`QSR_TEST_FAULT=kill:<rank>:<step>` or `stop:<rank>:<step>`): the
+/// worker of that rank in the first generation sends itself SIGKILL or SIGSTOP as it starts that
+/// step, so a test can lose a worker at an exact point, twice alike.
+struct Fault {
+    signal: Signal,
+    rank: usize,
+    step: u64,
+}
+
+impl Fault {
+    fn from_env() -> Result<Option<Fault>> {
+        let Ok(spec) = std::env::var("QSR_TEST_FAULT") else {
+            return Ok(None);
+        };
+        let bad = || anyhow!("QSR_TEST_FAULT={spec}: expected kill:<rank>:<step> or stop:<rank>:<step>");
+        let mut parts = spec.split(':');
+        let signal = match parts.next() {
+            Some("kill") => Signal::KILL,
+            Some("stop") => Signal::STOP,
+            _ => return Err(bad()),
+        };
+        let rank = parts.next().and_then(|r| r.parse().ok()).ok_or_else(bad)?;
+        let step = parts.next().and_then(|s| s.parse().ok()).ok_or_else(bad)?;
+        Ok(Some(Fault { signal, rank, step }))
+    }
+
+    fn fire(&self, generation: u64, rank: usize, step: u64) {
+        if (generation, rank, step) == (0, self.rank, self.step) {
+            let _ = rustix::process::kill_process(rustix::process::getpid(), self.signal);
+        }
+    }
+}
