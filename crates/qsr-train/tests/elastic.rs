@@ -1,0 +1,274 @@
+//! `qsr train --elastic` end to end on digits: processes on loopback lose a worker (SIGKILL, SIGSTOP,
+//! rank 0 among them), go on, and take restarted workers back.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{json, ok, refused, root};
+
+const RECIPE: &str = "recipes/digits-mlp-qsr.toml";
+const STEPS: &str = "schedule.total_steps=400";
+
+/// `qsr` with a short comm timeout, so stalls are seen in seconds.
+fn qsr() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_qsr"));
+    c.current_dir(root()).env("QSR_COMM_TIMEOUT_SECS", "2").env("QSR_JOB_TOKEN", "elastic-cli-test");
+    c
+}
+
+/// A standalone store (`qsr rendezvous`), its address, and the rest of its output.
+fn rendezvous(workers: usize, min_workers: usize) -> (Store, String) {
+    let mut child = qsr()
+        .args(["rendezvous", "--listen", "127.0.0.1:0", "--workers", &workers.to_string()])
+        .args(["--min-workers", &min_workers.to_string(), "--settle-secs", "2"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    out.read_line(&mut line).unwrap();
+    let addr = line.split_whitespace().nth(2).expect("listening on ADDR").to_string();
+    (Store { child, out }, addr)
+}
+
+/// A running `qsr rendezvous`.
+struct Store {
+    child: Child,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+impl Store {
+    /// Waits for it to exit after the job finished; returns its last line.
+    fn finished(mut self) -> String {
+        let mut line = String::new();
+        self.out.read_line(&mut line).unwrap();
+        assert!(self.child.wait().unwrap().success(), "qsr rendezvous failed");
+        line
+    }
+}
+
+/// One external elastic worker (launcher order `rank`, when given) of the run in `out`.
+fn worker(store: &str, out: &Path, rank: Option<usize>, fault: Option<&str>) -> Child {
+    let mut c = qsr();
+    c.args(["train", "--recipe", RECIPE, "--set", STEPS, "--quiet", "--comm", "tcp", "--elastic"]);
+    c.args(["--rendezvous", store, "--out", out.to_str().unwrap()]);
+    if let Some(r) = rank {
+        c.args(["--rank", &r.to_string()]);
+    }
+    if let Some(f) = fault {
+        c.env("QSR_TEST_FAULT", f);
+    }
+    c.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
+}
+
+fn stderr_of(child: Child) -> (std::process::ExitStatus, String) {
+    let out = child.wait_with_output().unwrap();
+    (out.status, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+fn membership(run: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|r| r["kind"] == "membership")
+        .collect()
+}
+
+/// The latest checkpoint's model file.
+fn final_model(run: &Path) -> Vec<u8> {
+    let latest = std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap();
+    std::fs::read(run.join("ckpt").join(latest.trim()).join("model.safetensors")).unwrap()
+}
+
+fn nproc_elastic(run: &Path, fault: &str) -> serde_json::Value {
+    let out = qsr()
+        .args(["train", "--recipe", RECIPE, "--set", STEPS, "--quiet", "--nproc", "4", "--elastic"])
+        .args(["--out", run.to_str().unwrap()])
+        .env("QSR_TEST_FAULT", fault)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "elastic run failed:\n{err}");
+    assert!(err.contains("went on without it"), "the launcher did not report the lost rank:\n{err}");
+    json(&run.join("summary.json"))
+}
+
+#[test]
+fn a_worker_killed_mid_round_costs_one_round_and_the_same_failure_gives_the_same_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    // Rank 2 dies as it starts step 101, in the middle of a round (the plan's h_base is 2).
+    let s = nproc_elastic(&a, "kill:2:101");
+    assert_eq!(s["world_size"], 3);
+    assert_eq!(s["syncs"], s["planned_syncs"], "every planned sync happened once");
+    let floor = 0.8; // what the non-elastic digits runs clear (train_cli.rs)
+    assert!(s["final_test_accuracy"].as_f64().unwrap() > floor, "{s}");
+    let m = &s["membership"][0];
+    assert_eq!((m["generation"].as_u64(), m["world_size"].as_u64()), (Some(1), Some(3)));
+    assert_eq!(m["lost"][0]["rank"], 2);
+    assert_eq!(m["rounds_lost"], 1);
+    assert!(m["steps_lost"].as_u64().unwrap() >= 1);
+    assert!(m["reason"].as_str().unwrap().contains("rank 2"), "{m}");
+    let records = membership(&a);
+    assert_eq!(records.len(), 1);
+    assert!(records[0]["step"].as_u64().unwrap() <= 101);
+    nproc_elastic(&b, "kill:2:101");
+    assert!(final_model(&a) == final_model(&b), "the same failure at the same step gave different parameters");
+}
+
+#[test]
+fn a_stopped_worker_is_expelled_and_refused_when_it_wakes() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let (store, addr) = rendezvous(4, 1);
+    let mut workers: Vec<Child> = (0..4).map(|r| worker(&addr, &run, Some(r), Some("stop:1:101"))).collect();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while membership(&run).is_empty() {
+        assert!(Instant::now() < deadline, "the survivors never re-formed");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let stopped = workers.remove(1);
+    rustix::process::kill_process(rustix::process::Pid::from_child(&stopped), rustix::process::Signal::CONT).unwrap();
+    let (status, err) = stderr_of(stopped);
+    assert!(!status.success(), "the expelled worker must not exit 0");
+    assert!(err.contains("expelled") && err.contains("generation 0"), "{err}");
+    for w in workers {
+        let (status, err) = stderr_of(w);
+        assert!(status.success(), "{err}");
+    }
+    assert!(store.finished().contains("job finished"));
+    let s = json(&run.join("summary.json"));
+    assert_eq!(s["world_size"], 3);
+    let lost = &s["membership"][0]["lost"][0];
+    assert_eq!(lost["rank"], 1);
+    assert!(lost["reason"].as_str().unwrap().contains("did not report"), "{lost}");
+}
+
+#[test]
+fn a_killed_worker_restarted_rejoins_and_the_run_ends_with_four() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    // With --min-workers 4 the survivors wait for a replacement, so it joins whatever the timing.
+    let (store, addr) = rendezvous(4, 4);
+    let mut workers: Vec<Child> = (0..4).map(|r| worker(&addr, &run, Some(r), Some("kill:3:101"))).collect();
+    let victim = workers.remove(3);
+    let (status, _) = stderr_of(victim);
+    assert!(!status.success(), "rank 3 should have been killed");
+    workers.push(worker(&addr, &run, None, None));
+    for w in workers {
+        let (status, err) = stderr_of(w);
+        assert!(status.success(), "{err}");
+    }
+    assert!(store.finished().contains("job finished"));
+    let s = json(&run.join("summary.json"));
+    assert_eq!(s["world_size"], 4);
+    assert_eq!(s["syncs"], s["planned_syncs"]);
+    let m = &s["membership"][0];
+    assert_eq!((m["lost"][0]["rank"].as_u64(), m["joined"][0].as_u64()), (Some(3), Some(3)), "{m}");
+}
+
+#[test]
+fn rank_zero_killed_under_a_standalone_store_leaves_a_run_that_finishes_and_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let (store, addr) = rendezvous(4, 1);
+    let workers: Vec<Child> = (0..4).map(|r| worker(&addr, &run, Some(r), Some("kill:0:101"))).collect();
+    let mut statuses = Vec::new();
+    for w in workers {
+        statuses.push(stderr_of(w));
+    }
+    assert!(!statuses[0].0.success(), "rank 0 should have been killed");
+    for (status, err) in &statuses[1..] {
+        assert!(status.success(), "{err}");
+    }
+    assert!(store.finished().contains("job finished"));
+    let s = json(&run.join("summary.json"));
+    assert_eq!((s["world_size"].as_u64(), s["membership"][0]["lost"][0]["rank"].as_u64()), (Some(3), Some(0)));
+    // Old rank 1, now rank 0, kept writing checkpoints after the loss, with three optimizer files.
+    let latest = std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap();
+    assert_eq!(latest.trim(), "step-400");
+    let state = json(&run.join("ckpt/step-400/state.json"));
+    assert_eq!(state["world_size"], 3);
+    assert!(run.join("ckpt/step-400/optim-rank2.safetensors").exists());
+    assert!(!run.join("ckpt/step-400/optim-rank3.safetensors").exists());
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let evals = text.lines().filter(|l| l.contains("\"kind\":\"eval\"")).count();
+    assert!(evals >= 2, "evaluations before and after the loss: {text}");
+}
+
+#[test]
+fn a_resume_at_another_world_size_needs_elastic() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let out = run.to_str().unwrap();
+    ok(&["train", "--recipe", RECIPE, "--set", STEPS, "--quiet", "--nproc", "4", "--out", out, "--halt-after", "200"]);
+    let e = refused(&["train", "--resume", out, "--nproc", "3", "--quiet"]);
+    assert!(e.contains("with 3 workers") && e.contains("4 workers"), "{e}");
+    ok(&["train", "--resume", out, "--nproc", "3", "--elastic", "--quiet"]);
+    let s = json(&run.join("summary.json"));
+    assert_eq!(s["world_size"], 3);
+    assert!(s["final_test_accuracy"].as_f64().unwrap() > 0.8, "{s}");
+}
+
+#[test]
+fn elastic_mode_refuses_what_it_does_not_cover() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("r");
+    let out = out.to_str().unwrap();
+    let e = refused(&["train", "--recipe", RECIPE, "--comm", "tcp", "--elastic", "--out", out]);
+    assert!(e.contains("--rendezvous"), "{e}");
+    let e = refused(&["train", "--recipe", RECIPE, "--workers", "2", "--elastic", "--out", out]);
+    assert!(e.contains("--elastic") && e.contains("--workers"), "{e}");
+    let local = ["--set", "sync.local.rule=constant", "--set", "sync.local.h=1"];
+    let e = refused(&[&["train", "--recipe", RECIPE, "--nproc", "2", "--elastic", "--out", out][..], &local].concat());
+    assert!(e.contains("[sync.local]"), "{e}");
+    let e = refused(&["rendezvous", "--workers", "2", "--min-workers", "3", "--listen", "127.0.0.1:0"]);
+    assert!(e.contains("min_workers"), "{e}");
+}
+
+#[test]
+fn a_worker_started_while_the_job_runs_is_admitted_at_a_sync() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let (store, addr) = rendezvous(4, 1);
+    // A longer run, so that the new worker's start-up (a fraction of a second) ends well before it.
+    let long = |c: &mut Command| {
+        c.args(["--set", "schedule.total_steps=4000"]);
+    };
+    let mut workers: Vec<Child> = (0..4)
+        .map(|r| {
+            let mut c = qsr();
+            c.args(["train", "--recipe", RECIPE, "--quiet", "--comm", "tcp", "--elastic", "--rendezvous", &addr]);
+            c.args(["--out", run.to_str().unwrap(), "--rank", &r.to_string()]).env("QSR_TEST_FAULT", "kill:3:101");
+            long(&mut c);
+            c.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
+        })
+        .collect();
+    assert!(!stderr_of(workers.remove(3)).0.success());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while membership(&run).is_empty() {
+        assert!(Instant::now() < deadline, "the survivors never re-formed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut c = qsr();
+    c.args(["train", "--recipe", RECIPE, "--quiet", "--comm", "tcp", "--elastic", "--rendezvous", &addr]);
+    c.args(["--out", run.to_str().unwrap()]);
+    long(&mut c);
+    workers.push(c.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap());
+    for w in workers {
+        let (status, err) = stderr_of(w);
+        assert!(status.success(), "{err}");
+    }
+    assert!(store.finished().contains("job finished"));
+    let s = json(&run.join("summary.json"));
+    assert_eq!(s["world_size"], 4, "{s}");
+    let grow = &s["membership"][1];
+    assert_eq!((grow["generation"].as_u64(), grow["joined"][0].as_u64()), (Some(2), Some(3)), "{grow}");
+    assert_eq!((grow["rounds_lost"].as_u64(), grow["steps_lost"].as_u64()), (Some(0), Some(0)));
+    assert!(grow["reason"].as_str().unwrap().contains("admitting 1 new worker"), "{grow}");
+    assert!(s["final_test_accuracy"].as_f64().unwrap() > 0.8, "{s}");
+}
