@@ -452,13 +452,15 @@ fn axis_for(lo: f64, hi: f64, scale: Scale, pad: bool, max_ticks: usize) -> Axis
     }
 }
 
-/// A line chart of several series `(name, points)`, coloured by index; markers on a linear y axis.
+/// A line chart of several series `(name, points)`, coloured by index; markers on a linear y axis;
+/// a dashed grey vertical line at each of `marks` (an elastic run's membership changes).
 fn lines(
     area: &DrawingArea<BitMapBackend<'_>, Shift>,
     title: &str,
     (x_desc, x_scale): (&str, Scale),
     (y_desc, y_scale): (&str, Scale),
     series: &[(String, Vec<(f64, f64)>)],
+    marks: &[f64],
 ) -> DrawResult {
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
     for &(x, y) in series.iter().flat_map(|(_, p)| p.iter()) {
@@ -486,6 +488,11 @@ fn lines(
         .label_style((FONT, 13))
         .axis_desc_style((FONT, 15))
         .draw()?;
+    let y_span = chart.y_range();
+    for x in marks.iter().filter_map(|&m| xa.to_coord(m)) {
+        let grey = RGBColor(120, 120, 120).stroke_width(1);
+        chart.draw_series(DashedLineSeries::new([(x, y_span.start), (x, y_span.end)], 5, 5, grey))?;
+    }
     for (i, (_, p)) in series.iter().enumerate() {
         let c = PALETTE[i % PALETTE.len()];
         let pts: Vec<(f64, f64)> = p.iter().filter_map(|&(x, y)| Some((xa.to_coord(x)?, ya.to_coord(y)?))).collect();
@@ -540,50 +547,72 @@ pub fn runs_png(runs: &[RunSeries], out_dir: &Path) -> Result<Vec<std::path::Pat
         Ok(())
     };
     let step = ("step", Scale::Integer);
+    let changes: Vec<&crate::train::Record> = runs.iter().flat_map(|r| r.of("membership")).collect();
+    let at_step: Vec<f64> = changes.iter().map(|r| r.step as f64).collect();
+    let at_bytes: Vec<f64> = changes.iter().map(|r| r.bytes as f64 / per).collect();
+    let (at_step, at_bytes) = (at_step.as_slice(), at_bytes.as_slice());
     draw("schedule.png", &|root| {
         let (l, r) = root.split_horizontally(width / 2);
-        lines(&l, "learning rate", step, ("lr", Scale::Real), &series("sync", &|r| Some((r.step as f64, r.lr))))?;
+        lines(
+            &l,
+            "learning rate",
+            step,
+            ("lr", Scale::Real),
+            &series("sync", &|r| Some((r.step as f64, r.lr))),
+            at_step,
+        )?;
         lines(
             &r,
             "H (local steps per round)",
             step,
             ("H", Scale::IntegerLog),
             &series("sync", &|r| Some((r.step as f64, r.h as f64))),
+            at_step,
         )
     })?;
     let acc = ("top-1 accuracy", Scale::Real);
     draw("accuracy.png", &|root| {
         let (l, r) = root.split_horizontally(width / 2);
-        lines(&l, "test accuracy", step, acc, &series("eval", &|r| r.accuracy.map(|a| (r.step as f64, a))))?;
+        lines(&l, "test accuracy", step, acc, &series("eval", &|r| r.accuracy.map(|a| (r.step as f64, a))), at_step)?;
         lines(
             &r,
             "test accuracy vs communication",
             (sent, Scale::Real),
             acc,
             &series("eval", &|r| r.accuracy.map(|a| (r.bytes as f64 / per, a))),
+            at_bytes,
         )
     })?;
     let loss = ("loss", Scale::Log);
     draw("loss.png", &|root| {
         let (l, r) = root.split_horizontally(width / 2);
-        lines(&l, "train loss (rank 0)", step, loss, &series("sync", &|r| r.loss.map(|v| (r.step as f64, v))))?;
+        lines(
+            &l,
+            "train loss (rank 0)",
+            step,
+            loss,
+            &series("sync", &|r| r.loss.map(|v| (r.step as f64, v))),
+            at_step,
+        )?;
         lines(
             &r,
             "train loss vs communication",
             (sent, Scale::Real),
             loss,
             &series("sync", &|r| r.loss.map(|v| (r.bytes as f64 / per, v))),
+            at_bytes,
         )
     })?;
     draw("eval-loss.png", &|root| {
         let (l, r) = root.split_horizontally(width / 2);
-        lines(&l, "held-out loss", step, loss, &series("eval", &|r| r.loss.map(|v| (r.step as f64, v))))?;
+        lines(&l, "held-out loss", step, loss, &series("eval", &|r| r.loss.map(|v| (r.step as f64, v))), at_step)?;
         lines(
             &r,
             "held-out loss vs communication",
             (sent, Scale::Real),
             loss,
             &series("eval", &|r| r.loss.map(|v| (r.bytes as f64 / per, v))),
+            at_bytes,
         )
     })?;
     Ok(written)
@@ -704,6 +733,7 @@ mod tests {
             wall_seconds: 0.0,
             local_syncs: 0,
             local_bytes: 0,
+            membership: None,
         }
     }
 
@@ -733,6 +763,15 @@ mod tests {
         assert_eq!(names, ["schedule.png", "accuracy.png", "loss.png", "eval-loss.png"]);
         for p in &written {
             assert!(std::fs::read(p).unwrap().starts_with(b"\x89PNG"), "{}", p.display());
+        }
+        // An elastic run's membership change is marked: the charts differ from the same run without it.
+        let mut marked = runs[0].records.clone();
+        marked.insert(5, record("membership", 5 * 22, 2));
+        let with = runs_png(&[RunSeries { name: "m".into(), records: marked }], &dir.path().join("marked")).unwrap();
+        let unmarked = RunSeries { name: "m".into(), records: runs[0].records.clone() };
+        let without = runs_png(&[unmarked], &dir.path().join("unmarked")).unwrap();
+        for (a, b) in with.iter().zip(&without) {
+            assert_ne!(std::fs::read(a).unwrap(), std::fs::read(b).unwrap(), "{} has no mark", a.display());
         }
         // No data at all still draws.
         runs_png(&[RunSeries { name: "empty".into(), records: vec![] }], &dir.path().join("empty")).unwrap();
