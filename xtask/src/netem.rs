@@ -19,7 +19,7 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -83,6 +83,12 @@ pub struct NetemArgs {
     /// Only build the namespaces, shape the links at the first rate, measure rate and round trip, tear down.
     #[arg(long)]
     pub check: bool,
+    /// Kill a worker mid-training, `kill:<rank>:<step>`, and run each rule three ways: clean; with
+    /// `--elastic` and the worker restarted as soon as it dies (it rejoins at a sync); and without, every
+    /// worker stopping and the job restarted from its last checkpoint with `--resume`. Recipes then
+    /// evaluate and checkpoint every epoch; the table gives the wall-clock each way lost.
+    #[arg(long)]
+    pub fault: Option<String>,
 }
 
 /// A link shape: rate (tc units, e.g. `1gbit`) and one-way delay (tc units, e.g. `0.2ms`; `None`: the
@@ -426,12 +432,17 @@ pub fn recipe_text(args: &NetemArgs, rule: &str) -> Result<String> {
          [data]\ndataset = \"digits\"\naugment = true\n\n[train]\nworkers = {k}\nlocal_batch = {lb}\n\n\
          [optimizer]\nkind = \"sgd\"\nmomentum = 0.9\nweight_decay = 5e-4\n\n\
          [schedule]\nkind = \"cosine\"\ntotal_steps = {steps}\nwarmup_steps = {warmup}\nlr_max = {lr}\nlr_min = 1e-6\n\n\
-         [sync]\n{sync}\n\n[eval]\nevery_epochs = 1000   # only at the end\n\n[checkpoint]\nenabled = false\n",
+         [sync]\n{sync}\n\n{eval}",
         k = args.workers,
         lb = args.local_batch,
         epochs = args.epochs,
         hidden = hidden.join(", "),
         lr = args.lr_max,
+        eval = if args.fault.is_some() {
+            "[eval]\nevery_epochs = 1      # a checkpoint every epoch, to restart from\n"
+        } else {
+            "[eval]\nevery_epochs = 1000   # only at the end\n\n[checkpoint]\nenabled = false\n"
+        },
     ))
 }
 
@@ -471,7 +482,222 @@ impl Drop for Job {
     }
 }
 
-/// Runs one `qsr train` job, one process per worker namespace; returns its run directory.
+/// How the worker processes of one run start: `qsr train` of one recipe into one run directory, one
+/// process per namespace.
+#[derive(Clone)]
+struct Launch<'a> {
+    t: &'a Topology,
+    qsr: &'a Path,
+    recipe: &'a Path,
+    out: &'a Path,
+    /// Workers per simulated node.
+    node: usize,
+    token: String,
+}
+
+impl Launch<'_> {
+    /// Starts `qsr train` for `rank` in its namespace with `extra` arguments and environment; its
+    /// output goes to `log` in the run directory.
+    fn spawn(&self, rank: usize, extra: &[String], env: &[(&str, &str)], log: &str) -> Result<Child> {
+        let log = File::create(self.out.join(log))?;
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.t.worker_ns(rank)]).arg(self.qsr).arg("train");
+        c.args(["--recipe"]).arg(self.recipe).arg("--out").arg(self.out).args(extra).arg("--quiet");
+        c.env("QSR_JOB_TOKEN", &self.token).env("QSR_BIND_ADDR", Topology::addr(rank));
+        c.env("QSR_COMM_TIMEOUT_SECS", "60");
+        // Each node (one namespace, or `node` consecutive ones) stands for a host of its own: ranks
+        // on different nodes talk over the shaped links, not through this machine's shared memory.
+        c.env("QSR_HOST_ID", format!("{}node{}", self.t.prefix, rank / self.node.max(1)));
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        c.stdout(log.try_clone()?).stderr(log);
+        c.spawn().with_context(|| format!("cannot start rank {rank}"))
+    }
+
+    /// Starts `qsr rendezvous` for `workers` in rank 0's namespace, listening on `addr`.
+    fn store(&self, addr: &str, workers: usize) -> Result<Child> {
+        let log = File::create(self.out.join("store.log"))?;
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.t.worker_ns(0)]).arg(self.qsr).arg("rendezvous");
+        c.args(["--listen", addr, "--workers", &workers.to_string(), "--settle-secs", "60"]);
+        c.env("QSR_JOB_TOKEN", &self.token).stdout(log.try_clone()?).stderr(log);
+        c.spawn().context("cannot start qsr rendezvous")
+    }
+
+    fn fresh(&self) -> Result<()> {
+        let _ = std::fs::remove_dir_all(self.out);
+        Ok(std::fs::create_dir_all(self.out)?)
+    }
+}
+
+/// Waits for every process of `job`; returns their exit statuses by rank.
+fn wait_all(job: &mut Job, start: Instant, timeout: Duration, out: &Path) -> Result<Vec<(usize, ExitStatus)>> {
+    let mut done = Vec::new();
+    while done.len() < job.children.len() {
+        for (rank, c) in &mut job.children {
+            if !done.iter().any(|(r, _)| r == rank)
+                && let Some(s) = c.try_wait()?
+            {
+                done.push((*rank, s));
+            }
+        }
+        if start.elapsed() > timeout {
+            bail!("the run in {} took longer than {} s (killed)", out.display(), timeout.as_secs());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(done)
+}
+
+/// The rank a `kill:<rank>:<step>` fault kills.
+fn fault_rank(fault: &str) -> Result<usize> {
+    let mut parts = fault.split(':');
+    match (parts.next(), parts.next().and_then(|r| r.parse().ok()), parts.next().and_then(|s| s.parse::<u64>().ok())) {
+        (Some("kill"), Some(rank), Some(_)) => Ok(rank),
+        _ => bail!("--fault {fault}: expected kill:<rank>:<step>"),
+    }
+}
+
+/// The job with `--elastic` and a `qsr rendezvous` store in rank 0's namespace: the victim is
+/// restarted (without the fault) as soon as it dies, and rejoins at a sync. Returns the seconds.
+fn run_elastic_job(launch: &Launch, fault: &str, port: u16, timeout: Duration) -> Result<f64> {
+    launch.fresh()?;
+    let (k, victim) = (launch.t.workers(), fault_rank(fault)?);
+    let store = format!("{}:{port}", Topology::addr(0));
+    let args = |rank: Option<usize>| -> Vec<String> {
+        let mut a: Vec<String> = ["--comm", "tcp", "--elastic", "--rendezvous", &store].map(String::from).into();
+        a.extend(rank.map(|r| ["--rank".to_string(), r.to_string()]).into_iter().flatten());
+        a
+    };
+    let start = Instant::now();
+    let mut job = Job { children: vec![(k, launch.store(&store, k)?)] };
+    for rank in 0..k {
+        let child = launch.spawn(rank, &args(Some(rank)), &[("QSR_TEST_FAULT", fault)], &format!("rank{rank}.log"))?;
+        job.children.push((rank, child));
+    }
+    // The victim is restarted once it has died; everything else must succeed.
+    let i = job.children.iter().position(|(r, _)| *r == victim).ok_or_else(|| anyhow!("no rank {victim}"))?;
+    loop {
+        if let Some(s) = job.children[i].1.try_wait()? {
+            if s.success() {
+                bail!("rank {victim} finished: the fault {fault} never fired (is its step past the run's end?)");
+            }
+            break;
+        }
+        if start.elapsed() > timeout {
+            bail!("rank {victim} was not killed within {} s", timeout.as_secs());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    job.children.remove(i);
+    job.children.push((victim, launch.spawn(victim, &args(None), &[], &format!("rank{victim}-restarted.log"))?));
+    for (rank, s) in wait_all(&mut job, start, timeout, launch.out)? {
+        if !s.success() {
+            bail!("elastic run {}: process {rank} failed ({s}); see its log there", launch.out.display());
+        }
+    }
+    Ok(start.elapsed().as_secs_f64())
+}
+
+/// The job without `--elastic`: every worker stops when the victim dies; then the job is restarted at
+/// once from its last checkpoint (`--resume`). Returns the seconds of both.
+fn run_restart_job(launch: &Launch, fault: &str, port: u16, timeout: Duration) -> Result<f64> {
+    launch.fresh()?;
+    fault_rank(fault)?;
+    let k = launch.t.workers();
+    let start = Instant::now();
+    let mut job = Job { children: Vec::new() };
+    for rank in 0..k {
+        let child =
+            launch.spawn(rank, &ring_args(rank, k, port), &[("QSR_TEST_FAULT", fault)], &format!("rank{rank}.log"))?;
+        job.children.push((rank, child));
+    }
+    if wait_all(&mut job, start, timeout, launch.out)?.iter().all(|(_, s)| s.success()) {
+        bail!("the fault {fault} never fired in {}", launch.out.display());
+    }
+    let mut job = Job { children: Vec::new() };
+    let resume = launch.out.to_string_lossy().into_owned();
+    for rank in 0..k {
+        let mut a = ring_args(rank, k, port + 1);
+        a.extend(["--resume".to_string(), resume.clone()]);
+        job.children.push((rank, launch.spawn(rank, &a, &[], &format!("rank{rank}-resumed.log"))?));
+    }
+    for (rank, s) in wait_all(&mut job, start, timeout, launch.out)? {
+        if !s.success() {
+            bail!("resumed run {}: rank {rank} failed ({s}); see its log there", launch.out.display());
+        }
+    }
+    Ok(start.elapsed().as_secs_f64())
+}
+
+/// One rule under `--fault`: wall-clock and final test accuracy of the clean run, the elastic run and
+/// the run restarted from its checkpoint.
+pub struct FaultRow {
+    pub link: String,
+    pub rule: String,
+    pub seconds: [f64; 3],
+    pub accuracy: [f64; 3],
+    /// Steps trained again by the elastic run (its membership records' `steps_lost`).
+    pub steps_lost: u64,
+}
+
+fn accuracy_of(dir: &Path) -> Result<f64> {
+    let s: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("summary.json"))?)?;
+    num(&s, "final_test_accuracy")
+}
+
+/// The markdown table of a `--fault` sweep.
+pub fn fault_table(rows: &[FaultRow]) -> String {
+    let mut out = String::from(
+        "| link | rule | clean (s) | elastic, killed + restarted (s) | lost (s) | checkpoint restart (s) | lost (s) | elastic lost / restart lost | steps redone (elastic) | test acc. clean / elastic / restart |\n|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        let [clean, elastic, restart] = r.seconds;
+        let (le, lr) = (elastic - clean, restart - clean);
+        let [a, b, c] = r.accuracy.map(|x| 100.0 * x);
+        let _ = writeln!(
+            out,
+            "| {} | {} | {clean:.2} | {elastic:.2} | {le:.2} | {restart:.2} | {lr:.2} | {:.2} | {} | {a:.1}% / {b:.1}% / {c:.1}% |",
+            r.link,
+            r.rule,
+            le / lr,
+            r.steps_lost
+        );
+    }
+    out
+}
+
+/// Runs `rule` clean, elastic with the fault and restarted from a checkpoint, in `out/<link>-<rule>*`.
+fn fault_row(launch: Launch, fault: &str, link: &str, rule: &str, port: u16, timeout: Duration) -> Result<FaultRow> {
+    let base = launch.out.to_path_buf();
+    let dirs = [base.clone(), base.with_extension("elastic"), base.with_extension("restart")];
+    let clean = run_job(launch.t, launch.qsr, launch.recipe, &dirs[0], port, timeout, launch.node)?;
+    let elastic = run_elastic_job(&Launch { out: &dirs[1], ..launch.clone() }, fault, port + 1, timeout)?;
+    let restart = run_restart_job(&Launch { out: &dirs[2], ..launch.clone() }, fault, port + 2, timeout)?;
+    let text = std::fs::read_to_string(dirs[1].join("metrics.jsonl"))?;
+    let steps_lost = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|r| r.get("membership")?.get("steps_lost")?.as_u64())
+        .sum();
+    Ok(FaultRow {
+        link: link.into(),
+        rule: rule.into(),
+        seconds: [clean, elastic, restart],
+        accuracy: [accuracy_of(&dirs[0])?, accuracy_of(&dirs[1])?, accuracy_of(&dirs[2])?],
+        steps_lost,
+    })
+}
+
+/// The arguments of rank `rank` of a job launched with the rendezvous at rank 0's address.
+fn ring_args(rank: usize, k: usize, port: u16) -> Vec<String> {
+    let a = ["--comm", "tcp", "--rank", &rank.to_string(), "--world-size", &k.to_string()].map(String::from);
+    let b = ["--master-addr", &Topology::addr(0), "--master-port", &port.to_string()].map(String::from);
+    a.into_iter().chain(b).collect()
+}
+
+/// Runs one `qsr train` job, one process per worker namespace; returns its wall-clock seconds.
 fn run_job(
     t: &Topology,
     qsr: &Path,
@@ -483,23 +709,12 @@ fn run_job(
 ) -> Result<f64> {
     let _ = std::fs::remove_dir_all(out);
     std::fs::create_dir_all(out)?;
-    let token = format!("netem-{}-{port}", std::process::id());
+    let launch = Launch { t, qsr, recipe, out, node, token: format!("netem-{}-{port}", std::process::id()) };
     let k = t.workers();
     let mut job = Job { children: Vec::new() };
     let start = Instant::now();
     for rank in 0..k {
-        let log = File::create(out.join(format!("rank{rank}.log")))?;
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", &t.worker_ns(rank)]).arg(qsr);
-        c.args(["train", "--recipe"]).arg(recipe).arg("--out").arg(out);
-        c.args(["--comm", "tcp", "--rank", &rank.to_string(), "--world-size", &k.to_string()]);
-        c.args(["--master-addr", &Topology::addr(0), "--master-port", &port.to_string(), "--quiet"]);
-        c.env("QSR_JOB_TOKEN", &token).env("QSR_BIND_ADDR", Topology::addr(rank)).env("QSR_COMM_TIMEOUT_SECS", "60");
-        // Each node (one namespace, or `node` consecutive ones) stands for a host of its own: ranks
-        // on different nodes talk over the shaped links, not through this machine's shared memory.
-        c.env("QSR_HOST_ID", format!("{}node{}", t.prefix, rank / node.max(1)));
-        c.stdout(log.try_clone()?).stderr(log);
-        job.children.push((rank, c.spawn().with_context(|| format!("cannot start rank {rank}"))?));
+        job.children.push((rank, launch.spawn(rank, &ring_args(rank, k, port), &[], &format!("rank{rank}.log"))?));
     }
     let mut left: Vec<usize> = (0..k).collect();
     while !left.is_empty() {
@@ -691,6 +906,7 @@ pub fn run(args: &NetemArgs, root: &Path) -> Result<()> {
         links.push((r.clone(), Some(shape_of(r))));
     }
     let mut rows = Vec::new();
+    let mut fault_rows = Vec::new();
     let mut probes = String::new();
     let mut port = 29500;
     for (link, shape) in &links {
@@ -706,8 +922,19 @@ pub fn run(args: &NetemArgs, root: &Path) -> Result<()> {
         for (rule, recipe) in &paths {
             let dir = out.join(format!("{link}-{rule}"));
             eprintln!("netem: {link} {rule} -> {}", dir.display());
-            port += 1;
+            port += 4;
             let timeout = Duration::from_secs(args.timeout);
+            if let Some(fault) = &args.fault {
+                let token = format!("netem-{}-{port}", std::process::id());
+                let launch = Launch { t: &topo, qsr: &bin, recipe, out: &dir, node: args.workers_per_node, token };
+                let row = fault_row(launch, fault, link, rule, port, timeout)?;
+                eprintln!(
+                    "netem:   clean / elastic / restart: {:.2} / {:.2} / {:.2} s",
+                    row.seconds[0], row.seconds[1], row.seconds[2]
+                );
+                fault_rows.push(row);
+                continue;
+            }
             let secs = run_job(&topo, &bin, recipe, &dir, port, timeout, args.workers_per_node)?;
             let m = read_run(&dir, link, rule, secs)?;
             eprintln!("netem:   {:.2} s total, {} syncs, {:.2} s comm", m.wall_seconds, m.syncs, m.comm_seconds);
@@ -724,7 +951,15 @@ pub fn run(args: &NetemArgs, root: &Path) -> Result<()> {
         "K = {} namespaces{nodes}, delay {delay_note}, MLP {:?} on digits, local batch {}, {} epochs; QSR h_base {} alpha {}.\n\n{probes}\n",
         args.workers, args.hidden, args.local_batch, args.epochs, args.h_base, args.alpha
     );
-    text.push_str(&table(&rows));
+    if let Some(fault) = &args.fault {
+        let _ = writeln!(
+            text,
+            "Fault `{fault}` (QSR_TEST_FAULT): the worker sends itself SIGKILL as it starts that step.\n"
+        );
+        text.push_str(&fault_table(&fault_rows));
+    } else {
+        text.push_str(&table(&rows));
+    }
     std::fs::write(out.join("results.md"), &text)?;
     println!("{text}");
     println!("runs and recipes under {}", out.display());

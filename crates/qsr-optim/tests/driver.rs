@@ -883,7 +883,10 @@ fn abandon_and_redo(lagging: bool, p: &Plan, optim: &OptimizerConfig, outer: Out
                     train_until(&mut w, task, rank, k, 3);
                     let older = w.snapshot().unwrap();
                     train_until(&mut w, task, rank, k, 6);
-                    let snap = w.snapshot().unwrap();
+                    // Taken into the buffers of the older one, as an elastic trainer does at every sync.
+                    let mut snap = older.clone();
+                    w.snapshot_into(&mut snap).unwrap();
+                    assert_eq!(snap.step(), 6);
                     train_until(&mut w, task, rank, k, 8);
                     w.restore_snapshot(if lagging && rank == 0 { &older } else { &snap }).unwrap();
                     w.replace_comm(Box::new(b)).unwrap();

@@ -227,7 +227,8 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
             return Ok(Next::Continue);
         }
         self.segment.synced(self.spec, &self.pace, &self.task, &mut self.worker, &report)?;
-        self.snap = (self.worker.snapshot()?, self.segment.counters(&self.worker));
+        self.worker.snapshot_into(&mut self.snap.0)?;
+        self.snap.1 = self.segment.counters(&self.worker);
         if self.worker.cursor().is_done() {
             return Ok(Next::Continue);
         }
@@ -342,16 +343,17 @@ fn is_setup_failure(e: &anyhow::Error) -> bool {
 }
 
 /// A failure injected by tests (`QSR_TEST_FAULT=kill:<rank>:<step>` or `stop:<rank>:<step>`): the
-/// worker of that rank in the first generation sends itself SIGKILL or SIGSTOP as it starts that
-/// step, so a test can lose a worker at an exact point, twice alike.
-struct Fault {
+/// worker of that rank in the first generation (any worker of a run that is not elastic) sends
+/// itself SIGKILL or SIGSTOP as it starts that step, so a test can lose a worker at an exact point,
+/// twice alike.
+pub(crate) struct Fault {
     signal: Signal,
     rank: usize,
     step: u64,
 }
 
 impl Fault {
-    fn from_env() -> Result<Option<Fault>> {
+    pub(crate) fn from_env() -> Result<Option<Fault>> {
         let Ok(spec) = std::env::var("QSR_TEST_FAULT") else {
             return Ok(None);
         };
@@ -367,7 +369,7 @@ impl Fault {
         Ok(Some(Fault { signal, rank, step }))
     }
 
-    fn fire(&self, generation: u64, rank: usize, step: u64) {
+    pub(crate) fn fire(&self, generation: u64, rank: usize, step: u64) {
         if (generation, rank, step) == (0, self.rank, self.step) {
             let _ = rustix::process::kill_process(rustix::process::getpid(), self.signal);
         }

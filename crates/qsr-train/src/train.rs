@@ -442,7 +442,11 @@ fn run<T: Task>(
     let mut stream = task.stream(first_step, end)?;
     let mut segment = Segment::start(spec, rank, end, first_step, start_records, base)?;
     let mut finished = true;
+    let fault = crate::elastic::Fault::from_env()?;
     while !worker.cursor().is_done() {
+        if let Some(f) = &fault {
+            f.fire(0, rank, worker.cursor().step());
+        }
         let report = task.train_step(&mut worker, &mut stream)?;
         segment.stepped(&worker, &report, &pace);
         let global = report.sync.is_some_and(|s| s.level == Level::Global);
