@@ -38,7 +38,7 @@ enum Cmd {
     /// The CUDA + NCCL build of `qsr` without network access to LLVM (see xtask/src/cuda.rs).
     Cuda(cuda::CudaArgs),
     /// As root: K network namespaces with tc-shaped links; wall-clock of dp, constant H and QSR over them.
-    Netem(netem::NetemArgs),
+    Netem(Box<netem::NetemArgs>),
 }
 
 /// The workspace root. `cargo run` sets CARGO_MANIFEST_DIR at run time too: prefer it, because a

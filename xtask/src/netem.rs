@@ -1007,6 +1007,7 @@ mod tests {
             out: PathBuf::from("x"),
             timeout: 1,
             check: false,
+            fault: None,
         };
         let dp = recipe_text(&args, "dp").unwrap();
         let h4 = recipe_text(&args, "h4").unwrap();
@@ -1021,6 +1022,28 @@ mod tests {
         assert!(recipe_text(&args, "lx+qsr").is_err() && recipe_text(&args, "l0+dp").is_err());
         // One local level at most (two would write two [sync.local] tables).
         assert!(recipe_text(&args, "l1+l2+qsr").unwrap_err().to_string().contains("one local level at most"));
+        // Under --fault the runs checkpoint every epoch, so the restarted job has somewhere to resume from.
+        assert!(dp.contains("enabled = false"));
+        let faulty = NetemArgs { fault: Some("kill:2:70".into()), ..args };
+        let dp = recipe_text(&faulty, "dp").unwrap();
+        assert!(dp.contains("every_epochs = 1 ") && !dp.contains("enabled = false"), "{dp}");
+    }
+
+    #[test]
+    fn faults_parse_and_their_table_gives_each_recovery_its_loss() {
+        assert_eq!(fault_rank("kill:2:70").unwrap(), 2);
+        for bad in ["stop:2:70", "kill:x:70", "kill:2", "kill"] {
+            assert!(fault_rank(bad).is_err(), "{bad}");
+        }
+        let row = FaultRow {
+            link: "1gbit".into(),
+            rule: "qsr".into(),
+            seconds: [50.0, 55.0, 70.0],
+            accuracy: [0.9, 0.9, 0.9],
+            steps_lost: 4,
+        };
+        let t = fault_table(&[row]);
+        assert!(t.contains("| 1gbit | qsr | 50.00 | 55.00 | 5.00 | 70.00 | 20.00 | 0.25 | 4 |"), "{t}");
     }
 
     /// Namespace pair, a shaped link, its measured rate and round trip, and teardown (also of leftovers).
