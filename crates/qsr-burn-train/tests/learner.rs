@@ -120,14 +120,15 @@ fn fashion_mnist_dir() -> Option<String> {
 }
 
 #[test]
-fn qsr_through_the_learner_learns_fashion_mnist() {
+fn qsr_through_the_learner_learns_fashion_mnist_at_a_stable_lr() {
     let Some(dir) = fashion_mnist_dir() else { return };
     let _turn = serial();
     let task = example::Task::fashion_mnist(&dir).unwrap();
     let out = example::run_task(&task, threads(2), 2, SyncRule::Qsr { h_base: 2, alpha: 0.06 }).unwrap();
     assert_eq!(out.syncs, out.planned);
-    // 2 epochs of an MLP at the digits' lr: 73.6% here (chance is 10%).
-    assert!(out.accuracy >= 0.70, "test accuracy {}", out.accuracy);
+    // 2 epochs of an MLP at lr 0.05: 85.6% here, and 83.9% to 85.9% from lr 0.1 to 0.02 (chance is
+    // 10%). At the digits' 0.2 it fell to 61.3% on an AVX-512 machine: this floor pins a stable lr.
+    assert!(out.accuracy >= 0.80, "test accuracy {}", out.accuracy);
 }
 
 #[test]
@@ -145,7 +146,7 @@ fn fewer_training_items_than_replicas_is_an_error_not_an_empty_run() {
         "three-digits",
     )
     .unwrap();
-    let task = example::Task { train, test: qsr_data::digits(qsr_data::Split::Test), epochs: 1 };
+    let task = example::Task { train, test: qsr_data::digits(qsr_data::Split::Test), epochs: 1, lr: 0.2 };
     let Err(e) = example::run_task(&task, threads(4), 4, SyncRule::Constant { h: 2 }) else {
         panic!("3 items for 4 replicas")
     };
