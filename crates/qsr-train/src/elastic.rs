@@ -316,22 +316,10 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
 
     /// The `membership` record of a change at `step`.
     fn record(&self, step: u64, c: Counters, change: MembershipChange) -> Record {
-        Record {
-            kind: "membership".into(),
-            step,
-            epoch: step as f64 / self.pace.spe as f64,
-            lr: self.pace.plan.lr(step.min(self.pace.plan.end_step().saturating_sub(1))),
-            h: self.worker.cursor().round().len,
-            loss: None,
-            accuracy: None,
-            syncs: c.syncs,
-            bytes: c.bytes,
-            comm_seconds: c.comm_seconds,
-            wall_seconds: c.wall_seconds,
-            local_syncs: c.local_syncs,
-            local_bytes: c.local_bytes,
-            membership: Some(change),
-        }
+        let lr = self.pace.plan.lr(step.min(self.pace.plan.end_step().saturating_sub(1)));
+        let epoch = step as f64 / self.pace.spe as f64;
+        let counted = Record::counted("membership", step, epoch, lr, self.worker.cursor().round().len, c);
+        Record { membership: Some(change), ..counted }
     }
 }
 

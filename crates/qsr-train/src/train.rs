@@ -687,25 +687,33 @@ impl Segment {
     }
 }
 
+impl Record {
+    /// A `kind` record at `step` with the run's counters `c`, and no loss, accuracy or membership.
+    pub(crate) fn counted(kind: &str, step: u64, epoch: f64, lr: f64, h: u64, c: Counters) -> Record {
+        Record {
+            kind: kind.into(),
+            step,
+            epoch,
+            lr,
+            h,
+            loss: None,
+            accuracy: None,
+            syncs: c.syncs,
+            bytes: c.bytes,
+            comm_seconds: c.comm_seconds,
+            wall_seconds: c.wall_seconds,
+            local_syncs: c.local_syncs,
+            local_bytes: c.local_bytes,
+            membership: None,
+        }
+    }
+}
+
 /// One record shape for syncs and evaluations, at the step `report` completed.
 fn record(kind: &str, report: &StepReport, pace: &Pace, loss: f64, accuracy: Option<f64>, c: Counters) -> Record {
     let step = report.info.step + 1;
-    Record {
-        kind: kind.into(),
-        step,
-        epoch: pace.epoch(step),
-        lr: report.info.lr,
-        h: report.info.h,
-        loss: Some(loss),
-        accuracy,
-        syncs: c.syncs,
-        bytes: c.bytes,
-        comm_seconds: c.comm_seconds,
-        wall_seconds: c.wall_seconds,
-        local_syncs: c.local_syncs,
-        local_bytes: c.local_bytes,
-        membership: None,
-    }
+    let counted = Record::counted(kind, step, pace.epoch(step), report.info.lr, report.info.h, c);
+    Record { loss: Some(loss), accuracy, ..counted }
 }
 
 /// The membership records of a run's `metrics.jsonl`, in order (none outside elastic runs).

@@ -70,6 +70,17 @@ fn stderr_of(child: Child) -> (std::process::ExitStatus, String) {
     (out.status, String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
+/// Waits for `workers` (each must exit 0) and the store (it must report the job finished); returns
+/// the run's summary.json.
+fn job_finished(workers: Vec<Child>, store: Store, run: &Path) -> serde_json::Value {
+    for w in workers {
+        let (status, err) = stderr_of(w);
+        assert!(status.success(), "{err}");
+    }
+    assert!(store.finished().contains("job finished"));
+    json(&run.join("summary.json"))
+}
+
 fn membership(run: &Path) -> Vec<serde_json::Value> {
     let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap_or_default();
     text.lines()
@@ -136,12 +147,7 @@ fn a_stopped_worker_is_expelled_and_refused_when_it_wakes() {
     let (status, err) = stderr_of(stopped);
     assert!(!status.success(), "the expelled worker must not exit 0");
     assert!(err.contains("expelled") && err.contains("generation 0"), "{err}");
-    for w in workers {
-        let (status, err) = stderr_of(w);
-        assert!(status.success(), "{err}");
-    }
-    assert!(store.finished().contains("job finished"));
-    let s = json(&run.join("summary.json"));
+    let s = job_finished(workers, store, &run);
     assert_eq!(s["world_size"], 3);
     let lost = &s["membership"][0]["lost"][0];
     assert_eq!(lost["rank"], 1);
@@ -159,12 +165,7 @@ fn a_killed_worker_restarted_rejoins_and_the_run_ends_with_four() {
     let (status, _) = stderr_of(victim);
     assert!(!status.success(), "rank 3 should have been killed");
     workers.push(worker(&addr, &run, None, None));
-    for w in workers {
-        let (status, err) = stderr_of(w);
-        assert!(status.success(), "{err}");
-    }
-    assert!(store.finished().contains("job finished"));
-    let s = json(&run.join("summary.json"));
+    let s = job_finished(workers, store, &run);
     assert_eq!(s["world_size"], 4);
     assert_eq!(s["syncs"], s["planned_syncs"]);
     let m = &s["membership"][0];
@@ -259,12 +260,7 @@ fn a_worker_started_while_the_job_runs_is_admitted_at_a_sync() {
     c.args(["--out", run.to_str().unwrap()]);
     long(&mut c);
     workers.push(c.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap());
-    for w in workers {
-        let (status, err) = stderr_of(w);
-        assert!(status.success(), "{err}");
-    }
-    assert!(store.finished().contains("job finished"));
-    let s = json(&run.join("summary.json"));
+    let s = job_finished(workers, store, &run);
     assert_eq!(s["world_size"], 4, "{s}");
     let grow = &s["membership"][1];
     assert_eq!((grow["generation"].as_u64(), grow["joined"][0].as_u64()), (Some(2), Some(3)), "{grow}");
