@@ -180,7 +180,8 @@ pub(crate) struct Call<'a> {
     last_fwd_write: Instant,
     last_back_write: Instant,
     heartbeat: Duration,
-    /// Called when bytes moved (at most once per wait), for a layer above that reports progress.
+    /// Called when bytes moved (at most once per wait) and when the call completes, for a layer above
+    /// that reports progress.
     pub progress: Option<&'a (dyn Fn() + Send + Sync)>,
 }
 
@@ -304,6 +305,10 @@ impl<'a> Call<'a> {
             loop {
                 let moved = self.pump_all(&mut blocked)?;
                 if self.send_done() && self.recv_done() {
+                    // A call that never had to wait still moved bytes: its watchers hear so.
+                    if let Some(p) = self.progress {
+                        p();
+                    }
                     return Ok(());
                 }
                 any |= moved;

@@ -751,7 +751,7 @@ mod tests {
     }
 
     #[test]
-    fn progress_is_reported_while_a_call_moves_bytes() {
+    fn progress_is_reported_by_every_call_even_one_that_never_waits() {
         let listener = MasterListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let worker = std::thread::spawn(move || {
