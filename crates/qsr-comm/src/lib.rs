@@ -52,7 +52,7 @@ mod nccl;
 pub use agree::{KeyDiff, agree, differing_keys};
 pub use bootstrap::{probe_library, share_unique_id};
 pub use connect::{Transport, connect, host_id, over_ring, split, split_by_host};
-pub use elastic::{Elastic, ElasticConfig, Lost, Membership, Poll, Store, StoreConfig, SyncState};
+pub use elastic::{Elastic, ElasticConfig, Lost, MAX_SYNC_PAYLOAD, Membership, Poll, Store, StoreConfig, SyncState};
 pub use error::CommError;
 pub use inproc::{DEFAULT_TIMEOUT, InProcessComm, InProcessGroup};
 pub use launch::{

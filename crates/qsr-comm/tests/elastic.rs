@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use qsr_comm::{
-    Collective, CommError, Elastic, ElasticConfig, MasterListener, Poll, ReduceOp, ShmConfig, Store, StoreConfig,
-    SyncState, TcpComm, TcpConfig, Transport,
+    Collective, CommError, Elastic, ElasticConfig, MAX_SYNC_PAYLOAD, MasterListener, Poll, ReduceOp, ShmConfig, Store,
+    StoreConfig, SyncState, TcpComm, TcpConfig, Transport,
 };
 
 fn store(workers: usize) -> Store {
@@ -191,4 +191,68 @@ fn a_hello_of_another_generation_is_refused_naming_it() {
     let msg = err.to_string();
     assert!(msg.contains("generation 0") && msg.contains("is over"), "{msg}");
     assert!(master.join().unwrap().is_some());
+}
+
+#[test]
+fn survivors_reporting_long_after_a_loss_are_not_expelled() {
+    // Survivors learn of a loss at their next sync, which may come long after it: the settle time
+    // (1 s here) runs from the first report, so neither survivor is left out.
+    let store = store(3);
+    let handles: Vec<_> = (0..3u64)
+        .map(|order| {
+            let cfg = config(&store, order);
+            std::thread::spawn(move || {
+                let mut job = Elastic::connect(cfg).unwrap();
+                let (mut comm, m) = job.form(None, "start").unwrap();
+                if m.rank == 2 {
+                    return None;
+                }
+                std::thread::sleep(Duration::from_millis(2500)); // a long local round
+                assert!(total(comm.as_mut(), 1.0).is_err());
+                let (mut comm, m2) = job.form(state(10), "lost a peer").unwrap();
+                assert_eq!(total(comm.as_mut(), 1.0).unwrap(), 2.0);
+                job.finish().unwrap();
+                Some(m2.world_size)
+            })
+        })
+        .collect();
+    let sizes: Vec<_> = handles.into_iter().filter_map(|h| h.join().unwrap()).collect();
+    assert_eq!(sizes, vec![2, 2]);
+    assert!(store.wait_finished(Some(Duration::from_secs(5))));
+}
+
+#[test]
+fn joiners_of_a_job_that_lost_every_worker_are_refused_naming_the_resume() {
+    let store = store(2);
+    let members: Vec<_> = (0..2u64)
+        .map(|order| {
+            let cfg = config(&store, order);
+            std::thread::spawn(move || Elastic::connect(cfg).unwrap().form(None, "start").map(|(_, m)| m.rank))
+        })
+        .collect();
+    for h in members {
+        h.join().unwrap().unwrap(); // both formed generation 0, then were lost with their connections
+    }
+    let mut late = Elastic::connect(ElasticConfig { order: None, ..config(&store, 0) }).unwrap();
+    let err = late.form(None, "restarted").err().expect("nobody holds the state: the joiner must be refused");
+    assert!(err.to_string().contains("--resume"), "{err}");
+}
+
+#[test]
+fn a_first_generation_short_of_workers_fails_at_the_rendezvous_timeout() {
+    let store = store(2);
+    let mut cfg = config(&store, 0);
+    cfg.tcp.rendezvous_timeout = Duration::from_secs(1);
+    let err =
+        Elastic::connect(cfg).unwrap().form(None, "start").err().expect("one worker of two must not wait forever");
+    assert!(err.to_string().contains("did not form within the rendezvous timeout"), "{err}");
+}
+
+#[test]
+fn a_join_whose_payload_would_not_fit_is_refused_naming_the_field() {
+    let store = store(1);
+    let mut job = Elastic::connect(config(&store, 0)).unwrap();
+    let big = Some(SyncState { step: 0, payload: "x".repeat(MAX_SYNC_PAYLOAD + 1) });
+    let err = job.form(big, "start").err().expect("an oversized payload must be refused");
+    assert!(err.to_string().contains("`state.payload`"), "{err}");
 }

@@ -101,6 +101,9 @@ pub(crate) fn train(
         settings,
     };
     let mut job = Elastic::connect(cfg)?;
+    if let Some(f) = Fault::from_env()? {
+        f.fire_before_join(args.rank);
+    }
     let (comm, m) = job.form(None, "start")?;
     if m.generation == 0 && m.world_size != recipe.train.workers {
         bail!(
@@ -337,7 +340,8 @@ fn is_setup_failure(e: &anyhow::Error) -> bool {
 pub(crate) struct Fault {
     signal: Signal,
     rank: usize,
-    step: u64,
+    /// The step it fires at; `None`: before joining the store (`kill:<rank>:join`, elastic only).
+    step: Option<u64>,
 }
 
 impl Fault {
@@ -345,7 +349,7 @@ impl Fault {
         let Ok(spec) = std::env::var("QSR_TEST_FAULT") else {
             return Ok(None);
         };
-        let bad = || anyhow!("QSR_TEST_FAULT={spec}: expected kill:<rank>:<step> or stop:<rank>:<step>");
+        let bad = || anyhow!("QSR_TEST_FAULT={spec}: expected kill|stop:<rank>:<step>, or kill|stop:<rank>:join");
         let mut parts = spec.split(':');
         let signal = match parts.next() {
             Some("kill") => Signal::KILL,
@@ -353,13 +357,27 @@ impl Fault {
             _ => return Err(bad()),
         };
         let rank = parts.next().and_then(|r| r.parse().ok()).ok_or_else(bad)?;
-        let step = parts.next().and_then(|s| s.parse().ok()).ok_or_else(bad)?;
+        let step = match parts.next() {
+            Some("join") => None,
+            s => Some(s.and_then(|s| s.parse().ok()).ok_or_else(bad)?),
+        };
         Ok(Some(Fault { signal, rank, step }))
     }
 
     pub(crate) fn fire(&self, generation: u64, rank: usize, step: u64) {
-        if (generation, rank, step) == (0, self.rank, self.step) {
-            let _ = rustix::process::kill_process(rustix::process::getpid(), self.signal);
+        if (generation, rank, Some(step)) == (0, self.rank, self.step) {
+            self.raise();
         }
+    }
+
+    /// Fires a `join` fault for the worker the launcher numbered `order`.
+    fn fire_before_join(&self, order: Option<usize>) {
+        if self.step.is_none() && order == Some(self.rank) {
+            self.raise();
+        }
+    }
+
+    fn raise(&self) {
+        let _ = rustix::process::kill_process(rustix::process::getpid(), self.signal);
     }
 }

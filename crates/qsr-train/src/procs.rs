@@ -173,7 +173,9 @@ fn supervise(
             );
         }
         workers = reap(workers, &mut failures)?;
-        if store.is_none() && failures.first().is_some_and(|f| f.seen.elapsed() >= FAILURE_WINDOW) {
+        // Elastic jobs go on without a failed worker once they run; before, the others would wait for it.
+        let fatal = store.is_none_or(|s| s.generation().is_none());
+        if fatal && failures.first().is_some_and(|f| f.seen.elapsed() >= FAILURE_WINDOW) {
             break;
         }
         std::thread::sleep(POLL);

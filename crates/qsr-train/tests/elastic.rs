@@ -268,3 +268,18 @@ fn a_worker_started_while_the_job_runs_is_admitted_at_a_sync() {
     assert!(grow["reason"].as_str().unwrap().contains("admitting 1 new worker"), "{grow}");
     assert!(s["final_test_accuracy"].as_f64().unwrap() > 0.8, "{s}");
 }
+
+#[test]
+fn a_worker_lost_before_the_first_generation_formed_fails_the_launch() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let out = qsr()
+        .args(["train", "--recipe", RECIPE, "--set", STEPS, "--quiet", "--nproc", "4", "--elastic"])
+        .args(["--out", run.to_str().unwrap()])
+        .env("QSR_TEST_FAULT", "kill:1:join")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the others must not wait for the first generation forever:\n{err}");
+    assert!(err.contains("rank 1 was killed") && err.contains("SIGKILL"), "{err}");
+}

@@ -36,13 +36,16 @@ use crate::{Collective, CommError, ShmConfig, Transport, over_ring};
 use proto::{Request, Response, recv, send};
 pub use store::{Store, StoreConfig};
 
+/// The longest [`SyncState::payload`] a store accepts, so that its answers fit a line.
+pub const MAX_SYNC_PAYLOAD: usize = 64 << 10;
+
 /// The last completed synchronization a worker holds: its step and an opaque payload the new
 /// generation receives from the worker chosen as [`Membership::source`] (the trainer's counters).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SyncState {
     /// Steps completed at that synchronization.
     pub step: u64,
-    /// What the application wants the new generation to have (at most about 1 MiB).
+    /// What the application wants the new generation to have (at most [`MAX_SYNC_PAYLOAD`] bytes).
     pub payload: String,
 }
 
@@ -182,7 +185,9 @@ impl Elastic {
         let (listener, port) = ring_listener(&self.cfg.tcp)?;
         let host = advertised_host(&self.cfg.tcp).unwrap_or_default();
         let join = Request::Join { seen: self.generation, host, port, state, reason: reason.into() };
-        let reply = self.ask(&join)?;
+        // Joining a running job may wait for a long round; the first generation only for its workers.
+        let deadline = Instant::now() + self.cfg.tcp.rendezvous_timeout;
+        let reply = self.ask_until(&join, Some(deadline))?;
         let Response::Formed { generation, rank, previous_rank, table, source, state, lost, joined } = reply else {
             return Err(self.unexpected(reply));
         };
@@ -218,12 +223,28 @@ impl Elastic {
 
     /// Sends a request and reads its answer, skipping the keepalives of a waiting join.
     fn ask(&mut self, req: &Request) -> Result<Response, CommError> {
+        self.ask_until(req, None)
+    }
+
+    /// [`Self::ask`], failing at `first_deadline` while the store has formed no generation yet.
+    fn ask_until(&mut self, req: &Request, first_deadline: Option<Instant>) -> Result<Response, CommError> {
         let addr = self.cfg.store.clone();
         send(&mut self.writer, req).map_err(|e| store_err(&addr, format!("cannot send: {e}")))?;
         // The store answers a waiting join every few seconds; silence this long means it is gone.
         let _ = self.reader.get_ref().set_read_timeout(Some(Duration::from_secs(60)));
         loop {
             match recv::<Response>(&mut self.reader) {
+                Ok(Some(Response::Waiting { generation: None }))
+                    if first_deadline.is_some_and(|d| Instant::now() >= d) =>
+                {
+                    return Err(store_err(
+                        &addr,
+                        format!(
+                            "the first generation did not form within the rendezvous timeout of {:?}: fewer workers than the job's joined the store (did one fail to start?)",
+                            self.cfg.tcp.rendezvous_timeout
+                        ),
+                    ));
+                }
                 Ok(Some(Response::Waiting { .. })) => continue,
                 Ok(Some(r)) => return Ok(r),
                 Ok(None) => return Err(store_err(&addr, "the store closed the connection".into())),

@@ -8,9 +8,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::proto::{Request, Response, recv, send};
-use super::{Lost, SyncState};
+use super::{Lost, MAX_SYNC_PAYLOAD, SyncState};
 use crate::CommError;
 use crate::tcp::notice;
+use crate::wire::MAX_HOST_LEN;
 
 /// How often a waiting join hears from the store, and how often threads look at the stop flag.
 const TICK: Duration = Duration::from_millis(50);
@@ -75,14 +76,24 @@ struct State {
     generation: Option<u64>,
     /// The current generation's workers, in rank order.
     members: Vec<u64>,
-    /// When and why the current generation ended.
-    over: Option<(Instant, String)>,
+    /// Why the current generation ended, and since when a member has been waiting to go on.
+    over: Option<Over>,
     pending: BTreeMap<u64, Pending>,
     /// Answers for joins, picked up by their connections.
     formed: HashMap<u64, Response>,
     /// Workers expelled, with the generation they were expelled from.
     expelled: HashMap<u64, u64>,
     done: HashSet<u64>,
+    /// What the last formation has to say, printed once the lock is released.
+    notice: Option<String>,
+}
+
+/// The end of a generation.
+struct Over {
+    why: String,
+    /// When the first member reported for the next generation: the settle time runs from then, not
+    /// from the loss, since survivors learn of a loss only at their next sync (a long round later).
+    since: Option<Instant>,
 }
 
 impl Store {
@@ -255,16 +266,22 @@ fn hello(r: &mut BufReader<TcpStream>, shared: &Shared) -> Result<u64, String> {
 
 /// A join: waits until a generation forms with this worker, or says it was expelled.
 fn join(shared: &Shared, id: u64, seen: Option<u64>, pending: Pending, reason: String, w: &mut TcpStream) -> Response {
+    if let Err(message) = pending.check() {
+        return Response::Refused { message };
+    }
     let mut st = shared.lock();
     if let Some(g) = seen {
         let current = st.generation.unwrap_or(0);
         if st.expelled.contains_key(&id) || st.generation != Some(g) {
             return Response::Expelled { generation: g, current };
         }
-        if st.over.is_none() {
-            let rank = st.members.iter().position(|m| *m == id).unwrap_or(usize::MAX);
-            st.over = Some((Instant::now(), format!("rank {rank}: {reason}")));
-        }
+        let Some(rank) = st.rank_of(id) else {
+            return Response::Refused {
+                message: format!("worker {id} names generation {g} but is not a member of it"),
+            };
+        };
+        let over = st.over.get_or_insert_with(|| Over { why: format!("rank {rank}: {reason}"), since: None });
+        over.since.get_or_insert_with(Instant::now);
     }
     st.pending.insert(id, pending);
     shared.changed.notify_all();
@@ -275,7 +292,20 @@ fn join(shared: &Shared, id: u64, seen: Option<u64>, pending: Pending, reason: S
         }
         if st.form(&shared.cfg) {
             shared.changed.notify_all();
+            if let Some(text) = st.notice.take() {
+                drop(st);
+                notice(false, &text);
+                st = shared.lock();
+            }
             continue;
+        }
+        if st.finished() {
+            st.pending.remove(&id);
+            return Response::Refused { message: "the job has finished".into() };
+        }
+        if let Some(message) = st.orphaned() {
+            st.pending.remove(&id);
+            return Response::Refused { message };
         }
         if beat.elapsed() >= KEEPALIVE {
             let generation = st.generation;
@@ -291,6 +321,21 @@ fn join(shared: &Shared, id: u64, seen: Option<u64>, pending: Pending, reason: S
             return Response::Refused { message: "the store is shutting down".into() };
         }
         st = shared.wait(st);
+    }
+}
+
+impl Pending {
+    /// Refuses a join whose fields would not fit the store's answers.
+    fn check(&self) -> Result<(), String> {
+        if self.host.len() > MAX_HOST_LEN {
+            return Err(format!("join: `host` has {} bytes, more than {MAX_HOST_LEN}", self.host.len()));
+        }
+        match &self.state {
+            Some(s) if s.payload.len() > MAX_SYNC_PAYLOAD => {
+                Err(format!("join: `state.payload` has {} bytes, more than {MAX_SYNC_PAYLOAD}", s.payload.len()))
+            }
+            _ => Ok(()),
+        }
     }
 }
 
@@ -320,8 +365,20 @@ impl State {
             && !self.done.contains(&id)
             && self.over.is_none()
         {
-            self.over = Some((Instant::now(), format!("rank {rank} lost its connection to the store")));
+            self.over = Some(Over { why: format!("rank {rank} lost its connection to the store"), since: None });
         }
+    }
+
+    /// Why the job cannot go on, when every member of its generation was lost: no one holds its
+    /// training state, so joiners are refused rather than left waiting.
+    fn orphaned(&self) -> Option<String> {
+        let g = self.generation?;
+        let holders = self.members.iter().any(|m| self.alive.contains_key(m) || self.done.contains(m));
+        (!holders).then(|| {
+            format!(
+                "every worker of generation {g} was lost, and with them the training state: start the job again from its checkpoint (qsr train --resume)"
+            )
+        })
     }
 
     /// Forms the next generation when it is due; returns whether it did.
@@ -329,18 +386,22 @@ impl State {
         let due = match (self.generation, &self.over) {
             (None, _) => self.pending.len() >= cfg.workers,
             (Some(_), None) => false,
-            (Some(_), Some((since, _))) => {
+            (Some(_), Some(over)) => {
                 let missing = self
                     .members
                     .iter()
                     .any(|m| self.alive.contains_key(m) && !self.done.contains(m) && !self.pending.contains_key(m));
-                !missing || since.elapsed() >= cfg.settle
+                !missing || over.since.is_some_and(|t| t.elapsed() >= cfg.settle)
             }
         };
         if !due {
             return false;
         }
         let survivors: Vec<u64> = self.members.iter().copied().filter(|m| self.pending.contains_key(m)).collect();
+        // A later generation continues a survivor's state: joiners alone cannot form one.
+        if self.generation.is_some() && survivors.is_empty() {
+            return false;
+        }
         let mut joiners: Vec<u64> = self.pending.keys().copied().filter(|p| !self.members.contains(p)).collect();
         joiners.sort_by_key(|id| (self.alive.get(id).copied().flatten().unwrap_or(u64::MAX), *id));
         joiners.truncate(cfg.workers.saturating_sub(survivors.len()));
@@ -385,16 +446,13 @@ impl State {
         let state = source.and_then(|i| pending[i].state.clone());
         let table: Vec<(String, u16)> = pending.iter().map(|p| (p.host.clone(), p.port)).collect();
         if generation > 0 {
-            let why = self.over.as_ref().map_or("", |(_, why)| why.as_str());
-            notice(
-                false,
-                &format!(
-                    "elastic store: generation {generation} formed with {} workers ({why}; lost {:?}, joined {:?})",
-                    next.len(),
-                    lost.iter().map(|l| l.rank).collect::<Vec<_>>(),
-                    joined
-                ),
-            );
+            let why = self.over.as_ref().map_or("", |o| o.why.as_str());
+            self.notice = Some(format!(
+                "elastic store: generation {generation} formed with {} workers ({why}; lost {:?}, joined {:?})",
+                next.len(),
+                lost.iter().map(|l| l.rank).collect::<Vec<_>>(),
+                joined
+            ));
         }
         for (rank, id) in next.iter().enumerate() {
             let answer = Response::Formed {
