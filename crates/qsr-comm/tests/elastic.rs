@@ -256,3 +256,17 @@ fn a_join_whose_payload_would_not_fit_is_refused_naming_the_field() {
     let err = job.form(big, "start").err().expect("an oversized payload must be refused");
     assert!(err.to_string().contains("`state.payload`"), "{err}");
 }
+
+#[test]
+fn connections_past_the_limit_are_refused_even_before_their_hello() {
+    let cfg = StoreConfig { max_connections: 2, token: "elastic-test".into(), ..StoreConfig::new(1) };
+    let store = Store::bind("127.0.0.1:0", cfg).unwrap();
+    // Two sockets that never say hello hold the store's two slots.
+    let _idle: Vec<_> = (0..2).map(|_| std::net::TcpStream::connect(store.local_addr()).unwrap()).collect();
+    // One thread accepts in arrival order, so both are counted before the third is seen.
+    let third = std::net::TcpStream::connect(store.local_addr()).unwrap();
+    third.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(third), &mut line).unwrap();
+    assert!(line.contains("refused") && line.contains("limit of 2 connections"), "{line}");
+}

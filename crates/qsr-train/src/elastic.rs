@@ -58,8 +58,16 @@ pub fn rendezvous(args: &RendezvousArgs, out: &mut dyn Write) -> Result<()> {
         min_workers: args.min_workers,
         settle: Duration::from_secs_f64(args.settle_secs),
         token: std::env::var("QSR_JOB_TOKEN").unwrap_or_default(),
+        ..StoreConfig::new(args.workers)
     };
+    let open = cfg.token.is_empty();
     let store = Store::bind(&args.listen, cfg).context("--listen")?;
+    if open && !store.local_addr().ip().is_loopback() {
+        eprintln!(
+            "qsr: warning: QSR_JOB_TOKEN is not set, so any process that reaches {} can join this job; give the store and its workers the same token",
+            store.local_addr()
+        );
+    }
     writeln!(out, "listening on {} for {} workers", store.local_addr(), args.workers)?;
     out.flush()?;
     store.wait_finished(None);

@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::BufReader;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -16,8 +16,6 @@ use crate::wire::MAX_HOST_LEN;
 /// How often a waiting join hears from the store, and how often threads look at the stop flag.
 const TICK: Duration = Duration::from_millis(50);
 const KEEPALIVE: Duration = Duration::from_secs(5);
-/// Connections the store serves at once; more are refused.
-const MAX_CONNECTIONS: usize = 4096;
 
 /// Settings of a [`Store`].
 #[derive(Debug, Clone)]
@@ -34,12 +32,21 @@ pub struct StoreConfig {
     pub settle: Duration,
     /// The job token every worker must present ([`crate::TcpConfig::token`]).
     pub token: String,
+    /// Connections served at once, counting those that have not said hello yet (default 4096);
+    /// more are refused, so idle sockets cannot exhaust the store's threads.
+    pub max_connections: usize,
 }
 
 impl StoreConfig {
     /// A store for `workers` workers with the default settle time and no token.
     pub fn new(workers: usize) -> Self {
-        StoreConfig { workers, min_workers: 1, settle: Duration::from_secs(30), token: String::new() }
+        StoreConfig {
+            workers,
+            min_workers: 1,
+            settle: Duration::from_secs(30),
+            token: String::new(),
+            max_connections: 4096,
+        }
     }
 }
 
@@ -58,6 +65,8 @@ struct Shared {
     state: Mutex<State>,
     changed: Condvar,
     stop: AtomicBool,
+    /// Connections being served, hello or not.
+    connections: AtomicUsize,
 }
 
 /// A join waiting for its generation.
@@ -113,6 +122,7 @@ impl Store {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
+            connections: AtomicUsize::new(0),
         });
         let s = Arc::clone(&shared);
         let accept = std::thread::Builder::new()
@@ -175,12 +185,23 @@ impl Shared {
 fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
     while !shared.stop.load(Ordering::Relaxed) {
         match listener.accept() {
-            Ok((s, peer)) => {
-                if shared.lock().alive.len() >= MAX_CONNECTIONS {
-                    continue; // dropped: the store is full
+            Ok((mut s, peer)) => {
+                let limit = shared.cfg.max_connections;
+                if shared.connections.load(Ordering::Relaxed) >= limit {
+                    let message = format!("the store already serves its limit of {limit} connections");
+                    let _ = s.set_write_timeout(Some(TICK));
+                    let _ = send(&mut s, &Response::Refused { message });
+                    continue;
                 }
+                shared.connections.fetch_add(1, Ordering::Relaxed);
                 let sh = Arc::clone(shared);
-                let _ = std::thread::Builder::new().name("qsr-store-conn".into()).spawn(move || serve(s, peer, &sh));
+                let spawned = std::thread::Builder::new().name("qsr-store-conn".into()).spawn(move || {
+                    serve(s, peer, &sh);
+                    sh.connections.fetch_sub(1, Ordering::Relaxed);
+                });
+                if spawned.is_err() {
+                    shared.connections.fetch_sub(1, Ordering::Relaxed);
+                }
             }
             Err(_) => std::thread::sleep(TICK),
         }
@@ -243,7 +264,7 @@ fn hello(r: &mut BufReader<TcpStream>, shared: &Shared) -> Result<u64, String> {
     let Some(Request::Hello { token, settings, order }) = req else {
         return Err("the first request must be a hello".into());
     };
-    if token != shared.cfg.token {
+    if !crate::tcp::rendezvous::same_token(token.as_bytes(), shared.cfg.token.as_bytes()) {
         return Err("job token differs (is this worker from another job?)".into());
     }
     let mut st = shared.lock();

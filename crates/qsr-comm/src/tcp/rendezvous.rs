@@ -91,7 +91,7 @@ impl Backoff {
 }
 
 /// Byte-wise comparison whose time does not depend on where the tokens differ.
-fn same_token(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn same_token(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
