@@ -270,3 +270,35 @@ fn connections_past_the_limit_are_refused_even_before_their_hello() {
     std::io::BufRead::read_line(&mut std::io::BufReader::new(third), &mut line).unwrap();
     assert!(line.contains("refused") && line.contains("limit of 2 connections"), "{line}");
 }
+
+#[test]
+fn a_spare_worker_waiting_at_the_store_takes_a_lost_workers_place() {
+    // Three workers for a job of two: the first two to join form generation 0, the third waits as a
+    // spare and fills the slot of the first worker lost.
+    let store = store(2);
+    let handles: Vec<_> = (0..3u64)
+        .map(|order| {
+            let cfg = config(&store, order);
+            std::thread::spawn(move || {
+                let mut job = Elastic::connect(cfg).unwrap();
+                let (mut comm, first) = job.form(None, "start").unwrap();
+                if first.generation == 0 {
+                    if first.rank == 1 {
+                        return None; // lost
+                    }
+                    assert!(total(comm.as_mut(), 1.0).is_err());
+                    (comm, _) = job.form(state(10), "lost a peer").unwrap();
+                }
+                assert_eq!(total(comm.as_mut(), 1.0).unwrap(), 2.0);
+                job.finish().unwrap();
+                Some((first.generation, first.joined, job.generation()))
+            })
+        })
+        .collect();
+    let mut ended: Vec<_> = handles.into_iter().filter_map(|h| h.join().unwrap()).collect();
+    ended.sort();
+    // The survivor started in generation 0 (where every rank is new); the spare joined generation 1
+    // as rank 1.
+    assert_eq!(ended, vec![(0, vec![0, 1], Some(1)), (1, vec![1], Some(1))]);
+    assert!(store.wait_finished(Some(Duration::from_secs(5))));
+}
