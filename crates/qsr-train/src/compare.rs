@@ -251,6 +251,7 @@ impl Compare<'_> {
         }
         recipe.validate()?;
         let run_dir = self.out.join(format!("{label}-seed{seed}"));
+        crate::launch::refuse_old_run(&run_dir)?;
         std::fs::create_dir_all(&run_dir)?;
         write_atomic(&run_dir.join("recipe.toml"), recipe.to_toml()?.as_bytes())?;
         eprintln!("compare: {label} ({}) seed {seed}, K = {}", rule.describe(), recipe.train.workers);

@@ -133,7 +133,28 @@ pub fn resolve(args: &TrainArgs) -> Result<(TrainRecipe, PathBuf, Resume)> {
         return Ok((recipe, run_dir.clone(), Some((dir, state))));
     }
     let run_dir = args.out.clone().unwrap_or_else(|| default_run_dir(&recipe.name));
+    // Workers started into a running job's directory (launched children, elastic joiners) find its
+    // checkpoints there by design.
+    if !args.spawned && args.rendezvous.is_none() {
+        refuse_old_run(&run_dir)?;
+    }
     Ok((recipe, run_dir, None))
+}
+
+/// Refuses a fresh run into a directory whose checkpoints belong to another run: the two would mix,
+/// and pruning (newest steps kept) would delete the new run's checkpoints as it wrote them.
+pub(crate) fn refuse_old_run(run_dir: &Path) -> Result<()> {
+    let latest = checkpoint::ckpt_root(run_dir).join("LATEST");
+    let Ok(name) = std::fs::read_to_string(&latest) else {
+        return Ok(());
+    };
+    bail!(
+        "{} already holds a run with checkpoints ({} names {}): continue it with --resume {}, or give another --out; nothing was changed",
+        run_dir.display(),
+        latest.display(),
+        name.trim(),
+        run_dir.display()
+    )
 }
 
 /// Refuses a resume whose recipe changed more than a resume may change (naming the keys), or that has

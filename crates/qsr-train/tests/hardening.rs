@@ -549,3 +549,18 @@ fn checkpoints_of_identical_states_are_byte_identical() {
         assert!(ckpt_files(r) == first, "checkpoint files of {} differ from {}", r.display(), runs[0].display());
     }
 }
+
+#[test]
+fn a_fresh_run_into_a_directory_with_checkpoints_is_refused_and_changes_nothing() {
+    // It used to train over the old run: pruning kept the old run's later steps and deleted the new
+    // run's checkpoints, so LATEST named a checkpoint that no longer existed.
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let run_s = run.to_str().unwrap();
+    ok(&["train", "--recipe", RECIPE, "--set", "schedule.total_steps=400", "--quiet", "--out", run_s]);
+    let before = std::fs::read(run.join("metrics.jsonl")).unwrap();
+    let err = refused(&["train", "--recipe", RECIPE, "--set", "schedule.total_steps=200", "--quiet", "--out", run_s]);
+    assert!(err.contains("already holds a run") && err.contains("step-400") && err.contains("--resume"), "{err}");
+    assert_eq!(std::fs::read(run.join("metrics.jsonl")).unwrap(), before);
+    assert_eq!(std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap().trim(), "step-400");
+}
