@@ -251,7 +251,7 @@ impl Compare<'_> {
         }
         recipe.validate()?;
         let run_dir = self.out.join(format!("{label}-seed{seed}"));
-        crate::launch::refuse_old_run(&run_dir)?;
+        replace_earlier_run(&run_dir)?;
         std::fs::create_dir_all(&run_dir)?;
         write_atomic(&run_dir.join("recipe.toml"), recipe.to_toml()?.as_bytes())?;
         eprintln!("compare: {label} ({}) seed {seed}, K = {}", rule.describe(), recipe.train.workers);
@@ -348,4 +348,15 @@ pub fn plot(args: &PlotArgs) -> Result<Vec<PathBuf>> {
         args.runs.iter().map(|d| crate::plot::RunSeries::load(d)).collect::<Result<_>>()?;
     let out = args.out.clone().unwrap_or_else(|| args.runs[0].clone());
     crate::plot::runs_png(&series, Path::new(&out))
+}
+
+/// A compare reruns its seeds from scratch: an earlier compare's checkpoints in `run_dir` go first,
+/// or the new run would train among them (pruning keeps the newest steps, whichever run wrote them).
+fn replace_earlier_run(run_dir: &Path) -> Result<()> {
+    let ckpt = crate::checkpoint::ckpt_root(run_dir);
+    if ckpt.exists() {
+        eprintln!("compare: replacing the earlier run in {}", run_dir.display());
+        std::fs::remove_dir_all(&ckpt).with_context(|| format!("cannot remove {}", ckpt.display()))?;
+    }
+    Ok(())
 }

@@ -143,7 +143,7 @@ pub fn resolve(args: &TrainArgs) -> Result<(TrainRecipe, PathBuf, Resume)> {
 
 /// Refuses a fresh run into a directory whose checkpoints belong to another run: the two would mix,
 /// and pruning (newest steps kept) would delete the new run's checkpoints as it wrote them.
-pub(crate) fn refuse_old_run(run_dir: &Path) -> Result<()> {
+fn refuse_old_run(run_dir: &Path) -> Result<()> {
     let latest = checkpoint::ckpt_root(run_dir).join("LATEST");
     let Ok(name) = std::fs::read_to_string(&latest) else {
         return Ok(());

@@ -564,3 +564,17 @@ fn a_fresh_run_into_a_directory_with_checkpoints_is_refused_and_changes_nothing(
     assert_eq!(std::fs::read(run.join("metrics.jsonl")).unwrap(), before);
     assert_eq!(std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap().trim(), "step-400");
 }
+
+#[test]
+fn a_compare_rerun_into_its_directory_leaves_each_seed_resumable() {
+    // It used to train among the earlier compare's checkpoints: LATEST named one that pruning deleted.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("cmp");
+    let args = ["compare", "--recipe", RECIPE, "--seeds", "1", "--rules", "qsr", "--out", out.to_str().unwrap()];
+    ok(&[&args[..], &["--set", "schedule.total_steps=400"]].concat());
+    ok(&[&args[..], &["--set", "schedule.total_steps=200"]].concat());
+    let seed = out.join("qsr-seed0");
+    assert_eq!(std::fs::read_to_string(seed.join("ckpt/LATEST")).unwrap().trim(), "step-200");
+    let err = refused(&["train", "--resume", seed.to_str().unwrap(), "--quiet"]);
+    assert!(err.contains("nothing to resume"), "the rerun's checkpoint must be whole: {err}");
+}
