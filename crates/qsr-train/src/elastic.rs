@@ -328,8 +328,8 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
     /// The `membership` record of a change at `step`.
     fn record(&self, step: u64, c: Counters, change: MembershipChange) -> Record {
         let lr = self.pace.plan.lr(step.min(self.pace.plan.end_step().saturating_sub(1)));
-        let epoch = step as f64 / self.pace.spe as f64;
-        let counted = Record::counted("membership", step, epoch, lr, self.worker.cursor().round().len, c);
+        let h = self.worker.cursor().round().len;
+        let counted = Record::counted("membership", step, self.pace.epoch(step), lr, h, c);
         Record { membership: Some(change), ..counted }
     }
 }

@@ -367,7 +367,7 @@ pub(crate) struct Pace {
 
 impl Pace {
     /// Epochs completed after `steps` steps (fractional).
-    fn epoch(&self, steps: u64) -> f64 {
+    pub(crate) fn epoch(&self, steps: u64) -> f64 {
         steps as f64 / self.spe as f64
     }
 }
