@@ -29,7 +29,7 @@ pub fn read_cifar_files(
     let mut images = Vec::new();
     let mut labels = Vec::new();
     for path in files {
-        let bytes = std::fs::read(path).map_err(|e| DataError::io(path, e))?;
+        let bytes = crate::idx::read_regular(path, 4 << 30, "a CIFAR batch file may have")?;
         if bytes.is_empty() {
             return Err(DataError::truncated(path, "file is empty"));
         }

@@ -99,6 +99,27 @@ pub enum DataError {
         /// What is wrong with its content.
         detail: String,
     },
+    /// A path that must be a regular file is a FIFO, a device, a directory or a socket (reading it
+    /// would block, never end, or fail obscurely).
+    #[error("{}: not a regular file (it is a {kind})", .path.display())]
+    NotAFile {
+        /// The path.
+        path: PathBuf,
+        /// What it is instead, e.g. `FIFO` or `device`.
+        kind: &'static str,
+    },
+    /// A file larger than a reader holds in memory.
+    #[error("{}: {bytes} bytes, more than the {limit} bytes {what}", .path.display())]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+        /// Its size.
+        bytes: u64,
+        /// The most the reader takes.
+        limit: u64,
+        /// Which reader, and why it has a limit.
+        what: &'static str,
+    },
     /// Invalid sampler/loader/transform settings (not a data problem).
     #[error("invalid configuration: {0}")]
     Config(String),

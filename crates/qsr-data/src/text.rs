@@ -81,7 +81,8 @@ impl Corpus {
     fn read_all(paths: &[PathBuf], clean: fn(&str) -> String) -> Result<String> {
         let mut text = String::new();
         for path in paths {
-            let bytes = std::fs::read(path).map_err(|e| DataError::io(path, e))?;
+            let bytes =
+                crate::idx::read_regular(path, 2 << 30, "a text corpus may have (held in memory as 4-byte tokens)")?;
             let part = String::from_utf8(bytes)
                 .map_err(|e| DataError::format(path, format!("not UTF-8 (byte {})", e.utf8_error().valid_up_to())))?;
             if part.trim().is_empty() {
