@@ -59,7 +59,7 @@ pub use launch::{
     DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, Explicit, LaunchEnv, Source, detect, detect_from_process_env, first_host,
 };
 pub use shm::{ShmComm, ShmConfig};
-pub use tcp::{MasterListener, TcpComm, TcpConfig, random_token, resolve};
+pub use tcp::{MAX_TIMEOUT_SECS, MasterListener, TcpComm, TcpConfig, random_token, resolve, seconds};
 
 #[cfg(feature = "mpi")]
 pub use mpi_backend::MpiComm;

@@ -168,16 +168,82 @@ fn a_new_worker_joins_when_the_generation_admits_it() {
 }
 
 #[test]
-fn a_worker_with_other_settings_is_refused_naming_the_key() {
+fn a_worker_with_other_settings_is_refused_naming_the_key_once_the_job_formed() {
     let store = store(2);
-    let mut cfg = config(&store, 0);
-    let _first = Elastic::connect(cfg.clone()).unwrap();
-    cfg.settings = serde_json::json!({ "recipe": "r", "seed": 2 });
-    let err = Elastic::connect(cfg.clone()).err().expect("refused");
+    // The odd worker comes first: it waits, and does not make the job's settings its own.
+    let mut odd = config(&store, 0);
+    odd.settings = serde_json::json!({ "recipe": "r", "seed": 2 });
+    let early = odd.clone();
+    let waiting = std::thread::spawn(move || Elastic::connect(early).unwrap().form(None, "start").err());
+    std::thread::sleep(Duration::from_millis(300));
+    let members: Vec<_> = (1..3u64)
+        .map(|order| {
+            let cfg = config(&store, order);
+            std::thread::spawn(move || Elastic::connect(cfg).unwrap().form(None, "start").map(|(_, m)| m.world_size))
+        })
+        .collect();
+    for m in members {
+        assert_eq!(m.join().unwrap().unwrap(), 2, "the workers that agree form the first generation");
+    }
+    let err = waiting.join().unwrap().expect("the odd worker is refused once the job formed");
+    assert!(err.to_string().contains("`seed` (job: 1, this worker: 2)"), "{err}");
+    // From then on a worker with other settings is refused at its hello.
+    let err = Elastic::connect(odd.clone()).err().expect("refused");
     assert!(err.to_string().contains("`seed`"), "{err}");
-    cfg.tcp.token = "another-job".into();
-    let err = Elastic::connect(cfg).err().expect("refused");
+    odd.tcp.token = "another-job".into();
+    let err = Elastic::connect(odd).err().expect("refused");
     assert!(err.to_string().contains("job token"), "{err}");
+}
+
+#[test]
+fn a_stray_first_hello_does_not_fix_the_jobs_settings() {
+    use std::io::Write;
+    let store = store(2);
+    // A client that is not a worker says hello first with the job's token and other settings, then
+    // stays connected without joining; another says hello and dies at once.
+    let hello = |settings: &str| {
+        let mut s = std::net::TcpStream::connect(store.local_addr()).unwrap();
+        let line =
+            format!("{{\"type\":\"hello\",\"token\":\"elastic-test\",\"settings\":{settings},\"order\":null}}\n");
+        s.write_all(line.as_bytes()).unwrap();
+        s
+    };
+    let _idle = hello(r#"{"recipe":"not-a-worker"}"#);
+    drop(hello(r#"{"recipe":"died","seed":9}"#));
+    std::thread::sleep(Duration::from_millis(200));
+    let members: Vec<_> = (0..2u64)
+        .map(|order| {
+            let cfg = config(&store, order);
+            std::thread::spawn(move || Elastic::connect(cfg).unwrap().form(None, "start").map(|(_, m)| m.rank))
+        })
+        .collect();
+    let mut ranks: Vec<usize> = members.into_iter().map(|m| m.join().unwrap().unwrap()).collect();
+    ranks.sort_unstable();
+    assert_eq!(ranks, vec![0, 1], "the correct workers were refused or blamed");
+}
+
+#[test]
+fn a_first_generation_short_of_workers_says_how_many_joined() {
+    let store = store(3);
+    let mut other = config(&store, 2);
+    other.settings = serde_json::json!({ "recipe": "r", "seed": 7 });
+    let _odd = std::thread::spawn(move || Elastic::connect(other).map(|mut j| j.form(None, "start").is_ok()));
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        store.waiting_for().as_deref(),
+        Some("1 of 3 workers have joined the first generation"),
+        "the store names its largest group"
+    );
+    let mut cfg = config(&store, 0);
+    cfg.tcp.rendezvous_timeout = Duration::from_secs(2);
+    let err = Elastic::connect(cfg).unwrap().form(None, "start").err().expect("short of workers");
+    let msg = err.to_string();
+    assert!(
+        msg.contains(
+            "1 of 3 workers have joined the first generation; 1 more joined with other settings (differing in `seed`)"
+        ),
+        "{msg}"
+    );
 }
 
 #[test]

@@ -24,16 +24,16 @@
 mod proto;
 mod store;
 
-use std::io::BufReader;
-use std::net::TcpStream;
+use std::io::{BufReader, ErrorKind};
+use std::net::{TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::tcp::rendezvous::advertised_host;
+use crate::tcp::rendezvous::{Waiting, advertised_host};
 use crate::tcp::{TcpComm, TcpConfig, ring_listener};
 use crate::{Collective, CommError, ShmConfig, Transport, over_ring};
-use proto::{Request, Response, recv, send};
+use proto::{MIN_STORE_TIMEOUT, Request, Response, recv, send};
 pub use store::{Store, StoreConfig};
 
 /// The longest [`SyncState::payload`] a store accepts, so that its answers fit a line.
@@ -139,31 +139,27 @@ pub struct Elastic {
     reader: BufReader<TcpStream>,
     writer: TcpStream,
     generation: Option<u64>,
+    job: String,
 }
 
 impl Elastic {
-    /// Connects to the store (retrying until [`TcpConfig::rendezvous_timeout`]) and says hello.
+    /// Connects to the store (retrying until [`TcpConfig::rendezvous_timeout`], saying what it
+    /// waits for) and says hello.
     pub fn connect(cfg: ElasticConfig) -> Result<Elastic, CommError> {
-        let deadline = Instant::now() + cfg.tcp.rendezvous_timeout;
-        let stream = loop {
-            match TcpStream::connect(&cfg.store) {
-                Ok(s) => break s,
-                Err(e) if Instant::now() >= deadline => {
-                    return Err(store_err(&cfg.store, format!("cannot connect within the rendezvous timeout: {e}")));
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(100)),
-            }
-        };
+        let stream = connect_store(&cfg.store, cfg.tcp.rendezvous_timeout)?;
         let _ = stream.set_nodelay(true);
         let writer = stream.try_clone().map_err(|e| CommError::io("store connection", e))?;
-        let mut job = Elastic { reader: BufReader::new(stream), writer, cfg, generation: None };
+        let mut job = Elastic { reader: BufReader::new(stream), writer, cfg, generation: None, job: String::new() };
         let hello = Request::Hello {
             token: job.cfg.tcp.token.clone(),
             settings: job.cfg.settings.clone(),
             order: job.cfg.order,
         };
         match job.ask(&hello)? {
-            Response::Welcome { .. } => Ok(job),
+            Response::Welcome { job: id, .. } => {
+                job.job = id;
+                Ok(job)
+            }
             other => Err(job.unexpected(other)),
         }
     }
@@ -171,6 +167,16 @@ impl Elastic {
     /// The generation this worker last formed (`None` before [`Self::form`]).
     pub fn generation(&self) -> Option<u64> {
         self.generation
+    }
+
+    /// The job's id, the same for every worker of this store ([`Store::job_id`]).
+    pub fn job_id(&self) -> &str {
+        &self.job
+    }
+
+    /// The store's address.
+    pub fn store_addr(&self) -> &str {
+        &self.cfg.store
     }
 
     /// Joins the next generation and forms its collective. `state` is the last completed
@@ -227,27 +233,43 @@ impl Elastic {
     }
 
     /// [`Self::ask`], failing at `first_deadline` while the store has formed no generation yet.
+    /// A wait of more than a second says what it waits for (the store's words) at a bounded
+    /// interval.
     fn ask_until(&mut self, req: &Request, first_deadline: Option<Instant>) -> Result<Response, CommError> {
         let addr = self.cfg.store.clone();
         send(&mut self.writer, req).map_err(|e| store_err(&addr, format!("cannot send: {e}")))?;
-        // The store answers a waiting join every few seconds; silence this long means it is gone.
-        let _ = self.reader.get_ref().set_read_timeout(Some(Duration::from_secs(60)));
+        // The store answers at once, or keeps a waiting join alive every half second: silence for
+        // the comm timeout means it stopped.
+        let silence = self.cfg.tcp.timeout.max(MIN_STORE_TIMEOUT);
+        let _ = self.reader.get_ref().set_read_timeout(Some(silence));
+        let total = first_deadline.map_or(Duration::MAX, |d| d.saturating_duration_since(Instant::now()));
+        let mut wait = Waiting::first_after(total.min(self.cfg.tcp.rendezvous_timeout), Duration::from_secs(1));
         loop {
             match recv::<Response>(&mut self.reader) {
-                Ok(Some(Response::Waiting { generation: None }))
+                Ok(Some(Response::Waiting { generation: None, status }))
                     if first_deadline.is_some_and(|d| Instant::now() >= d) =>
                 {
                     return Err(store_err(
                         &addr,
                         format!(
-                            "the first generation did not form within the rendezvous timeout of {:?}: fewer workers than the job's joined the store (did one fail to start?)",
+                            "the first generation did not form within the rendezvous timeout of {:?} (QSR_RENDEZVOUS_TIMEOUT_SECS): {status} (did one fail to start, or run with other settings?)",
                             self.cfg.tcp.rendezvous_timeout
                         ),
                     ));
                 }
-                Ok(Some(Response::Waiting { .. })) => continue,
+                Ok(Some(Response::Waiting { status, .. })) => {
+                    wait.tick(&format!("waiting at the elastic store {addr}"), &status);
+                }
                 Ok(Some(r)) => return Ok(r),
-                Ok(None) => return Err(store_err(&addr, "the store closed the connection".into())),
+                Ok(None) => return Err(store_err(&addr, "the store closed the connection (did `qsr rendezvous` exit or get killed?); the job cannot change its membership without it: restart the store and the workers with `qsr train --resume` from the run's checkpoint".into())),
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    return Err(store_err(
+                        &addr,
+                        format!(
+                            "the store stopped answering: nothing for {silence:?} (QSR_COMM_TIMEOUT_SECS); it may be stopped (SIGSTOP), overloaded or cut off. The job cannot change its membership without it: restart the store and the workers with `qsr train --resume` from the run's checkpoint"
+                        ),
+                    ));
+                }
                 Err(e) => return Err(store_err(&addr, format!("no usable answer: {e}"))),
             }
         }
@@ -264,4 +286,38 @@ impl Elastic {
 
 fn store_err(addr: &str, detail: String) -> CommError {
     CommError::Store { addr: addr.into(), detail }
+}
+
+/// Connects to the store at `addr`, retrying until `within`; says at once, then every 10 s, what it
+/// waits for, since no store listening is worth knowing about before the timeout.
+fn connect_store(addr: &str, within: Duration) -> Result<TcpStream, CommError> {
+    let deadline = Instant::now() + within;
+    let mut wait = Waiting::first_after(within, Duration::ZERO);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let attempt = addr
+            .to_socket_addrs()
+            .and_then(|mut a| a.next().ok_or_else(|| std::io::Error::new(ErrorKind::NotFound, "no address")))
+            .and_then(|a| {
+                TcpStream::connect_timeout(&a, left.clamp(Duration::from_millis(100), Duration::from_secs(5)))
+            });
+        match attempt {
+            Ok(s) => return Ok(s),
+            Err(e) if left.is_zero() => {
+                return Err(store_err(
+                    addr,
+                    format!(
+                        "cannot connect within the rendezvous timeout of {within:?} (QSR_RENDEZVOUS_TIMEOUT_SECS): {e}; is `qsr rendezvous` running there?"
+                    ),
+                ));
+            }
+            Err(e) => {
+                wait.tick(
+                    &format!("waiting for the elastic store at {addr}"),
+                    &format!("{e}; is `qsr rendezvous` running there?"),
+                );
+                std::thread::sleep(Duration::from_millis(100).min(left));
+            }
+        }
+    }
 }

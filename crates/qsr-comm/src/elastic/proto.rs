@@ -9,6 +9,13 @@ use super::{Lost, SyncState};
 /// The longest line either side reads: the settings (a resolved recipe) and a state payload fit.
 pub(crate) const MAX_LINE: u64 = 1 << 20;
 
+/// How often a waiting join hears from the store. A worker gives up on a silent store after its
+/// comm timeout, but never sooner than [`MIN_STORE_TIMEOUT`].
+pub(crate) const KEEPALIVE: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// The shortest a worker waits for an answer of its store (four keepalives).
+pub(crate) const MIN_STORE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// A worker's request.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -29,12 +36,18 @@ pub(crate) enum Request {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub(crate) enum Response {
-    /// The hello was accepted.
-    Welcome { id: u64 },
+    /// The hello was accepted: the worker's id, and the job's (one per store, random), which names
+    /// the job in its run directory's lock.
+    Welcome { id: u64, job: String },
     /// A request was refused; the message says why.
     Refused { message: String },
-    /// A join is still waiting (sent every few seconds, so the worker knows the store lives).
-    Waiting { generation: Option<u64> },
+    /// A join is still waiting (sent every [`KEEPALIVE`], so the worker knows the store lives):
+    /// `status` says for what, in words the worker prints.
+    Waiting {
+        generation: Option<u64>,
+        #[serde(default)]
+        status: String,
+    },
     /// A generation formed with this worker in it.
     Formed {
         generation: u64,

@@ -7,15 +7,20 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::proto::{Request, Response, recv, send};
+use serde_json::Value;
+
+use super::proto::{KEEPALIVE, Request, Response, recv, send};
 use super::{Lost, MAX_SYNC_PAYLOAD, SyncState};
 use crate::CommError;
 use crate::tcp::notice;
 use crate::wire::MAX_HOST_LEN;
 
-/// How often a waiting join hears from the store, and how often threads look at the stop flag.
+/// How often threads look at the stop flag.
 const TICK: Duration = Duration::from_millis(50);
-const KEEPALIVE: Duration = Duration::from_secs(5);
+
+/// Distinct settings kept while no generation has fixed the job's: workers that disagree wait
+/// apart, and a client that is not one of the job's workers cannot make the others wrong.
+const MAX_VARIANTS: usize = 16;
 
 /// Settings of a [`Store`].
 #[derive(Debug, Clone)]
@@ -62,6 +67,8 @@ pub struct Store {
 
 struct Shared {
     cfg: StoreConfig,
+    /// This job's id (random): it names the job in its run directory's lock.
+    job: String,
     state: Mutex<State>,
     changed: Condvar,
     stop: AtomicBool,
@@ -76,12 +83,23 @@ struct Pending {
     state: Option<SyncState>,
 }
 
+/// A worker connected to the store.
+struct Conn {
+    /// Its launcher's rank, which orders the first generation.
+    order: Option<u64>,
+    /// Its settings (shared among the workers that have the same).
+    settings: Arc<Value>,
+}
+
 #[derive(Default)]
 struct State {
     next_id: u64,
-    settings: Option<serde_json::Value>,
-    /// Open connections, by worker id, with their launcher order.
-    alive: HashMap<u64, Option<u64>>,
+    /// The job's settings: those of the workers that formed generation 0.
+    settings: Option<Arc<Value>>,
+    /// One copy of each distinct settings of workers that said hello before generation 0 formed.
+    variants: Vec<Arc<Value>>,
+    /// Open connections, by worker id.
+    alive: HashMap<u64, Conn>,
     generation: Option<u64>,
     /// The current generation's workers, in rank order.
     members: Vec<u64>,
@@ -92,6 +110,8 @@ struct State {
     formed: HashMap<u64, Response>,
     /// Workers expelled, with the generation they were expelled from.
     expelled: HashMap<u64, u64>,
+    /// The launcher orders of workers expelled while still connected (stopped or cut off).
+    expelled_orders: Vec<u64>,
     done: HashSet<u64>,
     /// What the last formation has to say, printed once the lock is released.
     notice: Option<String>,
@@ -119,6 +139,7 @@ impl Store {
         listener.set_nonblocking(true).map_err(|e| CommError::io("store listener", e))?;
         let shared = Arc::new(Shared {
             cfg,
+            job: crate::random_token(),
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -145,6 +166,39 @@ impl Store {
     /// The current generation, once one formed.
     pub fn generation(&self) -> Option<u64> {
         self.shared.lock().generation
+    }
+
+    /// This job's id: random, one per store; workers name their job by it in the run directory's lock.
+    pub fn job_id(&self) -> &str {
+        &self.shared.job
+    }
+
+    /// Why the job cannot go on, once every worker of its generation left without finishing (exited,
+    /// lost or expelled): no one holds its training state, and only a resume from the checkpoint can
+    /// continue it.
+    pub fn orphaned(&self) -> Option<String> {
+        self.shared.lock().orphaned()
+    }
+
+    /// What the store waits for, in words, while it waits for workers (the first generation to
+    /// fill, members to report after a failure, new workers to reach `min_workers`); `None` while a
+    /// generation runs or after the job finished.
+    pub fn waiting_for(&self) -> Option<String> {
+        let st = self.shared.lock();
+        if st.finished() || (st.generation.is_some() && st.over.is_none()) {
+            return None;
+        }
+        Some(st.status(None, &self.shared.cfg))
+    }
+
+    /// The launcher orders (`--rank`) of the workers expelled while still connected (stopped or cut
+    /// off, not exited), lowest first: a launcher stops them.
+    pub fn expelled_orders(&self) -> Vec<u64> {
+        let st = self.shared.lock();
+        let mut orders: Vec<u64> = st.expelled_orders.clone();
+        orders.sort_unstable();
+        orders.dedup();
+        orders
     }
 
     /// Blocks until every worker of the current generation finished the run, or `timeout` passes
@@ -223,7 +277,7 @@ fn serve(s: TcpStream, peer: SocketAddr, shared: &Shared) {
             return;
         }
     };
-    let _ = send(&mut w, &Response::Welcome { id });
+    let _ = send(&mut w, &Response::Welcome { id, job: shared.job.clone() });
     loop {
         let req = match recv::<Request>(&mut r) {
             Ok(Some(req)) => req,
@@ -268,21 +322,25 @@ fn hello(r: &mut BufReader<TcpStream>, shared: &Shared) -> Result<u64, String> {
         return Err("job token differs (is this worker from another job?)".into());
     }
     let mut st = shared.lock();
-    match &st.settings {
-        None => st.settings = Some(settings),
-        Some(job) if *job != settings => {
-            let diffs: Vec<String> = crate::differing_keys(job, &settings)
-                .into_iter()
-                .map(|d| format!("`{}` (job: {}, this worker: {})", d.key, d.left, d.right))
-                .collect();
-            return Err(format!("this worker's settings differ from the job's in {}", diffs.join(", ")));
-        }
-        Some(_) => {}
-    }
+    let settings = match &st.settings {
+        Some(job) if **job != settings => return Err(differ(job, &settings)),
+        Some(job) => Arc::clone(job),
+        // No generation has fixed the job's settings yet: the first workers to fill one will.
+        None => st.variant(settings)?,
+    };
     let id = st.next_id;
     st.next_id += 1;
-    st.alive.insert(id, order);
+    st.alive.insert(id, Conn { order, settings });
     Ok(id)
+}
+
+/// The refusal of a worker whose settings differ from the job's, naming the keys.
+fn differ(job: &Value, mine: &Value) -> String {
+    let diffs: Vec<String> = crate::differing_keys(job, mine)
+        .into_iter()
+        .map(|d| format!("`{}` (job: {}, this worker: {})", d.key, d.left, d.right))
+        .collect();
+    format!("this worker's settings differ from the job's in {}", diffs.join(", "))
 }
 
 /// A join: waits until a generation forms with this worker, or says it was expelled.
@@ -324,14 +382,19 @@ fn join(shared: &Shared, id: u64, seen: Option<u64>, pending: Pending, reason: S
             st.pending.remove(&id);
             return Response::Refused { message: "the job has finished".into() };
         }
+        if let Some(job) = st.settings.as_ref().filter(|job| !Arc::ptr_eq(job, &st.alive[&id].settings)) {
+            let message = format!("{} (the first generation formed without it)", differ(job, &st.alive[&id].settings));
+            st.pending.remove(&id);
+            return Response::Refused { message };
+        }
         if let Some(message) = st.orphaned() {
             st.pending.remove(&id);
             return Response::Refused { message };
         }
         if beat.elapsed() >= KEEPALIVE {
-            let generation = st.generation;
+            let (generation, status) = (st.generation, st.status(Some(id), &shared.cfg));
             drop(st);
-            if send(w, &Response::Waiting { generation }).is_err() {
+            if send(w, &Response::Waiting { generation, status }).is_err() {
                 return Response::Refused { message: "connection lost".into() };
             }
             beat = Instant::now();
@@ -402,10 +465,115 @@ impl State {
         })
     }
 
+    /// One shared copy of `settings` (workers with equal settings share it); refused when more
+    /// than [`MAX_VARIANTS`] distinct settings are connected.
+    fn variant(&mut self, settings: Value) -> Result<Arc<Value>, String> {
+        self.variants.retain(|v| Arc::strong_count(v) > 1);
+        if let Some(v) = self.variants.iter().find(|v| ***v == settings) {
+            return Ok(Arc::clone(v));
+        }
+        if self.variants.len() >= MAX_VARIANTS {
+            return Err(format!(
+                "{MAX_VARIANTS} workers with different settings are already waiting for the first generation: are they from different jobs?"
+            ));
+        }
+        let v = Arc::new(settings);
+        self.variants.push(Arc::clone(&v));
+        Ok(v)
+    }
+
+    /// Waiting joins by settings, in the order their settings first came: the groups that could form
+    /// the first generation.
+    fn groups(&self) -> Vec<(Arc<Value>, Vec<u64>)> {
+        let mut groups: Vec<(Arc<Value>, Vec<u64>)> = Vec::new();
+        for id in self.pending.keys() {
+            let s = &self.alive[id].settings;
+            match groups.iter_mut().find(|(g, _)| Arc::ptr_eq(g, s)) {
+                Some((_, ids)) => ids.push(*id),
+                None => groups.push((Arc::clone(s), vec![*id])),
+            }
+        }
+        groups
+    }
+
+    /// The first generation: the first `workers` of the first group of equal settings to fill it,
+    /// in launcher order; their settings become the job's.
+    fn form_first(&mut self, cfg: &StoreConfig) -> bool {
+        let Some((settings, mut ids)) = self.groups().into_iter().find(|(_, ids)| ids.len() >= cfg.workers) else {
+            return false;
+        };
+        ids.sort_by_key(|id| (self.alive[id].order.unwrap_or(u64::MAX), *id));
+        ids.truncate(cfg.workers);
+        self.settings = Some(settings);
+        self.variants.clear();
+        self.install(ids, cfg);
+        true
+    }
+
+    /// What a waiting join (of worker `id`, or the store itself with `None`) waits for, in words.
+    fn status(&self, id: Option<u64>, cfg: &StoreConfig) -> String {
+        let Some(g) = self.generation else {
+            return self.first_status(id, cfg);
+        };
+        let Some(over) = &self.over else {
+            return format!(
+                "generation {g} runs with {} workers; new workers are admitted at one of its synchronizations",
+                self.members.len()
+            );
+        };
+        let missing: Vec<usize> = (0..self.members.len())
+            .filter(|&r| {
+                let m = self.members[r];
+                self.alive.contains_key(&m) && !self.done.contains(&m) && !self.pending.contains_key(&m)
+            })
+            .collect();
+        let reported = self.members.iter().filter(|m| self.pending.contains_key(m)).count();
+        if missing.is_empty() {
+            let ready = reported + self.pending.keys().filter(|p| !self.members.contains(p)).count();
+            return format!(
+                "generation {g} is over ({}); the next needs at least {} workers and {ready} are ready: waiting for new workers",
+                over.why, cfg.min_workers
+            );
+        }
+        let left = over.since.map_or(cfg.settle, |t| cfg.settle.saturating_sub(t.elapsed()));
+        format!(
+            "generation {g} is over ({}); {reported} of {} members reported, waiting for rank(s) {missing:?}, expelled in {:.0} s",
+            over.why,
+            self.members.len(),
+            left.as_secs_f64().ceil()
+        )
+    }
+
+    /// [`Self::status`] before the first generation formed: how many of its workers have joined.
+    fn first_status(&self, id: Option<u64>, cfg: &StoreConfig) -> String {
+        let groups = self.groups();
+        // The worker's own group; for the store's lines, the largest.
+        let mine = match id.and_then(|id| self.alive.get(&id)) {
+            Some(c) => groups.iter().position(|(g, _)| Arc::ptr_eq(g, &c.settings)),
+            None => (0..groups.len()).max_by_key(|&i| (groups[i].1.len(), std::cmp::Reverse(i))),
+        };
+        let joined = mine.map_or(0, |i| groups[i].1.len());
+        let mut text = format!("{joined} of {} workers have joined the first generation", cfg.workers);
+        let other = |i: &usize| Some(*i) != mine;
+        let others: usize = (0..groups.len()).filter(other).map(|i| groups[i].1.len()).sum();
+        if let (Some(i), Some(j)) = (mine, (0..groups.len()).find(other)) {
+            let keys: Vec<String> = crate::differing_keys(&groups[i].0, &groups[j].0)
+                .into_iter()
+                .take(3)
+                .map(|d| format!("`{}`", d.key))
+                .collect();
+            text.push_str(&format!(
+                "; {others} more joined with other settings (differing in {}) and do not count",
+                keys.join(", ")
+            ));
+        }
+        text
+    }
+
     /// Forms the next generation when it is due; returns whether it did.
     fn form(&mut self, cfg: &StoreConfig) -> bool {
         let due = match (self.generation, &self.over) {
-            (None, _) => self.pending.len() >= cfg.workers,
+            (None, _) => return self.form_first(cfg),
             (Some(_), None) => false,
             (Some(_), Some(over)) => {
                 let missing = self
@@ -424,11 +592,10 @@ impl State {
             return false;
         }
         let mut joiners: Vec<u64> = self.pending.keys().copied().filter(|p| !self.members.contains(p)).collect();
-        joiners.sort_by_key(|id| (self.alive.get(id).copied().flatten().unwrap_or(u64::MAX), *id));
+        joiners.sort_by_key(|id| (self.alive.get(id).and_then(|c| c.order).unwrap_or(u64::MAX), *id));
         joiners.truncate(cfg.workers.saturating_sub(survivors.len()));
         let next: Vec<u64> = survivors.into_iter().chain(joiners).collect();
-        let min = if self.generation.is_none() { cfg.workers } else { cfg.min_workers };
-        if next.len() < min {
+        if next.len() < cfg.min_workers {
             return false;
         }
         self.install(next, cfg);
@@ -456,6 +623,9 @@ impl State {
             .collect();
         for m in self.members.iter().filter(|m| !next.contains(m)) {
             self.expelled.insert(*m, generation - 1);
+            if let Some(order) = self.alive.get(m).and_then(|c| c.order) {
+                self.expelled_orders.push(order);
+            }
         }
         let joined: Vec<usize> = (0..next.len()).filter(|&i| self.rank_of(next[i]).is_none()).collect();
         let pending: Vec<Pending> = next.iter().filter_map(|id| self.pending.remove(id)).collect();

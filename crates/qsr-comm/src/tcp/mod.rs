@@ -78,21 +78,19 @@ impl Default for TcpConfig {
 
 impl TcpConfig {
     /// Defaults overridden by `QSR_JOB_TOKEN` (the job's shared secret, [`TcpConfig::token`]),
-    /// `QSR_COMM_TIMEOUT_SECS`, `QSR_BIND_ADDR` and `QSR_ADVERTISE_HOST` (the env is passed in, as
-    /// in [`crate::detect`]).
+    /// `QSR_COMM_TIMEOUT_SECS`, `QSR_RENDEZVOUS_TIMEOUT_SECS`, `QSR_BIND_ADDR` and
+    /// `QSR_ADVERTISE_HOST` (the env is passed in, as in [`crate::detect`]). Timeouts are seconds in
+    /// `(0, 604800]` (a week).
     pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<TcpConfig, CommError> {
         let mut cfg = TcpConfig::default();
         if let Some(t) = env("QSR_JOB_TOKEN") {
             cfg.token = t;
         }
         if let Some(v) = env("QSR_COMM_TIMEOUT_SECS") {
-            let secs: f64 = v.trim().parse().ok().filter(|s: &f64| s.is_finite() && *s > 0.0).ok_or_else(|| {
-                CommError::launch(
-                    "QSR_COMM_TIMEOUT_SECS",
-                    format!("QSR_COMM_TIMEOUT_SECS={v} is not a positive number"),
-                )
-            })?;
-            cfg.timeout = Duration::from_secs_f64(secs);
+            cfg.timeout = seconds("QSR_COMM_TIMEOUT_SECS", &v)?;
+        }
+        if let Some(v) = env("QSR_RENDEZVOUS_TIMEOUT_SECS") {
+            cfg.rendezvous_timeout = seconds("QSR_RENDEZVOUS_TIMEOUT_SECS", &v)?;
         }
         if let Some(v) = env("QSR_BIND_ADDR") {
             cfg.bind_ip = v
@@ -101,10 +99,36 @@ impl TcpConfig {
                 .map_err(|_| CommError::launch("QSR_BIND_ADDR", format!("QSR_BIND_ADDR={v} is not an IP address")))?;
         }
         if let Some(v) = env("QSR_ADVERTISE_HOST") {
+            check_host(&v)
+                .map_err(|why| CommError::launch("QSR_ADVERTISE_HOST", format!("QSR_ADVERTISE_HOST {why}")))?;
             cfg.advertise_host = Some(v);
         }
         Ok(cfg)
     }
+}
+
+/// The longest timeout a setting may ask for: a week.
+pub const MAX_TIMEOUT_SECS: f64 = 604_800.0;
+
+/// A timeout in seconds from a setting named `key`: a number in `(0, MAX_TIMEOUT_SECS]`.
+pub fn seconds(key: &str, value: &str) -> Result<Duration, CommError> {
+    let secs = value.trim().parse::<f64>().ok().filter(|s| s.is_finite() && *s > 0.0 && *s <= MAX_TIMEOUT_SECS);
+    secs.map(Duration::from_secs_f64).ok_or_else(|| {
+        CommError::launch(key, format!("{key}={value} is not a number of seconds in (0, {MAX_TIMEOUT_SECS}] (a week)"))
+    })
+}
+
+/// Refuses a host name or address others could not use: empty, longer than a DNS name may be, or
+/// with characters no host name or address has.
+fn check_host(host: &str) -> Result<(), String> {
+    if host.is_empty() || host.len() > wire::MAX_HOST_LEN {
+        return Err(format!("has {} bytes: a host name or address has 1 to {}", host.len(), wire::MAX_HOST_LEN));
+    }
+    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_' | ':' | '[' | ']' | '%');
+    if let Some(c) = host.chars().find(|c| !allowed(*c)) {
+        return Err(format!("`{host}` has the character {c:?}, which no host name or address has"));
+    }
+    Ok(())
 }
 
 /// Says something the person running the job must see: through `tracing` when the program

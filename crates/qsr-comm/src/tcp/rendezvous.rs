@@ -44,7 +44,7 @@ fn secs(d: Duration) -> String {
 }
 
 /// Progress lines of one wait, so that a long rendezvous is never silent.
-struct Waiting {
+pub(crate) struct Waiting {
     start: Instant,
     total: Duration,
     every: Duration,
@@ -52,10 +52,17 @@ struct Waiting {
 }
 
 impl Waiting {
-    fn new(total: Duration) -> Waiting {
+    /// A wait of at most `total`: a line every 10 s (a quarter of `total` when that is shorter).
+    pub(crate) fn new(total: Duration) -> Waiting {
         let every = PROGRESS_EVERY.min(total / 4).max(Duration::from_millis(100));
         let start = Instant::now();
         Waiting { start, total, every, due: start + every }
+    }
+
+    /// [`Self::new`], with its first line due after `first` (a wait that is already unusual).
+    pub(crate) fn first_after(total: Duration, first: Duration) -> Waiting {
+        let w = Waiting::new(total);
+        Waiting { due: w.start + first.min(w.every), ..w }
     }
 
     /// When the next line is due.
@@ -64,7 +71,7 @@ impl Waiting {
     }
 
     /// Prints `what (elapsed of total): detail` if a line is due.
-    fn tick(&mut self, what: &str, detail: &str) {
+    pub(crate) fn tick(&mut self, what: &str, detail: &str) {
         let now = Instant::now();
         if now < self.due {
             return;
