@@ -398,7 +398,15 @@ fn human(b: u64) -> String {
     }
 }
 
-fn machine() -> String {
+/// Today's date (UTC), `YYYY-MM-DD`.
+pub(crate) fn today() -> String {
+    let mut c = Command::new("date");
+    c.arg("-u").arg("+%Y-%m-%d");
+    output(c).unwrap_or_default().trim().to_string()
+}
+
+/// The machine in words: cores and CPU model.
+pub(crate) fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|s| {
@@ -438,13 +446,7 @@ pub fn run(which: &str, root: &Path, target: &Path) -> Result<()> {
             _ => section_data(root)?,
         };
         print!("{table}");
-        let date = output({
-            let mut c = Command::new("date");
-            c.arg("-u").arg("+%Y-%m-%d");
-            c
-        })
-        .unwrap_or_default();
-        let body = format!("Measured {} on {} by `cargo xtask bench {g}`.\n\n{table}", date.trim(), machine());
+        let body = format!("Measured {} on {} by `cargo xtask bench {g}`.\n\n{table}", today(), machine());
         let doc = std::fs::read_to_string(&doc_path).unwrap_or_default();
         std::fs::write(&doc_path, replace_section(&doc, g, &body))
             .with_context(|| format!("cannot write {}", doc_path.display()))?;

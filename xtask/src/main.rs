@@ -3,6 +3,7 @@
 //! xtask only orchestrates cargo and the `qsr` binary; it holds no project logic.
 
 mod bench;
+mod chaos;
 mod cuda;
 mod netem;
 
@@ -39,6 +40,9 @@ enum Cmd {
     Cuda(cuda::CudaArgs),
     /// As root: K network namespaces with tc-shaped links; wall-clock of dp, constant H and QSR over them.
     Netem(Box<netem::NetemArgs>),
+    /// Elastic jobs on loopback under injected faults (kill -9 / SIGSTOP of workers, rank 0, the
+    /// store), each checked against its expected outcome and the invariants; replays from --seed.
+    Chaos(chaos::ChaosArgs),
 }
 
 /// The workspace root. `cargo run` sets CARGO_MANIFEST_DIR at run time too: prefer it, because a
@@ -216,6 +220,10 @@ fn main() -> Result<()> {
             let mut totals = run_tests(t)?;
             // The crates' examples, each run as its users would run it.
             totals.add(run_examples(&workspace, &CI_EXAMPLES)?);
+            // The fault campaign, one job per fault kind (docs/RELIABILITY.md); a job is a test.
+            let chaos = chaos::ChaosArgs { jobs: 6, seed: Some(1), workers: 4, write_docs: false };
+            chaos::run(&chaos, &root(), &target_dir())?;
+            totals.passed += chaos.jobs as u64;
             let burn_train = ["-p", BURN_TRAIN];
             let mut bt = cargo();
             bt.args(["test", "--release", "--locked"]).args(burn_train);
@@ -282,5 +290,6 @@ fn main() -> Result<()> {
         Cmd::Bench { which } => bench::run(&which, &root(), &target_dir()),
         Cmd::Netem(args) => netem::run(&args, &root()),
         Cmd::Cuda(args) => cuda::run(&args, &root(), &target_dir()),
+        Cmd::Chaos(args) => chaos::run(&args, &root(), &target_dir()),
     }
 }

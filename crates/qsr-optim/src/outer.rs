@@ -21,9 +21,16 @@ pub struct OuterConfig {
 }
 
 impl OuterConfig {
-    /// DiLoCo's defaults: lr 0.7, Nesterov momentum 0.9.
+    /// DiLoCo's defaults: lr 0.7, Nesterov momentum 0.9, tuned for rounds of about 500 steps.
     pub fn diloco() -> Self {
         Self { lr: 0.7, momentum: 0.9, nesterov: true }
+    }
+
+    /// DiLoCo's outer lr with Nesterov momentum 0.5, for the short rounds of QSR and constant H (2 to
+    /// ~100 steps), where momentum 0.9 overshoots: on digits it drove QSR to chance accuracy while
+    /// 0.5 trains (docs/RESULTS.md, section 5). `qsr compare`'s `+outer` rules use it by default.
+    pub fn short_rounds() -> Self {
+        Self { momentum: 0.5, ..Self::diloco() }
     }
 
     /// Checks the settings, naming the key (`outer.lr`, `outer.momentum`).

@@ -1,6 +1,6 @@
 //! What every rank of a job agrees on before its first training collective (documented on [`agree`]).
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use qsr_comm::Collective;
 use serde_json::Value;
 
@@ -52,7 +52,10 @@ pub fn agree(comm: &mut dyn Collective, mine: &LaunchFacts) -> Result<()> {
     let mut refusal = if comm.rank() == 0 { mine.refusal.clone().unwrap_or_default().into_bytes() } else { Vec::new() };
     comm.broadcast_bytes(&mut refusal, 0).context(during)?;
     if !refusal.is_empty() {
-        bail!("rank 0 refused to start: {}", String::from_utf8_lossy(&refusal));
+        return Err(crate::exit::bad_input(anyhow::anyhow!(
+            "rank 0 refused to start: {}",
+            String::from_utf8_lossy(&refusal)
+        )));
     }
     qsr_comm::agree(comm, &mine.shared()?).context(during)?;
     Ok(())

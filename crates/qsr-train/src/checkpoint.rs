@@ -234,6 +234,29 @@ pub fn tmp_dir(run_dir: &Path, step: u64) -> PathBuf {
     ckpt_root(run_dir).join(format!("tmp-step-{step}"))
 }
 
+/// Rank 0, while no rank writes a checkpoint (at the start of a run, or when it takes rank 0's duties
+/// over in an elastic job): removes what a process killed while committing left in `ckpt/` (its
+/// `tmp-step-<N>` directories and temp files); complete checkpoints and `LATEST` are untouched.
+pub fn sweep(run_dir: &Path) -> Result<()> {
+    let root = ckpt_root(run_dir);
+    let Ok(entries) = fs::read_dir(&root) else {
+        return Ok(());
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let path = e.path();
+        let done = if name.starts_with("tmp-step-") && e.file_type().is_ok_and(|t| t.is_dir()) {
+            fs::remove_dir_all(&path)
+        } else if name.starts_with('.') && name.ends_with(".tmp") {
+            fs::remove_file(&path)
+        } else {
+            continue;
+        };
+        done.with_context(|| format!("cannot remove the unfinished checkpoint {}", path.display()))?;
+    }
+    Ok(())
+}
+
 /// Rank 0, before the others write: a fresh temp directory.
 pub fn begin(run_dir: &Path, step: u64) -> Result<PathBuf> {
     let tmp = tmp_dir(run_dir, step);
@@ -291,8 +314,20 @@ fn prune(run_dir: &Path, keep: usize) -> Result<()> {
 /// The newest complete checkpoint of a run, verified against its manifest.
 pub fn latest(run_dir: &Path) -> Result<(PathBuf, CheckpointState)> {
     let latest = ckpt_root(run_dir).join("LATEST");
-    let name = fs::read_to_string(&latest)
+    let meta = fs::symlink_metadata(&latest)
         .with_context(|| format!("{} has no checkpoint ({} is missing)", run_dir.display(), latest.display()))?;
+    // A FIFO would block the read, a device never end it, a link lead outside the run.
+    if !meta.is_file() {
+        bail!(
+            "{} is not a regular file (it is a {}): it must name a checkpoint `step-<N>`",
+            latest.display(),
+            kind(&meta)
+        );
+    }
+    let mut name = String::new();
+    File::open(&latest)
+        .and_then(|f| std::io::Read::read_to_string(&mut std::io::Read::take(f, 256), &mut name))
+        .with_context(|| format!("cannot read {}", latest.display()))?;
     let name = name.trim();
     // LATEST names a checkpoint of this run, never a path elsewhere.
     if !name.strip_prefix("step-").is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())) {
@@ -303,6 +338,16 @@ pub fn latest(run_dir: &Path) -> Result<(PathBuf, CheckpointState)> {
         );
     }
     let dir = ckpt_root(run_dir).join(name);
+    match fs::symlink_metadata(&dir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(m) => bail!(
+            "{} names {}, which is a {}, not a checkpoint directory of this run",
+            latest.display(),
+            dir.display(),
+            kind(&m)
+        ),
+        Err(e) => bail!("{} names {}, which cannot be read: {e}", latest.display(), dir.display()),
+    }
     verify(&dir)?;
     let state_path = dir.join("state.json");
     let state: CheckpointState = serde_json::from_slice(&fs::read(&state_path)?)
@@ -311,6 +356,20 @@ pub fn latest(run_dir: &Path) -> Result<(PathBuf, CheckpointState)> {
         bail!("{}: checkpoint format {} is not supported (expected {FORMAT})", state_path.display(), state.format);
     }
     Ok((dir, state))
+}
+
+/// What a file system entry is, in words.
+fn kind(m: &fs::Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let t = m.file_type();
+    match () {
+        _ if t.is_symlink() => "symbolic link",
+        _ if t.is_dir() => "directory",
+        _ if t.is_fifo() => "FIFO",
+        _ if t.is_char_device() || t.is_block_device() => "device",
+        _ if t.is_socket() => "socket",
+        _ => "file",
+    }
 }
 
 /// Checks every file of a checkpoint against `manifest.json`.
@@ -327,7 +386,13 @@ pub fn verify(dir: &Path) -> Result<()> {
         if name.contains('/') || name.contains("..") {
             bail!("{} lists an invalid file name `{name}`", manifest.display());
         }
-        let got = sha256_file(&dir.join(name))?;
+        let path = dir.join(name);
+        match fs::symlink_metadata(&path) {
+            Ok(m) if m.is_file() => {}
+            Ok(m) => bail!("checkpoint file {} is a {}, not a regular file", path.display(), kind(&m)),
+            Err(e) => bail!("checkpoint {} is incomplete: {}: {e}", dir.display(), path.display()),
+        }
+        let got = sha256_file(&path)?;
         if &got != want {
             bail!(
                 "checkpoint file {} is corrupt: SHA-256 {got} does not match the manifest's {want}",

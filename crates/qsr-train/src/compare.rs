@@ -21,8 +21,9 @@ pub struct CompareArgs {
     pub recipe: PathBuf,
     /// Comma-separated rules: dp, constant, qsr, post-local, power, exponential; parameters after a
     /// colon, e.g. `constant:h=4,qsr:h_base=2;alpha=0.06,power:power=3`; a `+outer` suffix on the name
-    /// (`qsr+outer`) adds the recipe's `[outer]` section, or DiLoCo's (lr 0.7, Nesterov momentum 0.9)
-    /// when it has none (default: dp,constant,qsr).
+    /// (`qsr+outer`) adds the recipe's `[outer]` section, or when it has none DiLoCo's outer SGD
+    /// with the momentum for short rounds (lr 0.7, Nesterov momentum 0.5: `OuterConfig::short_rounds`)
+    /// (default: dp,constant,qsr).
     #[arg(long, default_value = "dp,constant,qsr")]
     pub rules: String,
     /// Seeds 0..N for every rule.
@@ -77,6 +78,9 @@ pub struct Row {
     pub wall_seconds_mean: f64,
     /// Run directories, in seed order.
     pub runs: Vec<PathBuf>,
+    /// Seeds whose run diverged (stopped at the evaluation that saw it; its numbers are that one's).
+    #[serde(default)]
+    pub diverged: usize,
 }
 
 /// Student's t quantile for a two-sided 95% interval with `df` degrees of freedom.
@@ -169,22 +173,46 @@ pub fn rule_from_spec(spec: &str, base: &SyncRule) -> Result<SyncRule> {
 /// One recipe under several sync rules and seeds, K simulated workers each, with a table
 /// of test accuracy (mean and 95% interval over seeds), synchronizations, communication and wall time.
 pub fn run(args: &CompareArgs) -> Result<Vec<Row>> {
+    let (base, rules) = parse_args(args).map_err(crate::exit::bad_input)?;
+    let out = args.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(format!("compare-{}", base.name)));
+    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
+    let cmp = Compare { args, dev: device(&args.device).map_err(crate::exit::bad_input)?, base, out };
+    let rows = rules.iter().map(|r| cmp.rule_row(r)).collect::<Result<Vec<_>>>()?;
+    cmp.write_outputs(&rows)?;
+    let diverged: Vec<String> = rows
+        .iter()
+        .filter(|r| r.diverged > 0)
+        .map(|r| format!("{} ({} of {} seeds)", r.rule, r.diverged, r.seeds))
+        .collect();
+    if !diverged.is_empty() {
+        let why = format!("runs of {} diverged; the table shows them as they stopped", diverged.join(", "));
+        return Err(crate::exit::Diverged { step: None, why }.into());
+    }
+    Ok(rows)
+}
+
+/// The recipe and the `--rules`, checked: at least one rule, each once (each trains into its own
+/// `<rule>-seed<N>` directories).
+fn parse_args(args: &CompareArgs) -> Result<(TrainRecipe, Vec<RuleSpec>)> {
     let base = TrainRecipe::load(&args.recipe, &args.sets)?;
     if args.seeds == 0 {
         bail!("--seeds must be at least 1");
     }
-    let out = args.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(format!("compare-{}", base.name)));
-    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
     let rules: Vec<RuleSpec> = args
         .rules
         .split(',')
         .filter(|s| !s.trim().is_empty())
         .map(|s| RuleSpec::parse(s, &base.sync.rule))
         .collect::<Result<_>>()?;
-    let cmp = Compare { args, dev: device(&args.device)?, base, out };
-    let rows = rules.iter().map(|r| cmp.rule_row(r)).collect::<Result<Vec<_>>>()?;
-    cmp.write_outputs(&rows)?;
-    Ok(rows)
+    if rules.is_empty() {
+        bail!("--rules `{}` names no rule: give at least one, e.g. --rules dp,qsr", args.rules);
+    }
+    for (i, r) in rules.iter().enumerate() {
+        if rules[..i].iter().any(|o| o.label == r.label) {
+            bail!("--rules names `{}` twice: its runs would share the directories {}-seed<N>", r.label, r.label);
+        }
+    }
+    Ok((base, rules))
 }
 
 /// One `qsr compare`: its arguments, the recipe every run starts from, the device and output directory.
@@ -198,7 +226,7 @@ struct Compare<'a> {
 impl Compare<'_> {
     /// Trains `rule` under every seed and sums the runs up in one row.
     fn rule_row(&self, spec: &RuleSpec) -> Result<Row> {
-        let outer = spec.outer.then(|| self.base.outer.unwrap_or_else(OuterConfig::diloco));
+        let outer = spec.outer.then(|| self.base.outer.unwrap_or_else(OuterConfig::short_rounds));
         let mut summaries: Vec<Summary> = Vec::new();
         let mut runs = Vec::new();
         for seed in 0..self.args.seeds {
@@ -228,6 +256,7 @@ impl Compare<'_> {
             comm_seconds_mean: avg(|s| s.comm_seconds),
             wall_seconds_mean: avg(|s| s.wall_seconds),
             runs,
+            diverged: summaries.iter().filter(|s| s.diverged.is_some()).count(),
         })
     }
 
@@ -263,9 +292,16 @@ impl Compare<'_> {
             progress: false,
             halt_after: None,
         };
-        let outcomes = crate::launch::simulated(&spec)?;
-        let s =
-            outcomes.into_iter().find_map(|o| o.summary).ok_or_else(|| anyhow!("{label} seed {seed}: no summary"))?;
+        let s = match crate::launch::simulated(&spec) {
+            Ok(outcomes) => outcomes.into_iter().find_map(|o| o.summary),
+            // A diverged run is a result of the comparison: its summary says so.
+            Err(e) if e.chain().any(|c| c.is::<crate::exit::Diverged>()) => {
+                eprintln!("compare: {label} seed {seed}: {e:#}");
+                std::fs::read(run_dir.join("summary.json")).ok().and_then(|b| serde_json::from_slice(&b).ok())
+            }
+            Err(e) => return Err(e),
+        };
+        let s = s.ok_or_else(|| anyhow!("{label} seed {seed}: no summary"))?;
         Ok((s, run_dir))
     }
 
@@ -313,9 +349,14 @@ fn markdown(recipe: &TrainRecipe, rows: &[Row], seeds: u64) -> Result<String> {
     writeln!(o, "|---|---|---|---|---|---|---|---|")?;
     for r in rows {
         let outer = r.outer.map_or(String::new(), |c| format!(" + outer (lr {}, momentum {})", c.lr, c.momentum));
+        let diverged = if r.diverged > 0 {
+            format!(" **diverged in {} of {} seeds**", r.diverged, r.seeds)
+        } else {
+            String::new()
+        };
         writeln!(
             o,
-            "| {}{outer} | {:.4} ± {:.4} | {:.2} ± {:.2} | {} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            "| {}{outer}{diverged} | {:.4} ± {:.4} | {:.2} ± {:.2} | {} | {:.1} | {:.1} | {:.1} | {:.1} |",
             r.sync.describe(),
             r.loss_mean,
             r.loss_ci95,
@@ -344,8 +385,12 @@ pub struct PlotArgs {
 
 /// Runs `qsr plot`: draws the runs' metrics into PNGs and returns their paths.
 pub fn plot(args: &PlotArgs) -> Result<Vec<PathBuf>> {
-    let series: Vec<crate::plot::RunSeries> =
-        args.runs.iter().map(|d| crate::plot::RunSeries::load(d)).collect::<Result<_>>()?;
+    let series: Vec<crate::plot::RunSeries> = args
+        .runs
+        .iter()
+        .map(|d| crate::plot::RunSeries::load(d))
+        .collect::<Result<_>>()
+        .map_err(crate::exit::bad_input)?;
     let out = args.out.clone().unwrap_or_else(|| args.runs[0].clone());
     crate::plot::runs_png(&series, Path::new(&out))
 }

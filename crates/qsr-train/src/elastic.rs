@@ -20,13 +20,19 @@ use qsr_comm::{
     Collective, CommError, Elastic, ElasticConfig, Membership, Poll, Store, StoreConfig, SyncState, TcpConfig,
 };
 use qsr_optim::{Level, Snapshot, Worker};
-use rustix::process::Signal;
+use serde::{Deserialize, Serialize};
 
+use crate::agree::{LaunchFacts, agree};
 use crate::checkpoint::Counters;
 use crate::device::DeviceSpec;
-use crate::launch::{Resume, TrainArgs, is_peer_failure};
+use crate::exit::{bad_input, is_peer_failure};
+use crate::fault::{self, Point};
+use crate::launch::{Resume, TrainArgs};
+use crate::run_lock::RunLock;
 use crate::task::{ImageTask, Task, TextTask};
-use crate::train::{MembershipChange, Outcome, Pace, Record, RunSpec, Segment, Summary, TrainModel, build_model};
+use crate::train::{
+    AfterSync, MembershipChange, Outcome, Pace, Record, RunSpec, Segment, Summary, TrainModel, build_model,
+};
 use crate::train_recipe::TrainRecipe;
 
 /// Arguments of `qsr rendezvous`.
@@ -50,18 +56,25 @@ pub struct RendezvousArgs {
 /// Runs `qsr rendezvous`: serves the elastic job's store until every worker of its last generation
 /// finished. The job token is `QSR_JOB_TOKEN`, as for the workers.
 pub fn rendezvous(args: &RendezvousArgs, out: &mut dyn Write) -> Result<()> {
-    if !(args.settle_secs.is_finite() && args.settle_secs > 0.0) {
-        bail!("--settle-secs must be a positive number of seconds, not {}", args.settle_secs);
+    let secs = args.settle_secs;
+    if !(secs.is_finite() && secs > 0.0 && secs <= qsr_comm::MAX_TIMEOUT_SECS) {
+        let max = qsr_comm::MAX_TIMEOUT_SECS;
+        return Err(bad_input(anyhow!("--settle-secs {secs:e}: expected a number of seconds in (0, {max}] (a week)")));
     }
+    let settle = Duration::from_secs_f64(secs);
     let cfg = StoreConfig {
         workers: args.workers,
         min_workers: args.min_workers,
-        settle: Duration::from_secs_f64(args.settle_secs),
+        settle,
         token: std::env::var("QSR_JOB_TOKEN").unwrap_or_default(),
         ..StoreConfig::new(args.workers)
     };
     let open = cfg.token.is_empty();
-    let store = Store::bind(&args.listen, cfg).context("--listen")?;
+    let store = match Store::bind(&args.listen, cfg) {
+        Ok(s) => s,
+        Err(e @ CommError::InvalidArgument(_)) => return Err(bad_input(e)),
+        Err(e) => return Err(anyhow::Error::from(e).context("--listen")),
+    };
     if open && !store.local_addr().ip().is_loopback() {
         eprintln!(
             "qsr: warning: QSR_JOB_TOKEN is not set, so any process that reaches {} can join this job; give the store and its workers the same token",
@@ -70,7 +83,21 @@ pub fn rendezvous(args: &RendezvousArgs, out: &mut dyn Write) -> Result<()> {
     }
     writeln!(out, "listening on {} for {} workers", store.local_addr(), args.workers)?;
     out.flush()?;
-    store.wait_finished(None);
+    // Never silent while it waits for workers: a line after the settle time (at most 10 s), then every 10 s.
+    let start = std::time::Instant::now();
+    let mut next_line = start + Duration::from_secs(10).min(settle);
+    while !store.wait_finished(Some(Duration::from_secs(1))) {
+        if let Some(why) = store.orphaned() {
+            let addr = store.local_addr().to_string();
+            return Err(CommError::Store { addr, detail: format!("the job ended unfinished: {why}") }.into());
+        }
+        if std::time::Instant::now() >= next_line
+            && let Some(what) = store.waiting_for()
+        {
+            eprintln!("qsr rendezvous: waiting ({} s since start): {what}", start.elapsed().as_secs());
+            next_line = std::time::Instant::now() + Duration::from_secs(10);
+        }
+    }
     writeln!(out, "job finished: generation {}", store.generation().unwrap_or(0))?;
     Ok(())
 }
@@ -109,30 +136,61 @@ pub(crate) fn train(
         settings,
     };
     let mut job = Elastic::connect(cfg)?;
-    if let Some(f) = Fault::from_env()? {
-        f.fire_before_join(args.rank);
+    // The workers a `--nproc` launcher started share its lock; others share their job's.
+    let share = || RunLock::share(&run_dir, job.job_id(), job.store_addr()).map_err(bad_input);
+    let _lock = if args.spawned { None } else { Some(share()?) };
+    if let Some(order) = args.rank {
+        fault::at(order, Point::Join);
     }
-    let (comm, m) = job.form(None, "start")?;
-    if m.generation == 0 && m.world_size != recipe.train.workers {
-        bail!(
-            "the store formed the first generation with {} workers, but the recipe has train.workers = {} (give `qsr rendezvous --workers` the same number)",
-            m.world_size,
-            recipe.train.workers
-        );
-    }
-    crate::train::preflight(&recipe, m.world_size, 1, spec.is_gpu())?;
-    let device = spec.open(0)?;
-    if m.generation == 0 && m.rank == 0 && !args.spawned {
-        crate::launch::prepare_run_dir(&run_dir, &recipe)?;
-    }
-    let model = build_model(&recipe, &device)?;
+    let (mut comm, m) = job.form(None, "start")?;
     let first = m.generation == 0;
+    if first {
+        start_first_generation(args, &recipe, (&run_dir, &resume), comm.as_mut(), spec.is_gpu())?;
+    } else {
+        crate::train::preflight(&recipe, m.world_size, 1, spec.is_gpu()).map_err(bad_input)?;
+    }
+    let device = spec.open(0).map_err(bad_input)?;
+    let model = build_model(&recipe, &device)?;
     let progress = !args.quiet && m.rank == 0 && first;
     let resume = if first { resume } else { None };
     let spec = RunSpec { recipe, device, run_dir, resume, progress, halt_after: None };
     let outcome = run_member(&spec, &mut job, (comm, m), model)?;
     job.finish()?;
     Ok(if args.spawned { None } else { outcome.summary })
+}
+
+/// The first generation agrees before its first training collective, as an external launch does:
+/// every rank has the recipe's world size, the same version, recipe and start checkpoint (a resumed
+/// worker never trains beside a fresh one), and rank 0 may start in the run directory (a fresh run
+/// never trains over another run's checkpoints); then rank 0 writes the resolved recipe.
+fn start_first_generation(
+    args: &TrainArgs,
+    recipe: &TrainRecipe,
+    (run_dir, resume): (&std::path::Path, &Resume),
+    comm: &mut dyn Collective,
+    gpu: bool,
+) -> Result<()> {
+    let world = comm.world_size();
+    if world != recipe.train.workers {
+        return Err(bad_input(anyhow!(
+            "the store formed the first generation with {world} workers, but the recipe has train.workers = {} (give `qsr rendezvous --workers` the same number)",
+            recipe.train.workers
+        )));
+    }
+    let mut facts = LaunchFacts::new(recipe, resume.as_ref().map(|(_, s)| s.step));
+    let unfit = crate::train::preflight(recipe, world, 1, gpu).err();
+    let owner = comm.rank() == 0 && !args.spawned;
+    let old_run = if owner && resume.is_none() { crate::launch::refuse_old_run(run_dir).err() } else { None };
+    match (unfit, old_run) {
+        (Some(e), _) if comm.rank() != 0 => return Err(bad_input(e)),
+        (Some(e), _) | (None, Some(e)) => facts.refusal = Some(format!("{e:#}")),
+        (None, None) => {}
+    }
+    agree(comm, &facts)?;
+    if owner {
+        crate::launch::prepare_run_dir(run_dir, recipe)?;
+    }
+    Ok(())
 }
 
 /// The training loop of one elastic worker, for the recipe's task.
@@ -160,6 +218,8 @@ fn run_member(
 /// What a step of the loop asks for next.
 enum Next {
     Continue,
+    /// The run diverged: every rank saw it at the same evaluation.
+    Stop,
     /// Form the next generation at this sync: new workers wait, or the store ended this generation.
     Reform(String),
 }
@@ -174,10 +234,19 @@ struct Member<'a, T: Task, F> {
     stream: T::Stream,
     worker: Worker<T::Module>,
     segment: Segment,
-    /// The last completed global sync, and the counters then.
-    snap: (Snapshot, Counters),
+    /// The last completed global sync, and what a new generation continuing from it takes over.
+    snap: (Snapshot, Handover),
     generation: u64,
-    fault: Option<Fault>,
+}
+
+/// What a new generation takes over from the rank holding the newest sync (the payload of its
+/// [`SyncState`]): the run's counters then, and the records that sync wrote (or, on ranks other
+/// than 0, would have written), so that the new rank 0 restores any its predecessor died before
+/// writing.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct Handover {
+    counters: Counters,
+    records: Vec<Record>,
 }
 
 impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
@@ -207,39 +276,41 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
         let (end, step) = (pace.plan.end_step(), worker.cursor().step());
         let segment = Segment::start(spec, m.rank, end, step, records, base)?;
         let stream = task.stream(step, end)?;
-        let snap = (worker.snapshot()?, base);
-        let fault = Fault::from_env()?;
+        let snap = (worker.snapshot()?, Handover { counters: base, records: Vec::new() });
         let generation = m.generation;
-        let mut me = Member { spec, job, make, pace, task, stream, worker, segment, snap, generation, fault };
+        let mut me = Member { spec, job, make, pace, task, stream, worker, segment, snap, generation };
         if joining {
             me.take_over(m, None, "a new worker joined")?;
         }
         while !me.worker.cursor().is_done() {
             match me.step() {
                 Ok(Next::Continue) => {}
+                Ok(Next::Stop) => break,
                 Ok(Next::Reform(why)) => me.reform(&why)?,
                 Err(e) if is_peer_failure(&e) => me.reform(&format!("{e:#}"))?,
                 Err(e) => return Err(e),
             }
         }
         let summary = me.segment.finish(spec, &me.pace, &me.task, &me.worker, true)?;
+        me.segment.check_diverged(me.worker.rank())?;
         Ok(Outcome { rank: me.worker.rank(), params: me.worker.params()?.to_vec(), summary, finished: true })
     }
 
     /// One training step; after a global sync, its evaluation and checkpoint, the new snapshot and
     /// whether to form the next generation now (rank 0 asks the store and tells the others).
     fn step(&mut self) -> Result<Next> {
-        if let Some(f) = &self.fault {
-            f.fire(self.generation, self.worker.rank(), self.worker.cursor().step());
-        }
+        fault::at(self.worker.rank(), Point::Step(self.worker.cursor().step()));
         let report = self.task.train_step(&mut self.worker, &mut self.stream)?;
         self.segment.stepped(&self.worker, &report, &self.pace);
         if !report.sync.is_some_and(|s| s.level == Level::Global) {
             return Ok(Next::Continue);
         }
-        self.segment.synced(self.spec, &self.pace, &self.task, &mut self.worker, &report)?;
+        if self.segment.synced(self.spec, &self.pace, &self.task, &mut self.worker, &report)? == AfterSync::Diverged {
+            return Ok(Next::Stop);
+        }
         self.worker.snapshot_into(&mut self.snap.0)?;
-        self.snap.1 = self.segment.counters(&self.worker);
+        let records = self.segment.sync_records().to_vec();
+        self.snap.1 = Handover { counters: self.segment.counters(&self.worker), records };
         if self.worker.cursor().is_done() {
             return Ok(Next::Continue);
         }
@@ -265,8 +336,9 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
         for attempt in 0.. {
             self.worker.restore_snapshot(&self.snap.0)?;
             let wall = self.segment.counters(&self.worker).wall_seconds;
-            let counters = Counters { wall_seconds: wall, ..self.snap.1 };
-            let state = SyncState { step: self.snap.0.step(), payload: serde_json::to_string(&counters)? };
+            let counters = Counters { wall_seconds: wall, ..self.snap.1.counters };
+            let handover = Handover { counters, ..self.snap.1.clone() };
+            let state = SyncState { step: self.snap.0.step(), payload: serde_json::to_string(&handover)? };
             let formed = self.job.form(Some(state), why).and_then(|(comm, m)| {
                 self.worker.replace_comm(comm).map_err(|e| CommError::InvalidArgument(e.to_string()))?;
                 Ok(m)
@@ -295,8 +367,10 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
             bail!("generation {} formed without any worker holding a completed sync", m.generation);
         };
         let step = state.step;
+        fault::disarm();
         self.worker.adopt(m.source.unwrap_or(0), self.pace.plan.cursor_at(step))?;
-        let base: Counters = serde_json::from_str(&state.payload).context("the counters handed over")?;
+        let handover: Handover = serde_json::from_str(&state.payload).context("the counters handed over")?;
+        let base = handover.counters;
         let failed_at = failed_at.unwrap_or(step);
         let change = MembershipChange {
             generation: m.generation,
@@ -308,11 +382,11 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
             steps_lost: failed_at.saturating_sub(step),
         };
         let record = self.record(step, base, change);
-        self.segment.rebase(self.spec, &mut self.worker, base, record)?;
+        self.segment.rebase(self.spec, &mut self.worker, base, &handover.records, record)?;
         self.task = (self.make)(m.rank, m.world_size)?;
         self.stream = self.task.stream(step, self.pace.plan.end_step())?;
         self.generation = m.generation;
-        self.snap = (self.worker.snapshot()?, base);
+        self.snap = (self.worker.snapshot()?, Handover { counters: base, records: handover.records });
         if m.rank == 0 {
             eprintln!(
                 "qsr: generation {} continues from step {step} with {} workers (lost {:?}, joined {:?}): {why}",
@@ -339,53 +413,4 @@ fn is_setup_failure(e: &anyhow::Error) -> bool {
     e.chain()
         .filter_map(|c| c.downcast_ref::<CommError>())
         .any(|c| matches!(c, CommError::Rendezvous(_) | CommError::HandshakeRefused { .. }))
-}
-
-/// A failure injected by tests (`QSR_TEST_FAULT=kill:<rank>:<step>` or `stop:<rank>:<step>`): the
-/// worker of that rank in the first generation (any worker of a run that is not elastic) sends
-/// itself SIGKILL or SIGSTOP as it starts that step, so a test can lose a worker at an exact point,
-/// twice alike.
-pub(crate) struct Fault {
-    signal: Signal,
-    rank: usize,
-    /// The step it fires at; `None`: before joining the store (`kill:<rank>:join`, elastic only).
-    step: Option<u64>,
-}
-
-impl Fault {
-    pub(crate) fn from_env() -> Result<Option<Fault>> {
-        let Ok(spec) = std::env::var("QSR_TEST_FAULT") else {
-            return Ok(None);
-        };
-        let bad = || anyhow!("QSR_TEST_FAULT={spec}: expected kill|stop:<rank>:<step>, or kill|stop:<rank>:join");
-        let mut parts = spec.split(':');
-        let signal = match parts.next() {
-            Some("kill") => Signal::KILL,
-            Some("stop") => Signal::STOP,
-            _ => return Err(bad()),
-        };
-        let rank = parts.next().and_then(|r| r.parse().ok()).ok_or_else(bad)?;
-        let step = match parts.next() {
-            Some("join") => None,
-            s => Some(s.and_then(|s| s.parse().ok()).ok_or_else(bad)?),
-        };
-        Ok(Some(Fault { signal, rank, step }))
-    }
-
-    pub(crate) fn fire(&self, generation: u64, rank: usize, step: u64) {
-        if (generation, rank, Some(step)) == (0, self.rank, self.step) {
-            self.raise();
-        }
-    }
-
-    /// Fires a `join` fault for the worker the launcher numbered `order`.
-    fn fire_before_join(&self, order: Option<usize>) {
-        if self.step.is_none() && order == Some(self.rank) {
-            self.raise();
-        }
-    }
-
-    fn raise(&self) {
-        let _ = rustix::process::kill_process(rustix::process::getpid(), self.signal);
-    }
 }

@@ -5,12 +5,13 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, anyhow, bail};
 use burn::tensor::Device;
-use qsr_comm::{Collective, CommError, Explicit, InProcessGroup, TcpComm, TcpConfig, differing_keys};
+use qsr_comm::{Collective, Explicit, InProcessGroup, TcpComm, TcpConfig, differing_keys};
 use qsr_optim::DeviceGroup;
 
 use crate::agree::{LaunchFacts, agree};
 use crate::checkpoint;
 use crate::device::DeviceSpec;
+use crate::exit::bad_input;
 use crate::procs;
 use crate::run_lock::RunLock;
 use crate::train::{Comms, Outcome, RunSpec, Summary, build_model, preflight, root_cause, run_worker};
@@ -143,11 +144,13 @@ pub fn resolve(args: &TrainArgs) -> Result<(TrainRecipe, PathBuf, Resume)> {
 
 /// Refuses a fresh run into a directory whose checkpoints belong to another run: the two would mix,
 /// and pruning (newest steps kept) would delete the new run's checkpoints as it wrote them.
-fn refuse_old_run(run_dir: &Path) -> Result<()> {
+pub(crate) fn refuse_old_run(run_dir: &Path) -> Result<()> {
     let latest = checkpoint::ckpt_root(run_dir).join("LATEST");
-    let Ok(name) = std::fs::read_to_string(&latest) else {
+    let Ok(meta) = std::fs::symlink_metadata(&latest) else {
         return Ok(());
     };
+    // Read only a regular file: a FIFO would block.
+    let name = if meta.is_file() { std::fs::read_to_string(&latest).unwrap_or_default() } else { String::new() };
     bail!(
         "{} already holds a run with checkpoints ({} names {}): continue it with --resume {}, or give another --out; nothing was changed",
         run_dir.display(),
@@ -174,7 +177,18 @@ fn check_resumable(recipe: &TrainRecipe, path: &Path, dir: &Path, state: &checkp
             diffs.join(", ")
         );
     }
-    let end = recipe.plan()?.end_step();
+    let plan = recipe.plan()?;
+    let end = plan.end_step();
+    let round = *plan.cursor_at(state.step.min(end)).round();
+    if state.step < end && round.start != state.step {
+        // The checkpointed run ended there with a sync (a run always does): one more than the plan has.
+        eprintln!(
+            "qsr: resuming at step {} inside this plan's round {}..{} (the checkpointed run ended there, with a sync): this run makes one sync more than `qsr plan` shows for train.steps = {end}",
+            state.step,
+            round.start,
+            round.end()
+        );
+    }
     if state.step == end {
         bail!(
             "nothing to resume: the run in {} already finished at step {end} (train.steps); to train longer, raise it, e.g. --set train.steps={}",
@@ -217,29 +231,21 @@ pub fn run(args: &TrainArgs) -> Result<Option<Summary>> {
         // Before anything else: a worker must not outlive the `--nproc` launcher that started it.
         procs::die_with_launcher()?;
     }
-    let (recipe, run_dir, resume) = resolve(args)?;
-    let spec = DeviceSpec::parse(&args.device)?;
-    if args.elastic {
-        check_elastic(args, &recipe)?;
-    }
-    if args.comm == Some(CommKind::Nccl) && !spec.is_gpu() {
-        bail!("--comm nccl needs a GPU device (--device cuda or cuda:N), not --device {}", args.device);
+    crate::fault::check().map_err(bad_input)?;
+    let (recipe, run_dir, resume) = resolve(args).map_err(bad_input)?;
+    let spec = DeviceSpec::parse(&args.device).map_err(bad_input)?;
+    check_flags(args, &recipe, &spec, &|k| std::env::var(k).ok()).map_err(bad_input)?;
+    if args.nproc.is_some() || args.comm.is_some() || args.elastic {
+        // The launch's settings, refused before anything starts (a `--nproc` launcher's workers read them too).
+        TcpConfig::from_env(&|k| std::env::var(k).ok())?;
+        qsr_comm::Transport::from_env(&|k| std::env::var(k).ok())?;
     }
     if let Some(n) = args.nproc {
-        if args.comm == Some(CommKind::Mpi) {
-            bail!("--nproc starts its workers itself; use mpirun for --comm mpi");
-        }
-        if n > 1 && args.comm == Some(CommKind::Nccl) && matches!(spec, DeviceSpec::Cuda(Some(_))) {
-            bail!(
-                "--nproc {n} --comm nccl needs one GPU per process: use --device cuda (GPU = local rank), not --device {}",
-                args.device
-            );
-        }
         if !args.elastic {
-            check_world(&resume, recipe.train.workers)?;
+            check_world(&resume, recipe.train.workers).map_err(bad_input)?;
         }
-        preflight(&recipe, n, n, spec.is_gpu())?;
-        let _lock = RunLock::acquire(&run_dir)?;
+        preflight(&recipe, n, n, spec.is_gpu()).map_err(bad_input)?;
+        let _lock = RunLock::acquire(&run_dir).map_err(bad_input)?;
         prepare_run_dir(&run_dir, &recipe)?;
         let token = qsr_comm::random_token();
         let store = if args.elastic { Some(crate::elastic::launcher_store(n, &token)?) } else { None };
@@ -259,14 +265,56 @@ pub fn run(args: &TrainArgs) -> Result<Option<Summary>> {
     if let Some(kind) = args.comm {
         return external(args, kind, spec, recipe, run_dir, resume);
     }
-    check_world(&resume, recipe.train.workers)?;
-    preflight(&recipe, recipe.train.workers, recipe.train.workers, spec.is_gpu())?;
-    let device = spec.open(0)?;
-    let _lock = RunLock::acquire(&run_dir)?;
+    check_world(&resume, recipe.train.workers).map_err(bad_input)?;
+    preflight(&recipe, recipe.train.workers, recipe.train.workers, spec.is_gpu()).map_err(bad_input)?;
+    let device = spec.open(0).map_err(bad_input)?;
+    let _lock = RunLock::acquire(&run_dir).map_err(bad_input)?;
     prepare_run_dir(&run_dir, &recipe)?;
     let spec = RunSpec { recipe, device, run_dir, resume, progress: !args.quiet, halt_after: args.halt_after };
     let outcomes = simulated(&spec)?;
     Ok(outcomes.into_iter().find_map(|o| o.summary))
+}
+
+/// Refuses flags that do not go together, naming them, and a launcher's environment that the flags
+/// would ignore.
+fn check_flags(
+    args: &TrainArgs,
+    recipe: &TrainRecipe,
+    spec: &DeviceSpec,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<()> {
+    if args.elastic {
+        check_elastic(args, recipe)?;
+    }
+    if args.comm == Some(CommKind::Nccl) && !spec.is_gpu() {
+        bail!("--comm nccl needs a GPU device (--device cuda or cuda:N), not --device {}", args.device);
+    }
+    if let Some(n) = args.nproc {
+        if args.comm == Some(CommKind::Mpi) {
+            bail!("--nproc starts its workers itself; use mpirun for --comm mpi");
+        }
+        if n > 1 && args.comm == Some(CommKind::Nccl) && matches!(spec, DeviceSpec::Cuda(Some(_))) {
+            bail!(
+                "--nproc {n} --comm nccl needs one GPU per process: use --device cuda (GPU = local rank), not --device {}",
+                args.device
+            );
+        }
+    }
+    let alone = args.comm.is_none() && args.nproc.is_none() && args.workers.is_none() && !args.elastic;
+    if let Some((var, n)) = launched_world(env).filter(|_| alone) {
+        bail!(
+            "the environment describes a job of {n} ranks ({var}={n}), but --comm is not given, so every process would train the whole job alone: pass --comm tcp (or --comm mpi under mpirun/srun) to train as one rank of it, or --workers K to train K threads in this process anyway"
+        );
+    }
+    Ok(())
+}
+
+/// A launcher's variable that gives this process a world of more than one rank (torchrun, Open MPI,
+/// PMI, an srun step), with its value.
+fn launched_world(env: &dyn Fn(&str) -> Option<String>) -> Option<(&'static str, usize)> {
+    ["WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"]
+        .into_iter()
+        .find_map(|var| Some((var, env(var)?.trim().parse::<usize>().ok().filter(|n| *n > 1)?)))
 }
 
 /// Refuses what elastic mode does not cover, naming the flag or key.
@@ -287,30 +335,6 @@ fn check_elastic(args: &TrainArgs, recipe: &TrainRecipe) -> Result<()> {
         bail!("--halt-after is not supported with --elastic");
     }
     Ok(())
-}
-
-/// Exit status of a worker that failed only because another rank failed first (it lost a peer or was
-/// told of another rank's failure), so that a launcher reports the rank that failed first.
-pub const EXIT_PEER_FAILED: u8 = 3;
-
-/// The process exit status for an error: [`EXIT_PEER_FAILED`] when it is another rank's failure seen
-/// from here, 1 otherwise.
-pub fn exit_code(e: &anyhow::Error) -> u8 {
-    if is_peer_failure(e) { EXIT_PEER_FAILED } else { 1 }
-}
-
-/// Whether an error is the consequence of another rank's failure (lost, stalled, aborted, gone).
-pub fn is_peer_failure(e: &anyhow::Error) -> bool {
-    e.chain().filter_map(|c| c.downcast_ref::<CommError>()).any(|c| {
-        matches!(
-            c,
-            CommError::PeerLost { .. }
-                | CommError::PeerTimeout { .. }
-                | CommError::Aborted { .. }
-                | CommError::Broken(_)
-                | CommError::Group { .. }
-        )
-    })
 }
 
 /// Writes the resolved recipe, so that the run directory says what the run follows (on resume too:
@@ -466,10 +490,10 @@ fn external(
         Ok((TcpComm::from_launch(&env, cfg)?, env.local_rank))
     };
     if recipe.sync.local.is_some() && kind != CommKind::Tcp {
-        bail!(
+        return Err(bad_input(anyhow!(
             "[sync.local] splits the job into nodes over our collectives: use --comm tcp, not --comm {}",
             kind.name()
-        );
+        )));
     }
     let (comms, local_rank) = match kind {
         CommKind::Tcp => {
@@ -506,8 +530,8 @@ struct Member {
 impl Member {
     fn train(mut self, args: &TrainArgs) -> Result<Option<Summary>> {
         let (rank, world) = (self.comms.world.rank(), self.comms.world.world_size());
-        let device = self.spec.open(self.local_rank)?;
-        check_world(&self.resume, world)?;
+        let device = self.spec.open(self.local_rank).map_err(bad_input)?;
+        check_world(&self.resume, world).map_err(bad_input)?;
         // Rank 0 owns the run directory (a `--nproc` launcher holds the lock for its workers).
         let owner = rank == 0 && !args.spawned;
         let lock = if owner { Some(RunLock::acquire(&self.run_dir)) } else { None };
@@ -516,7 +540,7 @@ impl Member {
         match (lock.as_ref(), unfit) {
             (Some(Err(e)), _) => facts.refusal = Some(format!("{e:#}")),
             (_, Some(e)) if rank == 0 => facts.refusal = Some(format!("{e:#}")),
-            (_, Some(e)) => return Err(e),
+            (_, Some(e)) => return Err(bad_input(e)),
             _ => {}
         }
         agree(self.comms.world.as_mut(), &facts)?;
@@ -545,7 +569,9 @@ fn nccl_comm(bootstrap: &mut TcpComm, ordinal: usize) -> Result<Box<dyn Collecti
 
 #[cfg(not(feature = "nccl"))]
 fn nccl_comm(_bootstrap: &mut TcpComm, _ordinal: usize) -> Result<Box<dyn Collective>> {
-    bail!("--comm nccl: this qsr binary was built without NCCL support (build it with `cargo xtask cuda`)")
+    Err(bad_input(anyhow!(
+        "--comm nccl: this qsr binary was built without NCCL support (build it with `cargo xtask cuda`)"
+    )))
 }
 
 #[cfg(feature = "mpi")]
@@ -555,5 +581,5 @@ fn mpi_comm() -> Result<Box<dyn Collective>> {
 
 #[cfg(not(feature = "mpi"))]
 fn mpi_comm() -> Result<Box<dyn Collective>> {
-    bail!("--comm mpi: this qsr binary was built without MPI support (rebuild with `--features mpi`)")
+    Err(bad_input(anyhow!("--comm mpi: this qsr binary was built without MPI support (rebuild with `--features mpi`)")))
 }

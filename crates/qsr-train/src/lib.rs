@@ -21,6 +21,8 @@ pub mod checkpoint;
 mod compare;
 mod device;
 mod elastic;
+mod exit;
+mod fault;
 mod launch;
 mod plan_cmd;
 mod plot;
@@ -38,10 +40,10 @@ pub use compare::{CompareArgs, PlotArgs, Row as CompareRow, mean_ci, plot, rule_
 pub use device::probe_cuda;
 pub use device::{CHECK_LENGTHS, CudaProbe, DeviceCheckArgs, DeviceSpec, check_ordinal, device_check};
 pub use elastic::{RendezvousArgs, rendezvous};
-pub use launch::{
-    CommKind, EXIT_PEER_FAILED, Resume, TrainArgs, device, exit_code, is_peer_failure, resolve, run as run_train,
-    simulated,
+pub use exit::{
+    BadInput, Diverged, EXIT_PEER_FAILED, ExitStatus, Interrupted, WorkersFailed, bad_input, exit_code, is_peer_failure,
 };
+pub use launch::{CommKind, Resume, TrainArgs, device, resolve, run as run_train, simulated};
 pub use plan_cmd::{Format, PlanArgs, PlanReport, run as run_plan, write_csv};
 pub use plot::{PALETTE, RunSeries, plan_png, runs_png};
 pub use recipe::{LocalSync, PlanOverrides, PlanRecipe, SyncSection, load_plan, plan_from_table, read_table};

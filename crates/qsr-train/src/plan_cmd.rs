@@ -57,9 +57,7 @@ pub struct PlanArgs {
 pub struct PlanReport {
     /// The recipe's name (see [`PlanRecipe::name`]).
     pub name: String,
-    /// The sync rule's name: `dp`, `constant`, `post-local`, `power`, `qsr` or `exponential`.
-    pub rule: String,
-    /// The sync rule with its parameters.
+    /// The sync rule with its parameters (its name is the summary's `rule`).
     pub sync: qsr_sched::SyncRule,
     /// The learning-rate schedule.
     pub schedule: qsr_sched::LrSchedule,
@@ -83,27 +81,12 @@ pub struct PlanReport {
 ///
 /// The output: the round plan of a recipe as a human summary, JSON or CSV, and an lr/H picture.
 pub fn run(args: &PlanArgs, out: &mut dyn Write) -> Result<()> {
-    let recipes: Vec<PlanRecipe> = if args.recipe.is_empty() {
-        vec![load_plan(None, &args.overrides)?]
-    } else {
-        args.recipe.iter().map(|p| load_plan(Some(p), &args.overrides)).collect::<Result<_>>()?
-    };
-    if args.params.is_some() && args.world_size == 0 {
-        bail!("--world-size must be at least 1");
-    }
-    if args.node_size.is_some_and(|n| n == 0 || n > args.world_size) {
-        bail!("--node-size must be in 1..=--world-size ({})", args.world_size);
-    }
+    let recipes = load(args).map_err(crate::exit::bad_input)?;
     let reports: Vec<PlanReport> = recipes.iter().map(|r| report(r, args)).collect();
     match args.format {
         Format::Json if reports.len() == 1 => writeln!(out, "{}", serde_json::to_string_pretty(&reports[0])?)?,
         Format::Json => writeln!(out, "{}", serde_json::to_string_pretty(&reports)?)?,
-        Format::Csv => {
-            if recipes.len() != 1 {
-                bail!("--format csv prints the rounds of one recipe; got {}", recipes.len());
-            }
-            write_csv(&recipes[0].plan, out)?;
-        }
+        Format::Csv => write_csv(&recipes[0].plan, out)?,
         Format::Human if reports.len() == 1 => out.write_all(human(&recipes[0], &reports[0]).as_bytes())?,
         Format::Human => out.write_all(table(&reports).as_bytes())?,
     }
@@ -117,6 +100,25 @@ pub fn run(args: &PlanArgs, out: &mut dyn Write) -> Result<()> {
     Ok(())
 }
 
+/// The recipes of `qsr plan` with its overrides, and its flags checked.
+fn load(args: &PlanArgs) -> Result<Vec<PlanRecipe>> {
+    let recipes: Vec<PlanRecipe> = if args.recipe.is_empty() {
+        vec![load_plan(None, &args.overrides)?]
+    } else {
+        args.recipe.iter().map(|p| load_plan(Some(p), &args.overrides)).collect::<Result<_>>()?
+    };
+    if args.params.is_some() && args.world_size == 0 {
+        bail!("--world-size must be at least 1");
+    }
+    if args.node_size.is_some_and(|n| n == 0 || n > args.world_size) {
+        bail!("--node-size must be in 1..=--world-size ({})", args.world_size);
+    }
+    if args.format == Format::Csv && recipes.len() != 1 {
+        bail!("--format csv prints the rounds of one recipe; got {}", recipes.len());
+    }
+    Ok(recipes)
+}
+
 fn report(r: &PlanRecipe, args: &PlanArgs) -> PlanReport {
     let summary = r.plan.summary();
     let volume = args.params.map(|n| summary.volume(n, args.bytes_per_param, args.world_size));
@@ -128,7 +130,6 @@ fn report(r: &PlanRecipe, args: &PlanArgs) -> PlanReport {
         .map(|(l, n)| l.volume(summary.run_steps, n, args.bytes_per_param, node));
     PlanReport {
         name: r.name.clone(),
-        rule: r.plan.sync().name().to_string(),
         sync: r.plan.sync().clone(),
         schedule: r.plan.schedule().clone(),
         summary,
@@ -249,7 +250,7 @@ fn table(reports: &[PlanReport]) -> String {
             o,
             "{:<w$}  {:<11} {:>9} {:>9} {:>7.1} {:>7} {:>12} {:>9}",
             r.name,
-            r.rule,
+            r.summary.rule,
             s.run_steps,
             s.rounds,
             s.comm_percent,

@@ -116,7 +116,9 @@ impl Axis {
     fn log(lo: f64, hi: f64, max_ticks: usize, integer: bool) -> Self {
         let lo = lo.max(f64::MIN_POSITIVE);
         let hi = if hi > lo { hi } else { lo * 10.0 };
-        let (e0, e1) = (lo.log10().floor() as i32, hi.log10().ceil() as i32);
+        // Exponents of finite doubles: an infinite bound would make the decades endless.
+        let exponent = |v: f64| v.log10().clamp(-324.0, 308.0);
+        let (e0, e1) = (exponent(lo).floor() as i32, exponent(hi).ceil() as i32);
         let within = |v: &f64| *v >= lo * (1.0 - 1e-9) && *v <= hi * (1.0 + 1e-9);
         let with_digits = |digits: &[f64], every: i32| -> Vec<f64> {
             (e0..=e1)
@@ -153,9 +155,9 @@ impl Axis {
     /// A log axis for data in `min..=max`, padded and widened to at least a factor of 5 so a flat series
     /// (constant H) still shows two labels.
     fn log_for(min: f64, max: f64, max_ticks: usize, integer: bool) -> Self {
-        let (mut lo, mut hi) = (min.max(1e-12) * 0.8, max.max(min).max(1e-12) * 1.25);
+        let (mut lo, mut hi) = (min.max(1e-12) * 0.8, (max.max(min).max(1e-12) * 1.25).min(f64::MAX / 8.0));
         if hi / lo < 5.0 {
-            let mid = (lo * hi).sqrt();
+            let mid = lo.sqrt() * hi.sqrt();
             (lo, hi) = (mid / 5f64.sqrt(), mid * 5f64.sqrt());
         }
         Self::log(lo, hi, max_ticks, integer)
@@ -163,8 +165,11 @@ impl Axis {
 
     /// Where value `v` is drawn; `None` for a non-positive value on a log axis.
     fn to_coord(&self, v: f64) -> Option<f64> {
-        if !self.log {
-            Some(v)
+        if !v.is_finite() {
+            None
+        } else if !self.log {
+            // Clipped to the axis, whose span stays finite (see `axis_for`).
+            Some(v.clamp(self.range.start, self.range.end))
         } else if v > 0.0 {
             Some(v.log10())
         } else {
@@ -441,6 +446,8 @@ enum Scale {
 /// The axis for data spanning `lo..=hi` (`lo > hi` when there is no data).
 fn axis_for(lo: f64, hi: f64, scale: Scale, pad: bool, max_ticks: usize) -> Axis {
     let (lo, hi) = if lo > hi { (0.0, 1.0) } else { (lo, hi) };
+    // Values near the largest double (a diverged loss) would make the span, and every tick, infinite.
+    let (lo, hi) = (lo.max(-f64::MAX / 4.0), hi.min(f64::MAX / 4.0));
     match scale {
         Scale::Log => Axis::log_for(lo, hi, max_ticks, false),
         Scale::IntegerLog => Axis::log_for(lo, hi, max_ticks, true),
@@ -463,7 +470,7 @@ fn lines(
     marks: &[f64],
 ) -> DrawResult {
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
-    for &(x, y) in series.iter().flat_map(|(_, p)| p.iter()) {
+    for &(x, y) in series.iter().flat_map(|(_, p)| p.iter()).filter(|(x, y)| x.is_finite() && y.is_finite()) {
         x0 = x0.min(x);
         x1 = x1.max(x);
         if !matches!(y_scale, Scale::Log | Scale::IntegerLog) || y > 0.0 {

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use rustix::process::{Pid, Signal};
 
-use crate::launch::EXIT_PEER_FAILED;
+use crate::exit::EXIT_PEER_FAILED;
 use crate::train::Summary;
 
 /// Environment variable through which a worker learns its launcher's pid.
@@ -83,28 +83,47 @@ struct Worker {
     child: Child,
 }
 
-/// A worker that ended unsuccessfully.
+/// A worker that ended unsuccessfully, or stopped answering.
 struct Failure {
     rank: usize,
-    status: ExitStatus,
+    /// Its exit status; `None`: it was found stopped (SIGSTOP, a debugger) while the others failed.
+    status: Option<ExitStatus>,
     seen: Instant,
 }
 
 impl Failure {
-    /// Lower is more likely the first cause: killed by a signal, then a failure of its own, then a
-    /// worker that only saw another rank fail.
+    /// Lower is more likely the first cause: killed by a signal or stopped, then a failure of its
+    /// own, then a worker that only saw another rank fail.
     fn precedence(&self) -> u8 {
         use std::os::unix::process::ExitStatusExt;
-        match (self.status.signal(), self.status.code()) {
+        let Some(status) = self.status else {
+            return 0;
+        };
+        match (status.signal(), status.code()) {
             (Some(_), _) => 0,
             (_, Some(c)) if c == i32::from(EXIT_PEER_FAILED) => 2,
             _ => 1,
         }
     }
 
+    /// The launcher's exit status for this failure: the worker's own (bad input, divergence, ...),
+    /// or [`EXIT_PEER_FAILED`] for a worker lost to a signal or a stop.
+    fn exit_status(&self) -> u8 {
+        match self.status.and_then(|s| s.code()) {
+            Some(c) if (1..=255).contains(&c) => c as u8,
+            _ => EXIT_PEER_FAILED,
+        }
+    }
+
     fn describe(&self) -> String {
         use std::os::unix::process::ExitStatusExt;
-        match (self.status.signal(), self.status.code()) {
+        let Some(status) = self.status else {
+            return format!(
+                "rank {} was stopped (SIGSTOP or a debugger) and made no progress; the others gave up waiting for it",
+                self.rank
+            );
+        };
+        match (status.signal(), status.code()) {
             (Some(s), _) => format!("rank {} was killed by signal {s} ({})", self.rank, signal_name(s)),
             (_, Some(c)) if c == i32::from(EXIT_PEER_FAILED) => {
                 format!("rank {} stopped after losing a peer (exit status {c}; its error is printed above)", self.rank)
@@ -154,28 +173,30 @@ fn supervise(
     let mut failures: Vec<Failure> = Vec::new();
     let mut finished_at: Option<Instant> = None;
     while !workers.is_empty() {
-        // An elastic job that finished leaves only expelled workers (stopped ones, say) running.
-        if let Some(s) = store {
-            if s.finished() && finished_at.is_none() {
-                finished_at = Some(Instant::now());
-            }
-            if finished_at.is_some_and(|t| t.elapsed() >= STOP_GRACE) {
+        if let Some(s) = store.filter(|s| s.finished()) {
+            // Members exit on their own once the job finished; expelled ones (stopped, cut off) never will.
+            let since = *finished_at.get_or_insert_with(|| {
+                stop_expelled(&mut workers, &s.expelled_orders(), &mut failures);
+                Instant::now()
+            });
+            if since.elapsed() >= STOP_GRACE {
                 break;
             }
         }
         if let Some(sig) = received(signal) {
-            let count = workers.len();
+            let stopped = workers.len();
             stop(&mut workers, sig);
-            bail!(
-                "interrupted by signal {} ({}): stopped {count} running workers; continue with --resume",
-                sig.as_raw(),
-                signal_name(sig.as_raw())
-            );
+            let (signal, name) = (sig.as_raw(), signal_name(sig.as_raw()));
+            return Err(crate::exit::Interrupted { signal, name, stopped }.into());
         }
         workers = reap(workers, &mut failures)?;
         // Elastic jobs go on without a failed worker once they run; before, the others would wait for it.
         let fatal = store.is_none_or(|s| s.generation().is_none());
         if fatal && failures.first().is_some_and(|f| f.seen.elapsed() >= FAILURE_WINDOW) {
+            // A stopped worker is the cause the others saw: they timed out waiting for it.
+            for w in workers.iter().filter(|w| is_stopped(&w.child)) {
+                failures.push(Failure { rank: w.rank, status: None, seen: failures[0].seen });
+            }
             break;
         }
         std::thread::sleep(POLL);
@@ -190,7 +211,8 @@ fn supervise(
         return Ok(());
     }
     if let Some(first) = failures.iter().min_by_key(|f| (f.precedence(), f.seen)) {
-        bail!("{} ({} of {n} workers failed)", first.describe(), failures.len());
+        let message = format!("{} ({} of {n} workers failed)", first.describe(), failures.len());
+        return Err(crate::exit::WorkersFailed { status: first.exit_status(), message }.into());
     }
     Ok(())
 }
@@ -203,12 +225,16 @@ fn received(signal: &AtomicUsize) -> Option<Signal> {
     }
 }
 
-/// Waits without blocking: returns the workers still running, recording the ones that failed.
+/// Waits without blocking: returns the workers still running, recording the ones that failed (once
+/// each: a worker already recorded as stopped is not recorded again when it is killed).
 fn reap(workers: Vec<Worker>, failures: &mut Vec<Failure>) -> Result<Vec<Worker>> {
     let mut running = Vec::new();
     for mut w in workers {
         match w.child.try_wait().with_context(|| format!("cannot wait for worker {}", w.rank))? {
-            Some(status) if !status.success() => failures.push(Failure { rank: w.rank, status, seen: Instant::now() }),
+            Some(_) if failures.iter().any(|f| f.rank == w.rank) => {}
+            Some(status) if !status.success() => {
+                failures.push(Failure { rank: w.rank, status: Some(status), seen: Instant::now() });
+            }
             Some(_) => {}
             None => running.push(w),
         }
@@ -216,13 +242,25 @@ fn reap(workers: Vec<Worker>, failures: &mut Vec<Failure>) -> Result<Vec<Worker>
     Ok(running)
 }
 
-/// Sends `sig` to every running worker, waits up to [`STOP_GRACE`], then kills and reaps the rest.
+/// Sends `sig` to every running worker (SIGKILL to stopped ones, which could not act on it), waits
+/// up to [`STOP_GRACE`] saying for which ranks, then kills and reaps the rest.
 fn stop(workers: &mut Vec<Worker>, sig: Signal) {
     for w in workers.iter() {
+        let sig = if is_stopped(&w.child) { Signal::KILL } else { sig };
         let _ = rustix::process::kill_process(Pid::from_child(&w.child), sig);
     }
     let deadline = Instant::now() + STOP_GRACE;
-    while Instant::now() < deadline && workers.iter_mut().any(|w| matches!(w.child.try_wait(), Ok(None))) {
+    let mut said = false;
+    loop {
+        let left: Vec<usize> =
+            workers.iter_mut().filter_map(|w| matches!(w.child.try_wait(), Ok(None)).then_some(w.rank)).collect();
+        if left.is_empty() || Instant::now() >= deadline {
+            break;
+        }
+        if !said && deadline - Instant::now() < STOP_GRACE - Duration::from_secs(1) {
+            eprintln!("qsr: waiting up to {} s for rank(s) {left:?} to exit before killing them", STOP_GRACE.as_secs());
+            said = true;
+        }
         std::thread::sleep(POLL);
     }
     for w in workers.iter_mut() {
@@ -230,6 +268,32 @@ fn stop(workers: &mut Vec<Worker>, sig: Signal) {
         let _ = w.child.wait();
     }
     workers.clear();
+}
+
+/// After an elastic job finished: SIGKILL for the workers the store expelled that still run (stopped
+/// or cut off, they would never exit), each named, and recorded as failures.
+fn stop_expelled(workers: &mut Vec<Worker>, expelled: &[u64], failures: &mut Vec<Failure>) {
+    for w in workers.iter_mut().filter(|w| expelled.contains(&(w.rank as u64)) || is_stopped(&w.child)) {
+        let state = if is_stopped(&w.child) { "stopped" } else { "still running" };
+        eprintln!(
+            "qsr: rank {} (pid {}) was expelled from the elastic job and is {state}: killing it",
+            w.rank,
+            w.child.id()
+        );
+        let _ = w.child.kill();
+        if let Ok(status) = w.child.wait() {
+            failures.push(Failure { rank: w.rank, status: Some(status), seen: Instant::now() });
+        }
+    }
+    workers.retain_mut(|w| matches!(w.child.try_wait(), Ok(None)));
+}
+
+/// Whether a child is stopped (by SIGSTOP, or traced): `T` or `t` in `/proc/<pid>/stat`.
+fn is_stopped(child: &Child) -> bool {
+    std::fs::read_to_string(format!("/proc/{}/stat", child.id()))
+        .ok()
+        .and_then(|st| st.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next()))
+        .is_some_and(|state| matches!(state, 'T' | 't'))
 }
 
 fn free_port() -> Result<u16> {

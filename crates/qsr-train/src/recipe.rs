@@ -211,6 +211,16 @@ impl PlanOverrides {
 /// that provides it.
 fn parse_section<T: serde::de::DeserializeOwned>(root: &Table, name: &str, origin: &str) -> Result<T> {
     let table = root.get(name).cloned().unwrap_or_else(|| Value::Table(Table::new()));
+    // The local level's own errors name it.
+    if name == "sync"
+        && let Some(local) = table.get("local")
+    {
+        parse_section::<LocalSync>(
+            &Table::from_iter([("sync.local".to_string(), local.clone())]),
+            "sync.local",
+            origin,
+        )?;
+    }
     table.try_into::<T>().map_err(|e| {
         let msg = e.message().trim().to_string();
         let hint = msg

@@ -556,8 +556,12 @@ pub fn simulate(args: &SimulateArgs) -> Result<Report> {
             .steps_per_epoch
             .or_else(|| item.summary.as_ref().map(|s| s.steps_per_epoch as u64))
             .or_else(|| steps_per_epoch(&item.recipe, world));
-        if let Some(n) = cluster.nodes.filter(|n| n.size > world) {
-            bail!("`{}`: nodes of {} workers do not fit its {world} workers", item.recipe.name, n.size);
+        if let Some(n) = cluster.nodes.filter(|n| n.size > world || !world.is_multiple_of(n.size)) {
+            bail!(
+                "`{}`: nodes of {} workers (--node-size) do not divide its {world} workers into whole nodes",
+                item.recipe.name,
+                n.size
+            );
         }
         let prediction = predict(&item.recipe.name, &plan, step_seconds, &payload, world, cluster, spe);
         let reference_seconds = references.iter().find(|(n, _)| *n == item.recipe.name).map(|(_, s)| *s);
@@ -598,6 +602,9 @@ fn load_items(args: &SimulateArgs) -> Result<Vec<Item>> {
     for path in &args.recipes {
         let mut recipe = TrainRecipe::load(path, &args.sets)?;
         if let Some(k) = args.world_size {
+            if k == 0 {
+                bail!("--world-size must be at least 1");
+            }
             recipe.train.workers = k;
         }
         items.push(Item { recipe, summary: None });
@@ -616,8 +623,12 @@ fn references(args: &SimulateArgs, items: &[Item]) -> Result<Vec<(String, f64)>>
     let mut references = Vec::new();
     for r in &args.references {
         let (name, hours) = r.split_once('=').ok_or_else(|| anyhow!("--reference {r}: expected NAME=HOURS"))?;
-        let hours: f64 =
-            hours.trim().parse().map_err(|_| anyhow!("--reference {r}: `{hours}` is not a number of hours"))?;
+        let hours: f64 = hours
+            .trim()
+            .parse()
+            .ok()
+            .filter(|h: &f64| h.is_finite() && *h > 0.0)
+            .ok_or_else(|| anyhow!("--reference {r}: `{hours}` is not a positive number of hours"))?;
         if !items.iter().any(|i| i.recipe.name == name.trim()) {
             bail!("--reference {r}: no recipe named `{}`", name.trim());
         }
@@ -793,7 +804,8 @@ pub fn render(report: &Report) -> String {
 
 /// `qsr simulate`: prints the table (or JSON).
 pub fn run(args: &SimulateArgs, out: &mut dyn std::io::Write) -> Result<()> {
-    let report = simulate(args)?;
+    // A prediction is arithmetic on its inputs: whatever fails is what it was given.
+    let report = simulate(args).map_err(crate::exit::bad_input)?;
     if args.json {
         writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
     } else {

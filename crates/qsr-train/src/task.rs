@@ -44,6 +44,9 @@ pub(crate) trait Task {
     /// The loss of a predictor that ignores its input, when the task defines one (text: the unigram
     /// entropy of the training tokens, in nats).
     fn unigram_entropy(&self) -> Option<f64>;
+    /// The loss of a model that predicts every class (or token) alike, `ln(classes)`: where a freshly
+    /// initialised model starts, and what divergence is measured against.
+    fn chance_loss(&self) -> f64;
 }
 
 /// Image classification: the authors' sharded sampler, augmentation, BN re-estimation, test accuracy.
@@ -57,6 +60,7 @@ pub(crate) struct ImageTask {
     /// The momentum the model's BatchNorm layers train with, restored after a re-estimation.
     bn_momentum: f64,
     ce: CrossEntropyLoss,
+    classes: usize,
 }
 
 /// The transform of a recipe's images (train-time augmentation or normalization only; evaluation).
@@ -110,6 +114,7 @@ impl ImageTask {
             has_bn: model.has_batch_norm(),
             bn_momentum,
             ce: cross_entropy(recipe, device),
+            classes: info.classes,
         })
     }
 
@@ -200,6 +205,10 @@ impl Task for ImageTask {
 
     fn unigram_entropy(&self) -> Option<f64> {
         None
+    }
+
+    fn chance_loss(&self) -> f64 {
+        (self.classes.max(1) as f64).ln()
     }
 }
 
@@ -378,6 +387,11 @@ impl Task for TextTask {
 
     fn unigram_entropy(&self) -> Option<f64> {
         Some(self.corpus.unigram_entropy())
+    }
+
+    fn chance_loss(&self) -> f64 {
+        let vocab = self.recipe.model.as_gpt().map_or(self.corpus.vocab().len(), |g| g.vocab_size);
+        (vocab.max(1) as f64).ln()
     }
 }
 

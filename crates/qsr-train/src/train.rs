@@ -77,6 +77,11 @@ pub struct MembershipChange {
     pub steps_lost: u64,
 }
 
+/// JSON writes a float that is not finite as `null`; read it back as NaN.
+fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
 fn is_zero(n: &u64) -> bool {
     *n == 0
 }
@@ -118,7 +123,9 @@ pub struct Summary {
     /// Top-1 accuracy of the final evaluation, as a fraction in `[0, 1]`: of the test images' class, or
     /// of the next token of the validation windows (language models).
     pub final_test_accuracy: f64,
-    /// Mean loss of the final evaluation: on the test split, or per token on the validation windows.
+    /// Mean loss of the final evaluation: on the test split, or per token on the validation windows
+    /// (`null` in the file when it is not finite: a diverged run's).
+    #[serde(deserialize_with = "nan_if_null")]
     pub final_test_loss: f64,
     /// Global synchronizations performed (counted across resumes).
     pub syncs: u64,
@@ -146,6 +153,10 @@ pub struct Summary {
     /// The changes of workers of an elastic run, in order (`world_size` is the last generation's).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub membership: Vec<MembershipChange>,
+    /// Why the run diverged, when it did (`qsr` then exits with status 4; the final evaluation is
+    /// the one that saw it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub diverged: Option<String>,
 }
 
 /// Everything a worker needs besides its collective and its model replica.
@@ -253,6 +264,12 @@ fn gpt_params(c: &GptConfig) -> usize {
 fn preflight_images(recipe: &TrainRecipe, k: usize) -> Result<usize> {
     let train = open_dataset(&recipe.data, Split::Train)?;
     let test = open_dataset(&recipe.data, Split::Test)?;
+    if test.is_empty() {
+        bail!(
+            "`data`: the test split of {} is empty, so the run could never evaluate: give it test images (a run without an evaluation has no result)",
+            test.info().name
+        );
+    }
     crate::task::sampler(recipe, train.len(), k, 0)?;
     let shape = transform(recipe, train.info(), true).output_shape(train.info())?;
     let test_shape = transform(recipe, test.info(), false).output_shape(test.info())?;
@@ -333,7 +350,7 @@ pub fn root_cause(errors: Vec<(usize, anyhow::Error)>) -> Option<(usize, anyhow:
     let blamed = |e: &anyhow::Error| {
         e.chain().filter_map(|c| c.downcast_ref::<qsr_comm::CommError>()).find_map(qsr_comm::CommError::blamed_rank)
     };
-    let own = errors.iter().position(|(_, e)| !crate::launch::is_peer_failure(e));
+    let own = errors.iter().position(|(_, e)| !crate::exit::is_peer_failure(e));
     let via_blame =
         || errors.iter().find_map(|(_, e)| blamed(e)).and_then(|r| errors.iter().position(|(rank, _)| *rank == r));
     let pick = own.or_else(via_blame).unwrap_or(0);
@@ -442,20 +459,22 @@ fn run<T: Task>(
     let mut stream = task.stream(first_step, end)?;
     let mut segment = Segment::start(spec, rank, end, first_step, start_records, base)?;
     let mut finished = true;
-    let fault = crate::elastic::Fault::from_env()?;
     while !worker.cursor().is_done() {
-        if let Some(f) = &fault {
-            f.fire(0, rank, worker.cursor().step());
-        }
+        crate::fault::at(rank, crate::fault::Point::Step(worker.cursor().step()));
         let report = task.train_step(&mut worker, &mut stream)?;
         segment.stepped(&worker, &report, &pace);
         let global = report.sync.is_some_and(|s| s.level == Level::Global);
-        if global && segment.synced(spec, &pace, task, &mut worker, &report)? == AfterSync::Halt {
-            finished = false;
-            break;
+        match if global { segment.synced(spec, &pace, task, &mut worker, &report)? } else { AfterSync::Continue } {
+            AfterSync::Continue => {}
+            AfterSync::Diverged => break,
+            AfterSync::Halt => {
+                finished = false;
+                break;
+            }
         }
     }
     let summary = segment.finish(spec, &pace, task, &worker, finished)?;
+    segment.check_diverged(rank)?;
     Ok(Outcome { rank, params: worker.params()?.to_vec(), summary, finished })
 }
 
@@ -503,6 +522,8 @@ pub(crate) enum AfterSync {
     Continue,
     /// `halt_after` was reached before the end of the plan.
     Halt,
+    /// The evaluation saw the run diverge: it stops (every rank saw the same evaluation).
+    Diverged,
 }
 
 /// This process's part of the run (all of it, or what follows a resume): rank 0's metrics file and
@@ -517,6 +538,13 @@ pub(crate) struct Segment {
     /// Loss sum and steps since the previous sync record.
     since_sync: (f64, u64),
     last_eval: Option<Eval>,
+    /// The records of the last global sync (rank 0 wrote them; every rank keeps them, for a new
+    /// generation's rank 0 to restore those its predecessor died before writing).
+    held: Vec<Record>,
+    /// The mean training loss of the last sync interval.
+    last_loss: f64,
+    /// Why the run diverged, once it did.
+    diverged: Option<crate::exit::Diverged>,
 }
 
 impl Segment {
@@ -529,31 +557,60 @@ impl Segment {
         start_records: Option<u64>,
         base: Counters,
     ) -> Result<Self> {
-        let metrics = if rank == 0 { Some(Metrics::open(&spec.run_dir, start_records)?) } else { None };
+        let metrics = if rank == 0 {
+            // No other rank writes yet: what a killed commit left behind is rank 0's to clear.
+            checkpoint::sweep(&spec.run_dir)?;
+            Some(Metrics::open(&spec.run_dir, start_records)?)
+        } else {
+            None
+        };
         let bar = (rank == 0 && spec.progress).then(|| progress_bar(end, first_step));
         let t0 = Instant::now();
-        Ok(Segment { metrics, bar, base, t0, first_step, since_sync: (0.0, 0), last_eval: None })
+        let since_sync = (0.0, 0);
+        let (last_eval, held, last_loss, diverged) = (None, Vec::new(), 0.0, None);
+        Ok(Segment { metrics, bar, base, t0, first_step, since_sync, last_eval, held, last_loss, diverged })
     }
 
     /// Continues the counters from `base` (a new membership's, taken over from its source rank), with
-    /// this worker's totals restarted; rank 0 (re)opens `metrics.jsonl`, dropping records past `step`,
-    /// and appends `change` there.
+    /// this worker's totals restarted. Rank 0 clears checkpoints its predecessor left half-written,
+    /// (re)opens `metrics.jsonl` dropping records past `change.step`, restores the `handed` records of
+    /// that sync the file lacks (its predecessor may have died before writing them), and appends
+    /// `change`.
     pub(crate) fn rebase<M: Module>(
         &mut self,
         spec: &RunSpec,
         worker: &mut Worker<M>,
         base: Counters,
+        handed: &[Record],
         change: Record,
     ) -> Result<()> {
         self.base = base;
         self.t0 = Instant::now();
         worker.take_stats();
         self.since_sync = (0.0, 0);
-        self.metrics = if worker.rank() == 0 { Some(Metrics::open(&spec.run_dir, Some(change.step))?) } else { None };
-        if let Some(m) = self.metrics.as_mut() {
+        self.metrics = None;
+        if worker.rank() == 0 {
+            checkpoint::sweep(&spec.run_dir)?;
+            let mut m = Metrics::open(&spec.run_dir, Some(change.step))?;
+            m.restore(&spec.run_dir, handed.iter().filter(|r| r.step == change.step))?;
             m.write(&change)?;
+            self.metrics = Some(m);
         }
         Ok(())
+    }
+
+    /// The records of the last global sync (written by rank 0; kept by every rank).
+    pub(crate) fn sync_records(&self) -> &[Record] {
+        &self.held
+    }
+
+    /// The run's divergence, if this rank saw one (every rank at an evaluation; rank 0 for its
+    /// training loss), as the error the run ends with.
+    pub(crate) fn check_diverged(&mut self, rank: usize) -> Result<()> {
+        match self.diverged.take() {
+            Some(d) => Err(anyhow::Error::new(d).context(format!("rank {rank}"))),
+            None => Ok(()),
+        }
     }
 
     /// The run's counters now.
@@ -561,12 +618,15 @@ impl Segment {
         counters(&self.base, worker.stats(), self.t0)
     }
 
-    /// Rank 0 appends a record, given the counters now, to `metrics.jsonl`.
+    /// A record, given the counters now: rank 0 appends it to `metrics.jsonl`, every rank keeps it
+    /// among the sync's records.
     fn write<M: Module>(&mut self, worker: &Worker<M>, record: impl FnOnce(Counters) -> Record) -> Result<()> {
-        let Some(m) = self.metrics.as_mut() else {
-            return Ok(());
-        };
-        m.write(&record(counters(&self.base, worker.stats(), self.t0)))
+        let r = record(counters(&self.base, worker.stats(), self.t0));
+        if let Some(m) = self.metrics.as_mut() {
+            m.write(&r)?;
+        }
+        self.held.push(r);
+        Ok(())
     }
 
     /// Counts a step's loss towards the next sync record and moves the progress bar.
@@ -605,7 +665,10 @@ impl Segment {
     ) -> Result<AfterSync> {
         let recipe = &spec.recipe;
         let done_steps = report.info.step + 1;
+        crate::fault::at(worker.rank(), crate::fault::Point::Synced(done_steps));
         let loss = self.since_sync.0 / self.since_sync.1.max(1) as f64;
+        self.last_loss = loss;
+        self.held.clear();
         self.write(worker, |c| record("sync", report, pace, loss, None, c))?;
         self.since_sync = (0.0, 0);
         let is_end = worker.cursor().is_done();
@@ -622,6 +685,19 @@ impl Segment {
         if let Some(bar) = &self.bar {
             bar.println(format!("step {done_steps:>7}  epoch {:>6.2}  {}", pace.epoch(done_steps), task.describe(&ev)));
         }
+        let limit = recipe.eval.divergence_factor * task.chance_loss();
+        if ev.loss.is_nan() || ev.loss > limit {
+            let seen =
+                if ev.loss.is_finite() { format!("{:.4}, above", ev.loss) } else { format!("{}, not below", ev.loss) };
+            let why = format!(
+                "the evaluation's loss is {seen} {} x {:.4}, the loss at the start (a model that predicts every class alike); the last checkpoint before it is kept (lower the learning rate, or the outer optimizer's momentum)",
+                recipe.eval.divergence_factor,
+                task.chance_loss()
+            );
+            self.diverged = Some(crate::exit::Diverged { step: Some(done_steps), why });
+            self.last_eval = Some(ev);
+            return Ok(AfterSync::Diverged);
+        }
         self.last_eval = Some(ev);
         if recipe.checkpoint.enabled {
             let c = self.counters(worker);
@@ -634,7 +710,7 @@ impl Segment {
     /// Clears the progress bar; on rank 0 of a finished run that evaluated, writes `summary.json` and
     /// returns the summary.
     pub(crate) fn finish<T: Task>(
-        &self,
+        &mut self,
         spec: &RunSpec,
         pace: &Pace,
         task: &T,
@@ -646,6 +722,19 @@ impl Segment {
         }
         let wall = self.t0.elapsed().as_secs_f64();
         let c = self.counters(worker);
+        if worker.rank() == 0 && self.diverged.is_none() && !self.last_loss.is_finite() {
+            let why = format!(
+                "the mean training loss of its last synchronization interval is {} (summary.json counts {} skipped updates)",
+                self.last_loss, c.skipped_updates
+            );
+            self.diverged = Some(crate::exit::Diverged { step: Some(pace.plan.end_step()), why });
+        }
+        if worker.rank() == 0 && c.skipped_updates > 0 {
+            eprintln!(
+                "qsr: warning: {} updates were skipped for non-finite gradients (skipped_updates in summary.json)",
+                c.skipped_updates
+            );
+        }
         let (0, true, Some(ev)) = (worker.rank(), finished, &self.last_eval) else {
             return Ok(None);
         };
@@ -681,6 +770,7 @@ impl Segment {
             skipped_updates: c.skipped_updates,
             unigram_entropy: task.unigram_entropy(),
             membership: membership_changes(&spec.run_dir),
+            diverged: self.diverged.as_ref().map(ToString::to_string),
         };
         checkpoint::write_atomic(&spec.run_dir.join("summary.json"), serde_json::to_string_pretty(&s)?.as_bytes())?;
         Ok(Some(s))
@@ -797,6 +887,7 @@ fn save_checkpoint<M: Module>(worker: &mut Worker<M>, spec: &RunSpec, step: u64,
     }
     worker.comm_mut().barrier().with_context(err)?;
     if rank == 0 {
+        crate::fault::at(rank, crate::fault::Point::Commit(step));
         checkpoint::commit(run_dir, step, spec.recipe.checkpoint.keep)?;
     }
     Ok(())
@@ -844,8 +935,27 @@ impl Metrics {
         Ok(Self { file })
     }
 
+    /// Appends a record as one write, so that a process killed while writing leaves no half line.
     fn write(&mut self, r: &Record) -> Result<()> {
-        writeln!(self.file, "{}", serde_json::to_string(r)?)?;
+        let mut line = serde_json::to_string(r)?;
+        line.push('\n');
+        self.file.write_all(line.as_bytes())?;
+        Ok(())
+    }
+
+    /// Appends those of `records` the file lacks (by kind and step).
+    fn restore<'a>(&mut self, run_dir: &Path, records: impl Iterator<Item = &'a Record>) -> Result<()> {
+        let have: Vec<(String, u64)> = BufReader::new(File::open(run_dir.join("metrics.jsonl"))?)
+            .lines()
+            .map_while(Result::ok)
+            .filter_map(|l| serde_json::from_str::<Record>(&l).ok())
+            .map(|r| (r.kind, r.step))
+            .collect();
+        for r in records {
+            if !have.iter().any(|(kind, step)| *kind == r.kind && *step == r.step) {
+                self.write(r)?;
+            }
+        }
         Ok(())
     }
 }

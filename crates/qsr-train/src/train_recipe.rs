@@ -73,12 +73,29 @@ pub struct EvalConfig {
     /// windows of `model.context + 1` tokens from the start of the validation split); default all.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_items: Option<usize>,
+    /// The run stops as diverged (exit status 4) at an evaluation whose loss is not finite or above
+    /// this many times the loss at the start, `ln(classes)` (a model that predicts every class alike,
+    /// where a fresh classifier starts; `ln(vocab_size)` for a language model). Default 3; `inf`
+    /// turns the check off.
+    #[serde(default = "divergence_factor")]
+    pub divergence_factor: f64,
 }
 
 impl Default for EvalConfig {
     fn default() -> Self {
-        Self { batch_size: eval_batch(), every_epochs: 1, every_steps: None, bn_images: bn_images(), max_items: None }
+        Self {
+            batch_size: eval_batch(),
+            every_epochs: 1,
+            every_steps: None,
+            bn_images: bn_images(),
+            max_items: None,
+            divergence_factor: divergence_factor(),
+        }
     }
+}
+
+fn divergence_factor() -> f64 {
+    3.0
 }
 
 /// Checkpointing.
@@ -229,7 +246,7 @@ impl TrainRecipe {
         // Deserialize section by section first, so an error names its section.
         for section in SECTIONS {
             if let Some(msg) = root.get(section).and_then(|v| section_error(section, v)) {
-                bail!("{origin}: [{section}] {msg}");
+                bail!("{origin}: {msg}");
             }
         }
         let recipe: TrainRecipe =
@@ -264,6 +281,12 @@ impl TrainRecipe {
         }
         if self.eval.every_steps == Some(0) {
             bail!("invalid `eval.every_steps`: must be at least 1");
+        }
+        if self.eval.divergence_factor.is_nan() || self.eval.divergence_factor <= 1.0 {
+            bail!(
+                "invalid `eval.divergence_factor`: must be above 1 (got {}); it multiplies the loss at the start, and `inf` turns the check off",
+                self.eval.divergence_factor
+            );
         }
         if self.eval.max_items == Some(0) {
             bail!("invalid `eval.max_items`: must be at least 1 (leave it out to evaluate on the whole split)");
@@ -402,11 +425,17 @@ pub fn open_corpus(data: &DataConfig) -> Result<qsr_data::Corpus> {
     Ok(corpus)
 }
 
+/// Why a section does not deserialize, as `[section] message` (`[sync.local]` for the local level).
 fn section_error(section: &str, value: &Value) -> Option<String> {
     fn check<T: serde::de::DeserializeOwned>(v: &Value) -> Option<String> {
         v.clone().try_into::<T>().err().map(|e| e.message().trim().to_string())
     }
-    match section {
+    if section == "sync"
+        && let Some(msg) = value.get("local").and_then(check::<crate::recipe::LocalSync>)
+    {
+        return Some(format!("[sync.local] {msg}"));
+    }
+    let msg = match section {
         "model" => check::<ModelConfig>(value),
         "data" => check::<DataConfig>(value),
         "train" => check::<TrainConfig>(value),
@@ -418,7 +447,8 @@ fn section_error(section: &str, value: &Value) -> Option<String> {
         "checkpoint" => check::<CheckpointConfig>(value),
         "outer" => check::<OuterConfig>(value),
         _ => None,
-    }
+    };
+    msg.map(|m| format!("[{section}] {m}"))
 }
 
 /// Opens the recipe's dataset split; errors name the setting and the path.

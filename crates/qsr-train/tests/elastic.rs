@@ -41,6 +41,13 @@ struct Store {
     out: BufReader<std::process::ChildStdout>,
 }
 
+impl Drop for Store {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 impl Store {
     /// Waits for it to exit after the job finished; returns its last line.
     fn finished(mut self) -> String {
@@ -282,4 +289,204 @@ fn a_worker_lost_before_the_first_generation_formed_fails_the_launch() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "the others must not wait for the first generation forever:\n{err}");
     assert!(err.contains("rank 1 was killed") && err.contains("SIGKILL"), "{err}");
+}
+
+/// A loopback port nothing listens on.
+fn closed_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Stderr lines of `child` with the seconds since `t0` each arrived, and the exit status.
+fn timed_stderr(mut child: Child, t0: Instant) -> (std::process::ExitStatus, Vec<(f64, String)>) {
+    let err = BufReader::new(child.stderr.take().unwrap());
+    let lines = err.lines().map_while(Result::ok).map(|l| (t0.elapsed().as_secs_f64(), l)).collect();
+    (child.wait().unwrap(), lines)
+}
+
+#[test]
+fn a_worker_with_no_store_listening_says_so_at_once_and_gives_up_at_the_rendezvous_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("127.0.0.1:{}", closed_port());
+    let t0 = Instant::now();
+    let mut c = qsr();
+    c.env("QSR_RENDEZVOUS_TIMEOUT_SECS", "4");
+    c.args(["train", "--recipe", RECIPE, "--quiet", "--comm", "tcp", "--elastic", "--rendezvous", &store]);
+    c.args(["--out", dir.path().join("run").to_str().unwrap()]);
+    let (status, lines) = timed_stderr(c.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap(), t0);
+    let waits: Vec<f64> = lines
+        .iter()
+        .filter(|(_, l)| l.contains(&format!("waiting for the elastic store at {store}")))
+        .map(|l| l.0)
+        .collect();
+    let all = lines.iter().map(|l| format!("{:.1} {}", l.0, l.1)).collect::<Vec<_>>().join("\n");
+    assert!(waits.first().is_some_and(|t| *t < 2.0), "no line at once:\n{all}");
+    assert!(waits.len() >= 3, "the line must repeat while it waits:\n{all}");
+    assert_eq!(status.code(), Some(5), "a store that never answered is the store's failure:\n{all}");
+    assert!(all.contains("cannot connect within the rendezvous timeout of 4s"), "{all}");
+}
+
+#[test]
+fn a_first_generation_short_of_workers_says_how_many_of_how_many_joined() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, addr) = rendezvous(2, 1);
+    let t0 = Instant::now();
+    let mut c = qsr();
+    c.env("QSR_RENDEZVOUS_TIMEOUT_SECS", "4");
+    c.args(["train", "--recipe", RECIPE, "--quiet", "--comm", "tcp", "--elastic", "--rendezvous", &addr]);
+    c.args(["--out", dir.path().join("run").to_str().unwrap()]);
+    let (status, lines) = timed_stderr(c.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap(), t0);
+    let all = lines.iter().map(|l| format!("{:.1} {}", l.0, l.1)).collect::<Vec<_>>().join("\n");
+    let first = lines.iter().find(|(_, l)| l.contains("1 of 2 workers have joined the first generation"));
+    assert!(first.is_some_and(|(t, l)| *t < 3.0 && l.contains(&addr)), "{all}");
+    assert_eq!(status.code(), Some(5), "{all}");
+    assert!(all.contains("did not form within the rendezvous timeout"), "{all}");
+    drop(store);
+}
+
+/// Worker `rank` of a two-worker job at `store` long enough to be interrupted while it trains.
+fn long_worker(store: &str, run: &Path, rank: usize) -> Child {
+    let mut c = qsr();
+    c.args(["train", "--recipe", RECIPE, "--set", "schedule.total_steps=40000", "--set", "train.workers=2"]);
+    c.args(["--quiet", "--comm", "tcp", "--elastic", "--rendezvous", store, "--out", run.to_str().unwrap()]);
+    c.args(["--rank", &rank.to_string()]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
+}
+
+/// Waits up to a minute for `path` to exist.
+fn wait_for(path: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !path.exists() {
+        assert!(Instant::now() < deadline, "{} never appeared", path.display());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_stopped_store_fails_its_workers_at_the_comm_timeout_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let (mut store, addr) = rendezvous(2, 1);
+    let workers = vec![long_worker(&addr, &run, 0), long_worker(&addr, &run, 1)];
+    wait_for(&run.join("metrics.jsonl"));
+    let pid = rustix::process::Pid::from_child(&store.child);
+    rustix::process::kill_process(pid, rustix::process::Signal::STOP).unwrap();
+    for w in workers {
+        let (status, err) = stderr_of(w);
+        assert_eq!(status.code(), Some(5), "{err}");
+        assert!(err.contains(&addr) && err.contains("the store stopped answering: nothing for 2s"), "{err}");
+        assert!(!err.contains("os error 11"), "{err}");
+    }
+    rustix::process::kill_process(pid, rustix::process::Signal::KILL).unwrap();
+    let _ = store.child.wait();
+}
+
+#[test]
+fn elastic_workers_started_by_hand_hold_their_run_directory_against_other_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let (mut store, addr) = rendezvous(2, 1);
+    let mut job = vec![long_worker(&addr, &run, 0), long_worker(&addr, &run, 1)];
+    wait_for(&run.join("ckpt/LATEST"));
+    // A second elastic job on the same directory, and a --nproc run: both refused as bad input.
+    let (other, other_addr) = rendezvous(1, 1);
+    let (status, err) = stderr_of(long_worker(&other_addr, &run, 0));
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(err.contains("is in use by elastic job") && err.contains(&addr), "{err}");
+    drop(other);
+    // A resume (not refused for the checkpoints the job wrote) meets the lock.
+    let out = qsr().args(["train", "--resume", run.to_str().unwrap(), "--quiet", "--nproc", "2"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("is in use by elastic job"), "{err}");
+    for w in &mut job {
+        let _ = w.kill();
+        let _ = w.wait();
+    }
+    let _ = store.child.kill();
+    let _ = store.child.wait();
+}
+
+#[test]
+fn a_resumed_worker_and_a_fresh_one_refuse_to_form_a_first_generation_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let out = run.to_str().unwrap();
+    ok(&["train", "--recipe", RECIPE, "--set", STEPS, "--quiet", "--nproc", "2", "--out", out, "--halt-after", "200"]);
+    let (store, addr) = rendezvous(2, 1);
+    let recipe = run.join("recipe.toml");
+    let mut resumed = qsr();
+    resumed.args(["train", "--resume", out, "--comm", "tcp", "--elastic", "--rendezvous", &addr, "--rank", "0"]);
+    let mut fresh = qsr();
+    fresh.args(["train", "--recipe", recipe.to_str().unwrap(), "--out", out, "--comm", "tcp", "--elastic"]);
+    fresh.args(["--rendezvous", &addr, "--rank", "1"]);
+    let children: Vec<Child> = [resumed, fresh]
+        .into_iter()
+        .map(|mut c| c.arg("--quiet").stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap())
+        .collect();
+    for c in children {
+        let (status, err) = stderr_of(c);
+        assert_eq!(status.code(), Some(2), "{err}");
+        assert!(err.contains("`start_step`"), "the ranks must name the differing start: {err}");
+    }
+    drop(store);
+    // Nothing was trained over the checkpoint.
+    assert_eq!(std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap().trim(), "step-220");
+}
+
+/// Sync records of a run, by step.
+fn sync_steps(run: &Path) -> Vec<u64> {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|r| r["kind"] == "sync")
+        .map(|r| r["step"].as_u64().unwrap())
+        .collect()
+}
+
+#[test]
+fn rank_zero_killed_right_after_a_sync_leaves_that_syncs_record_in_the_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    // Step 100 ends a round (H = 2 there) without an evaluation: the survivors go on from it, and
+    // rank 0 dies before it writes the record.
+    let s = nproc_elastic(&run, "kill:0:100:synced");
+    let steps = sync_steps(&run);
+    assert!(steps.contains(&100), "the record of the sync at step 100 is missing");
+    assert_eq!(steps.len() as u64, s["planned_syncs"].as_u64().unwrap(), "{steps:?}");
+    assert!(steps.windows(2).all(|w| w[0] < w[1]), "records out of order or twice: {steps:?}");
+    assert_eq!(membership(&run)[0]["step"], 100);
+}
+
+#[test]
+fn rank_zero_killed_while_committing_a_checkpoint_leaves_no_partial_checkpoint_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    // The first checkpoint, at the evaluation of epoch 5 (step 110).
+    let s = nproc_elastic(&run, "kill:0:110:commit");
+    assert_eq!(s["syncs"], s["planned_syncs"]);
+    let leftovers: Vec<String> = std::fs::read_dir(run.join("ckpt"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("tmp-") || n.ends_with(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "left in ckpt/: {leftovers:?}");
+    assert_eq!(std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap().trim(), "step-400");
+}
+
+#[test]
+fn the_launcher_kills_expelled_workers_at_the_end_naming_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let out = qsr()
+        .args(["train", "--recipe", RECIPE, "--set", STEPS, "--quiet", "--nproc", "4", "--elastic"])
+        .args(["--out", run.to_str().unwrap()])
+        .env("QSR_TEST_FAULT", "stop:1:101")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("rank 1 (pid") && err.contains("was expelled from the elastic job and is stopped: killing it"),
+        "{err}"
+    );
+    assert!(!err.contains("waiting up to"), "the launcher must not wait for a stopped worker: {err}");
 }

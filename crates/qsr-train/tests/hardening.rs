@@ -30,11 +30,12 @@ fn ok(args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// Runs a command that must fail cleanly (exit status 1, not a panic or an abort); returns stderr.
+/// Runs a command that must be refused as bad input (exit status 2, not a panic or an abort); returns
+/// stderr.
 fn refused(args: &[&str]) -> String {
     let out = qsr(args);
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert_eq!(out.status.code(), Some(1), "qsr {args:?} should fail with status 1, got {:?}: {err}", out.status);
+    assert_eq!(out.status.code(), Some(2), "qsr {args:?} should fail with status 2, got {:?}: {err}", out.status);
     assert!(!err.contains("panicked"), "qsr {args:?} panicked: {err}");
     err
 }
@@ -146,7 +147,11 @@ fn launcher_workers_die_with_it(signal: &str) {
     let workers = || processes_with(s(&out)).into_iter().filter(|(_, c)| c.contains("--spawned")).count();
     assert!(wait_until(Duration::from_secs(60), || workers() == 3), "3 workers never started: {}", launcher.stderr());
     kill(launcher.child.id(), signal);
-    assert!(launcher.wait(Duration::from_secs(30)).is_some(), "the launcher outlived kill -{signal}");
+    let status = launcher.wait(Duration::from_secs(30)).expect("the launcher outlived kill");
+    if signal == "TERM" {
+        // It stopped its workers and says so with 128 + SIGTERM.
+        assert_eq!(status.code(), Some(143), "{}", launcher.stderr());
+    }
     assert!(
         wait_until(Duration::from_secs(30), || workers() == 0),
         "workers outlived their launcher (kill -{signal}): {:?}",
@@ -181,7 +186,7 @@ fn the_nproc_launcher_names_the_rank_that_failed_first() {
     );
     kill(rank2().unwrap().0, "KILL");
     let status = launcher.wait(Duration::from_secs(60)).expect("the launcher must end after a worker dies");
-    assert_eq!(status.code(), Some(1));
+    assert_eq!(status.code(), Some(3), "a worker lost to a signal: the job failed for a lost peer");
     let err = launcher.stderr();
     assert!(err.contains("rank 2 was killed by signal 9 (SIGKILL)"), "{err}");
     // Lines of different workers never merge.
@@ -577,4 +582,323 @@ fn a_compare_rerun_into_its_directory_leaves_each_seed_resumable() {
     assert_eq!(std::fs::read_to_string(seed.join("ckpt/LATEST")).unwrap().trim(), "step-200");
     let err = refused(&["train", "--resume", seed.to_str().unwrap(), "--quiet"]);
     assert!(err.contains("nothing to resume"), "the rerun's checkpoint must be whole: {err}");
+}
+
+// Issue 30: reliability at the edges. Each test is named after the behaviour it pins (D-items of the
+// issue in brackets).
+
+/// Runs `qsr args` with extra environment `env`; kills it if it runs past `limit` (the defects these
+/// pin were hangs) and fails the test then.
+fn qsr_within(args: &[&str], env: &[(&str, &str)], limit: Duration) -> Output {
+    let mut c = qsr_cmd(args);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (out_path, err_path) = (dir.path().join("out"), dir.path().join("err"));
+    let mut child = c
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .stderr(std::fs::File::create(&err_path).unwrap())
+        .spawn()
+        .unwrap();
+    let mut status = None;
+    wait_until(limit, || {
+        status = child.try_wait().unwrap();
+        status.is_some()
+    });
+    let Some(status) = status else {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("qsr {args:?} still ran after {limit:?}: {}", std::fs::read_to_string(&err_path).unwrap_or_default());
+    };
+    Output { status, stdout: std::fs::read(&out_path).unwrap(), stderr: std::fs::read(&err_path).unwrap() }
+}
+
+/// [`qsr_within`] for a command that must be refused as bad input (status 2); returns stderr.
+fn refused_within(args: &[&str], env: &[(&str, &str)]) -> String {
+    let out = qsr_within(args, env, Duration::from_secs(60));
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(2), "qsr {args:?} {env:?}: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    err
+}
+
+#[test]
+fn a_stopped_worker_is_named_by_the_launcher_as_the_rank_that_failed() {
+    // [D7] The others time out waiting for the stopped rank and exit as peers of a failure.
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["train", "--recipe", RECIPE, "--nproc", "3", "--quiet", "--set", "schedule.total_steps=4000"];
+    let out_dir = dir.path().join("run");
+    let out = qsr_within(
+        &[&args[..], &["--out", s(&out_dir)]].concat(),
+        &[("QSR_TEST_FAULT", "stop:1:50"), ("QSR_COMM_TIMEOUT_SECS", "2")],
+        Duration::from_secs(120),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    let last = err.lines().last().unwrap_or_default();
+    assert!(last.contains("rank 1 was stopped"), "the launcher blamed another rank: {err}");
+}
+
+#[test]
+fn huge_timeouts_are_refused_naming_the_setting_not_a_panic() {
+    // [D8]
+    let err = refused_within(&["rendezvous", "--workers", "2", "--settle-secs", "1e300"], &[]);
+    assert!(err.contains("--settle-secs") && err.contains("(0, 604800]"), "{err}");
+    let dir = tempfile::tempdir().unwrap();
+    let train = ["train", "--recipe", RECIPE, "--nproc", "2", "--quiet", "--out", s(dir.path())];
+    for var in ["QSR_COMM_TIMEOUT_SECS", "QSR_RENDEZVOUS_TIMEOUT_SECS"] {
+        for bad in ["1e300", "-1", "inf", "soon"] {
+            let err = refused_within(&train, &[(var, bad)]);
+            assert!(err.contains(&format!("{var}={bad}")) && err.contains("seconds"), "{err}");
+        }
+    }
+}
+
+#[test]
+fn an_empty_test_set_is_refused_before_training() {
+    // [D10] A run that cannot evaluate has no result to report.
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("mnist");
+    std::fs::create_dir_all(&data).unwrap();
+    write_idx(&data, "train", 64, 28, 28);
+    write_idx(&data, "t10k", 0, 28, 28);
+    let path = format!("data.path={}", s(&data));
+    let sets = ["--set", "data.dataset=mnist", "--set", &path, "--set", "train.local_batch=8"];
+    let run = dir.path().join("run");
+    let err =
+        refused(&[&["train", "--recipe", RECIPE, "--out", s(&run), "--quiet", "--workers", "2"][..], &sets].concat());
+    assert!(err.contains("test split of mnist is empty"), "{err}");
+    assert!(!run.join("metrics.jsonl").exists());
+}
+
+#[test]
+fn a_launchers_environment_without_comm_is_refused_naming_the_variable() {
+    // [D11] Each process would otherwise train the whole job alone.
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["train", "--recipe", RECIPE, "--quiet", "--out", s(dir.path())];
+    let env: [&[(&str, &str)]; 3] = [
+        &[("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29999")],
+        &[("OMPI_COMM_WORLD_SIZE", "3")],
+        &[("PMI_SIZE", "4"), ("PMI_RANK", "0")],
+    ];
+    for e in env {
+        let err = refused_within(&args, e);
+        let (var, n) = e.iter().find(|(k, _)| k.ends_with("SIZE")).unwrap();
+        assert!(err.contains(&format!("a job of {n} ranks ({var}={n})")) && err.contains("--comm tcp"), "{err}");
+    }
+}
+
+#[test]
+fn compare_refuses_no_rules_and_a_rule_named_twice() {
+    // [D12]
+    let dir = tempfile::tempdir().unwrap();
+    let base = ["compare", "--recipe", RECIPE, "--seeds", "1", "--out", s(dir.path())];
+    let err = refused(&[&base[..], &["--rules", ""]].concat());
+    assert!(err.contains("--rules") && err.contains("names no rule"), "{err}");
+    let err = refused(&[&base[..], &["--rules", "dp,qsr,dp"]].concat());
+    assert!(err.contains("--rules names `dp` twice"), "{err}");
+    assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none(), "nothing may be written");
+}
+
+#[test]
+fn plot_draws_losses_near_the_largest_double_without_hanging() {
+    // [D13]
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    ok(&["train", "--recipe", RECIPE, "--out", s(&run), "--quiet", "--workers", "2", "--set", "train.steps=44"]);
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let huge: Vec<String> = text
+        .lines()
+        .enumerate()
+        .map(|(i, l)| {
+            let mut r: serde_json::Value = serde_json::from_str(l).unwrap();
+            r["loss"] = serde_json::json!(if i % 2 == 0 { 1.79e308 } else { -1.79e308 });
+            r.to_string()
+        })
+        .collect();
+    std::fs::write(run.join("metrics.jsonl"), huge.join("\n") + "\n").unwrap();
+    let out = qsr_within(&["plot", s(&run), "--out", s(&dir.path().join("plots"))], &[], Duration::from_secs(60));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn plan_json_names_each_key_once() {
+    // [D14]
+    let out = ok(&["plan", "--recipe", RECIPE, "--format", "json"]);
+    for key in ["rule", "sync", "schedule", "rounds"] {
+        assert_eq!(out.matches(&format!("\n  \"{key}\":")).count(), 1, "`{key}` at the top level: {out}");
+    }
+}
+
+#[test]
+fn simulate_refuses_a_world_of_zero_nodes_that_do_not_divide_it_and_negative_references() {
+    // [D15]
+    let base = ["simulate", "--recipe", RECIPE, "--bandwidth", "1gbit", "--step-seconds", "0.1", "--params", "1000"];
+    let err = refused(&[&base[..], &["--world-size", "0"]].concat());
+    assert!(err.contains("--world-size must be at least 1"), "{err}");
+    let err = refused(&[&base[..], &["--world-size", "4", "--node-size", "3"]].concat());
+    assert!(err.contains("nodes of 3 workers (--node-size) do not divide its 4 workers"), "{err}");
+    let err = refused(&[&base[..], &["--reference", "digits-mlp-qsr=-2"]].concat());
+    assert!(err.contains("--reference digits-mlp-qsr=-2") && err.contains("positive number of hours"), "{err}");
+}
+
+#[test]
+fn an_overlong_advertise_host_is_refused_at_once_naming_the_variable() {
+    // [D16] It used to retry its registration until the rendezvous timeout.
+    let dir = tempfile::tempdir().unwrap();
+    let long = "h".repeat(5000);
+    let args = ["train", "--recipe", RECIPE, "--quiet", "--out", s(dir.path())];
+    for launch in [&["--nproc", "2"][..], &["--comm", "tcp", "--rank", "1", "--world-size", "2"]] {
+        let err = refused_within(&[&args[..], launch].concat(), &[("QSR_ADVERTISE_HOST", &long)]);
+        assert!(err.contains("QSR_ADVERTISE_HOST has 5000 bytes"), "{err}");
+    }
+    let err = refused_within(&[&args[..], &["--nproc", "2"]].concat(), &[("QSR_ADVERTISE_HOST", "bad host")]);
+    assert!(err.contains("QSR_ADVERTISE_HOST") && err.contains("' '"), "{err}");
+}
+
+#[test]
+fn errors_of_the_local_level_are_labelled_sync_local() {
+    // [D19]
+    let dir = tempfile::tempdir().unwrap();
+    let train = ["train", "--recipe", RECIPE, "--workers", "4", "--quiet", "--out", s(dir.path())];
+    let err = refused(&[&train[..], &["--set", "sync.local.rule=bogus"]].concat());
+    assert!(err.contains("[sync.local] unknown variant `bogus`"), "{err}");
+    let err = refused(&[&train[..], &["--set", "sync.local.rule=qsr", "--set", "sync.local.h_base=2"]].concat());
+    assert!(err.contains("[sync.local] missing field `alpha`"), "{err}");
+    let recipe = dir.path().join("local.toml");
+    let text = std::fs::read_to_string(root().join(RECIPE)).unwrap() + "\n[sync.local]\nrule = \"bogus\"\n";
+    std::fs::write(&recipe, text).unwrap();
+    let err = refused(&["plan", "--recipe", s(&recipe)]);
+    assert!(err.contains("[sync.local] unknown variant `bogus`"), "{err}");
+}
+
+fn mkfifo(path: &Path) {
+    assert!(Command::new("mkfifo").arg(path).status().unwrap().success());
+}
+
+#[test]
+fn a_fifo_as_latest_or_as_data_is_refused_not_waited_on() {
+    // [D20]
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    halted_run(&run);
+    std::fs::remove_file(run.join("ckpt/LATEST")).unwrap();
+    mkfifo(&run.join("ckpt/LATEST"));
+    let err = refused_within(&["train", "--resume", s(&run), "--quiet", "--workers", "2"], &[]);
+    assert!(err.contains("LATEST is not a regular file (it is a FIFO)"), "{err}");
+    let fifo = dir.path().join("text.fifo");
+    mkfifo(&fifo);
+    let path = format!("data.path={}", s(&fifo));
+    let text = ["--set", "data.dataset=text", "--set", &path];
+    let t = dir.path().join("t");
+    let args = ["train", "--recipe", "recipes/shakespeare-char-qsr.toml", "--quiet", "--out", s(&t)];
+    let err = refused_within(&[&args[..], &text].concat(), &[]);
+    assert!(err.contains("not a regular file (it is a FIFO)"), "{err}");
+}
+
+#[test]
+fn dev_zero_as_a_data_file_is_refused_before_reading_it() {
+    // [D21] It used to be read until memory ran out.
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["train", "--recipe", "recipes/shakespeare-char-qsr.toml", "--quiet", "--out", s(dir.path())];
+    let err =
+        refused_within(&[&args[..], &["--set", "data.dataset=text", "--set", "data.path=/dev/zero"]].concat(), &[]);
+    assert!(err.contains("/dev/zero: not a regular file (it is a device)"), "{err}");
+    // An IDX file is read no further than its header says: a header that promises more than the file
+    // has is refused before its data is read, whatever its size.
+    let data = dir.path().join("mnist");
+    std::fs::create_dir_all(&data).unwrap();
+    write_idx(&data, "train", 64, 28, 28);
+    write_idx(&data, "t10k", 16, 28, 28);
+    let mut header = vec![0, 0, 8, 3];
+    for d in [4_000_000_000u32, 28, 28] {
+        header.extend(d.to_be_bytes());
+    }
+    std::fs::write(data.join("train-images-idx3-ubyte"), header).unwrap();
+    let path = format!("data.path={}", s(&data));
+    let sets = ["--set", "data.dataset=mnist", "--set", &path, "--set", "train.local_batch=8"];
+    let err =
+        refused(&[&["train", "--recipe", RECIPE, "--out", s(&dir.path().join("r")), "--quiet"][..], &sets].concat());
+    assert!(err.contains("truncated file") && err.contains("file has 0"), "{err}");
+}
+
+#[test]
+fn extending_a_run_that_ended_inside_a_round_says_it_makes_one_sync_more_than_the_plan() {
+    // [D22] A run always ends on a sync; a longer plan has that step inside a round.
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    ok(&["train", "--recipe", RECIPE, "--set", "train.steps=45", "--workers", "2", "--quiet", "--out", s(&run)]);
+    let out = qsr(&["train", "--resume", s(&run), "--set", "train.steps=90", "--workers", "2", "--quiet"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("resuming at step 45 inside this plan's round 44..46"), "{err}");
+    assert!(err.contains("one sync more than `qsr plan` shows"), "{err}");
+    let plan = ok(&["plan", "--recipe", RECIPE, "--run-steps", "90", "--format", "json"]);
+    let rounds = serde_json::from_str::<serde_json::Value>(&plan).unwrap()["rounds"].as_u64().unwrap();
+    assert_eq!(json(&run.join("summary.json"))["syncs"].as_u64(), Some(rounds + 1));
+}
+
+#[test]
+fn a_checkpoint_that_is_a_symlink_into_another_run_is_refused() {
+    // [D23]
+    let dir = tempfile::tempdir().unwrap();
+    let (run, other) = (dir.path().join("run"), dir.path().join("other"));
+    halted_run(&run);
+    halted_run(&other);
+    let name = std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap();
+    let step = run.join("ckpt").join(name.trim());
+    std::fs::remove_dir_all(&step).unwrap();
+    std::os::unix::fs::symlink(other.join("ckpt").join(name.trim()), &step).unwrap();
+    let err = refused(&["train", "--resume", s(&run), "--quiet", "--workers", "2"]);
+    assert!(err.contains("which is a symbolic link, not a checkpoint directory of this run"), "{err}");
+    std::fs::remove_file(&step).unwrap();
+    std::fs::remove_file(run.join("ckpt/LATEST")).unwrap();
+    std::os::unix::fs::symlink(other.join("ckpt/LATEST"), run.join("ckpt/LATEST")).unwrap();
+    let err = refused(&["train", "--resume", s(&run), "--quiet", "--workers", "2"]);
+    assert!(err.contains("LATEST is not a regular file (it is a symbolic link)"), "{err}");
+}
+
+#[test]
+fn a_diverging_run_stops_at_the_evaluation_that_sees_it_with_exit_status_4() {
+    // [no silent exit 0] An lr far past the edge of stability.
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let args = ["train", "--recipe", RECIPE, "--workers", "2", "--quiet", "--out", s(&run)];
+    let out = qsr(&[&args[..], &["--set", "schedule.lr_max=50", "--set", "eval.every_epochs=1"]].concat());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "{err}");
+    assert!(err.contains("training diverged at step"), "{err}");
+    let summary = json(&run.join("summary.json"));
+    assert!(summary["diverged"].as_str().unwrap().contains("the loss at the start"), "{summary}");
+    assert!(!run.join("ckpt/LATEST").exists(), "a diverged state is not checkpointed");
+    // The same through `qsr compare`: the table marks the rule, the exit status says so.
+    let cmp = dir.path().join("cmp");
+    let out = qsr(&[
+        "compare",
+        "--recipe",
+        RECIPE,
+        "--rules",
+        "qsr",
+        "--seeds",
+        "1",
+        "--out",
+        s(&cmp),
+        "--set",
+        "schedule.lr_max=50",
+    ]);
+    assert_eq!(out.status.code(), Some(4), "{}", String::from_utf8_lossy(&out.stderr));
+    let table = std::fs::read_to_string(cmp.join("compare.md")).unwrap();
+    assert!(table.contains("**diverged in 1 of 1 seeds**"), "{table}");
+}
+
+#[test]
+fn the_readme_compare_with_an_outer_optimizer_trains_digits() {
+    // [D18] DiLoCo's momentum 0.9 drove QSR on digits to chance; `+outer` defaults to momentum 0.5.
+    let dir = tempfile::tempdir().unwrap();
+    let out = s(dir.path());
+    ok(&["compare", "--recipe", "recipes/digits-qsr.toml", "--rules", "qsr+outer", "--seeds", "1", "--out", out]);
+    let rows = json(&dir.path().join("compare.json"));
+    assert_eq!(rows[0]["outer"]["momentum"], 0.5);
+    assert!(rows[0]["accuracy_mean"].as_f64().unwrap() > 0.9, "{rows}");
 }

@@ -372,7 +372,7 @@ fn step_seconds_from_a_two_level_run_leave_out_its_local_averages() {
     // A local average of 1000 f32 in a node of 2 at 8 Gbit/s: 4000 B once over the link.
     assert!(close(p["local_comm_seconds"].as_f64().unwrap(), local as f64 * 32_000.0 / 8e9), "{p}");
     let e = String::from_utf8(qsr(&[&args[..], &["--step-seconds", "0.1", "--node-size", "8"]].concat()).stderr);
-    assert!(e.unwrap().contains("nodes of 8 workers do not fit its 4 workers"));
+    assert!(e.unwrap().contains("nodes of 8 workers (--node-size) do not divide its 4 workers"));
     let flat_nodes = format!("{DIGITS_MLP}[sync.local]\nrule = \"constant\"\nh = 1\n");
     std::fs::write(run.join("recipe.toml"), flat_nodes).unwrap();
     let e = String::from_utf8(qsr(&[&args[..], &["--step-seconds", "0.1"]].concat()).stderr).unwrap();

@@ -1,0 +1,167 @@
+//! The exit status of `qsr` (documented on [`ExitStatus`]), and the error types that choose it.
+
+use qsr_comm::CommError;
+
+/// What a `qsr` process's exit status says; README.md and ARCHITECTURE.md carry the same table.
+///
+/// | status | meaning |
+/// |---|---|
+/// | 0 | success: the run trained, evaluated, and did not diverge |
+/// | 1 | a failure of this process while it ran (disk full, an unreadable file mid-run, a bug) |
+/// | 2 | bad input, refused before training: command line, recipe, environment, data, checkpoint, a run directory in use |
+/// | 3 | another rank failed (lost, stalled or aborted) and this one stopped because of it |
+/// | 4 | training diverged (see [`Diverged`]): the run stopped, its last good checkpoint is kept |
+/// | 5 | the elastic job's store failed (unreachable, stopped, closed) or expelled this worker |
+/// | 128 + N | the `--nproc` launcher was interrupted by signal N (130 for SIGINT, 143 for SIGTERM) |
+///
+/// A `--nproc` launcher whose workers failed exits with the status of the one that failed first, or
+/// 3 when that one was killed by a signal or stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExitStatus {
+    /// 0.
+    Success = 0,
+    /// 1.
+    Failure = 1,
+    /// 2.
+    BadInput = 2,
+    /// 3.
+    PeerFailed = 3,
+    /// 4.
+    Diverged = 4,
+    /// 5.
+    Store = 5,
+}
+
+/// Exit status of a worker that failed only because another rank failed first (it lost a peer or was
+/// told of another rank's failure), so that a launcher reports the rank that failed first.
+pub const EXIT_PEER_FAILED: u8 = ExitStatus::PeerFailed as u8;
+
+/// An error of the input a run was given (see [`ExitStatus::BadInput`]): its message is the wrapped
+/// error's, whole.
+#[derive(Debug)]
+pub struct BadInput(anyhow::Error);
+
+impl std::fmt::Display for BadInput {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:#}", self.0)
+    }
+}
+
+impl std::error::Error for BadInput {}
+
+/// Marks `e` as bad input: `qsr` exits with [`ExitStatus::BadInput`].
+pub fn bad_input(e: impl Into<anyhow::Error>) -> anyhow::Error {
+    let e = e.into();
+    if e.chain().any(|c| c.is::<BadInput>()) { e } else { anyhow::Error::new(BadInput(e)) }
+}
+
+/// Training diverged ([`ExitStatus::Diverged`]): an evaluation's loss was not finite or far above the
+/// loss of a model that learned nothing, or the last training loss was not finite.
+#[derive(Debug, thiserror::Error)]
+#[error("training diverged{}: {why}", .step.map_or(String::new(), |s| format!(" at step {s}")))]
+pub struct Diverged {
+    /// Steps completed when it was seen (`None`: several runs, as `qsr compare` reports them).
+    pub step: Option<u64>,
+    /// What was seen, with the numbers.
+    pub why: String,
+}
+
+/// The `--nproc` launcher stopped its workers because it received a signal.
+#[derive(Debug, thiserror::Error)]
+#[error("interrupted by signal {signal} ({name}): stopped {stopped} running workers; continue with --resume")]
+pub struct Interrupted {
+    /// The signal's number.
+    pub signal: i32,
+    /// Its name.
+    pub name: &'static str,
+    /// Workers that were still running.
+    pub stopped: usize,
+}
+
+/// Workers of a `--nproc` launch failed: the launcher exits with the status of the one that failed
+/// first ([`EXIT_PEER_FAILED`] when it was killed or stopped).
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct WorkersFailed {
+    /// The exit status the launcher takes.
+    pub status: u8,
+    /// Which rank failed first, and how.
+    pub message: String,
+}
+
+/// Whether an error is the consequence of another rank's failure (lost, stalled, aborted, gone).
+pub fn is_peer_failure(e: &anyhow::Error) -> bool {
+    comm_errors(e).any(|c| {
+        matches!(
+            c,
+            CommError::PeerLost { .. }
+                | CommError::PeerTimeout { .. }
+                | CommError::Aborted { .. }
+                | CommError::Broken(_)
+                | CommError::Group { .. }
+        )
+    })
+}
+
+fn comm_errors(e: &anyhow::Error) -> impl Iterator<Item = &CommError> {
+    e.chain().filter_map(|c| c.downcast_ref::<CommError>())
+}
+
+/// The process exit status for an error (the table on [`ExitStatus`]).
+pub fn exit_code(e: &anyhow::Error) -> u8 {
+    if let Some(i) = e.chain().find_map(|c| c.downcast_ref::<Interrupted>()) {
+        return (128 + i.signal).clamp(129, 255) as u8;
+    }
+    if let Some(w) = e.chain().find_map(|c| c.downcast_ref::<WorkersFailed>()) {
+        return w.status;
+    }
+    let status = if e.chain().any(|c| c.is::<Diverged>()) {
+        ExitStatus::Diverged
+    } else if e.chain().any(|c| c.is::<BadInput>())
+        || comm_errors(e).any(|c| {
+            matches!(c, CommError::Launch { .. } | CommError::Disagree { .. } | CommError::HandshakeRefused { .. })
+        })
+    {
+        ExitStatus::BadInput
+    } else if is_peer_failure(e) {
+        ExitStatus::PeerFailed
+    } else if comm_errors(e).any(|c| matches!(c, CommError::Store { .. } | CommError::Expelled { .. })) {
+        ExitStatus::Store
+    } else {
+        ExitStatus::Failure
+    };
+    status as u8
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_kind_of_error_has_its_exit_status() {
+        let peer = CommError::PeerLost { rank: 1, addr: "a".into(), during: "d".into(), detail: "x".into() };
+        let store = CommError::Store { addr: "s".into(), detail: "closed".into() };
+        let cases: Vec<(anyhow::Error, u8)> = vec![
+            (anyhow::anyhow!("disk full"), 1),
+            (bad_input(anyhow::anyhow!("recipe x: bad key")), 2),
+            (anyhow::Error::from(CommError::Launch { var: "WORLD_SIZE".into(), detail: "x".into() }), 2),
+            (anyhow::Error::from(peer).context("rank 2 of 4"), 3),
+            (anyhow::Error::new(Diverged { step: Some(4), why: "loss NaN".into() }), 4),
+            (anyhow::Error::from(store), 5),
+            (anyhow::Error::from(CommError::Expelled { generation: 0, current: 1 }), 5),
+            (anyhow::Error::new(Interrupted { signal: 2, name: "SIGINT", stopped: 4 }), 130),
+            (anyhow::Error::new(WorkersFailed { status: 4, message: "rank 1 diverged".into() }), 4),
+        ];
+        for (e, code) in cases {
+            assert_eq!(exit_code(&e), code, "{e:#}");
+        }
+    }
+
+    #[test]
+    fn bad_input_keeps_the_whole_message_and_is_not_wrapped_twice() {
+        let e = bad_input(anyhow::anyhow!("inner").context("outer"));
+        assert_eq!(format!("{e:#}"), "outer: inner");
+        let twice = bad_input(e);
+        assert_eq!(twice.chain().filter(|c| c.is::<BadInput>()).count(), 1);
+    }
+}

@@ -1,0 +1,110 @@
+//! Faults injected by tests and `cargo xtask chaos` (`QSR_TEST_FAULT`), so that a worker can be lost
+//! at an exact point, twice alike.
+//!
+//! `QSR_TEST_FAULT=<signal>:<rank>:<where>`, where `signal` is `kill` (SIGKILL) or `stop` (SIGSTOP)
+//! and `where` is one of:
+//! - `<step>`: as the worker starts that step;
+//! - `<step>:synced`: right after the global sync that completes `<step>` steps, before anything
+//!   (records, evaluation, checkpoint) follows it;
+//! - `<step>:commit`: rank 0, while it commits the checkpoint of `<step>`, after every rank wrote its
+//!   files and before the checkpoint is renamed into place;
+//! - `join`: before joining the elastic store (elastic workers, by their launcher order `--rank`).
+//!
+//! Only the first generation of an elastic job fires (a process fires at most once): a worker that
+//! comes back after a change does not die again at the same step.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::{Result, anyhow};
+use rustix::process::Signal;
+
+/// Where in a worker's life a fault fires.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Point {
+    /// The start of a step.
+    Step(u64),
+    /// Just after the global sync that completes this many steps.
+    Synced(u64),
+    /// Rank 0 committing the checkpoint of this step.
+    Commit(u64),
+    /// Before joining the elastic store.
+    Join,
+}
+
+#[derive(Debug)]
+struct Fault {
+    signal: Signal,
+    rank: usize,
+    point: Point,
+}
+
+static FAULT: OnceLock<Result<Option<Fault>, String>> = OnceLock::new();
+static ARMED: AtomicBool = AtomicBool::new(true);
+
+fn parse(spec: &str) -> Result<Fault, String> {
+    let bad = || {
+        format!(
+            "QSR_TEST_FAULT={spec}: expected kill|stop:<rank>:<step>, kill|stop:<rank>:<step>:synced|commit, or kill|stop:<rank>:join"
+        )
+    };
+    let parts: Vec<&str> = spec.split(':').collect();
+    let signal = match parts.first() {
+        Some(&"kill") => Signal::KILL,
+        Some(&"stop") => Signal::STOP,
+        _ => return Err(bad()),
+    };
+    let rank = parts.get(1).and_then(|r| r.parse().ok()).ok_or_else(bad)?;
+    let step = || parts.get(2).and_then(|s| s.parse::<u64>().ok()).ok_or_else(bad);
+    let point = match (parts.get(2), parts.get(3), parts.len()) {
+        (Some(&"join"), None, 3) => Point::Join,
+        (Some(_), None, 3) => Point::Step(step()?),
+        (Some(_), Some(&"synced"), 4) => Point::Synced(step()?),
+        (Some(_), Some(&"commit"), 4) => Point::Commit(step()?),
+        _ => return Err(bad()),
+    };
+    Ok(Fault { signal, rank, point })
+}
+
+fn fault() -> Result<Option<&'static Fault>, String> {
+    let f = FAULT.get_or_init(|| std::env::var("QSR_TEST_FAULT").ok().map(|s| parse(&s)).transpose());
+    f.as_ref().map(Option::as_ref).map_err(Clone::clone)
+}
+
+/// Refuses a malformed `QSR_TEST_FAULT` (before anything starts).
+pub(crate) fn check() -> Result<()> {
+    fault().map(|_| ()).map_err(|e| anyhow!(e))
+}
+
+/// Fires the fault if it is for this rank at this point (and has not fired, and the first generation
+/// still runs).
+pub(crate) fn at(rank: usize, point: Point) {
+    let Ok(Some(f)) = fault() else {
+        return;
+    };
+    if f.rank == rank && f.point == point && ARMED.swap(false, Ordering::Relaxed) {
+        let _ = rustix::process::kill_process(rustix::process::getpid(), f.signal);
+    }
+}
+
+/// The first generation of this elastic worker ended: no fault fires after it.
+pub(crate) fn disarm() {
+    ARMED.store(false, Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fault_specs_parse_to_their_points_and_malformed_ones_are_refused() {
+        let p = |s: &str| parse(s).map(|f| (f.rank, f.point));
+        assert_eq!(p("kill:2:101"), Ok((2, Point::Step(101))));
+        assert_eq!(p("stop:0:40:synced"), Ok((0, Point::Synced(40))));
+        assert_eq!(p("kill:0:80:commit"), Ok((0, Point::Commit(80))));
+        assert_eq!(p("kill:1:join"), Ok((1, Point::Join)));
+        for bad in ["", "kill", "kill:x:1", "hup:1:2", "kill:1:2:later", "kill:1:join:synced", "kill:1:2:synced:3"] {
+            assert!(parse(bad).unwrap_err().contains("expected"), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,558 @@
+//! `cargo xtask chaos`: elastic jobs on loopback under injected faults, each checked against the
+//! outcome its fault must have and the invariants every job keeps.
+//!
+//! Every job is a `qsr rendezvous` store and K `qsr train --comm tcp --elastic` workers on digits.
+//! One fault per job, the kinds in equal quotas, in an order and at points drawn from the seed:
+//! workers (rank 0 or another) are killed (SIGKILL) or stopped (SIGSTOP) through `QSR_TEST_FAULT`
+//! at a step, right after a sync, or (rank 0) while it commits a checkpoint, so a worker fault
+//! replays exactly from the seed; the store is killed or stopped a drawn delay after training began.
+//!
+//! Expected outcomes: a lost worker costs a round, and the job finishes with the planned syncs,
+//! K - 1 workers and the victim named as the lost rank; a lost store is a defined failure, every
+//! worker exiting with status 5 and naming the store. Invariants of every job: `metrics.jsonl`
+//! parses, its syncs are the run's in order and once each, and they agree with `summary.json` and
+//! the checkpoint; `ckpt/LATEST` names a checkpoint that verifies; nothing is left in `ckpt/`
+//! (`tmp-step-*`) or `/dev/shm` (`qsr-shm-*`).
+
+use std::collections::BTreeSet;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde_json::Value;
+
+const RECIPE: &str = "recipes/digits-mlp-qsr.toml";
+/// Steps of a job whose fault is a worker's; a store's fault needs a job still running when it comes.
+const STEPS: u64 = 400;
+const STORE_JOB_STEPS: u64 = 4000;
+/// A job that is not over by then hangs: everything is killed and the job fails.
+const JOB_LIMIT: Duration = Duration::from_secs(150);
+
+/// Arguments of `cargo xtask chaos`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ChaosArgs {
+    /// Jobs to run (the fault kinds share them equally).
+    #[arg(long, default_value_t = 50)]
+    pub jobs: usize,
+    /// The campaign's seed; a campaign replays from it (default: drawn and printed).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Workers per job.
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// Write the summary into docs/RELIABILITY.md.
+    #[arg(long)]
+    pub write_docs: bool,
+}
+
+/// The signal of a fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sig {
+    Kill,
+    Stop,
+}
+
+impl Sig {
+    fn name(self) -> &'static str {
+        match self {
+            Sig::Kill => "kill",
+            Sig::Stop => "stop",
+        }
+    }
+
+    fn raw(self) -> i32 {
+        match self {
+            Sig::Kill => libc::SIGKILL,
+            Sig::Stop => libc::SIGSTOP,
+        }
+    }
+}
+
+/// A job's fault.
+#[derive(Debug, Clone)]
+enum Fault {
+    /// None: the clean job that finds where faults can land.
+    None,
+    /// `QSR_TEST_FAULT=<sig>:<rank>:<point>` (the point as the variable writes it).
+    Worker { sig: Sig, rank: usize, point: String },
+    /// The store gets `sig` this long after training began.
+    Store { sig: Sig, after: Duration },
+}
+
+/// The kinds of faults, each with its quota of jobs.
+const KINDS: [&str; 6] = ["kill worker", "stop worker", "kill rank 0", "stop rank 0", "kill store", "stop store"];
+
+impl Fault {
+    fn kind(&self) -> &'static str {
+        match self {
+            Fault::None => "none",
+            Fault::Worker { sig: Sig::Kill, rank: 0, .. } => KINDS[2],
+            Fault::Worker { sig: Sig::Stop, rank: 0, .. } => KINDS[3],
+            Fault::Worker { sig: Sig::Kill, .. } => KINDS[0],
+            Fault::Worker { sig: Sig::Stop, .. } => KINDS[1],
+            Fault::Store { sig: Sig::Kill, .. } => KINDS[4],
+            Fault::Store { sig: Sig::Stop, .. } => KINDS[5],
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Fault::None => "no fault".into(),
+            Fault::Worker { sig, rank, point } => format!("QSR_TEST_FAULT={}:{rank}:{point}", sig.name()),
+            Fault::Store { sig, after } => {
+                format!("{} the store {} ms after training began", sig.name(), after.as_millis())
+            }
+        }
+    }
+}
+
+/// Where faults can land: the sync steps and checkpoint steps of a clean run of the job's recipe.
+struct Points {
+    syncs: Vec<u64>,
+    checkpoints: Vec<u64>,
+}
+
+/// Draws job `i`'s fault, of the kind its quota gives it.
+fn draw(kind: &str, rng: &mut ChaCha8Rng, k: usize, points: &Points) -> Fault {
+    let sig = if kind.starts_with("kill") { Sig::Kill } else { Sig::Stop };
+    if kind.ends_with("store") {
+        return Fault::Store { sig, after: Duration::from_millis(rng.random_range(200..1500)) };
+    }
+    let rank = if kind.ends_with("rank 0") { 0 } else { rng.random_range(1..k) };
+    let inner = &points.syncs[2..points.syncs.len() - 2];
+    let point = match (rank, rng.random_range(0..3)) {
+        (0, 2) => format!("{}:commit", points.checkpoints[rng.random_range(0..points.checkpoints.len() - 1)]),
+        (_, 1) => format!("{}:synced", inner[rng.random_range(0..inner.len())]),
+        _ => rng.random_range(inner[0]..inner[inner.len() - 1]).to_string(),
+    };
+    Fault::Worker { sig, rank, point }
+}
+
+/// What one job did, and what was wrong with it.
+struct JobResult {
+    fault: Fault,
+    seconds: f64,
+    violations: Vec<String>,
+}
+
+/// Runs the campaign (after building `qsr`); returns an error when a job broke an expectation or an
+/// invariant.
+pub fn run(args: &ChaosArgs, root: &Path, target: &Path) -> Result<()> {
+    if args.workers < 3 || args.jobs == 0 {
+        bail!("--workers must be at least 3 (a fault leaves two to go on) and --jobs at least 1");
+    }
+    let mut build = crate::cargo();
+    build.args(["build", "--release", "--locked", "--bin", "qsr"]);
+    crate::run(build)?;
+    let qsr = target.join("release/qsr");
+    let seed = args.seed.unwrap_or_else(rand::random);
+    println!("chaos: seed {seed} (replay: cargo xtask chaos --jobs {} --seed {seed})", args.jobs);
+    let scratch = target.join("chaos");
+    let _ = std::fs::remove_dir_all(&scratch);
+    let points = clean_points(&Setup { qsr: &qsr, root, k: args.workers, dir: &scratch.join("clean") })?;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut kinds: Vec<&str> = (0..args.jobs).map(|i| KINDS[i % KINDS.len()]).collect();
+    kinds.shuffle(&mut rng);
+    let started = Instant::now();
+    let mut results = Vec::new();
+    for (i, kind) in kinds.iter().enumerate() {
+        let fault = draw(kind, &mut rng, args.workers, &points);
+        let setup = Setup { qsr: &qsr, root, k: args.workers, dir: &scratch.join(format!("job-{i}")) };
+        let r = run_job(&setup, fault, rng.random())?;
+        let verdict = if r.violations.is_empty() { "ok".to_string() } else { r.violations.join("; ") };
+        println!("chaos: job {i:>3} {:<12} {:<48} {:>5.1} s  {verdict}", r.fault.kind(), r.fault.describe(), r.seconds);
+        if r.violations.is_empty() {
+            let _ = std::fs::remove_dir_all(setup.dir);
+        }
+        results.push(r);
+    }
+    let summary = summary(&results, seed, args, started.elapsed());
+    print!("{summary}");
+    if args.write_docs {
+        write_docs(root, &summary)?;
+    }
+    let bad = results.iter().filter(|r| !r.violations.is_empty()).count();
+    if bad > 0 {
+        bail!(
+            "{bad} of {} chaos jobs broke an expectation (their directories are kept in {})",
+            results.len(),
+            scratch.display()
+        );
+    }
+    Ok(())
+}
+
+/// What every job shares.
+struct Setup<'a> {
+    qsr: &'a Path,
+    root: &'a Path,
+    k: usize,
+    dir: &'a Path,
+}
+
+impl Setup<'_> {
+    fn run_dir(&self) -> PathBuf {
+        self.dir.join("run")
+    }
+
+    /// `qsr` with the job's environment: a short comm timeout, so stalls are seen in seconds.
+    fn qsr(&self, token: &str) -> Command {
+        let mut c = Command::new(self.qsr);
+        c.current_dir(self.root).env("QSR_COMM_TIMEOUT_SECS", "2").env("QSR_JOB_TOKEN", token);
+        c.env("QSR_RENDEZVOUS_TIMEOUT_SECS", "60").env_remove("QSR_TEST_FAULT");
+        c
+    }
+
+    /// The store: its process and address.
+    fn store(&self, token: &str) -> Result<(Child, String)> {
+        let mut c = self.qsr(token);
+        c.args(["rendezvous", "--listen", "127.0.0.1:0", "--workers", &self.k.to_string()]);
+        c.args(["--min-workers", "2", "--settle-secs", "2"]);
+        let err = std::fs::File::create(self.dir.join("store.err"))?;
+        let mut child = c.stdout(Stdio::piped()).stderr(err).spawn().context("cannot start qsr rendezvous")?;
+        let mut line = String::new();
+        let out = child.stdout.take().context("no stdout")?;
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line)?;
+        let addr = line.split_whitespace().nth(2).context("qsr rendezvous printed no address")?.to_string();
+        Ok((child, addr))
+    }
+
+    /// Worker `rank` of the job (launcher order `rank`), with the fault's variable.
+    fn worker(&self, token: &str, store: &str, rank: usize, steps: u64, fault: Option<&str>) -> Result<Child> {
+        let mut c = self.qsr(token);
+        c.args(["train", "--recipe", RECIPE, "--quiet", "--comm", "tcp", "--elastic", "--rendezvous", store]);
+        c.args(["--rank", &rank.to_string(), "--out"]).arg(self.run_dir());
+        for set in [format!("schedule.total_steps={steps}"), format!("train.workers={}", self.k)] {
+            c.args(["--set", &set]);
+        }
+        c.args(["--set", "eval.every_epochs=1"]);
+        if let Some(f) = fault {
+            c.env("QSR_TEST_FAULT", f);
+        }
+        let err = std::fs::File::create(self.dir.join(format!("rank{rank}.err")))?;
+        c.stdout(Stdio::null()).stderr(err).spawn().context("cannot start qsr train")
+    }
+}
+
+/// A clean job, for the steps faults can land on (and a check that a job without faults passes).
+fn clean_points(setup: &Setup<'_>) -> Result<Points> {
+    let r = run_job(setup, Fault::None, 0)?;
+    if !r.violations.is_empty() {
+        bail!("the clean job failed: {}", r.violations.join("; "));
+    }
+    let records = read_records(&setup.run_dir())?;
+    let steps = |kind: &str| -> Vec<u64> {
+        records.iter().filter(|r| r["kind"] == kind).filter_map(|r| r["step"].as_u64()).collect()
+    };
+    let points = Points { syncs: steps("sync"), checkpoints: steps("eval") };
+    if points.syncs.len() < 8 || points.checkpoints.len() < 2 {
+        bail!("the clean job had too few syncs or checkpoints to place faults");
+    }
+    Ok(points)
+}
+
+/// Runs one job under `fault` and checks it.
+fn run_job(setup: &Setup<'_>, fault: Fault, salt: u64) -> Result<JobResult> {
+    std::fs::create_dir_all(setup.dir)?;
+    let shm_before = shm_files();
+    let token = format!("chaos-{salt:016x}");
+    let t0 = Instant::now();
+    let (mut store, addr) = setup.store(&token)?;
+    let steps = if matches!(fault, Fault::Store { .. }) { STORE_JOB_STEPS } else { STEPS };
+    let spec = match &fault {
+        Fault::Worker { sig, rank, point } => Some(format!("{}:{rank}:{point}", sig.name())),
+        Fault::Store { .. } | Fault::None => None,
+    };
+    let mut workers =
+        (0..setup.k).map(|r| setup.worker(&token, &addr, r, steps, spec.as_deref())).collect::<Result<Vec<Child>>>()?;
+    let statuses = supervise(setup, &fault, &mut store, &mut workers, t0);
+    let mut violations = Vec::new();
+    let statuses = match statuses {
+        Ok(s) => s,
+        Err(e) => {
+            violations.push(format!("{e:#}"));
+            Vec::new()
+        }
+    };
+    for c in workers.iter_mut().chain(std::iter::once(&mut store)) {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    if !statuses.is_empty() {
+        violations.extend(check(setup, &fault, &addr, &statuses));
+    }
+    let left: Vec<String> = shm_files().difference(&shm_before).cloned().collect();
+    if !left.is_empty() {
+        violations.push(format!("left in /dev/shm: {left:?}"));
+    }
+    Ok(JobResult { fault, seconds: t0.elapsed().as_secs_f64(), violations })
+}
+
+/// How a worker ended: its exit code, or the signal that ended it, or `stopped` (the chaos victim
+/// left stopped, killed at the end).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    Code(i32),
+    Signal(i32),
+    Stopped,
+}
+
+/// Waits for the job's end, signalling the store at the fault's time; returns each worker's end.
+fn supervise(
+    setup: &Setup<'_>,
+    fault: &Fault,
+    store: &mut Child,
+    workers: &mut [Child],
+    t0: Instant,
+) -> Result<Vec<End>> {
+    use std::os::unix::process::ExitStatusExt;
+    let mut ends: Vec<Option<End>> = vec![None; workers.len()];
+    let mut training_since: Option<Instant> = None;
+    let mut store_hit = false;
+    loop {
+        if t0.elapsed() > JOB_LIMIT {
+            bail!("hung: still running after {} s", JOB_LIMIT.as_secs());
+        }
+        for (i, w) in workers.iter_mut().enumerate() {
+            if ends[i].is_none()
+                && let Some(s) = w.try_wait()?
+            {
+                ends[i] = Some(s.code().map_or_else(|| End::Signal(s.signal().unwrap_or(0)), End::Code));
+            }
+        }
+        if training_since.is_none() && setup.run_dir().join("metrics.jsonl").exists() {
+            training_since = Some(Instant::now());
+        }
+        if let (Fault::Store { sig, after }, Some(t)) = (fault, training_since)
+            && !store_hit
+            && t.elapsed() >= *after
+        {
+            signal(store.id(), sig.raw());
+            store_hit = true;
+        }
+        // The victim of a stop never ends by itself: the others' ends decide.
+        let open: Vec<usize> = (0..workers.len()).filter(|&i| ends[i].is_none()).collect();
+        let stopped_victim = matches!(fault, Fault::Worker { sig: Sig::Stop, rank, .. } if open == [*rank]);
+        if open.is_empty() || stopped_victim {
+            if stopped_victim {
+                ends[open[0]] = Some(End::Stopped);
+            }
+            return Ok(ends.into_iter().map(|e| e.unwrap_or(End::Stopped)).collect());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The expectations of `fault` and the invariants of every job; returns what did not hold.
+fn check(setup: &Setup<'_>, fault: &Fault, store: &str, ends: &[End]) -> Vec<String> {
+    let mut v = Vec::new();
+    let run = setup.run_dir();
+    match fault {
+        Fault::Worker { sig, rank, .. } => check_worker_fault(setup, *sig, *rank, ends, &mut v),
+        Fault::None => check_finished(setup, ends, None, &mut v),
+        Fault::Store { .. } => {
+            for (r, end) in ends.iter().enumerate() {
+                let err = std::fs::read_to_string(setup.dir.join(format!("rank{r}.err"))).unwrap_or_default();
+                if *end != End::Code(5) || !err.contains(store) {
+                    v.push(format!("rank {r} ended {end:?} without naming the store {store}: {}", last_line(&err)));
+                }
+            }
+        }
+    }
+    if let Err(e) = check_files(setup, &run) {
+        v.push(format!("{e:#}"));
+    }
+    v
+}
+
+fn check_worker_fault(setup: &Setup<'_>, sig: Sig, victim: usize, ends: &[End], v: &mut Vec<String>) {
+    let want = if sig == Sig::Kill { End::Signal(libc::SIGKILL) } else { End::Stopped };
+    if ends[victim] != want {
+        v.push(format!("the victim, rank {victim}, ended {:?}, not {want:?}", ends[victim]));
+    }
+    check_finished(setup, ends, Some(victim), v);
+}
+
+/// A finished job: every worker but the victim exited 0, the store reported the job finished, and
+/// the summary has the planned syncs, the world less the victim, and the victim as the lost rank.
+fn check_finished(setup: &Setup<'_>, ends: &[End], victim: Option<usize>, v: &mut Vec<String>) {
+    for (r, end) in ends.iter().enumerate().filter(|(r, _)| Some(*r) != victim) {
+        if *end != End::Code(0) {
+            let err = std::fs::read_to_string(setup.dir.join(format!("rank{r}.err"))).unwrap_or_default();
+            v.push(format!("rank {r} ended {end:?}: {}", last_line(&err)));
+        }
+    }
+    let summary = match read_json(&setup.run_dir().join("summary.json")) {
+        Ok(s) => s,
+        Err(e) => return v.push(format!("{e:#}")),
+    };
+    if summary["syncs"] != summary["planned_syncs"] {
+        v.push(format!("{} syncs where the plan has {}", summary["syncs"], summary["planned_syncs"]));
+    }
+    let world = setup.k - usize::from(victim.is_some());
+    if summary["world_size"].as_u64() != Some(world as u64) {
+        v.push(format!("the job ended with {} workers, not {world}", summary["world_size"]));
+    }
+    let lost: Vec<u64> = summary["membership"]
+        .as_array()
+        .map(|m| {
+            m.iter()
+                .flat_map(|c| c["lost"].as_array().into_iter().flatten())
+                .filter_map(|l| l["rank"].as_u64())
+                .collect()
+        })
+        .unwrap_or_default();
+    if lost != victim.map(|r| r as u64).into_iter().collect::<Vec<_>>() {
+        v.push(format!("the lost ranks were {lost:?}, the victim {victim:?}"));
+    }
+}
+
+/// Invariants of the run directory, whatever the fault.
+fn check_files(setup: &Setup<'_>, run: &Path) -> Result<()> {
+    let records = read_records(run)?;
+    let syncs: Vec<&Value> = records.iter().filter(|r| r["kind"] == "sync").collect();
+    let steps: Vec<u64> = syncs.iter().filter_map(|r| r["step"].as_u64()).collect();
+    if !steps.windows(2).all(|w| w[0] < w[1]) {
+        bail!("sync records out of order or twice: {steps:?}");
+    }
+    for (i, r) in syncs.iter().enumerate() {
+        if r["syncs"].as_u64() != Some(i as u64 + 1) {
+            bail!("the sync record at step {} counts {} syncs, the file has {}", r["step"], r["syncs"], i + 1);
+        }
+    }
+    if let Ok(summary) = read_json(&run.join("summary.json"))
+        && summary["syncs"].as_u64() != Some(syncs.len() as u64)
+    {
+        bail!("summary.json counts {} syncs, metrics.jsonl has {}", summary["syncs"], syncs.len());
+    }
+    let ckpt = run.join("ckpt");
+    let leftovers: Vec<String> = std::fs::read_dir(&ckpt)
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    if let Some(l) = leftovers.iter().find(|n| n.starts_with("tmp-") || n.ends_with(".tmp")) {
+        bail!("left in ckpt/: {l}");
+    }
+    check_latest(setup, run, &syncs)
+}
+
+/// `ckpt/LATEST` names a checkpoint that verifies (a resume with nothing left to train loads and
+/// verifies it, then refuses), whose counters agree with the metrics.
+fn check_latest(setup: &Setup<'_>, run: &Path, syncs: &[&Value]) -> Result<()> {
+    let Ok(name) = std::fs::read_to_string(run.join("ckpt/LATEST")) else {
+        return Ok(());
+    };
+    let step: u64 = name.trim().strip_prefix("step-").and_then(|s| s.parse().ok()).context("LATEST is malformed")?;
+    let state = read_json(&run.join("ckpt").join(name.trim()).join("state.json"))?;
+    let counted = syncs.iter().find(|r| r["step"].as_u64() == Some(step)).map(|r| r["syncs"].clone());
+    if counted.as_ref() != Some(&state["counters"]["syncs"]) {
+        bail!("the checkpoint of step {step} counts {} syncs, its sync record {counted:?}", state["counters"]["syncs"]);
+    }
+    let out = setup
+        .qsr("verify")
+        .args(["train", "--resume"])
+        .arg(run)
+        .args(["--set", &format!("train.steps={step}")])
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    if !err.contains("nothing to resume") {
+        bail!("the checkpoint of step {step} does not verify: {}", last_line(&err));
+    }
+    Ok(())
+}
+
+fn read_records(run: &Path) -> Result<Vec<Value>> {
+    let path = run.join("metrics.jsonl");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    text.lines()
+        .enumerate()
+        .map(|(i, l)| {
+            serde_json::from_str(l).with_context(|| format!("metrics.jsonl line {} does not parse: {l}", i + 1))
+        })
+        .collect()
+}
+
+fn read_json(path: &Path) -> Result<Value> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    serde_json::from_slice(&bytes).with_context(|| format!("{} does not parse", path.display()))
+}
+
+fn last_line(text: &str) -> &str {
+    text.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("(nothing on stderr)")
+}
+
+fn shm_files() -> BTreeSet<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("qsr-shm-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn signal(pid: u32, sig: i32) {
+    // SAFETY: kill(2) with a pid of a child this process spawned and has not reaped.
+    unsafe {
+        libc::kill(pid as i32, sig);
+    }
+}
+
+/// The campaign's table: jobs and expectations held per fault kind, then every violation.
+fn summary(results: &[JobResult], seed: u64, args: &ChaosArgs, took: Duration) -> String {
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "Measured {} on {} by `cargo xtask chaos --jobs {} --seed {seed} --workers {}`: {} jobs in {:.0} s.\n",
+        crate::bench::today(),
+        crate::bench::machine(),
+        args.jobs,
+        args.workers,
+        results.len(),
+        took.as_secs_f64()
+    );
+    let _ = writeln!(o, "| fault | jobs | expected | held | invariants violated |");
+    let _ = writeln!(o, "|---|---|---|---|---|");
+    for kind in KINDS {
+        let of: Vec<&JobResult> = results.iter().filter(|r| r.fault.kind() == kind).collect();
+        let held = of.iter().filter(|r| r.violations.is_empty()).count();
+        let expected = if kind.ends_with("store") {
+            "every worker exits 5 naming the store"
+        } else {
+            "finishes with the planned syncs, K - 1 workers, the victim named"
+        };
+        let _ = writeln!(o, "| {kind} | {} | {expected} | {held} | {} |", of.len(), of.len() - held);
+    }
+    let at = |p: &str| {
+        results.iter().filter(|r| matches!(&r.fault, Fault::Worker { point, .. } if point.ends_with(p))).count()
+    };
+    let (synced, commit) = (at(":synced"), at(":commit"));
+    let workers = results.iter().filter(|r| matches!(r.fault, Fault::Worker { .. })).count();
+    let _ = writeln!(
+        o,
+        "\nWorker faults fired as a step starts: {}; right after a sync: {synced}; while rank 0 commits a checkpoint: {commit}.",
+        workers - synced - commit
+    );
+    for (i, r) in results.iter().enumerate().filter(|(_, r)| !r.violations.is_empty()) {
+        let _ = writeln!(o, "\n- job {i} ({}): {}", r.fault.describe(), r.violations.join("; "));
+    }
+    o
+}
+
+fn write_docs(root: &Path, summary: &str) -> Result<()> {
+    let path = root.join("docs/RELIABILITY.md");
+    let doc = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let (open, close) = ("<!-- chaos -->", "<!-- /chaos -->");
+    let (Some(a), Some(b)) = (doc.find(open), doc.find(close)) else {
+        bail!("{} has no `{open}` ... `{close}` section", path.display());
+    };
+    let new = format!("{}{open}\n{summary}{close}{}", &doc[..a], &doc[b + close.len()..]);
+    std::fs::write(&path, new).with_context(|| format!("cannot write {}", path.display()))?;
+    println!("chaos: wrote {}", path.display());
+    Ok(())
+}
