@@ -172,6 +172,16 @@ pub enum CommError {
         current: u64,
     },
 
+    /// A peer refused this process because its own settings or job token do not match the job's
+    /// (the elastic store, before or at its first generation); `detail` names the keys.
+    #[error("{peer} refused this worker: {detail}")]
+    Mismatch {
+        /// Who refused, e.g. `rendezvous store 10.0.0.1:29400`.
+        peer: String,
+        /// Why, naming the differing keys or the token.
+        detail: String,
+    },
+
     /// The elastic job's store (`qsr rendezvous`) refused a request, closed its connection, or sent
     /// something unreadable.
     #[error("rendezvous store {addr}: {detail}")]

@@ -368,3 +368,39 @@ fn a_spare_worker_waiting_at_the_store_takes_a_lost_workers_place() {
     assert_eq!(ended, vec![(0, vec![0, 1], Some(1)), (1, vec![1], Some(1))]);
     assert!(store.wait_finished(Some(Duration::from_secs(5))));
 }
+
+#[test]
+fn a_worker_reaches_its_store_by_a_name_that_resolves_to_several_addresses() {
+    // `localhost` may resolve to ::1 before 127.0.0.1, where the store listens: every address is tried.
+    let store = store(1);
+    let cfg = ElasticConfig { store: format!("localhost:{}", store.local_addr().port()), ..config(&store, 0) };
+    let mut job = Elastic::connect(cfg).unwrap();
+    job.form(None, "start").unwrap();
+    job.finish().unwrap();
+    assert!(store.wait_finished(Some(Duration::from_secs(5))));
+}
+
+#[test]
+fn a_job_finishes_when_its_members_are_done_or_gone() {
+    // A member lost after the last sync (killed before it said it was done) does not hold the job
+    // open: the store reports it finished, not orphaned, once the others are done.
+    let store = store(3);
+    let handles: Vec<_> = (0..3u64)
+        .map(|order| {
+            let cfg = config(&store, order);
+            std::thread::spawn(move || {
+                let mut job = Elastic::connect(cfg).unwrap();
+                let (mut comm, m) = job.form(None, "start").unwrap();
+                assert_eq!(total(comm.as_mut(), 1.0).unwrap(), 3.0);
+                if m.rank != 2 {
+                    job.finish().unwrap();
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    assert!(store.wait_finished(Some(Duration::from_secs(5))), "{:?}", store.waiting_for());
+    assert_eq!(store.orphaned(), None);
+}

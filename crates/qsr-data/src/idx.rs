@@ -9,18 +9,26 @@ use crate::error::{DataError, Result};
 /// Opens `path` if it is a regular file (links followed): a FIFO would block the read, a device such as
 /// `/dev/zero` never end it. Returns the file and its size.
 pub(crate) fn open_regular(path: &Path) -> Result<(std::fs::File, u64)> {
-    use std::os::unix::fs::FileTypeExt;
     let meta = std::fs::metadata(path).map_err(|e| DataError::io(path, e))?;
-    let t = meta.file_type();
-    let kind = match () {
-        _ if t.is_file() => return Ok((std::fs::File::open(path).map_err(|e| DataError::io(path, e))?, meta.len())),
+    if !meta.is_file() {
+        return Err(DataError::NotAFile { path: path.to_path_buf(), kind: file_kind(meta.file_type()) });
+    }
+    Ok((std::fs::File::open(path).map_err(|e| DataError::io(path, e))?, meta.len()))
+}
+
+/// What a file system entry is, in words for an error: `file`, `directory`, `symbolic link`,
+/// `FIFO`, `device`, `socket`.
+pub fn file_kind(t: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    match () {
+        _ if t.is_file() => "file",
         _ if t.is_dir() => "directory",
+        _ if t.is_symlink() => "symbolic link",
         _ if t.is_fifo() => "FIFO",
         _ if t.is_char_device() || t.is_block_device() => "device",
         _ if t.is_socket() => "socket",
         _ => "special file",
-    };
-    Err(DataError::NotAFile { path: path.to_path_buf(), kind })
+    }
 }
 
 /// Reads a regular file of at most `limit` bytes whole (`what` names the reader in the refusal).
@@ -43,7 +51,7 @@ pub fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
     const LIMIT: u64 = 4 << 30;
     let raw = read_regular(path, LIMIT, "an IDX file may have")?;
     if raw.len() >= 2 && raw[0] == 0x1f && raw[1] == 0x8b {
-        let mut out = Vec::with_capacity(raw.len() * 4);
+        let mut out = Vec::with_capacity((raw.len() * 4).min(LIMIT as usize));
         let mut gz = flate2::read::MultiGzDecoder::new(&raw[..]).take(LIMIT + 1);
         gz.read_to_end(&mut out).map_err(|e| {
             let kind = e.kind();
@@ -59,6 +67,9 @@ pub fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
     }
 }
 
+/// The most data an IDX file may hold (the product of its dimensions): 4 GiB.
+const IDX_LIMIT: u64 = 4 << 30;
+
 /// Reads an IDX file of `ndim` dimensions: a plain file is checked against its header's size
 /// before its data is read, a gzip stream is read no further than its header says, plus one byte.
 fn read_idx(path: &Path, ndim: u8) -> Result<IdxArray> {
@@ -66,48 +77,77 @@ fn read_idx(path: &Path, ndim: u8) -> Result<IdxArray> {
     let mut r = std::io::BufReader::new(file);
     let gz = std::io::BufRead::fill_buf(&mut r).map_err(|e| DataError::io(path, e))?.starts_with(&[0x1f, 0x8b]);
     let mut src: Box<dyn Read> = if gz { Box::new(flate2::read::MultiGzDecoder::new(r)) } else { Box::new(r) };
-    let header_len = 4 + 4 * usize::from(ndim);
-    let mut header = Vec::with_capacity(header_len);
-    (&mut src).take(header_len as u64).read_to_end(&mut header).map_err(|e| DataError::io(path, e))?;
-    // The header alone, parsed for its dimensions (its data check fails for lack of data: ignored).
-    let want = match parse_idx(&header, path, ndim) {
-        Ok(a) => a.data.len(),
-        Err(DataError::Truncated { .. }) if header.len() == header_len => idx_data_len(&header, path)?,
-        Err(e) => return Err(e),
-    };
-    if !gz && len != (header_len + want) as u64 {
-        return Err(parse_idx_sizes(path, &header, want, len - header_len as u64));
+    let mut head = Vec::new();
+    (&mut src).take(header_len(ndim) as u64).read_to_end(&mut head).map_err(|e| DataError::io(path, e))?;
+    let header = parse_header(&head, path, ndim)?;
+    let want = header.data_len as u64;
+    if want > IDX_LIMIT {
+        let what = "an IDX file may hold (its header announces more)";
+        return Err(DataError::TooLarge { path: path.to_path_buf(), bytes: want, limit: IDX_LIMIT, what });
+    }
+    if !gz && len != head.len() as u64 + want {
+        return Err(header.size_error(path, len.saturating_sub(head.len() as u64)));
     }
     let mut data = Vec::new();
-    src.take(want as u64 + 1).read_to_end(&mut data).map_err(|e| {
+    src.take(want + 1).read_to_end(&mut data).map_err(|e| {
         let kind = e.kind();
         DataError::io(path, std::io::Error::new(kind, format!("corrupt or truncated gzip stream: {e}")))
     })?;
-    if data.len() != want {
-        return Err(parse_idx_sizes(path, &header, want, data.len() as u64));
+    if data.len() as u64 != want {
+        return Err(header.size_error(path, data.len() as u64));
     }
-    let dims = header[4..].chunks_exact(4).map(|c| u32::from_be_bytes([c[0], c[1], c[2], c[3]]) as usize).collect();
-    Ok(IdxArray { dims, data })
+    Ok(IdxArray { dims: header.dims, data })
 }
 
-/// The data bytes an IDX header of the right length announces (the product of its dimensions).
-fn idx_data_len(header: &[u8], path: &Path) -> Result<usize> {
+/// Bytes of the header of an IDX file of `ndim` dimensions: the magic and one u32 per dimension.
+fn header_len(ndim: u8) -> usize {
+    4 + 4 * usize::from(ndim)
+}
+
+/// An IDX header: its dimensions and the data bytes they announce.
+struct Header {
+    dims: Vec<usize>,
+    data_len: usize,
+}
+
+impl Header {
+    /// The error of a file whose data (`have` bytes) is not the size the header announces.
+    fn size_error(&self, path: &Path, have: u64) -> DataError {
+        let (dims, want) = (&self.dims, self.data_len);
+        if have < want as u64 {
+            DataError::truncated(path, format!("header {dims:?} needs {want} data bytes, file has {have}"))
+        } else {
+            DataError::format(path, format!("header {dims:?} needs {want} data bytes, file has more (trailing data)"))
+        }
+    }
+}
+
+/// Parses the header at the start of `bytes`: the magic of unsigned bytes in `ndim` dimensions, then
+/// the dimensions, whose product must fit a `usize`.
+fn parse_header(bytes: &[u8], path: &Path, ndim: u8) -> Result<Header> {
+    if bytes.len() < 4 {
+        return Err(DataError::truncated(path, format!("{} bytes, shorter than the 4-byte IDX magic", bytes.len())));
+    }
+    let magic = u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+    let expected = 0x0800 | u32::from(ndim);
+    if magic != expected {
+        return Err(DataError::BadMagic {
+            path: path.to_path_buf(),
+            found: magic,
+            expected: format!("{expected:#010x} (IDX, unsigned byte, {ndim} dimension(s))"),
+        });
+    }
+    let len = header_len(ndim);
+    if bytes.len() < len {
+        return Err(DataError::truncated(path, format!("{} bytes, shorter than the {len}-byte header", bytes.len())));
+    }
     let dims: Vec<usize> =
-        header[4..].chunks_exact(4).map(|c| u32::from_be_bytes([c[0], c[1], c[2], c[3]]) as usize).collect();
-    dims.iter()
+        bytes[4..len].chunks_exact(4).map(|c| u32::from_be_bytes([c[0], c[1], c[2], c[3]]) as usize).collect();
+    let data_len = dims
+        .iter()
         .try_fold(1usize, |a, &d| a.checked_mul(d))
-        .ok_or_else(|| DataError::format(path, format!("dimensions {dims:?} overflow")))
-}
-
-/// The error of an IDX file whose data is not the size its header announces.
-fn parse_idx_sizes(path: &Path, header: &[u8], want: usize, have: u64) -> DataError {
-    let dims: Vec<usize> =
-        header[4..].chunks_exact(4).map(|c| u32::from_be_bytes([c[0], c[1], c[2], c[3]]) as usize).collect();
-    if have < want as u64 {
-        DataError::truncated(path, format!("header {dims:?} needs {want} data bytes, file has {have}"))
-    } else {
-        DataError::format(path, format!("header {dims:?} needs {want} data bytes, file has more (trailing data)"))
-    }
+        .ok_or_else(|| DataError::format(path, format!("dimensions {dims:?} overflow")))?;
+    Ok(Header { dims, data_len })
 }
 
 /// An IDX array of unsigned bytes.
@@ -121,43 +161,12 @@ pub struct IdxArray {
 
 /// Parses IDX bytes; `path` only names the file in errors. `expected_ndim` is 1 for labels, 3 for images.
 pub fn parse_idx(bytes: &[u8], path: &Path, expected_ndim: u8) -> Result<IdxArray> {
-    if bytes.len() < 4 {
-        return Err(DataError::truncated(path, format!("{} bytes, shorter than the 4-byte IDX magic", bytes.len())));
+    let header = parse_header(bytes, path, expected_ndim)?;
+    let data = &bytes[header_len(expected_ndim)..];
+    if data.len() != header.data_len {
+        return Err(header.size_error(path, data.len() as u64));
     }
-    let magic = u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
-    let expected = 0x0800 | u32::from(expected_ndim);
-    if magic != expected {
-        return Err(DataError::BadMagic {
-            path: path.to_path_buf(),
-            found: magic,
-            expected: format!("{expected:#010x} (IDX, unsigned byte, {expected_ndim} dimension(s))"),
-        });
-    }
-    let ndim = usize::from(expected_ndim);
-    let header = 4 + 4 * ndim;
-    if bytes.len() < header {
-        return Err(DataError::truncated(
-            path,
-            format!("{} bytes, shorter than the {header}-byte header", bytes.len()),
-        ));
-    }
-    let dims: Vec<usize> =
-        (0..ndim).map(|i| u32::from_be_bytes(bytes[4 + 4 * i..8 + 4 * i].try_into().unwrap()) as usize).collect();
-    let want = dims
-        .iter()
-        .try_fold(1usize, |a, &d| a.checked_mul(d))
-        .ok_or_else(|| DataError::format(path, format!("dimensions {dims:?} overflow")))?;
-    let have = bytes.len() - header;
-    if have < want {
-        return Err(DataError::truncated(path, format!("header {dims:?} needs {want} data bytes, file has {have}")));
-    }
-    if have > want {
-        return Err(DataError::format(
-            path,
-            format!("header {dims:?} needs {want} data bytes, file has {have} (trailing data)"),
-        ));
-    }
-    Ok(IdxArray { dims, data: bytes[header..].to_vec() })
+    Ok(IdxArray { dims: header.dims, data: data.to_vec() })
 }
 
 /// Reads an IDX image file (`N x H x W`).

@@ -45,7 +45,7 @@ pub use digits::{DIGITS_TEST, DIGITS_TOTAL, DIGITS_TRAIN, digits, digits_all};
 pub use error::{DataError, Result};
 pub use folder::{IMAGE_EXTENSIONS, ImageFolder, decode_rgb};
 pub use idx::{
-    FASHION_MNIST_DEFAULT_DIR, IdxArray, fashion_mnist, load_idx_pair, mnist, parse_idx, read_idx_images,
+    FASHION_MNIST_DEFAULT_DIR, IdxArray, fashion_mnist, file_kind, load_idx_pair, mnist, parse_idx, read_idx_images,
     read_idx_labels, read_maybe_gz,
 };
 pub use loader::{Batch, EvalLoader, HostBatch, PrefetchOptions, Prefetcher, TrainLoader, load_batch};

@@ -333,3 +333,32 @@ fn image_folder_unreadable_image() {
     let e = load_batch(&f, &t, &[1, 0], 0, 0).unwrap_err();
     assert_names(&e, &bad);
 }
+
+#[test]
+fn an_idx_header_announcing_more_than_four_gib_is_refused_before_reading() {
+    // A small gzip stream whose header promises 60000 x 300 x 300 bytes (5.4 GB): refused from the
+    // header, not decompressed until memory runs out.
+    let d = tempfile::tempdir().unwrap();
+    let img = write(&d.path().join("x-images-idx3-ubyte.gz"), &gz(&idx_bytes(0x0803, &[60_000, 300, 300], &[0; 64])));
+    let err = read_idx_images(&img).unwrap_err();
+    assert!(matches!(err, DataError::TooLarge { bytes: 5_400_000_000, .. }), "{err}");
+    assert_names(&err, &img);
+    // A header whose dimensions overflow is refused too, plain or compressed.
+    let huge = idx_bytes(0x0803, &[u32::MAX, u32::MAX, u32::MAX], &[]);
+    for bytes in [huge.clone(), gz(&huge)] {
+        let p = write(&d.path().join("y-images-idx3-ubyte"), &bytes);
+        let err = read_idx_images(&p).unwrap_err();
+        assert!(err.to_string().contains("overflow"), "{err}");
+    }
+}
+
+#[test]
+fn a_fifo_or_a_device_is_refused_as_a_data_file_naming_what_it_is() {
+    let d = tempfile::tempdir().unwrap();
+    let fifo = d.path().join("labels.fifo");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    for (path, kind) in [(fifo.as_path(), "FIFO"), (Path::new("/dev/zero"), "device"), (d.path(), "directory")] {
+        let err = read_idx_labels(path).unwrap_err();
+        assert!(matches!(err, DataError::NotAFile { .. }) && err.to_string().contains(kind), "{err}");
+    }
+}

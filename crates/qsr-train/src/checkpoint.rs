@@ -360,16 +360,7 @@ pub fn latest(run_dir: &Path) -> Result<(PathBuf, CheckpointState)> {
 
 /// What a file system entry is, in words.
 fn kind(m: &fs::Metadata) -> &'static str {
-    use std::os::unix::fs::FileTypeExt;
-    let t = m.file_type();
-    match () {
-        _ if t.is_symlink() => "symbolic link",
-        _ if t.is_dir() => "directory",
-        _ if t.is_fifo() => "FIFO",
-        _ if t.is_char_device() || t.is_block_device() => "device",
-        _ if t.is_socket() => "socket",
-        _ => "file",
-    }
+    qsr_data::file_kind(m.file_type())
 }
 
 /// Checks every file of a checkpoint against `manifest.json`.

@@ -154,7 +154,12 @@ pub(crate) fn train(
     let progress = !args.quiet && m.rank == 0 && first;
     let resume = if first { resume } else { None };
     let spec = RunSpec { recipe, device, run_dir, resume, progress, halt_after: None };
-    let outcome = run_member(&spec, &mut job, (comm, m), model)?;
+    let outcome = run_member(&spec, &mut job, (comm, m), model);
+    // A diverged run ended its plan too: the store's job is finished, the exit status says how.
+    if outcome.as_ref().is_err_and(|e| e.chain().any(|c| c.is::<crate::exit::Diverged>())) {
+        let _ = job.finish();
+    }
+    let outcome = outcome?;
     job.finish()?;
     Ok(if args.spawned { None } else { outcome.summary })
 }
@@ -240,9 +245,9 @@ struct Member<'a, T: Task, F> {
 }
 
 /// What a new generation takes over from the rank holding the newest sync (the payload of its
-/// [`SyncState`]): the run's counters then, and the records that sync wrote (or, on ranks other
-/// than 0, would have written), so that the new rank 0 restores any its predecessor died before
-/// writing.
+/// [`SyncState`]): the run's counters then, and that sync's records (rank 0's as it wrote them; on
+/// another rank the same records with its own training loss and byte counts), so that the new rank 0
+/// restores any its predecessor died before writing.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 struct Handover {
     counters: Counters,

@@ -1,8 +1,8 @@
-//! The exit status of `qsr` (documented on [`ExitStatus`]), and the error types that choose it.
+//! The exit status of `qsr` (documented on [`Exit`]), and the error types that choose it.
 
 use qsr_comm::CommError;
 
-/// What a `qsr` process's exit status says; README.md and ARCHITECTURE.md carry the same table.
+/// What a `qsr` process's exit status says; README.md and docs/RELIABILITY.md carry the same table.
 ///
 /// | status | meaning |
 /// |---|---|
@@ -17,7 +17,7 @@ use qsr_comm::CommError;
 /// A `--nproc` launcher whose workers failed exits with the status of the one that failed first, or
 /// 3 when that one was killed by a signal or stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ExitStatus {
+pub enum Exit {
     /// 0.
     Success = 0,
     /// 1.
@@ -34,9 +34,9 @@ pub enum ExitStatus {
 
 /// Exit status of a worker that failed only because another rank failed first (it lost a peer or was
 /// told of another rank's failure), so that a launcher reports the rank that failed first.
-pub const EXIT_PEER_FAILED: u8 = ExitStatus::PeerFailed as u8;
+pub const EXIT_PEER_FAILED: u8 = Exit::PeerFailed as u8;
 
-/// An error of the input a run was given (see [`ExitStatus::BadInput`]): its message is the wrapped
+/// An error of the input a run was given (see [`Exit::BadInput`]): its message is the wrapped
 /// error's, whole.
 #[derive(Debug)]
 pub struct BadInput(anyhow::Error);
@@ -49,13 +49,13 @@ impl std::fmt::Display for BadInput {
 
 impl std::error::Error for BadInput {}
 
-/// Marks `e` as bad input: `qsr` exits with [`ExitStatus::BadInput`].
+/// Marks `e` as bad input: `qsr` exits with [`Exit::BadInput`].
 pub fn bad_input(e: impl Into<anyhow::Error>) -> anyhow::Error {
     let e = e.into();
     if e.chain().any(|c| c.is::<BadInput>()) { e } else { anyhow::Error::new(BadInput(e)) }
 }
 
-/// Training diverged ([`ExitStatus::Diverged`]): an evaluation's loss was not finite or far above the
+/// Training diverged ([`Exit::Diverged`]): an evaluation's loss was not finite or far above the
 /// loss of a model that learned nothing, or the last training loss was not finite.
 #[derive(Debug, thiserror::Error)]
 #[error("training diverged{}: {why}", .step.map_or(String::new(), |s| format!(" at step {s}")))]
@@ -107,7 +107,7 @@ fn comm_errors(e: &anyhow::Error) -> impl Iterator<Item = &CommError> {
     e.chain().filter_map(|c| c.downcast_ref::<CommError>())
 }
 
-/// The process exit status for an error (the table on [`ExitStatus`]).
+/// The process exit status for an error (the table on [`Exit`]).
 pub fn exit_code(e: &anyhow::Error) -> u8 {
     if let Some(i) = e.chain().find_map(|c| c.downcast_ref::<Interrupted>()) {
         return (128 + i.signal).clamp(129, 255) as u8;
@@ -116,19 +116,25 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
         return w.status;
     }
     let status = if e.chain().any(|c| c.is::<Diverged>()) {
-        ExitStatus::Diverged
+        Exit::Diverged
     } else if e.chain().any(|c| c.is::<BadInput>())
         || comm_errors(e).any(|c| {
-            matches!(c, CommError::Launch { .. } | CommError::Disagree { .. } | CommError::HandshakeRefused { .. })
+            matches!(
+                c,
+                CommError::Launch { .. }
+                    | CommError::Disagree { .. }
+                    | CommError::HandshakeRefused { .. }
+                    | CommError::Mismatch { .. }
+            )
         })
     {
-        ExitStatus::BadInput
+        Exit::BadInput
     } else if is_peer_failure(e) {
-        ExitStatus::PeerFailed
+        Exit::PeerFailed
     } else if comm_errors(e).any(|c| matches!(c, CommError::Store { .. } | CommError::Expelled { .. })) {
-        ExitStatus::Store
+        Exit::Store
     } else {
-        ExitStatus::Failure
+        Exit::Failure
     };
     status as u8
 }
@@ -149,6 +155,7 @@ mod tests {
             (anyhow::Error::new(Diverged { step: Some(4), why: "loss NaN".into() }), 4),
             (anyhow::Error::from(store), 5),
             (anyhow::Error::from(CommError::Expelled { generation: 0, current: 1 }), 5),
+            (anyhow::Error::from(CommError::Mismatch { peer: "store".into(), detail: "`seed`".into() }), 2),
             (anyhow::Error::new(Interrupted { signal: 2, name: "SIGINT", stopped: 4 }), 130),
             (anyhow::Error::new(WorkersFailed { status: 4, message: "rank 1 diverged".into() }), 4),
         ];

@@ -41,7 +41,7 @@ pub use device::probe_cuda;
 pub use device::{CHECK_LENGTHS, CudaProbe, DeviceCheckArgs, DeviceSpec, check_ordinal, device_check};
 pub use elastic::{RendezvousArgs, rendezvous};
 pub use exit::{
-    BadInput, Diverged, EXIT_PEER_FAILED, ExitStatus, Interrupted, WorkersFailed, bad_input, exit_code, is_peer_failure,
+    BadInput, Diverged, EXIT_PEER_FAILED, Exit, Interrupted, WorkersFailed, bad_input, exit_code, is_peer_failure,
 };
 pub use launch::{CommKind, Resume, TrainArgs, device, resolve, run as run_train, simulated};
 pub use plan_cmd::{Format, PlanArgs, PlanReport, run as run_plan, write_csv};

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use rustix::process::{Pid, Signal};
 
-use crate::exit::EXIT_PEER_FAILED;
+use crate::exit::{EXIT_PEER_FAILED, Exit};
 use crate::train::Summary;
 
 /// Environment variable through which a worker learns its launcher's pid.
@@ -106,9 +106,10 @@ impl Failure {
         }
     }
 
-    /// The launcher's exit status for this failure: the worker's own (bad input, divergence, ...),
-    /// or [`EXIT_PEER_FAILED`] for a worker lost to a signal or a stop.
-    fn exit_status(&self) -> u8 {
+    /// The launcher's exit status when this failure is the job's: the worker's own (bad input,
+    /// divergence, ...), or [`EXIT_PEER_FAILED`] for a worker lost to a signal or a stop (the job
+    /// failed for a lost peer).
+    fn launcher_status(&self) -> u8 {
         match self.status.and_then(|s| s.code()) {
             Some(c) if (1..=255).contains(&c) => c as u8,
             _ => EXIT_PEER_FAILED,
@@ -173,6 +174,7 @@ fn supervise(
     let mut failures: Vec<Failure> = Vec::new();
     let mut finished_at: Option<Instant> = None;
     while !workers.is_empty() {
+        workers = reap(workers, &mut failures)?;
         if let Some(s) = store.filter(|s| s.finished()) {
             // Members exit on their own once the job finished; expelled ones (stopped, cut off) never will.
             let since = *finished_at.get_or_insert_with(|| {
@@ -189,9 +191,9 @@ fn supervise(
             let (signal, name) = (sig.as_raw(), signal_name(sig.as_raw()));
             return Err(crate::exit::Interrupted { signal, name, stopped }.into());
         }
-        workers = reap(workers, &mut failures)?;
         // Elastic jobs go on without a failed worker once they run; before, the others would wait for it.
-        let fatal = store.is_none_or(|s| s.generation().is_none());
+        // ... unless nobody holds the training state any more (orphaned).
+        let fatal = store.is_none_or(|s| s.generation().is_none() || s.orphaned().is_some());
         if fatal && failures.first().is_some_and(|f| f.seen.elapsed() >= FAILURE_WINDOW) {
             // A stopped worker is the cause the others saw: they timed out waiting for it.
             for w in workers.iter().filter(|w| is_stopped(&w.child)) {
@@ -205,6 +207,12 @@ fn supervise(
     workers = reap(workers, &mut failures)?;
     debug_assert!(workers.is_empty());
     if store.is_some_and(qsr_comm::Store::finished) {
+        // Workers that diverged finished the plan: the job's outcome is theirs.
+        let diverged = failures.iter().find(|f| f.status.and_then(|s| s.code()) == Some(Exit::Diverged as i32));
+        if let Some(d) = diverged {
+            let message = format!("rank {} diverged (its error is printed above)", d.rank);
+            return Err(crate::exit::WorkersFailed { status: Exit::Diverged as u8, message }.into());
+        }
         for f in &failures {
             eprintln!("qsr: {}; the elastic job went on without it", f.describe());
         }
@@ -212,7 +220,7 @@ fn supervise(
     }
     if let Some(first) = failures.iter().min_by_key(|f| (f.precedence(), f.seen)) {
         let message = format!("{} ({} of {n} workers failed)", first.describe(), failures.len());
-        return Err(crate::exit::WorkersFailed { status: first.exit_status(), message }.into());
+        return Err(crate::exit::WorkersFailed { status: first.launcher_status(), message }.into());
     }
     Ok(())
 }
@@ -272,8 +280,10 @@ fn stop(workers: &mut Vec<Worker>, sig: Signal) {
 
 /// After an elastic job finished: SIGKILL for the workers the store expelled that still run (stopped
 /// or cut off, they would never exit), each named, and recorded as failures.
+/// The workers must have been reaped just before, so that those that exited keep their status.
 fn stop_expelled(workers: &mut Vec<Worker>, expelled: &[u64], failures: &mut Vec<Failure>) {
-    for w in workers.iter_mut().filter(|w| expelled.contains(&(w.rank as u64)) || is_stopped(&w.child)) {
+    let doomed = |w: &Worker| expelled.contains(&(w.rank as u64)) || is_stopped(&w.child);
+    for w in workers.iter_mut().filter(|w| doomed(w)) {
         let state = if is_stopped(&w.child) { "stopped" } else { "still running" };
         eprintln!(
             "qsr: rank {} (pid {}) was expelled from the elastic job and is {state}: killing it",
@@ -285,7 +295,8 @@ fn stop_expelled(workers: &mut Vec<Worker>, expelled: &[u64], failures: &mut Vec
             failures.push(Failure { rank: w.rank, status: Some(status), seen: Instant::now() });
         }
     }
-    workers.retain_mut(|w| matches!(w.child.try_wait(), Ok(None)));
+    let killed: Vec<usize> = failures.iter().map(|f| f.rank).collect();
+    workers.retain(|w| !killed.contains(&w.rank));
 }
 
 /// Whether a child is stopped (by SIGSTOP, or traced): `T` or `t` in `/proc/<pid>/stat`.

@@ -46,13 +46,15 @@ impl RunLock {
         Ok(Self { _file: file, path })
     }
 
-    /// A worker's share of elastic job `job`'s lock (its store at `store`): the first of the job's
-    /// workers to arrive writes the job's line under the exclusive lock, then every worker holds a
-    /// shared lock and checks that the line names its job. Refuses, naming the holder, while another
-    /// job or run holds the directory.
+    /// A worker's share of elastic job `job`'s lock (its store at `store`, as this worker reaches it):
+    /// a worker that finds the lock free writes the job's line under the exclusive lock, then every
+    /// worker holds a shared lock and checks that the line names its job, by id (workers may spell
+    /// the store's address differently). Refuses, naming the holder, while another job or run holds
+    /// the directory.
     pub fn share(run_dir: &Path, job: &str, store: &str) -> Result<Self> {
         let (mut file, path) = open(run_dir)?;
-        let mine = format!("elastic job {job} (store {store})");
+        let ours = format!("elastic job {job} ");
+        let mine = format!("{ours}(store {store})");
         // A sibling writing the job's line holds the lock alone for a moment: retry for a second.
         for _ in 0..50 {
             if file.try_lock().is_ok() {
@@ -60,7 +62,7 @@ impl RunLock {
                 file.unlock().with_context(|| format!("cannot unlock {}", path.display()))?;
             }
             match file.try_lock_shared() {
-                Ok(()) if read_holder(&mut file).starts_with(&mine) => return Ok(Self { _file: file, path }),
+                Ok(()) if read_holder(&mut file).starts_with(&ours) => return Ok(Self { _file: file, path }),
                 // Another job's line: it holds the directory, unless it died meanwhile (then the
                 // exclusive lock above succeeds on the next try).
                 Ok(()) => file.unlock().with_context(|| format!("cannot unlock {}", path.display()))?,
@@ -148,7 +150,8 @@ mod tests {
     fn workers_of_one_elastic_job_share_the_lock_and_other_runs_are_refused() {
         let dir = tempfile::tempdir().unwrap();
         let a1 = RunLock::share(dir.path(), "job-a", "h:1").unwrap();
-        let a2 = RunLock::share(dir.path(), "job-a", "h:1").unwrap();
+        // Another spelling of the same store's address: the same job.
+        let a2 = RunLock::share(dir.path(), "job-a", "localhost:1").unwrap();
         let other = RunLock::share(dir.path(), "job-b", "h:2").unwrap_err().to_string();
         assert!(other.contains("in use by elastic job job-a (store h:1)"), "{other}");
         let run = RunLock::acquire(dir.path()).unwrap_err().to_string();

@@ -32,7 +32,8 @@ pub struct Record {
     pub lr: f64,
     /// Length of the round that just ended (sync) or is under way (eval).
     pub h: u64,
-    /// Rank 0's mean training loss since the previous sync record (sync); test loss (eval).
+    /// Rank 0's mean training loss since the previous sync record, over the steps whose loss was
+    /// finite (sync; `null` when none was); test loss (eval).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub loss: Option<f64>,
     /// Top-1 test accuracy as a fraction in `[0, 1]` (eval records only).
@@ -325,6 +326,35 @@ mod tests {
     use super::*;
 
     #[test]
+    fn one_evaluation_above_the_limit_is_a_spike_and_two_in_a_row_diverge() {
+        let mut above = false;
+        assert!(judge(&mut above, 1.0, 6.9, 22, false).is_none());
+        assert!(judge(&mut above, 13.0, 6.9, 44, false).is_none(), "one spike");
+        assert!(judge(&mut above, 2.0, 6.9, 66, false).is_none(), "recovered");
+        assert!(judge(&mut above, 13.0, 6.9, 88, false).is_none());
+        let d = judge(&mut above, 14.0, 6.9, 110, false).expect("twice in a row");
+        assert_eq!(d.step, Some(110));
+        assert!(d.why.contains("two evaluations in a row"), "{}", d.why);
+        let mut above = false;
+        assert!(judge(&mut above, f64::NAN, 6.9, 22, false).is_some(), "not finite: at once");
+        assert!(judge(&mut false, f64::INFINITY, f64::INFINITY, 22, false).is_some());
+        assert!(judge(&mut false, 13.0, 6.9, 880, true).is_some(), "above at the last evaluation");
+    }
+
+    #[test]
+    fn a_step_whose_loss_is_not_finite_is_left_out_of_the_intervals_mean() {
+        let mut i = Interval::default();
+        for loss in [2.0, f32::NAN, 4.0, f32::INFINITY] {
+            i.add(loss);
+        }
+        assert_eq!((i.mean(), i.non_finite), (3.0, 2));
+        let mut all_bad = Interval::default();
+        all_bad.add(f32::NAN);
+        assert!(all_bad.mean().is_nan());
+        assert_eq!(Interval::default().mean(), 0.0);
+    }
+
+    #[test]
     fn gpt_params_counts_what_the_built_model_has() {
         for (bias, layers) in [(true, 2), (false, 3)] {
             let c = GptConfig { bias, layers, ..GptConfig::char_small(65) };
@@ -535,16 +565,43 @@ pub(crate) struct Segment {
     base: Counters,
     t0: Instant,
     first_step: u64,
-    /// Loss sum and steps since the previous sync record.
-    since_sync: (f64, u64),
+    /// The training losses since the previous sync record.
+    since_sync: Interval,
     last_eval: Option<Eval>,
     /// The records of the last global sync (rank 0 wrote them; every rank keeps them, for a new
     /// generation's rank 0 to restore those its predecessor died before writing).
     held: Vec<Record>,
-    /// The mean training loss of the last sync interval.
-    last_loss: f64,
+    /// The training losses of the last sync interval.
+    last_interval: Interval,
+    /// Whether the last evaluation's loss was above the divergence limit.
+    above_limit: bool,
     /// Why the run diverged, once it did.
     diverged: Option<crate::exit::Diverged>,
+}
+
+/// The training losses of the steps since a sync: a non-finite loss (an update skipped for it) is
+/// counted apart, so that one does not make the interval's mean meaningless.
+#[derive(Debug, Clone, Copy, Default)]
+struct Interval {
+    sum: f64,
+    finite: u64,
+    non_finite: u64,
+}
+
+impl Interval {
+    fn add(&mut self, loss: f32) {
+        if loss.is_finite() {
+            self.sum += f64::from(loss);
+            self.finite += 1;
+        } else {
+            self.non_finite += 1;
+        }
+    }
+
+    /// The mean of the finite losses; NaN when every loss of the interval was not finite.
+    fn mean(&self) -> f64 {
+        if self.finite == 0 && self.non_finite > 0 { f64::NAN } else { self.sum / self.finite.max(1) as f64 }
+    }
 }
 
 impl Segment {
@@ -566,9 +623,19 @@ impl Segment {
         };
         let bar = (rank == 0 && spec.progress).then(|| progress_bar(end, first_step));
         let t0 = Instant::now();
-        let since_sync = (0.0, 0);
-        let (last_eval, held, last_loss, diverged) = (None, Vec::new(), 0.0, None);
-        Ok(Segment { metrics, bar, base, t0, first_step, since_sync, last_eval, held, last_loss, diverged })
+        Ok(Segment {
+            metrics,
+            bar,
+            base,
+            t0,
+            first_step,
+            since_sync: Interval::default(),
+            last_eval: None,
+            held: Vec::new(),
+            last_interval: Interval::default(),
+            above_limit: false,
+            diverged: None,
+        })
     }
 
     /// Continues the counters from `base` (a new membership's, taken over from its source rank), with
@@ -587,7 +654,7 @@ impl Segment {
         self.base = base;
         self.t0 = Instant::now();
         worker.take_stats();
-        self.since_sync = (0.0, 0);
+        self.since_sync = Interval::default();
         self.metrics = None;
         if worker.rank() == 0 {
             checkpoint::sweep(&spec.run_dir)?;
@@ -631,8 +698,7 @@ impl Segment {
 
     /// Counts a step's loss towards the next sync record and moves the progress bar.
     pub(crate) fn stepped<M: Module>(&mut self, worker: &Worker<M>, report: &StepReport, pace: &Pace) {
-        self.since_sync.0 += f64::from(report.loss);
-        self.since_sync.1 += 1;
+        self.since_sync.add(report.loss);
         let Some(bar) = &self.bar else {
             return;
         };
@@ -666,11 +732,10 @@ impl Segment {
         let recipe = &spec.recipe;
         let done_steps = report.info.step + 1;
         crate::fault::at(worker.rank(), crate::fault::Point::Synced(done_steps));
-        let loss = self.since_sync.0 / self.since_sync.1.max(1) as f64;
-        self.last_loss = loss;
+        let loss = self.since_sync.mean();
+        self.last_interval = std::mem::take(&mut self.since_sync);
         self.held.clear();
         self.write(worker, |c| record("sync", report, pace, loss, None, c))?;
-        self.since_sync = (0.0, 0);
         let is_end = worker.cursor().is_done();
         let due = match recipe.eval.every_steps {
             Some(period) => eval_due_every(worker.cursor(), done_steps, period),
@@ -686,20 +751,13 @@ impl Segment {
             bar.println(format!("step {done_steps:>7}  epoch {:>6.2}  {}", pace.epoch(done_steps), task.describe(&ev)));
         }
         let limit = recipe.eval.divergence_factor * task.chance_loss();
-        if ev.loss.is_nan() || ev.loss > limit {
-            let seen =
-                if ev.loss.is_finite() { format!("{:.4}, above", ev.loss) } else { format!("{}, not below", ev.loss) };
-            let why = format!(
-                "the evaluation's loss is {seen} {} x {:.4}, the loss at the start (a model that predicts every class alike); the last checkpoint before it is kept (lower the learning rate, or the outer optimizer's momentum)",
-                recipe.eval.divergence_factor,
-                task.chance_loss()
-            );
-            self.diverged = Some(crate::exit::Diverged { step: Some(done_steps), why });
-            self.last_eval = Some(ev);
+        self.diverged = judge(&mut self.above_limit, ev.loss, limit, done_steps, is_end);
+        self.last_eval = Some(ev);
+        if self.diverged.is_some() {
             return Ok(AfterSync::Diverged);
         }
-        self.last_eval = Some(ev);
-        if recipe.checkpoint.enabled {
+        // A state above the limit is not checkpointed: the kept checkpoint precedes the excursion.
+        if recipe.checkpoint.enabled && !self.above_limit {
             let c = self.counters(worker);
             save_checkpoint(worker, spec, done_steps, c)?;
         }
@@ -722,10 +780,10 @@ impl Segment {
         }
         let wall = self.t0.elapsed().as_secs_f64();
         let c = self.counters(worker);
-        if worker.rank() == 0 && self.diverged.is_none() && !self.last_loss.is_finite() {
+        if worker.rank() == 0 && self.diverged.is_none() && !self.last_interval.mean().is_finite() {
             let why = format!(
-                "the mean training loss of its last synchronization interval is {} (summary.json counts {} skipped updates)",
-                self.last_loss, c.skipped_updates
+                "the training loss of every step of its last synchronization interval ({}) was not finite (summary.json counts {} skipped updates)",
+                self.last_interval.non_finite, c.skipped_updates
             );
             self.diverged = Some(crate::exit::Diverged { step: Some(pace.plan.end_step()), why });
         }
@@ -797,6 +855,31 @@ impl Record {
             membership: None,
         }
     }
+}
+
+/// Whether an evaluation's `loss` at `done_steps` says the run diverged (every rank sees the same
+/// numbers): a loss that is not finite, or above `limit` at two evaluations in a row (or at the last,
+/// `is_end`), so that one spike does not end a run that would recover. `above_limit` carries whether
+/// the previous evaluation was above it.
+fn judge(
+    above_limit: &mut bool,
+    loss: f64,
+    limit: f64,
+    done_steps: u64,
+    is_end: bool,
+) -> Option<crate::exit::Diverged> {
+    let above = loss.is_nan() || loss > limit;
+    let diverged = !loss.is_finite() || (above && (*above_limit || is_end));
+    *above_limit = above;
+    if !diverged {
+        return None;
+    }
+    let seen = if loss.is_finite() { format!("{loss:.4}, above") } else { format!("{loss}, not below") };
+    let twice = if loss.is_finite() && !is_end { ", at two evaluations in a row" } else { "" };
+    let why = format!(
+        "the evaluation's loss is {seen} {limit:.4}, the divergence limit (eval.divergence_factor x the loss at the start, of a model that predicts every class alike){twice}; the last checkpoint before it is kept (lower the learning rate, or the outer optimizer's momentum)"
+    );
+    Some(crate::exit::Diverged { step: Some(done_steps), why })
 }
 
 /// One record shape for syncs and evaluations, at the step `report` completed.

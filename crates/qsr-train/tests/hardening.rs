@@ -812,7 +812,7 @@ fn dev_zero_as_a_data_file_is_refused_before_reading_it() {
     write_idx(&data, "train", 64, 28, 28);
     write_idx(&data, "t10k", 16, 28, 28);
     let mut header = vec![0, 0, 8, 3];
-    for d in [4_000_000_000u32, 28, 28] {
+    for d in [4_000_000u32, 28, 28] {
         header.extend(d.to_be_bytes());
     }
     std::fs::write(data.join("train-images-idx3-ubyte"), header).unwrap();
@@ -901,4 +901,43 @@ fn the_readme_compare_with_an_outer_optimizer_trains_digits() {
     let rows = json(&dir.path().join("compare.json"));
     assert_eq!(rows[0]["outer"]["momentum"], 0.5);
     assert!(rows[0]["accuracy_mean"].as_f64().unwrap() > 0.9, "{rows}");
+}
+
+#[test]
+fn a_diverging_elastic_job_ends_with_status_4_not_a_hang() {
+    // Every worker stops at the evaluation that saw it and tells the store the job finished.
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let args = ["train", "--recipe", RECIPE, "--nproc", "2", "--elastic", "--quiet", "--out", s(&run)];
+    let out = qsr_within(
+        &[&args[..], &["--set", "schedule.lr_max=50", "--set", "eval.every_epochs=1"]].concat(),
+        &[("QSR_COMM_TIMEOUT_SECS", "2")],
+        Duration::from_secs(120),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "{err}");
+    assert!(err.contains("training diverged") && err.contains("rank 0 diverged"), "{err}");
+}
+
+#[test]
+fn an_elastic_launch_whose_last_worker_dies_ends_instead_of_waiting_forever() {
+    // Rank 1 is stopped and expelled; rank 0 goes on alone and is killed: nobody holds the training
+    // state, and the launcher must stop the stopped worker and fail, not wait for it.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut args = long_run(&out, "2");
+    args.push("--elastic".into());
+    let mut c = qsr_cmd(&strs(&args));
+    c.env("QSR_TEST_FAULT", "stop:1:20").env("QSR_COMM_TIMEOUT_SECS", "2");
+    let file = std::fs::File::create(dir.path().join("stderr")).unwrap();
+    let child = c.stdout(Stdio::null()).stderr(file).spawn().unwrap();
+    let mut launcher = Background { child, stderr: dir.path().join("stderr") };
+    let membership = || std::fs::read_to_string(out.join("metrics.jsonl")).is_ok_and(|t| t.contains("membership"));
+    assert!(wait_until(Duration::from_secs(60), membership), "rank 1 was never expelled: {}", launcher.stderr());
+    let rank0 = processes_with(s(&out)).into_iter().find(|(_, c)| c.contains("--spawned") && c.contains("--rank 0 "));
+    kill(rank0.expect("rank 0 runs").0, "KILL");
+    let status = launcher.wait(Duration::from_secs(60)).expect("the launcher must end once nobody holds the job");
+    assert_eq!(status.code(), Some(3), "{}", launcher.stderr());
+    assert!(launcher.stderr().contains("rank 0 was killed by signal 9"), "{}", launcher.stderr());
+    assert!(wait_until(Duration::from_secs(30), || processes_with(s(&out)).is_empty()), "workers left behind");
 }

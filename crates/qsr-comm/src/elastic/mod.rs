@@ -242,8 +242,10 @@ impl Elastic {
         // the comm timeout means it stopped.
         let silence = self.cfg.tcp.timeout.max(MIN_STORE_TIMEOUT);
         let _ = self.reader.get_ref().set_read_timeout(Some(silence));
-        let total = first_deadline.map_or(Duration::MAX, |d| d.saturating_duration_since(Instant::now()));
-        let mut wait = Waiting::first_after(total.min(self.cfg.tcp.rendezvous_timeout), Duration::from_secs(1));
+        // A first generation gives up at the rendezvous timeout; a running job's join waits as long as
+        // the job runs (a spare waits for a free slot).
+        let total = first_deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        let mut wait = Waiting::first_after(total, Duration::from_secs(1));
         loop {
             match recv::<Response>(&mut self.reader) {
                 Ok(Some(Response::Waiting { generation: None, status }))
@@ -277,7 +279,10 @@ impl Elastic {
 
     fn unexpected(&self, r: Response) -> CommError {
         match r {
-            Response::Refused { message } => store_err(&self.cfg.store, format!("refused: {message}")),
+            Response::Refused { message, mismatch: true } => {
+                CommError::Mismatch { peer: format!("rendezvous store {}", self.cfg.store), detail: message }
+            }
+            Response::Refused { message, .. } => store_err(&self.cfg.store, format!("refused: {message}")),
             Response::Expelled { generation, current } => CommError::Expelled { generation, current },
             other => store_err(&self.cfg.store, format!("unexpected answer {other:?}")),
         }
@@ -288,19 +293,27 @@ fn store_err(addr: &str, detail: String) -> CommError {
     CommError::Store { addr: addr.into(), detail }
 }
 
+/// Tries every address a name resolved to (`localhost` may be `::1` first), each with a bounded
+/// connect; returns the first connection or the last error.
+fn first_connect(addrs: impl Iterator<Item = std::net::SocketAddr>, left: Duration) -> std::io::Result<TcpStream> {
+    let mut last = std::io::Error::new(ErrorKind::NotFound, "the address resolved to nothing");
+    for a in addrs {
+        match TcpStream::connect_timeout(&a, left.clamp(Duration::from_millis(100), Duration::from_secs(5))) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
 /// Connects to the store at `addr`, retrying until `within`; says at once, then every 10 s, what it
 /// waits for, since no store listening is worth knowing about before the timeout.
 fn connect_store(addr: &str, within: Duration) -> Result<TcpStream, CommError> {
     let deadline = Instant::now() + within;
-    let mut wait = Waiting::first_after(within, Duration::ZERO);
+    let mut wait = Waiting::first_after(Some(within), Duration::ZERO);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        let attempt = addr
-            .to_socket_addrs()
-            .and_then(|mut a| a.next().ok_or_else(|| std::io::Error::new(ErrorKind::NotFound, "no address")))
-            .and_then(|a| {
-                TcpStream::connect_timeout(&a, left.clamp(Duration::from_millis(100), Duration::from_secs(5)))
-            });
+        let attempt = addr.to_socket_addrs().and_then(|addrs| first_connect(addrs, left));
         match attempt {
             Ok(s) => return Ok(s),
             Err(e) if left.is_zero() => {

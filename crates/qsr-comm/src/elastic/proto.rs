@@ -39,8 +39,13 @@ pub(crate) enum Response {
     /// The hello was accepted: the worker's id, and the job's (one per store, random), which names
     /// the job in its run directory's lock.
     Welcome { id: u64, job: String },
-    /// A request was refused; the message says why.
-    Refused { message: String },
+    /// A request was refused; the message says why. `mismatch`: because the worker's own token or
+    /// settings do not match the job's (its input, not the store, is at fault).
+    Refused {
+        message: String,
+        #[serde(default)]
+        mismatch: bool,
+    },
     /// A join is still waiting (sent every [`KEEPALIVE`], so the worker knows the store lives):
     /// `status` says for what, in words the worker prints.
     Waiting {

@@ -244,7 +244,7 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
                 if shared.connections.load(Ordering::Relaxed) >= limit {
                     let message = format!("the store already serves its limit of {limit} connections");
                     let _ = s.set_write_timeout(Some(TICK));
-                    let _ = send(&mut s, &Response::Refused { message });
+                    let _ = send(&mut s, &refused(message));
                     continue;
                 }
                 shared.connections.fetch_add(1, Ordering::Relaxed);
@@ -272,8 +272,8 @@ fn serve(s: TcpStream, peer: SocketAddr, shared: &Shared) {
     let mut r = BufReader::new(s);
     let id = match hello(&mut r, shared) {
         Ok(id) => id,
-        Err(message) => {
-            let _ = send(&mut w, &Response::Refused { message });
+        Err(refusal) => {
+            let _ = send(&mut w, &refusal);
             return;
         }
     };
@@ -283,12 +283,12 @@ fn serve(s: TcpStream, peer: SocketAddr, shared: &Shared) {
             Ok(Some(req)) => req,
             Ok(None) => break,
             Err(e) => {
-                let _ = send(&mut w, &Response::Refused { message: format!("unreadable request: {e}") });
+                let _ = send(&mut w, &refused(format!("unreadable request: {e}")));
                 break;
             }
         };
         let reply = match req {
-            Request::Hello { .. } => Response::Refused { message: "a second hello on one connection".into() },
+            Request::Hello { .. } => refused("a second hello on one connection".into()),
             Request::Join { seen, host, port, state, reason } => {
                 let host = if host.is_empty() { peer.ip().to_string() } else { host };
                 join(shared, id, seen, Pending { host, port, state }, reason, &mut w)
@@ -310,28 +310,38 @@ fn serve(s: TcpStream, peer: SocketAddr, shared: &Shared) {
     shared.changed.notify_all();
 }
 
-/// Reads and checks the hello; returns the worker's id.
-fn hello(r: &mut BufReader<TcpStream>, shared: &Shared) -> Result<u64, String> {
+/// Reads and checks the hello; returns the worker's id, or the refusal to send.
+fn hello(r: &mut BufReader<TcpStream>, shared: &Shared) -> Result<u64, Box<Response>> {
     let _ = r.get_ref().set_read_timeout(Some(Duration::from_secs(10)));
-    let req = recv::<Request>(r).map_err(|e| format!("unreadable hello: {e}"))?;
+    let req = recv::<Request>(r).map_err(|e| Box::new(refused(format!("unreadable hello: {e}"))))?;
     let _ = r.get_ref().set_read_timeout(None);
     let Some(Request::Hello { token, settings, order }) = req else {
-        return Err("the first request must be a hello".into());
+        return Err(Box::new(refused("the first request must be a hello".into())));
     };
     if !crate::tcp::rendezvous::same_token(token.as_bytes(), shared.cfg.token.as_bytes()) {
-        return Err("job token differs (is this worker from another job?)".into());
+        return Err(Box::new(mismatch("job token differs (is this worker from another job?)".into())));
     }
     let mut st = shared.lock();
     let settings = match &st.settings {
-        Some(job) if **job != settings => return Err(differ(job, &settings)),
+        Some(job) if **job != settings => return Err(Box::new(mismatch(differ(job, &settings)))),
         Some(job) => Arc::clone(job),
         // No generation has fixed the job's settings yet: the first workers to fill one will.
-        None => st.variant(settings)?,
+        None => st.variant(settings).map_err(|m| Box::new(mismatch(m)))?,
     };
     let id = st.next_id;
     st.next_id += 1;
     st.alive.insert(id, Conn { order, settings });
     Ok(id)
+}
+
+/// A refusal for another reason than the worker's own token or settings.
+fn refused(message: String) -> Response {
+    Response::Refused { message, mismatch: false }
+}
+
+/// A refusal because the worker's own token or settings do not match the job's.
+fn mismatch(message: String) -> Response {
+    Response::Refused { message, mismatch: true }
 }
 
 /// The refusal of a worker whose settings differ from the job's, naming the keys.
@@ -346,7 +356,7 @@ fn differ(job: &Value, mine: &Value) -> String {
 /// A join: waits until a generation forms with this worker, or says it was expelled.
 fn join(shared: &Shared, id: u64, seen: Option<u64>, pending: Pending, reason: String, w: &mut TcpStream) -> Response {
     if let Err(message) = pending.check() {
-        return Response::Refused { message };
+        return refused(message);
     }
     let mut st = shared.lock();
     if let Some(g) = seen {
@@ -355,9 +365,7 @@ fn join(shared: &Shared, id: u64, seen: Option<u64>, pending: Pending, reason: S
             return Response::Expelled { generation: g, current };
         }
         let Some(rank) = st.rank_of(id) else {
-            return Response::Refused {
-                message: format!("worker {id} names generation {g} but is not a member of it"),
-            };
+            return refused(format!("worker {id} names generation {g} but is not a member of it"));
         };
         let over = st.over.get_or_insert_with(|| Over { why: format!("rank {rank}: {reason}"), since: None });
         over.since.get_or_insert_with(Instant::now);
@@ -380,29 +388,29 @@ fn join(shared: &Shared, id: u64, seen: Option<u64>, pending: Pending, reason: S
         }
         if st.finished() {
             st.pending.remove(&id);
-            return Response::Refused { message: "the job has finished".into() };
+            return refused("the job has finished".into());
         }
         if let Some(job) = st.settings.as_ref().filter(|job| !Arc::ptr_eq(job, &st.alive[&id].settings)) {
             let message = format!("{} (the first generation formed without it)", differ(job, &st.alive[&id].settings));
             st.pending.remove(&id);
-            return Response::Refused { message };
+            return mismatch(message);
         }
         if let Some(message) = st.orphaned() {
             st.pending.remove(&id);
-            return Response::Refused { message };
+            return refused(message);
         }
         if beat.elapsed() >= KEEPALIVE {
             let (generation, status) = (st.generation, st.status(Some(id), &shared.cfg));
             drop(st);
             if send(w, &Response::Waiting { generation, status }).is_err() {
-                return Response::Refused { message: "connection lost".into() };
+                return refused("connection lost".into());
             }
             beat = Instant::now();
             st = shared.lock();
             continue;
         }
         if shared.stop.load(Ordering::Relaxed) {
-            return Response::Refused { message: "the store is shutting down".into() };
+            return refused("the store is shutting down".into());
         }
         st = shared.wait(st);
     }
@@ -424,8 +432,13 @@ impl Pending {
 }
 
 impl State {
+    /// The job finished: every member of the generation is done or gone, and one at least is done
+    /// (a member lost after the last sync does not hold the others' finished job open).
     fn finished(&self) -> bool {
-        self.generation.is_some() && self.members.iter().all(|m| self.done.contains(m))
+        let gone_or_done = |m: &u64| self.done.contains(m) || !self.alive.contains_key(m);
+        self.generation.is_some()
+            && self.members.iter().all(gone_or_done)
+            && self.members.iter().any(|m| self.done.contains(m))
     }
 
     fn rank_of(&self, id: u64) -> Option<usize> {

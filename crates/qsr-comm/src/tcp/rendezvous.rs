@@ -46,7 +46,8 @@ fn secs(d: Duration) -> String {
 /// Progress lines of one wait, so that a long rendezvous is never silent.
 pub(crate) struct Waiting {
     start: Instant,
-    total: Duration,
+    /// The longest the wait may last (`None`: as long as it takes).
+    total: Option<Duration>,
     every: Duration,
     due: Instant,
 }
@@ -54,14 +55,19 @@ pub(crate) struct Waiting {
 impl Waiting {
     /// A wait of at most `total`: a line every 10 s (a quarter of `total` when that is shorter).
     pub(crate) fn new(total: Duration) -> Waiting {
-        let every = PROGRESS_EVERY.min(total / 4).max(Duration::from_millis(100));
+        Waiting::of(Some(total))
+    }
+
+    fn of(total: Option<Duration>) -> Waiting {
+        let every = total.map_or(PROGRESS_EVERY, |t| PROGRESS_EVERY.min(t / 4)).max(Duration::from_millis(100));
         let start = Instant::now();
         Waiting { start, total, every, due: start + every }
     }
 
-    /// [`Self::new`], with its first line due after `first` (a wait that is already unusual).
-    pub(crate) fn first_after(total: Duration, first: Duration) -> Waiting {
-        let w = Waiting::new(total);
+    /// A wait of at most `total` (`None`: no limit), its first line due after `first` (a wait that
+    /// is already unusual).
+    pub(crate) fn first_after(total: Option<Duration>, first: Duration) -> Waiting {
+        let w = Waiting::of(total);
         Waiting { due: w.start + first.min(w.every), ..w }
     }
 
@@ -78,8 +84,9 @@ impl Waiting {
         }
         self.due = now + self.every;
         let sep = if detail.is_empty() { "" } else { ": " };
-        let (spent, total) = (secs(now - self.start), secs(self.total));
-        super::notice(false, &format!("{what} ({spent} of {total}){sep}{detail}"));
+        let spent = secs(now - self.start);
+        let of = self.total.map_or(String::new(), |t| format!(" of {}", secs(t)));
+        super::notice(false, &format!("{what} ({spent}{of}){sep}{detail}"));
     }
 }
 
