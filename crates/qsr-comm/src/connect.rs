@@ -4,6 +4,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::shm::{self, ShmConfig};
 use crate::tcp::notice;
+use crate::util::all_gather_bytes;
 use crate::{Collective, CommError, LaunchEnv, TcpComm, TcpConfig};
 
 /// How the ranks of a launch reach each other (`QSR_TRANSPORT`: `auto`, `tcp` or `shm`).
@@ -218,17 +219,6 @@ pub fn split_by_host(
     let me = ring.rank();
     let color = by_host(&hosts).iter().position(|g| g.contains(&me)).expect("every rank is in a host group");
     split(ring, color as u32, me as u32, transport, host, shm_cfg)
-}
-
-/// Every rank's `mine`, in rank order (one broadcast per rank: for setup, not for data).
-pub(crate) fn all_gather_bytes(comm: &mut dyn Collective, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
-    (0..comm.world_size())
-        .map(|root| {
-            let mut b = if root == comm.rank() { mine.to_vec() } else { Vec::new() };
-            comm.broadcast_bytes(&mut b, root)?;
-            Ok(b)
-        })
-        .collect()
 }
 
 /// Ranks grouped by equal host identity, groups ordered by their first rank.

@@ -51,7 +51,7 @@ pub(crate) fn join(boot: &mut TcpComm, groups: &[Vec<usize>], local: ShmComm) ->
     let me = leader_ranks.iter().position(|&r| r == boot.rank());
     let listener = me.map(|_| ring_listener(&cfg)).transpose()?;
     let port = listener.as_ref().map_or(0, |l| l.1);
-    let ports = crate::connect::all_gather_bytes(boot, &port.to_le_bytes())?;
+    let ports = crate::util::all_gather_bytes(boot, &port.to_le_bytes())?;
     let leaders = match (me, listener) {
         (Some(sub), Some((l, _))) => {
             let table = leader_ranks

@@ -42,6 +42,7 @@ mod inproc;
 mod launch;
 mod shm;
 mod tcp;
+mod util;
 mod wire;
 
 #[cfg(feature = "mpi")]

@@ -51,10 +51,10 @@ use qsr_comm::{Collective, CommStats, ReduceOp};
 use qsr_sched::{RoundStart, SyncRule};
 use serde::Serialize;
 
-use crate::driver::Wire;
 use crate::error::OptimError;
 use crate::flat::ParamLayout;
 use crate::outer::{Outer, OuterConfig};
+use crate::sync::{Wire, check_wire};
 
 /// What an [`Averager`] averages and when.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -156,7 +156,7 @@ impl Averager {
                 });
             }
         }
-        crate::driver::check_wire(config.wire, comm.as_ref())?;
+        check_wire(config.wire, comm.as_ref())?;
         let layout = ParamLayout::of(&model);
         let settings = serde_json::json!({
             "config": &config,

@@ -14,13 +14,11 @@
 //! policy names); BatchNorm statistics, when averaged, still go through the host collective.
 
 use std::borrow::Cow;
-use std::time::Instant;
 
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
-use qsr_comm::{Collective, CommStats, ReduceOp};
-use qsr_sched::{Cursor, StepInfo, SyncMode};
-use serde::{Deserialize, Serialize};
+use qsr_comm::Collective;
+use qsr_sched::{Cursor, SyncMode};
 
 use crate::device::DeviceGroup;
 use crate::error::{LossError, OptimError};
@@ -28,195 +26,7 @@ use crate::flat::ParamLayout;
 use crate::optim::{OptimState, OptimizerConfig};
 use crate::outer::{Outer, OuterConfig};
 use crate::replica::{DeviceReplica, HostReplica, Replica};
-
-/// Which optimizer state is averaged at a synchronization (the authors' `--avg-m` / `--avg-v`).
-/// Default: none, as in the paper.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct StatePolicy {
-    /// Average SGD momentum / AdamW `exp_avg`.
-    #[serde(default)]
-    pub average_first_moment: bool,
-    /// Average AdamW `exp_avg_sq`.
-    #[serde(default)]
-    pub average_second_moment: bool,
-}
-
-/// What happens to BatchNorm running statistics.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum BnPolicy {
-    /// The paper: statistics stay local during training; before an evaluation the trainer re-estimates
-    /// them on training data and calls [`Worker::average_running_stats`].
-    #[default]
-    Reestimate,
-    /// Statistics stay local; evaluation uses rank 0's.
-    Local,
-    /// Statistics are averaged with the parameters at every synchronization.
-    Average,
-}
-
-/// Driver options: a recipe's `[driver]` section (keys `driver.<field>`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DriverConfig {
-    /// Which optimizer moments are averaged at a sync (`driver.state`); default none.
-    #[serde(default)]
-    pub state: StatePolicy,
-    /// What happens to BatchNorm running statistics (`driver.bn`); default `"reestimate"`.
-    #[serde(default)]
-    pub bn: BnPolicy,
-    /// Micro-batches per step (gradient accumulation); the step's gradient is their mean. Default 1;
-    /// `qsr train` sets it to `train.local_batch / train.micro_batch` whatever the recipe says.
-    #[serde(default = "one")]
-    pub accumulation_steps: usize,
-    /// All-reduce in buckets of at most this many elements instead of one call per round.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bucket_elems: Option<usize>,
-    /// Broadcast rank 0's initial parameters so every worker starts from the same point (as DDP).
-    #[serde(default = "yes")]
-    pub broadcast_initial: bool,
-    /// Where the flat parameters and optimizer state live.
-    #[serde(default)]
-    pub residency: Residency,
-    /// How the payload of a parameter sync (parameters or pseudo-gradients, with the state the
-    /// policies append) travels: `f32` (default) or `bf16` (f32 accumulation at every hop, half the
-    /// bytes; host-resident workers). Gradient all-reduces stay f32.
-    #[serde(default)]
-    pub wire: Wire,
-}
-
-/// The element type of a parameter sync on the wire (`driver.wire`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Wire {
-    /// 4 bytes per value, exact.
-    #[default]
-    F32,
-    /// 2 bytes per value: every rank ends with the bf16-rounded mean, bit-identical
-    /// ([`qsr_comm::Collective::all_reduce_bf16`]).
-    Bf16,
-}
-
-impl Wire {
-    /// Bytes per value on the wire.
-    pub fn bytes_per_element(self) -> u64 {
-        match self {
-            Wire::F32 => 4,
-            Wire::Bf16 => 2,
-        }
-    }
-}
-
-/// Where a worker's flat parameters and optimizer state live.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Residency {
-    /// On the device for a cubecl (GPU) backend, on the host otherwise.
-    #[default]
-    Auto,
-    /// Host `Vec<f32>`s, updated by the fused host optimizer (fastest on the CPU backend).
-    Host,
-    /// burn tensors on the training device (no per-step transfers on a GPU); K simulated workers with
-    /// a [`DeviceGroup`] average there, with the fused cubecl kernel on a cubecl backend.
-    Device,
-}
-
-fn one() -> usize {
-    1
-}
-fn yes() -> bool {
-    true
-}
-
-impl Default for DriverConfig {
-    fn default() -> Self {
-        Self {
-            state: StatePolicy::default(),
-            bn: BnPolicy::default(),
-            accumulation_steps: 1,
-            bucket_elems: None,
-            broadcast_initial: true,
-            residency: Residency::Auto,
-            wire: Wire::F32,
-        }
-    }
-}
-
-/// Which level of a two-level plan a synchronization belongs to.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Level {
-    /// Over every worker, through the worker's collective (the only level of a flat plan).
-    #[default]
-    Global,
-    /// Inside the worker's node, through the node's collective ([`Worker::set_local`]).
-    Local,
-}
-
-/// One synchronization.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct SyncReport {
-    /// Whether gradients (a data-parallel step, before the update) or parameters (a round's end,
-    /// after it) were averaged.
-    pub mode: SyncMode,
-    /// Over all workers, or inside the node (a local average of a two-level plan).
-    #[serde(default)]
-    pub level: Level,
-    /// Elements all-reduced (parameters or gradients, plus any appended state).
-    pub elements: usize,
-    /// Collective calls this sync made (1 unless bucketed).
-    pub calls: u64,
-    /// Bytes this rank sent (the in-process and device groups report what a ring all-reduce of the
-    /// same elements would send).
-    pub bytes_sent: u64,
-    /// Wall time of the sync in seconds, waiting for the other workers, staging and copies included.
-    pub seconds: f64,
-}
-
-/// What one step did.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct StepReport {
-    /// The cursor's description of the step: index, lr, round, whether a sync followed.
-    pub info: StepInfo,
-    /// Mean loss over the step's micro-batches (this worker's).
-    pub loss: f32,
-    /// False when the gradients were not finite and the update was skipped.
-    pub updated: bool,
-    /// The synchronization this step made, if any: a gradient all-reduce before the update or the
-    /// parameter average after it, over all workers or (a local average) inside the node.
-    pub sync: Option<SyncReport>,
-}
-
-/// Totals of the local level of a two-level plan.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-pub struct LocalStats {
-    /// Local averages inside the node.
-    pub syncs: u64,
-    /// Their traffic, through the node's collective.
-    pub comm: CommStats,
-}
-
-/// Totals over a worker's life.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-pub struct DriverStats {
-    /// Steps completed, skipped updates included.
-    pub steps: u64,
-    /// Global synchronizations (gradient and parameter), i.e. rounds completed.
-    pub syncs: u64,
-    /// Of `syncs`, the data-parallel gradient all-reduces.
-    pub gradient_syncs: u64,
-    /// Steps whose gradients were not finite, so the optimizer update was skipped (the sync was not).
-    pub skipped_updates: u64,
-    /// Traffic of global synchronizations only (the initial broadcast is not counted).
-    pub comm: CommStats,
-    /// The local averages of a two-level plan, counted apart from the global ones.
-    #[serde(default)]
-    pub local: LocalStats,
-    /// Synchronizations averaged on the device by the fused cubecl kernel.
-    #[serde(default)]
-    pub fused_syncs: u64,
-}
+use crate::sync::{DriverConfig, DriverStats, Level, Peers, Residency, StepReport, Wire, check_wire};
 
 /// One worker: a model replica, its flat parameters, its optimizer state, its collective and cursor.
 pub struct Worker<M: Module> {
@@ -234,119 +44,6 @@ pub struct Worker<M: Module> {
     stats: DriverStats,
     /// DiLoCo's outer optimizer (see [`Worker::set_outer`]).
     outer: Option<Outer>,
-}
-
-/// What a replica's step borrows from its [`Worker`] beside the replica: the collective, the settings
-/// and the totals that syncs add to.
-pub(crate) struct Peers<'a> {
-    pub(crate) comm: &'a mut dyn Collective,
-    pub(crate) config: &'a DriverConfig,
-    pub(crate) stats: &'a mut DriverStats,
-    /// The outer optimizer, when parameter syncs are outer steps.
-    pub(crate) outer: Option<&'a mut Outer>,
-    /// Whether `comm` is every worker's collective or the node's; a device group serves the global
-    /// level only.
-    pub(crate) level: Level,
-}
-
-impl Peers<'_> {
-    /// The collective's counters and the clock at the start of a sync.
-    pub(crate) fn start(&self) -> (CommStats, Instant) {
-        (*self.comm.stats(), Instant::now())
-    }
-
-    /// Mean all-reduce of `buf` in the configured buckets, in f32; returns the calls made.
-    pub(crate) fn all_reduce(&mut self, buf: &mut [f32], step: u64) -> Result<u64, OptimError> {
-        all_reduce_bucketed(&mut *self.comm, buf, self.config.bucket_elems, Wire::F32)
-            .map_err(|source| OptimError::Comm { step, source })
-    }
-
-    /// [`Self::all_reduce`] of a parameter sync's payload, on the configured wire (`driver.wire`).
-    pub(crate) fn all_reduce_params(&mut self, buf: &mut [f32], step: u64) -> Result<u64, OptimError> {
-        all_reduce_bucketed(&mut *self.comm, buf, self.config.bucket_elems, self.config.wire)
-            .map_err(|source| OptimError::Comm { step, source })
-    }
-
-    /// A sync through the collective since `start`, added to the totals.
-    pub(crate) fn account(
-        &mut self,
-        before: CommStats,
-        t: Instant,
-        mode: SyncMode,
-        elements: usize,
-        calls: u64,
-    ) -> SyncReport {
-        let mut delta = self.comm.stats().since(&before);
-        delta.seconds = t.elapsed().as_secs_f64();
-        let totals = match self.level {
-            Level::Global => &mut self.stats.comm,
-            Level::Local => &mut self.stats.local.comm,
-        };
-        totals.calls += delta.calls;
-        totals.bytes_sent += delta.bytes_sent;
-        totals.bytes_received += delta.bytes_received;
-        totals.seconds += delta.seconds;
-        SyncReport { mode, level: self.level, elements, calls, bytes_sent: delta.bytes_sent, seconds: delta.seconds }
-    }
-
-    /// A sync through a [`DeviceGroup`] since `t`, added to the totals as the bytes a ring all-reduce of
-    /// the same elements would move (as the in-process collective reports).
-    pub(crate) fn account_group(
-        &mut self,
-        t: Instant,
-        mode: SyncMode,
-        elements: usize,
-        calls: u64,
-        fused: bool,
-    ) -> SyncReport {
-        let k = self.comm.world_size() as u64;
-        let bytes = qsr_sched::ring_allreduce_bytes_per_rank(elements as u64, 4, k);
-        let seconds = t.elapsed().as_secs_f64();
-        self.stats.comm.calls += calls;
-        self.stats.comm.bytes_sent += bytes;
-        self.stats.comm.bytes_received += bytes;
-        self.stats.comm.seconds += seconds;
-        if fused {
-            self.stats.fused_syncs += 1;
-        }
-        SyncReport { mode, level: Level::Global, elements, calls, bytes_sent: bytes, seconds }
-    }
-
-    /// The model's BatchNorm running statistics averaged over the workers (not accounted).
-    pub(crate) fn average_running_unaccounted<M: Module>(
-        &mut self,
-        model: &mut M,
-        layout: &ParamLayout,
-        step: u64,
-    ) -> Result<(usize, u64), OptimError> {
-        let mut running = vec![0.0; layout.running_len()];
-        layout.read_running(model, &mut running)?;
-        let calls = self.all_reduce(&mut running, step)?;
-        *model = layout.write_running(model.clone(), &running)?;
-        Ok((running.len(), calls))
-    }
-
-    /// [`Self::average_running_unaccounted`] as part of a sync, accounted.
-    pub(crate) fn average_running<M: Module>(
-        &mut self,
-        model: &mut M,
-        layout: &ParamLayout,
-        step: u64,
-    ) -> Result<SyncReport, OptimError> {
-        let (before, t) = self.start();
-        let (elements, calls) = self.average_running_unaccounted(model, layout, step)?;
-        Ok(self.account(before, t, SyncMode::Parameters, elements, calls))
-    }
-}
-
-impl SyncReport {
-    /// Adds another part of the same sync (e.g. BatchNorm statistics averaged after the parameters).
-    pub(crate) fn add(&mut self, other: &SyncReport) {
-        self.elements += other.elements;
-        self.calls += other.calls;
-        self.bytes_sent += other.bytes_sent;
-        self.seconds += other.seconds;
-    }
 }
 
 impl<M: Module> Worker<M> {
@@ -639,20 +336,6 @@ impl<M: Module> Worker<M> {
 }
 
 /// Settings the driver cannot run with, named by their recipe key.
-/// Refuses bf16 syncs over a collective without a bf16 all-reduce before the first step, naming both.
-pub(crate) fn check_wire(wire: Wire, comm: &dyn Collective) -> Result<(), OptimError> {
-    if wire == Wire::Bf16 && !comm.supports_bf16() {
-        return Err(OptimError::Config {
-            field: "driver.wire".into(),
-            reason: format!(
-                "the {} collective has no bf16 all-reduce (the TCP ring and the in-process group do)",
-                comm.backend()
-            ),
-        });
-    }
-    Ok(())
-}
-
 fn check_config(config: &DriverConfig) -> Result<(), OptimError> {
     if config.accumulation_steps == 0 {
         return Err(OptimError::Config {
@@ -685,27 +368,6 @@ fn broadcast_initial<M: Module>(
         model = layout.write_running(model, &running)?;
     }
     layout.write_params(model, &params)
-}
-
-/// Mean all-reduce of `buf`, in buckets of at most `bucket` elements; returns the calls made.
-fn all_reduce_bucketed(
-    comm: &mut dyn Collective,
-    buf: &mut [f32],
-    bucket: Option<usize>,
-    wire: Wire,
-) -> Result<u64, qsr_comm::CommError> {
-    let mut reduce = |chunk: &mut [f32]| match wire {
-        Wire::F32 => comm.all_reduce(chunk, ReduceOp::Mean),
-        Wire::Bf16 => comm.all_reduce_bf16(chunk, ReduceOp::Mean),
-    };
-    match bucket {
-        Some(b) if b < buf.len() => {
-            buf.chunks_mut(b).try_for_each(&mut reduce)?;
-            Ok(buf.len().div_ceil(b) as u64)
-        }
-        // One call for the whole buffer, an empty one too (every rank makes it, on the same wire).
-        _ => reduce(buf).map(|()| 1),
-    }
 }
 
 /// The device of a module's first float parameter (flex when it has none).

@@ -19,13 +19,11 @@ mod optim;
 mod outer;
 mod replica;
 mod snapshot;
+mod sync;
 
 pub use averager::{Averager, AveragerConfig, AveragerStats};
 pub use device::{DEFAULT_DEVICE_GROUP_TIMEOUT, DeviceGroup, DeviceOptimizer};
-pub use driver::{
-    BnPolicy, DriverConfig, DriverStats, Level, LocalStats, Residency, StatePolicy, StepReport, SyncReport, Wire,
-    Worker,
-};
+pub use driver::Worker;
 pub use error::{LossError, OptimError};
 pub use flat::{ParamEntry, ParamLayout, ParamRole};
 pub use optim::{
@@ -33,3 +31,6 @@ pub use optim::{
 };
 pub use outer::OuterConfig;
 pub use snapshot::Snapshot;
+pub use sync::{
+    BnPolicy, DriverConfig, DriverStats, Level, LocalStats, Residency, StatePolicy, StepReport, SyncReport, Wire,
+};

@@ -10,10 +10,10 @@ use burn::tensor::{Device, Tensor, TensorData};
 use qsr_sched::{StepInfo, SyncMode};
 
 use crate::device::{DeviceGroup, DeviceOptimizer, all_finite, to_host};
-use crate::driver::{BnPolicy, Level, Peers, SyncReport};
 use crate::error::{LossError, OptimError};
 use crate::flat::ParamLayout;
 use crate::optim::{OptimState, Optimizer, OptimizerConfig};
+use crate::sync::{BnPolicy, Level, Peers, SyncReport};
 
 /// What a replica's step did, for the worker's report.
 pub(crate) struct Stepped {

@@ -24,13 +24,15 @@ mod comm;
 mod error;
 mod local;
 mod plan;
+mod round;
 mod rule;
 mod schedule;
 
 pub use comm::{CommVolume, ring_allreduce_bytes_per_rank};
 pub use error::ConfigError;
 pub use local::LocalSummary;
-pub use plan::{Cursor, Plan, PlanSummary, Round, Rounds, StepInfo, SyncMode};
+pub use plan::{Cursor, Plan, PlanSummary, Rounds, StepInfo};
+pub use round::{Round, SyncMode};
 pub use rule::{RoundStart, SyncRule};
 pub use schedule::{LrSchedule, ScheduleKind};
 

@@ -13,12 +13,13 @@ use serde::{Deserialize, Serialize};
 
 use crate::comm::CommVolume;
 use crate::error::ConfigError;
-use crate::plan::{Plan, Round, SyncMode};
+use crate::round::{Round, SyncMode};
 use crate::rule::SyncRule;
+use crate::schedule::LrSchedule;
 
 /// Checks a local rule: valid at `sync.local`, and one that averages parameters.
-pub(crate) fn validate(rule: &SyncRule, plan: &Plan) -> Result<(), ConfigError> {
-    rule.validate_at(plan.schedule(), "sync.local")?;
+pub(crate) fn validate(rule: &SyncRule, schedule: &LrSchedule) -> Result<(), ConfigError> {
+    rule.validate_at(schedule, "sync.local")?;
     if rule.syncs_gradients(0) {
         return Err(ConfigError::new(
             "sync.local.rule",
@@ -43,30 +44,37 @@ pub(crate) struct LocalPos {
 
 impl LocalPos {
     /// The local round `index` that starts at `start` inside a global round ending at `end`.
-    pub(crate) fn at(plan: &Plan, rule: &SyncRule, start: u64, end: u64, index: u64, warm_rounds: u64) -> LocalPos {
-        let h = rule.round_h(plan.schedule(), start, index, warm_rounds);
+    pub(crate) fn at(
+        schedule: &LrSchedule,
+        rule: &SyncRule,
+        start: u64,
+        end: u64,
+        index: u64,
+        warm_rounds: u64,
+    ) -> LocalPos {
+        let h = rule.round_h(schedule, start, index, warm_rounds);
         let round =
-            Round { index, start, len: h.min(end - start), lr_start: plan.lr(start), mode: SyncMode::Parameters };
+            Round { index, start, len: h.min(end - start), lr_start: schedule.lr(start), mode: SyncMode::Parameters };
         LocalPos { round, warm_rounds }
     }
 
     /// The first local round of the global round `global`.
-    pub(crate) fn first_of(plan: &Plan, rule: &SyncRule, global: &Round) -> LocalPos {
-        LocalPos::at(plan, rule, global.start, global.end(), 0, 0)
+    pub(crate) fn first_of(schedule: &LrSchedule, rule: &SyncRule, global: &Round) -> LocalPos {
+        LocalPos::at(schedule, rule, global.start, global.end(), 0, 0)
     }
 
     /// The local round that follows this one, starting at `start` (this round's end, or the start of
     /// the next global round) inside a global round ending at `end`.
-    pub(crate) fn next(&self, plan: &Plan, rule: &SyncRule, start: u64, end: u64) -> LocalPos {
-        let warm = self.warm_rounds + u64::from(plan.schedule().in_warmup(self.round.start));
-        LocalPos::at(plan, rule, start, end, self.round.index + 1, warm)
+    pub(crate) fn next(&self, schedule: &LrSchedule, rule: &SyncRule, start: u64, end: u64) -> LocalPos {
+        let warm = self.warm_rounds + u64::from(schedule.in_warmup(self.round.start));
+        LocalPos::at(schedule, rule, start, end, self.round.index + 1, warm)
     }
 
     /// Walks from this local round (of the global round `global`) to the one containing `step`, or
     /// to the global round's last.
-    pub(crate) fn seek(mut self, plan: &Plan, rule: &SyncRule, global: &Round, step: u64) -> LocalPos {
+    pub(crate) fn seek(mut self, schedule: &LrSchedule, rule: &SyncRule, global: &Round, step: u64) -> LocalPos {
         while self.round.end() < global.end() && step >= self.round.end() {
-            self = self.next(plan, rule, self.round.end(), global.end());
+            self = self.next(schedule, rule, self.round.end(), global.end());
         }
         self
     }
@@ -86,14 +94,20 @@ pub struct LocalSummary {
 }
 
 impl LocalSummary {
-    /// The local level of `plan`, whose local rule is `rule`: one pass over its local rounds.
-    pub(crate) fn of(plan: &Plan, rule: &SyncRule) -> LocalSummary {
+    /// The local level of a plan whose global rounds are `rounds` (of a run of `end_step` steps under
+    /// `schedule`), with local rule `rule`: one pass over its local rounds.
+    pub(crate) fn of(
+        rounds: impl Iterator<Item = Round>,
+        schedule: &LrSchedule,
+        rule: &SyncRule,
+        end_step: u64,
+    ) -> LocalSummary {
         let mut s = LocalSummary { rule: rule.name().to_string(), rounds: 0, comm_percent: 0.0, max_h: 0 };
         let mut pos: Option<LocalPos> = None;
-        for g in plan.rounds() {
+        for g in rounds {
             let mut l = match pos {
-                Some(p) => p.next(plan, rule, g.start, g.end()),
-                None => LocalPos::first_of(plan, rule, &g),
+                Some(p) => p.next(schedule, rule, g.start, g.end()),
+                None => LocalPos::first_of(schedule, rule, &g),
             };
             loop {
                 s.max_h = s.max_h.max(l.round.len);
@@ -101,11 +115,11 @@ impl LocalSummary {
                     break;
                 }
                 s.rounds += 1;
-                l = l.next(plan, rule, l.round.end(), g.end());
+                l = l.next(schedule, rule, l.round.end(), g.end());
             }
             pos = Some(l);
         }
-        s.comm_percent = 100.0 * s.rounds as f64 / plan.end_step() as f64;
+        s.comm_percent = 100.0 * s.rounds as f64 / end_step as f64;
         s
     }
 

@@ -3,41 +3,9 @@ use serde::{Deserialize, Serialize};
 use crate::comm::CommVolume;
 use crate::error::ConfigError;
 use crate::local::{self, LocalPos, LocalSummary};
+use crate::round::{Round, SyncMode};
 use crate::rule::SyncRule;
 use crate::schedule::LrSchedule;
-
-/// What a synchronization all-reduces.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum SyncMode {
-    /// Data parallel: gradients are averaged before every optimizer step (rounds of length 1).
-    Gradients,
-    /// Local method: parameters are averaged after the round's last local step.
-    Parameters,
-}
-
-/// One round: `len` optimizer steps starting at global step `start`, then one synchronization.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct Round {
-    /// 0-based position of the round in the run.
-    pub index: u64,
-    /// Global step (0-based) of the round's first step.
-    pub start: u64,
-    /// Optimizer steps in the round: the rule's `H`, except that the last round is clamped to end at the
-    /// run's end. Always >= 1.
-    pub len: u64,
-    /// The scheduled lr of the round's first step (the one the rule decided `len` from).
-    pub lr_start: f64,
-    /// What the round's synchronization all-reduces: gradients (data parallel) or parameters.
-    pub mode: SyncMode,
-}
-
-impl Round {
-    /// One past the round's last step; the synchronization happens after step `end() - 1`.
-    pub fn end(&self) -> u64 {
-        self.start + self.len
-    }
-}
 
 /// The validated pairing of an lr schedule and a sync rule, plus how many steps a run performs
 /// (`run_steps`, default the schedule's horizon `total_steps`) and, for a two-level run, the rule of
@@ -121,7 +89,7 @@ impl Plan {
     ///
     /// An invalid setting of `rule` (named `sync.local.*`), or a rule that all-reduces gradients.
     pub fn with_local(self, rule: SyncRule) -> Result<Plan, ConfigError> {
-        local::validate(&rule, &self)?;
+        local::validate(&rule, self.schedule())?;
         Ok(Plan { local: Some(rule), ..self })
     }
 
@@ -159,7 +127,7 @@ impl Plan {
     /// A cursor at step 0.
     pub fn cursor(&self) -> Cursor {
         let first = self.rounds().next().expect("a valid plan has at least one round");
-        let local = self.local.as_ref().map(|rule| LocalPos::first_of(self, rule, &first));
+        let local = self.local.as_ref().map(|rule| LocalPos::first_of(self.schedule(), rule, &first));
         Cursor { plan: self.clone(), step: 0, round: first, warm_rounds: 0, local }
     }
 
@@ -174,10 +142,10 @@ impl Plan {
             let warm = rounds.warm_rounds - u64::from(self.schedule.in_warmup(r.start));
             if let Some(rule) = &self.local {
                 let first = match local {
-                    Some(l) => l.next(self, rule, r.start, r.end()),
-                    None => LocalPos::first_of(self, rule, &r),
+                    Some(l) => l.next(self.schedule(), rule, r.start, r.end()),
+                    None => LocalPos::first_of(self.schedule(), rule, &r),
                 };
-                local = Some(first.seek(self, rule, &r, step));
+                local = Some(first.seek(self.schedule(), rule, &r, step));
             }
             last = Some((r, warm));
             if step < r.end() {
@@ -201,7 +169,10 @@ impl Plan {
             first_h_increase_step: None,
             max_h: 0,
             last_round_len: 0,
-            local: self.local.as_ref().map(|rule| LocalSummary::of(self, rule)),
+            local: self
+                .local
+                .as_ref()
+                .map(|rule| LocalSummary::of(self.rounds(), self.schedule(), rule, self.end_step())),
         };
         for r in self.rounds() {
             if r.index == 0 {
@@ -441,7 +412,8 @@ impl Cursor {
         }
         if (info.sync_after || info.local_sync_after) && !self.is_done() {
             let (g, plan) = (self.round, &self.plan);
-            self.local = plan.local.as_ref().zip(self.local).map(|(rule, l)| l.next(plan, rule, self.step, g.end()));
+            self.local =
+                plan.local.as_ref().zip(self.local).map(|(rule, l)| l.next(plan.schedule(), rule, self.step, g.end()));
         }
         Some(info)
     }

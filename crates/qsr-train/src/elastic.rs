@@ -23,11 +23,12 @@ use qsr_optim::{Level, Snapshot, Worker};
 use serde::{Deserialize, Serialize};
 
 use crate::agree::{LaunchFacts, agree};
+use crate::args::TrainArgs;
 use crate::checkpoint::Counters;
 use crate::device::DeviceSpec;
 use crate::exit::{bad_input, is_peer_failure};
 use crate::fault::{self, Point};
-use crate::launch::{Resume, TrainArgs};
+use crate::run_dir::{Resume, prepare_run_dir, refuse_old_run};
 use crate::run_lock::RunLock;
 use crate::task::{ImageTask, Task, TextTask};
 use crate::train::{
@@ -185,7 +186,7 @@ fn start_first_generation(
     let mut facts = LaunchFacts::new(recipe, resume.as_ref().map(|(_, s)| s.step));
     let unfit = crate::train::preflight(recipe, world, 1, gpu).err();
     let owner = comm.rank() == 0 && !args.spawned;
-    let old_run = if owner && resume.is_none() { crate::launch::refuse_old_run(run_dir).err() } else { None };
+    let old_run = if owner && resume.is_none() { refuse_old_run(run_dir).err() } else { None };
     match (unfit, old_run) {
         (Some(e), _) if comm.rank() != 0 => return Err(bad_input(e)),
         (Some(e), _) | (None, Some(e)) => facts.refusal = Some(format!("{e:#}")),
@@ -193,7 +194,7 @@ fn start_first_generation(
     }
     agree(comm, &facts)?;
     if owner {
-        crate::launch::prepare_run_dir(run_dir, recipe)?;
+        prepare_run_dir(run_dir, recipe)?;
     }
     Ok(())
 }

@@ -1,210 +1,25 @@
 //! `qsr train` (documented on [`run`]).
 
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, anyhow, bail};
 use burn::tensor::Device;
-use qsr_comm::{Collective, Explicit, InProcessGroup, TcpComm, TcpConfig, differing_keys};
+use qsr_comm::{Collective, Explicit, InProcessGroup, TcpComm, TcpConfig};
 use qsr_optim::DeviceGroup;
 
 use crate::agree::{LaunchFacts, agree};
-use crate::checkpoint;
+use crate::args::{CommKind, TrainArgs};
 use crate::device::DeviceSpec;
 use crate::exit::bad_input;
 use crate::procs;
+use crate::run_dir::{Resume, prepare_run_dir, resolve};
 use crate::run_lock::RunLock;
 use crate::train::{Comms, Outcome, RunSpec, Summary, build_model, preflight, root_cause, run_worker};
 use crate::train_recipe::TrainRecipe;
 
-/// The collective of an external or `--nproc` launch (`--comm`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum CommKind {
-    /// Our collectives: rendezvous and the TCP ring at MASTER_ADDR:MASTER_PORT, then shared memory
-    /// when every rank runs on one host (`QSR_TRANSPORT=tcp` keeps the ring, see `qsr_comm::Transport`).
-    Tcp,
-    /// The system MPI (under mpirun / srun; feature `mpi`).
-    Mpi,
-    /// NCCL, one GPU per process, bootstrapped over the TCP rendezvous (feature `nccl`).
-    Nccl,
-}
-
-impl CommKind {
-    fn name(self) -> &'static str {
-        match self {
-            CommKind::Tcp => "tcp",
-            CommKind::Mpi => "mpi",
-            CommKind::Nccl => "nccl",
-        }
-    }
-}
-
-/// Arguments of `qsr train`.
-#[derive(Debug, Clone, clap::Args)]
-pub struct TrainArgs {
-    /// TOML recipe (not needed with --resume, which uses the run's saved recipe).
-    #[arg(long)]
-    pub recipe: Option<PathBuf>,
-    /// Override a recipe key, e.g. `--set sync.h_base=4` (repeatable).
-    #[arg(long = "set", value_name = "KEY=VALUE")]
-    pub sets: Vec<String>,
-    /// Run directory (default `runs/<recipe name>-<unix time>`).
-    #[arg(long)]
-    pub out: Option<PathBuf>,
-    /// Continue the run in this directory from its latest checkpoint.
-    #[arg(long, value_name = "RUN_DIR")]
-    pub resume: Option<PathBuf>,
-    /// K simulated workers in this process (overrides train.workers).
-    #[arg(long, conflicts_with_all = ["nproc", "comm"])]
-    pub workers: Option<usize>,
-    /// Spawn N local worker processes joined by shared memory (or NCCL with `--comm nccl`).
-    #[arg(long)]
-    pub nproc: Option<usize>,
-    /// Run as one worker of an externally launched job (rank/world from flags or the launcher's env);
-    /// with --nproc, the collective the spawned workers use.
-    #[arg(long, value_enum)]
-    pub comm: Option<CommKind>,
-    /// This worker's rank (overrides the launcher's env, e.g. RANK).
-    #[arg(long, requires = "comm")]
-    pub rank: Option<usize>,
-    /// Number of workers in the job (overrides the launcher's env, e.g. WORLD_SIZE).
-    #[arg(long, requires = "comm")]
-    pub world_size: Option<usize>,
-    /// Rendezvous address of rank 0 (overrides MASTER_ADDR; default 127.0.0.1).
-    #[arg(long, requires = "comm")]
-    pub master_addr: Option<String>,
-    /// Rendezvous port of rank 0 (overrides MASTER_PORT; default 29500).
-    #[arg(long, requires = "comm")]
-    pub master_port: Option<u16>,
-    /// Compute device: `cpu` (burn's flex backend), `cuda:N`, or `cuda` (GPU = local rank; needs a
-    /// binary built with CUDA support).
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
-    /// No progress bar.
-    #[arg(long)]
-    pub quiet: bool,
-    /// Elastic mode: a lost or stalled worker costs the round in flight, not the run (the survivors
-    /// go on from the last completed sync), and restarted or new workers join at a sync. With
-    /// --nproc the launcher serves the store; otherwise give --rendezvous (`qsr rendezvous`).
-    #[arg(long, conflicts_with = "workers")]
-    pub elastic: bool,
-    /// The elastic job's store, `host:port` of `qsr rendezvous` (with --comm tcp --elastic).
-    #[arg(long, requires = "elastic", value_name = "HOST:PORT")]
-    pub rendezvous: Option<String>,
-    /// Stop after the first checkpoint at or past this step (to test resumption).
-    #[arg(long, hide = true)]
-    pub halt_after: Option<u64>,
-    /// Set by `--nproc` on the processes it spawns: the parent reports, not the children.
-    #[arg(long, hide = true)]
-    pub spawned: bool,
-}
-
 /// Parses and opens `--device` for a single process (local rank 0).
 pub fn device(name: &str) -> Result<Device> {
     DeviceSpec::parse(name)?.open(0)
-}
-
-fn default_run_dir(name: &str) -> PathBuf {
-    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    PathBuf::from("runs").join(format!("{name}-{secs}"))
-}
-
-/// The checkpoint a run resumes from (its directory and state), if it resumes.
-pub type Resume = Option<(PathBuf, checkpoint::CheckpointState)>;
-
-/// The recipe, run directory and checkpoint a `qsr train` invocation works on.
-pub fn resolve(args: &TrainArgs) -> Result<(TrainRecipe, PathBuf, Resume)> {
-    let path = match (&args.recipe, &args.resume) {
-        (Some(p), _) => p.clone(),
-        (None, Some(run_dir)) => run_dir.join("recipe.toml"),
-        (None, None) => bail!("--recipe FILE is required (or --resume RUN_DIR)"),
-    };
-    let mut recipe = TrainRecipe::load(&path, &args.sets)?;
-    for (flag, k) in [("--workers", args.workers), ("--nproc", args.nproc)] {
-        match k {
-            Some(0) => bail!("{flag} must be at least 1"),
-            Some(k) => recipe.train.workers = k,
-            None => {}
-        }
-    }
-    recipe.check_nodes(recipe.train.workers).with_context(|| format!("recipe {}", path.display()))?;
-    if let Some(run_dir) = &args.resume {
-        let (dir, state) = checkpoint::latest(run_dir)?;
-        check_resumable(&recipe, &path, &dir, &state)?;
-        return Ok((recipe, run_dir.clone(), Some((dir, state))));
-    }
-    let run_dir = args.out.clone().unwrap_or_else(|| default_run_dir(&recipe.name));
-    // Workers started into a running job's directory (launched children, elastic joiners) find its
-    // checkpoints there by design.
-    if !args.spawned && args.rendezvous.is_none() {
-        refuse_old_run(&run_dir)?;
-    }
-    Ok((recipe, run_dir, None))
-}
-
-/// Refuses a fresh run into a directory whose checkpoints belong to another run: the two would mix,
-/// and pruning (newest steps kept) would delete the new run's checkpoints as it wrote them.
-pub(crate) fn refuse_old_run(run_dir: &Path) -> Result<()> {
-    let latest = checkpoint::ckpt_root(run_dir).join("LATEST");
-    let Ok(meta) = std::fs::symlink_metadata(&latest) else {
-        return Ok(());
-    };
-    // Read only a regular file: a FIFO would block.
-    let name = if meta.is_file() { std::fs::read_to_string(&latest).unwrap_or_default() } else { String::new() };
-    bail!(
-        "{} already holds a run with checkpoints ({} names {}): continue it with --resume {}, or give another --out; nothing was changed",
-        run_dir.display(),
-        latest.display(),
-        name.trim(),
-        run_dir.display()
-    )
-}
-
-/// Refuses a resume whose recipe changed more than a resume may change (naming the keys), or that has
-/// nothing left to train.
-fn check_resumable(recipe: &TrainRecipe, path: &Path, dir: &Path, state: &checkpoint::CheckpointState) -> Result<()> {
-    let key = recipe.resume_key()?;
-    if key != state.resume_key {
-        let parse = |s: &str| serde_json::from_str::<serde_json::Value>(s).unwrap_or_default();
-        let diffs: Vec<String> = differing_keys(&parse(&state.resume_key), &parse(&key))
-            .into_iter()
-            .map(|d| format!("`{}` (checkpoint: {}, now: {})", d.key, d.left, d.right))
-            .collect();
-        bail!(
-            "cannot resume from {}: recipe {} differs from the checkpointed run in {} (only train.steps, eval, checkpoint and data.prefetch may change)",
-            dir.display(),
-            path.display(),
-            diffs.join(", ")
-        );
-    }
-    let plan = recipe.plan()?;
-    let end = plan.end_step();
-    let round = *plan.cursor_at(state.step.min(end)).round();
-    if state.step < end && round.start != state.step {
-        // The checkpointed run ended there with a sync (a run always does): one more than the plan has.
-        eprintln!(
-            "qsr: resuming at step {} inside this plan's round {}..{} (the checkpointed run ended there, with a sync): this run makes one sync more than `qsr plan` shows for train.steps = {end}",
-            state.step,
-            round.start,
-            round.end()
-        );
-    }
-    if state.step == end {
-        bail!(
-            "nothing to resume: the run in {} already finished at step {end} (train.steps); to train longer, raise it, e.g. --set train.steps={}",
-            dir.display(),
-            end * 2
-        );
-    }
-    if state.step > end {
-        bail!(
-            "cannot resume from {}: its step {} is past train.steps = {end}; set train.steps above {}",
-            dir.display(),
-            state.step,
-            state.step
-        );
-    }
-    Ok(())
 }
 
 fn check_world(resume: &Resume, world: usize) -> Result<()> {
@@ -335,13 +150,6 @@ fn check_elastic(args: &TrainArgs, recipe: &TrainRecipe) -> Result<()> {
         bail!("--halt-after is not supported with --elastic");
     }
     Ok(())
-}
-
-/// Writes the resolved recipe, so that the run directory says what the run follows (on resume too:
-/// a raised `train.steps` then holds for the next resume as well).
-pub(crate) fn prepare_run_dir(run_dir: &Path, recipe: &TrainRecipe) -> Result<()> {
-    std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
-    checkpoint::write_atomic(&run_dir.join("recipe.toml"), recipe.to_toml()?.as_bytes())
 }
 
 /// K workers as threads of this process, joined by the in-process collective.

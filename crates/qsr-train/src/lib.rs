@@ -15,6 +15,7 @@
 // `run` (the `qsr plan` / `train` / `compare` / `simulate` entry points) and two a `Row`, so those
 // re-exports are renamed after their command.
 mod agree;
+mod args;
 // The one public module: its free functions (`begin`, `commit`, `latest`, `verify`, `write_file`, ...) name
 // steps of the checkpoint protocol and would read ambiguously at the crate root.
 pub mod checkpoint;
@@ -28,6 +29,7 @@ mod plan_cmd;
 mod plot;
 mod procs;
 mod recipe;
+mod run_dir;
 mod run_lock;
 mod simulate;
 mod task;
@@ -35,6 +37,7 @@ mod train;
 mod train_recipe;
 
 pub use agree::{LaunchFacts, agree};
+pub use args::{CommKind, TrainArgs};
 pub use compare::{CompareArgs, PlotArgs, Row as CompareRow, mean_ci, plot, rule_from_spec, run as run_compare, t95};
 #[cfg(feature = "cuda")]
 pub use device::probe_cuda;
@@ -43,10 +46,11 @@ pub use elastic::{RendezvousArgs, rendezvous};
 pub use exit::{
     BadInput, Diverged, EXIT_PEER_FAILED, Exit, Interrupted, WorkersFailed, bad_input, exit_code, is_peer_failure,
 };
-pub use launch::{CommKind, Resume, TrainArgs, device, resolve, run as run_train, simulated};
+pub use launch::{device, run as run_train, simulated};
 pub use plan_cmd::{Format, PlanArgs, PlanReport, run as run_plan, write_csv};
 pub use plot::{PALETTE, RunSeries, plan_png, runs_png};
 pub use recipe::{LocalSync, PlanOverrides, PlanRecipe, SyncSection, load_plan, plan_from_table, read_table};
+pub use run_dir::{Resume, resolve};
 pub use run_lock::{LOCK_FILE, RunLock};
 pub use simulate::{
     Cluster, Network, Nodes, Prediction, Report, Row as SimulateRow, SimulateArgs, SyncPayload, parse_bandwidth,

@@ -77,7 +77,7 @@ impl Doubling {
             partners.iter().map(|q| q.map(|_| ring_listener(&cfg)).transpose()).collect::<Result<_, _>>()?;
         let mut mine = (cfg.doubling_bytes as u64).to_le_bytes().to_vec();
         listeners.iter().for_each(|l| mine.extend(l.as_ref().map_or(0, |l| l.1).to_le_bytes()));
-        let all = crate::connect::all_gather_bytes(ring, &mine)?;
+        let all = crate::util::all_gather_bytes(ring, &mine)?;
         check_alike(&all, &mine, rank)?;
         let port = |r: usize, slot: usize| u16::from_le_bytes([all[r][8 + 2 * slot], all[r][9 + 2 * slot]]);
         let mut pairs = Vec::new();

@@ -1,0 +1,14 @@
+//! Helpers over any [`Collective`], below the backends and the launch code that use them.
+
+use crate::{Collective, CommError};
+
+/// Every rank's `mine`, in rank order (one broadcast per rank: for setup, not for data).
+pub(crate) fn all_gather_bytes(comm: &mut dyn Collective, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+    (0..comm.world_size())
+        .map(|root| {
+            let mut b = if root == comm.rank() { mine.to_vec() } else { Vec::new() };
+            comm.broadcast_bytes(&mut b, root)?;
+            Ok(b)
+        })
+        .collect()
+}
