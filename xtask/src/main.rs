@@ -5,6 +5,7 @@
 mod bench;
 mod chaos;
 mod cuda;
+mod layers;
 mod netem;
 
 use std::path::PathBuf;
@@ -187,13 +188,19 @@ fn run_tests(mut c: Command) -> Result<Totals> {
     Ok(totals)
 }
 
-/// The tidy step, first in CI: formatting, clippy with warnings denied (the workspace lints include
+/// The tidy step, first in CI: formatting, the layering check (`layers.rs`), clippy with warnings denied (the workspace lints include
 /// `missing_docs` and `undocumented_unsafe_blocks`), rustdoc with warnings denied, and `cargo package`. Release profile for
 /// clippy and doc alike, so they share the dependencies' check builds.
 fn tidy() -> Result<()> {
     let mut f = cargo();
     f.args(["fmt", "--all", "--", "--check"]);
     run(f).context("`cargo fmt --all` would change files: run it and commit")?;
+    // Every crate's modules are layers: no file uses another that uses it back (docs/ARCHITECTURE.md).
+    let mut crates: Vec<PathBuf> =
+        std::fs::read_dir(root().join("crates"))?.map(|e| e.map(|e| e.path())).collect::<std::io::Result<_>>()?;
+    crates.extend([root().join("xtask"), root().join("benches")]);
+    crates.sort();
+    layers::check(&crates)?;
     let mut c = cargo();
     c.args(["clippy", "--release", "--locked", "--workspace", "--all-targets", "--", "-D", "warnings"]);
     run(c)?;
