@@ -25,6 +25,8 @@
 //! How the strategy treats data, events, checkpoints and stopping is on [`LocalTrainingStrategy`].
 //! This crate is the only one of qsr's that depends on burn-train.
 
+#![forbid(unsafe_code)]
+
 mod renderer;
 mod replica;
 mod report;
