@@ -3,8 +3,8 @@
 use serde::{Deserialize, Serialize};
 
 use crate::shm::{self, ShmConfig};
-use crate::tcp::notice;
 use crate::util::all_gather_bytes;
+use crate::util::notice;
 use crate::{Collective, CommError, LaunchEnv, TcpComm, TcpConfig};
 
 /// How the ranks of a launch reach each other (`QSR_TRANSPORT`: `auto`, `tcp` or `shm`).

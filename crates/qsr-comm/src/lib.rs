@@ -41,6 +41,7 @@ mod hier;
 mod inproc;
 mod launch;
 mod shm;
+pub mod store_protocol;
 mod tcp;
 mod util;
 mod wire;
@@ -53,14 +54,16 @@ mod nccl;
 pub use agree::{KeyDiff, agree, differing_keys};
 pub use bootstrap::{probe_library, share_unique_id};
 pub use connect::{Transport, connect, host_id, over_ring, split, split_by_host};
-pub use elastic::{Elastic, ElasticConfig, Lost, MAX_SYNC_PAYLOAD, Membership, Poll, Store, StoreConfig, SyncState};
+pub use elastic::{Elastic, ElasticConfig, Membership, Poll};
 pub use error::CommError;
 pub use inproc::{DEFAULT_TIMEOUT, InProcessComm, InProcessGroup};
 pub use launch::{
     DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, Explicit, LaunchEnv, Source, detect, detect_from_process_env, first_host,
 };
 pub use shm::{ShmComm, ShmConfig};
+pub use store_protocol::{Lost, MAX_SYNC_PAYLOAD, SyncState};
 pub use tcp::{MAX_TIMEOUT_SECS, MasterListener, TcpComm, TcpConfig, random_token, resolve, seconds};
+pub use util::notice;
 
 #[cfg(feature = "mpi")]
 pub use mpi_backend::MpiComm;

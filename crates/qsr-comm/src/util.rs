@@ -12,3 +12,19 @@ pub(crate) fn all_gather_bytes(comm: &mut dyn Collective, mine: &[u8]) -> Result
         })
         .collect()
 }
+
+/// Says something the person running the job must see: through `tracing` when the program
+/// installed a subscriber, else on stderr (the rank's log), since a library can assume neither.
+pub fn notice(warning: bool, msg: &str) {
+    if warning {
+        if tracing::enabled!(tracing::Level::WARN) {
+            tracing::warn!("{msg}");
+        } else {
+            eprintln!("qsr-comm: warning: {msg}");
+        }
+    } else if tracing::enabled!(tracing::Level::INFO) {
+        tracing::info!("{msg}");
+    } else {
+        eprintln!("qsr-comm: {msg}");
+    }
+}

@@ -463,3 +463,16 @@ fn handshake_refusals_state_each_fact_once() {
         assert_eq!(common::repeated_phrase(&msg), None, "{msg}");
     }
 }
+
+#[test]
+fn a_hello_of_another_generation_is_refused_naming_it() {
+    let gen1 = TcpConfig { generation: 1, rendezvous_timeout: Duration::from_secs(5), ..TcpConfig::default() };
+    let listener = MasterListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let master = std::thread::spawn(move || TcpComm::master(listener, 2, gen1).err());
+    let stale = TcpConfig { generation: 0, rendezvous_timeout: Duration::from_secs(5), ..TcpConfig::default() };
+    let err = TcpComm::worker(&addr, 1, 2, stale).err().expect("refused");
+    let msg = err.to_string();
+    assert!(msg.contains("generation 0") && msg.contains("is over"), "{msg}");
+    assert!(master.join().unwrap().is_some());
+}

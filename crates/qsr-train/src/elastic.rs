@@ -16,9 +16,8 @@ use std::io::Write;
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
-use qsr_comm::{
-    Collective, CommError, Elastic, ElasticConfig, Membership, Poll, Store, StoreConfig, SyncState, TcpConfig,
-};
+use qsr_comm::{Collective, CommError, Elastic, ElasticConfig, Membership, Poll, SyncState, TcpConfig};
+use qsr_elastic::{Store, StoreConfig};
 use qsr_optim::{Level, Snapshot, Worker};
 use serde::{Deserialize, Serialize};
 

@@ -52,7 +52,7 @@ pub fn launch(
     n: usize,
     command: impl Fn(usize, u16) -> Result<Command>,
     run_dir: &Path,
-    store: Option<&qsr_comm::Store>,
+    store: Option<&qsr_elastic::Store>,
 ) -> Result<Option<Summary>> {
     let signal = Arc::new(AtomicUsize::new(0));
     let ids = register_signals(&signal)?;
@@ -156,7 +156,7 @@ fn supervise(
     n: usize,
     command: &impl Fn(usize, u16) -> Result<Command>,
     signal: &AtomicUsize,
-    store: Option<&qsr_comm::Store>,
+    store: Option<&qsr_elastic::Store>,
 ) -> Result<()> {
     let port = free_port()?;
     let mut workers = Vec::new();
@@ -206,7 +206,7 @@ fn supervise(
     stop(&mut workers, Signal::TERM);
     workers = reap(workers, &mut failures)?;
     debug_assert!(workers.is_empty());
-    if store.is_some_and(qsr_comm::Store::finished) {
+    if store.is_some_and(qsr_elastic::Store::finished) {
         // Workers that diverged finished the plan: the job's outcome is theirs.
         let diverged = failures.iter().find(|f| f.status.and_then(|s| s.code()) == Some(Exit::Diverged as i32));
         if let Some(d) = diverged {

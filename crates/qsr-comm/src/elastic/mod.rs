@@ -2,16 +2,16 @@
 //! any of them.
 //!
 //! The protocol (ARCHITECTURE.md states its invariants):
-//! - every worker keeps one connection to the [`Store`] for its life, opened with the job token and
+//! - every worker keeps one connection to the store (`qsr_elastic::Store`) for its life, opened with the job token and
 //!   the settings every worker must share (a worker with other settings is refused, naming the keys);
 //!   a closed connection is a lost worker;
-//! - the store forms generation 0 when [`StoreConfig::workers`] workers have joined, ranked by their
+//! - the store forms generation 0 when `StoreConfig::workers` workers have joined, ranked by their
 //!   launcher order; each generation is a ring formed from the store's table with fresh listeners
 //!   and its number in every hello ([`crate::TcpConfig::generation`]), so no rank of an older
 //!   generation can enter it;
 //! - a worker whose collective fails joins again, naming the generation it saw; the first such join
 //!   (or a member's closed connection) ends the generation; the store then waits until every member
-//!   still connected has joined, or [`StoreConfig::settle`] has passed, and forms the next generation
+//!   still connected has joined, or `StoreConfig::settle` has passed, and forms the next generation
 //!   of the members that joined (in their old rank order) and of waiting new workers; a member that
 //!   did not join in time is expelled, and its later joins and polls are refused;
 //! - each join carries the last completed synchronization the worker holds ([`SyncState`]); the new
@@ -21,42 +21,14 @@
 //!   them ([`Elastic::poll`] by one rank, its answer shared over the collective, then every member
 //!   joins).
 
-mod proto;
-mod store;
-
 use std::io::{BufReader, ErrorKind};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
-
+use crate::store_protocol::{Lost, MIN_STORE_TIMEOUT, Request, Response, SyncState, recv, send};
 use crate::tcp::rendezvous::{Waiting, advertised_host};
 use crate::tcp::{TcpComm, TcpConfig, ring_listener};
 use crate::{Collective, CommError, ShmConfig, Transport, over_ring};
-use proto::{MIN_STORE_TIMEOUT, Request, Response, recv, send};
-pub use store::{Store, StoreConfig};
-
-/// The longest [`SyncState::payload`] a store accepts, so that its answers fit a line.
-pub const MAX_SYNC_PAYLOAD: usize = 64 << 10;
-
-/// The last completed synchronization a worker holds: its step and an opaque payload the new
-/// generation receives from the worker chosen as [`Membership::source`] (the trainer's counters).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SyncState {
-    /// Steps completed at that synchronization.
-    pub step: u64,
-    /// What the application wants the new generation to have (at most [`MAX_SYNC_PAYLOAD`] bytes).
-    pub payload: String,
-}
-
-/// A member of the previous generation that is not in the new one.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Lost {
-    /// Its rank in the previous generation.
-    pub rank: usize,
-    /// Why the store dropped it (exited, or did not report within the settle time).
-    pub reason: String,
-}
 
 /// A generation as one worker sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -111,7 +83,7 @@ pub enum Poll {
     Over,
 }
 
-/// A worker's connection to its elastic job's [`Store`].
+/// A worker's connection to its elastic job's store (`qsr_elastic::Store`).
 ///
 /// ```no_run
 /// # fn main() -> Result<(), qsr_comm::CommError> {
@@ -169,7 +141,7 @@ impl Elastic {
         self.generation
     }
 
-    /// The job's id, the same for every worker of this store ([`Store::job_id`]).
+    /// The job's id, the same for every worker of this store (`qsr_elastic::Store::job_id`).
     pub fn job_id(&self) -> &str {
         &self.job
     }

@@ -131,22 +131,6 @@ fn check_host(host: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Says something the person running the job must see: through `tracing` when the program
-/// installed a subscriber, else on stderr (the rank's log), since a library can assume neither.
-pub(crate) fn notice(warning: bool, msg: &str) {
-    if warning {
-        if tracing::enabled!(tracing::Level::WARN) {
-            tracing::warn!("{msg}");
-        } else {
-            eprintln!("qsr-comm: warning: {msg}");
-        }
-    } else if tracing::enabled!(tracing::Level::INFO) {
-        tracing::info!("{msg}");
-    } else {
-        eprintln!("qsr-comm: {msg}");
-    }
-}
-
 /// Whether `host` (an address or a name) only reaches this machine.
 fn is_loopback_host(host: &str) -> bool {
     let bare = host.trim_start_matches('[').trim_end_matches(']');
@@ -383,7 +367,7 @@ impl TcpComm {
             ));
         }
         if let Some(w) = open_job_warning(env, &cfg) {
-            notice(true, &w);
+            crate::util::notice(true, &w);
         }
         let host =
             if env.master_addr.contains(':') { format!("[{}]", env.master_addr) } else { env.master_addr.clone() };

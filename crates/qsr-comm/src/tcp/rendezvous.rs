@@ -86,7 +86,7 @@ impl Waiting {
         let sep = if detail.is_empty() { "" } else { ": " };
         let spent = secs(now - self.start);
         let of = self.total.map_or(String::new(), |t| format!(" of {}", secs(t)));
-        super::notice(false, &format!("{what} ({spent}{of}){sep}{detail}"));
+        crate::util::notice(false, &format!("{what} ({spent}{of}){sep}{detail}"));
     }
 }
 
@@ -102,11 +102,6 @@ impl Backoff {
         std::thread::sleep(self.0.min(deadline.saturating_duration_since(Instant::now())));
         self.0 = (self.0 * 2).min(Duration::from_secs(1));
     }
-}
-
-/// Byte-wise comparison whose time does not depend on where the tokens differ.
-pub(crate) fn same_token(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 fn send_reply(s: &mut TcpStream, reply: &Reply, timeout: Duration) {
@@ -134,7 +129,7 @@ fn check_hello(h: &Hello, purpose: Purpose, cfg: &TcpConfig, n: usize) -> Result
     if h.purpose != purpose {
         return Err((Field::Other, format!("expected a {:?} hello, got {:?}", purpose, h.purpose)));
     }
-    if !same_token(&h.token, cfg.token.as_bytes()) {
+    if !crate::store_protocol::same_token(&h.token, cfg.token.as_bytes()) {
         return Err((Field::Token, "job token differs (is this rank from another job or launch?)".into()));
     }
     if h.generation != cfg.generation {
@@ -733,10 +728,10 @@ mod tests {
 
     #[test]
     fn token_comparison() {
-        assert!(same_token(b"abc", b"abc"));
-        assert!(!same_token(b"abc", b"abd"));
-        assert!(!same_token(b"abc", b"abcd"));
-        assert!(same_token(b"", b""));
+        assert!(crate::store_protocol::same_token(b"abc", b"abc"));
+        assert!(!crate::store_protocol::same_token(b"abc", b"abd"));
+        assert!(!crate::store_protocol::same_token(b"abc", b"abcd"));
+        assert!(crate::store_protocol::same_token(b"", b""));
     }
 
     #[test]

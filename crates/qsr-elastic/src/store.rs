@@ -9,11 +9,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::proto::{KEEPALIVE, Request, Response, recv, send};
-use super::{Lost, MAX_SYNC_PAYLOAD, SyncState};
-use crate::CommError;
-use crate::tcp::notice;
-use crate::wire::MAX_HOST_LEN;
+use qsr_comm::store_protocol::{
+    KEEPALIVE, Lost, MAX_HOST_LEN, MAX_SYNC_PAYLOAD, Request, Response, SyncState, recv, same_token, send,
+};
+use qsr_comm::{CommError, notice};
 
 /// How often threads look at the stop flag.
 const TICK: Duration = Duration::from_millis(50);
@@ -21,6 +20,11 @@ const TICK: Duration = Duration::from_millis(50);
 /// Distinct settings kept while no generation has fixed the job's: workers that disagree wait
 /// apart, and a client that is not one of the job's workers cannot make the others wrong.
 const MAX_VARIANTS: usize = 16;
+
+/// An I/O error of the store's own (binding, threads), as the collectives report theirs.
+fn io_err(context: impl Into<String>, error: std::io::Error) -> CommError {
+    CommError::Io { context: context.into(), error }
+}
 
 /// Settings of a [`Store`].
 #[derive(Debug, Clone)]
@@ -35,7 +39,7 @@ pub struct StoreConfig {
     /// have not reported before it expels them (a stopped or cut-off process keeps its connection
     /// open but never reports). Default 30 s; it should be at least the workers' comm timeout.
     pub settle: Duration,
-    /// The job token every worker must present ([`crate::TcpConfig::token`]).
+    /// The job token every worker must present ([`qsr_comm::TcpConfig::token`]).
     pub token: String,
     /// Connections served at once, counting those that have not said hello yet (default 4096);
     /// more are refused, so idle sockets cannot exhaust the store's threads.
@@ -134,12 +138,12 @@ impl Store {
                 cfg.min_workers, cfg.workers
             )));
         }
-        let listener = TcpListener::bind(addr).map_err(|e| CommError::io(format!("binding the store on {addr}"), e))?;
-        let addr = listener.local_addr().map_err(|e| CommError::io("store address", e))?;
-        listener.set_nonblocking(true).map_err(|e| CommError::io("store listener", e))?;
+        let listener = TcpListener::bind(addr).map_err(|e| io_err(format!("binding the store on {addr}"), e))?;
+        let addr = listener.local_addr().map_err(|e| io_err("store address", e))?;
+        listener.set_nonblocking(true).map_err(|e| io_err("store listener", e))?;
         let shared = Arc::new(Shared {
             cfg,
-            job: crate::random_token(),
+            job: qsr_comm::random_token(),
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -149,7 +153,7 @@ impl Store {
         let accept = std::thread::Builder::new()
             .name("qsr-store".into())
             .spawn(move || accept_loop(&listener, &s))
-            .map_err(|e| CommError::io("starting the store thread", e))?;
+            .map_err(|e| io_err("starting the store thread", e))?;
         Ok(Store { addr, shared, accept: Some(accept) })
     }
 
@@ -318,7 +322,7 @@ fn hello(r: &mut BufReader<TcpStream>, shared: &Shared) -> Result<u64, Box<Respo
     let Some(Request::Hello { token, settings, order }) = req else {
         return Err(Box::new(refused("the first request must be a hello".into())));
     };
-    if !crate::tcp::rendezvous::same_token(token.as_bytes(), shared.cfg.token.as_bytes()) {
+    if !same_token(token.as_bytes(), shared.cfg.token.as_bytes()) {
         return Err(Box::new(mismatch("job token differs (is this worker from another job?)".into())));
     }
     let mut st = shared.lock();
@@ -346,7 +350,7 @@ fn mismatch(message: String) -> Response {
 
 /// The refusal of a worker whose settings differ from the job's, naming the keys.
 fn differ(job: &Value, mine: &Value) -> String {
-    let diffs: Vec<String> = crate::differing_keys(job, mine)
+    let diffs: Vec<String> = qsr_comm::differing_keys(job, mine)
         .into_iter()
         .map(|d| format!("`{}` (job: {}, this worker: {})", d.key, d.left, d.right))
         .collect();
@@ -570,7 +574,7 @@ impl State {
         let other = |i: &usize| Some(*i) != mine;
         let others: usize = (0..groups.len()).filter(other).map(|i| groups[i].1.len()).sum();
         if let (Some(i), Some(j)) = (mine, (0..groups.len()).find(other)) {
-            let keys: Vec<String> = crate::differing_keys(&groups[i].0, &groups[j].0)
+            let keys: Vec<String> = qsr_comm::differing_keys(&groups[i].0, &groups[j].0)
                 .into_iter()
                 .take(3)
                 .map(|d| format!("`{}`", d.key))
