@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use crate::shm::{Reason, ShmComm};
+use crate::shm::{Cause, ShmComm};
 use crate::tcp::ring_listener;
 use crate::{Collective, CommError, CommStats, ReduceOp, TcpComm};
 
@@ -105,37 +105,35 @@ pub(crate) fn rename(e: CommError, names: &[usize]) -> CommError {
 
 /// The reason for the local abort word of an error from the leaders' ring (an abort notice
 /// carries its reason as the text of the ring's or of the shared memory's reasons).
-pub(crate) fn reason_of(e: &CommError) -> Reason {
-    const ALL: [Reason; 6] =
-        [Reason::Exited, Reason::Stalled, Reason::Closed, Reason::Lost, Reason::Diverged, Reason::Other];
+pub(crate) fn reason_of(e: &CommError) -> Cause {
+    const ALL: [Cause; 6] = [Cause::Exited, Cause::Stalled, Cause::Closed, Cause::Lost, Cause::Diverged, Cause::Other];
     match e {
-        CommError::PeerLost { .. } => Reason::Lost,
-        CommError::PeerTimeout { .. } => Reason::Stalled,
-        CommError::Diverged { .. } => Reason::Diverged,
+        CommError::PeerLost { .. } => Cause::Lost,
+        CommError::PeerTimeout { .. } => Cause::Stalled,
+        CommError::Diverged { .. } => Cause::Diverged,
         CommError::Aborted { reason, .. } => {
             use crate::wire::Reason as Ring;
-            let ring =
-                [(Ring::Timeout, Reason::Stalled), (Ring::Lost, Reason::Lost), (Ring::Diverged, Reason::Diverged)];
+            let ring = [(Ring::Timeout, Cause::Stalled), (Ring::Lost, Cause::Lost), (Ring::Diverged, Cause::Diverged)];
             ring.iter()
                 .find(|(r, _)| r.describe() == reason)
                 .map(|(_, ours)| *ours)
                 .or_else(|| ALL.into_iter().find(|r| r.text() == reason))
-                .unwrap_or(Reason::Other)
+                .unwrap_or(Cause::Other)
         }
-        _ => Reason::Other,
+        _ => Cause::Other,
     }
 }
 
 /// A host's status word in the leaders' all-reduce: 0, or the culprit's job rank + 1 and the
 /// reason's code in bits 20..; exact in f32 (below 2^24).
-pub(crate) fn status_word(culprit: usize, why: Reason) -> f32 {
+pub(crate) fn status_word(culprit: usize, why: Cause) -> f32 {
     ((why as u32) << 20 | (culprit as u32 + 1)) as f32
 }
 
-pub(crate) fn read_status(w: f32) -> Option<(usize, Reason)> {
+pub(crate) fn read_status(w: f32) -> Option<(usize, Cause)> {
     let w = w as u32;
     let culprit = (w & 0xf_ffff).checked_sub(1)? as usize;
-    Some((culprit, Reason::from_code(u64::from(w >> 20)).unwrap_or(Reason::Other)))
+    Some((culprit, Cause::from_code(u64::from(w >> 20)).unwrap_or(Cause::Other)))
 }
 
 impl HostsComm {
@@ -172,7 +170,7 @@ impl HostsComm {
     /// The leaders' sum of `buf` and of every host's status (appended to an f32 buffer; in a call
     /// of its own before a bf16 one, whose rounding would garble it); a failure anywhere becomes
     /// this leader's error and its host's abort word.
-    fn leaders_sum(&mut self, buf: &mut [f32], bf16: bool, mine: Option<(usize, Reason)>) -> Result<(), CommError> {
+    fn leaders_sum(&mut self, buf: &mut [f32], bf16: bool, mine: Option<(usize, Cause)>) -> Result<(), CommError> {
         let hosts = self.leader_ranks.len();
         let host = self.host_of[self.rank];
         let (ring, names) = self.leaders.as_mut().expect("leaders only");
@@ -380,7 +378,7 @@ mod tests {
 
     #[test]
     fn status_words_round_trip_exactly() {
-        for (c, why) in [(0, Reason::Exited), (2, Reason::Stalled), (70_000, Reason::Lost)] {
+        for (c, why) in [(0, Cause::Exited), (2, Cause::Stalled), (70_000, Cause::Lost)] {
             assert_eq!(read_status(status_word(c, why)), Some((c, why)));
         }
         assert_eq!(read_status(0.0), None);
@@ -392,13 +390,13 @@ mod tests {
     fn reasons_survive_the_hop_between_hosts() {
         let aborted =
             |reason: &str| CommError::Aborted { culprit: 1, reason: reason.into(), reporter: 0, during: "d".into() };
-        for r in [Reason::Exited, Reason::Stalled, Reason::Closed, Reason::Lost, Reason::Diverged, Reason::Other] {
+        for r in [Cause::Exited, Cause::Stalled, Cause::Closed, Cause::Lost, Cause::Diverged, Cause::Other] {
             assert_eq!(reason_of(&aborted(r.text())), r);
         }
         use crate::wire::Reason as Ring;
-        assert_eq!(reason_of(&aborted(Ring::Timeout.describe())), Reason::Stalled);
-        assert_eq!(reason_of(&aborted(Ring::Lost.describe())), Reason::Lost);
-        assert_eq!(reason_of(&aborted(Ring::Diverged.describe())), Reason::Diverged);
+        assert_eq!(reason_of(&aborted(Ring::Timeout.describe())), Cause::Stalled);
+        assert_eq!(reason_of(&aborted(Ring::Lost.describe())), Cause::Lost);
+        assert_eq!(reason_of(&aborted(Ring::Diverged.describe())), Cause::Diverged);
     }
 
     #[test]

@@ -24,7 +24,7 @@ use crate::{CallKind, Collective, CommError, CommStats, ReduceOp, bf16_round, sp
 
 /// How an all-reduce's payload travels (in a ring; here: how it is rounded).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Wire {
+pub(crate) enum Rounding {
     F32,
     Bf16,
 }
@@ -107,7 +107,7 @@ struct Slot {
     seq: u64,
     kind: CallKind,
     /// The reduction, and whether its payload is carried as bf16.
-    op: Option<(ReduceOp, Wire)>,
+    op: Option<(ReduceOp, Rounding)>,
     root: usize,
     addr: usize,
     len: usize,
@@ -206,7 +206,7 @@ impl InProcessComm {
     fn run<F>(
         &mut self,
         kind: CallKind,
-        op: Option<(ReduceOp, Wire)>,
+        op: Option<(ReduceOp, Rounding)>,
         root: usize,
         addr: usize,
         len: usize,
@@ -226,7 +226,7 @@ impl InProcessComm {
         let bytes = (len * 4) as u64;
         let (sent, recv) = match kind {
             CallKind::AllReduce => {
-                let elem = if matches!(op, Some((_, Wire::Bf16))) { 2 } else { 4 };
+                let elem = if matches!(op, Some((_, Rounding::Bf16))) { 2 } else { 4 };
                 let v = crate::ring_allreduce_bytes(len, elem, self.k);
                 (v, v)
             }
@@ -240,10 +240,10 @@ impl InProcessComm {
 }
 
 /// A call's reduction as the TCP ring names it: `sum`, `mean (bf16 payload)`, `none`.
-pub(crate) fn op_name(op: Option<(ReduceOp, Wire)>) -> String {
+pub(crate) fn op_name(op: Option<(ReduceOp, Rounding)>) -> String {
     let Some((op, wire)) = op else { return "none".into() };
     let name = if op == ReduceOp::Mean { "mean" } else { "sum" };
-    if wire == Wire::Bf16 { format!("{name} (bf16 payload)") } else { name.into() }
+    if wire == Rounding::Bf16 { format!("{name} (bf16 payload)") } else { name.into() }
 }
 
 /// Checks that all K published calls agree; the message compares each rank with rank 0.
@@ -335,7 +335,7 @@ impl Collective for InProcessComm {
     fn all_reduce(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
         let (k, rank) = (self.k, self.rank);
         let addr = buf.as_mut_ptr() as usize;
-        self.run(CallKind::AllReduce, Some((op, Wire::F32)), 0, addr, buf.len(), |slots| {
+        self.run(CallKind::AllReduce, Some((op, Rounding::F32)), 0, addr, buf.len(), |slots| {
             reduce_slice(slots, split_range(slots[rank].len, k, rank), op)
         })
     }
@@ -347,7 +347,7 @@ impl Collective for InProcessComm {
     fn all_reduce_bf16(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
         let rank = self.rank;
         let addr = buf.as_mut_ptr() as usize;
-        self.run(CallKind::AllReduce, Some((op, Wire::Bf16)), 0, addr, buf.len(), |slots| {
+        self.run(CallKind::AllReduce, Some((op, Rounding::Bf16)), 0, addr, buf.len(), |slots| {
             reduce_slice_bf16(slots, rank, op)
         })
     }
@@ -436,8 +436,14 @@ mod tests {
 
     #[test]
     fn validate_names_field_and_rank() {
-        let s =
-            Slot { seq: 3, kind: CallKind::AllReduce, op: Some((ReduceOp::Sum, Wire::F32)), root: 0, addr: 0, len: 10 };
+        let s = Slot {
+            seq: 3,
+            kind: CallKind::AllReduce,
+            op: Some((ReduceOp::Sum, Rounding::F32)),
+            root: 0,
+            addr: 0,
+            len: 10,
+        };
         let mut other = s;
         other.len = 11;
         match validate(&[Some(s), Some(s), Some(other)]) {
@@ -447,7 +453,7 @@ mod tests {
             _ => panic!("length mismatch not detected"),
         }
         let mut other = s;
-        other.op = Some((ReduceOp::Mean, Wire::F32));
+        other.op = Some((ReduceOp::Mean, Rounding::F32));
         assert!(matches!(
             validate(&[Some(s), Some(other)]),
             Some(Failure::Diverged { peer: 1, field: "reduce op", .. })

@@ -39,7 +39,7 @@ mod elastic;
 mod error;
 mod hier;
 mod inproc;
-mod launch;
+mod launch_env;
 mod shm;
 pub mod store_protocol;
 mod tcp;
@@ -57,7 +57,7 @@ pub use connect::{Transport, connect, host_id, over_ring, split, split_by_host};
 pub use elastic::{Elastic, ElasticConfig, Membership, Poll};
 pub use error::CommError;
 pub use inproc::{DEFAULT_TIMEOUT, InProcessComm, InProcessGroup};
-pub use launch::{
+pub use launch_env::{
     DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, Explicit, LaunchEnv, Source, detect, detect_from_process_env, first_host,
 };
 pub use shm::{ShmComm, ShmConfig};

@@ -97,7 +97,7 @@ impl AveragerConfig {
 
 /// The round under way: steps `start..end`, of length `h` unless cut at the run's end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Round {
+struct RoundSpan {
     start: u64,
     h: u64,
     end: u64,
@@ -120,7 +120,7 @@ pub struct Averager {
     config: AveragerConfig,
     comm: Box<dyn Collective>,
     layout: ParamLayout,
-    round: Option<Round>,
+    round: Option<RoundSpan>,
     rounds_after_warmup: u64,
     /// Parameters, then (with `average_bn`) running statistics: one buffer, one all-reduce per round.
     params: Vec<f32>,
@@ -329,7 +329,7 @@ impl Averager {
         self.comm.world_size()
     }
 
-    fn start_round(&mut self, t: u64, lr: f64) -> Result<Round, OptimError> {
+    fn start_round(&mut self, t: u64, lr: f64) -> Result<RoundSpan, OptimError> {
         let in_warmup = t < self.config.warmup_steps;
         if self.config.rule.power().is_some() && !in_warmup && !(lr.is_finite() && lr > 0.0) {
             return Err(OptimError::Config {
@@ -341,7 +341,7 @@ impl Averager {
             self.config.rule.h_at(RoundStart { step: t, lr, in_warmup, rounds_after_warmup: self.rounds_after_warmup });
         self.rounds_after_warmup += u64::from(!in_warmup);
         let end = t.saturating_add(h).min(self.config.run_steps.unwrap_or(u64::MAX));
-        let round = Round { start: t, h, end };
+        let round = RoundSpan { start: t, h, end };
         self.round = Some(round);
         Ok(round)
     }

@@ -204,7 +204,7 @@ pub(crate) fn all_finite(t: &Tensor<1>) -> bool {
     t.clone().is_finite().all().into_scalar::<bool>()
 }
 
-struct Round {
+struct Exchange {
     generation: u64,
     arrived: usize,
     deposits: Vec<Option<Vec<Tensor<1>>>>,
@@ -217,7 +217,7 @@ struct Round {
 struct Shared {
     k: usize,
     timeout: Duration,
-    round: Mutex<Round>,
+    round: Mutex<Exchange>,
     done: Condvar,
 }
 
@@ -257,7 +257,7 @@ impl DeviceGroup {
         let shared = Arc::new(Shared {
             k,
             timeout,
-            round: Mutex::new(Round {
+            round: Mutex::new(Exchange {
                 generation: 0,
                 arrived: 0,
                 deposits: vec![None; k],

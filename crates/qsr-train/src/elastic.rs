@@ -21,12 +21,12 @@ use qsr_elastic::{Store, StoreConfig};
 use qsr_optim::{Level, Snapshot, Worker};
 use serde::{Deserialize, Serialize};
 
-use crate::agree::{LaunchFacts, agree};
 use crate::args::TrainArgs;
 use crate::checkpoint::Counters;
-use crate::device::DeviceSpec;
+use crate::device_spec::DeviceSpec;
 use crate::exit::{bad_input, is_peer_failure};
 use crate::fault::{self, Point};
+use crate::launch_facts::{LaunchFacts, agree};
 use crate::run_dir::{Resume, prepare_run_dir, refuse_old_run};
 use crate::run_lock::RunLock;
 use crate::task::{ImageTask, Task, TextTask};

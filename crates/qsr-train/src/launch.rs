@@ -7,10 +7,10 @@ use burn::tensor::Device;
 use qsr_comm::{Collective, Explicit, InProcessGroup, TcpComm, TcpConfig};
 use qsr_optim::DeviceGroup;
 
-use crate::agree::{LaunchFacts, agree};
 use crate::args::{CommKind, TrainArgs};
-use crate::device::DeviceSpec;
+use crate::device_spec::DeviceSpec;
 use crate::exit::bad_input;
+use crate::launch_facts::{LaunchFacts, agree};
 use crate::procs;
 use crate::run_dir::{Resume, prepare_run_dir, resolve};
 use crate::run_lock::RunLock;

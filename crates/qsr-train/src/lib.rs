@@ -14,21 +14,21 @@
 // Private modules; their public items are re-exported once, below, at the crate root. Four modules have a
 // `run` (the `qsr plan` / `train` / `compare` / `simulate` entry points) and two a `Row`, so those
 // re-exports are renamed after their command.
-mod agree;
 mod args;
+mod launch_facts;
 // The one public module: its free functions (`begin`, `commit`, `latest`, `verify`, `write_file`, ...) name
 // steps of the checkpoint protocol and would read ambiguously at the crate root.
 pub mod checkpoint;
 mod compare;
-mod device;
+mod device_spec;
 mod elastic;
 mod exit;
 mod fault;
 mod launch;
 mod plan_cmd;
+mod plan_recipe;
 mod plot;
 mod procs;
-mod recipe;
 mod run_dir;
 mod run_lock;
 mod simulate;
@@ -36,20 +36,20 @@ mod task;
 mod train;
 mod train_recipe;
 
-pub use agree::{LaunchFacts, agree};
 pub use args::{CommKind, TrainArgs};
 pub use compare::{CompareArgs, PlotArgs, Row as CompareRow, mean_ci, plot, rule_from_spec, run as run_compare, t95};
 #[cfg(feature = "cuda")]
-pub use device::probe_cuda;
-pub use device::{CHECK_LENGTHS, CudaProbe, DeviceCheckArgs, DeviceSpec, check_ordinal, device_check};
+pub use device_spec::probe_cuda;
+pub use device_spec::{CHECK_LENGTHS, CudaProbe, DeviceCheckArgs, DeviceSpec, check_ordinal, device_check};
 pub use elastic::{RendezvousArgs, rendezvous};
 pub use exit::{
     BadInput, Diverged, EXIT_PEER_FAILED, Exit, Interrupted, WorkersFailed, bad_input, exit_code, is_peer_failure,
 };
 pub use launch::{device, run as run_train, simulated};
+pub use launch_facts::{LaunchFacts, agree};
 pub use plan_cmd::{Format, PlanArgs, PlanReport, run as run_plan, write_csv};
+pub use plan_recipe::{LocalSync, PlanOverrides, PlanRecipe, SyncSection, load_plan, plan_from_table, read_table};
 pub use plot::{PALETTE, RunSeries, plan_png, runs_png};
-pub use recipe::{LocalSync, PlanOverrides, PlanRecipe, SyncSection, load_plan, plan_from_table, read_table};
 pub use run_dir::{Resume, resolve};
 pub use run_lock::{LOCK_FILE, RunLock};
 pub use simulate::{

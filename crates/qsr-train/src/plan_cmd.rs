@@ -8,7 +8,7 @@ use anyhow::{Result, bail};
 use qsr_sched::{Plan, PlanSummary};
 use serde::Serialize;
 
-use crate::recipe::{PlanOverrides, PlanRecipe, load_plan};
+use crate::plan_recipe::{PlanOverrides, PlanRecipe, load_plan};
 
 /// Output format of `qsr plan` (`--format`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

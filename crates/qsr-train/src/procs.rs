@@ -78,7 +78,7 @@ fn register_signals(signal: &Arc<AtomicUsize>) -> Result<Vec<signal_hook::SigId>
 }
 
 /// A worker process and its rank.
-struct Worker {
+struct Spawned {
     rank: usize,
     child: Child,
 }
@@ -164,7 +164,7 @@ fn supervise(
         let mut c = command(rank, port)?;
         c.env(LAUNCHER_PID, std::process::id().to_string());
         match c.spawn() {
-            Ok(child) => workers.push(Worker { rank, child }),
+            Ok(child) => workers.push(Spawned { rank, child }),
             Err(e) => {
                 stop(&mut workers, Signal::TERM);
                 return Err(e).with_context(|| format!("cannot start worker process {rank}"));
@@ -235,7 +235,7 @@ fn received(signal: &AtomicUsize) -> Option<Signal> {
 
 /// Waits without blocking: returns the workers still running, recording the ones that failed (once
 /// each: a worker already recorded as stopped is not recorded again when it is killed).
-fn reap(workers: Vec<Worker>, failures: &mut Vec<Failure>) -> Result<Vec<Worker>> {
+fn reap(workers: Vec<Spawned>, failures: &mut Vec<Failure>) -> Result<Vec<Spawned>> {
     let mut running = Vec::new();
     for mut w in workers {
         match w.child.try_wait().with_context(|| format!("cannot wait for worker {}", w.rank))? {
@@ -252,7 +252,7 @@ fn reap(workers: Vec<Worker>, failures: &mut Vec<Failure>) -> Result<Vec<Worker>
 
 /// Sends `sig` to every running worker (SIGKILL to stopped ones, which could not act on it), waits
 /// up to [`STOP_GRACE`] saying for which ranks, then kills and reaps the rest.
-fn stop(workers: &mut Vec<Worker>, sig: Signal) {
+fn stop(workers: &mut Vec<Spawned>, sig: Signal) {
     for w in workers.iter() {
         let sig = if is_stopped(&w.child) { Signal::KILL } else { sig };
         let _ = rustix::process::kill_process(Pid::from_child(&w.child), sig);
@@ -281,8 +281,8 @@ fn stop(workers: &mut Vec<Worker>, sig: Signal) {
 /// After an elastic job finished: SIGKILL for the workers the store expelled that still run (stopped
 /// or cut off, they would never exit), each named, and recorded as failures.
 /// The workers must have been reaped just before, so that those that exited keep their status.
-fn stop_expelled(workers: &mut Vec<Worker>, expelled: &[u64], failures: &mut Vec<Failure>) {
-    let doomed = |w: &Worker| expelled.contains(&(w.rank as u64)) || is_stopped(&w.child);
+fn stop_expelled(workers: &mut Vec<Spawned>, expelled: &[u64], failures: &mut Vec<Failure>) {
+    let doomed = |w: &Spawned| expelled.contains(&(w.rank as u64)) || is_stopped(&w.child);
     for w in workers.iter_mut().filter(|w| doomed(w)) {
         let state = if is_stopped(&w.child) { "stopped" } else { "still running" };
         eprintln!(

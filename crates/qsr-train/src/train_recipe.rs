@@ -8,7 +8,7 @@ use qsr_models::ModelConfig;
 use qsr_optim::{DriverConfig, OptimizerConfig, OuterConfig};
 use qsr_sched::{LrSchedule, Plan};
 
-use crate::recipe::SyncSection;
+use crate::plan_recipe::SyncSection;
 use serde::{Deserialize, Serialize};
 use toml::{Table, Value};
 
@@ -225,7 +225,7 @@ fn parse_value(raw: &str) -> Result<Value, String> {
 impl TrainRecipe {
     /// Reads a recipe file, applies overrides, validates every part; errors name the file and key.
     pub fn load(path: &Path, sets: &[String]) -> Result<Self> {
-        let mut root = crate::recipe::read_table(path)?;
+        let mut root = crate::plan_recipe::read_table(path)?;
         apply_sets(&mut root, sets)?;
         Self::from_table(root, &format!("recipe {}", path.display()))
     }
@@ -431,7 +431,7 @@ fn section_error(section: &str, value: &Value) -> Option<String> {
         v.clone().try_into::<T>().err().map(|e| e.message().trim().to_string())
     }
     if section == "sync"
-        && let Some(msg) = value.get("local").and_then(check::<crate::recipe::LocalSync>)
+        && let Some(msg) = value.get("local").and_then(check::<crate::plan_recipe::LocalSync>)
     {
         return Some(format!("[sync.local] {msg}"));
     }

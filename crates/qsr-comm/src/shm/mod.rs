@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::inproc::{Wire, check_root, op_name};
+use crate::inproc::{Rounding, check_root, op_name};
 use crate::tcp::engine::f32_bytes_mut;
 use crate::{CallKind, Collective, CommError, CommStats, ReduceOp, bf16_round, split_range};
 
@@ -67,7 +67,7 @@ impl ShmConfig {
 struct Head {
     seq: u64,
     kind: CallKind,
-    op: Option<(ReduceOp, Wire)>,
+    op: Option<(ReduceOp, Rounding)>,
     root: usize,
     len: u64,
     /// Whether an all-reduce takes the one-stage path (compared like the rest: ranks configured
@@ -87,10 +87,10 @@ fn kind_code(k: CallKind) -> u64 {
     }
 }
 
-fn op_code(op: Option<(ReduceOp, Wire)>) -> u64 {
+fn op_code(op: Option<(ReduceOp, Rounding)>) -> u64 {
     match op {
         None => 0,
-        Some((op, wire)) => 1 + u64::from(op.code()) + if wire == Wire::Bf16 { 2 } else { 0 },
+        Some((op, wire)) => 1 + u64::from(op.code()) + if wire == Rounding::Bf16 { 2 } else { 0 },
     }
 }
 
@@ -115,7 +115,7 @@ impl Head {
                 0 => "none".to_string(),
                 c => {
                     let op = if (c - 1) % 2 == 1 { ReduceOp::Mean } else { ReduceOp::Sum };
-                    op_name(Some((op, if c > 2 { Wire::Bf16 } else { Wire::F32 })))
+                    op_name(Some((op, if c > 2 { Rounding::Bf16 } else { Rounding::F32 })))
                 }
             };
             return Some(("reduce op", name(ours[1]), name(theirs[1])));
@@ -138,7 +138,7 @@ impl Head {
 
 /// Why a rank failed; the first failure any member sees (or is told of) is the group's abort word.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Reason {
+pub(crate) enum Cause {
     Exited = 1,
     Stalled = 2,
     Closed = 3,
@@ -148,26 +148,26 @@ pub(crate) enum Reason {
     Other = 6,
 }
 
-impl Reason {
+impl Cause {
     pub(crate) fn text(self) -> &'static str {
         match self {
-            Reason::Exited => "its process exited",
-            Reason::Stalled => "no progress within the timeout",
-            Reason::Closed => "it closed its communicator",
-            Reason::Lost => "connection lost",
-            Reason::Diverged => "diverging collective calls",
-            Reason::Other => "it failed",
+            Cause::Exited => "its process exited",
+            Cause::Stalled => "no progress within the timeout",
+            Cause::Closed => "it closed its communicator",
+            Cause::Lost => "connection lost",
+            Cause::Diverged => "diverging collective calls",
+            Cause::Other => "it failed",
         }
     }
 
-    pub(crate) fn from_code(c: u64) -> Option<Reason> {
+    pub(crate) fn from_code(c: u64) -> Option<Cause> {
         Some(match c {
-            1 => Reason::Exited,
-            2 => Reason::Stalled,
-            3 => Reason::Closed,
-            4 => Reason::Lost,
-            5 => Reason::Diverged,
-            6 => Reason::Other,
+            1 => Cause::Exited,
+            2 => Cause::Stalled,
+            3 => Cause::Closed,
+            4 => Cause::Lost,
+            5 => Cause::Diverged,
+            6 => Cause::Other,
             _ => return None,
         })
     }
@@ -176,9 +176,9 @@ impl Reason {
 /// A failure inside a call, before it becomes a [`CommError`].
 enum Fail {
     /// Member `.0` (our index) failed for `.1`; we saw it ourselves.
-    Peer(usize, Reason),
+    Peer(usize, Cause),
     /// Someone saw it first: (culprit, reason, reporter), ranks of the job.
-    Aborted(usize, Reason, usize),
+    Aborted(usize, Cause, usize),
     Diverged {
         peer: usize,
         field: &'static str,
@@ -188,12 +188,12 @@ enum Fail {
 }
 
 /// The abort word naming job ranks `culprit` and `reporter`.
-fn abort_word(culprit: usize, reason: Reason, reporter: usize) -> u64 {
+fn abort_word(culprit: usize, reason: Cause, reporter: usize) -> u64 {
     (reason as u64) << 48 | (reporter as u64) << 24 | (culprit as u64 + 1)
 }
 
 fn decode_abort(w: u64) -> Option<Fail> {
-    let reason = Reason::from_code(w >> 48)?;
+    let reason = Cause::from_code(w >> 48)?;
     let culprit = (w & 0xff_ffff) as usize;
     Some(Fail::Aborted(culprit.checked_sub(1)?, reason, ((w >> 24) & 0xff_ffff) as usize))
 }
@@ -238,7 +238,7 @@ pub struct ShmComm {
     stats: CommStats,
     broken: Option<String>,
     /// The job rank and reason behind our failure, for a layer above that passes it on.
-    failure: Option<(usize, Reason)>,
+    failure: Option<(usize, Cause)>,
 }
 
 impl ShmComm {
@@ -307,7 +307,7 @@ impl ShmComm {
                 return Err(f);
             }
             if self.map.ctrl(next).closed.load(Ordering::Acquire) != 0 {
-                return Err(Fail::Peer(next, Reason::Closed));
+                return Err(Fail::Peer(next, Cause::Closed));
             }
             let now = Instant::now();
             let b = self.map.ctrl(next).beat.load(Ordering::Relaxed);
@@ -321,11 +321,11 @@ impl ShmComm {
                 // done) is no failure.
                 let behind = |q: usize| q != self.rank && self.map.ctrl(q).phase.load(Ordering::Acquire) < target;
                 if let Some(q) = (next..self.n).find(|&q| behind(q) && self.watch[q].exited()) {
-                    return Err(Fail::Peer(q, Reason::Exited));
+                    return Err(Fail::Peer(q, Cause::Exited));
                 }
             }
             if now - last_change >= self.cfg.timeout {
-                return Err(Fail::Peer(next, Reason::Stalled));
+                return Err(Fail::Peer(next, Cause::Stalled));
             }
             if now - start < Duration::from_millis(2) {
                 std::thread::yield_now();
@@ -352,7 +352,7 @@ impl ShmComm {
 
     /// Our share of an all-reduce step of `len` elements that starts at element `at` of `total`:
     /// reduced over every member's half and written back into every half.
-    fn reduce_share(&self, at: usize, len: usize, total: usize, op: ReduceOp, wire: Wire) {
+    fn reduce_share(&self, at: usize, len: usize, total: usize, op: ReduceOp, wire: Rounding) {
         let share = split_range(len, self.n, self.rank);
         let mut views: Vec<&mut [f32]> = (0..self.n)
             .map(|q| {
@@ -367,8 +367,8 @@ impl ShmComm {
             })
             .collect();
         match wire {
-            Wire::F32 => qsr_kernels::reduce_and_broadcast_serial(&mut views, op == ReduceOp::Mean),
-            Wire::Bf16 => reduce_in_ring_order(&mut views, at + share.start, total, op),
+            Rounding::F32 => qsr_kernels::reduce_and_broadcast_serial(&mut views, op == ReduceOp::Mean),
+            Rounding::Bf16 => reduce_in_ring_order(&mut views, at + share.start, total, op),
         }
     }
 
@@ -417,7 +417,7 @@ impl ShmComm {
 
     /// Fails the group because job rank `culprit` failed elsewhere (the layer above saw it): every
     /// member waiting now or calling later fails naming it, unless a failure was recorded first.
-    pub(crate) fn abort(&mut self, culprit: usize, why: Reason) {
+    pub(crate) fn abort(&mut self, culprit: usize, why: Cause) {
         let word = abort_word(culprit, why, self.names[self.rank]);
         let _ = self.map.header().abort.compare_exchange(0, word, Ordering::AcqRel, Ordering::Acquire);
         self.failure.get_or_insert((culprit, why));
@@ -431,7 +431,7 @@ impl ShmComm {
 
     /// The job rank and reason of the failure that broke this communicator, if any, else of one
     /// another member recorded in the abort word (its call failed where ours got through).
-    pub(crate) fn failure(&self) -> Option<(usize, Reason)> {
+    pub(crate) fn failure(&self) -> Option<(usize, Cause)> {
         self.failure.or_else(|| match decode_abort(self.map.header().abort.load(Ordering::Acquire)) {
             Some(Fail::Aborted(c, why, _)) => Some((c, why)),
             _ => None,
@@ -455,7 +455,7 @@ impl ShmComm {
             Fail::Diverged { peer, .. } => {
                 // Every member sees a divergence and names the field itself; the abort word makes
                 // the culprit a layer above passes on the same on every member.
-                let word = abort_word(self.names[peer], Reason::Diverged, self.names[self.rank]);
+                let word = abort_word(self.names[peer], Cause::Diverged, self.names[self.rank]);
                 let _ = self.map.header().abort.compare_exchange(0, word, Ordering::AcqRel, Ordering::Acquire);
                 f
             }
@@ -465,11 +465,11 @@ impl ShmComm {
         self.failure = match (&f, word.as_ref()) {
             (Fail::Peer(q, why), _) => Some((self.names[*q], *why)),
             (Fail::Aborted(c, why, _), _) | (_, Some(Fail::Aborted(c, why, _))) => Some((*c, *why)),
-            (Fail::Diverged { peer, .. }, _) => Some((self.names[*peer], Reason::Diverged)),
+            (Fail::Diverged { peer, .. }, _) => Some((self.names[*peer], Cause::Diverged)),
         };
         let during = head.during();
         match f {
-            Fail::Peer(q, Reason::Stalled) => CommError::PeerTimeout {
+            Fail::Peer(q, Cause::Stalled) => CommError::PeerTimeout {
                 rank: self.names[q],
                 addr: self.watch[q].describe(),
                 during,
@@ -490,11 +490,11 @@ impl ShmComm {
         }
     }
 
-    fn all_reduce_with(&mut self, buf: &mut [f32], op: ReduceOp, wire: Wire) -> Result<(), CommError> {
+    fn all_reduce_with(&mut self, buf: &mut [f32], op: ReduceOp, wire: Rounding) -> Result<(), CommError> {
         let total = buf.len();
-        let elem = if wire == Wire::Bf16 { 2 } else { 4 };
+        let elem = if wire == Rounding::Bf16 { 2 } else { 4 };
         let bytes = crate::ring_allreduce_bytes(total, elem, self.n);
-        let one_stage = wire == Wire::F32 && total * 4 <= self.cfg.one_stage_bytes.min(self.cfg.slot_bytes);
+        let one_stage = wire == Rounding::F32 && total * 4 <= self.cfg.one_stage_bytes.min(self.cfg.slot_bytes);
         let head = Head { kind: CallKind::AllReduce, op: Some((op, wire)), len: total as u64 * 4, one_stage, ..BLANK };
         self.call(head, (bytes, bytes), |me, head| {
             if one_stage {
@@ -616,7 +616,7 @@ impl Collective for ShmComm {
     }
 
     fn all_reduce(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
-        self.all_reduce_with(buf, op, Wire::F32)
+        self.all_reduce_with(buf, op, Rounding::F32)
     }
 
     fn supports_bf16(&self) -> bool {
@@ -624,7 +624,7 @@ impl Collective for ShmComm {
     }
 
     fn all_reduce_bf16(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
-        self.all_reduce_with(buf, op, Wire::Bf16)
+        self.all_reduce_with(buf, op, Rounding::Bf16)
     }
 
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
@@ -777,8 +777,8 @@ mod tests {
 
     #[test]
     fn heads_name_the_first_differing_field() {
-        let h = Head { seq: 3, kind: CallKind::AllReduce, op: Some((ReduceOp::Sum, Wire::F32)), len: 8, ..BLANK };
-        let bf16 = Head { op: Some((ReduceOp::Sum, Wire::Bf16)), ..h };
+        let h = Head { seq: 3, kind: CallKind::AllReduce, op: Some((ReduceOp::Sum, Rounding::F32)), len: 8, ..BLANK };
+        let bf16 = Head { op: Some((ReduceOp::Sum, Rounding::Bf16)), ..h };
         assert_eq!(h.differs(h.words()), None);
         let (field, ours, theirs) = h.differs(bf16.words()).unwrap();
         assert_eq!((field, ours.as_str(), theirs.as_str()), ("reduce op", "sum", "sum (bf16 payload)"));
@@ -866,8 +866,8 @@ mod tests {
 
     #[test]
     fn abort_words_round_trip() {
-        let w = abort_word(5, Reason::Stalled, 2);
-        assert!(matches!(decode_abort(w), Some(Fail::Aborted(5, Reason::Stalled, 2))));
+        let w = abort_word(5, Cause::Stalled, 2);
+        assert!(matches!(decode_abort(w), Some(Fail::Aborted(5, Cause::Stalled, 2))));
         assert!(decode_abort(0).is_none());
     }
 }

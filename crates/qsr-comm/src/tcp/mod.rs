@@ -10,7 +10,7 @@ use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream, T
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::launch::LaunchEnv;
+use crate::launch_env::LaunchEnv;
 use crate::wire::{self, CallHeader, PROTOCOL_VERSION};
 use crate::{Collective, CommError, CommStats, ReduceOp};
 
