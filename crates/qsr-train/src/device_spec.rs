@@ -133,6 +133,12 @@ pub const CHECK_LENGTHS: [usize; 9] = [1, 2, 3, 4, 6, 1023, 1024, 1_000_003, 4 <
 
 /// Runs the check; `Ok(true)` when every case matched and the bandwidth goal (0.85 of a copy) was met.
 pub fn device_check(args: &DeviceCheckArgs, out: &mut dyn std::io::Write) -> Result<bool> {
+    let ordinal = check_args(args).map_err(crate::exit::bad_input)?;
+    check_on_gpu(args, ordinal, out)
+}
+
+/// The GPU ordinal `args` name, or which flag is wrong.
+fn check_args(args: &DeviceCheckArgs) -> Result<usize> {
     let spec = DeviceSpec::parse(&args.device)?;
     let Some(ordinal) = spec.ordinal(0) else {
         bail!("--device {}: device-check runs on a GPU (cuda:N)", args.device);
@@ -144,7 +150,7 @@ pub fn device_check(args: &DeviceCheckArgs, out: &mut dyn std::io::Write) -> Res
     if args.k.saturating_mul(args.mib).saturating_mul(1 << 18) > u32::MAX as usize {
         bail!("--k {} x --mib {} exceeds the kernels' 2^32 floats (16 GiB)", args.k, args.mib);
     }
-    check_on_gpu(args, ordinal, out)
+    Ok(ordinal)
 }
 
 #[cfg(feature = "cuda")]
@@ -239,7 +245,8 @@ fn memcpy_dtod_seconds(ordinal: usize, floats: usize, repeats: usize) -> Result<
 
 #[cfg(not(feature = "cuda"))]
 fn check_on_gpu(_args: &DeviceCheckArgs, ordinal: usize, _out: &mut dyn std::io::Write) -> Result<bool> {
-    open_cuda(ordinal).map(|_| false)
+    // A build without CUDA is refused like a bad flag (exit status 2), as `qsr train` refuses it.
+    open_cuda(ordinal).map(|_| false).map_err(crate::exit::bad_input)
 }
 
 #[cfg(test)]
