@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A one-node SLURM cluster on this machine (munge + slurmctld + slurmd), for the srun test
-# (crates/qsr-train/tests/srun.rs). Run as root; needs Debian's slurm-wlm and munge packages.
+# (crates/qsr-train/tests/it/srun.rs). Run as root; needs Debian's slurm-wlm and munge packages.
 # Idempotent: daemons already up are left alone; the script ends once `sinfo` shows the node idle.
 # QSR_SLURM_WAIT_SECS bounds the wait (default 90).
 set -euo pipefail

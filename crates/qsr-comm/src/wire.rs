@@ -2,7 +2,7 @@
 //!
 //! Decoders are pure functions over byte slices: they never panic, never allocate more than the
 //! bound the caller states, and report what was wrong. They are fuzzed by a proptest
-//! (`tests/wire_fuzz.rs`). All integers are little-endian; `f32` payloads are sent as their
+//! (`tests/it/wire_fuzz.rs`). All integers are little-endian; `f32` payloads are sent as their
 //! little-endian bytes.
 //!
 //! # Handshake (rendezvous and ring connect)

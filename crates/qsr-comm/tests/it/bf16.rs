@@ -1,14 +1,12 @@
 //! bf16 all-reduce: every rank bit-identical, the TCP ring and the in-process group give the same bits,
 //! half the bytes of f32, an error bounded against the f32 result, mixed calls refused by name.
 
-mod common;
-
 use qsr_comm::{Collective, CommError, CommStats, InProcessGroup, ReduceOp};
 
 /// Results of a bf16 all-reduce of seeded inputs on every rank of `comms`, with each rank's stats.
 fn reduce<C: Collective + Send + 'static>(comms: Vec<C>, len: usize, op: ReduceOp) -> Vec<(Vec<f32>, CommStats)> {
-    common::on_threads(comms, move |mut c| {
-        let mut b = common::input(5, c.rank(), len);
+    crate::common::on_threads(comms, move |mut c| {
+        let mut b = crate::common::input(5, c.rank(), len);
         c.all_reduce_bf16(&mut b, op).unwrap();
         (b, *c.stats())
     })
@@ -20,13 +18,13 @@ fn bits(v: &[f32]) -> Vec<u32> {
 
 #[test]
 fn bf16_all_reduce_is_bit_identical_on_every_rank_and_across_backends() {
-    let mut small_blocks = common::test_config();
+    let mut small_blocks = crate::common::test_config();
     small_blocks.chunk_bytes = 4096;
     for k in [2, 3, 4] {
         for len in [1, 7, 1001, 100_003] {
             for op in [ReduceOp::Sum, ReduceOp::Mean] {
                 let what = format!("K = {k}, {len} values, {op:?}");
-                let tcp = reduce(common::tcp_group(k, small_blocks.clone()), len, op);
+                let tcp = reduce(crate::common::tcp_group(k, small_blocks.clone()), len, op);
                 let inproc = reduce(InProcessGroup::new(k), len, op);
                 for (r, ((t, _), (i, _))) in tcp.iter().zip(&inproc).enumerate() {
                     assert_eq!(bits(t), bits(&tcp[0].0), "{what}: TCP rank {r} differs from rank 0");
@@ -42,12 +40,13 @@ fn bf16_all_reduce_is_bit_identical_on_every_rank_and_across_backends() {
 #[test]
 fn bf16_moves_half_the_bytes_of_f32() {
     let (k, len) = (4, 40_000);
-    let f32_bytes = common::on_threads(common::tcp_group(k, common::test_config()), move |mut c| {
-        let mut b = common::input(5, c.rank(), len);
-        c.all_reduce(&mut b, ReduceOp::Mean).unwrap();
-        c.stats().bytes_sent
-    });
-    let tcp = reduce(common::tcp_group(k, common::test_config()), len, ReduceOp::Mean);
+    let f32_bytes =
+        crate::common::on_threads(crate::common::tcp_group(k, crate::common::test_config()), move |mut c| {
+            let mut b = crate::common::input(5, c.rank(), len);
+            c.all_reduce(&mut b, ReduceOp::Mean).unwrap();
+            c.stats().bytes_sent
+        });
+    let tcp = reduce(crate::common::tcp_group(k, crate::common::test_config()), len, ReduceOp::Mean);
     let inproc = reduce(InProcessGroup::new(k), len, ReduceOp::Mean);
     for r in 0..k {
         assert_eq!(tcp[r].1.bytes_sent * 2, f32_bytes[r], "rank {r}: TCP bytes");
@@ -62,7 +61,7 @@ fn bf16_mean_error_is_bounded_against_the_f32_mean() {
     for k in [2, 4] {
         let len = 50_000;
         let got = reduce(InProcessGroup::new(k), len, ReduceOp::Mean);
-        let inputs: Vec<Vec<f32>> = (0..k).map(|r| common::input(5, r, len)).collect();
+        let inputs: Vec<Vec<f32>> = (0..k).map(|r| crate::common::input(5, r, len)).collect();
         let mut worst = 0.0f64;
         for i in 0..len {
             let mean: f64 = inputs.iter().map(|x| f64::from(x[i])).sum::<f64>() / k as f64;
@@ -84,14 +83,14 @@ fn a_bf16_call_against_an_f32_call_fails_naming_the_reduce_op() {
             if c.rank() == 1 { c.all_reduce_bf16(&mut b, ReduceOp::Mean) } else { c.all_reduce(&mut b, ReduceOp::Mean) }
         };
         let comms: Vec<Box<dyn Collective>> = if tcp {
-            common::tcp_group(2, common::test_config())
+            crate::common::tcp_group(2, crate::common::test_config())
                 .into_iter()
                 .map(|c| Box::new(c) as Box<dyn Collective>)
                 .collect()
         } else {
             InProcessGroup::new(2).into_iter().map(|c| Box::new(c) as Box<dyn Collective>).collect()
         };
-        let errors: Vec<String> = common::on_threads(comms, f)
+        let errors: Vec<String> = crate::common::on_threads(comms, f)
             .into_iter()
             .map(|r| r.expect_err("mixed precisions must fail").to_string())
             .collect();

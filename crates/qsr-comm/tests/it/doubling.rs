@@ -2,20 +2,18 @@
 //! and the folded others), the same bits on every rank, `Mean` exactly `Sum / K`, the cutover, and
 //! failures named alike by every survivor.
 
-mod common;
-
 use std::time::Duration;
 
 use qsr_comm::{Collective, ReduceOp, TcpConfig};
 
 fn cfg(doubling_bytes: usize) -> TcpConfig {
-    TcpConfig { doubling_bytes, ..common::test_config() }
+    TcpConfig { doubling_bytes, ..crate::common::test_config() }
 }
 
 /// Every rank's sum and mean of `len` seeded values, over rings of `n` with doubling at `cut`.
 fn sums(n: usize, len: usize, cut: usize) -> Vec<(Vec<f32>, Vec<f32>)> {
-    common::on_threads(common::tcp_group(n, cfg(cut)), move |mut c| {
-        let mut s = common::input(7, c.rank(), len);
+    crate::common::on_threads(crate::common::tcp_group(n, cfg(cut)), move |mut c| {
+        let mut s = crate::common::input(7, c.rank(), len);
         let mut m = s.clone();
         c.all_reduce(&mut s, ReduceOp::Sum).unwrap();
         c.all_reduce(&mut m, ReduceOp::Mean).unwrap();
@@ -28,9 +26,9 @@ fn small_all_reduces_are_exact_and_bit_identical_for_every_world_size() {
     for n in 2..=9 {
         for len in [1, 3, 100, 4096] {
             let got = sums(n, len, 16 << 10);
-            let inputs: Vec<Vec<f32>> = (0..n).map(|r| common::input(7, r, len)).collect();
+            let inputs: Vec<Vec<f32>> = (0..n).map(|r| crate::common::input(7, r, len)).collect();
             let sums: Vec<Vec<f32>> = got.iter().map(|g| g.0.clone()).collect();
-            common::check(&inputs, &sums, ReduceOp::Sum, &format!("n {n} len {len}"));
+            crate::common::check(&inputs, &sums, ReduceOp::Sum, &format!("n {n} len {len}"));
             for (r, (s, m)) in got.iter().enumerate() {
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(s), bits(&got[0].0), "n {n} len {len}: rank {r}'s sum differs");
@@ -50,9 +48,9 @@ fn the_cutover_sends_larger_buffers_around_the_ring() {
     });
     // Below it the order differs from the ring's (and the result stays within rounding of it).
     let (ring, doubled) = (sums(5, 999, 0), sums(5, 999, 16 << 10));
-    let inputs: Vec<Vec<f32>> = (0..5).map(|r| common::input(7, r, 999)).collect();
-    common::check(&inputs, &[doubled[0].0.clone()], ReduceOp::Sum, "doubling");
-    common::check(&inputs, &[ring[0].0.clone()], ReduceOp::Sum, "ring");
+    let inputs: Vec<Vec<f32>> = (0..5).map(|r| crate::common::input(7, r, 999)).collect();
+    crate::common::check(&inputs, &[doubled[0].0.clone()], ReduceOp::Sum, "doubling");
+    crate::common::check(&inputs, &[ring[0].0.clone()], ReduceOp::Sum, "ring");
 }
 
 /// A ring of 3 whose rank 2 has another cutover than ranks 0 and 1.
@@ -67,7 +65,7 @@ fn odd_one_out(theirs: usize) -> Vec<String> {
         .collect();
     let mut comms = vec![qsr_comm::TcpComm::master(listener, 3, cfg(16 << 10)).unwrap()];
     comms.extend(workers.into_iter().map(|w| w.join().unwrap()));
-    common::on_threads(comms, |mut c| {
+    crate::common::on_threads(comms, |mut c| {
         let mut b = vec![1.0f32; 250];
         c.all_reduce(&mut b, ReduceOp::Sum).unwrap_err().to_string()
     })
@@ -89,7 +87,7 @@ fn ranks_with_different_cutovers_fail_instead_of_mixing_paths() {
 fn survivors_name(n: usize, victim: usize, stall: bool) -> Vec<String> {
     let timeout = Duration::from_millis(400);
     let cfg = TcpConfig { timeout, ..cfg(16 << 10) };
-    common::on_threads(common::tcp_group(n, cfg), move |mut c| {
+    crate::common::on_threads(crate::common::tcp_group(n, cfg), move |mut c| {
         let mut b = vec![1.0f32; 64];
         c.all_reduce(&mut b, ReduceOp::Sum).unwrap(); // the pairs form
         if c.rank() == victim {

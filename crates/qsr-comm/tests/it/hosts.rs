@@ -2,12 +2,10 @@
 //! `QSR_HOST_ID` would, and `over_ring` picks the ring, shared memory, or both (a shared-memory group
 //! per host and a ring of host leaders).
 
-mod common;
-
 use qsr_comm::{Collective, ReduceOp, ShmConfig, Transport};
 
 fn group(n: usize, host: fn(usize) -> String) -> Vec<Box<dyn Collective>> {
-    common::on_threads(common::tcp_group(n, common::test_config()), move |boot| {
+    crate::common::on_threads(crate::common::tcp_group(n, crate::common::test_config()), move |boot| {
         let h = host(boot.rank());
         let shm = ShmConfig { slot_bytes: 64 << 10, ..ShmConfig::default() };
         qsr_comm::over_ring(boot, Transport::Auto, &h, shm).expect("transport setup")
@@ -28,19 +26,19 @@ fn the_transport_follows_the_hosts() {
 
 #[test]
 fn matrix_over_mixed_hosts() {
-    common::matrix(|n| group(n, parity), &[2, 3, 4, 5]);
+    crate::common::matrix(|n| group(n, parity), &[2, 3, 4, 5]);
 }
 
 #[test]
 fn bf16_over_mixed_hosts_is_bit_identical_and_close() {
     let len = 30_001;
     for op in [ReduceOp::Sum, ReduceOp::Mean] {
-        let got = common::on_threads(group(4, parity), move |mut c| {
-            let mut b = common::input(4, c.rank(), len);
+        let got = crate::common::on_threads(group(4, parity), move |mut c| {
+            let mut b = crate::common::input(4, c.rank(), len);
             c.all_reduce_bf16(&mut b, op).unwrap();
             b
         });
-        let inputs: Vec<Vec<f32>> = (0..4).map(|r| common::input(4, r, len)).collect();
+        let inputs: Vec<Vec<f32>> = (0..4).map(|r| crate::common::input(4, r, len)).collect();
         for (r, g) in got.iter().enumerate() {
             assert!(g.iter().zip(&got[0]).all(|(a, b)| a.to_bits() == b.to_bits()), "{op:?}: rank {r} differs");
         }
@@ -56,7 +54,7 @@ fn bf16_over_mixed_hosts_is_bit_identical_and_close() {
 
 #[test]
 fn oversized_byte_broadcast_is_refused_on_every_rank_of_every_host() {
-    let errors = common::on_threads(group(4, parity), |mut c| {
+    let errors = crate::common::on_threads(group(4, parity), |mut c| {
         let mut b = if c.rank() == 1 { vec![0u8; qsr_comm::MAX_BROADCAST_BYTES + 1] } else { Vec::new() };
         c.broadcast_bytes(&mut b, 1).unwrap_err().to_string()
     });
@@ -68,7 +66,7 @@ fn oversized_byte_broadcast_is_refused_on_every_rank_of_every_host() {
 /// Rank `r` of 4 splits by parity with key `3 - r` on the named hosts: each returns its group's
 /// backend, rank and size, the group sum of `r + 1`, and the sum over the ring afterwards.
 fn split_by_parity(host: fn(usize) -> String) -> Vec<(&'static str, usize, usize, f32, f32)> {
-    common::on_threads(common::tcp_group(4, common::test_config()), move |mut ring| {
+    crate::common::on_threads(crate::common::tcp_group(4, crate::common::test_config()), move |mut ring| {
         let r = ring.rank();
         let shm = ShmConfig { slot_bytes: 64 << 10, ..ShmConfig::default() };
         let mut sub =
@@ -95,7 +93,7 @@ fn split_groups_ranks_by_color_orders_them_by_key_and_keeps_the_ring() {
 
 #[test]
 fn split_by_host_gives_each_node_its_shared_memory_beside_the_global_level() {
-    let got = common::on_threads(common::tcp_group(4, common::test_config()), |mut ring| {
+    let got = crate::common::on_threads(crate::common::tcp_group(4, crate::common::test_config()), |mut ring| {
         let (r, h) = (ring.rank(), parity(ring.rank()));
         let shm = ShmConfig { slot_bytes: 64 << 10, ..ShmConfig::default() };
         let mut node = qsr_comm::split_by_host(&mut ring, Transport::Auto, &h, shm.clone()).unwrap();
@@ -113,7 +111,7 @@ fn split_by_host_gives_each_node_its_shared_memory_beside_the_global_level() {
 
 #[test]
 fn a_split_group_names_a_lost_member_by_its_rank_in_the_ring() {
-    let got = common::on_threads(common::tcp_group(4, common::test_config()), |mut ring| {
+    let got = crate::common::on_threads(crate::common::tcp_group(4, crate::common::test_config()), |mut ring| {
         let r = ring.rank();
         let shm = ShmConfig { slot_bytes: 64 << 10, ..ShmConfig::default() };
         let mut sub = qsr_comm::split(&mut ring, (r % 2) as u32, r as u32, Transport::Auto, "one", shm).unwrap();
@@ -134,7 +132,7 @@ fn a_split_group_names_a_lost_member_by_its_rank_in_the_ring() {
 fn every_transport_accounts_calls_as_the_plans_count_them() {
     let ring = |len: u64| 2 * 3 * len * 4 / 4;
     for host in [parity as fn(usize) -> String, |_| "one".into(), |r| format!("node-{r}")] {
-        let got = common::on_threads(group(4, host), |mut c| {
+        let got = crate::common::on_threads(group(4, host), |mut c| {
             // The first small call over the ring also forms the pairs of recursive doubling.
             c.all_reduce(&mut vec![1.0; 1000], ReduceOp::Sum).unwrap();
             let mut deltas = Vec::new();

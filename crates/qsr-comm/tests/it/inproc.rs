@@ -1,21 +1,19 @@
 //! In-process group: correctness matrix, divergence, panics and timeouts.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
 use qsr_comm::{Collective, CommError, InProcessGroup, ReduceOp};
 
 #[test]
 fn matrix_world_sizes_1_2_3_5() {
-    common::matrix(InProcessGroup::new, &[1, 2, 3, 5]);
+    crate::common::matrix(InProcessGroup::new, &[1, 2, 3, 5]);
 }
 
 #[test]
 fn deterministic_across_runs() {
     let run = || {
-        common::on_threads(InProcessGroup::new(3), |mut c| {
-            let mut b = common::input(9, c.rank(), 10_001);
+        crate::common::on_threads(InProcessGroup::new(3), |mut c| {
+            let mut b = crate::common::input(9, c.rank(), 10_001);
             c.all_reduce(&mut b, ReduceOp::Sum).unwrap();
             b
         })
@@ -27,7 +25,7 @@ fn deterministic_across_runs() {
 
 #[test]
 fn mismatched_length_fails_on_every_rank() {
-    let res = common::on_threads(InProcessGroup::new(3), |mut c| {
+    let res = crate::common::on_threads(InProcessGroup::new(3), |mut c| {
         let len = if c.rank() == 2 { 9 } else { 10 };
         let mut b = vec![1.0; len];
         let first = c.all_reduce(&mut b, ReduceOp::Sum);
@@ -44,13 +42,13 @@ fn mismatched_length_fails_on_every_rank() {
 
 #[test]
 fn mismatched_op_and_call_kind_fail() {
-    let res = common::on_threads(InProcessGroup::new(2), |mut c| {
+    let res = crate::common::on_threads(InProcessGroup::new(2), |mut c| {
         let mut b = vec![1.0; 4];
         let op = if c.rank() == 0 { ReduceOp::Sum } else { ReduceOp::Mean };
         c.all_reduce(&mut b, op).map_err(|e| e.to_string())
     });
     assert!(res.iter().all(|r| r.as_ref().is_err_and(|e| e.contains("reduce op"))), "{res:?}");
-    let res = common::on_threads(InProcessGroup::new(2), |mut c| {
+    let res = crate::common::on_threads(InProcessGroup::new(2), |mut c| {
         let mut b = vec![1.0; 4];
         if c.rank() == 0 { c.barrier() } else { c.broadcast(&mut b, 0) }.map_err(|e| e.to_string())
     });
@@ -67,7 +65,7 @@ fn panicking_rank_fails_the_others_quickly() {
         std::thread::sleep(Duration::from_millis(100));
         panic!("worker 2 fails while computing");
     });
-    let res = common::on_threads(comms, |mut c| c.all_reduce(&mut [1.0; 8], ReduceOp::Sum));
+    let res = crate::common::on_threads(comms, |mut c| c.all_reduce(&mut [1.0; 8], ReduceOp::Sum));
     assert!(h.join().is_err());
     for r in res {
         let e = r.expect_err("must fail, not hang");
@@ -82,7 +80,7 @@ fn missing_rank_times_out_naming_it() {
     let mut comms = InProcessGroup::with_timeout(3, Duration::from_millis(300));
     let absent = comms.remove(1);
     let start = Instant::now();
-    let res = common::on_threads(comms, |mut c| c.barrier());
+    let res = crate::common::on_threads(comms, |mut c| c.barrier());
     for r in res {
         let e = r.expect_err("timeout");
         assert_eq!(e.blamed_rank(), Some(1), "{e}");
@@ -95,7 +93,7 @@ fn missing_rank_times_out_naming_it() {
 fn boxed_trait_object_and_invalid_root() {
     let comms: Vec<Box<dyn Collective>> =
         InProcessGroup::new(2).into_iter().map(|c| Box::new(c) as Box<dyn Collective>).collect();
-    let res = common::on_threads(comms, |mut c| {
+    let res = crate::common::on_threads(comms, |mut c| {
         assert!(matches!(c.broadcast(&mut [0.0], 2), Err(CommError::InvalidArgument(_))));
         let mut b = vec![c.rank() as f32 + 1.0; 3];
         c.all_reduce(&mut b, ReduceOp::Mean).unwrap();

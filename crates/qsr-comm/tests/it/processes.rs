@@ -4,8 +4,6 @@
 //! correctness matrix, a rank killed in the middle of a large all-reduce, and a rank stopped with
 //! SIGSTOP, for each transport.
 
-mod common;
-
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -23,7 +21,7 @@ fn hash(v: &[f32]) -> u64 {
 }
 
 fn child_config(timeout_ms: u64) -> TcpConfig {
-    TcpConfig { timeout: Duration::from_millis(timeout_ms), ..common::test_config() }
+    TcpConfig { timeout: Duration::from_millis(timeout_ms), ..crate::common::test_config() }
 }
 
 /// The transport under test over the ring `boot`: "tcp", the ring itself; "shm", a shared-memory
@@ -52,13 +50,13 @@ fn connect(boot: TcpComm, transport: &str, master: &str) -> Box<dyn Collective> 
 fn run_matrix(c: &mut dyn Collective) -> Result<Vec<(String, Vec<f32>)>, CommError> {
     let n = c.world_size();
     let mut out = Vec::new();
-    for (li, len) in common::lengths(n).into_iter().enumerate() {
+    for (li, len) in crate::common::lengths(n).into_iter().enumerate() {
         for op in [ReduceOp::Sum, ReduceOp::Mean] {
-            let mut b = common::input(li as u64, c.rank(), len);
+            let mut b = crate::common::input(li as u64, c.rank(), len);
             c.all_reduce(&mut b, op)?;
             out.push((format!("len {len} {op:?}"), b));
         }
-        let mut b = common::input(50 + li as u64, c.rank(), len);
+        let mut b = crate::common::input(50 + li as u64, c.rank(), len);
         c.broadcast(&mut b, n - 1)?;
         out.push((format!("len {len} broadcast"), b));
     }
@@ -68,7 +66,7 @@ fn run_matrix(c: &mut dyn Collective) -> Result<Vec<(String, Vec<f32>)>, CommErr
 
 /// Runs all-reduces until one fails; returns the error and how long after the last success.
 fn run_loop(c: &mut dyn Collective, mut on_iter: impl FnMut(usize)) -> Option<CommError> {
-    let mut b = common::input(5, c.rank(), LOOP_FLOATS);
+    let mut b = crate::common::input(5, c.rank(), LOOP_FLOATS);
     for i in 0..100_000 {
         if let Err(e) = c.all_reduce(&mut b, ReduceOp::Mean) {
             return Some(e);
@@ -150,7 +148,7 @@ fn spawn_children(mode: &str, transport: &str, n: usize, master: &str, timeout_m
     let mut procs = Vec::new();
     for rank in 1..n {
         let mut child = Command::new(&exe)
-            .args(["--exact", "child_process_entry", "--nocapture", "--test-threads=1"])
+            .args(["--exact", "processes::child_process_entry", "--nocapture", "--test-threads=1"])
             .env("QSR_CHILD_MODE", mode)
             .env("QSR_CHILD_TRANSPORT", transport)
             .env("QSR_CHILD_RANK", rank.to_string())
@@ -222,11 +220,16 @@ fn process_matrix(transport: &str, sizes: &[usize]) {
         let cases = run_matrix(c.as_mut()).expect("rank 0 matrix");
         // f64 reference on rank 0's results (bit-identity is checked via the children's hashes).
         let mut i = 0;
-        for (li, len) in common::lengths(n).into_iter().enumerate() {
-            let inputs: Vec<Vec<f32>> = (0..n).map(|r| common::input(li as u64, r, len)).collect();
-            common::check(&inputs, &[cases[i].1.clone()], ReduceOp::Sum, &format!("n {n} {}", cases[i].0));
-            common::check(&inputs, &[cases[i + 1].1.clone()], ReduceOp::Mean, &format!("n {n} {}", cases[i + 1].0));
-            assert_eq!(cases[i + 2].1, common::input(50 + li as u64, n - 1, len), "n {n} {}", cases[i + 2].0);
+        for (li, len) in crate::common::lengths(n).into_iter().enumerate() {
+            let inputs: Vec<Vec<f32>> = (0..n).map(|r| crate::common::input(li as u64, r, len)).collect();
+            crate::common::check(&inputs, &[cases[i].1.clone()], ReduceOp::Sum, &format!("n {n} {}", cases[i].0));
+            crate::common::check(
+                &inputs,
+                &[cases[i + 1].1.clone()],
+                ReduceOp::Mean,
+                &format!("n {n} {}", cases[i + 1].0),
+            );
+            assert_eq!(cases[i + 2].1, crate::common::input(50 + li as u64, n - 1, len), "n {n} {}", cases[i + 2].0);
             i += 3;
         }
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -301,7 +304,7 @@ fn fault_test(transport: &str, timeout_ms: u64, bound: Duration, fault: impl FnO
     ));
     for (rank, line, took) in errors {
         eprintln!("survivor rank {rank} after {took:?}: {line}");
-        assert_eq!(common::repeated_phrase(&line), None, "rank {rank}: {line}");
+        assert_eq!(crate::common::repeated_phrase(&line), None, "rank {rank}: {line}");
         assert!(line.starts_with(&format!("error {victim} ")), "rank {rank} must blame rank {victim}: {line}");
         assert!(line.contains(&format!("rank {victim}")), "rank {rank}: message must name rank {victim}: {line}");
         assert!(took <= bound, "rank {rank} took {took:?} (bound {bound:?}): {line}");

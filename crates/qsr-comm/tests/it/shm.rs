@@ -2,8 +2,6 @@
 //! the same bits as the in-process group (f32) and the TCP ring (bf16), divergence, a member that
 //! leaves or stalls, and the group file's cleanup.
 
-mod common;
-
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -33,7 +31,7 @@ fn files(dir: &PathBuf) -> Vec<String> {
 #[test]
 fn shm_matrix_world_sizes_1_2_3_4() {
     let cfg = config("matrix", Duration::from_secs(20));
-    common::matrix(|n| shm_group(n, &cfg), &[1, 2, 3, 4]);
+    crate::common::matrix(|n| shm_group(n, &cfg), &[1, 2, 3, 4]);
     assert!(files(&cfg.dir).is_empty(), "group files left: {:?}", files(&cfg.dir));
 }
 
@@ -43,8 +41,8 @@ fn results<C: Collective + 'static>(
     len: usize,
     call: fn(&mut C, &mut Vec<f32>) -> Result<(), CommError>,
 ) -> Vec<Vec<f32>> {
-    common::on_threads(comms, move |mut c| {
-        let mut b = common::input(9, c.rank(), len);
+    crate::common::on_threads(comms, move |mut c| {
+        let mut b = crate::common::input(9, c.rank(), len);
         call(&mut c, &mut b).expect("collective");
         b
     })
@@ -61,14 +59,14 @@ fn one_stage_and_two_stage_all_reduces_give_the_in_process_groups_bits() {
     for len in [1, 5, 1000, one.one_stage_bytes / 4] {
         for op in [ReduceOp::Sum, ReduceOp::Mean] {
             let run = move |cfg: &ShmConfig| {
-                common::on_threads(shm_group(4, cfg), move |mut c| {
-                    let mut b = common::input(3, c.rank(), len);
+                crate::common::on_threads(shm_group(4, cfg), move |mut c| {
+                    let mut b = crate::common::input(3, c.rank(), len);
                     c.all_reduce(&mut b, op).unwrap();
                     b
                 })
             };
-            let inproc = common::on_threads(qsr_comm::InProcessGroup::new(4), move |mut c| {
-                let mut b = common::input(3, c.rank(), len);
+            let inproc = crate::common::on_threads(qsr_comm::InProcessGroup::new(4), move |mut c| {
+                let mut b = crate::common::input(3, c.rank(), len);
                 c.all_reduce(&mut b, op).unwrap();
                 b
             });
@@ -99,23 +97,24 @@ fn shm_gives_the_in_process_groups_f32_bits_and_the_tcp_rings_bf16_bits() {
         let sum = |c: &mut ShmComm, b: &mut Vec<f32>| c.all_reduce(b, ReduceOp::Sum);
         let mean = |c: &mut ShmComm, b: &mut Vec<f32>| c.all_reduce(b, ReduceOp::Mean);
         let shm = results(shm_group(3, &cfg), len, if op == ReduceOp::Sum { sum } else { mean });
-        let inproc = common::on_threads(qsr_comm::InProcessGroup::new(3), move |mut c| {
-            let mut b = common::input(9, c.rank(), len);
+        let inproc = crate::common::on_threads(qsr_comm::InProcessGroup::new(3), move |mut c| {
+            let mut b = crate::common::input(9, c.rank(), len);
             c.all_reduce(&mut b, op).unwrap();
             b
         });
         assert_eq!(bits(&shm), bits(&inproc), "{op:?}: shm and the in-process group differ");
 
-        let shm_bf16 = common::on_threads(shm_group(3, &cfg), move |mut c| {
-            let mut b = common::input(9, c.rank(), len);
+        let shm_bf16 = crate::common::on_threads(shm_group(3, &cfg), move |mut c| {
+            let mut b = crate::common::input(9, c.rank(), len);
             c.all_reduce_bf16(&mut b, op).unwrap();
             b
         });
-        let ring_bf16 = common::on_threads(common::tcp_group(3, common::test_config()), move |mut c| {
-            let mut b = common::input(9, c.rank(), len);
-            c.all_reduce_bf16(&mut b, op).unwrap();
-            b
-        });
+        let ring_bf16 =
+            crate::common::on_threads(crate::common::tcp_group(3, crate::common::test_config()), move |mut c| {
+                let mut b = crate::common::input(9, c.rank(), len);
+                c.all_reduce_bf16(&mut b, op).unwrap();
+                b
+            });
         assert_eq!(bits(&shm_bf16), bits(&ring_bf16), "{op:?}: shm's bf16 all-reduce differs from the ring's");
     }
 }
@@ -127,7 +126,7 @@ fn diverge(
     odd: fn(&mut ShmComm) -> Result<(), CommError>,
 ) -> Vec<String> {
     let cfg = config("diverge", Duration::from_secs(10));
-    common::on_threads(shm_group(3, &cfg), move |mut c| {
+    crate::common::on_threads(shm_group(3, &cfg), move |mut c| {
         let r = if c.rank() == odd_rank { odd(&mut c) } else { even(&mut c) };
         let e = r.expect_err("a diverged call fails on every rank");
         // The communicator is broken afterwards.
@@ -157,7 +156,7 @@ fn diverged_calls_fail_on_every_member_naming_the_field() {
 /// naming rank 2 within `bound`.
 fn survivors_name_rank_2(test: &str, timeout: Duration, bound: Duration, victim: fn()) {
     let cfg = config(test, timeout);
-    let out = common::on_threads(shm_group(3, &cfg), move |mut c| {
+    let out = crate::common::on_threads(shm_group(3, &cfg), move |mut c| {
         if c.rank() == 2 {
             victim();
             return None;
@@ -172,7 +171,7 @@ fn survivors_name_rank_2(test: &str, timeout: Duration, bound: Duration, victim:
         assert_eq!(blamed, Some(2), "rank {r}: {msg}");
         assert!(msg.contains("rank 2"), "rank {r}: {msg}");
         assert!(took <= bound, "rank {r} took {took:?}: {msg}");
-        assert_eq!(common::repeated_phrase(&msg), None, "rank {r}: {msg}");
+        assert_eq!(crate::common::repeated_phrase(&msg), None, "rank {r}: {msg}");
     }
 }
 
@@ -199,7 +198,7 @@ fn group_file_is_gone_once_every_member_mapped_it_and_dead_jobs_files_are_swept(
     std::fs::write(cfg.dir.join(&stale), vec![0u8; 4096]).unwrap();
     let group = shm_group(2, &cfg);
     assert!(files(&cfg.dir).is_empty(), "left behind: {:?}", files(&cfg.dir));
-    let sums = common::on_threads(group, |mut c| {
+    let sums = crate::common::on_threads(group, |mut c| {
         let mut b = vec![c.rank() as f32 + 1.0; 5];
         c.all_reduce(&mut b, ReduceOp::Sum).unwrap();
         b
@@ -210,7 +209,7 @@ fn group_file_is_gone_once_every_member_mapped_it_and_dead_jobs_files_are_swept(
 #[test]
 fn oversized_byte_broadcast_is_refused_on_every_member() {
     let cfg = config("bytes", Duration::from_secs(10));
-    let errors = common::on_threads(shm_group(2, &cfg), |mut c| {
+    let errors = crate::common::on_threads(shm_group(2, &cfg), |mut c| {
         let mut b = if c.rank() == 0 { vec![0u8; qsr_comm::MAX_BROADCAST_BYTES + 1] } else { Vec::new() };
         c.broadcast_bytes(&mut b, 0).unwrap_err().to_string()
     });

@@ -1,21 +1,14 @@
 //! TCP backend under hostile or broken conditions: handshake refusals, garbage on the
 //! rendezvous port, corrupt frames from a fake peer, diverging calls, a stalled rank.
 
-mod common;
-
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
+use crate::wire::{self, CallHeader, Frame, Hello, Purpose, Reply};
 use qsr_comm::{Collective, CommError, LaunchEnv, MasterListener, ReduceOp, Source, TcpComm, TcpConfig};
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use wire::{CallHeader, Frame, Hello, Purpose, Reply};
-
-// The wire protocol is private to qsr-comm; these tests compile its source file to reach it.
-#[allow(dead_code)]
-#[path = "../src/wire.rs"]
-mod wire;
 
 fn start_master(n: usize, cfg: TcpConfig) -> (String, std::thread::JoinHandle<Result<TcpComm, CommError>>) {
     let l = MasterListener::bind("127.0.0.1:0").unwrap();
@@ -32,7 +25,7 @@ fn refused_field(e: &CommError) -> &'static str {
 
 #[test]
 fn wrong_token_version_and_world_size_are_refused_and_rank0_keeps_waiting() {
-    let cfg = common::test_config();
+    let cfg = crate::common::test_config();
     let (addr, master) = start_master(2, cfg.clone());
 
     let mut bad = cfg.clone();
@@ -68,7 +61,7 @@ fn wrong_token_version_and_world_size_are_refused_and_rank0_keeps_waiting() {
 fn duplicate_rank_is_refused() {
     // World size 3: the winning rank 1 waits for rank 2, so the loser is refused while rank 0
     // is still collecting registrations, whichever of the two arrives first.
-    let cfg = common::test_config();
+    let cfg = crate::common::test_config();
     let (addr, master) = start_master(3, cfg.clone());
     let (tx, rx) = std::sync::mpsc::channel();
     for _ in 0..2 {
@@ -82,7 +75,7 @@ fn duplicate_rank_is_refused() {
     let third = std::thread::spawn(move || TcpComm::worker(&addr, 2, 3, cfg));
     let winner = rx.recv_timeout(Duration::from_secs(15)).unwrap().expect("winner joins the ring");
     let all = vec![master.join().unwrap().expect("master"), winner, third.join().unwrap().expect("rank 2")];
-    let got = common::on_threads(all, |mut c| {
+    let got = crate::common::on_threads(all, |mut c| {
         let mut b = vec![1.0f32; 3];
         c.all_reduce(&mut b, ReduceOp::Sum).unwrap();
         b
@@ -92,7 +85,7 @@ fn duplicate_rank_is_refused() {
 
 #[test]
 fn garbage_on_the_rendezvous_port_does_not_stall_rank0() {
-    let mut cfg = common::test_config();
+    let mut cfg = crate::common::test_config();
     cfg.hello_timeout = Duration::from_secs(1);
     let (addr, master) = start_master(3, cfg.clone());
     let start = Instant::now();
@@ -136,11 +129,11 @@ fn garbage_on_the_rendezvous_port_does_not_stall_rank0() {
         keep.push(s);
     }
     // Real ranks arrive while the garbage connections are still open.
-    let comms = common::on_threads(vec![1usize, 2], move |r| TcpComm::worker(&addr, r, 3, cfg.clone()));
+    let comms = crate::common::on_threads(vec![1usize, 2], move |r| TcpComm::worker(&addr, r, 3, cfg.clone()));
     let mut all = vec![master.join().unwrap().expect("master survives garbage")];
     all.extend(comms.into_iter().map(|c| c.expect("worker")));
     assert!(start.elapsed() < Duration::from_secs(8), "rendezvous took {:?}", start.elapsed());
-    let got = common::on_threads(all, |mut c| {
+    let got = crate::common::on_threads(all, |mut c| {
         let mut b = vec![c.rank() as f32; 7];
         c.all_reduce(&mut b, ReduceOp::Sum).unwrap();
         b
@@ -151,7 +144,7 @@ fn garbage_on_the_rendezvous_port_does_not_stall_rank0() {
 
 #[test]
 fn rendezvous_times_out_with_a_message_naming_missing_ranks() {
-    let mut cfg = common::test_config();
+    let mut cfg = crate::common::test_config();
     cfg.rendezvous_timeout = Duration::from_millis(500);
     let (addr, master) = start_master(3, cfg.clone());
     let mut bad = cfg.clone();
@@ -208,7 +201,7 @@ fn fake_rank1(master: &str, token: &str) -> FakePeer {
 }
 
 fn rank0_against_fake(bytes_after_setup: impl FnOnce(&mut TcpStream)) -> CommError {
-    let cfg = common::test_config();
+    let cfg = crate::common::test_config();
     let (addr, master) = start_master(2, cfg.clone());
     let mut fake = fake_rank1(&addr, &cfg.token);
     let mut m = master.join().unwrap().expect("master");
@@ -272,7 +265,7 @@ fn header_mismatch_and_garbage_header_are_rejected() {
 
 #[test]
 fn diverging_lengths_fail_on_every_rank() {
-    let res = common::on_threads(common::tcp_group(3, common::test_config()), |mut c| {
+    let res = crate::common::on_threads(crate::common::tcp_group(3, crate::common::test_config()), |mut c| {
         let len = if c.rank() == 1 { 999 } else { 1000 };
         let mut b = vec![1.0; len];
         c.all_reduce(&mut b, ReduceOp::Sum).map_err(|e| e.to_string())
@@ -285,11 +278,11 @@ fn diverging_lengths_fail_on_every_rank() {
 
 #[test]
 fn stalled_rank_is_named_by_everyone_within_the_timeout() {
-    let mut cfg = common::test_config();
+    let mut cfg = crate::common::test_config();
     cfg.timeout = Duration::from_millis(1500);
     cfg.socket_buffer = Some(64 << 10);
     let start = Instant::now();
-    let res = common::on_threads(common::tcp_group(4, cfg), |mut c| {
+    let res = crate::common::on_threads(crate::common::tcp_group(4, cfg), |mut c| {
         if c.rank() == 2 {
             // Alive, connected, but never enters the collective.
             std::thread::sleep(Duration::from_secs(4));
@@ -304,7 +297,7 @@ fn stalled_rank_is_named_by_everyone_within_the_timeout() {
         let Some((e, took)) = x else { continue };
         assert_eq!(e.blamed_rank(), Some(2), "rank {r}: {e}");
         assert!(e.to_string().contains("rank 2"), "rank {r}: {e}");
-        assert_eq!(common::repeated_phrase(&e.to_string()), None, "rank {r}: {e}");
+        assert_eq!(crate::common::repeated_phrase(&e.to_string()), None, "rank {r}: {e}");
         assert!(took < Duration::from_millis(3500), "rank {r} took {took:?}");
     }
     assert!(start.elapsed() < Duration::from_secs(10));
@@ -313,13 +306,13 @@ fn stalled_rank_is_named_by_everyone_within_the_timeout() {
 #[test]
 fn different_block_sizes_are_refused_by_name() {
     // Ranks that disagree on TcpConfig::chunk_bytes would disagree on every frame length.
-    let cfg = common::test_config();
+    let cfg = crate::common::test_config();
     let (addr, master) = start_master(2, cfg.clone());
     let mut other = cfg.clone();
     other.chunk_bytes = 64 << 10;
     let w = std::thread::spawn(move || TcpComm::worker(&addr, 1, 2, other));
     let comms = vec![master.join().unwrap().unwrap(), w.join().unwrap().unwrap()];
-    let res = common::on_threads(comms, |mut c| {
+    let res = crate::common::on_threads(comms, |mut c| {
         let mut b = vec![1.0f32; 100];
         c.all_reduce(&mut b, ReduceOp::Sum)
     });
@@ -342,7 +335,7 @@ fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'st
 
 fn sum_on_ring(comms: Vec<TcpComm>) {
     let n = comms.len();
-    let got = common::on_threads(comms, |mut c| {
+    let got = crate::common::on_threads(comms, |mut c| {
         let mut b = vec![1.0f32; 5];
         c.all_reduce(&mut b, ReduceOp::Sum).unwrap();
         b
@@ -354,11 +347,11 @@ fn sum_on_ring(comms: Vec<TcpComm>) {
 fn idle_connections_do_not_starve_real_ranks() {
     // More idle connections than rank 0 reads hellos from at once, all still within their hello
     // timeout when the real ranks arrive.
-    let mut cfg = common::test_config();
+    let mut cfg = crate::common::test_config();
     cfg.hello_timeout = Duration::from_secs(30);
     let (addr, master) = start_master(3, cfg.clone());
     let idle: Vec<TcpStream> = (0..300).map(|_| TcpStream::connect(&addr).expect("idle connect")).collect();
-    let comms = common::on_threads(vec![1usize, 2], move |r| TcpComm::worker(&addr, r, 3, cfg.clone()));
+    let comms = crate::common::on_threads(vec![1usize, 2], move |r| TcpComm::worker(&addr, r, 3, cfg.clone()));
     let mut all = vec![master.join().unwrap().expect("master")];
     all.extend(comms.into_iter().map(|c| c.expect("a real rank gets in despite the idle connections")));
     sum_on_ring(all);
@@ -368,7 +361,7 @@ fn idle_connections_do_not_starve_real_ranks() {
 #[test]
 fn real_rank_retries_after_rank0_closed_its_connection() {
     // A rank 0 that sheds the first connection (as under a flood), then listens on the same port.
-    let cfg = common::test_config();
+    let cfg = crate::common::test_config();
     let first = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = first.local_addr().unwrap().to_string();
     let worker = {
@@ -387,7 +380,7 @@ fn rank_whose_registration_closed_can_register_again() {
     // Rank 1 registers, then goes away before the table is sent (restarted, or it gave up on a
     // stalled connection): its next registration replaces the closed one instead of being refused,
     // and the ring is not built with the closed one should rank 2 complete the count first.
-    let cfg = common::test_config();
+    let cfg = crate::common::test_config();
     let (addr, master) = start_master(3, cfg.clone());
     let mut gone = TcpStream::connect(&addr).unwrap();
     let hello = Hello {
@@ -403,7 +396,7 @@ fn rank_whose_registration_closed_can_register_again() {
     gone.write_all(&hello.encode()).unwrap();
     drop(gone);
     std::thread::sleep(Duration::from_millis(200));
-    let comms = common::on_threads(vec![1usize, 2], move |r| TcpComm::worker(&addr, r, 3, cfg.clone()));
+    let comms = crate::common::on_threads(vec![1usize, 2], move |r| TcpComm::worker(&addr, r, 3, cfg.clone()));
     let mut all = vec![master.join().unwrap().expect("master")];
     all.extend(comms.into_iter().map(|c| c.expect("worker")));
     sum_on_ring(all);
@@ -411,7 +404,7 @@ fn rank_whose_registration_closed_can_register_again() {
 
 #[test]
 fn late_duplicate_rank_is_refused_after_the_ring_formed() {
-    let cfg = common::test_config();
+    let cfg = crate::common::test_config();
     let (addr, master) = start_master(2, cfg.clone());
     let w = TcpComm::worker(&addr, 1, 2, cfg.clone()).expect("rank 1");
     let m = master.join().unwrap().expect("master");
@@ -422,7 +415,7 @@ fn late_duplicate_rank_is_refused_after_the_ring_formed() {
     assert_eq!(refused_field(&e), "rank");
     let msg = e.to_string();
     assert!(msg.contains("rank 1 already joined from 127.0.0.1:") && msg.contains("ring has formed"), "{msg}");
-    assert_eq!(common::repeated_phrase(&msg), None, "{msg}");
+    assert_eq!(crate::common::repeated_phrase(&msg), None, "{msg}");
     sum_on_ring(vec![m, w]);
 }
 
@@ -436,8 +429,9 @@ fn master_port_zero_is_refused_at_once() {
         master_port: 0,
         source: Source::Explicit,
     };
-    let res = within(Duration::from_secs(10), move || TcpComm::from_launch(&env, common::test_config()).map(|_| ()))
-        .expect("refused at once, not after the rendezvous timeout");
+    let res =
+        within(Duration::from_secs(10), move || TcpComm::from_launch(&env, crate::common::test_config()).map(|_| ()))
+            .expect("refused at once, not after the rendezvous timeout");
     let e = res.expect_err("port 0 must be refused");
     assert!(matches!(&e, CommError::Launch { var, .. } if var == "MASTER_PORT"), "{e}");
     assert!(e.to_string().contains("MASTER_PORT=0 cannot be used"), "{e}");
@@ -445,7 +439,7 @@ fn master_port_zero_is_refused_at_once() {
 
 #[test]
 fn handshake_refusals_state_each_fact_once() {
-    let mut cfg = common::test_config();
+    let mut cfg = crate::common::test_config();
     cfg.rendezvous_timeout = Duration::from_secs(3);
     let (addr, master) = start_master(2, cfg.clone());
     let mut msgs = Vec::new();
@@ -460,7 +454,7 @@ fn handshake_refusals_state_each_fact_once() {
     for e in msgs {
         let msg = e.to_string();
         eprintln!("{msg}");
-        assert_eq!(common::repeated_phrase(&msg), None, "{msg}");
+        assert_eq!(crate::common::repeated_phrase(&msg), None, "{msg}");
     }
 }
 

@@ -2,8 +2,6 @@
 //! `launch_child_entry`) run `TcpComm::from_launch` as one rank, with stderr captured as a
 //! launcher would keep it.
 
-mod common;
-
 use std::io::Read;
 use std::net::TcpListener;
 use std::process::{Command, Stdio};
@@ -29,7 +27,7 @@ fn launch_child_entry() {
     let cfg = TcpConfig {
         token: var("QSR_LAUNCH_TOKEN"),
         rendezvous_timeout: Duration::from_millis(var("QSR_LAUNCH_WAIT_MS").parse().unwrap()),
-        ..common::test_config()
+        ..crate::common::test_config()
     };
     match TcpComm::from_launch(&env, cfg) {
         Ok(_) => println!("QSR ok"),
@@ -46,7 +44,7 @@ fn dead_port() -> u16 {
 /// Rank 1 of 2 looking for rank 0 at `addr:port` for `wait_ms`; returns (stdout, stderr).
 fn rank1(addr: &str, port: u16, token: &str, wait_ms: u64) -> (String, String) {
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "launch_child_entry", "--nocapture", "--test-threads=1"])
+        .args(["--exact", "tcp_launch::launch_child_entry", "--nocapture", "--test-threads=1"])
         .env("QSR_LAUNCH_ADDR", addr)
         .env("QSR_LAUNCH_RANK", "1")
         .env("QSR_LAUNCH_PORT", port.to_string())
@@ -79,10 +77,10 @@ fn rank1(addr: &str, port: u16, token: &str, wait_ms: u64) -> (String, String) {
 #[test]
 fn open_launch_without_token_warns_naming_qsr_job_token() {
     let port = dead_port();
-    let runs =
-        common::on_threads(vec![("0.0.0.0", ""), ("127.0.0.1", ""), ("0.0.0.0", "secret")], move |(addr, token)| {
-            rank1(addr, port, token, 1000)
-        });
+    let runs = crate::common::on_threads(
+        vec![("0.0.0.0", ""), ("127.0.0.1", ""), ("0.0.0.0", "secret")],
+        move |(addr, token)| rank1(addr, port, token, 1000),
+    );
     let (_, open) = &runs[0];
     assert!(open.contains("QSR_JOB_TOKEN is not set and MASTER_ADDR=0.0.0.0 is not a loopback address"), "{open}");
     for (what, (_, err)) in ["loopback", "token set"].iter().zip(&runs[1..]) {
@@ -102,5 +100,5 @@ fn rank_waiting_for_rank0_says_what_it_waits_for() {
         out.contains("could not connect to rank 0") && out.contains("the rendezvous completed without this rank"),
         "{out}"
     );
-    assert_eq!(common::repeated_phrase(&out), None, "{out}");
+    assert_eq!(crate::common::repeated_phrase(&out), None, "{out}");
 }

@@ -1,14 +1,9 @@
 //! Property tests over the frame and handshake decoders and the launch parsers: no input makes
 //! them panic, lengths are bounded, and valid messages round-trip.
 
+use crate::wire::{self, Back, CallHeader, Field, Frame, Hello, Purpose, Reply};
 use proptest::prelude::*;
 use qsr_comm::{Explicit, detect, first_host};
-use wire::{Back, CallHeader, Field, Frame, Hello, Purpose, Reply};
-
-// The wire protocol is private to qsr-comm; these tests compile its source file to reach it.
-#[allow(dead_code)]
-#[path = "../src/wire.rs"]
-mod wire;
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 2000, rng_seed: proptest::test_runner::RngSeed::Fixed(0x5152), ..ProptestConfig::default() })]

@@ -1,11 +1,9 @@
 //! BN helpers the optimizer crate relies on: finding BN layers, running-stat ids, momentum,
 //! reset, and replicas with their own running statistics.
 
-mod common;
-
+use crate::common::images;
 use burn::module::Module;
 use burn::tensor::Device;
-use common::images;
 use qsr_models::{
     CifarResNetConfig, CifarShortcut, CnnConfig, InputSpec, Model, ModelConfig, ResNetConfig, bn_running_stat_ids,
     trainable_param_ids,

@@ -1,7 +1,5 @@
 //! Configuration parsing and validation: errors name the field, nothing panics.
 
-mod common;
-
 use burn::tensor::Device;
 use qsr_models::{
     CifarResNetConfig, CifarShortcut, CnnConfig, InputSpec, MlpConfig, ModelConfig, ModelError, ResNetConfig,

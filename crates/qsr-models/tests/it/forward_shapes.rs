@@ -3,11 +3,9 @@
 //! ResNet-18 also runs once at the native 224x224). ViT-S/B run at 64x64 and 32x32 with patch 16,
 //! ViT-Ti at its native 224/16.
 
-mod common;
-
+use crate::common::{all_finite, images};
 use burn::module::Module;
 use burn::tensor::Device;
-use common::{all_finite, images};
 use qsr_models::{
     CifarResNetConfig, CifarShortcut, CnnConfig, InputSpec, MlpConfig, ModelConfig, ResNetConfig, VitConfig, VitPreset,
 };

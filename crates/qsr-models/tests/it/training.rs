@@ -3,15 +3,13 @@
 //! `Device::seed` (flex keeps one global RNG, hence the lock: weights are drawn lazily at the
 //! first forward, so the whole test runs under it).
 
-mod common;
-
 use std::sync::Mutex;
 
+use crate::common::class_batch;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{GradientsParams, SgdConfig};
 use burn::tensor::Device;
-use common::class_batch;
 use qsr_models::{CifarResNetConfig, CifarShortcut, CnnConfig, InputSpec, MlpConfig, Model, ModelConfig, VitConfig};
 
 static RNG_LOCK: Mutex<()> = Mutex::new(());

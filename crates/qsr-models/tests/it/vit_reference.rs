@@ -9,7 +9,7 @@ use qsr_models::{InputSpec, Model, ModelConfig, posemb_sincos_2d};
 use serde_json::Value;
 
 fn load() -> Value {
-    let s = include_str!("fixtures/simple_vit_ref.json");
+    let s = include_str!("../fixtures/simple_vit_ref.json");
     serde_json::from_str(s).expect("fixture parses")
 }
 

@@ -15,7 +15,7 @@ use qsr_optim::{Optimizer, OptimizerConfig, OptimizerKind};
 use serde_json::Value;
 
 fn fixture() -> Value {
-    serde_json::from_str(include_str!("fixtures/torch_optim.json")).expect("fixture is JSON")
+    serde_json::from_str(include_str!("../fixtures/torch_optim.json")).expect("fixture is JSON")
 }
 
 fn floats(v: &Value) -> Vec<f32> {

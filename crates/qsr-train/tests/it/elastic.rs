@@ -1,28 +1,26 @@
 //! `qsr train --elastic` end to end on digits: processes on loopback lose a worker (SIGKILL, SIGSTOP,
 //! rank 0 among them), go on, and take restarted workers back.
 
-mod common;
-
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{json, ok, refused, root};
+use crate::common::{json, ok, refused};
 
 const RECIPE: &str = "recipes/digits-mlp-qsr.toml";
 const STEPS: &str = "schedule.total_steps=400";
 
 /// `qsr` with a short comm timeout, so stalls are seen in seconds.
-fn qsr() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_qsr"));
-    c.current_dir(root()).env("QSR_COMM_TIMEOUT_SECS", "2").env("QSR_JOB_TOKEN", "elastic-cli-test");
+fn short_timeout_qsr() -> Command {
+    let mut c = crate::common::qsr_cmd(&[]);
+    c.env("QSR_COMM_TIMEOUT_SECS", "2").env("QSR_JOB_TOKEN", "elastic-cli-test");
     c
 }
 
 /// A standalone store (`qsr rendezvous`), its address, and the rest of its output.
 fn rendezvous(workers: usize, min_workers: usize) -> (Store, String) {
-    let mut child = qsr()
+    let mut child = short_timeout_qsr()
         .args(["rendezvous", "--listen", "127.0.0.1:0", "--workers", &workers.to_string()])
         .args(["--min-workers", &min_workers.to_string(), "--settle-secs", "2"])
         .stdout(Stdio::piped())
@@ -60,7 +58,7 @@ impl Store {
 
 /// One external elastic worker (launcher order `rank`, when given) of the run in `out`.
 fn worker(store: &str, out: &Path, rank: Option<usize>, fault: Option<&str>) -> Child {
-    let mut c = qsr();
+    let mut c = short_timeout_qsr();
     c.args(["train", "--recipe", RECIPE, "--set", STEPS, "--quiet", "--comm", "tcp", "--elastic"]);
     c.args(["--rendezvous", store, "--out", out.to_str().unwrap()]);
     if let Some(r) = rank {
@@ -103,7 +101,7 @@ fn final_model(run: &Path) -> Vec<u8> {
 }
 
 fn nproc_elastic(run: &Path, fault: &str) -> serde_json::Value {
-    let out = qsr()
+    let out = short_timeout_qsr()
         .args(["train", "--recipe", RECIPE, "--set", STEPS, "--quiet", "--nproc", "4", "--elastic"])
         .args(["--out", run.to_str().unwrap()])
         .env("QSR_TEST_FAULT", fault)
@@ -249,7 +247,7 @@ fn a_worker_started_while_the_job_runs_is_admitted_at_a_sync() {
     };
     let mut workers: Vec<Child> = (0..4)
         .map(|r| {
-            let mut c = qsr();
+            let mut c = short_timeout_qsr();
             c.args(["train", "--recipe", RECIPE, "--quiet", "--comm", "tcp", "--elastic", "--rendezvous", &addr]);
             c.args(["--out", run.to_str().unwrap(), "--rank", &r.to_string()]).env("QSR_TEST_FAULT", "kill:3:101");
             long(&mut c);
@@ -262,7 +260,7 @@ fn a_worker_started_while_the_job_runs_is_admitted_at_a_sync() {
         assert!(Instant::now() < deadline, "the survivors never re-formed");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let mut c = qsr();
+    let mut c = short_timeout_qsr();
     c.args(["train", "--recipe", RECIPE, "--quiet", "--comm", "tcp", "--elastic", "--rendezvous", &addr]);
     c.args(["--out", run.to_str().unwrap()]);
     long(&mut c);
@@ -280,7 +278,7 @@ fn a_worker_started_while_the_job_runs_is_admitted_at_a_sync() {
 fn a_worker_lost_before_the_first_generation_formed_fails_the_launch() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    let out = qsr()
+    let out = short_timeout_qsr()
         .args(["train", "--recipe", RECIPE, "--set", STEPS, "--quiet", "--nproc", "4", "--elastic"])
         .args(["--out", run.to_str().unwrap()])
         .env("QSR_TEST_FAULT", "kill:1:join")
@@ -308,7 +306,7 @@ fn a_worker_with_no_store_listening_says_so_at_once_and_gives_up_at_the_rendezvo
     let dir = tempfile::tempdir().unwrap();
     let store = format!("127.0.0.1:{}", closed_port());
     let t0 = Instant::now();
-    let mut c = qsr();
+    let mut c = short_timeout_qsr();
     c.env("QSR_RENDEZVOUS_TIMEOUT_SECS", "4");
     c.args(["train", "--recipe", RECIPE, "--quiet", "--comm", "tcp", "--elastic", "--rendezvous", &store]);
     c.args(["--out", dir.path().join("run").to_str().unwrap()]);
@@ -330,7 +328,7 @@ fn a_first_generation_short_of_workers_says_how_many_of_how_many_joined() {
     let dir = tempfile::tempdir().unwrap();
     let (store, addr) = rendezvous(2, 1);
     let t0 = Instant::now();
-    let mut c = qsr();
+    let mut c = short_timeout_qsr();
     c.env("QSR_RENDEZVOUS_TIMEOUT_SECS", "4");
     c.args(["train", "--recipe", RECIPE, "--quiet", "--comm", "tcp", "--elastic", "--rendezvous", &addr]);
     c.args(["--out", dir.path().join("run").to_str().unwrap()]);
@@ -345,7 +343,7 @@ fn a_first_generation_short_of_workers_says_how_many_of_how_many_joined() {
 
 /// Worker `rank` of a two-worker job at `store` long enough to be interrupted while it trains.
 fn long_worker(store: &str, run: &Path, rank: usize) -> Child {
-    let mut c = qsr();
+    let mut c = short_timeout_qsr();
     c.args(["train", "--recipe", RECIPE, "--set", "schedule.total_steps=40000", "--set", "train.workers=2"]);
     c.args(["--quiet", "--comm", "tcp", "--elastic", "--rendezvous", store, "--out", run.to_str().unwrap()]);
     c.args(["--rank", &rank.to_string()]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
@@ -393,7 +391,10 @@ fn elastic_workers_started_by_hand_hold_their_run_directory_against_other_runs()
     assert!(err.contains("is in use by elastic job") && err.contains(&addr), "{err}");
     drop(other);
     // A resume (not refused for the checkpoints the job wrote) meets the lock.
-    let out = qsr().args(["train", "--resume", run.to_str().unwrap(), "--quiet", "--nproc", "2"]).output().unwrap();
+    let out = short_timeout_qsr()
+        .args(["train", "--resume", run.to_str().unwrap(), "--quiet", "--nproc", "2"])
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("is in use by elastic job"), "{err}");
@@ -413,9 +414,9 @@ fn a_resumed_worker_and_a_fresh_one_refuse_to_form_a_first_generation_together()
     ok(&["train", "--recipe", RECIPE, "--set", STEPS, "--quiet", "--nproc", "2", "--out", out, "--halt-after", "200"]);
     let (store, addr) = rendezvous(2, 1);
     let recipe = run.join("recipe.toml");
-    let mut resumed = qsr();
+    let mut resumed = short_timeout_qsr();
     resumed.args(["train", "--resume", out, "--comm", "tcp", "--elastic", "--rendezvous", &addr, "--rank", "0"]);
-    let mut fresh = qsr();
+    let mut fresh = short_timeout_qsr();
     fresh.args(["train", "--recipe", recipe.to_str().unwrap(), "--out", out, "--comm", "tcp", "--elastic"]);
     fresh.args(["--rendezvous", &addr, "--rank", "1"]);
     let children: Vec<Child> = [resumed, fresh]
@@ -476,7 +477,7 @@ fn rank_zero_killed_while_committing_a_checkpoint_leaves_no_partial_checkpoint_b
 fn the_launcher_kills_expelled_workers_at_the_end_naming_them() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    let out = qsr()
+    let out = short_timeout_qsr()
         .args(["train", "--recipe", RECIPE, "--set", STEPS, "--quiet", "--nproc", "4", "--elastic"])
         .args(["--out", run.to_str().unwrap()])
         .env("QSR_TEST_FAULT", "stop:1:101")

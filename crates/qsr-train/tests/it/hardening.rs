@@ -5,44 +5,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::common::{json, ok, qsr, qsr_cmd, refused, root};
+
 const RECIPE: &str = "recipes/digits-mlp-qsr.toml";
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn qsr_cmd(args: &[&str]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_qsr"));
-    c.args(args).current_dir(root()).env_remove("QSR_JOB_TOKEN");
-    for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"] {
-        c.env_remove(v);
-    }
-    c
-}
-
-fn qsr(args: &[&str]) -> Output {
-    qsr_cmd(args).output().expect("run qsr")
-}
-
-fn ok(args: &[&str]) -> String {
-    let out = qsr(args);
-    assert!(out.status.success(), "qsr {args:?} failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// Runs a command that must be refused as bad input (exit status 2, not a panic or an abort); returns
-/// stderr.
-fn refused(args: &[&str]) -> String {
-    let out = qsr(args);
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert_eq!(out.status.code(), Some(2), "qsr {args:?} should fail with status 2, got {:?}: {err}", out.status);
-    assert!(!err.contains("panicked"), "qsr {args:?} panicked: {err}");
-    err
-}
-
-fn json(path: &Path) -> serde_json::Value {
-    serde_json::from_slice(&std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
-}
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()

@@ -1,17 +1,8 @@
 //! `qsr plan` end to end: the paper's recipes, output formats, and refusals of bad input.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use crate::common::qsr;
 
-fn qsr(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_qsr")).args(args).current_dir(root()).output().expect("run qsr")
-}
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn json(args: &[&str]) -> serde_json::Value {
+fn plan_json(args: &[&str]) -> serde_json::Value {
     let mut all = vec!["plan", "--format", "json"];
     all.extend_from_slice(args);
     let out = qsr(&all);
@@ -19,15 +10,9 @@ fn json(args: &[&str]) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).expect("valid JSON")
 }
 
-/// Runs `qsr plan` expecting a refusal; returns stderr.
-fn refused(args: &[&str]) -> String {
-    let mut all = vec!["plan"];
-    all.extend_from_slice(args);
-    let out = qsr(&all);
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!out.status.success(), "qsr {all:?} should fail");
-    assert!(!err.contains("panicked"), "qsr {all:?} panicked: {err}");
-    err
+/// Runs `qsr plan args` expecting a refusal as bad input; returns stderr.
+fn plan_refused(args: &[&str]) -> String {
+    crate::common::refused(&[&["plan"][..], args].concat())
 }
 
 #[test]
@@ -40,7 +25,7 @@ fn paper_recipes_give_the_paper_round_counts() {
         ("recipes/imagenet-vit-b-h4.toml", 23_400, "25.0"),
         ("recipes/imagenet-resnet152-dp.toml", 62_400, "100.0"),
     ] {
-        let v = json(&["--recipe", recipe]);
+        let v = plan_json(&["--recipe", recipe]);
         assert_eq!(v["rounds"], rounds, "{recipe}");
         assert_eq!(format!("{:.1}", v["comm_percent"].as_f64().unwrap()), percent, "{recipe}");
         for key in ["total_steps", "first_h_increase_step", "max_h", "last_round_len"] {
@@ -51,19 +36,19 @@ fn paper_recipes_give_the_paper_round_counts() {
 
 #[test]
 fn flags_override_the_recipe() {
-    let v = json(&["--recipe", "recipes/imagenet-vit-b-qsr-hbase4.toml", "--h-base", "8"]);
+    let v = plan_json(&["--recipe", "recipes/imagenet-vit-b-qsr-hbase4.toml", "--h-base", "8"]);
     assert_eq!(v["rounds"], 6_461);
     // Switching the rule keeps the settings the new rule accepts (h_base, alpha) and adds power.
-    let v = json(&["--recipe", "recipes/imagenet-vit-b-qsr-hbase4.toml", "--sync", "power", "--power", "2"]);
+    let v = plan_json(&["--recipe", "recipes/imagenet-vit-b-qsr-hbase4.toml", "--sync", "power", "--power", "2"]);
     assert_eq!(v["rounds"], 9_711);
-    let v = json(&["--recipe", "recipes/imagenet-vit-b-qsr-hbase4.toml", "--sync", "constant", "--h", "8"]);
+    let v = plan_json(&["--recipe", "recipes/imagenet-vit-b-qsr-hbase4.toml", "--sync", "constant", "--h", "8"]);
     assert_eq!(v["rounds"], 93_600 / 8);
     assert_eq!(v["first_h_increase_step"], serde_json::Value::Null);
 }
 
 #[test]
 fn flags_alone_make_a_plan() {
-    let v = json(&[
+    let v = plan_json(&[
         "--total-steps",
         "62400",
         "--warmup-steps",
@@ -82,7 +67,7 @@ fn flags_alone_make_a_plan() {
         "0.2",
     ]);
     assert_eq!(v["rounds"], 24_792);
-    let v = json(&[
+    let v = plan_json(&[
         "--total-steps",
         "300",
         "--lr-max",
@@ -186,7 +171,7 @@ fn invalid_settings_are_refused_naming_the_field() {
         (vec!["--total-steps", "100", "--schedule", "cosine", "--lr-max", "0.1"], "--sync"),
         (vec!["--recipe", "recipes/does-not-exist.toml"], "does-not-exist.toml"),
     ] {
-        let err = refused(&args);
+        let err = plan_refused(&args);
         assert!(err.contains(needle), "{args:?}: expected `{needle}` in: {err}");
     }
 }
@@ -200,26 +185,26 @@ fn bad_recipe_files_are_refused_naming_the_file_and_key() {
         p.to_string_lossy().into_owned()
     };
     let syntax = write("syntax.toml", "[schedule\nkind = ");
-    let err = refused(&["--recipe", &syntax]);
+    let err = plan_refused(&["--recipe", &syntax]);
     assert!(err.contains("syntax.toml") && err.contains("TOML"), "{err}");
 
     let unknown = write(
         "unknown.toml",
         "[schedule]\nkind = \"cosine\"\ntotal_steps = 100\nlr_max = 0.1\nwarmpu_steps = 5\n[sync]\nrule = \"dp\"\n",
     );
-    let err = refused(&["--recipe", &unknown]);
+    let err = plan_refused(&["--recipe", &unknown]);
     assert!(err.contains("unknown.toml") && err.contains("warmpu_steps"), "{err}");
 
     let wrong_type = write(
         "type.toml",
         "[schedule]\nkind = \"cosine\"\ntotal_steps = \"many\"\nlr_max = 0.1\n[sync]\nrule = \"dp\"\n",
     );
-    let err = refused(&["--recipe", &wrong_type]);
+    let err = plan_refused(&["--recipe", &wrong_type]);
     assert!(err.contains("type.toml") && err.contains("schedule"), "{err}");
 
     let negative =
         write("neg.toml", "[schedule]\nkind = \"cosine\"\ntotal_steps = -5\nlr_max = 0.1\n[sync]\nrule = \"dp\"\n");
-    let err = refused(&["--recipe", &negative]);
+    let err = plan_refused(&["--recipe", &negative]);
     assert!(err.contains("neg.toml"), "{err}");
 }
 
@@ -244,7 +229,7 @@ fn plan_shows_the_local_level_of_a_two_level_recipe_with_its_bytes() {
     assert!(out.contains("90 averages = 90.0% of steps"), "{out}");
     // 90 local averages of 1000 f32 in a 2-worker ring: 4000 B each.
     assert!(out.contains("351.56 KiB per rank inside its node (3.91 KiB per average)"), "{out}");
-    let json = json(&args);
+    let json = plan_json(&args);
     assert_eq!(json["rounds"], 10);
     assert_eq!(json["local"]["rounds"], 90);
     assert_eq!(json["local_sync"]["rule"], "constant");

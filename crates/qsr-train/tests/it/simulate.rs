@@ -1,9 +1,7 @@
 //! `qsr simulate`: the ring all-reduce cost model on hand-computed cases, the plan-driven prediction,
 //! the calibration from a data-parallel wall time, and the command end to end.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
+use crate::common::{ok, qsr, root};
 use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncMode, SyncRule};
 use qsr_train::{
     Network, SyncPayload, TrainRecipe, parse_bandwidth, parse_duration, predict, recipe_payload, step_seconds_from_wall,
@@ -183,20 +181,6 @@ rule = "qsr"
 h_base = 2
 alpha = 0.06
 "#;
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn qsr(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_qsr")).args(args).current_dir(root()).output().expect("run qsr")
-}
-
-fn ok(args: &[&str]) -> String {
-    let out = qsr(args);
-    assert!(out.status.success(), "qsr {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap()
-}
 
 #[test]
 fn paper_scale_calibrated_on_the_data_parallel_time() {

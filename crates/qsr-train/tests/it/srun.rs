@@ -12,16 +12,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::common::{json, root};
+
 const RECIPE: &str = "recipes/digits-mlp-qsr.toml";
 const SETUP_HINT: &str = "run scripts/slurm-single-node.sh as root (apt-get install slurm-wlm munge)";
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn json(path: &Path) -> serde_json::Value {
-    serde_json::from_slice(&std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
-}
 
 /// Waits for `child` at most `limit`; past that kills it and returns `None`.
 fn wait_bounded(child: &mut Child, limit: Duration) -> Option<ExitStatus> {

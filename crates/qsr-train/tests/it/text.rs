@@ -1,11 +1,9 @@
 //! `qsr train` on text: a character-level GPT on the embedded Comedy of Errors (the Shakespeare recipes
 //! with `data.dataset` swapped, so the shipped recipes are what is tested).
 
-mod common;
-
 use std::path::Path;
 
-use common::{json, ok, refused};
+use crate::common::{json, ok, refused};
 
 fn final_params(run: &Path) -> Vec<u8> {
     let latest = std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap();

@@ -1,11 +1,9 @@
 //! `qsr train` end to end on the embedded digits data.
 
-mod common;
-
 use std::path::Path;
 use std::process::Command;
 
-use common::{json, ok, refused};
+use crate::common::{json, ok, refused};
 
 /// The latest checkpoint's model file, as raw bytes per tensor name.
 fn final_params(run: &Path) -> Vec<(String, Vec<u8>)> {
@@ -59,7 +57,7 @@ fn ok_over(transport: &str, args: &[&str]) {
     let out = Command::new(env!("CARGO_BIN_EXE_qsr"))
         .args(args)
         .env("QSR_TRANSPORT", transport)
-        .current_dir(common::root())
+        .current_dir(crate::common::root())
         .output()
         .expect("run qsr");
     assert!(out.status.success(), "qsr {args:?} over {transport} failed:\n{}", String::from_utf8_lossy(&out.stderr));
@@ -279,6 +277,7 @@ fn gpu_options_are_refused_clearly_without_gpu_support() {
     assert!(e.contains("--comm nccl needs a GPU device"), "{e}");
     let e = refused(&["train", "--recipe", RECIPE, "--nproc", "2", "--comm", "mpi", "--out", out]);
     assert!(e.contains("use mpirun"), "{e}");
+    // device-check's refusals are bad input too: exit status 2 (they were 1).
     let e = refused(&["device-check", "--device", "cuda:0"]);
     assert!(e.contains("built without CUDA support"), "{e}");
     let e = refused(&["device-check", "--device", "cpu"]);

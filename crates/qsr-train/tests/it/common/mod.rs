@@ -1,4 +1,5 @@
-//! Helpers shared by the `qsr` end-to-end tests: run the binary from the repository root, read JSON.
+//! Helpers shared by the `qsr` end-to-end tests: run the binary from the repository root (without
+//! a launcher's environment), read JSON.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
@@ -9,9 +10,20 @@ pub fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// Runs `qsr args` in the repository root.
+/// `qsr args` in the repository root, without the job token or a launcher's variables of the
+/// environment the tests run in.
+pub fn qsr_cmd(args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_qsr"));
+    c.args(args).current_dir(root()).env_remove("QSR_JOB_TOKEN");
+    for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"] {
+        c.env_remove(v);
+    }
+    c
+}
+
+/// Runs `qsr args` ([`qsr_cmd`]).
 pub fn qsr(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_qsr")).args(args).current_dir(root()).output().expect("run qsr")
+    qsr_cmd(args).output().expect("run qsr")
 }
 
 /// Runs `qsr args`, asserts success, returns stdout.
@@ -21,11 +33,12 @@ pub fn ok(args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// Runs `qsr args`, asserts it fails without a panic, returns stderr.
+/// Runs a command that must be refused as bad input (exit status 2, not a panic or an abort);
+/// returns stderr.
 pub fn refused(args: &[&str]) -> String {
     let out = qsr(args);
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!out.status.success(), "qsr {args:?} should fail");
+    assert_eq!(out.status.code(), Some(2), "qsr {args:?} should fail with status 2, got {:?}: {err}", out.status);
     assert!(!err.contains("panicked"), "qsr {args:?} panicked: {err}");
     err
 }

@@ -1,0 +1,10 @@
+//! The integration tests of qsr-data (datasets, samplers and loaders): one test binary, a module per area, so
+//! that a cold build links one binary rather than one per file.
+
+mod augment;
+mod digits;
+mod loader;
+mod readers;
+mod real_data;
+mod sampler;
+mod text;

@@ -1,0 +1,7 @@
+//! The integration tests of qsr-optim (optimizers, the driver and the Averager): one test binary, a module per area, so
+//! that a cold build links one binary rather than one per file.
+
+mod averager;
+mod device_wgpu;
+mod driver;
+mod torch_fixtures;

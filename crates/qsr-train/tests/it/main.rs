@@ -1,0 +1,12 @@
+//! The integration tests of qsr-train (the `qsr` binary and the trainer library): one test binary, a module per area, so
+//! that a cold build links one binary rather than one per file.
+
+mod common;
+mod elastic;
+mod hardening;
+mod plan_cli;
+mod recipes;
+mod simulate;
+mod srun;
+mod text;
+mod train_cli;
