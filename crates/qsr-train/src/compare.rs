@@ -9,9 +9,10 @@ use qsr_sched::SyncRule;
 use serde::Serialize;
 
 use crate::checkpoint::write_atomic;
-use crate::launch::device;
-use crate::train::{RunSpec, Summary};
-use crate::train_recipe::TrainRecipe;
+use crate::device_spec::device;
+use crate::recipe::TrainRecipe;
+use crate::records::Summary;
+use crate::worker::RunSpec;
 
 /// Arguments of `qsr compare`.
 #[derive(Debug, Clone, clap::Args)]
@@ -292,8 +293,8 @@ impl Compare<'_> {
             progress: false,
             halt_after: None,
         };
-        let s = match crate::launch::simulated(&spec) {
-            Ok(outcomes) => outcomes.into_iter().find_map(|o| o.summary),
+        let s = match crate::topology::threads::run(&spec) {
+            Ok(summary) => summary,
             // A diverged run is a result of the comparison: its summary says so.
             Err(e) if e.chain().any(|c| c.is::<crate::exit::Diverged>()) => {
                 eprintln!("compare: {label} seed {seed}: {e:#}");
@@ -313,16 +314,16 @@ impl Compare<'_> {
         write_atomic(&out.join("compare.md"), table.as_bytes())?;
         write_atomic(&out.join("compare.json"), serde_json::to_string_pretty(rows)?.as_bytes())?;
         // One picture per metric, overlaying seed 0 of every rule.
-        let series: Vec<crate::plot::RunSeries> = rows
+        let series: Vec<crate::plot::draw::RunSeries> = rows
             .iter()
             .map(|r| {
-                crate::plot::RunSeries::load(&r.runs[0]).map(|mut s| {
+                crate::plot::draw::RunSeries::load(&r.runs[0]).map(|mut s| {
                     s.name = r.rule.clone();
                     s
                 })
             })
             .collect::<Result<_>>()?;
-        let pngs = crate::plot::runs_png(&series, out)?;
+        let pngs = crate::plot::draw::runs_png(&series, out)?;
         eprintln!(
             "compare: wrote {} and {}",
             out.join("compare.md").display(),
@@ -370,29 +371,6 @@ fn markdown(recipe: &TrainRecipe, rows: &[Row], seeds: u64) -> Result<String> {
         )?;
     }
     Ok(o)
-}
-
-/// `qsr plot RUN_DIR... [--out DIR]`.
-#[derive(Debug, Clone, clap::Args)]
-pub struct PlotArgs {
-    /// Run directories (each with a metrics.jsonl).
-    #[arg(required = true)]
-    pub runs: Vec<PathBuf>,
-    /// Where to write the PNGs (default: the first run directory).
-    #[arg(long)]
-    pub out: Option<PathBuf>,
-}
-
-/// Runs `qsr plot`: draws the runs' metrics into PNGs and returns their paths.
-pub fn plot(args: &PlotArgs) -> Result<Vec<PathBuf>> {
-    let series: Vec<crate::plot::RunSeries> = args
-        .runs
-        .iter()
-        .map(|d| crate::plot::RunSeries::load(d))
-        .collect::<Result<_>>()
-        .map_err(crate::exit::bad_input)?;
-    let out = args.out.clone().unwrap_or_else(|| args.runs[0].clone());
-    crate::plot::runs_png(&series, Path::new(&out))
 }
 
 /// A compare reruns its seeds from scratch: an earlier compare's checkpoints in `run_dir` go first,

@@ -57,6 +57,7 @@ impl DeviceSpec {
 }
 
 /// What `probe_cuda` (feature `cuda`) found.
+#[cfg(feature = "cuda")]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CudaProbe {
     /// Number of GPUs the CUDA driver reports.
@@ -68,7 +69,7 @@ pub struct CudaProbe {
 /// Checks that GPU `ordinal` can be used: libcuda loads, the driver initialises, the GPU exists,
 /// and NVRTC (which compiles the kernels at run time) loads.
 #[cfg(feature = "cuda")]
-pub fn probe_cuda(ordinal: usize) -> Result<CudaProbe> {
+fn probe_cuda(ordinal: usize) -> Result<CudaProbe> {
     use cudarc::driver::CudaContext;
     let hint = "is this a machine with an NVIDIA GPU and driver?";
     qsr_comm::probe_library("cuda", &cudarc::get_lib_name_candidates("cuda"))
@@ -87,7 +88,8 @@ pub fn probe_cuda(ordinal: usize) -> Result<CudaProbe> {
 }
 
 /// `ordinal` must name one of the `gpus` GPUs the driver reports.
-pub fn check_ordinal(ordinal: usize, gpus: usize) -> Result<()> {
+#[cfg(any(feature = "cuda", test))]
+fn check_ordinal(ordinal: usize, gpus: usize) -> Result<()> {
     if gpus == 0 {
         bail!("--device cuda:{ordinal}: the CUDA driver loaded but reports no GPU");
     }
@@ -129,7 +131,8 @@ pub struct DeviceCheckArgs {
 }
 
 /// Lengths for the correctness sweep: every line size (odd, 2 mod 4, multiple of 4), tiny to 4 M.
-pub const CHECK_LENGTHS: [usize; 9] = [1, 2, 3, 4, 6, 1023, 1024, 1_000_003, 4 << 20];
+#[cfg(feature = "cuda")]
+const CHECK_LENGTHS: [usize; 9] = [1, 2, 3, 4, 6, 1023, 1024, 1_000_003, 4 << 20];
 
 /// Runs the check; `Ok(true)` when every case matched and the bandwidth goal (0.85 of a copy) was met.
 pub fn device_check(args: &DeviceCheckArgs, out: &mut dyn std::io::Write) -> Result<bool> {
@@ -247,6 +250,11 @@ fn memcpy_dtod_seconds(ordinal: usize, floats: usize, repeats: usize) -> Result<
 fn check_on_gpu(_args: &DeviceCheckArgs, ordinal: usize, _out: &mut dyn std::io::Write) -> Result<bool> {
     // A build without CUDA is refused like a bad flag (exit status 2), as `qsr train` refuses it.
     open_cuda(ordinal).map(|_| false).map_err(crate::exit::bad_input)
+}
+
+/// Parses and opens `--device` for a single process (local rank 0).
+pub(crate) fn device(name: &str) -> Result<Device> {
+    DeviceSpec::parse(name)?.open(0)
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use qsr_comm::CommError;
 /// | 1 | a failure of this process while it ran (disk full, an unreadable file mid-run, a bug) |
 /// | 2 | bad input, refused before training: command line, recipe, environment, data, checkpoint, a run directory in use |
 /// | 3 | another rank failed (lost, stalled or aborted) and this one stopped because of it |
-/// | 4 | training diverged (see [`Diverged`]): the run stopped, its last good checkpoint is kept |
+/// | 4 | training diverged (a loss not finite, or above the divergence limit twice): the run stopped, its last good checkpoint is kept |
 /// | 5 | the elastic job's store failed (unreachable, stopped, closed) or expelled this worker |
 /// | 128 + N | the `--nproc` launcher was interrupted by signal N (130 for SIGINT, 143 for SIGTERM) |
 ///
@@ -34,7 +34,7 @@ pub enum Exit {
 
 /// Exit status of a worker that failed only because another rank failed first (it lost a peer or was
 /// told of another rank's failure), so that a launcher reports the rank that failed first.
-pub const EXIT_PEER_FAILED: u8 = Exit::PeerFailed as u8;
+pub(crate) const EXIT_PEER_FAILED: u8 = Exit::PeerFailed as u8;
 
 /// An error of the input a run was given (see [`Exit::BadInput`]): its message is the wrapped
 /// error's, whole.
@@ -137,6 +137,20 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
         Exit::Failure
     };
     status as u8
+}
+
+/// The error to report when several workers of one process failed: a failure of a worker's own
+/// (data, disk, ...) before one that only saw another worker fail, and the blamed worker's own error
+/// before the error of a worker blaming it.
+pub(crate) fn root_cause(errors: Vec<(usize, anyhow::Error)>) -> Option<(usize, anyhow::Error)> {
+    let blamed = |e: &anyhow::Error| {
+        e.chain().filter_map(|c| c.downcast_ref::<qsr_comm::CommError>()).find_map(qsr_comm::CommError::blamed_rank)
+    };
+    let own = errors.iter().position(|(_, e)| !is_peer_failure(e));
+    let via_blame =
+        || errors.iter().find_map(|(_, e)| blamed(e)).and_then(|r| errors.iter().position(|(rank, _)| *rank == r));
+    let pick = own.or_else(via_blame).unwrap_or(0);
+    errors.into_iter().nth(pick)
 }
 
 #[cfg(test)]

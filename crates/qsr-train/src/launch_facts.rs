@@ -4,7 +4,7 @@ use anyhow::{Context, Result};
 use qsr_comm::Collective;
 use serde_json::Value;
 
-use crate::train_recipe::TrainRecipe;
+use crate::recipe::TrainRecipe;
 
 /// What one rank was launched with.
 #[derive(Debug, Clone, PartialEq)]

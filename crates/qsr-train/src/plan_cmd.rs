@@ -8,7 +8,7 @@ use anyhow::{Result, bail};
 use qsr_sched::{Plan, PlanSummary};
 use serde::Serialize;
 
-use crate::plan_recipe::{PlanOverrides, PlanRecipe, load_plan};
+use crate::recipe::{PlanOverrides, PlanRecipe, load_plan};
 
 /// Output format of `qsr plan` (`--format`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -92,7 +92,7 @@ pub fn run(args: &PlanArgs, out: &mut dyn Write) -> Result<()> {
     }
     if let Some(path) = &args.plot {
         let plans: Vec<(&str, &Plan)> = recipes.iter().map(|r| (r.name.as_str(), &r.plan)).collect();
-        crate::plot::plan_png(path, &plans)?;
+        crate::plot::draw::plan_png(path, &plans)?;
         if args.format == Format::Human {
             writeln!(out, "plot written to {}", path.display())?;
         }

@@ -9,7 +9,7 @@ use qsr_comm::differing_keys;
 
 use crate::args::TrainArgs;
 use crate::checkpoint;
-use crate::train_recipe::TrainRecipe;
+use crate::recipe::TrainRecipe;
 
 fn default_run_dir(name: &str) -> PathBuf {
     let secs = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
@@ -119,4 +119,18 @@ fn check_resumable(recipe: &TrainRecipe, path: &Path, dir: &Path, state: &checkp
 pub(crate) fn prepare_run_dir(run_dir: &Path, recipe: &TrainRecipe) -> Result<()> {
     std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
     checkpoint::write_atomic(&run_dir.join("recipe.toml"), recipe.to_toml()?.as_bytes())
+}
+
+/// Refuses to resume a checkpoint of another world size (elastic runs may: they re-shard).
+pub(crate) fn check_world(resume: &Resume, world: usize) -> Result<()> {
+    if let Some((dir, state)) = resume
+        && state.world_size != world
+    {
+        bail!(
+            "cannot resume from {} with {world} workers: it was written by a run of {} workers",
+            dir.display(),
+            state.world_size
+        );
+    }
+    Ok(())
 }

@@ -26,7 +26,6 @@ pub const LOCK_FILE: &str = "lock";
 #[derive(Debug)]
 pub struct RunLock {
     _file: File,
-    path: PathBuf,
 }
 
 impl RunLock {
@@ -43,7 +42,7 @@ impl RunLock {
         }
         // We hold the lock: whatever the file says is a previous (dead) holder's line.
         write_holder(&mut file, &path, &holder_line())?;
-        Ok(Self { _file: file, path })
+        Ok(Self { _file: file })
     }
 
     /// A worker's share of elastic job `job`'s lock (its store at `store`, as this worker reaches it):
@@ -62,7 +61,7 @@ impl RunLock {
                 file.unlock().with_context(|| format!("cannot unlock {}", path.display()))?;
             }
             match file.try_lock_shared() {
-                Ok(()) if read_holder(&mut file).starts_with(&ours) => return Ok(Self { _file: file, path }),
+                Ok(()) if read_holder(&mut file).starts_with(&ours) => return Ok(Self { _file: file }),
                 // Another job's line: it holds the directory, unless it died meanwhile (then the
                 // exclusive lock above succeeds on the next try).
                 Ok(()) => file.unlock().with_context(|| format!("cannot unlock {}", path.display()))?,
@@ -74,11 +73,6 @@ impl RunLock {
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
         Err(in_use(run_dir, &mut file))
-    }
-
-    /// The lock file's path.
-    pub fn path(&self) -> &Path {
-        &self.path
     }
 }
 

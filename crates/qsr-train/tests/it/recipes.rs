@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use qsr_train::TrainRecipe;
+use qsr_train::recipe::TrainRecipe;
 
 #[test]
 fn every_shipped_recipe_validates() {
@@ -15,7 +15,7 @@ fn every_shipped_recipe_validates() {
             let stem = path.file_stem().unwrap().to_string_lossy();
             assert_eq!(r.name, stem, "{}: name should match the file", path.display());
             let plan = r.plan().unwrap();
-            let from_plan_cmd = qsr_train::load_plan(Some(&path), &Default::default()).unwrap().plan;
+            let from_plan_cmd = qsr_train::recipe::load_plan(Some(&path), &Default::default()).unwrap().plan;
             assert_eq!(plan, from_plan_cmd, "{}", path.display());
             n += 1;
         }

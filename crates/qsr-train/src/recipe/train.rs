@@ -8,8 +8,9 @@ use qsr_models::ModelConfig;
 use qsr_optim::{DriverConfig, OptimizerConfig, OuterConfig};
 use qsr_sched::{LrSchedule, Plan};
 
-use crate::plan_recipe::SyncSection;
 use serde::{Deserialize, Serialize};
+
+use super::plan::SyncSection;
 use toml::{Table, Value};
 
 /// Which dataset, and where.
@@ -180,16 +181,16 @@ pub struct TrainRecipe {
 }
 
 /// The `data.dataset` names of text corpora (for `model.kind = "gpt"`).
-pub const TEXT_DATASETS: [&str; 3] = ["shakespeare", "comedy-of-errors", "text"];
+pub(crate) const TEXT_DATASETS: [&str; 3] = ["shakespeare", "comedy-of-errors", "text"];
 
 /// Largest `data.prefetch`: batches prepared ahead of training per worker.
-pub const MAX_PREFETCH: usize = 64;
+pub(crate) const MAX_PREFETCH: usize = 64;
 
 const SECTIONS: [&str; 10] =
     ["model", "data", "train", "optimizer", "schedule", "sync", "driver", "eval", "checkpoint", "outer"];
 
 /// Applies `key=value` overrides (dotted keys, TOML values; a bare word is a string).
-pub fn apply_sets(root: &mut Table, sets: &[String]) -> Result<()> {
+pub(crate) fn apply_sets(root: &mut Table, sets: &[String]) -> Result<()> {
     for set in sets {
         let (key, raw) = set.split_once('=').ok_or_else(|| anyhow!("--set {set}: expected key=value"))?;
         let key = key.trim();
@@ -225,7 +226,7 @@ fn parse_value(raw: &str) -> Result<Value, String> {
 impl TrainRecipe {
     /// Reads a recipe file, applies overrides, validates every part; errors name the file and key.
     pub fn load(path: &Path, sets: &[String]) -> Result<Self> {
-        let mut root = crate::plan_recipe::read_table(path)?;
+        let mut root = crate::recipe::read_table(path)?;
         apply_sets(&mut root, sets)?;
         Self::from_table(root, &format!("recipe {}", path.display()))
     }
@@ -406,7 +407,7 @@ fn fill_vocab_size(root: &mut Table) -> Result<()> {
 }
 
 /// Opens a text recipe's corpus; errors name the setting and the path.
-pub fn open_corpus(data: &DataConfig) -> Result<qsr_data::Corpus> {
+pub(crate) fn open_corpus(data: &DataConfig) -> Result<qsr_data::Corpus> {
     let corpus = match data.dataset.as_str() {
         "shakespeare" => qsr_data::Corpus::shakespeare(
             data.path.clone().unwrap_or_else(|| PathBuf::from(qsr_data::SHAKESPEARE_DEFAULT_DIR)),
@@ -431,7 +432,7 @@ fn section_error(section: &str, value: &Value) -> Option<String> {
         v.clone().try_into::<T>().err().map(|e| e.message().trim().to_string())
     }
     if section == "sync"
-        && let Some(msg) = value.get("local").and_then(check::<crate::plan_recipe::LocalSync>)
+        && let Some(msg) = value.get("local").and_then(check::<crate::recipe::LocalSync>)
     {
         return Some(format!("[sync.local] {msg}"));
     }
@@ -452,7 +453,7 @@ fn section_error(section: &str, value: &Value) -> Option<String> {
 }
 
 /// Opens the recipe's dataset split; errors name the setting and the path.
-pub fn open_dataset(data: &DataConfig, split: Split) -> Result<std::sync::Arc<dyn qsr_data::Dataset>> {
+pub(crate) fn open_dataset(data: &DataConfig, split: Split) -> Result<std::sync::Arc<dyn qsr_data::Dataset>> {
     use std::sync::Arc;
     let path = |default: Option<&str>| -> Result<PathBuf> {
         data.path

@@ -147,7 +147,7 @@ pub struct PlanRecipe {
 }
 
 /// Reads a recipe file as a TOML table, naming the file in every error.
-pub fn read_table(path: &Path) -> Result<Table> {
+pub(crate) fn read_table(path: &Path) -> Result<Table> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read recipe {}", path.display()))?;
     text.parse::<Table>().with_context(|| format!("recipe {} is not valid TOML", path.display()))
 }
@@ -234,7 +234,7 @@ fn parse_section<T: serde::de::DeserializeOwned>(root: &Table, name: &str, origi
 }
 
 /// Builds the plan of a recipe table (already overridden).
-pub fn plan_from_table(root: &Table, run_steps: Option<u64>, origin: &str) -> Result<Plan> {
+pub(crate) fn plan_from_table(root: &Table, run_steps: Option<u64>, origin: &str) -> Result<Plan> {
     let schedule: LrSchedule = parse_section(root, "schedule", origin)?;
     let sync: SyncSection = parse_section(root, "sync", origin)?;
     sync.plan(schedule, run_steps).map_err(|e| anyhow!("{origin}: {e}"))

@@ -15,7 +15,7 @@ use qsr_data::{
 use qsr_models::{Gpt, GptConfig, InputSpec, Model};
 use qsr_optim::{BnPolicy, StepReport, Worker};
 
-use crate::train_recipe::{TrainRecipe, open_corpus, open_dataset};
+use crate::recipe::{TrainRecipe, open_corpus, open_dataset};
 
 /// A held-out evaluation: top-1 accuracy (of the class, or of the next token) and mean loss.
 pub(crate) struct Eval {

@@ -9,8 +9,8 @@ use qsr_optim::{BnPolicy, OptimizerKind};
 use qsr_sched::{Plan, SyncMode};
 use serde::{Deserialize, Serialize};
 
-use crate::train::Summary;
-use crate::train_recipe::TrainRecipe;
+use crate::recipe::TrainRecipe;
+use crate::records::Summary;
 
 /// A network: per-link bandwidth and one-way latency.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -159,7 +159,8 @@ pub struct SyncPayload {
 
 impl SyncPayload {
     /// Plain payload: `params` elements both ways, f32, one call.
-    pub fn params(params: u64) -> Self {
+    #[cfg(test)]
+    pub(crate) fn params(params: u64) -> Self {
         SyncPayload {
             gradient_elements: params,
             parameter_elements: params,
@@ -455,13 +456,6 @@ pub struct Row {
     pub reference_seconds: Option<f64>,
 }
 
-impl Row {
-    /// Predicted / measured (or / reference).
-    pub fn ratio(&self) -> Option<f64> {
-        self.measured_seconds.or(self.reference_seconds).map(|m| self.prediction.total_seconds / m)
-    }
-}
-
 /// The full report of `qsr simulate`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Report {
@@ -493,8 +487,8 @@ fn read_summary(dir: &Path) -> Result<Summary> {
 
 /// Trainable parameters and BN running statistics of a recipe's model (built on the CPU).
 fn count_params(recipe: &TrainRecipe) -> Result<(u64, u64)> {
-    let device = crate::launch::device("cpu")?;
-    let model = crate::train::build_model(recipe, &device).with_context(|| {
+    let device = crate::device_spec::device("cpu")?;
+    let model = crate::worker::build_model(recipe, &device).with_context(|| {
         format!("cannot build the model of `{}` to count its parameters (pass --params)", recipe.name)
     })?;
     let trainable = model.trainable_params() as u64;
@@ -504,10 +498,10 @@ fn count_params(recipe: &TrainRecipe) -> Result<(u64, u64)> {
 
 fn steps_per_epoch(recipe: &TrainRecipe, world: usize) -> Option<u64> {
     if let Some(gpt) = recipe.model.as_gpt() {
-        let corpus = crate::train_recipe::open_corpus(&recipe.data).ok()?;
-        return crate::task::text_steps_per_epoch(recipe, &corpus, gpt.context, world).ok().map(|s| s as u64);
+        let corpus = crate::recipe::open_corpus(&recipe.data).ok()?;
+        return crate::worker::task::text_steps_per_epoch(recipe, &corpus, gpt.context, world).ok().map(|s| s as u64);
     }
-    let set = crate::train_recipe::open_dataset(&recipe.data, qsr_data::Split::Train).ok()?;
+    let set = crate::recipe::open_dataset(&recipe.data, qsr_data::Split::Train).ok()?;
     let per = world * recipe.train.local_batch;
     (per > 0).then(|| (set.len() / per) as u64).filter(|&s| s > 0)
 }
@@ -813,3 +807,6 @@ pub fn run(args: &SimulateArgs, out: &mut dyn std::io::Write) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,4 +1,4 @@
-//! `qsr train --elastic` and `qsr rendezvous`: a lost worker costs the round in flight, not the run.
+//! `qsr train --elastic`: a lost worker costs the round in flight, not the run.
 //!
 //! Every worker keeps a [`Snapshot`] of the last completed global sync (after its evaluation and
 //! checkpoint). When a collective fails because a peer was lost or stalled, the worker goes back to
@@ -12,9 +12,6 @@
 //! checkpoint files) belong to whoever is rank 0 of the current generation: survivors keep their
 //! order, so that is the lowest surviving rank.
 
-use std::io::Write;
-use std::time::Duration;
-
 use anyhow::{Context, Result, anyhow, bail};
 use qsr_comm::{Collective, CommError, Elastic, ElasticConfig, Membership, Poll, SyncState, TcpConfig};
 use qsr_elastic::{Store, StoreConfig};
@@ -27,80 +24,13 @@ use crate::device_spec::DeviceSpec;
 use crate::exit::{bad_input, is_peer_failure};
 use crate::fault::{self, Point};
 use crate::launch_facts::{LaunchFacts, agree};
+use crate::recipe::TrainRecipe;
+use crate::records::{MembershipChange, Record, Summary};
 use crate::run_dir::{Resume, prepare_run_dir, refuse_old_run};
 use crate::run_lock::RunLock;
-use crate::task::{ImageTask, Task, TextTask};
-use crate::train::{
-    AfterSync, MembershipChange, Outcome, Pace, Record, RunSpec, Segment, Summary, TrainModel, build_model,
-};
-use crate::train_recipe::TrainRecipe;
-
-/// Arguments of `qsr rendezvous`.
-#[derive(Debug, Clone, clap::Args)]
-pub struct RendezvousArgs {
-    /// Address to listen on (`host:port`; port 0 picks one, printed on the first line).
-    #[arg(long, default_value = "127.0.0.1:29400")]
-    pub listen: String,
-    /// Workers of the first generation, and the most any generation admits.
-    #[arg(long)]
-    pub workers: usize,
-    /// The fewest workers a later generation forms with.
-    #[arg(long, default_value_t = 1)]
-    pub min_workers: usize,
-    /// Seconds to wait, once a worker reported a failure, for the others to report before expelling
-    /// them (at least the workers' QSR_COMM_TIMEOUT_SECS).
-    #[arg(long, default_value_t = 30.0)]
-    pub settle_secs: f64,
-}
-
-/// Runs `qsr rendezvous`: serves the elastic job's store until every worker of its last generation
-/// finished. The job token is `QSR_JOB_TOKEN`, as for the workers.
-pub fn rendezvous(args: &RendezvousArgs, out: &mut dyn Write) -> Result<()> {
-    let secs = args.settle_secs;
-    if !(secs.is_finite() && secs > 0.0 && secs <= qsr_comm::MAX_TIMEOUT_SECS) {
-        let max = qsr_comm::MAX_TIMEOUT_SECS;
-        return Err(bad_input(anyhow!("--settle-secs {secs:e}: expected a number of seconds in (0, {max}] (a week)")));
-    }
-    let settle = Duration::from_secs_f64(secs);
-    let cfg = StoreConfig {
-        workers: args.workers,
-        min_workers: args.min_workers,
-        settle,
-        token: std::env::var("QSR_JOB_TOKEN").unwrap_or_default(),
-        ..StoreConfig::new(args.workers)
-    };
-    let open = cfg.token.is_empty();
-    let store = match Store::bind(&args.listen, cfg) {
-        Ok(s) => s,
-        Err(e @ CommError::InvalidArgument(_)) => return Err(bad_input(e)),
-        Err(e) => return Err(anyhow::Error::from(e).context("--listen")),
-    };
-    if open && !store.local_addr().ip().is_loopback() {
-        eprintln!(
-            "qsr: warning: QSR_JOB_TOKEN is not set, so any process that reaches {} can join this job; give the store and its workers the same token",
-            store.local_addr()
-        );
-    }
-    writeln!(out, "listening on {} for {} workers", store.local_addr(), args.workers)?;
-    out.flush()?;
-    // Never silent while it waits for workers: a line after the settle time (at most 10 s), then every 10 s.
-    let start = std::time::Instant::now();
-    let mut next_line = start + Duration::from_secs(10).min(settle);
-    while !store.wait_finished(Some(Duration::from_secs(1))) {
-        if let Some(why) = store.orphaned() {
-            let addr = store.local_addr().to_string();
-            return Err(CommError::Store { addr, detail: format!("the job ended unfinished: {why}") }.into());
-        }
-        if std::time::Instant::now() >= next_line
-            && let Some(what) = store.waiting_for()
-        {
-            eprintln!("qsr rendezvous: waiting ({} s since start): {what}", start.elapsed().as_secs());
-            next_line = std::time::Instant::now() + Duration::from_secs(10);
-        }
-    }
-    writeln!(out, "job finished: generation {}", store.generation().unwrap_or(0))?;
-    Ok(())
-}
+use crate::worker::segment::{AfterSync, Pace, Segment};
+use crate::worker::task::{ImageTask, Task, TextTask};
+use crate::worker::{RunSpec, TrainModel, build_model};
 
 /// The store a `--nproc N --elastic` launcher serves for its workers on loopback; it settles a failure
 /// within the workers' comm timeout.
@@ -147,21 +77,21 @@ pub(crate) fn train(
     if first {
         start_first_generation(args, &recipe, (&run_dir, &resume), comm.as_mut(), spec.is_gpu())?;
     } else {
-        crate::train::preflight(&recipe, m.world_size, 1, spec.is_gpu()).map_err(bad_input)?;
+        crate::worker::preflight(&recipe, m.world_size, 1, spec.is_gpu()).map_err(bad_input)?;
     }
     let device = spec.open(0).map_err(bad_input)?;
     let model = build_model(&recipe, &device)?;
     let progress = !args.quiet && m.rank == 0 && first;
     let resume = if first { resume } else { None };
     let spec = RunSpec { recipe, device, run_dir, resume, progress, halt_after: None };
-    let outcome = run_member(&spec, &mut job, (comm, m), model);
+    let summary = run_member(&spec, &mut job, (comm, m), model);
     // A diverged run ended its plan too: the store's job is finished, the exit status says how.
-    if outcome.as_ref().is_err_and(|e| e.chain().any(|c| c.is::<crate::exit::Diverged>())) {
+    if summary.as_ref().is_err_and(|e| e.chain().any(|c| c.is::<crate::exit::Diverged>())) {
         let _ = job.finish();
     }
-    let outcome = outcome?;
+    let summary = summary?;
     job.finish()?;
-    Ok(if args.spawned { None } else { outcome.summary })
+    Ok(if args.spawned { None } else { summary })
 }
 
 /// The first generation agrees before its first training collective, as an external launch does:
@@ -183,7 +113,7 @@ fn start_first_generation(
         )));
     }
     let mut facts = LaunchFacts::new(recipe, resume.as_ref().map(|(_, s)| s.step));
-    let unfit = crate::train::preflight(recipe, world, 1, gpu).err();
+    let unfit = crate::worker::preflight(recipe, world, 1, gpu).err();
     let owner = comm.rank() == 0 && !args.spawned;
     let old_run = if owner && resume.is_none() { refuse_old_run(run_dir).err() } else { None };
     match (unfit, old_run) {
@@ -204,7 +134,7 @@ fn run_member(
     job: &mut Elastic,
     first: (Box<dyn Collective>, Membership),
     model: TrainModel,
-) -> Result<Outcome> {
+) -> Result<Option<Summary>> {
     let recipe = &spec.recipe;
     match model {
         TrainModel::Image(m) => {
@@ -261,7 +191,7 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
         (comm, m): (Box<dyn Collective>, Membership),
         model: T::Module,
         make: F,
-    ) -> Result<Outcome> {
+    ) -> Result<Option<Summary>> {
         let recipe = &spec.recipe;
         let plan = recipe.plan()?;
         let task = make(m.rank, m.world_size)?;
@@ -277,7 +207,7 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
             worker.set_outer(outer)?;
         }
         let (records, base) =
-            if joining { (None, Counters::default()) } else { crate::train::resume(spec, &pace.plan, &mut worker)? };
+            if joining { (None, Counters::default()) } else { crate::worker::resume(spec, &pace.plan, &mut worker)? };
         let (end, step) = (pace.plan.end_step(), worker.cursor().step());
         let segment = Segment::start(spec, m.rank, end, step, records, base)?;
         let stream = task.stream(step, end)?;
@@ -298,7 +228,7 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
         }
         let summary = me.segment.finish(spec, &me.pace, &me.task, &me.worker, true)?;
         me.segment.check_diverged(me.worker.rank())?;
-        Ok(Outcome { rank: me.worker.rank(), params: me.worker.params()?.to_vec(), summary, finished: true })
+        Ok(summary)
     }
 
     /// One training step; after a global sync, its evaluation and checkpoint, the new snapshot and

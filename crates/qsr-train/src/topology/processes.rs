@@ -16,8 +16,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use rustix::process::{Pid, Signal};
 
+use crate::args::{CommKind, TrainArgs};
 use crate::exit::{EXIT_PEER_FAILED, Exit};
-use crate::train::Summary;
+use crate::records::Summary;
 
 /// Environment variable through which a worker learns its launcher's pid.
 const LAUNCHER_PID: &str = "QSR_LAUNCHER_PID";
@@ -310,4 +311,43 @@ fn is_stopped(child: &Child) -> bool {
 fn free_port() -> Result<u16> {
     let l = std::net::TcpListener::bind("127.0.0.1:0").context("cannot find a free loopback port")?;
     Ok(l.local_addr()?.port())
+}
+
+/// The command line of each `--nproc` worker: the run's saved (resolved) recipe, so that every
+/// launch mode applies the same overrides.
+pub(super) struct ChildArgs<'a> {
+    pub(super) comm: CommKind,
+    pub(super) run_dir: &'a Path,
+    pub(super) resuming: bool,
+    /// The elastic store's address (`--elastic`).
+    pub(super) store: Option<String>,
+    pub(super) args: &'a TrainArgs,
+}
+
+impl ChildArgs<'_> {
+    pub(super) fn command(&self, rank: usize, n: usize, port: u16, token: &str) -> Result<std::process::Command> {
+        let exe = std::env::current_exe().context("cannot locate the qsr executable")?;
+        let mut c = std::process::Command::new(exe);
+        c.arg("train").arg("--comm").arg(self.comm.name());
+        c.arg("--recipe").arg(self.run_dir.join("recipe.toml")).arg("--out").arg(self.run_dir);
+        if self.resuming {
+            c.arg("--resume").arg(self.run_dir);
+        }
+        if let Some(store) = &self.store {
+            c.args(["--elastic", "--rendezvous", store, "--rank", &rank.to_string()]);
+        } else {
+            c.args(["--rank", &rank.to_string(), "--world-size", &n.to_string(), "--master-addr", "127.0.0.1"]);
+            c.args(["--master-port", &port.to_string()]);
+        }
+        c.args(["--device", &self.args.device]);
+        if rank != 0 || self.args.quiet {
+            c.arg("--quiet");
+        }
+        if let Some(h) = self.args.halt_after {
+            c.args(["--halt-after", &h.to_string()]);
+        }
+        c.arg("--spawned");
+        c.env("QSR_JOB_TOKEN", token);
+        Ok(c)
+    }
 }

@@ -403,7 +403,7 @@ pub struct RunSeries {
     /// The run's label in legends: the run directory's name unless the caller renames it.
     pub name: String,
     /// The records of `metrics.jsonl`, in file order.
-    pub records: Vec<crate::train::Record>,
+    pub records: Vec<crate::records::Record>,
 }
 
 impl RunSeries {
@@ -423,7 +423,7 @@ impl RunSeries {
         Ok(Self { name, records })
     }
 
-    fn of(&self, kind: &str) -> impl Iterator<Item = &crate::train::Record> {
+    fn of(&self, kind: &str) -> impl Iterator<Item = &crate::records::Record> {
         self.records.iter().filter(move |r| r.kind == kind)
     }
 }
@@ -522,7 +522,7 @@ pub fn runs_png(runs: &[RunSeries], out_dir: &Path) -> Result<Vec<std::path::Pat
     register_font();
     std::fs::create_dir_all(out_dir).with_context(|| format!("cannot create {}", out_dir.display()))?;
     let series =
-        |kind: &str, f: &dyn Fn(&crate::train::Record) -> Option<(f64, f64)>| -> Vec<(String, Vec<(f64, f64)>)> {
+        |kind: &str, f: &dyn Fn(&crate::records::Record) -> Option<(f64, f64)>| -> Vec<(String, Vec<(f64, f64)>)> {
             runs.iter().map(|r| (r.name.clone(), r.of(kind).filter_map(f).collect())).collect()
         };
     let max_bytes = runs.iter().flat_map(|r| r.records.iter().map(|x| x.bytes)).max().unwrap_or(0);
@@ -554,7 +554,7 @@ pub fn runs_png(runs: &[RunSeries], out_dir: &Path) -> Result<Vec<std::path::Pat
         Ok(())
     };
     let step = ("step", Scale::Integer);
-    let changes: Vec<&crate::train::Record> = runs.iter().flat_map(|r| r.of("membership")).collect();
+    let changes: Vec<&crate::records::Record> = runs.iter().flat_map(|r| r.of("membership")).collect();
     let at_step: Vec<f64> = changes.iter().map(|r| r.step as f64).collect();
     let at_bytes: Vec<f64> = changes.iter().map(|r| r.bytes as f64 / per).collect();
     let (at_step, at_bytes) = (at_step.as_slice(), at_bytes.as_slice());
@@ -725,8 +725,8 @@ mod tests {
         assert_eq!(pos.iter().map(|p| p.0).max(), Some(2));
     }
 
-    fn record(kind: &str, step: u64, h: u64) -> crate::train::Record {
-        crate::train::Record {
+    fn record(kind: &str, step: u64, h: u64) -> crate::records::Record {
+        crate::records::Record {
             kind: kind.into(),
             step,
             epoch: step as f64 / 22.0,

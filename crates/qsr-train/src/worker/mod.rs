@@ -1,0 +1,16 @@
+//! The training loop: one worker from its model replica and collectives to the end of the plan. The
+//! same code runs under every topology (threads, processes, an external launch, an elastic member).
+//!
+//! Layers, top down: `run` (the loop) → `segment` (records, evaluations, checkpoints around the
+//! steps) → `task` (images or text: data, steps, evaluation) and `model` (building the network) →
+//! `spec` (what a worker is given and returns).
+
+mod model;
+mod run;
+pub(crate) mod segment;
+mod spec;
+pub(crate) mod task;
+
+pub(crate) use model::{TrainModel, build_model, preflight};
+pub(crate) use run::{resume, run_worker};
+pub(crate) use spec::{Comms, RunSpec};
