@@ -16,7 +16,7 @@
 //! # }
 //! ```
 //!
-//! The protocol and its invariants are on [`qsr_comm::Elastic`] and in docs/ARCHITECTURE.md.
+//! The protocol and its invariants are on [`qsr_comm::Elastic`] and in docs/architecture/elastic.md.
 
 #![forbid(unsafe_code)]
 

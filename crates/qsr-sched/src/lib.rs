@@ -36,7 +36,8 @@ pub use round::{Round, SyncMode};
 pub use rule::{RoundStart, SyncRule};
 pub use schedule::{LrSchedule, ScheduleKind};
 
-/// Largest `total_steps` / run length a plan accepts (10^9 steps). Planning is O(rounds) (~14 ns a
-/// round), so this bounds the worst case (data parallel, a round per step) to seconds; the largest
-/// published training runs take about 10^6 steps.
+/// Largest `total_steps` / run length a plan accepts (10^9 steps). Planning is O(rounds), so this
+/// bounds the worst case (data parallel, a round per step) to seconds (measurements:
+/// docs/BENCHMARKS.md, section "Planning (qsr-sched)"); the largest published training runs take
+/// about 10^6 steps.
 pub const MAX_STEPS: u64 = 1_000_000_000;

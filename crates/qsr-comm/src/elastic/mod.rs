@@ -1,7 +1,7 @@
 //! Elastic membership: a job whose workers may be lost and may join, through a store that outlives
 //! any of them.
 //!
-//! The protocol (ARCHITECTURE.md states its invariants):
+//! The protocol (docs/architecture/elastic.md states its invariants):
 //! - every worker keeps one connection to the store (`qsr_elastic::Store`) for its life, opened with the job token and
 //!   the settings every worker must share (a worker with other settings is refused, naming the keys);
 //!   a closed connection is a lost worker;

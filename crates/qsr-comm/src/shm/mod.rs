@@ -26,9 +26,8 @@ pub struct ShmConfig {
     pub slot_bytes: usize,
     /// All-reduces of at most this many f32 bytes take one stage instead of two: every rank
     /// reduces the whole buffer from every half, which costs K times the reads but one handoff
-    /// fewer (default 4 KiB, between the sizes where `cargo xtask bench comm` measured one stage
-    /// winning (2 KiB) and losing (8 KiB) at 2 ranks; 0 turns it off). All ranks must use
-    /// the same value; it is checked in every call.
+    /// fewer (default 4 KiB; measurements: docs/BENCHMARKS.md, section "All-reduce defaults"; 0 turns
+    /// it off). All ranks must use the same value; it is checked in every call.
     pub one_stage_bytes: usize,
     /// Directory of the group files (default `/dev/shm`). The file is removed as soon as every
     /// member has mapped it; files of killed jobs are removed at the next start.
@@ -552,8 +551,8 @@ impl ShmComm {
 /// `len` bytes from `src` to `dst` in 2 KiB pieces: glibc copies blocks that size with vector
 /// loops, while one large copy takes `rep movsb`, which AMD cores run at a fraction of the speed
 /// when source and destination sit at nearby offsets within a page (4K aliasing: our page-aligned
-/// halves against a heap buffer 16 bytes into its page). Measured on the development machine,
-/// 2 ranks, 256 KiB: 212 us per all-reduce in one piece, 46 us in pieces.
+/// halves against a heap buffer 16 bytes into its page). Measurements: docs/BENCHMARKS.md, section
+/// "All-reduce defaults".
 ///
 /// # Safety
 /// `src` readable and `dst` writable for `len` bytes, not overlapping.

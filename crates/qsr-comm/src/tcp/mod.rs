@@ -44,11 +44,10 @@ pub struct TcpConfig {
     pub socket_buffer: Option<usize>,
     /// All-reduces of at most this many bytes (and of at most `chunk_bytes`, on 3 to 64 ranks, of at
     /// least one value per rank) take recursive doubling, `log2 K` exchanges between pairs instead of the ring's `2 (K-1)`
-    /// hops; larger ones take the pipelined ring. Default 32 KiB: on loopback doubling wins at every
-    /// size `cargo xtask bench comm`'s cutover table measures, and the latency/bandwidth model of a
-    /// 1 Gbit/s link with 30 us hops puts the crossover near 30 KB at 4 and 8 ranks (doubling sends
-    /// the whole buffer `log2 K` times, the ring `2 (K-1)/K` of it); 0 keeps every call on the
-    /// ring. All ranks must use the same value: it is compared when the pairs form.
+    /// hops; larger ones take the pipelined ring. Doubling sends the whole buffer `log2 K` times, the
+    /// ring `2 (K-1)/K` of it. Default 32 KiB (measurements: docs/BENCHMARKS.md, section
+    /// "All-reduce defaults"); 0 keeps every call on the ring. All ranks must use the same value: it
+    /// is compared when the pairs form.
     pub doubling_bytes: usize,
     /// The membership generation of an elastic job ([`crate::Elastic`] sets it for every ring it forms;
     /// 0 otherwise): a hello of another generation is refused, naming both.
@@ -468,8 +467,9 @@ impl TcpComm {
     }
 
     /// Whether an all-reduce of `len` f32s takes recursive doubling (see [`TcpConfig::doubling_bytes`]).
-    /// Not for two ranks, where the ring's two half-buffer hops measured as fast as one exchange,
-    /// nor for fewer values than ranks, where most ring segments are empty and cost nothing.
+    /// Not for two ranks, where the ring takes two half-buffer hops against one exchange
+    /// (measurements: docs/BENCHMARKS.md, section "All-reduce defaults"), nor for fewer values than
+    /// ranks, where most ring segments are empty and cost nothing.
     fn doubles(&self, len: usize) -> bool {
         (3..=doubling::MAX_RANKS).contains(&self.n)
             && len >= self.n
