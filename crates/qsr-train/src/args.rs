@@ -82,4 +82,8 @@ pub struct TrainArgs {
     /// Set by `--nproc` on the processes it spawns: the parent reports, not the children.
     #[arg(long, hide = true)]
     pub spawned: bool,
+    /// Set by `--nproc` on its rank 0: bind the rendezvous port on the master address, write its
+    /// number to this file, and let the launcher start the other ranks with it.
+    #[arg(long, hide = true, requires = "spawned", value_name = "FILE")]
+    pub port_file: Option<std::path::PathBuf>,
 }

@@ -1,9 +1,9 @@
 //! One worker of a job launched by someone else (our `--nproc`, torchrun, mpirun, srun).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow};
-use qsr_comm::{Collective, Explicit, TcpComm, TcpConfig};
+use qsr_comm::{Collective, Explicit, LaunchEnv, MasterListener, TcpComm, TcpConfig};
 
 use crate::args::{CommKind, TrainArgs};
 use crate::device_spec::DeviceSpec;
@@ -17,12 +17,12 @@ use crate::worker::{Comms, RunSpec, build_model, preflight, run_worker};
 
 /// A launch's collectives over our transports (`connect`), with the node's group of a two-level
 /// recipe split from the same ring: by `sync.local.workers_per_node`, or by host.
-fn connect_levels(env: &qsr_comm::LaunchEnv, recipe: &TrainRecipe) -> Result<Comms> {
+fn connect_levels(env: &LaunchEnv, recipe: &TrainRecipe, port_file: Option<&Path>) -> Result<Comms> {
     let var = |k: &str| std::env::var(k).ok();
     let (cfg, transport) = (TcpConfig::from_env(&var)?, qsr_comm::Transport::from_env(&var)?);
     let shm = qsr_comm::ShmConfig { timeout: cfg.timeout, ..qsr_comm::ShmConfig::default() };
     let host = qsr_comm::host_id(&var, &shm);
-    let mut ring = TcpComm::from_launch(env, cfg)?;
+    let mut ring = ring(env, cfg, port_file)?;
     // Every rank must take the same path below: ranks whose recipes differ here refuse together
     // (the whole recipe is agreed on later, over the collectives this forms).
     let nodes = match &recipe.sync.local {
@@ -44,6 +44,21 @@ fn connect_levels(env: &qsr_comm::LaunchEnv, recipe: &TrainRecipe) -> Result<Com
     Ok(Comms { world, node: Some(node) })
 }
 
+/// This rank's TCP ring. Rank 0 of a `--nproc` launch (`--port-file`) binds its rendezvous port
+/// itself (port 0: the kernel picks a free one) and writes the number for the launcher, which starts
+/// the other ranks with it: no port is released between being chosen and being bound.
+fn ring(env: &LaunchEnv, cfg: TcpConfig, port_file: Option<&Path>) -> Result<TcpComm> {
+    let Some(path) = port_file.filter(|_| env.rank == 0 && env.world_size > 1) else {
+        return Ok(TcpComm::from_launch(env, cfg)?);
+    };
+    let host = if env.master_addr.contains(':') { format!("[{}]", env.master_addr) } else { env.master_addr.clone() };
+    let listener = MasterListener::bind(&format!("{host}:0"))?;
+    let port = listener.local_addr()?.port();
+    crate::checkpoint::write_atomic(path, port.to_string().as_bytes())
+        .with_context(|| format!("cannot hand the rendezvous port to the launcher ({})", path.display()))?;
+    Ok(TcpComm::master(listener, env.world_size, cfg)?)
+}
+
 /// One worker of a job launched by someone else (our `--nproc`, torchrun, mpirun, srun).
 pub(super) fn external(
     args: &TrainArgs,
@@ -63,7 +78,7 @@ pub(super) fn external(
     let tcp = || -> Result<(TcpComm, usize)> {
         let env = qsr_comm::detect_from_process_env(&explicit)?;
         let cfg = TcpConfig::from_env(&|k| std::env::var(k).ok())?;
-        Ok((TcpComm::from_launch(&env, cfg)?, env.local_rank))
+        Ok((ring(&env, cfg, args.port_file.as_deref())?, env.local_rank))
     };
     if recipe.sync.local.is_some() && kind != CommKind::Tcp {
         return Err(bad_input(anyhow!(
@@ -74,7 +89,7 @@ pub(super) fn external(
     let (comms, local_rank) = match kind {
         CommKind::Tcp => {
             let env = qsr_comm::detect_from_process_env(&explicit)?;
-            (connect_levels(&env, &recipe)?, env.local_rank)
+            (connect_levels(&env, &recipe, args.port_file.as_deref())?, env.local_rank)
         }
         CommKind::Mpi => {
             // The launcher's local rank (OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID) picks the GPU.

@@ -31,6 +31,9 @@ const STOP_GRACE: Duration = Duration::from_secs(10);
 const FAILURE_WINDOW: Duration = Duration::from_millis(500);
 
 const POLL: Duration = Duration::from_millis(50);
+/// Where rank 0 of a `--nproc` launch writes its rendezvous port, in the run directory (removed once
+/// read).
+pub(super) const PORT_FILE: &str = ".rendezvous-port";
 
 /// In a worker: die with the launcher (SIGKILL on its death), and refuse to start if it is already gone.
 pub fn die_with_launcher() -> Result<()> {
@@ -46,18 +49,21 @@ pub fn die_with_launcher() -> Result<()> {
     Ok(())
 }
 
-/// Starts `n` workers (`command(rank, port)`), waits for them, and returns rank 0's summary. With an
-/// elastic `store`, a failed worker does not stop the others: the run succeeds when the store says
-/// every worker of its last generation finished.
+/// Starts `n` workers (`command(rank, port)`), waits for them, and returns rank 0's summary. Without
+/// a `store`, rank 0 starts first and chooses the rendezvous port (written to [`PORT_FILE`]); the
+/// others start with it (`port` is `None` for rank 0 and in elastic jobs). With an elastic `store`, a
+/// failed worker does not stop the others: the run succeeds when the store says every worker of its
+/// last generation finished.
 pub fn launch(
     n: usize,
-    command: impl Fn(usize, u16) -> Result<Command>,
+    command: impl Fn(usize, Option<u16>) -> Result<Command>,
     run_dir: &Path,
     store: Option<&qsr_elastic::Store>,
 ) -> Result<Option<Summary>> {
     let signal = Arc::new(AtomicUsize::new(0));
     let ids = register_signals(&signal)?;
-    let result = supervise(n, &command, &signal, store);
+    let port_file = (store.is_none() && n > 1).then(|| run_dir.join(PORT_FILE));
+    let result = supervise(n, &command, &signal, store, port_file.as_deref());
     for id in ids {
         signal_hook::low_level::unregister(id);
     }
@@ -155,21 +161,31 @@ fn signal_name(s: i32) -> &'static str {
 
 fn supervise(
     n: usize,
-    command: &impl Fn(usize, u16) -> Result<Command>,
+    command: &impl Fn(usize, Option<u16>) -> Result<Command>,
     signal: &AtomicUsize,
     store: Option<&qsr_elastic::Store>,
+    port_file: Option<&Path>,
 ) -> Result<()> {
-    let port = free_port()?;
-    let mut workers = Vec::new();
+    let mut workers: Vec<Spawned> = Vec::new();
+    let mut port = None;
     for rank in 0..n {
-        let mut c = command(rank, port)?;
-        c.env(LAUNCHER_PID, std::process::id().to_string());
-        match c.spawn() {
-            Ok(child) => workers.push(Spawned { rank, child }),
-            Err(e) => {
-                stop(&mut workers, Signal::TERM);
-                return Err(e).with_context(|| format!("cannot start worker process {rank}"));
+        if rank == 1
+            && let Some(path) = port_file
+        {
+            let timeout = qsr_comm::TcpConfig::from_env(&|k| std::env::var(k).ok())?.rendezvous_timeout;
+            match rank_zero_port(&mut workers[0].child, path, signal, timeout) {
+                Ok(Some(p)) => port = Some(p),
+                // Rank 0 failed or a signal came: the loop below reports it.
+                Ok(None) => break,
+                Err(e) => {
+                    stop(&mut workers, Signal::TERM);
+                    return Err(e);
+                }
             }
+        }
+        if let Err(e) = spawn(&mut workers, rank, command(rank, port)) {
+            stop(&mut workers, Signal::TERM);
+            return Err(e);
         }
     }
     let mut failures: Vec<Failure> = Vec::new();
@@ -224,6 +240,52 @@ fn supervise(
         return Err(crate::exit::WorkersFailed { status: first.launcher_status(), message }.into());
     }
     Ok(())
+}
+
+/// Starts worker `rank` from its command line.
+fn spawn(workers: &mut Vec<Spawned>, rank: usize, command: Result<Command>) -> Result<()> {
+    let mut c = command?;
+    c.env(LAUNCHER_PID, std::process::id().to_string());
+    let child = c.spawn().with_context(|| format!("cannot start worker process {rank}"))?;
+    workers.push(Spawned { rank, child });
+    Ok(())
+}
+
+/// Waits for rank 0 to write the port it bound for the rendezvous to `path`, and removes the file.
+/// `None` when rank 0 failed first or a signal came (the caller reports either); an error when rank 0
+/// ended without a port or did not write one within `timeout`.
+fn rank_zero_port(rank0: &mut Child, path: &Path, signal: &AtomicUsize, timeout: Duration) -> Result<Option<u16>> {
+    let start = Instant::now();
+    loop {
+        match std::fs::read_to_string(path) {
+            Ok(text) => {
+                let _ = std::fs::remove_file(path);
+                let port = text.trim().parse::<u16>().ok().filter(|p| *p != 0);
+                return port
+                    .map(Some)
+                    .with_context(|| format!("rank 0 wrote {text:?} to {}, not its rendezvous port", path.display()));
+            }
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(e).with_context(|| format!("cannot read rank 0's rendezvous port from {}", path.display()));
+            }
+            Err(_) => {}
+        }
+        match rank0.try_wait().context("cannot wait for worker 0")? {
+            Some(status) if status.success() => bail!("worker 0 exited before it bound its rendezvous port"),
+            Some(_) => return Ok(None),
+            None => {}
+        }
+        if received(signal).is_some() {
+            return Ok(None);
+        }
+        if start.elapsed() >= timeout {
+            bail!(
+                "worker 0 did not bind its rendezvous port within {} s (QSR_RENDEZVOUS_TIMEOUT_SECS)",
+                timeout.as_secs()
+            );
+        }
+        std::thread::sleep(POLL);
+    }
 }
 
 /// The signal the launcher received, if any.
@@ -308,11 +370,6 @@ fn is_stopped(child: &Child) -> bool {
         .is_some_and(|state| matches!(state, 'T' | 't'))
 }
 
-fn free_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").context("cannot find a free loopback port")?;
-    Ok(l.local_addr()?.port())
-}
-
 /// The command line of each `--nproc` worker: the run's saved (resolved) recipe, so that every
 /// launch mode applies the same overrides.
 pub(super) struct ChildArgs<'a> {
@@ -325,9 +382,11 @@ pub(super) struct ChildArgs<'a> {
 }
 
 impl ChildArgs<'_> {
-    pub(super) fn command(&self, rank: usize, n: usize, port: u16, token: &str) -> Result<std::process::Command> {
+    /// Worker `rank`'s command; `port` is rank 0's rendezvous port, `None` for rank 0 itself (which
+    /// chooses it and writes it to [`PORT_FILE`]).
+    pub(super) fn command(&self, rank: usize, n: usize, port: Option<u16>, token: &str) -> Result<Command> {
         let exe = std::env::current_exe().context("cannot locate the qsr executable")?;
-        let mut c = std::process::Command::new(exe);
+        let mut c = Command::new(exe);
         c.arg("train").arg("--comm").arg(self.comm.name());
         c.arg("--recipe").arg(self.run_dir.join("recipe.toml")).arg("--out").arg(self.run_dir);
         if self.resuming {
@@ -337,7 +396,17 @@ impl ChildArgs<'_> {
             c.args(["--elastic", "--rendezvous", store, "--rank", &rank.to_string()]);
         } else {
             c.args(["--rank", &rank.to_string(), "--world-size", &n.to_string(), "--master-addr", "127.0.0.1"]);
-            c.args(["--master-port", &port.to_string()]);
+            match port {
+                Some(port) => {
+                    c.args(["--master-port", &port.to_string()]);
+                }
+                None if n > 1 => {
+                    c.arg("--port-file").arg(self.run_dir.join(PORT_FILE));
+                    // The launcher's own MASTER_PORT, if any, is not this job's.
+                    c.env_remove("MASTER_PORT");
+                }
+                None => {}
+            }
         }
         c.args(["--device", &self.args.device]);
         if rank != 0 || self.args.quiet {
@@ -349,5 +418,52 @@ impl ChildArgs<'_> {
         c.arg("--spawned");
         c.env("QSR_JOB_TOKEN", token);
         Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stand-in for rank 0: a shell running `script` with `$1` the port file.
+    fn rank0(script: &str, file: &Path) -> Child {
+        Command::new("sh").args(["-c", script, "sh"]).arg(file).spawn().unwrap()
+    }
+
+    fn wait(script: &str, timeout: Duration) -> (Result<Option<u16>>, bool) {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join(PORT_FILE);
+        let mut child = rank0(script, &file);
+        let port = rank_zero_port(&mut child, &file, &AtomicUsize::new(0), timeout);
+        let _ = child.kill();
+        let _ = child.wait();
+        (port, file.exists())
+    }
+
+    /// The launcher never picks a port itself (it used to bind one, release it and hope rank 0 got
+    /// it first): it reads the port rank 0 bound, and removes the file.
+    #[test]
+    fn the_launcher_takes_the_rendezvous_port_rank_zero_bound() {
+        let (port, left) = wait(r#"printf 4242 > "$1.tmp" && mv "$1.tmp" "$1"; sleep 5"#, Duration::from_secs(5));
+        assert_eq!(port.unwrap(), Some(4242));
+        assert!(!left, "the port file is removed once read");
+    }
+
+    /// A rank 0 that fails before its rendezvous is reported by the supervisor, not waited for.
+    #[test]
+    fn a_rank_zero_that_fails_before_binding_is_not_waited_for() {
+        assert_eq!(wait("exit 3", Duration::from_secs(5)).0.unwrap(), None);
+    }
+
+    /// A rank 0 that exits cleanly without a port, writes garbage, or is silent past the rendezvous
+    /// timeout is an error naming it.
+    #[test]
+    fn a_rank_zero_without_a_port_is_an_error_naming_it() {
+        let e = wait("exit 0", Duration::from_secs(5)).0.unwrap_err().to_string();
+        assert!(e.contains("worker 0 exited before it bound its rendezvous port"), "{e}");
+        let e = wait(r#"printf 0 > "$1"; sleep 5"#, Duration::from_secs(5)).0.unwrap_err().to_string();
+        assert!(e.contains("not its rendezvous port"), "{e}");
+        let e = wait("sleep 5", Duration::from_millis(200)).0.unwrap_err().to_string();
+        assert!(e.contains("did not bind its rendezvous port within"), "{e}");
     }
 }
