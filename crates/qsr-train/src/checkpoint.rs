@@ -11,6 +11,10 @@
 //! A checkpoint is built in `tmp-step-<N>/` (every file fsynced), then renamed into place, then `LATEST`
 //! is replaced through a temp file and a rename, so a crash at any point leaves the previous checkpoint
 //! intact and `LATEST` pointing at a complete one.
+//!
+//! Public here is the reading side, for a library user who inspects or loads a run's checkpoints:
+//! [`latest`], [`verify`], [`load_model`], [`load_optim`], [`load_outer`] and [`CheckpointState`]; the
+//! trainer alone writes them.
 
 use std::collections::BTreeMap;
 use std::fs::{self, File};
@@ -86,7 +90,7 @@ impl Counters {
 pub const FORMAT: u32 = 1;
 
 /// Writes `bytes` to `path` through a temp file in the same directory, fsynced, then renamed.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let tmp = dir.join(format!(".{}.tmp", path.file_name().and_then(|n| n.to_str()).unwrap_or("file")));
     {
@@ -130,7 +134,7 @@ fn tensors_to_bytes(named: &[(String, Vec<usize>, Vec<u8>)], meta: BTreeMap<Stri
 }
 
 /// `model.safetensors`: parameters and running statistics by module path.
-pub fn model_bytes(layout: &ParamLayout, params: &[f32], running: &[f32], step: u64) -> Result<Vec<u8>> {
+pub(crate) fn model_bytes(layout: &ParamLayout, params: &[f32], running: &[f32], step: u64) -> Result<Vec<u8>> {
     let mut named = Vec::new();
     for e in &layout.trainable {
         named.push((e.path.clone(), e.shape.clone(), f32_bytes(&params[e.range.clone()])));
@@ -142,7 +146,7 @@ pub fn model_bytes(layout: &ParamLayout, params: &[f32], running: &[f32], step: 
 }
 
 /// `optim-rank<r>.safetensors`: one rank's optimizer moments.
-pub fn optim_bytes(state: &OptimState) -> Result<Vec<u8>> {
+pub(crate) fn optim_bytes(state: &OptimState) -> Result<Vec<u8>> {
     let mut named = Vec::new();
     if !state.first_moment.is_empty() {
         named.push(("first_moment".to_string(), vec![state.first_moment.len()], f32_bytes(&state.first_moment)));
@@ -154,7 +158,7 @@ pub fn optim_bytes(state: &OptimState) -> Result<Vec<u8>> {
 }
 
 /// `outer.safetensors`: the outer optimizer's global parameters and momentum (the same on every rank).
-pub fn outer_bytes(global: &[f32], momentum: &[f32], step: u64) -> Result<Vec<u8>> {
+pub(crate) fn outer_bytes(global: &[f32], momentum: &[f32], step: u64) -> Result<Vec<u8>> {
     let named = [
         ("global".to_string(), vec![global.len()], f32_bytes(global)),
         ("momentum".to_string(), vec![momentum.len()], f32_bytes(momentum)),
@@ -225,19 +229,19 @@ pub fn load_optim(file: &Path, template: &OptimState) -> Result<OptimState> {
 }
 
 /// `RUN_DIR/ckpt`: the directory of a run's checkpoints and `LATEST`.
-pub fn ckpt_root(run_dir: &Path) -> PathBuf {
+pub(crate) fn ckpt_root(run_dir: &Path) -> PathBuf {
     run_dir.join("ckpt")
 }
 
 /// `RUN_DIR/ckpt/tmp-step-<N>`: where the checkpoint of step N is built before it is renamed into place.
-pub fn tmp_dir(run_dir: &Path, step: u64) -> PathBuf {
+pub(crate) fn tmp_dir(run_dir: &Path, step: u64) -> PathBuf {
     ckpt_root(run_dir).join(format!("tmp-step-{step}"))
 }
 
 /// Rank 0, while no rank writes a checkpoint (at the start of a run, or when it takes rank 0's duties
 /// over in an elastic job): removes what a process killed while committing left in `ckpt/` (its
 /// `tmp-step-<N>` directories and temp files); complete checkpoints and `LATEST` are untouched.
-pub fn sweep(run_dir: &Path) -> Result<()> {
+pub(crate) fn sweep(run_dir: &Path) -> Result<()> {
     let root = ckpt_root(run_dir);
     let Ok(entries) = fs::read_dir(&root) else {
         return Ok(());
@@ -258,7 +262,7 @@ pub fn sweep(run_dir: &Path) -> Result<()> {
 }
 
 /// Rank 0, before the others write: a fresh temp directory.
-pub fn begin(run_dir: &Path, step: u64) -> Result<PathBuf> {
+pub(crate) fn begin(run_dir: &Path, step: u64) -> Result<PathBuf> {
     let tmp = tmp_dir(run_dir, step);
     if tmp.exists() {
         fs::remove_dir_all(&tmp).with_context(|| format!("cannot clear {}", tmp.display()))?;
@@ -268,7 +272,7 @@ pub fn begin(run_dir: &Path, step: u64) -> Result<PathBuf> {
 }
 
 /// Any rank: writes one file into the checkpoint being built.
-pub fn write_file(tmp: &Path, name: &str, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_file(tmp: &Path, name: &str, bytes: &[u8]) -> Result<()> {
     write_synced(&tmp.join(name), bytes)
 }
 
@@ -278,7 +282,7 @@ fn sha256_file(path: &Path) -> Result<String> {
 }
 
 /// Rank 0, after every rank wrote: checksums, rename into place, point `LATEST` at it, prune old ones.
-pub fn commit(run_dir: &Path, step: u64, keep: usize) -> Result<PathBuf> {
+pub(crate) fn commit(run_dir: &Path, step: u64, keep: usize) -> Result<PathBuf> {
     let tmp = tmp_dir(run_dir, step);
     let mut sums = BTreeMap::new();
     let mut names: Vec<String> = fs::read_dir(&tmp)?.filter_map(|e| e.ok()?.file_name().into_string().ok()).collect();

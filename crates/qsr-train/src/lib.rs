@@ -22,6 +22,7 @@
 // `run` (the `qsr plan` / `train` / `compare` / `simulate` entry points), so those re-exports are renamed
 // after their command.
 mod args;
+// Public for the reading side of a run's checkpoints; the writing protocol is crate-private.
 pub mod checkpoint;
 mod compare;
 mod device_spec;

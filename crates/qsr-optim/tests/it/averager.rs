@@ -3,7 +3,6 @@
 //! are bit-identical, and ranks configured differently fail at construction naming the setting.
 
 use burn::module::Module;
-use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{GradientsParams, SgdConfig, momentum::MomentumConfig};
 use burn::tensor::{Device, Tensor, TensorData};
 use qsr_comm::{Collective, InProcessGroup};
@@ -12,25 +11,7 @@ use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncRule};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-#[derive(Module, Debug)]
-struct Mlp {
-    fc1: Linear,
-    act: Relu,
-    fc2: Linear,
-}
-
-impl Mlp {
-    fn new(device: &Device) -> Self {
-        Self {
-            fc1: LinearConfig::new(4, 16).init(device),
-            act: Relu::new(),
-            fc2: LinearConfig::new(16, 1).init(device),
-        }
-    }
-    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        self.fc2.forward(self.act.forward(self.fc1.forward(x)))
-    }
-}
+use crate::common::Mlp;
 
 /// Worker `rank`'s batch at `step`: y = sum(x) + noise, seeded by (rank, step).
 fn batch(rank: usize, step: u64, device: &Device) -> (Tensor<2>, Tensor<2>) {
@@ -62,7 +43,7 @@ fn train(comm: Box<dyn Collective>, rule: SyncRule, known_length: bool) -> Resul
     // burn draws initial weights lazily from one global RNG, which concurrent threads (and tests) share,
     // so its draws are not reproducible: rank 0 writes seeded weights, and the averager hands them to
     // every worker.
-    let model = if rank == 0 { seeded(Mlp::new(&device)) } else { Mlp::new(&device) };
+    let model = if rank == 0 { seeded(Mlp::new(&device, 4, 1)) } else { Mlp::new(&device, 4, 1) };
     let mut config = AveragerConfig::new(rule, 20);
     config.run_steps = known_length.then_some(STEPS);
     let (mut avg, mut model) = Averager::new(model, config, comm)?;
@@ -170,7 +151,7 @@ fn a_dp_step_without_average_grads_fails_naming_it() {
     let comm = InProcessGroup::new(1).remove(0);
     let device = Device::flex().autodiff();
     let (mut avg, model) =
-        Averager::new(Mlp::new(&device), AveragerConfig::new(SyncRule::Dp, 0), Box::new(comm)).unwrap();
+        Averager::new(Mlp::new(&device, 4, 1), AveragerConfig::new(SyncRule::Dp, 0), Box::new(comm)).unwrap();
     let Err(e) = avg.step(model, 0.1) else { panic!("a dp step whose gradients were not averaged must fail") };
     let text = e.to_string();
     assert!(text.contains("average_grads") && text.contains("`dp`"), "{text}");
@@ -199,7 +180,8 @@ fn averaged_rounds(outer: Option<OuterConfig>, wire: Wire, rounds: usize) -> Vec
                     let mut config = AveragerConfig::new(SyncRule::Constant { h: 1 }, 0);
                     config.outer = outer;
                     config.wire = wire;
-                    let (mut avg, mut model) = Averager::new(seeded(Mlp::new(&Device::flex())), config, Box::new(c))?;
+                    let (mut avg, mut model) =
+                        Averager::new(seeded(Mlp::new(&Device::flex(), 4, 1)), config, Box::new(c))?;
                     let layout = ParamLayout::of(&model);
                     let mut after = Vec::new();
                     for round in 0..rounds {
@@ -233,9 +215,9 @@ fn diloco_outer_step_follows_nesterov_sgd_on_the_mean_pseudo_gradient() {
     let rounds = 3;
     let got = outer_rounds(Some(OuterConfig::diloco()), rounds);
     // The reference in f64: delta = mean_k(global - local_k), m = 0.9 m + delta, global -= 0.7 (delta + 0.9 m).
-    let layout = ParamLayout::of(&Mlp::new(&Device::flex()));
+    let layout = ParamLayout::of(&Mlp::new(&Device::flex(), 4, 1));
     let mut start = vec![0.0f32; layout.len()];
-    layout.read_params(&seeded(Mlp::new(&Device::flex())), &mut start).unwrap();
+    layout.read_params(&seeded(Mlp::new(&Device::flex(), 4, 1)), &mut start).unwrap();
     let mut global: Vec<f64> = start.iter().map(|&x| f64::from(x)).collect();
     let mut m = vec![0.0f64; global.len()];
     for (round, got) in got.iter().enumerate() {
@@ -258,7 +240,7 @@ fn outer_settings_that_cannot_run_are_refused_naming_the_key() {
     let build = |rule, outer| {
         let mut config = AveragerConfig::new(rule, 0);
         config.outer = Some(outer);
-        Averager::new(Mlp::new(&Device::flex()), config, Box::new(InProcessGroup::new(1).remove(0))).map(|_| ())
+        Averager::new(Mlp::new(&Device::flex(), 4, 1), config, Box::new(InProcessGroup::new(1).remove(0))).map(|_| ())
     };
     let Err(e) = build(SyncRule::Dp, OuterConfig::diloco()) else { panic!("dp with an outer optimizer") };
     assert!(e.to_string().contains("`outer`"), "{e}");

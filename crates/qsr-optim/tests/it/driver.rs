@@ -3,7 +3,7 @@
 use std::thread;
 
 use burn::module::Module;
-use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, Relu};
+use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig};
 use burn::optim::{GradientsParams, SgdConfig};
 use burn::tensor::{Device, Tensor, TensorData};
 use qsr_comm::InProcessGroup;
@@ -15,29 +15,11 @@ use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncMode, SyncRule};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use crate::common::Mlp;
+
 const IN: usize = 6;
 const OUT: usize = 3;
 const BATCH: usize = 8;
-
-#[derive(Module, Debug)]
-struct Mlp {
-    fc1: Linear,
-    act: Relu,
-    fc2: Linear,
-}
-
-impl Mlp {
-    fn new(device: &Device) -> Self {
-        Self {
-            fc1: LinearConfig::new(IN, 16).init(device),
-            act: Relu::new(),
-            fc2: LinearConfig::new(16, OUT).init(device),
-        }
-    }
-    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        self.fc2.forward(self.act.forward(self.fc1.forward(x)))
-    }
-}
 
 #[derive(Module, Debug)]
 struct BnNet {
@@ -145,7 +127,7 @@ fn run_mlp_outer(
     poison: Option<(usize, u64)>,
 ) -> Run {
     let device = device();
-    let model = init(Mlp::new(&device));
+    let model = init(Mlp::new(&device, IN, OUT));
     let task = Task::new();
     let comms = InProcessGroup::new(k);
     // Device residency averages through a device group unless the test asks for the host collective.
@@ -265,7 +247,7 @@ fn one_worker_local_training_equals_plain_burn_training() {
 
     // The same steps with burn's own SGD optimizer and no driver.
     let device = device();
-    let mut model = init(Mlp::new(&device));
+    let mut model = init(Mlp::new(&device, IN, OUT));
     let task = Task::new();
     let mut burn_sgd = SgdConfig::new().init();
     for info in p.cursor() {
@@ -551,7 +533,8 @@ fn device_group_mismatch_missing_and_departed_peers_are_errors() {
 
     // Rank 1 is alive but never syncs: a timeout naming it.
     let comm = InProcessGroup::new(2).remove(0);
-    let mut w = Worker::new(init(Mlp::new(&device)), sgd(), Box::new(comm), p.cursor(), config.clone()).unwrap();
+    let mut w =
+        Worker::new(init(Mlp::new(&device, IN, OUT)), sgd(), Box::new(comm), p.cursor(), config.clone()).unwrap();
     let mut groups = DeviceGroup::with_timeout(2, std::time::Duration::from_millis(200));
     let _alive = groups.pop().unwrap();
     let mismatched = DeviceGroup::new(2).pop().unwrap();
@@ -562,7 +545,7 @@ fn device_group_mismatch_missing_and_departed_peers_are_errors() {
 
     // Rank 1 dropped its handle (its worker failed): an error at once, naming it.
     let comm = InProcessGroup::new(2).remove(0);
-    let mut w = Worker::new(init(Mlp::new(&device)), sgd(), Box::new(comm), p.cursor(), config).unwrap();
+    let mut w = Worker::new(init(Mlp::new(&device, IN, OUT)), sgd(), Box::new(comm), p.cursor(), config).unwrap();
     let mut groups = DeviceGroup::with_timeout(2, std::time::Duration::from_secs(600));
     drop(groups.pop());
     w.set_device_group(groups.pop().unwrap()).unwrap();
@@ -590,7 +573,8 @@ fn loss_errors_are_typed_and_into_model_returns_the_trained_replica() {
     let p = plan(40, SyncRule::Qsr { h_base: 2, alpha: 0.02 });
     let comm = InProcessGroup::new(1).remove(0);
     let mut w =
-        Worker::new(init(Mlp::new(&device)), sgd(), Box::new(comm), p.cursor(), DriverConfig::default()).unwrap();
+        Worker::new(init(Mlp::new(&device, IN, OUT)), sgd(), Box::new(comm), p.cursor(), DriverConfig::default())
+            .unwrap();
     let mut starts = Vec::new();
     while w.cursor().step() < 20 {
         let t = w.cursor().step();
@@ -674,7 +658,7 @@ fn worker_outer_settings_that_cannot_run_are_refused_naming_the_key() {
     let device = device();
     let build = |sync: SyncRule, config: DriverConfig, outer: OuterConfig| {
         let mut w = Worker::new(
-            init(Mlp::new(&device)),
+            init(Mlp::new(&device, IN, OUT)),
             sgd(),
             Box::new(InProcessGroup::new(1).remove(0)),
             plan(10, sync).cursor(),
@@ -713,7 +697,7 @@ fn bf16_parameter_syncs_keep_ranks_identical_and_halve_the_bytes() {
     assert!((bytes(&half) * 2).abs_diff(bytes(&exact)) <= 2 * syncs, "{} vs {}", bytes(&half), bytes(&exact));
     let device_bf16 = DriverConfig { wire: Wire::Bf16, residency: Residency::Device, ..DriverConfig::default() };
     let refused = Worker::new(
-        init(Mlp::new(&device())),
+        init(Mlp::new(&device(), IN, OUT)),
         sgd(),
         Box::new(InProcessGroup::new(1).remove(0)),
         p.cursor(),
@@ -759,7 +743,7 @@ fn bf16_syncs_over_a_collective_without_them_are_refused_before_training() {
     let bf16 = DriverConfig { wire: Wire::Bf16, ..DriverConfig::default() };
     let comm = Box::new(NoBf16(InProcessGroup::new(1).remove(0)));
     let p = plan(10, SyncRule::Constant { h: 2 });
-    let Err(e) = Worker::new(init(Mlp::new(&device())), sgd(), comm, p.cursor(), bf16) else {
+    let Err(e) = Worker::new(init(Mlp::new(&device(), IN, OUT)), sgd(), comm, p.cursor(), bf16) else {
         panic!("bf16 over a collective without it was accepted")
     };
     let e = e.to_string();
@@ -830,7 +814,7 @@ fn local_averages_join_a_node_and_count_apart_from_the_global_ones() {
 #[test]
 fn a_two_level_plan_without_a_node_and_a_node_without_one_are_refused() {
     let device = device();
-    let model = init(Mlp::new(&device));
+    let model = init(Mlp::new(&device, IN, OUT));
     let comm = || Box::new(InProcessGroup::new(1).remove(0));
     let flat = plan(10, SyncRule::Constant { h: 2 });
     let mut w = Worker::new(model.clone(), sgd(), comm(), flat.cursor(), DriverConfig::default()).unwrap();
@@ -867,7 +851,7 @@ fn train_until(w: &mut Worker<Mlp>, task: &Task, rank: usize, k: usize, until: u
 /// gone back to an older sync (step 3) and takes rank 1's over. Returns each rank's final parameters.
 fn abandon_and_redo(lagging: bool, p: &Plan, optim: &OptimizerConfig, outer: OuterConfig) -> Vec<Vec<f32>> {
     let k = 2;
-    let model = init(Mlp::new(&device()));
+    let model = init(Mlp::new(&device(), IN, OUT));
     let task = Task::new();
     let (first, second) = (InProcessGroup::new(k), InProcessGroup::new(k));
     thread::scope(|s| {

@@ -1,6 +1,8 @@
 //! The integration tests of qsr-optim (optimizers, the driver and the Averager): one test binary, a module per area, so
 //! that a cold build links one binary rather than one per file.
 
+mod common;
+
 mod averager;
 mod device_wgpu;
 mod driver;

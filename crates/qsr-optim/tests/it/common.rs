@@ -1,0 +1,27 @@
+//! What several test modules build: a two-layer MLP.
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::tensor::{Device, Tensor};
+
+/// `inputs` -> 16 (ReLU) -> `outputs`.
+#[derive(Module, Debug)]
+pub struct Mlp {
+    fc1: Linear,
+    act: Relu,
+    fc2: Linear,
+}
+
+impl Mlp {
+    pub fn new(device: &Device, inputs: usize, outputs: usize) -> Self {
+        Self {
+            fc1: LinearConfig::new(inputs, 16).init(device),
+            act: Relu::new(),
+            fc2: LinearConfig::new(16, outputs).init(device),
+        }
+    }
+
+    pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        self.fc2.forward(self.act.forward(self.fc1.forward(x)))
+    }
+}
