@@ -166,28 +166,7 @@ fn supervise(
     store: Option<&qsr_elastic::Store>,
     port_file: Option<&Path>,
 ) -> Result<()> {
-    let mut workers: Vec<Spawned> = Vec::new();
-    let mut port = None;
-    for rank in 0..n {
-        if rank == 1
-            && let Some(path) = port_file
-        {
-            let timeout = qsr_comm::TcpConfig::from_env(&|k| std::env::var(k).ok())?.rendezvous_timeout;
-            match rank_zero_port(&mut workers[0].child, path, signal, timeout) {
-                Ok(Some(p)) => port = Some(p),
-                // Rank 0 failed or a signal came: the loop below reports it.
-                Ok(None) => break,
-                Err(e) => {
-                    stop(&mut workers, Signal::TERM);
-                    return Err(e);
-                }
-            }
-        }
-        if let Err(e) = spawn(&mut workers, rank, command(rank, port)) {
-            stop(&mut workers, Signal::TERM);
-            return Err(e);
-        }
-    }
+    let mut workers = start(n, command, signal, port_file)?;
     let mut failures: Vec<Failure> = Vec::new();
     let mut finished_at: Option<Instant> = None;
     while !workers.is_empty() {
@@ -240,6 +219,38 @@ fn supervise(
         return Err(crate::exit::WorkersFailed { status: first.launcher_status(), message }.into());
     }
     Ok(())
+}
+
+/// Starts the `n` workers: rank 0 first, and with a `port_file` the others only once rank 0 wrote the
+/// port it bound. When rank 0 fails first or a signal comes, only rank 0 runs; the supervisor reports it.
+fn start(
+    n: usize,
+    command: &impl Fn(usize, Option<u16>) -> Result<Command>,
+    signal: &AtomicUsize,
+    port_file: Option<&Path>,
+) -> Result<Vec<Spawned>> {
+    let mut workers: Vec<Spawned> = Vec::new();
+    let mut port = None;
+    for rank in 0..n {
+        if rank == 1
+            && let Some(path) = port_file
+        {
+            let timeout = qsr_comm::TcpConfig::from_env(&|k| std::env::var(k).ok())?.rendezvous_timeout;
+            match rank_zero_port(&mut workers[0].child, path, signal, timeout) {
+                Ok(Some(p)) => port = Some(p),
+                Ok(None) => break,
+                Err(e) => {
+                    stop(&mut workers, Signal::TERM);
+                    return Err(e);
+                }
+            }
+        }
+        if let Err(e) = spawn(&mut workers, rank, command(rank, port)) {
+            stop(&mut workers, Signal::TERM);
+            return Err(e);
+        }
+    }
+    Ok(workers)
 }
 
 /// Starts worker `rank` from its command line.

@@ -6,9 +6,8 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common::{json, ok, refused};
+use crate::common::{RECIPE, json, ok, refused};
 
-const RECIPE: &str = "recipes/digits-mlp-qsr.toml";
 const STEPS: &str = "schedule.total_steps=400";
 
 /// `qsr` with a short comm timeout, so stalls are seen in seconds.

@@ -5,9 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common::{json, ok, qsr, qsr_cmd, refused, root};
-
-const RECIPE: &str = "recipes/digits-mlp-qsr.toml";
+use crate::common::{RECIPE, json, ok, qsr, qsr_cmd, refused, root};
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()

@@ -12,9 +12,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common::{json, root};
+use crate::common::{RECIPE, json, root};
 
-const RECIPE: &str = "recipes/digits-mlp-qsr.toml";
 const SETUP_HINT: &str = "run scripts/slurm-single-node.sh as root (apt-get install slurm-wlm munge)";
 
 /// Waits for `child` at most `limit`; past that kills it and returns `None`.

@@ -3,7 +3,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use crate::common::{json, ok, refused};
+use crate::common::{RECIPE, json, ok, refused};
 
 /// The latest checkpoint's model file, as raw bytes per tensor name.
 fn final_params(run: &Path) -> Vec<(String, Vec<u8>)> {
@@ -14,8 +14,6 @@ fn final_params(run: &Path) -> Vec<(String, Vec<u8>)> {
     v.sort();
     v
 }
-
-const RECIPE: &str = "recipes/digits-mlp-qsr.toml";
 
 #[test]
 fn digits_with_two_simulated_workers_learns_and_syncs_as_planned() {

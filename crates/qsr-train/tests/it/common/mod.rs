@@ -5,6 +5,9 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+/// The small recipe most trainer tests run: an MLP on digits under QSR.
+pub const RECIPE: &str = "recipes/digits-mlp-qsr.toml";
+
 /// The repository root (recipes are named relative to it).
 pub fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
