@@ -1,12 +1,17 @@
 //! The ring all-reduce cost model on hand-computed cases, the plan-driven prediction and the
 //! calibration from a data-parallel wall time (the command end to end is in tests/it/simulate.rs).
 
-use std::path::Path;
-
 use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncMode, SyncRule};
 
 use super::*;
 use crate::recipe::TrainRecipe;
+
+/// A shipped recipe (CARGO_MANIFEST_DIR read at run time, as the integration tests' `root()` does).
+fn recipe(name: &str) -> std::path::PathBuf {
+    let manifest = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| env!("CARGO_MANIFEST_DIR").into(), std::path::PathBuf::from);
+    manifest.join("../../recipes").join(name)
+}
 
 fn close(a: f64, b: f64) -> bool {
     (a - b).abs() <= 1e-9 * b.abs().max(1.0)
@@ -132,7 +137,7 @@ fn calibration_from_a_data_parallel_wall_time_round_trips() {
 
 #[test]
 fn payload_follows_the_state_policy() {
-    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../recipes/imagenet-vit-b-qsr-hbase4.toml");
+    let base = recipe("imagenet-vit-b-qsr-hbase4.toml");
     let r = TrainRecipe::load(&base, &[]).unwrap();
     let p = recipe_payload(&r, 100, 0);
     assert_eq!((p.gradient_elements, p.parameter_elements, p.bytes_per_element), (100, 100, 4));
@@ -147,7 +152,7 @@ fn payload_follows_the_state_policy() {
 /// bandwidth-bound link; gradient all-reduces stay f32.
 #[test]
 fn bf16_wire_halves_the_parameter_sync_payload() {
-    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../recipes/imagenet-vit-b-qsr-hbase4.toml");
+    let base = recipe("imagenet-vit-b-qsr-hbase4.toml");
     let f32_payload = recipe_payload(&TrainRecipe::load(&base, &[]).unwrap(), 1_000_000, 0);
     let bf16 = recipe_payload(&TrainRecipe::load(&base, &["driver.wire=bf16".to_string()]).unwrap(), 1_000_000, 0);
     assert_eq!((bf16.bytes_per_element, bf16.parameter_bytes_per_element), (4, 2));

@@ -1,12 +1,10 @@
 //! Every recipe shipped in recipes/ is a valid training recipe, and its plan is what `qsr plan` reads.
 
-use std::path::Path;
-
 use qsr_train::recipe::TrainRecipe;
 
 #[test]
 fn every_shipped_recipe_validates() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../recipes");
+    let dir = crate::common::root().join("recipes");
     let mut n = 0;
     for entry in std::fs::read_dir(&dir).unwrap() {
         let path = entry.unwrap().path();

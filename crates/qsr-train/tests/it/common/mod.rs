@@ -8,9 +8,13 @@ use std::process::{Command, Output};
 /// The small recipe most trainer tests run: an MLP on digits under QSR.
 pub const RECIPE: &str = "recipes/digits-mlp-qsr.toml";
 
-/// The repository root (recipes are named relative to it).
+/// The repository root (recipes are named relative to it). `cargo test` sets CARGO_MANIFEST_DIR at run
+/// time too: preferred, since a target dir shared by two checkouts may hand this one the other's
+/// fresh-looking binary, whose compile-time path points into the other checkout.
 pub fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+    let manifest =
+        std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| env!("CARGO_MANIFEST_DIR").into(), PathBuf::from);
+    manifest.join("../..")
 }
 
 /// `qsr args` in the repository root, without the job token or a launcher's variables of the
