@@ -315,7 +315,7 @@ fn section_train(root: &Path, target: &Path) -> Result<String> {
             );
         }
     }
-    o.push_str(&gpt_tokens_per_second(root, target)?);
+    o.push_str(&step_tables(root, target)?);
     Ok(o)
 }
 
@@ -325,66 +325,110 @@ fn bench_python() -> PathBuf {
         .map_or_else(|| PathBuf::from("/var/tmp/qsr-bench-venv/bin/python"), PathBuf::from)
 }
 
-/// Tokens/s of one training step of the small GPT (2 layers, 4 heads, width 64, 16 windows of 64
-/// tokens, AdamW with clipping): qsr's `gpt_step` example against PyTorch eager on the same model, batch
-/// and thread count, alternated three times; medians.
-fn gpt_tokens_per_second(root: &Path, target: &Path) -> Result<String> {
-    let mut b = cargo(root);
-    b.args(["build", "--release", "--locked", "--example", "gpt_step"]);
-    output(b)?;
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).to_string();
-    let python = bench_python();
-    let has_torch = Command::new(&python).args(["-c", "import torch"]).output().is_ok_and(|o| o.status.success());
-    let (mut ours, mut torch) = measure_gpt(root, target, has_torch.then_some(python.as_path()), &threads)?;
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let q = median(&mut ours);
-    let mut o = format!(
-        "\nOne training step of a small GPT (2 layers, 4 heads, width 64, 16 windows of 64 tokens, AdamW with \
-         clipping; `gpt_step` example vs `benches/peers/gpt_step.py`, PyTorch eager, {threads} threads), median \
-         of 3 alternated runs of 30 steps each:\n\n| implementation | tokens/s | ratio to PyTorch |\n|---|---|---|\n"
-    );
-    if torch.is_empty() {
-        let _ = writeln!(o, "| qsr (burn flex) | {q:.0} | - |");
-        let _ = writeln!(
-            o,
-            "\nPyTorch skipped: `{}` cannot import torch (set QSR_BENCH_PYTHON, or `python3 -m venv /var/tmp/qsr-bench-venv && /var/tmp/qsr-bench-venv/bin/pip install torch`).",
-            python.display()
-        );
-    } else {
-        let t = median(&mut torch);
-        let _ = writeln!(o, "| qsr (burn flex) | {q:.0} | {:.2} |", q / t);
-        let _ = writeln!(o, "| PyTorch eager | {t:.0} | 1.00 |");
-    }
-    Ok(o)
+/// One model's step as `qsr time-step` and `benches/peers/train_step.py` both take it.
+struct StepCase {
+    name: &'static str,
+    args: &'static [&'static str],
+    steps: &'static str,
 }
 
-/// Tokens/s of 3 alternated runs of 30 steps: qsr's `gpt_step`, then (with a `python` that has torch) the
-/// PyTorch peer.
-fn measure_gpt(root: &Path, target: &Path, python: Option<&Path>, threads: &str) -> Result<(Vec<f64>, Vec<f64>)> {
-    let tmp = std::env::temp_dir().join("qsr-bench-gpt");
+const STEP_CASES: [StepCase; 4] = [
+    StepCase { name: "GPT small (2 x 64, context 64, batch 16)", args: &["--model", "gpt"], steps: "30" },
+    StepCase {
+        name: "GPT medium (4 x 256, 8 heads, context 128, batch 16)",
+        args: &["--model", "gpt", "--layers", "4", "--heads", "8", "--width", "256", "--context", "128"],
+        steps: "8",
+    },
+    StepCase { name: "digits CNN (1 x 8 x 8, batch 64)", args: &["--model", "cnn"], steps: "30" },
+    StepCase { name: "ResNet-20 (3 x 32 x 32, batch 128)", args: &["--model", "resnet20"], steps: "6" },
+];
+
+/// One training step of each [`STEP_CASES`] model at 1 and 2 intra-op threads: `qsr time-step` against
+/// PyTorch eager (`benches/peers/train_step.py`) on the same model, batch and thread count, 3 alternated
+/// runs, medians; then where qsr's step goes, phase by phase.
+fn step_tables(root: &Path, target: &Path) -> Result<String> {
+    let python = bench_python();
+    let has_torch = Command::new(&python).args(["-c", "import torch"]).output().is_ok_and(|o| o.status.success());
+    let python = has_torch.then_some(python.as_path());
+    let mut ratios = String::from(
+        "\nOne training step on one worker (`qsr time-step` vs `benches/peers/train_step.py`, PyTorch eager), \
+         median of 3 alternated runs:\n\n| model | threads | qsr | PyTorch | ratio |\n|---|---|---|---|---|\n",
+    );
+    let mut phases = String::from(
+        "\nWhere qsr's step goes (mean ms per step of the median run; collectives excluded: one worker):\n\n\
+         | model | threads | step ms | forward | backward | gradients | optimizer | write-back |\n\
+         |---|---|---|---|---|---|---|---|\n",
+    );
+    for case in &STEP_CASES {
+        for threads in ["1", "2"] {
+            let (mut ours, mut torch) = measure_step(root, target, python, case, threads)?;
+            ours.sort_by(|a, b| {
+                f64::total_cmp(&a["per_second"].as_f64().unwrap_or(0.0), &b["per_second"].as_f64().unwrap_or(0.0))
+            });
+            torch.sort_by(f64::total_cmp);
+            let q = &ours[ours.len() / 2];
+            let rate = q["per_second"].as_f64().unwrap_or(f64::NAN);
+            let unit = format!("{}/s", q["unit"].as_str().unwrap_or("items"));
+            let (t, ratio) = match torch.get(torch.len() / 2) {
+                Some(t) => (format!("{t:.0} {unit}"), format!("{:.2}", rate / t)),
+                None => ("-".into(), "-".into()),
+            };
+            let _ = writeln!(ratios, "| {} | {threads} | {rate:.0} {unit} | {t} | {ratio} |", case.name);
+            let p = &q["phases_ms"];
+            let ms = |k: &str| p[k].as_f64().unwrap_or(f64::NAN);
+            let _ = writeln!(
+                phases,
+                "| {} | {threads} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                case.name,
+                q["step_ms_median"].as_f64().unwrap_or(f64::NAN),
+                ms("forward"),
+                ms("backward"),
+                ms("gradients"),
+                ms("optimizer"),
+                ms("write_back")
+            );
+        }
+    }
+    if python.is_none() {
+        let _ = writeln!(
+            ratios,
+            "\nPyTorch skipped: `{}` cannot import torch (set QSR_BENCH_PYTHON, or `python3 -m venv \
+             /var/tmp/qsr-bench-venv && /var/tmp/qsr-bench-venv/bin/pip install torch==2.9.0`).",
+            bench_python().display()
+        );
+    }
+    Ok(ratios + &phases)
+}
+
+/// 3 alternated runs of one case: qsr's JSON results, then (with a `python` that has torch) the peer's
+/// rates.
+fn measure_step(
+    root: &Path,
+    target: &Path,
+    python: Option<&Path>,
+    case: &StepCase,
+    threads: &str,
+) -> Result<(Vec<serde_json::Value>, Vec<f64>)> {
+    let tmp = std::env::temp_dir().join("qsr-bench-step");
     std::fs::create_dir_all(&tmp)?;
-    let tps = |json: &Path| -> Result<f64> {
-        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(json)?)?;
-        v["tokens_per_second"].as_f64().ok_or_else(|| anyhow::anyhow!("{}: no tokens_per_second", json.display()))
-    };
+    let read = |json: &Path| -> Result<serde_json::Value> { Ok(serde_json::from_slice(&std::fs::read(json)?)?) };
     let (mut ours, mut torch) = (Vec::new(), Vec::new());
     for i in 0..3 {
         let json = tmp.join(format!("qsr-{i}.json"));
-        let mut c = Command::new(target.join("release/examples/gpt_step"));
-        c.args(["--steps", "30", "--json"]).arg(&json);
+        let mut c = Command::new(target.join("release/qsr"));
+        c.arg("time-step").args(case.args).args(["--threads", threads, "--steps", case.steps, "--json"]).arg(&json);
         output(c)?;
-        ours.push(tps(&json)?);
+        ours.push(read(&json)?);
         if let Some(python) = python {
             let json = tmp.join(format!("torch-{i}.json"));
             let mut c = Command::new(python);
-            c.arg(root.join("benches/peers/gpt_step.py"))
-                .args(["--threads", threads, "--steps", "30", "--json"])
+            c.arg(root.join("benches/peers/train_step.py"))
+                .args(case.args)
+                .args(["--threads", threads, "--steps", case.steps, "--json"])
                 .arg(&json);
             output(c)?;
-            torch.push(tps(&json)?);
+            let v = read(&json)?;
+            torch.push(v["per_second"].as_f64().with_context(|| format!("{}: no per_second", json.display()))?);
         }
     }
     Ok((ours, torch))

@@ -147,7 +147,9 @@ pub fn run(args: &ChaosArgs, root: &Path, target: &Path) -> Result<()> {
         bail!("--workers must be at least 3 (a fault leaves two to go on) and --jobs at least 1");
     }
     let mut build = crate::cargo();
-    build.args(["build", "--release", "--locked", "--bin", "qsr"]);
+    // The selection of `cargo xtask ci`'s test step, so that CI reuses its build of burn (burn-train's
+    // features would make another).
+    build.args(["build", "--release", "--locked", "--workspace", "--exclude", crate::BURN_TRAIN, "--bin", "qsr"]);
     crate::run(build)?;
     let qsr = target.join("release/qsr");
     let seed = args.seed.unwrap_or_else(rand::random);

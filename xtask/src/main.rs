@@ -125,7 +125,7 @@ const CI_EXAMPLES: [(&str, &str); 9] = [
 ];
 
 /// The crate that integrates with burn-train (tested in a step of its own, see `Cmd::Ci`).
-const BURN_TRAIN: &str = "qsr-burn-train";
+pub(crate) const BURN_TRAIN: &str = "qsr-burn-train";
 
 /// Builds `examples` in one cargo invocation over the packages `selection` names (the selection of the
 /// test step before it, so the build reuses its artifacts: another selection would resolve other
@@ -218,9 +218,9 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Cmd::Ci => {
             tidy()?;
-            // qsr-burn-train is tested on its own: burn-train turns on burn features (datasets, flex's rayon
-            // and simd) that the other crates do not use, and a build that unified them would test those
-            // crates on another burn than their users get and rebuild burn again for the examples.
+            // qsr-burn-train is tested on its own: burn-train turns on burn features (`train`, datasets) that
+            // the other crates do not use, and a build that unified them would test those crates on another
+            // burn than their users get and rebuild burn again for the examples and the fault campaign.
             let workspace = ["--workspace", "--exclude", BURN_TRAIN];
             let mut t = cargo();
             t.args(["test", "--release", "--locked"]).args(workspace);

@@ -14,6 +14,7 @@
 //! policy names); BatchNorm statistics, when averaged, still go through the host collective.
 
 use std::borrow::Cow;
+use std::time::Instant;
 
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
@@ -267,8 +268,10 @@ impl<M: Module> Worker<M> {
     }
 
     fn write_back(&mut self) -> Result<(), OptimError> {
+        let t = Instant::now();
         // A clone of a module shares its tensors (cheap); on error the worker keeps its model.
         self.model = self.replica.write(&self.layout, self.model.clone())?;
+        self.stats.phases.write_back += t.elapsed().as_secs_f64();
         Ok(())
     }
 

@@ -32,5 +32,6 @@ pub use optim::{
 pub use outer::OuterConfig;
 pub use snapshot::Snapshot;
 pub use sync::{
-    BnPolicy, DriverConfig, DriverStats, Level, LocalStats, Residency, StatePolicy, StepReport, SyncReport, Wire,
+    BnPolicy, DriverConfig, DriverStats, Level, LocalStats, PhaseTimes, Residency, StatePolicy, StepReport, SyncReport,
+    Wire,
 };

@@ -13,7 +13,7 @@ use crate::device::{DeviceGroup, DeviceOptimizer, all_finite, to_host};
 use crate::error::{LossError, OptimError};
 use crate::flat::ParamLayout;
 use crate::optim::{OptimState, Optimizer, OptimizerConfig};
-use crate::sync::{BnPolicy, Level, Peers, SyncReport};
+use crate::sync::{BnPolicy, Level, Peers, PhaseTimes, SyncReport};
 
 /// What a replica's step did, for the worker's report.
 pub(crate) struct Stepped {
@@ -127,7 +127,8 @@ impl HostReplica {
     where
         F: FnMut(&M, usize) -> Result<Tensor<1>, LossError>,
     {
-        let loss_sum = self.gradients(model, layout, peers.config.accumulation_steps, info.step, loss_fn)?;
+        let accum = peers.config.accumulation_steps;
+        let loss_sum = self.gradients(model, layout, (accum, info.step), &mut peers.stats.phases, loss_fn)?;
         let mut sync = None;
         if info.mode == SyncMode::Gradients {
             // Data parallel: every rank averages gradients, so every rank takes the same update.
@@ -137,7 +138,9 @@ impl HostReplica {
         }
         let updated = self.grads.iter().all(|g| g.is_finite());
         if updated {
+            let t = Instant::now();
             self.optimizer.step(&mut self.params, &mut self.grads, info.lr);
+            peers.stats.phases.optimizer += t.elapsed().as_secs_f64();
         } else {
             peers.stats.skipped_updates += 1;
         }
@@ -153,13 +156,14 @@ impl HostReplica {
         Ok(Stepped { loss_sum, updated, sync })
     }
 
-    /// Fills `grads` with the mean gradient over `accum` micro-batches; returns the losses' sum.
+    /// Fills `grads` with the mean gradient over `accum` micro-batches of step `step`; returns the
+    /// losses' sum.
     fn gradients<M: Module, F>(
         &mut self,
         model: &M,
         layout: &ParamLayout,
-        accum: usize,
-        step: u64,
+        (accum, step): (usize, u64),
+        times: &mut PhaseTimes,
         mut loss_fn: F,
     ) -> Result<f64, OptimError>
     where
@@ -171,10 +175,14 @@ impl HostReplica {
             self.grad_sum.resize(self.params.len(), 0.0);
         }
         for micro in 0..accum {
+            let t = Instant::now();
             let loss = loss_fn(model, micro).map_err(|source| OptimError::Step { step, source })?;
             loss_sum += f64::from(loss.clone().into_scalar::<f32>());
+            let t = times.add(|p| &mut p.forward, t);
             let mut grads = loss.backward();
+            let t = times.add(|p| &mut p.backward, t);
             layout.read_grads(model, &mut grads, &mut self.grads)?;
+            times.add(|p| &mut p.gradients, t);
             if accum > 1 {
                 self.grad_sum.iter_mut().zip(&self.grads).for_each(|(s, g)| *s += g);
             }
@@ -306,8 +314,9 @@ impl DeviceReplica {
     where
         F: FnMut(&M, usize) -> Result<Tensor<1>, LossError>,
     {
+        let accum = peers.config.accumulation_steps;
         let (loss_sum, mut grads) =
-            self.gradients(model, layout, peers.config.accumulation_steps, info.step, loss_fn)?;
+            self.gradients(model, layout, (accum, info.step), &mut peers.stats.phases, loss_fn)?;
         let mut sync = None;
         if info.mode == SyncMode::Gradients {
             let (mut out, report) = self.average(peers, info.step, vec![grads], SyncMode::Gradients)?;
@@ -316,7 +325,9 @@ impl DeviceReplica {
         }
         let updated = all_finite(&grads);
         if updated {
+            let t = Instant::now();
             self.params = self.optimizer.step(self.params.clone(), grads, info.lr);
+            peers.stats.phases.optimizer += t.elapsed().as_secs_f64();
         } else {
             peers.stats.skipped_updates += 1;
         }
@@ -326,22 +337,28 @@ impl DeviceReplica {
         Ok(Stepped { loss_sum, updated, sync })
     }
 
-    /// The mean gradient over `accum` (at least 1) micro-batches, and the losses' sum.
+    /// The mean gradient over `accum` (at least 1) micro-batches of step `step`, and the losses' sum.
     fn gradients<M: Module, F>(
         &self,
         model: &M,
         layout: &ParamLayout,
-        accum: usize,
-        step: u64,
+        (accum, step): (usize, u64),
+        times: &mut PhaseTimes,
         mut loss_fn: F,
     ) -> Result<(f64, Tensor<1>), OptimError>
     where
         F: FnMut(&M, usize) -> Result<Tensor<1>, LossError>,
     {
         let mut micro_grads = |micro: usize| -> Result<(f64, Tensor<1>), OptimError> {
+            let t = Instant::now();
             let loss = loss_fn(model, micro).map_err(|source| OptimError::Step { step, source })?;
             let value = f64::from(loss.clone().into_scalar::<f32>());
-            Ok((value, layout.grads_tensor(model, &mut loss.backward(), &self.device)?))
+            let t = times.add(|p| &mut p.forward, t);
+            let mut grads = loss.backward();
+            let t = times.add(|p| &mut p.backward, t);
+            let flat = layout.grads_tensor(model, &mut grads, &self.device)?;
+            times.add(|p| &mut p.gradients, t);
+            Ok((value, flat))
         };
         let (mut loss_sum, mut grads) = micro_grads(0)?;
         for micro in 1..accum {

@@ -200,6 +200,40 @@ pub struct DriverStats {
     /// Synchronizations averaged on the device by the fused cubecl kernel.
     #[serde(default)]
     pub fused_syncs: u64,
+    /// Where the steps' time went, phase by phase (collectives are in `comm.seconds`).
+    #[serde(default)]
+    pub phases: PhaseTimes,
+}
+
+/// Wall-clock seconds a worker spent in each phase of its steps, summed over the steps. On the CPU a
+/// phase's time is its work; on an asynchronous device (CUDA) a phase's kernels may still run in a later
+/// phase, so the times say where the host waited.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct PhaseTimes {
+    /// The loss closure (the model's forward pass and the loss), with the read of the loss value.
+    pub forward: f64,
+    /// burn's backward pass.
+    pub backward: f64,
+    /// Gathering the gradients into the worker's flat buffer (or device tensor).
+    pub gradients: f64,
+    /// The optimizer update over the flat parameters.
+    pub optimizer: f64,
+    /// Writing the flat parameters back into the model's tensors.
+    pub write_back: f64,
+}
+
+impl PhaseTimes {
+    /// The sum of the phases.
+    pub fn total(&self) -> f64 {
+        self.forward + self.backward + self.gradients + self.optimizer + self.write_back
+    }
+
+    /// Adds the time since `since` to the phase `phase` picks; returns now, the next phase's start.
+    pub(crate) fn add(&mut self, phase: impl FnOnce(&mut Self) -> &mut f64, since: Instant) -> Instant {
+        let now = Instant::now();
+        *phase(self) += now.duration_since(since).as_secs_f64();
+        now
+    }
 }
 
 /// What a replica's step borrows from its [`Worker`](crate::Worker) beside the replica: the collective, the settings

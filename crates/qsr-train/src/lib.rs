@@ -37,6 +37,7 @@ mod rendezvous;
 mod run_dir;
 mod run_lock;
 mod simulate;
+mod time_step;
 mod topology;
 mod worker;
 
@@ -49,4 +50,5 @@ pub use plot::{PlotArgs, plot};
 pub use records::{LocalLevel, MembershipChange, Summary};
 pub use rendezvous::{RendezvousArgs, rendezvous};
 pub use simulate::{SimulateArgs, run as run_simulate};
+pub use time_step::{StepModel, StepTiming, TimeStepArgs, time_step};
 pub use topology::run as run_train;

@@ -263,6 +263,39 @@ fn one_worker_local_training_equals_plain_burn_training() {
 }
 
 #[test]
+fn phase_times_count_every_phase_of_each_step_and_reset_with_take_stats() {
+    let device = device();
+    let p = plan(4, SyncRule::Constant { h: 4 });
+    let comm = InProcessGroup::new(1).remove(0);
+    let mut w =
+        Worker::new(init(Mlp::new(&device, IN, OUT)), sgd(), Box::new(comm), p.cursor(), DriverConfig::default())
+            .unwrap();
+    let task = Task::new();
+    let mut after_one = None;
+    for step in 0..4 {
+        let t = std::time::Instant::now();
+        w.step(|m, _| {
+            let (x, y) = task.batch(step * BATCH, BATCH, &device);
+            Ok(mse(m.forward(x), y))
+        })
+        .unwrap();
+        let wall = t.elapsed().as_secs_f64();
+        let phases = w.stats().phases;
+        if step == 0 {
+            // Each phase took time, and together they fit in the step's wall-clock.
+            assert!(phases.forward > 0.0 && phases.backward > 0.0 && phases.gradients > 0.0, "{phases:?}");
+            assert!(phases.optimizer > 0.0 && phases.write_back > 0.0, "{phases:?}");
+            assert!(phases.total() <= wall, "{phases:?} in {wall} s");
+            after_one = Some(phases);
+        }
+    }
+    let one = after_one.unwrap();
+    let all = w.take_stats().phases;
+    assert!(all.forward > one.forward && all.backward > one.backward, "the phases add up over the steps");
+    assert_eq!(w.stats().phases, qsr_optim::PhaseTimes::default(), "take_stats leaves zeros");
+}
+
+#[test]
 fn qsr_workers_sync_at_the_planned_steps_and_agree_bit_for_bit() {
     let k = 3;
     let p = plan(60, SyncRule::Qsr { h_base: 2, alpha: 0.15 });

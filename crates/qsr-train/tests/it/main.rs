@@ -9,4 +9,5 @@ mod recipes;
 mod simulate;
 mod srun;
 mod text;
+mod time_step;
 mod train_cli;

@@ -1,0 +1,241 @@
+//! `qsr time-step`: how long one training step of a model takes on one worker (forward, backward, the
+//! optimizer and the round driver's bookkeeping, no collective), phase by phase. `cargo xtask bench
+//! train` runs it beside the PyTorch peers of `benches/peers/`, and `scripts/gpu-check.sh` on a GPU.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, anyhow};
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::tensor::{Device, Distribution, Int, Tensor, TensorData};
+use clap::ValueEnum;
+use qsr_comm::InProcessGroup;
+use qsr_data::{Corpus, TextWindows};
+use qsr_models::{CifarResNetConfig, CnnConfig, GptConfig, InputSpec, ModelConfig};
+use qsr_optim::{DriverConfig, OptimizerConfig, PhaseTimes, Worker};
+use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncRule};
+use serde::Serialize;
+
+use crate::device_spec;
+
+/// The models `qsr time-step` times, each as `cargo xtask bench train`'s PyTorch peer builds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StepModel {
+    /// The GPT of `qsr_models::Gpt` on Shakespeare's characters (AdamW, clipping at 1; sizes from the flags).
+    Gpt,
+    /// The small CNN with BatchNorm on 1 x 8 x 8 images, 10 classes (the digits recipes; SGD).
+    Cnn,
+    /// CIFAR ResNet-20 on 3 x 32 x 32 images, 10 classes (SGD).
+    Resnet20,
+}
+
+/// `qsr time-step`: the median time of one training step of a model on one worker.
+#[derive(Debug, clap::Args)]
+pub struct TimeStepArgs {
+    /// The model.
+    #[arg(long, value_enum, default_value = "gpt")]
+    pub model: StepModel,
+    /// Examples per step (default: 16 windows for the GPT, 64 images for the CNN, 128 for ResNet-20).
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// GPT: tokens per window.
+    #[arg(long, default_value_t = 64)]
+    pub context: usize,
+    /// GPT: blocks.
+    #[arg(long, default_value_t = 2)]
+    pub layers: usize,
+    /// GPT: attention heads.
+    #[arg(long, default_value_t = 4)]
+    pub heads: usize,
+    /// GPT: token width.
+    #[arg(long, default_value_t = 64)]
+    pub width: usize,
+    /// Timed steps.
+    #[arg(long, default_value_t = 30)]
+    pub steps: u64,
+    /// Untimed steps first (allocations, kernel compilation).
+    #[arg(long, default_value_t = 5)]
+    pub warmup: u64,
+    /// Intra-op threads of the CPU backend (default: one per core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// `cpu` (burn's flex backend) or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Also write the result as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// What `qsr time-step` measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepTiming {
+    /// The model timed.
+    pub model: StepModel,
+    /// Examples per step.
+    pub batch: usize,
+    /// Tokens (GPT) or images per example step: what `per_second` counts.
+    pub items_per_step: usize,
+    /// `tokens` or `images`.
+    pub unit: &'static str,
+    /// Items per second at the median step time.
+    pub per_second: f64,
+    /// The median step time, milliseconds.
+    pub step_ms_median: f64,
+    /// Mean milliseconds per timed step in each phase of the round driver.
+    pub phases_ms: PhaseTimes,
+}
+
+/// Times the step `args` describe; prints one line to `out` (and writes `--json`).
+pub fn time_step(args: &TimeStepArgs, out: &mut dyn Write) -> Result<StepTiming> {
+    if args.steps == 0 {
+        return Err(crate::exit::bad_input(anyhow!("--steps must be at least 1")));
+    }
+    let device = device_spec::device(&args.device).map_err(crate::exit::bad_input)?;
+    device.seed(0);
+    // Flex computes on the rayon pool it is called from: its size is the intra-op thread count, and a
+    // step that runs inside the pool hands no op to another thread to wait for.
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(args.threads.unwrap_or(0)).build()?;
+    let timing = pool.install(|| match args.model {
+        StepModel::Gpt => time_gpt(args, &device),
+        StepModel::Cnn | StepModel::Resnet20 => time_images(args, &device),
+    })?;
+    let p = &timing.phases_ms;
+    writeln!(
+        out,
+        "{:?} batch {}: {:.0} {}/s ({:.2} ms per step, median of {}; forward {:.2}, backward {:.2}, gradients {:.2}, \
+         optimizer {:.2}, write-back {:.2} ms)",
+        timing.model,
+        timing.batch,
+        timing.per_second,
+        timing.unit,
+        timing.step_ms_median,
+        args.steps,
+        p.forward,
+        p.backward,
+        p.gradients,
+        p.optimizer,
+        p.write_back
+    )?;
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&timing)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(timing)
+}
+
+/// A worker of one rank over `model` whose plan never syncs within the run.
+fn worker<M: Module>(model: M, optim: OptimizerConfig, total: u64) -> Result<Worker<M>> {
+    let plan =
+        Plan::new(LrSchedule::new(ScheduleKind::Constant, total, 0, 1e-3, 1e-3), SyncRule::Constant { h: total })?;
+    let comm = Box::new(InProcessGroup::new(1).remove(0));
+    Ok(Worker::new(model, optim, comm, plan.cursor(), DriverConfig::default())?)
+}
+
+/// Runs `warmup + steps` steps with `step`, timing the last `steps`: the median step and the mean phases.
+fn run_timed<M: Module>(
+    args: &TimeStepArgs,
+    worker: &mut Worker<M>,
+    mut step: impl FnMut(&mut Worker<M>, u64) -> Result<()>,
+) -> Result<(f64, PhaseTimes)> {
+    for s in 0..args.warmup {
+        step(worker, s)?;
+    }
+    worker.take_stats();
+    let mut times = Vec::with_capacity(args.steps as usize);
+    for s in args.warmup..args.warmup + args.steps {
+        let t = Instant::now();
+        step(worker, s)?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    let p = worker.take_stats().phases;
+    let per_step = 1e3 / args.steps as f64;
+    let mean = PhaseTimes {
+        forward: p.forward * per_step,
+        backward: p.backward * per_step,
+        gradients: p.gradients * per_step,
+        optimizer: p.optimizer * per_step,
+        write_back: p.write_back * per_step,
+    };
+    Ok((times[times.len() / 2], mean))
+}
+
+fn time_gpt(args: &TimeStepArgs, device: &Device) -> Result<StepTiming> {
+    let batch = args.batch.unwrap_or(16);
+    let corpus = Corpus::comedy_of_errors();
+    let config = GptConfig {
+        vocab_size: corpus.vocab().len(),
+        context: args.context,
+        layers: args.layers,
+        heads: args.heads,
+        width: args.width,
+        dropout: 0.0,
+        bias: true,
+    };
+    let optim = OptimizerConfig { clip_grad_norm: Some(1.0), ..OptimizerConfig::adamw(0.1) };
+    let mut worker = worker(config.init(device)?, optim, args.warmup + args.steps)?;
+    let windows = TextWindows::new(&corpus, (args.context, batch), 0, 0, 1)?;
+    let ce = CrossEntropyLossConfig::new().init(device);
+    let ids = |t: &[u32]| {
+        let v: Vec<i64> = t.iter().map(|&x| i64::from(x)).collect();
+        Tensor::<2, Int>::from_data(TensorData::new(v, [batch, args.context]), device)
+    };
+    let (median, phases_ms) = run_timed(args, &mut worker, |w, s| {
+        let b = windows.batch(s);
+        w.step(|m, _| {
+            let logits = m.forward(ids(&b.inputs))?;
+            let [n, t, v] = logits.dims();
+            Ok(ce.forward(logits.reshape([n * t, v]), ids(&b.targets).reshape([n * t])))
+        })?;
+        Ok(())
+    })?;
+    Ok(finish(args.model, batch, batch * args.context, "tokens", median, phases_ms))
+}
+
+fn time_images(args: &TimeStepArgs, device: &Device) -> Result<StepTiming> {
+    let (config, input, batch) = match args.model {
+        StepModel::Resnet20 => (
+            ModelConfig::CifarResnet(CifarResNetConfig { depth: 20, shortcut: Default::default() }),
+            InputSpec::new(3, 32, 32),
+            args.batch.unwrap_or(128),
+        ),
+        _ => (ModelConfig::Cnn(CnnConfig::default()), InputSpec::new(1, 8, 8), args.batch.unwrap_or(64)),
+    };
+    let classes = 10;
+    let mut worker =
+        worker(config.init(input, classes, device)?, OptimizerConfig::sgd(0.9, 5e-4), args.warmup + args.steps)?;
+    // Fixed, seeded inputs: the step's time does not depend on the pixel values.
+    let images =
+        Tensor::<4>::random([batch, input.channels, input.height, input.width], Distribution::Normal(0.0, 1.0), device);
+    let labels: Vec<i64> = (0..batch as i64).map(|i| i % classes as i64).collect();
+    let labels = Tensor::<1, Int>::from_data(TensorData::new(labels, [batch]), device);
+    let ce = CrossEntropyLossConfig::new().init(device);
+    let (median, phases_ms) = run_timed(args, &mut worker, |w, _| {
+        w.step(|m, _| Ok(ce.forward(m.forward(images.clone()), labels.clone())))?;
+        Ok(())
+    })?;
+    Ok(finish(args.model, batch, batch, "images", median, phases_ms))
+}
+
+fn finish(
+    model: StepModel,
+    batch: usize,
+    items: usize,
+    unit: &'static str,
+    median: f64,
+    phases_ms: PhaseTimes,
+) -> StepTiming {
+    StepTiming {
+        model,
+        batch,
+        items_per_step: items,
+        unit,
+        per_second: items as f64 / median,
+        step_ms_median: 1e3 * median,
+        phases_ms,
+    }
+}

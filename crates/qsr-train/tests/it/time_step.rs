@@ -1,0 +1,75 @@
+//! `qsr time-step`, and the CPU dry run of `scripts/gpu-check.sh`'s step comparison: the script times
+//! `qsr time-step` and the PyTorch peer and prints their ratio, so that a session lent a GPU gets the
+//! table in one run.
+
+use std::os::unix::fs::PermissionsExt;
+use std::process::Command;
+
+use crate::common::{qsr, root};
+
+#[test]
+fn time_step_reports_the_rate_of_its_median_step_and_every_phase() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("cnn.json");
+    let out = qsr(&["time-step", "--model", "cnn", "--steps", "3", "--warmup", "1", "--json", json.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let t: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!((t["model"].as_str(), t["unit"].as_str(), t["batch"].as_u64()), (Some("cnn"), Some("images"), Some(64)));
+    let rate = t["per_second"].as_f64().unwrap();
+    let step_ms = t["step_ms_median"].as_f64().unwrap();
+    assert!((rate * step_ms / 1e3 - 64.0).abs() < 1e-6, "{t}");
+    for phase in ["forward", "backward", "gradients", "optimizer", "write_back"] {
+        let ms = t["phases_ms"][phase].as_f64().unwrap();
+        // Each phase is part of the step (the median step bounds a mean only loosely: 3 steps).
+        assert!(ms > 0.0 && ms < 3.0 * step_ms, "{phase}: {ms} ms of a {step_ms} ms step");
+    }
+}
+
+#[test]
+fn time_step_refuses_zero_steps() {
+    let out = qsr(&["time-step", "--steps", "0"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--steps must be at least 1"));
+}
+
+/// A stand-in for the PyTorch peer: it writes a fixed rate to the `--json` path it is given.
+const FAKE_PEER: &str = r#"#!/usr/bin/env bash
+while [ $# -gt 0 ]; do
+    if [ "$1" = --json ]; then echo '{"per_second": 100.0, "unit": "x", "step_ms_median": 1.0}' > "$2"; fi
+    shift
+done
+"#;
+
+#[test]
+fn gpu_check_dry_run_prints_the_step_ratios_against_the_peer() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    std::fs::copy(env!("CARGO_BIN_EXE_qsr"), work.join("qsr")).unwrap();
+    let peer = dir.path().join("peer");
+    std::fs::write(&peer, FAKE_PEER).unwrap();
+    std::fs::set_permissions(&peer, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = Command::new("bash")
+        .arg("scripts/gpu-check.sh")
+        .current_dir(root())
+        .env("WORK", &work)
+        .env("RESULTS", dir.path().join("results"))
+        .env("DEVICE", "cpu")
+        .env("SECTIONS", "steps")
+        .env("STEP_STEPS", "1")
+        .env("STEP_WARMUP", "0")
+        .env("PYTHON", &peer)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    for (case, unit) in [("gpt-medium", "tokens/s"), ("resnet20", "images/s")] {
+        let timing: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(work.join(format!("steps/{case}-qsr.json"))).unwrap()).unwrap();
+        let ours = timing["per_second"].as_f64().unwrap();
+        let row = format!("| {case} | {ours:.0} {unit} | 100 {unit} | {:.2} |", ours / 100.0);
+        assert!(stdout.contains(&row), "no row `{row}` in:\n{stdout}");
+    }
+    let table = std::fs::read_to_string(dir.path().join("results/gpu-check.md")).unwrap();
+    assert!(table.contains("| one training step | qsr (burn) | PyTorch eager | ratio |"), "{table}");
+}
