@@ -48,6 +48,10 @@ pub struct ChaosArgs {
     /// Write the summary into docs/RELIABILITY.md.
     #[arg(long)]
     pub write_docs: bool,
+    /// Use the `qsr` already in the target dir instead of building it (`cargo xtask ci`: its test step
+    /// built it for the integration tests).
+    #[arg(skip)]
+    pub prebuilt: bool,
 }
 
 /// The signal of a fault.
@@ -146,11 +150,11 @@ pub fn run(args: &ChaosArgs, root: &Path, target: &Path) -> Result<()> {
     if args.workers < 3 || args.jobs == 0 {
         bail!("--workers must be at least 3 (a fault leaves two to go on) and --jobs at least 1");
     }
-    let mut build = crate::cargo();
-    // The selection of `cargo xtask ci`'s test step, so that CI reuses its build of burn (burn-train's
-    // features would make another).
-    build.args(["build", "--release", "--locked", "--workspace", "--exclude", crate::BURN_TRAIN, "--bin", "qsr"]);
-    crate::run(build)?;
+    if !args.prebuilt {
+        let mut build = crate::cargo();
+        build.args(["build", "--release", "--locked", "--bin", "qsr"]);
+        crate::run(build)?;
+    }
     let qsr = target.join("release/qsr");
     let seed = args.seed.unwrap_or_else(rand::random);
     println!("chaos: seed {seed} (replay: cargo xtask chaos --jobs {} --seed {seed})", args.jobs);

@@ -125,7 +125,7 @@ const CI_EXAMPLES: [(&str, &str); 9] = [
 ];
 
 /// The crate that integrates with burn-train (tested in a step of its own, see `Cmd::Ci`).
-pub(crate) const BURN_TRAIN: &str = "qsr-burn-train";
+const BURN_TRAIN: &str = "qsr-burn-train";
 
 /// Builds `examples` in one cargo invocation over the packages `selection` names (the selection of the
 /// test step before it, so the build reuses its artifacts: another selection would resolve other
@@ -220,7 +220,7 @@ fn main() -> Result<()> {
             tidy()?;
             // qsr-burn-train is tested on its own: burn-train turns on burn features (`train`, datasets) that
             // the other crates do not use, and a build that unified them would test those crates on another
-            // burn than their users get and rebuild burn again for the examples and the fault campaign.
+            // burn than their users get and rebuild burn again for the examples.
             let workspace = ["--workspace", "--exclude", BURN_TRAIN];
             let mut t = cargo();
             t.args(["test", "--release", "--locked"]).args(workspace);
@@ -228,7 +228,9 @@ fn main() -> Result<()> {
             // The crates' examples, each run as its users would run it.
             totals.add(run_examples(&workspace, &CI_EXAMPLES)?);
             // The fault campaign, one job per fault kind (docs/RELIABILITY.md); a job is a test.
-            let chaos = chaos::ChaosArgs { jobs: 6, seed: Some(1), workers: 4, write_docs: false };
+            // The test step built `qsr` for the integration tests; `cargo build --bin qsr` alone would resolve
+            // burn's dependencies without the dev-dependencies' features and compile burn again (7 min).
+            let chaos = chaos::ChaosArgs { jobs: 6, seed: Some(1), workers: 4, write_docs: false, prebuilt: true };
             chaos::run(&chaos, &root(), &target_dir())?;
             totals.passed += chaos.jobs as u64;
             let burn_train = ["-p", BURN_TRAIN];

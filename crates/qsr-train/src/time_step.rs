@@ -85,7 +85,8 @@ pub struct StepTiming {
     pub per_second: f64,
     /// The median step time, milliseconds.
     pub step_ms_median: f64,
-    /// Mean milliseconds per timed step in each phase of the round driver.
+    /// Mean milliseconds per timed step in each phase of the round driver (`PhaseTimes` counts seconds;
+    /// here each field is in milliseconds).
     pub phases_ms: PhaseTimes,
 }
 
