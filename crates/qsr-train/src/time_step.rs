@@ -20,6 +20,9 @@ use serde::Serialize;
 
 use crate::device_spec;
 
+/// Largest `--batch`: beyond it a typo would allocate without bound.
+const MAX_BATCH: usize = 1 << 16;
+
 /// The models `qsr time-step` times, each as `cargo xtask bench train`'s PyTorch peer builds it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -94,6 +97,9 @@ pub struct StepTiming {
 pub fn time_step(args: &TimeStepArgs, out: &mut dyn Write) -> Result<StepTiming> {
     if args.steps == 0 {
         return Err(crate::exit::bad_input(anyhow!("--steps must be at least 1")));
+    }
+    if let Some(b) = args.batch.filter(|b| !(1..=MAX_BATCH).contains(b)) {
+        return Err(crate::exit::bad_input(anyhow!("--batch must be in 1..={MAX_BATCH}, got {b}")));
     }
     let device = device_spec::device(&args.device).map_err(crate::exit::bad_input)?;
     device.seed(0);

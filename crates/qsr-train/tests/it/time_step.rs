@@ -20,16 +20,21 @@ fn time_step_reports_the_rate_of_its_median_step_and_every_phase() {
     assert!((rate * step_ms / 1e3 - 64.0).abs() < 1e-6, "{t}");
     for phase in ["forward", "backward", "gradients", "optimizer", "write_back"] {
         let ms = t["phases_ms"][phase].as_f64().unwrap();
-        // Each phase is part of the step (the median step bounds a mean only loosely: 3 steps).
-        assert!(ms > 0.0 && ms < 3.0 * step_ms, "{phase}: {ms} ms of a {step_ms} ms step");
+        assert!(ms.is_finite() && ms > 0.0, "{phase}: {ms} ms");
     }
 }
 
 #[test]
-fn time_step_refuses_zero_steps() {
-    let out = qsr(&["time-step", "--steps", "0"]);
-    assert_eq!(out.status.code(), Some(2), "{out:?}");
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--steps must be at least 1"));
+fn time_step_refuses_zero_steps_and_unbounded_batches() {
+    for (args, message) in [
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--batch", "0"], "--batch must be in 1..=65536, got 0"),
+        (["--batch", "100000000"], "--batch must be in 1..=65536, got 100000000"),
+    ] {
+        let out = qsr(&["time-step", args[0], args[1]]);
+        assert_eq!(out.status.code(), Some(2), "{out:?}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains(message), "{out:?}");
+    }
 }
 
 /// A stand-in for the PyTorch peer: it writes a fixed rate to the `--json` path it is given.
