@@ -19,6 +19,7 @@ python3 - "$data.txt" <<'PY'
 import re, sys
 groups = [
     ("matrix products (gemm)", r"gemm_"),
+    ("fused ops (qsr_models::fused)", r"qsr_models::fused"),
     ("convolutions (flex conv, im2col)", r"burn_flex::ops::conv|FnMut<A> for &F>::call_mut"),
     ("copies and layout (memmove, strided copies)", r"memmove|copy_2d|memcpy|to_contiguous|permute"),
     ("zero fills (memset)", r"memset|filled"),

@@ -11,11 +11,11 @@ use burn::module::{Module, Param};
 use burn::nn::{
     Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig,
 };
-use burn::tensor::activation::{gelu, softmax};
-use burn::tensor::{Bool, Device, Int, Tensor};
+use burn::tensor::{Device, Int, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::error::ModelError;
+use crate::fused;
 
 /// Largest vocabulary, context, width, depth and head count a config may ask for: beyond them a typo
 /// would allocate without bound.
@@ -136,12 +136,10 @@ impl Gpt {
         let device = tokens.device();
         let positions = Tensor::<1, Int>::arange(0..t as i64, &device).unsqueeze::<2>();
         let mut x = self.drop.forward(self.wte.forward(tokens) + self.wpe.forward(positions));
-        // Computed once: true above the diagonal, the future a position may not attend to.
-        let future = Tensor::<2, Bool>::tril_mask([t, t], 0, &device).unsqueeze::<4>();
         for block in &self.h {
-            x = block.forward(x, future.clone());
+            x = block.forward(x);
         }
-        let x = self.ln_f.forward(x);
+        let x = norm(&self.ln_f, x);
         // The tied head: logits = x wte^T.
         let head = self.wte.weight.val().transpose().unsqueeze::<3>();
         Ok(x.matmul(head))
@@ -171,9 +169,9 @@ impl GptBlock {
         }
     }
 
-    fn forward(&self, x: Tensor<3>, future: Tensor<4, Bool>) -> Tensor<3> {
-        let x = x.clone() + self.attn.forward(self.ln_1.forward(x), future);
-        x.clone() + self.mlp.forward(self.ln_2.forward(x))
+    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let x = x.clone() + self.attn.forward(norm(&self.ln_1, x));
+        x.clone() + self.mlp.forward(norm(&self.ln_2, x))
     }
 }
 
@@ -204,15 +202,16 @@ impl CausalSelfAttention {
         }
     }
 
-    fn forward(&self, x: Tensor<3>, future: Tensor<4, Bool>) -> Tensor<3> {
+    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         let [b, t, w] = x.dims();
         let (h, d) = (self.heads, w / self.heads);
         let qkv = self.c_attn.forward(x);
         // 'b t (h d) -> b h t d' for each of q, k, v.
         let split = |i: usize| qkv.clone().narrow(2, i * w, w).reshape([b, t, h, d]).swap_dims(1, 2);
         let (q, k, v) = (split(0), split(1), split(2));
-        let scores = q.matmul(k.swap_dims(2, 3)) * (d as f64).powf(-0.5);
-        let weights = self.attn_dropout.forward(softmax(scores.mask_fill(future, f32::NEG_INFINITY), 3));
+        // One fused op for scale, causal mask and softmax (burn's autodiff splits them into ~8).
+        let weights = fused::causal_softmax(q.matmul(k.swap_dims(2, 3)), (d as f64).powf(-0.5));
+        let weights = self.attn_dropout.forward(weights);
         let out = weights.matmul(v).swap_dims(1, 2).reshape([b, t, w]);
         self.resid_dropout.forward(self.c_proj.forward(out))
     }
@@ -240,7 +239,7 @@ impl GptMlp {
     }
 
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        self.dropout.forward(self.c_proj.forward(gelu(self.c_fc.forward(x))))
+        self.dropout.forward(self.c_proj.forward(fused::gelu(self.c_fc.forward(x))))
     }
 }
 
@@ -261,6 +260,14 @@ fn linear(config: &GptConfig, d_in: usize, d_out: usize, std: f64, device: &Devi
     layer
 }
 
+/// The LayerNorms' epsilon (GPT-2's and burn's default).
+const LN_EPSILON: f64 = 1e-5;
+
 fn layer_norm(config: &GptConfig, device: &Device) -> LayerNorm {
-    LayerNormConfig::new(config.width).with_bias(config.bias).init(device)
+    LayerNormConfig::new(config.width).with_epsilon(LN_EPSILON).with_bias(config.bias).init(device)
+}
+
+/// `ln(x)` as one fused op (`LayerNorm` keeps its epsilon private; ours are all [`LN_EPSILON`]).
+fn norm(ln: &LayerNorm, x: Tensor<3>) -> Tensor<3> {
+    fused::layer_norm(x, ln.gamma.val(), ln.beta.as_ref().map(|b| b.val()), LN_EPSILON)
 }

@@ -63,6 +63,7 @@ mod bn;
 mod cifar_resnet;
 mod config;
 mod error;
+pub mod fused;
 mod gpt;
 mod resnet;
 mod small;

@@ -186,7 +186,6 @@ fn time_gpt(args: &TimeStepArgs, device: &Device) -> Result<StepTiming> {
     let optim = OptimizerConfig { clip_grad_norm: Some(1.0), ..OptimizerConfig::adamw(0.1) };
     let mut worker = worker(config.init(device)?, optim, args.warmup + args.steps)?;
     let windows = TextWindows::new(&corpus, (args.context, batch), 0, 0, 1)?;
-    let ce = CrossEntropyLossConfig::new().init(device);
     let ids = |t: &[u32]| {
         let v: Vec<i64> = t.iter().map(|&x| i64::from(x)).collect();
         Tensor::<2, Int>::from_data(TensorData::new(v, [batch, args.context]), device)
@@ -196,7 +195,7 @@ fn time_gpt(args: &TimeStepArgs, device: &Device) -> Result<StepTiming> {
         w.step(|m, _| {
             let logits = m.forward(ids(&b.inputs))?;
             let [n, t, v] = logits.dims();
-            Ok(ce.forward(logits.reshape([n * t, v]), ids(&b.targets).reshape([n * t])))
+            Ok(qsr_models::fused::cross_entropy(logits.reshape([n * t, v]), ids(&b.targets).reshape([n * t]), None))
         })?;
         Ok(())
     })?;

@@ -5,6 +5,7 @@ mod batch_norm;
 mod common;
 mod config;
 mod forward_shapes;
+mod fused;
 mod gpt;
 mod param_counts;
 mod training;

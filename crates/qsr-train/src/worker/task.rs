@@ -12,7 +12,7 @@ use qsr_data::{
     Corpus, EvalLoader, HostBatch, Normalize, PrefetchOptions, Prefetcher, SamplerConfig, ShardedSampler, Split,
     TextWindows, TrainLoader, Transform,
 };
-use qsr_models::{Gpt, GptConfig, InputSpec, Model};
+use qsr_models::{Gpt, GptConfig, InputSpec, Model, fused};
 use qsr_optim::{BnPolicy, StepReport, Worker};
 
 use crate::recipe::{TrainRecipe, open_corpus, open_dataset};
@@ -87,9 +87,13 @@ pub(crate) fn sampler(recipe: &TrainRecipe, len: usize, k: usize, rank: usize) -
     .with_context(|| format!("`train.local_batch` {} x {k} workers vs {len} training images", recipe.train.local_batch))
 }
 
-fn cross_entropy(recipe: &TrainRecipe, device: &Device) -> CrossEntropyLoss {
+fn label_smoothing(recipe: &TrainRecipe) -> Option<f32> {
     let s = recipe.train.label_smoothing;
-    CrossEntropyLossConfig::new().with_smoothing((s > 0.0).then_some(s)).init(device)
+    (s > 0.0).then_some(s)
+}
+
+fn cross_entropy(recipe: &TrainRecipe, device: &Device) -> CrossEntropyLoss {
+    CrossEntropyLossConfig::new().with_smoothing(label_smoothing(recipe)).init(device)
 }
 
 impl ImageTask {
@@ -233,7 +237,8 @@ pub(crate) struct TextTask {
     spe: usize,
     /// This rank's validation windows (their start offsets in the validation tokens).
     eval_starts: Vec<usize>,
-    ce: CrossEntropyLoss,
+    /// `train.label_smoothing` of the training loss (evaluation takes none).
+    smoothing: Option<f32>,
 }
 
 /// Steps per epoch of a text run: training tokens over the tokens a step of all workers predicts.
@@ -278,7 +283,7 @@ impl TextTask {
             world: k,
             spe,
             eval_starts,
-            ce: cross_entropy(recipe, device),
+            smoothing: label_smoothing(recipe),
         })
     }
 
@@ -298,7 +303,7 @@ impl TextTask {
     fn loss(
         &self,
         model: &Gpt,
-        ce: &CrossEntropyLoss,
+        smoothing: Option<f32>,
         inputs: &[u32],
         targets: &[u32],
         device: &Device,
@@ -307,7 +312,7 @@ impl TextTask {
         let [b, t, v] = logits.dims();
         let logits = logits.reshape([b * t, v]);
         let targets = self.ids(targets, device).reshape([b * t]);
-        Ok((ce.forward(logits.clone(), targets), logits))
+        Ok((fused::cross_entropy(logits.clone(), targets, smoothing), logits))
     }
 }
 
@@ -341,7 +346,8 @@ impl Task for TextTask {
         let span = self.recipe.micro_batch() * self.context;
         let report = worker.step(|m: &Gpt, j| {
             let part = j * span..(j + 1) * span;
-            let (loss, _) = self.loss(m, &self.ce, &batch.inputs[part.clone()], &batch.targets[part], &self.device)?;
+            let (loss, _) =
+                self.loss(m, self.smoothing, &batch.inputs[part.clone()], &batch.targets[part], &self.device)?;
             Ok(loss)
         })?;
         Ok(report)
@@ -354,7 +360,6 @@ impl Task for TextTask {
     fn evaluate(&self, worker: &mut Worker<Gpt>) -> Result<Eval> {
         let model = worker.model().valid();
         let inner = self.device.clone().inner();
-        let ce = CrossEntropyLossConfig::new().init(&inner);
         let valid = self.corpus.valid();
         let mut acc = [0.0f32; 3]; // correct, loss sum, tokens
         for starts in self.eval_starts.chunks(self.recipe.eval.batch_size) {
@@ -363,7 +368,7 @@ impl Task for TextTask {
                 inputs.extend_from_slice(&valid[s..s + self.context]);
                 targets.extend_from_slice(&valid[s + 1..s + 1 + self.context]);
             }
-            let (loss, logits) = self.loss(&model, &ce, &inputs, &targets, &inner)?;
+            let (loss, logits) = self.loss(&model, None, &inputs, &targets, &inner)?;
             let n = targets.len();
             let truth = self.ids(&targets, &inner).reshape([n]);
             let correct: i64 = logits.argmax(1).squeeze_dim::<1>(1).equal(truth).int().sum().into_scalar();

@@ -1,0 +1,104 @@
+//! Fused training ops: causal softmax, layer norm, cross-entropy and GELU, each one pass forward and
+//! one pass backward on burn's flex (CPU) backend, spread over the rayon pool it runs in.
+//!
+//! burn's autodiff builds these from 5-10 small ops, each a graph node and a new buffer; here each is
+//! one node with its own backward (a `#[backend_extension]` over flex and autodiff). On any other
+//! device, or a dtype other than `f32`, the functions run burn's own ops, so a model calls them
+//! everywhere. Their values and gradients match burn's ops to float rounding (tests/it/fused.rs).
+//!
+//! ```
+//! use burn::tensor::{Device, Int, Tensor};
+//! use qsr_models::fused;
+//!
+//! let device = Device::flex().autodiff();
+//! let logits = Tensor::<2>::from_floats([[2.0, 0.5, -1.0], [0.0, 1.0, 0.0]], &device).require_grad();
+//! let targets = Tensor::<1, Int>::from_ints([0, 1], &device);
+//! let loss = fused::cross_entropy(logits.clone(), targets, None);
+//! let grads = loss.backward();
+//! assert_eq!(logits.grad(&grads).unwrap().dims(), [2, 3]);
+//! ```
+
+mod flex;
+mod kernels;
+
+use burn::backend::tensor::{FloatTensor, IntTensor};
+use burn::backend::{Dispatch, backend_extension};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::tensor::{Bool, DType, Device, Int, Tensor};
+
+/// The fused ops as a backend extension: flex computes them, autodiff over flex records one node each.
+#[backend_extension(Flex, Autodiff)]
+pub(crate) trait FusedOps: burn::backend::Backend {
+    /// See [`causal_softmax`]; `scores` is `[.., t, t]`.
+    fn causal_softmax(scores: FloatTensor<Self>, scale: f32) -> FloatTensor<Self>;
+    /// See [`layer_norm`]; `beta` is zeros where the layer has none.
+    fn layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f32,
+    ) -> FloatTensor<Self>;
+    /// See [`cross_entropy`]; `smoothing` is 0 without label smoothing.
+    fn cross_entropy(logits: FloatTensor<Self>, targets: IntTensor<Self>, smoothing: f32) -> FloatTensor<Self>;
+    /// See [`gelu`].
+    fn gelu(x: FloatTensor<Self>) -> FloatTensor<Self>;
+}
+
+/// Whether the fused kernels serve `tensor`: `f32` on the flex device (with or without autodiff).
+fn fused<const D: usize>(tensor: &Tensor<D>) -> bool {
+    tensor.dtype() == DType::F32 && tensor.device().without_autodiff() == Device::flex()
+}
+
+/// `softmax(scale * scores)` over the last axis of attention scores `[batch, heads, t, t]`, where
+/// query `i` attends to keys `0..=i` only (the causal mask of a decoder; masked weights are 0).
+pub fn causal_softmax(scores: Tensor<4>, scale: f64) -> Tensor<4> {
+    let [.., tq, tk] = scores.dims();
+    assert_eq!(tq, tk, "causal_softmax takes square [.., t, t] scores, got {:?}", scores.dims());
+    if fused(&scores) {
+        let out = <Dispatch as FusedOps>::causal_softmax(scores.into_dispatch(), scale as f32);
+        return Tensor::from_dispatch(out);
+    }
+    let future = Tensor::<2, Bool>::tril_mask([tq, tk], 0, &scores.device()).unsqueeze::<4>();
+    burn::tensor::activation::softmax((scores * scale).mask_fill(future, f32::NEG_INFINITY), 3)
+}
+
+/// Layer norm over the last axis: `(x - mean) / sqrt(var + epsilon) * gamma + beta` (biased variance,
+/// as `burn::nn::LayerNorm` and PyTorch).
+pub fn layer_norm<const D: usize>(x: Tensor<D>, gamma: Tensor<1>, beta: Option<Tensor<1>>, epsilon: f64) -> Tensor<D> {
+    if !fused(&x) {
+        return burn::tensor::module::layer_norm(x, gamma, beta, epsilon);
+    }
+    let dims = x.dims();
+    let beta = beta.unwrap_or_else(|| Tensor::zeros(gamma.dims(), &gamma.device()));
+    let out = <Dispatch as FusedOps>::layer_norm(
+        x.into_dispatch(),
+        gamma.into_dispatch(),
+        beta.into_dispatch(),
+        epsilon as f32,
+    );
+    Tensor::<D>::from_dispatch(out).reshape(dims)
+}
+
+/// Mean cross-entropy of `logits` (`[rows, classes]`) against class ids `targets` (`[rows]`, each
+/// below `classes`), with optional label smoothing as `burn::nn::loss::CrossEntropyLoss`. Returns `[1]`.
+pub fn cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>, smoothing: Option<f32>) -> Tensor<1> {
+    if !fused(&logits) {
+        let loss = CrossEntropyLossConfig::new().with_smoothing(smoothing).init(&logits.device());
+        return loss.forward(logits, targets);
+    }
+    let out = <Dispatch as FusedOps>::cross_entropy(
+        logits.into_dispatch(),
+        targets.into_dispatch(),
+        smoothing.unwrap_or(0.0),
+    );
+    Tensor::from_dispatch(out)
+}
+
+/// GELU, exact (erf) form: `x * Phi(x)` as `burn::tensor::activation::gelu` and PyTorch's default.
+/// The fused op keeps `Phi(x)` for the backward, which then needs no second erf.
+pub fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    if !fused(&x) {
+        return burn::tensor::activation::gelu(x);
+    }
+    Tensor::from_dispatch(<Dispatch as FusedOps>::gelu(x.into_dispatch()))
+}

@@ -1,0 +1,158 @@
+//! The fused ops (causal softmax, layer norm, cross-entropy, GELU) against burn's own: values and gradients on seeded random inputs, the untracked path,
+//! and results that do not depend on the thread count.
+
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::tensor::activation::softmax;
+use burn::tensor::{Bool, Device, Distribution, Int, Tensor, TensorData};
+use qsr_models::fused;
+
+fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data().try_to_vec::<f32>().unwrap()
+}
+
+/// Asserts `a` and `b` agree to `tol` relative to the largest magnitude in `b`.
+fn assert_close(what: &str, a: Vec<f32>, b: Vec<f32>, tol: f32) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let scale = b.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!((x - y).abs() <= tol * scale, "{what}[{i}]: fused {x} vs burn {y} (scale {scale})");
+    }
+}
+
+fn random<const D: usize>(shape: [usize; D], seed: u64, device: &Device) -> Tensor<D> {
+    device.seed(seed);
+    Tensor::random(shape, Distribution::Normal(0.0, 2.0), device)
+}
+
+fn autodiff() -> Device {
+    Device::flex().autodiff()
+}
+
+/// Unfused: scale, mask the future, softmax (what the GPT built by hand).
+fn causal_softmax_reference(scores: Tensor<4>, scale: f64) -> Tensor<4> {
+    let [.., t, _] = scores.dims();
+    let future = Tensor::<2, Bool>::tril_mask([t, t], 0, &scores.device()).unsqueeze::<4>();
+    softmax((scores * scale).mask_fill(future, f32::NEG_INFINITY), 3)
+}
+
+#[test]
+fn causal_softmax_matches_mask_and_softmax_in_values_and_gradients() {
+    let device = autodiff();
+    // 2 x 3 x 37 x 37: 222 rows, more than a rayon block and not a multiple of one.
+    let x = random([2, 3, 37, 37], 1, &device);
+    let weights = random([2, 3, 37, 37], 2, &device);
+    let run = |f: &dyn Fn(Tensor<4>) -> Tensor<4>| {
+        let x = x.clone().require_grad();
+        let y = f(x.clone());
+        let grads = (y.clone() * weights.clone()).sum().backward();
+        (values(y), values(x.grad(&grads).unwrap()))
+    };
+    let (y, dx) = run(&|x| fused::causal_softmax(x, 0.3));
+    let (y_ref, dx_ref) = run(&|x| causal_softmax_reference(x, 0.3));
+    assert_close("causal softmax", y.clone(), y_ref, 1e-5);
+    assert_close("its gradient", dx, dx_ref, 1e-5);
+    // The future gets weight 0: row 0 of every head is [1, 0, 0, ...].
+    assert_eq!(y[0], 1.0);
+    assert!(y[1..37].iter().all(|&w| w == 0.0));
+}
+
+#[test]
+fn layer_norm_matches_burns_in_values_and_all_three_gradients() {
+    let device = autodiff();
+    let x = random([5, 13, 24], 3, &device);
+    let gamma = random([24], 4, &device);
+    let beta = random([24], 5, &device);
+    let weights = random([5, 13, 24], 6, &device);
+    for with_beta in [true, false] {
+        let run = |f: &dyn Fn(Tensor<3>, Tensor<1>, Option<Tensor<1>>) -> Tensor<3>| {
+            let (x, gamma, beta) =
+                (x.clone().require_grad(), gamma.clone().require_grad(), beta.clone().require_grad());
+            let y = f(x.clone(), gamma.clone(), with_beta.then(|| beta.clone()));
+            let grads = (y.clone() * weights.clone()).sum().backward();
+            let dbeta = beta.grad(&grads).map(values);
+            (values(y), values(x.grad(&grads).unwrap()), values(gamma.grad(&grads).unwrap()), dbeta)
+        };
+        let fused = run(&|x, g, b| fused::layer_norm(x, g, b, 1e-5));
+        let reference = run(&|x, g, b| burn::tensor::module::layer_norm(x, g, b, 1e-5));
+        assert_close("layer norm", fused.0, reference.0, 1e-5);
+        assert_close("dx", fused.1, reference.1, 1e-4);
+        assert_close("dgamma", fused.2, reference.2, 1e-5);
+        assert_eq!(fused.3.is_some(), with_beta, "beta's gradient exists exactly when beta does");
+        if let (Some(a), Some(b)) = (fused.3, reference.3) {
+            assert_close("dbeta", a, b, 1e-5);
+        }
+    }
+}
+
+#[test]
+fn cross_entropy_matches_burns_with_and_without_label_smoothing() {
+    let device = autodiff();
+    let logits = random([70, 11], 7, &device);
+    let targets: Vec<i64> = (0..70).map(|i| (i * 7 % 11) as i64).collect();
+    let targets = Tensor::<1, Int>::from_data(TensorData::new(targets, [70]), &device);
+    for smoothing in [None, Some(0.1)] {
+        let run = |f: &dyn Fn(Tensor<2>) -> Tensor<1>| {
+            let x = logits.clone().require_grad();
+            let loss = f(x.clone()) * 3.0;
+            let grads = loss.clone().backward();
+            (values(loss), values(x.grad(&grads).unwrap()))
+        };
+        let (loss, dx) = run(&|x| fused::cross_entropy(x, targets.clone(), smoothing));
+        let ce = CrossEntropyLossConfig::new().with_smoothing(smoothing).init(&device);
+        let (loss_ref, dx_ref) = run(&|x| ce.forward(x, targets.clone()));
+        assert_close("cross-entropy", loss, loss_ref, 1e-5);
+        assert_close("its gradient", dx, dx_ref, 1e-5);
+    }
+}
+
+#[test]
+fn gelu_matches_burns_in_values_and_gradients() {
+    let device = autodiff();
+    // More elements than one rayon task takes, and not a multiple of it.
+    let x = random([3, 70_001], 12, &device);
+    let weights = random([3, 70_001], 13, &device);
+    let run = |f: &dyn Fn(Tensor<2>) -> Tensor<2>| {
+        let x = x.clone().require_grad();
+        let y = f(x.clone());
+        let grads = (y.clone() * weights.clone()).sum().backward();
+        (values(y), values(x.grad(&grads).unwrap()))
+    };
+    let (y, dx) = run(&|x| fused::gelu(x));
+    let (y_ref, dx_ref) = run(&|x| burn::tensor::activation::gelu(x));
+    assert_close("gelu", y, y_ref, 1e-6);
+    assert_close("its gradient", dx, dx_ref, 1e-6);
+}
+
+#[test]
+fn fused_ops_run_without_autodiff_and_agree_with_the_tracked_path() {
+    let inner = Device::flex();
+    let x = random([1, 2, 9, 9], 8, &inner);
+    let tracked = fused::causal_softmax(Tensor::from_data(x.to_data(), &autodiff()), 0.5);
+    assert_eq!(values(fused::causal_softmax(x, 0.5)), values(tracked));
+    let x = random([4, 6], 9, &inner);
+    let gamma = Tensor::<1>::ones([6], &inner);
+    let reference = burn::tensor::module::layer_norm(x.clone(), gamma.clone(), None, 1e-5);
+    assert_close("untracked layer norm", values(fused::layer_norm(x, gamma, None, 1e-5)), values(reference), 1e-5);
+}
+
+/// Forward and gradients of all three ops in a rayon pool of `threads`.
+fn all_ops_in_pool(threads: usize) -> Vec<Vec<f32>> {
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+    pool.install(|| {
+        let device = autodiff();
+        let x = random([3, 4, 29, 29], 10, &device).require_grad();
+        let gamma = random([29], 11, &device).require_grad();
+        let h = fused::layer_norm(fused::causal_softmax(x.clone(), 0.7), gamma.clone(), None, 1e-5);
+        let h = fused::gelu(h);
+        let rows = 3 * 4 * 29;
+        let targets = Tensor::<1, Int>::from_data(TensorData::new(vec![3i64; rows], [rows]), &device);
+        let loss = fused::cross_entropy(h.reshape([rows, 29]), targets, Some(0.05));
+        let grads = loss.clone().backward();
+        vec![values(loss), values(x.grad(&grads).unwrap()), values(gamma.grad(&grads).unwrap())]
+    })
+}
+
+#[test]
+fn fused_ops_give_the_same_bits_at_one_and_two_threads() {
+    assert_eq!(all_ops_in_pool(1), all_ops_in_pool(2));
+}
