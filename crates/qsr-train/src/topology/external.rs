@@ -13,7 +13,7 @@ use crate::recipe::TrainRecipe;
 use crate::records::Summary;
 use crate::run_dir::{Resume, check_world, prepare_run_dir};
 use crate::run_lock::RunLock;
-use crate::worker::{Comms, RunSpec, build_model, preflight, run_worker};
+use crate::worker::{Comms, RunSpec, build_model, in_pool, intra_op_threads, preflight, run_worker};
 
 /// A launch's collectives over our transports (`connect`), with the node's group of a two-level
 /// recipe split from the same ring: by `sync.local.workers_per_node`, or by host.
@@ -148,7 +148,8 @@ impl Member {
             progress,
             halt_after: args.halt_after,
         };
-        let summary = run_worker(&spec, self.comms, model, None)?;
+        // One worker in this process: all of the process's threads, in a pool the worker runs inside.
+        let summary = in_pool(rank, intra_op_threads(1), || run_worker(&spec, self.comms, model, None))?;
         Ok(if args.spawned { None } else { summary })
     }
 }

@@ -19,6 +19,7 @@ use rustix::process::{Pid, Signal};
 use crate::args::{CommKind, TrainArgs};
 use crate::exit::{EXIT_PEER_FAILED, Exit};
 use crate::records::Summary;
+use crate::worker::intra_op_threads;
 
 /// Environment variable through which a worker learns its launcher's pid.
 const LAUNCHER_PID: &str = "QSR_LAUNCHER_PID";
@@ -428,6 +429,9 @@ impl ChildArgs<'_> {
         }
         c.arg("--spawned");
         c.env("QSR_JOB_TOKEN", token);
+        // The launcher's threads shared between its N workers, as for N threads of one process: each
+        // child sizes its compute pool from its own global pool (`worker::intra_op_threads`).
+        c.env("RAYON_NUM_THREADS", intra_op_threads(n).to_string());
         Ok(c)
     }
 }

@@ -7,7 +7,7 @@ use qsr_optim::DeviceGroup;
 use crate::exit::root_cause;
 use crate::recipe::TrainRecipe;
 use crate::records::Summary;
-use crate::worker::{Comms, RunSpec, build_model, run_worker};
+use crate::worker::{Comms, RunSpec, build_model, in_pool, intra_op_threads, run_worker};
 
 /// Runs K workers as threads of this process, joined by the in-process collective; returns rank 0's
 /// summary.
@@ -18,6 +18,8 @@ pub(crate) fn run(spec: &RunSpec) -> Result<Option<Summary>> {
     // Used by device-resident workers (GPU): their syncs average on the device.
     let groups = DeviceGroup::new(k);
     let nodes = simulated_nodes(&spec.recipe)?;
+    // The cores split between the workers: each computes in a pool of its own.
+    let threads = intra_op_threads(k);
     let results: Vec<Result<Option<Summary>>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
@@ -28,10 +30,10 @@ pub(crate) fn run(spec: &RunSpec) -> Result<Option<Summary>> {
                 let replica = model.replica();
                 let spec = spec.clone();
                 s.spawn(move || {
-                    let progress = spec.progress && comm.rank() == 0;
-                    let spec = RunSpec { progress, ..spec };
+                    let rank = comm.rank();
+                    let spec = RunSpec { progress: spec.progress && rank == 0, ..spec };
                     let comms = Comms { world: Box::new(comm), node };
-                    run_worker(&spec, comms, replica, Some(group))
+                    in_pool(rank, threads, || run_worker(&spec, comms, replica, Some(group)))
                 })
             })
             .collect();

@@ -6,11 +6,13 @@
 //! `spec` (what a worker is given and returns).
 
 mod model;
+mod pool;
 mod run;
 pub(crate) mod segment;
 mod spec;
 pub(crate) mod task;
 
 pub(crate) use model::{TrainModel, build_model, preflight};
+pub(crate) use pool::{in_pool, intra_op_threads};
 pub(crate) use run::{resume, run_worker};
 pub(crate) use spec::{Comms, RunSpec};

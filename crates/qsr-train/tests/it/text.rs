@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use crate::common::{json, ok, refused};
+use crate::common::{json, ok, qsr_cmd, refused};
 
 fn final_params(run: &Path) -> Vec<u8> {
     let latest = std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap();
@@ -94,6 +94,27 @@ fn text_over_tcp_equals_threads_in_f32_and_bf16() {
     let bytes = |run: &str| json(&dir.path().join(run).join("summary.json"))["bytes_per_rank"].as_u64().unwrap();
     assert_eq!(bytes("qsr-bf16-procs") * 2, bytes("qsr-f32"), "TCP bytes of bf16 syncs");
     assert_eq!(bytes("qsr-bf16-threads") * 2, bytes("qsr-f32"), "in-process accounting of bf16 syncs");
+}
+
+/// Each worker computes in a rayon pool of its own, the process's threads (`RAYON_NUM_THREADS`) shared
+/// between the workers. How many threads that pool has changes no bit of a run: the GPT (products, the
+/// fused ops) and the digits CNN (convolutions, BatchNorm) at 1 and 2 threads per worker.
+#[test]
+fn runs_give_the_same_bits_at_one_and_two_threads_per_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = [&COMEDY[..], &["--set", "schedule.total_steps=40"]].concat();
+    let image = ["--workers", "2", "--quiet"];
+    for (recipe, extra, name) in [(QSR, &text[..], "gpt"), ("recipes/digits-qsr.toml", &image[..], "cnn")] {
+        // 2 workers: 2 process threads give each 1, 4 give each 2.
+        let run_with = |threads: &str| {
+            let out = dir.path().join(format!("{name}-{threads}"));
+            let args = [&["train", "--recipe", recipe, "--out", out.to_str().unwrap()][..], extra].concat();
+            let o = qsr_cmd(&args).env("RAYON_NUM_THREADS", threads).output().unwrap();
+            assert!(o.status.success(), "{name}: {}", String::from_utf8_lossy(&o.stderr));
+            final_params(&out)
+        };
+        assert_eq!(run_with("2"), run_with("4"), "{name}");
+    }
 }
 
 #[test]
