@@ -206,6 +206,10 @@ impl CausalSelfAttention {
         let [b, t, w] = x.dims();
         let (h, d) = (self.heads, w / self.heads);
         let qkv = self.c_attn.forward(x);
+        if self.attn_dropout.prob == 0.0 {
+            // Heads split, scores, causal softmax, weights x v and heads merged: one fused op.
+            return self.resid_dropout.forward(self.c_proj.forward(fused::causal_attention(qkv, h)));
+        }
         // 'b t (h d) -> b h t d' for each of q, k, v.
         let split = |i: usize| qkv.clone().narrow(2, i * w, w).reshape([b, t, h, d]).swap_dims(1, 2);
         let (q, k, v) = (split(0), split(1), split(2));

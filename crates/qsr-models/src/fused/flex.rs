@@ -5,11 +5,13 @@ use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::Checkpoi
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::flex::FlexTensor;
+use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{DType, Shape, TensorData};
 
-use super::{FusedOps, kernels};
+use super::FusedOps;
+use super::kernels::{self, Heads};
 
 /// `tensor` as one contiguous `f32` buffer covering exactly its elements.
 fn contiguous(tensor: &FlexTensor) -> FlexTensor {
@@ -66,6 +68,52 @@ fn cross_entropy_parts(
     (logits, targets, loss, lse)
 }
 
+/// What causal attention's backward needs: q, k, v (`[b, h, t, d]`), the attention weights, the head
+/// layout and the scores' scale.
+#[derive(Clone, Debug)]
+struct Attention {
+    q: FlexTensor,
+    k: FlexTensor,
+    v: FlexTensor,
+    weights: FlexTensor,
+    heads: Heads,
+    scale: f32,
+}
+
+/// `parts` head-major tensors `[b, h, t, d]` from rows `[b, t, parts * h * d]`.
+fn split_heads(x: &FlexTensor, heads: Heads, parts: usize) -> Vec<FlexTensor> {
+    let [b, t, h, d] = heads;
+    let x = contiguous(x);
+    kernels::split_heads(x.storage(), heads, parts)
+        .into_iter()
+        .map(|v| from_vec(v, Shape::from([b, h, t, d])))
+        .collect()
+}
+
+/// Rows `[b, t, parts * h * d]` from head-major tensors.
+fn merge_heads(parts: &[FlexTensor], heads: Heads) -> FlexTensor {
+    let [b, t, h, d] = heads;
+    let parts: Vec<FlexTensor> = parts.iter().map(contiguous).collect();
+    let slices: Vec<&[f32]> = parts.iter().map(|p| p.storage()).collect();
+    from_vec(kernels::merge_heads(&slices, heads), Shape::from([b, t, parts.len() * h * d]))
+}
+
+fn transposed(x: FlexTensor) -> FlexTensor {
+    Flex::float_swap_dims(x, 2, 3)
+}
+
+/// The output `[b, t, width]` of causal attention over `qkv` `[b, t, 3 width]`, and its saved parts.
+fn attention_forward(qkv: &FlexTensor, heads: usize) -> (FlexTensor, Attention) {
+    let [b, t, w3] = [0, 1, 2].map(|i| shape(qkv)[i]);
+    let layout = [b, t, heads, w3 / 3 / heads];
+    let scale = (layout[3] as f32).powf(-0.5);
+    let [q, k, v]: [FlexTensor; 3] = split_heads(qkv, layout, 3).try_into().expect("three parts");
+    let scores = Flex::float_matmul(q.clone(), transposed(k.clone()));
+    let weights = <Flex as FusedOps>::causal_softmax(scores, scale);
+    let out = merge_heads(&[Flex::float_matmul(weights.clone(), v.clone())], layout);
+    (out, Attention { q, k, v, weights, heads: layout, scale })
+}
+
 impl FusedOps for Flex {
     fn causal_softmax(scores: FlexTensor, scale: f32) -> FlexTensor {
         let scores = contiguous(&scores);
@@ -85,6 +133,10 @@ impl FusedOps for Flex {
     fn gelu(x: FlexTensor) -> FlexTensor {
         let x = contiguous(&x);
         from_vec(kernels::gelu(x.storage()).0, shape(&x))
+    }
+
+    fn causal_attention(qkv: FlexTensor, heads: usize) -> FlexTensor {
+        attention_forward(&qkv, heads).0
     }
 }
 
@@ -161,6 +213,28 @@ impl Backward<Flex, 1> for GeluBackward {
     }
 }
 
+#[derive(Debug)]
+struct CausalAttentionBackward;
+
+impl Backward<Flex, 1> for CausalAttentionBackward {
+    type State = Attention;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [parent] = ops.parents;
+        let g = grads.consume::<Flex>(&ops.node);
+        let Some(parent) = parent else { return };
+        let Attention { q, k, v, weights, heads, scale } = ops.state;
+        let [d_out] = split_heads(&g, heads, 1).try_into().expect("one part");
+        let d_weights = contiguous(&Flex::float_matmul(d_out.clone(), transposed(v)));
+        let d_v = Flex::float_matmul(transposed(weights.clone()), d_out);
+        let d_scores = kernels::causal_softmax_backward(weights.storage(), d_weights.storage(), heads[1], scale);
+        let d_scores = from_vec(d_scores, shape(&weights));
+        let d_q = Flex::float_matmul(d_scores.clone(), k);
+        let d_k = Flex::float_matmul(transposed(d_scores), q);
+        grads.register::<Flex>(parent.id, merge_heads(&[d_q, d_k, d_v], heads));
+    }
+}
+
 impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
     fn causal_softmax(scores: FloatTensor<Self>, scale: f32) -> FloatTensor<Self> {
         match CausalSoftmaxBackward.prepare::<C>([scores.node()]).compute_bound().stateful() {
@@ -208,6 +282,16 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
                 prep.finish((x, cdf), out)
             }
             OpsKind::UnTracked(prep) => prep.finish(<Flex as FusedOps>::gelu(x.into_primitive())),
+        }
+    }
+
+    fn causal_attention(qkv: FloatTensor<Self>, heads: usize) -> FloatTensor<Self> {
+        match CausalAttentionBackward.prepare::<C>([qkv.node()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (out, saved) = attention_forward(&qkv.into_primitive(), heads);
+                prep.finish(saved, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(attention_forward(&qkv.into_primitive(), heads).0),
         }
     }
 }

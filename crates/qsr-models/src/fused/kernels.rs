@@ -307,6 +307,57 @@ fn gelu_backward_block(dx: &mut [f32], x: &[f32], cdf: &[f32], g: &[f32]) {
     }
 }
 
+/// The shape of attention's head layout: `[batch, time, heads, head width]`.
+pub(crate) type Heads = [usize; 4];
+
+/// Splits rows `[b, t, parts * h * d]` into `parts` buffers `[b, h, t, d]` (attention's q, k, v from
+/// the fused projection, or one gradient), one rayon task per (batch, head).
+pub(crate) fn split_heads(x: &[f32], [b, t, h, d]: Heads, parts: usize) -> Vec<Vec<f32>> {
+    let mut out = vec![vec![0.0; b * h * t * d]; parts];
+    for (part, buf) in out.iter_mut().enumerate() {
+        buf.par_chunks_mut(t * d)
+            .enumerate()
+            .for_each(|(bh, dst)| split_head_block(dst, x, [b, t, h, d], parts, (part, bh)));
+    }
+    out
+}
+
+#[inline(never)]
+fn split_head_block(dst: &mut [f32], x: &[f32], [_, t, h, d]: Heads, parts: usize, (part, bh): (usize, usize)) {
+    let (batch, head) = (bh / h, bh % h);
+    let row = parts * h * d;
+    for (ti, dst) in dst.chunks_mut(d).enumerate() {
+        let start = (batch * t + ti) * row + part * h * d + head * d;
+        dst.copy_from_slice(&x[start..start + d]);
+    }
+}
+
+/// The inverse of [`split_heads`]: `parts` buffers `[b, h, t, d]` into rows `[b, t, parts * h * d]`,
+/// one rayon task per block of rows.
+pub(crate) fn merge_heads(parts: &[&[f32]], [b, t, h, d]: Heads) -> Vec<f32> {
+    let row = parts.len() * h * d;
+    let mut out = vec![0.0; b * t * row];
+    out.par_chunks_mut(ROWS_PER_TASK * row)
+        .enumerate()
+        .for_each(|(block, out)| merge_head_block(out, parts, [b, t, h, d], block * ROWS_PER_TASK));
+    out
+}
+
+#[inline(never)]
+fn merge_head_block(out: &mut [f32], parts: &[&[f32]], [_, t, h, d]: Heads, first_row: usize) {
+    let row = parts.len() * h * d;
+    for (r, out) in out.chunks_mut(row).enumerate() {
+        let (batch, ti) = ((first_row + r) / t, (first_row + r) % t);
+        for (part, src) in parts.iter().enumerate() {
+            for head in 0..h {
+                let from = ((batch * h + head) * t + ti) * d;
+                let to = part * h * d + head * d;
+                out[to..to + d].copy_from_slice(&src[from..from + d]);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

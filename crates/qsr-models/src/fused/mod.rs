@@ -1,5 +1,5 @@
-//! Fused training ops: causal softmax, layer norm, cross-entropy and GELU, each one pass forward and
-//! one pass backward on burn's flex (CPU) backend, spread over the rayon pool it runs in.
+//! Fused training ops: causal attention, causal softmax, layer norm, cross-entropy and GELU, each one
+//! graph node with its own backward on burn's flex (CPU) backend, spread over the rayon pool it runs in.
 //!
 //! burn's autodiff builds these from 5-10 small ops, each a graph node and a new buffer; here each is
 //! one node with its own backward (a `#[backend_extension]` over flex and autodiff). On any other
@@ -42,6 +42,8 @@ pub(crate) trait FusedOps: burn::backend::Backend {
     fn cross_entropy(logits: FloatTensor<Self>, targets: IntTensor<Self>, smoothing: f32) -> FloatTensor<Self>;
     /// See [`gelu`].
     fn gelu(x: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// See [`causal_attention`]; `qkv` is `[b, t, 3 width]`.
+    fn causal_attention(qkv: FloatTensor<Self>, heads: usize) -> FloatTensor<Self>;
 }
 
 /// Whether the fused kernels serve `tensor`: `f32` on the flex device (with or without autodiff).
@@ -101,4 +103,24 @@ pub fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
         return burn::tensor::activation::gelu(x);
     }
     Tensor::from_dispatch(<Dispatch as FusedOps>::gelu(x.into_dispatch()))
+}
+
+/// Causal multi-head self-attention from the fused q, k, v projection (nanoGPT's `c_attn`): `qkv` is
+/// `[batch, t, 3 width]` (q, k, v side by side, each `heads x head width`), the result the heads'
+/// outputs merged back to `[batch, t, width]`, with scores scaled by `1 / sqrt(head width)`. No dropout
+/// on the attention weights: a model with it builds attention from [`causal_softmax`].
+///
+/// Fused, the heads are split and merged by one parallel pass each way, and the backward writes the
+/// gradient of `qkv` in one buffer (burn's autodiff zero-fills one per `narrow` and adds them).
+pub fn causal_attention(qkv: Tensor<3>, heads: usize) -> Tensor<3> {
+    let [b, t, w3] = qkv.dims();
+    assert!(heads > 0 && w3 % (3 * heads) == 0, "causal_attention: width {w3} is not 3 x {heads} heads x a head width");
+    if fused(&qkv) {
+        return Tensor::from_dispatch(<Dispatch as FusedOps>::causal_attention(qkv.into_dispatch(), heads));
+    }
+    let (w, d) = (w3 / 3, w3 / 3 / heads);
+    let split = |i: usize| qkv.clone().narrow(2, i * w, w).reshape([b, t, heads, d]).swap_dims(1, 2);
+    let (q, k, v) = (split(0), split(1), split(2));
+    let weights = causal_softmax(q.matmul(k.swap_dims(2, 3)), (d as f64).powf(-0.5));
+    weights.matmul(v).swap_dims(1, 2).reshape([b, t, w])
 }

@@ -1,4 +1,4 @@
-//! The fused ops (causal softmax, layer norm, cross-entropy, GELU) against burn's own: values and gradients on seeded random inputs, the untracked path,
+//! The fused ops (causal attention and softmax, layer norm, cross-entropy, GELU) against burn's own: values and gradients on seeded random inputs, the untracked path,
 //! and results that do not depend on the thread count.
 
 use burn::nn::loss::CrossEntropyLossConfig;
@@ -54,6 +54,33 @@ fn causal_softmax_matches_mask_and_softmax_in_values_and_gradients() {
     // The future gets weight 0: row 0 of every head is [1, 0, 0, ...].
     assert_eq!(y[0], 1.0);
     assert!(y[1..37].iter().all(|&w| w == 0.0));
+}
+
+/// Unfused attention from burn's ops: split the heads, masked softmax, weights x v, merge.
+fn causal_attention_reference(qkv: Tensor<3>, heads: usize) -> Tensor<3> {
+    let [b, t, w3] = qkv.dims();
+    let (w, d) = (w3 / 3, w3 / 3 / heads);
+    let split = |i: usize| qkv.clone().narrow(2, i * w, w).reshape([b, t, heads, d]).swap_dims(1, 2);
+    let weights = causal_softmax_reference(split(0).matmul(split(1).swap_dims(2, 3)), (d as f64).powf(-0.5));
+    weights.matmul(split(2)).swap_dims(1, 2).reshape([b, t, w])
+}
+
+#[test]
+fn causal_attention_matches_burns_ops_in_values_and_gradients() {
+    let device = autodiff();
+    // 3 sequences of 37 tokens, 4 heads of width 5: rows not a multiple of a rayon block.
+    let qkv = random([3, 37, 60], 14, &device);
+    let weights = random([3, 37, 20], 15, &device);
+    let run = |f: &dyn Fn(Tensor<3>) -> Tensor<3>| {
+        let x = qkv.clone().require_grad();
+        let y = f(x.clone());
+        let grads = (y.clone() * weights.clone()).sum().backward();
+        (values(y), values(x.grad(&grads).unwrap()))
+    };
+    let (y, dx) = run(&|x| fused::causal_attention(x, 4));
+    let (y_ref, dx_ref) = run(&|x| causal_attention_reference(x, 4));
+    assert_close("causal attention", y, y_ref, 1e-5);
+    assert_close("its gradient", dx, dx_ref, 1e-4);
 }
 
 #[test]
@@ -143,8 +170,9 @@ fn all_ops_in_pool(threads: usize) -> Vec<Vec<f32>> {
         let x = random([3, 4, 29, 29], 10, &device).require_grad();
         let gamma = random([29], 11, &device).require_grad();
         let h = fused::layer_norm(fused::causal_softmax(x.clone(), 0.7), gamma.clone(), None, 1e-5);
-        let h = fused::gelu(h);
-        let rows = 3 * 4 * 29;
+        // [3, 4, 29, 29] as qkv [4, 29, 3 x 29] of one head; its output [4, 29, 29] as 116 rows of logits.
+        let h = fused::causal_attention(fused::gelu(h).reshape([4, 29, 87]), 1);
+        let rows = 4 * 29;
         let targets = Tensor::<1, Int>::from_data(TensorData::new(vec![3i64; rows], [rows]), &device);
         let loss = fused::cross_entropy(h.reshape([rows, 29]), targets, Some(0.05));
         let grads = loss.clone().backward();
