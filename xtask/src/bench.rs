@@ -350,6 +350,14 @@ fn step_tables(root: &Path, target: &Path) -> Result<String> {
     let python = bench_python();
     let has_torch = Command::new(&python).args(["-c", "import torch"]).output().is_ok_and(|o| o.status.success());
     let python = has_torch.then_some(python.as_path());
+    let libtorch = python.map(|p| build_libtorch_qsr(root, target, p));
+    let mut backends = String::from(
+        "\nThe CPU backends side by side (same step, same runs; ratios to PyTorch eager): flex as shipped \
+         (`simd`, `rayon`, `x86-v4`, qsr's fused ops) and burn's LibTorch backend (burn-tch over PyTorch \
+         2.9.0's kernels, feature `qsr-train/tch`; qsr's fused ops fall back to burn's ops there):\n\n\
+         | model | threads | flex | LibTorch (burn-tch) | PyTorch |\n|---|---|---|---|---|\n",
+    );
+    let mut failures = String::new();
     let mut ratios = String::from(
         "\nOne training step on one worker (`qsr time-step` vs `benches/peers/train_step.py`, PyTorch eager), \
          median of 3 alternated runs:\n\n| model | threads | qsr | PyTorch | ratio |\n|---|---|---|---|---|\n",
@@ -361,7 +369,12 @@ fn step_tables(root: &Path, target: &Path) -> Result<String> {
     );
     for case in &STEP_CASES {
         for threads in ["1", "2"] {
-            let (mut ours, mut torch) = measure_step(root, target, python, case, threads)?;
+            let lt = libtorch.as_ref().and_then(|r| r.as_ref().ok());
+            let StepRuns { mut ours, mut torch, libtorch: burn_tch, libtorch_error } =
+                measure_step(root, target, (python, lt), case, threads)?;
+            if let Some(why) = libtorch_error {
+                let _ = writeln!(failures, "- {} at {threads} thread(s) on LibTorch: `{why}`", case.name);
+            }
             ours.sort_by(|a, b| {
                 f64::total_cmp(&a["per_second"].as_f64().unwrap_or(0.0), &b["per_second"].as_f64().unwrap_or(0.0))
             });
@@ -374,6 +387,9 @@ fn step_tables(root: &Path, target: &Path) -> Result<String> {
                 None => ("-".into(), "-".into()),
             };
             let _ = writeln!(ratios, "| {} | {threads} | {rate:.0} {unit} | {t} | {ratio} |", case.name);
+            let (tch, torch_rate) = (median(burn_tch), torch.get(torch.len() / 2).copied().unwrap_or(f64::NAN));
+            let cell = |r: f64| if r.is_nan() { "-".to_string() } else { format!("{r:.0} ({:.2})", r / torch_rate) };
+            let _ = writeln!(backends, "| {} | {threads} | {} | {} | {t} |", case.name, cell(rate), cell(tch));
             let p = &q["phases_ms"];
             let ms = |k: &str| p[k].as_f64().unwrap_or(f64::NAN);
             let _ = writeln!(
@@ -397,7 +413,19 @@ fn step_tables(root: &Path, target: &Path) -> Result<String> {
             bench_python().display()
         );
     }
-    Ok(ratios + &phases)
+    if !failures.is_empty() {
+        let _ = write!(backends, "\nburn-tch failed (a burn-tch bug, not timed):\n\n{failures}");
+    }
+    if let Some(Err(why)) = &libtorch {
+        let _ = writeln!(backends, "\nLibTorch skipped: {why}.");
+    }
+    Ok(ratios + &backends + &phases)
+}
+
+/// The median of `v` (NaN for none).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// 3 alternated runs of one case: qsr's JSON results, then (with a `python` that has torch) the peer's
@@ -405,20 +433,34 @@ fn step_tables(root: &Path, target: &Path) -> Result<String> {
 fn measure_step(
     root: &Path,
     target: &Path,
-    python: Option<&Path>,
+    (python, libtorch): (Option<&Path>, Option<&LibTorchQsr>),
     case: &StepCase,
     threads: &str,
-) -> Result<(Vec<serde_json::Value>, Vec<f64>)> {
+) -> Result<StepRuns> {
     let tmp = std::env::temp_dir().join("qsr-bench-step");
     std::fs::create_dir_all(&tmp)?;
     let read = |json: &Path| -> Result<serde_json::Value> { Ok(serde_json::from_slice(&std::fs::read(json)?)?) };
-    let (mut ours, mut torch) = (Vec::new(), Vec::new());
+    let (mut ours, mut torch, mut burn_tch) = (Vec::new(), Vec::new(), Vec::new());
+    let mut libtorch_error = None;
     for i in 0..3 {
         let json = tmp.join(format!("qsr-{i}.json"));
         let mut c = Command::new(target.join("release/qsr"));
         c.arg("time-step").args(case.args).args(["--threads", threads, "--steps", case.steps, "--json"]).arg(&json);
         output(c)?;
         ours.push(read(&json)?);
+        if let Some(lt) = libtorch.filter(|_| libtorch_error.is_none()) {
+            let json = tmp.join(format!("libtorch-{i}.json"));
+            let mut c = Command::new(&lt.binary);
+            // PyTorch's kernels take their thread count from OpenMP's variable, not from qsr's pool.
+            c.env("LD_LIBRARY_PATH", &lt.lib_dir).env("OMP_NUM_THREADS", threads);
+            c.arg("time-step").args(case.args).args(["--device", "libtorch"]);
+            c.args(["--threads", threads, "--steps", case.steps, "--json"]).arg(&json);
+            // burn-tch fails on some models: a row without it, and why, rather than no table.
+            match output(c) {
+                Ok(_) => burn_tch.push(read(&json)?["per_second"].as_f64().unwrap_or(f64::NAN)),
+                Err(e) => libtorch_error = Some(first_torch_error(&format!("{e:#}"))),
+            }
+        }
         if let Some(python) = python {
             let json = tmp.join(format!("torch-{i}.json"));
             let mut c = Command::new(python);
@@ -431,7 +473,65 @@ fn measure_step(
             torch.push(v["per_second"].as_f64().with_context(|| format!("{}: no per_second", json.display()))?);
         }
     }
-    Ok((ours, torch))
+    Ok(StepRuns { ours, torch, libtorch: burn_tch, libtorch_error })
+}
+
+/// The first line of the error PyTorch raised (what a failed LibTorch run says), else the first line.
+fn first_torch_error(stderr: &str) -> String {
+    let from = stderr.find("Torch(\"").map_or(stderr, |i| &stderr[i + 7..]);
+    // Debug-printed errors carry their newlines escaped.
+    let line = from.lines().next().unwrap_or("");
+    line.split("\\n").next().unwrap_or("").chars().take(160).collect()
+}
+
+/// [`measure_step`]'s runs: qsr's JSON results, the PyTorch peer's rates, and qsr on burn's LibTorch
+/// backend (each empty where it was not run).
+struct StepRuns {
+    ours: Vec<serde_json::Value>,
+    torch: Vec<f64>,
+    libtorch: Vec<f64>,
+    /// Why the LibTorch runs stopped, if they failed.
+    libtorch_error: Option<String>,
+}
+
+/// A `qsr` built with burn's LibTorch backend (feature `qsr-train/tch`) and where its libraries are.
+struct LibTorchQsr {
+    binary: PathBuf,
+    lib_dir: PathBuf,
+}
+
+/// Builds `qsr` with LibTorch against `python`'s PyTorch (2.9.0, what tch 0.22 takes) as
+/// `release/qsr-libtorch`, then the default `qsr` again; the reason it could not, otherwise.
+fn build_libtorch_qsr(root: &Path, target: &Path, python: &Path) -> Result<LibTorchQsr, String> {
+    let probe = Command::new(python)
+        .args([
+            "-c",
+            "import os, torch; print(torch.__version__); print(os.path.join(os.path.dirname(torch.__file__), 'lib'))",
+        ])
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", python.display()))?;
+    let out = String::from_utf8_lossy(&probe.stdout).into_owned();
+    let mut lines = out.lines();
+    let (version, lib_dir) = (lines.next().unwrap_or(""), PathBuf::from(lines.next().unwrap_or("")));
+    if !version.starts_with("2.9.0") {
+        return Err(format!("burn-tch 0.22 takes PyTorch 2.9.0, {} has `{version}`", python.display()));
+    }
+    let bin_dir = python.parent().unwrap_or(Path::new("."));
+    let path = std::env::join_paths(
+        std::iter::once(bin_dir.to_path_buf())
+            .chain(std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())),
+    )
+    .map_err(|e| e.to_string())?;
+    let mut b = cargo(root);
+    b.args(["build", "--release", "--locked", "--features", "qsr-train/tch", "--bin", "qsr"]);
+    b.env("LIBTORCH_USE_PYTORCH", "1").env("PATH", path);
+    output(b).map_err(|e| format!("the LibTorch build failed: {e:#}"))?;
+    let binary = target.join("release/qsr-libtorch");
+    std::fs::copy(target.join("release/qsr"), &binary).map_err(|e| e.to_string())?;
+    let mut again = cargo(root);
+    again.args(["build", "--release", "--locked", "--bin", "qsr"]);
+    output(again).map_err(|e| format!("rebuilding the default qsr failed: {e:#}"))?;
+    Ok(LibTorchQsr { binary, lib_dir })
 }
 
 fn human(b: u64) -> String {

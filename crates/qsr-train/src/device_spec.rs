@@ -14,22 +14,26 @@ use burn::tensor::Device;
 pub enum DeviceSpec {
     /// burn's flex backend on the CPU.
     Cpu,
+    /// burn's LibTorch backend on the CPU (feature `tch`, for `cargo xtask bench train`'s backend table):
+    /// burn's autodiff over PyTorch's kernels.
+    LibTorch,
     /// A CUDA GPU; `None` means "this process's local rank" (one GPU per process on a host).
     Cuda(Option<usize>),
 }
 
 impl DeviceSpec {
-    /// Parses `cpu`, `flex`, `cuda` or `cuda:N`.
+    /// Parses `cpu`, `flex`, `libtorch`, `cuda` or `cuda:N`.
     pub fn parse(name: &str) -> Result<DeviceSpec> {
         match name {
             "cpu" | "flex" => Ok(DeviceSpec::Cpu),
+            "libtorch" => Ok(DeviceSpec::LibTorch),
             "cuda" => Ok(DeviceSpec::Cuda(None)),
             other => match other.strip_prefix("cuda:") {
                 Some(n) => match n.parse::<usize>() {
                     Ok(i) => Ok(DeviceSpec::Cuda(Some(i))),
                     Err(_) => bail!("--device {other}: `{n}` is not a GPU index (expected cuda:0, cuda:1, ...)"),
                 },
-                None => bail!("--device {other}: unknown device (expected cpu, cuda or cuda:N)"),
+                None => bail!("--device {other}: unknown device (expected cpu, libtorch, cuda or cuda:N)"),
             },
         }
     }
@@ -37,7 +41,7 @@ impl DeviceSpec {
     /// The GPU ordinal for a process with this local rank, if this is a GPU device.
     pub fn ordinal(self, local_rank: usize) -> Option<usize> {
         match self {
-            DeviceSpec::Cpu => None,
+            DeviceSpec::Cpu | DeviceSpec::LibTorch => None,
             DeviceSpec::Cuda(i) => Some(i.unwrap_or(local_rank)),
         }
     }
@@ -51,9 +55,23 @@ impl DeviceSpec {
     pub fn open(self, local_rank: usize) -> Result<Device> {
         match self {
             DeviceSpec::Cpu => Ok(Device::flex().autodiff()),
+            DeviceSpec::LibTorch => open_libtorch(),
             DeviceSpec::Cuda(i) => open_cuda(i.unwrap_or(local_rank)),
         }
     }
+}
+
+#[cfg(feature = "tch")]
+#[allow(deprecated)] // burn 0.22 deprecates burn-tch; it stays here as the benchmark's comparison backend
+fn open_libtorch() -> Result<Device> {
+    Ok(Device::libtorch().autodiff())
+}
+
+#[cfg(not(feature = "tch"))]
+fn open_libtorch() -> Result<Device> {
+    bail!(
+        "--device libtorch: this qsr binary was built without LibTorch (feature `tch`, built against a Python environment's PyTorch 2.9.0: see `cargo xtask bench train`)"
+    )
 }
 
 /// What `probe_cuda` (feature `cuda`) found.
@@ -265,6 +283,7 @@ mod tests {
     fn parses_every_spelling() {
         assert_eq!(DeviceSpec::parse("cpu").unwrap(), DeviceSpec::Cpu);
         assert_eq!(DeviceSpec::parse("flex").unwrap(), DeviceSpec::Cpu);
+        assert_eq!(DeviceSpec::parse("libtorch").unwrap(), DeviceSpec::LibTorch);
         assert_eq!(DeviceSpec::parse("cuda").unwrap(), DeviceSpec::Cuda(None));
         assert_eq!(DeviceSpec::parse("cuda:3").unwrap(), DeviceSpec::Cuda(Some(3)));
     }
@@ -275,6 +294,14 @@ mod tests {
             let e = DeviceSpec::parse(bad).unwrap_err().to_string();
             assert!(e.starts_with(&format!("--device {bad}:")), "{e}");
         }
+    }
+
+    #[cfg(not(feature = "tch"))]
+    #[test]
+    fn libtorch_without_its_feature_is_refused_naming_the_flag_and_feature() {
+        let e = DeviceSpec::LibTorch.open(0).unwrap_err().to_string();
+        assert!(e.starts_with("--device libtorch:") && e.contains("feature `tch`"), "{e}");
+        assert_eq!(DeviceSpec::LibTorch.ordinal(1), None);
     }
 
     #[test]

@@ -65,7 +65,8 @@ pub struct TimeStepArgs {
     /// Intra-op threads of the CPU backend (default: one per core).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// `cpu` (burn's flex backend) or `cuda:N`.
+    /// `cpu` (burn's flex backend), `libtorch` (a build with feature `tch`; set `OMP_NUM_THREADS` for
+    /// its threads) or `cuda:N`.
     #[arg(long, default_value = "cpu")]
     pub device: String,
     /// Also write the result as JSON here.
