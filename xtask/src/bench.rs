@@ -351,75 +351,101 @@ fn step_tables(root: &Path, target: &Path) -> Result<String> {
     let has_torch = Command::new(&python).args(["-c", "import torch"]).output().is_ok_and(|o| o.status.success());
     let python = has_torch.then_some(python.as_path());
     let libtorch = python.map(|p| build_libtorch_qsr(root, target, p));
-    let mut backends = String::from(
-        "\nThe CPU backends side by side (same step, same runs; ratios to PyTorch eager): flex as shipped \
-         (`simd`, `rayon`, `x86-v4`, qsr's fused ops) and burn's LibTorch backend (burn-tch over PyTorch \
-         2.9.0's kernels, feature `qsr-train/tch`; qsr's fused ops fall back to burn's ops there):\n\n\
-         | model | threads | flex | LibTorch (burn-tch) | PyTorch |\n|---|---|---|---|---|\n",
-    );
-    let mut failures = String::new();
-    let mut ratios = String::from(
-        "\nOne training step on one worker (`qsr time-step` vs `benches/peers/train_step.py`, PyTorch eager), \
-         median of 3 alternated runs:\n\n| model | threads | qsr | PyTorch | ratio |\n|---|---|---|---|---|\n",
-    );
-    let mut phases = String::from(
-        "\nWhere qsr's step goes (mean ms per step of the median run; collectives excluded: one worker):\n\n\
-         | model | threads | step ms | forward | backward | gradients | optimizer | write-back |\n\
-         |---|---|---|---|---|---|---|---|\n",
-    );
+    let mut tables = StepTables::new();
     for case in &STEP_CASES {
         for threads in ["1", "2"] {
             let lt = libtorch.as_ref().and_then(|r| r.as_ref().ok());
-            let StepRuns { mut ours, mut torch, libtorch: burn_tch, libtorch_error } =
-                measure_step(root, target, (python, lt), case, threads)?;
-            if let Some(why) = libtorch_error {
-                let _ = writeln!(failures, "- {} at {threads} thread(s) on LibTorch: `{why}`", case.name);
-            }
-            ours.sort_by(|a, b| {
-                f64::total_cmp(&a["per_second"].as_f64().unwrap_or(0.0), &b["per_second"].as_f64().unwrap_or(0.0))
-            });
-            torch.sort_by(f64::total_cmp);
-            let q = &ours[ours.len() / 2];
-            let rate = q["per_second"].as_f64().unwrap_or(f64::NAN);
-            let unit = format!("{}/s", q["unit"].as_str().unwrap_or("items"));
-            let (t, ratio) = match torch.get(torch.len() / 2) {
-                Some(t) => (format!("{t:.0} {unit}"), format!("{:.2}", rate / t)),
-                None => ("-".into(), "-".into()),
-            };
-            let _ = writeln!(ratios, "| {} | {threads} | {rate:.0} {unit} | {t} | {ratio} |", case.name);
-            let (tch, torch_rate) = (median(burn_tch), torch.get(torch.len() / 2).copied().unwrap_or(f64::NAN));
-            let cell = |r: f64| if r.is_nan() { "-".to_string() } else { format!("{r:.0} ({:.2})", r / torch_rate) };
-            let _ = writeln!(backends, "| {} | {threads} | {} | {} | {t} |", case.name, cell(rate), cell(tch));
-            let p = &q["phases_ms"];
-            let ms = |k: &str| p[k].as_f64().unwrap_or(f64::NAN);
-            let _ = writeln!(
-                phases,
-                "| {} | {threads} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
-                case.name,
-                q["step_ms_median"].as_f64().unwrap_or(f64::NAN),
-                ms("forward"),
-                ms("backward"),
-                ms("gradients"),
-                ms("optimizer"),
-                ms("write_back")
-            );
+            tables.add(case, threads, measure_step(root, target, (python, lt), case, threads)?);
         }
     }
     if python.is_none() {
         let _ = writeln!(
-            ratios,
+            tables.ratios,
             "\nPyTorch skipped: `{}` cannot import torch (set QSR_BENCH_PYTHON, or `python3 -m venv \
              /var/tmp/qsr-bench-venv && /var/tmp/qsr-bench-venv/bin/pip install torch==2.9.0`).",
             bench_python().display()
         );
     }
-    if !failures.is_empty() {
-        let _ = write!(backends, "\nburn-tch failed (a burn-tch bug, not timed):\n\n{failures}");
+    if !tables.failures.is_empty() {
+        let _ = write!(tables.backends, "\nburn-tch failed (a burn-tch bug, not timed):\n\n{}", tables.failures);
     }
     if let Some(Err(why)) = &libtorch {
-        let _ = writeln!(backends, "\nLibTorch skipped: {why}.");
+        let _ = writeln!(tables.backends, "\nLibTorch skipped: {why}.");
     }
-    Ok(ratios + &backends + &phases)
+    Ok(tables.ratios + &tables.backends + &tables.phases)
+}
+
+/// The step section's tables as [`step_tables`] fills them, one row per (case, threads).
+struct StepTables {
+    ratios: String,
+    backends: String,
+    phases: String,
+    /// burn-tch's failures, one line each.
+    failures: String,
+}
+
+impl StepTables {
+    fn new() -> Self {
+        Self {
+            ratios: String::from(
+                "\nOne training step on one worker (`qsr time-step` vs `benches/peers/train_step.py`, PyTorch \
+                 eager), median of 3 alternated runs:\n\n| model | threads | qsr | PyTorch | ratio |\n\
+                 |---|---|---|---|---|\n",
+            ),
+            backends: String::from(
+                "\nThe CPU backends side by side (same step, same runs; ratios to PyTorch eager): flex as shipped \
+                 (`simd`, `rayon`, `x86-v4`, qsr's fused ops) and burn's LibTorch backend (burn-tch over PyTorch \
+                 2.9.0's kernels, feature `qsr-train/tch`; qsr's fused ops fall back to burn's ops there):\n\n\
+                 | model | threads | flex | LibTorch (burn-tch) | PyTorch |\n|---|---|---|---|---|\n",
+            ),
+            phases: String::from(
+                "\nWhere qsr's step goes (mean ms per step of the median run; collectives excluded: one worker):\n\n\
+                 | model | threads | step ms | forward | backward | gradients | optimizer | write-back |\n\
+                 |---|---|---|---|---|---|---|---|\n",
+            ),
+            failures: String::new(),
+        }
+    }
+
+    /// One row of each table from a case's runs at `threads`.
+    fn add(&mut self, case: &StepCase, threads: &str, runs: StepRuns) {
+        let StepRuns { mut ours, torch, libtorch, libtorch_error } = runs;
+        if let Some(why) = libtorch_error {
+            let _ = writeln!(self.failures, "- {} at {threads} thread(s) on LibTorch: `{why}`", case.name);
+        }
+        let rate_of = |v: &serde_json::Value| v["per_second"].as_f64().unwrap_or(0.0);
+        ours.sort_by(|a, b| f64::total_cmp(&rate_of(a), &rate_of(b)));
+        let q = &ours[ours.len() / 2];
+        let rate = q["per_second"].as_f64().unwrap_or(f64::NAN);
+        let unit = format!("{}/s", q["unit"].as_str().unwrap_or("items"));
+        let torch_rate = median(torch);
+        let (t, ratio) = match torch_rate.is_nan() {
+            false => (format!("{torch_rate:.0} {unit}"), format!("{:.2}", rate / torch_rate)),
+            true => ("-".into(), "-".into()),
+        };
+        let _ = writeln!(self.ratios, "| {} | {threads} | {rate:.0} {unit} | {t} | {ratio} |", case.name);
+        let cell = |r: f64| if r.is_nan() { "-".to_string() } else { format!("{r:.0} ({:.2})", r / torch_rate) };
+        let _ = writeln!(
+            self.backends,
+            "| {} | {threads} | {} | {} | {t} |",
+            case.name,
+            cell(rate),
+            cell(median(libtorch))
+        );
+        let p = &q["phases_ms"];
+        let ms = |k: &str| p[k].as_f64().unwrap_or(f64::NAN);
+        let _ = writeln!(
+            self.phases,
+            "| {} | {threads} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            case.name,
+            q["step_ms_median"].as_f64().unwrap_or(f64::NAN),
+            ms("forward"),
+            ms("backward"),
+            ms("gradients"),
+            ms("optimizer"),
+            ms("write_back")
+        );
+    }
 }
 
 /// The median of `v` (NaN for none).

@@ -24,6 +24,18 @@ fn random<const D: usize>(shape: [usize; D], seed: u64, device: &Device) -> Tens
     Tensor::random(shape, Distribution::Normal(0.0, 2.0), device)
 }
 
+/// `f(x)`'s values and the gradient of `sum(f(x) * weights)` with respect to `x`.
+fn value_and_grad<const D: usize>(
+    x: &Tensor<D>,
+    weights: &Tensor<D>,
+    f: &dyn Fn(Tensor<D>) -> Tensor<D>,
+) -> (Vec<f32>, Vec<f32>) {
+    let x = x.clone().require_grad();
+    let y = f(x.clone());
+    let grads = (y.clone() * weights.clone()).sum().backward();
+    (values(y), values(x.grad(&grads).unwrap()))
+}
+
 fn autodiff() -> Device {
     Device::flex().autodiff()
 }
@@ -41,12 +53,7 @@ fn causal_softmax_matches_mask_and_softmax_in_values_and_gradients() {
     // 2 x 3 x 37 x 37: 222 rows, more than a rayon block and not a multiple of one.
     let x = random([2, 3, 37, 37], 1, &device);
     let weights = random([2, 3, 37, 37], 2, &device);
-    let run = |f: &dyn Fn(Tensor<4>) -> Tensor<4>| {
-        let x = x.clone().require_grad();
-        let y = f(x.clone());
-        let grads = (y.clone() * weights.clone()).sum().backward();
-        (values(y), values(x.grad(&grads).unwrap()))
-    };
+    let run = |f: &dyn Fn(Tensor<4>) -> Tensor<4>| value_and_grad(&x, &weights, f);
     let (y, dx) = run(&|x| fused::causal_softmax(x, 0.3));
     let (y_ref, dx_ref) = run(&|x| causal_softmax_reference(x, 0.3));
     assert_close("causal softmax", y.clone(), y_ref, 1e-5);
@@ -71,12 +78,7 @@ fn causal_attention_matches_burns_ops_in_values_and_gradients() {
     // 3 sequences of 37 tokens, 4 heads of width 5: rows not a multiple of a rayon block.
     let qkv = random([3, 37, 60], 14, &device);
     let weights = random([3, 37, 20], 15, &device);
-    let run = |f: &dyn Fn(Tensor<3>) -> Tensor<3>| {
-        let x = qkv.clone().require_grad();
-        let y = f(x.clone());
-        let grads = (y.clone() * weights.clone()).sum().backward();
-        (values(y), values(x.grad(&grads).unwrap()))
-    };
+    let run = |f: &dyn Fn(Tensor<3>) -> Tensor<3>| value_and_grad(&qkv, &weights, f);
     let (y, dx) = run(&|x| fused::causal_attention(x, 4));
     let (y_ref, dx_ref) = run(&|x| causal_attention_reference(x, 4));
     assert_close("causal attention", y, y_ref, 1e-5);
@@ -138,12 +140,7 @@ fn gelu_matches_burns_in_values_and_gradients() {
     // More elements than one rayon task takes, and not a multiple of it.
     let x = random([3, 70_001], 12, &device);
     let weights = random([3, 70_001], 13, &device);
-    let run = |f: &dyn Fn(Tensor<2>) -> Tensor<2>| {
-        let x = x.clone().require_grad();
-        let y = f(x.clone());
-        let grads = (y.clone() * weights.clone()).sum().backward();
-        (values(y), values(x.grad(&grads).unwrap()))
-    };
+    let run = |f: &dyn Fn(Tensor<2>) -> Tensor<2>| value_and_grad(&x, &weights, f);
     let (y, dx) = run(&|x| fused::gelu(x));
     let (y_ref, dx_ref) = run(&|x| burn::tensor::activation::gelu(x));
     assert_close("gelu", y, y_ref, 1e-6);
