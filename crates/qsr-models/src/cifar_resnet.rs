@@ -20,6 +20,8 @@ use burn::nn::{BatchNorm, Linear, LinearConfig};
 use burn::tensor::activation::relu;
 use burn::tensor::ops::PadMode;
 use burn::tensor::{Device, Slice, Tensor};
+
+use crate::fused;
 use serde::{Deserialize, Serialize};
 
 use crate::resnet::{bn, conv};
@@ -107,7 +109,7 @@ impl CifarBlock {
 
     fn shortcut(&self, x: Tensor<4>) -> Tensor<4> {
         if let Some(p) = &self.projection {
-            return p.bn.forward(p.conv.forward(x));
+            return p.bn.forward(fused::conv2d(&p.conv, x));
         }
         let mut x = x;
         if self.subsample > 1 {
@@ -127,8 +129,8 @@ impl CifarBlock {
 
     fn forward(&self, x: Tensor<4>) -> Tensor<4> {
         let identity = self.shortcut(x.clone());
-        let out = relu(self.bn1.forward(self.conv1.forward(x)));
-        let out = self.bn2.forward(self.conv2.forward(out));
+        let out = relu(self.bn1.forward(fused::conv2d(&self.conv1, x)));
+        let out = self.bn2.forward(fused::conv2d(&self.conv2, out));
         relu(out + identity)
     }
 
@@ -201,7 +203,7 @@ impl CifarResNet {
 
     /// Logits `[N, classes]` for images `[N, C, H, W]` (designed for 32x32; any size works).
     pub fn forward(&self, x: Tensor<4>) -> Tensor<2> {
-        let mut x = relu(self.bn1.forward(self.conv1.forward(x)));
+        let mut x = relu(self.bn1.forward(fused::conv2d(&self.conv1, x)));
         for block in self.layer1.iter().chain(&self.layer2).chain(&self.layer3) {
             x = block.forward(x);
         }

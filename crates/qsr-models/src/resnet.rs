@@ -21,6 +21,8 @@ use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 
+use crate::fused;
+
 /// torchvision's conv init: kaiming normal, fan_out mode, ReLU gain sqrt(2).
 pub(crate) fn kaiming_fan_out() -> Initializer {
     Initializer::KaimingNormal { gain: std::f64::consts::SQRT_2, fan_out_only: true }
@@ -69,7 +71,7 @@ impl Downsample {
     }
 
     fn forward(&self, x: Tensor<4>) -> Tensor<4> {
-        self.bn.forward(self.conv.forward(x))
+        self.bn.forward(fused::conv2d(&self.conv, x))
     }
 }
 
@@ -105,8 +107,8 @@ impl BasicBlock {
             Some(d) => d.forward(x.clone()),
             None => x.clone(),
         };
-        let out = relu(self.bn1.forward(self.conv1.forward(x)));
-        let out = self.bn2.forward(self.conv2.forward(out));
+        let out = relu(self.bn1.forward(fused::conv2d(&self.conv1, x)));
+        let out = self.bn2.forward(fused::conv2d(&self.conv2, out));
         relu(out + identity)
     }
 
@@ -169,9 +171,9 @@ impl Bottleneck {
             Some(d) => d.forward(x.clone()),
             None => x.clone(),
         };
-        let out = relu(self.bn1.forward(self.conv1.forward(x)));
-        let out = relu(self.bn2.forward(self.conv2.forward(out)));
-        let out = self.bn3.forward(self.conv3.forward(out));
+        let out = relu(self.bn1.forward(fused::conv2d(&self.conv1, x)));
+        let out = relu(self.bn2.forward(fused::conv2d(&self.conv2, out)));
+        let out = self.bn3.forward(fused::conv2d(&self.conv3, out));
         relu(out + identity)
     }
 
@@ -331,7 +333,7 @@ impl ResNet {
 
     /// Logits `[N, classes]` for images `[N, C, H, W]` (any H, W >= 1: the pool is adaptive).
     pub fn forward(&self, x: Tensor<4>) -> Tensor<2> {
-        let x = relu(self.bn1.forward(self.conv1.forward(x)));
+        let x = relu(self.bn1.forward(fused::conv2d(&self.conv1, x)));
         let mut x = self.maxpool.forward(x);
         for stage in [&self.layer1, &self.layer2, &self.layer3, &self.layer4] {
             x = stage.forward(x);

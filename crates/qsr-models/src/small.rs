@@ -10,6 +10,8 @@ use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 
+use crate::fused;
+
 /// `conv3x3 -> [BN] -> ReLU`, the CNN's unit (BN optional).
 #[derive(Module, Debug)]
 pub struct ConvUnit {
@@ -31,7 +33,7 @@ impl ConvUnit {
     }
 
     fn forward(&self, x: Tensor<4>) -> Tensor<4> {
-        let x = self.conv.forward(x);
+        let x = fused::conv2d(&self.conv, x);
         let x = match &self.bn {
             Some(bn) => bn.forward(x),
             None => x,

@@ -11,6 +11,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::{DType, Shape, TensorData};
 
 use super::FusedOps;
+use super::conv::{self, ConvShape};
 use super::kernels::{self, Heads};
 
 /// `tensor` as one contiguous `f32` buffer covering exactly its elements.
@@ -114,6 +115,36 @@ fn attention_forward(qkv: &FlexTensor, heads: usize) -> (FlexTensor, Attention) 
     (out, Attention { q, k, v, weights, heads: layout, scale })
 }
 
+/// The geometry of `x` `[n, cin, h, w]` convolved by `weight` `[cout, cin, kh, kw]`.
+fn conv_shape(x: &FlexTensor, weight: &FlexTensor, stride: [usize; 2], padding: [usize; 4]) -> ConvShape {
+    let ([n, cin, h, w], [cout, _, kh, kw]) =
+        ([0, 1, 2, 3].map(|i| shape(x)[i]), [0, 1, 2, 3].map(|i| shape(weight)[i]));
+    ConvShape { n, cin, h, w, cout, kernel: [kh, kw], stride, padding }
+}
+
+/// The convolution's output and its contiguous input and weight (what the backward needs).
+fn conv2d_forward(
+    x: &FlexTensor,
+    weight: &FlexTensor,
+    bias: &FlexTensor,
+    stride: [usize; 2],
+    padding: [usize; 4],
+) -> (FlexTensor, Conv) {
+    let s = conv_shape(x, weight, stride, padding);
+    let (x, weight, bias) = (contiguous(x), contiguous(weight), contiguous(bias));
+    let out = conv::conv2d(x.storage(), weight.storage(), bias.storage(), &s);
+    let [ho, wo] = s.out_hw();
+    (from_vec(out, Shape::from([s.n, s.cout, ho, wo])), Conv { x, weight, shape: s })
+}
+
+/// What the convolution's backward needs: the contiguous input and weight, and the geometry.
+#[derive(Clone, Debug)]
+struct Conv {
+    x: FlexTensor,
+    weight: FlexTensor,
+    shape: ConvShape,
+}
+
 impl FusedOps for Flex {
     fn causal_softmax(scores: FlexTensor, scale: f32) -> FlexTensor {
         let scores = contiguous(&scores);
@@ -137,6 +168,39 @@ impl FusedOps for Flex {
 
     fn causal_attention(qkv: FlexTensor, heads: usize) -> FlexTensor {
         attention_forward(&qkv, heads).0
+    }
+
+    fn conv2d(
+        x: FlexTensor,
+        weight: FlexTensor,
+        bias: FlexTensor,
+        stride: [usize; 2],
+        padding: [usize; 4],
+    ) -> FlexTensor {
+        conv2d_forward(&x, &weight, &bias, stride, padding).0
+    }
+}
+
+#[derive(Debug)]
+struct Conv2dBackward;
+
+impl Backward<Flex, 3> for Conv2dBackward {
+    type State = Conv;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [x_node, weight_node, bias_node] = ops.parents;
+        let g = contiguous(&grads.consume::<Flex>(&ops.node));
+        let Conv { x, weight, shape: s } = ops.state;
+        let (dx, dw, db) = conv::conv2d_backward(x.storage(), weight.storage(), g.storage(), &s, x_node.is_some());
+        if let (Some(node), Some(dx)) = (x_node, dx) {
+            grads.register::<Flex>(node.id, from_vec(dx, shape(&x)));
+        }
+        if let Some(node) = weight_node {
+            grads.register::<Flex>(node.id, from_vec(dw, shape(&weight)));
+        }
+        if let Some(node) = bias_node {
+            grads.register::<Flex>(node.id, from_vec(db, Shape::from([s.cout])));
+        }
     }
 }
 
@@ -292,6 +356,22 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
                 prep.finish(saved, out)
             }
             OpsKind::UnTracked(prep) => prep.finish(attention_forward(&qkv.into_primitive(), heads).0),
+        }
+    }
+
+    fn conv2d(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        stride: [usize; 2],
+        padding: [usize; 4],
+    ) -> FloatTensor<Self> {
+        let nodes = [x.node(), weight.node(), bias.node()];
+        let (x, weight, bias) = (x.into_primitive(), weight.into_primitive(), bias.into_primitive());
+        let (out, saved) = conv2d_forward(&x, &weight, &bias, stride, padding);
+        match Conv2dBackward.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(saved, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
         }
     }
 }

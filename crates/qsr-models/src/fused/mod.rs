@@ -1,5 +1,6 @@
-//! Fused training ops: causal attention, causal softmax, layer norm, cross-entropy and GELU, each one
-//! graph node with its own backward on burn's flex (CPU) backend, spread over the rayon pool it runs in.
+//! Fused training ops: causal attention, causal softmax, layer norm, cross-entropy, GELU and 2-D
+//! convolution, each one graph node with its own backward on burn's flex (CPU) backend, spread over the
+//! rayon pool it runs in.
 //!
 //! burn's autodiff builds these from 5-10 small ops, each a graph node and a new buffer; here each is
 //! one node with its own backward (a `#[backend_extension]` over flex and autodiff). On any other
@@ -18,11 +19,14 @@
 //! assert_eq!(logits.grad(&grads).unwrap().dims(), [2, 3]);
 //! ```
 
+mod conv;
 mod flex;
 mod kernels;
 
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Dispatch, backend_extension};
+use burn::nn::PaddingConfig2d;
+use burn::nn::conv::Conv2d;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::tensor::{Bool, DType, Device, Int, Tensor};
 
@@ -44,6 +48,14 @@ pub(crate) trait FusedOps: burn::backend::Backend {
     fn gelu(x: FloatTensor<Self>) -> FloatTensor<Self>;
     /// See [`causal_attention`]; `qkv` is `[b, t, 3 width]`.
     fn causal_attention(qkv: FloatTensor<Self>, heads: usize) -> FloatTensor<Self>;
+    /// See [`conv2d`]; `bias` is zeros where the layer has none, `padding` is `[top, left, bottom, right]`.
+    fn conv2d(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        stride: [usize; 2],
+        padding: [usize; 4],
+    ) -> FloatTensor<Self>;
 }
 
 /// Whether the fused kernels serve `tensor`: `f32` on the flex device (with or without autodiff).
@@ -123,4 +135,37 @@ pub fn causal_attention(qkv: Tensor<3>, heads: usize) -> Tensor<3> {
     let (q, k, v) = (split(0), split(1), split(2));
     let weights = causal_softmax(q.matmul(k.swap_dims(2, 3)), (d as f64).powf(-0.5));
     weights.matmul(v).swap_dims(1, 2).reshape([b, t, w])
+}
+
+/// `conv.forward(x)` for a burn [`Conv2d`] layer, fused where it can be: one graph node whose backward
+/// computes the input, weight and bias gradients from one column matrix (and skips the input's where
+/// the input needs none, as for the images). Taken for groups 1, dilation 1 and `Valid` or `Explicit`
+/// padding with at least one kernel position in the padded input; otherwise, on other devices or
+/// dtypes, this is `conv.forward(x)`.
+pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
+    let weight = conv.weight.val();
+    let [n, cin, h, w] = x.dims();
+    let [cout, wcin, kh, kw] = weight.dims();
+    let padding = match conv.padding {
+        PaddingConfig2d::Valid => [0; 4],
+        PaddingConfig2d::Explicit(top, left, bottom, right) => [top, left, bottom, right],
+        PaddingConfig2d::Same => return conv.forward(x),
+    };
+    let fits = h + padding[0] + padding[2] >= kh && w + padding[1] + padding[3] >= kw;
+    let plain = conv.groups == 1 && conv.dilation == [1, 1] && !conv.stride.contains(&0);
+    if !(fused(&x) && plain && fits && cin == wcin && n * cin * cout * kh * kw > 0) {
+        return conv.forward(x);
+    }
+    let bias = match &conv.bias {
+        Some(bias) => bias.val(),
+        None => Tensor::zeros([cout], &weight.device()),
+    };
+    let out = <Dispatch as FusedOps>::conv2d(
+        x.into_dispatch(),
+        weight.into_dispatch(),
+        bias.into_dispatch(),
+        conv.stride,
+        padding,
+    );
+    Tensor::from_dispatch(out)
 }

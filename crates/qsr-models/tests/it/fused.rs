@@ -1,9 +1,13 @@
-//! The fused ops (causal attention and softmax, layer norm, cross-entropy, GELU) against burn's own: values and gradients on seeded random inputs, the untracked path,
-//! and results that do not depend on the thread count.
+//! The fused ops (causal attention and softmax, layer norm, cross-entropy, GELU, convolution) against
+//! burn's own: values and gradients on seeded random inputs, the untracked path, and results that do
+//! not depend on the thread count.
 
+use burn::module::Param;
+use burn::nn::PaddingConfig2d;
+use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::tensor::activation::softmax;
-use burn::tensor::{Bool, Device, Distribution, Int, Tensor, TensorData};
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use qsr_models::fused;
 
 fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
@@ -19,9 +23,24 @@ fn assert_close(what: &str, a: Vec<f32>, b: Vec<f32>, tol: f32) {
     }
 }
 
+/// Normal(0, 2) values from a generator of the test's own: burn's seeded global RNG is shared by the
+/// tests running beside this one, which could draw between a `seed` and its `random`.
 fn random<const D: usize>(shape: [usize; D], seed: u64, device: &Device) -> Tensor<D> {
-    device.seed(seed);
-    Tensor::random(shape, Distribution::Normal(0.0, 2.0), device)
+    let mut state = seed;
+    let mut uniform = move || {
+        // splitmix64, to (0, 1]
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64 + f64::EPSILON
+    };
+    let n = shape.iter().product();
+    let normal = (0..n).map(|_| {
+        let (u, v) = (uniform(), uniform());
+        (2.0 * (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
+    });
+    Tensor::from_data(TensorData::new(normal.collect::<Vec<_>>(), shape), device)
 }
 
 /// `f(x)`'s values and the gradient of `sum(f(x) * weights)` with respect to `x`.
@@ -147,6 +166,71 @@ fn gelu_matches_burns_in_values_and_gradients() {
     assert_close("its gradient", dx, dx_ref, 1e-6);
 }
 
+/// A seeded conv layer: `[cin, cout]` channels, `kernel`, `stride`, `padding` `(top, left, bottom, right)`.
+fn conv_layer(
+    channels: [usize; 2],
+    kernel: [usize; 2],
+    stride: [usize; 2],
+    padding: PaddingConfig2d,
+    bias: bool,
+    device: &Device,
+) -> Conv2d {
+    let mut conv =
+        Conv2dConfig::new(channels, kernel).with_stride(stride).with_padding(padding).with_bias(bias).init(device);
+    conv.weight = Param::from_tensor(random(conv.weight.dims(), 20, device) * 0.2);
+    conv.bias = conv.bias.map(|b| Param::from_tensor(random(b.dims(), 19, device)));
+    conv
+}
+
+/// The output, and the gradients of the input, weight and bias (if any) of `sum(conv(x) * weights)`.
+fn conv_value_and_grads(conv: &Conv2d, x: &Tensor<4>, f: &dyn Fn(&Conv2d, Tensor<4>) -> Tensor<4>) -> Vec<Vec<f32>> {
+    let x = x.clone().require_grad();
+    let y = f(conv, x.clone());
+    let weights = random(y.dims(), 21, &y.device());
+    let grads = (y.clone() * weights).sum().backward();
+    let mut out = vec![values(y), values(x.grad(&grads).unwrap()), values(conv.weight.val().grad(&grads).unwrap())];
+    out.extend(conv.bias.as_ref().map(|b| values(b.val().grad(&grads).unwrap())));
+    out
+}
+
+#[test]
+fn conv2d_matches_burns_in_values_and_all_three_gradients() {
+    let device = autodiff();
+    let explicit = PaddingConfig2d::Explicit;
+    // (input, channels, kernel, stride, padding, bias): the CNN's 3x3 pad 1 on 8x8 digits (batch 19,
+    // not a multiple of a block), a strided 3x3, a 1x1 stride-2 projection, an uneven kernel with
+    // asymmetric padding, an unpadded conv, and ResNet's 7x7 stride 2 pad 3 stem.
+    let cases = [
+        ([19, 1, 8, 8], [1, 32], [3, 3], [1, 1], explicit(1, 1, 1, 1), true),
+        ([5, 6, 9, 11], [6, 4], [3, 3], [2, 2], explicit(1, 1, 1, 1), false),
+        ([3, 4, 8, 8], [4, 8], [1, 1], [2, 2], PaddingConfig2d::Valid, false),
+        ([2, 3, 7, 10], [3, 5], [2, 3], [1, 2], explicit(0, 2, 1, 1), true),
+        ([4, 2, 6, 6], [2, 3], [3, 3], [1, 1], PaddingConfig2d::Valid, true),
+        ([2, 3, 20, 20], [3, 8], [7, 7], [2, 2], explicit(3, 3, 3, 3), false),
+    ];
+    for (i, (input, channels, kernel, stride, padding, bias)) in cases.into_iter().enumerate() {
+        let conv = conv_layer(channels, kernel, stride, padding, bias, &device);
+        let x = random(input, 22 + i as u64, &device);
+        let fused = conv_value_and_grads(&conv, &x, &|c, x| fused::conv2d(c, x));
+        let reference = conv_value_and_grads(&conv, &x, &|c, x| c.forward(x));
+        assert_eq!(fused.len(), reference.len());
+        for (what, (a, b)) in ["output", "dx", "dweight", "dbias"].iter().zip(fused.into_iter().zip(reference)) {
+            assert_close(&format!("case {i}: {what}"), a, b, 1e-5);
+        }
+    }
+}
+
+#[test]
+fn conv2d_falls_back_to_burn_for_groups_and_dilation() {
+    let device = autodiff();
+    let x = random([2, 4, 9, 9], 30, &device);
+    let grouped = Conv2dConfig::new([4, 4], [3, 3]).with_groups(2).init(&device);
+    let dilated = Conv2dConfig::new([4, 2], [3, 3]).with_dilation([2, 2]).init(&device);
+    for conv in [grouped, dilated] {
+        assert_eq!(values(fused::conv2d(&conv, x.clone())), values(conv.forward(x.clone())));
+    }
+}
+
 #[test]
 fn fused_ops_run_without_autodiff_and_agree_with_the_tracked_path() {
     let inner = Device::flex();
@@ -157,9 +241,12 @@ fn fused_ops_run_without_autodiff_and_agree_with_the_tracked_path() {
     let gamma = Tensor::<1>::ones([6], &inner);
     let reference = burn::tensor::module::layer_norm(x.clone(), gamma.clone(), None, 1e-5);
     assert_close("untracked layer norm", values(fused::layer_norm(x, gamma, None, 1e-5)), values(reference), 1e-5);
+    let conv = conv_layer([3, 4], [3, 3], [1, 1], PaddingConfig2d::Explicit(1, 1, 1, 1), true, &inner);
+    let x = random([2, 3, 5, 5], 31, &inner);
+    assert_close("untracked conv", values(fused::conv2d(&conv, x.clone())), values(conv.forward(x)), 1e-5);
 }
 
-/// Forward and gradients of all three ops in a rayon pool of `threads`.
+/// Forward and gradients of all the ops in a rayon pool of `threads`.
 fn all_ops_in_pool(threads: usize) -> Vec<Vec<f32>> {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
     pool.install(|| {
@@ -173,7 +260,15 @@ fn all_ops_in_pool(threads: usize) -> Vec<Vec<f32>> {
         let targets = Tensor::<1, Int>::from_data(TensorData::new(vec![3i64; rows], [rows]), &device);
         let loss = fused::cross_entropy(h.reshape([rows, 29]), targets, Some(0.05));
         let grads = loss.clone().backward();
-        vec![values(loss), values(x.grad(&grads).unwrap()), values(gamma.grad(&grads).unwrap())]
+        let conv = conv_layer([4, 6], [3, 3], [1, 1], PaddingConfig2d::Explicit(1, 1, 1, 1), true, &device);
+        // 40 images of 8x8: more than one block (4 images) and one group of blocks.
+        let images = random([40, 4, 8, 8], 32, &device).require_grad();
+        let conv_grads = fused::conv2d(&conv, images.clone()).powf_scalar(2.0).sum().backward();
+        let (w, b) =
+            (conv.weight.val().grad(&conv_grads).unwrap(), conv.bias.as_ref().unwrap().val().grad(&conv_grads));
+        let conv_parts = [values(images.grad(&conv_grads).unwrap()), values(w), values(b.unwrap())];
+        [vec![values(loss), values(x.grad(&grads).unwrap()), values(gamma.grad(&grads).unwrap())], conv_parts.to_vec()]
+            .concat()
     })
 }
 
