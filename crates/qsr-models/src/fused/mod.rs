@@ -153,7 +153,7 @@ pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
     };
     let fits = h + padding[0] + padding[2] >= kh && w + padding[1] + padding[3] >= kw;
     let plain = conv.groups == 1 && conv.dilation == [1, 1] && !conv.stride.contains(&0);
-    if !(fused(&x) && plain && fits && cin == wcin && n * cin * cout * kh * kw > 0) {
+    if !(fused(&x) && fused(&weight) && plain && fits && cin == wcin && n * cin * cout * kh * kw > 0) {
         return conv.forward(x);
     }
     let bias = match &conv.bias {
