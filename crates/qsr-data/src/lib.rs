@@ -25,6 +25,7 @@
 #![forbid(unsafe_code)]
 
 mod augment;
+mod burn_shard;
 mod cifar;
 mod dataset;
 mod digits;
@@ -39,6 +40,7 @@ mod sampler;
 mod text;
 
 pub use augment::{Crop, Normalize, SampleKey, Transform, random_resized_crop_params, resample, resize_shorter};
+pub use burn_shard::ShardedDataset;
 pub use cifar::{Cifar100Label, cifar10, cifar100, cifar100_with, read_cifar_files};
 pub use dataset::{Dataset, DatasetInfo, Image, ImageSet, Split};
 pub use digits::{DIGITS_TEST, DIGITS_TOTAL, DIGITS_TRAIN, digits, digits_all};

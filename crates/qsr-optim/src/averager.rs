@@ -45,11 +45,14 @@
 //! private, so their moments stay per worker (the paper's default; [`Worker`](crate::Worker) can
 //! average them).
 
+use std::path::Path;
+
 use burn::module::Module;
 use burn::optim::GradientsParams;
+use burn::tensor::Device;
 use qsr_comm::{Collective, CommStats, ReduceOp};
 use qsr_sched::{RoundStart, SyncRule};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::OptimError;
 use crate::flat::ParamLayout;
@@ -96,7 +99,7 @@ impl AveragerConfig {
 }
 
 /// The round under way: steps `start..end`, of length `h` unless cut at the run's end.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 struct RoundSpan {
     start: u64,
     h: u64,
@@ -133,6 +136,75 @@ pub struct Averager {
     /// The outer optimizer's state, when the config asks for one.
     outer: Option<Outer>,
     stats: AveragerStats,
+    /// What the ranks agreed on at construction; a saved state must carry the same.
+    settings: serde_json::Value,
+}
+
+/// Where an [`Averager`] stands: its step, rounds and outer state, saved beside the model and the
+/// optimizer so that a resumed run continues its rounds exactly ([`Averager::state`],
+/// [`Averager::restore`]). It records the settings the ranks agreed on; restoring it under other
+/// settings (rule, world size, model) is refused.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AveragerState {
+    settings: serde_json::Value,
+    steps: u64,
+    syncs: u64,
+    synced_at: u64,
+    rounds_after_warmup: u64,
+    round: Option<RoundSpan>,
+    /// The outer optimizer's global parameters and momentum.
+    outer: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+impl AveragerState {
+    /// Writes the state as JSON to `path` (through a temporary file and a rename, so a crash never
+    /// leaves half a file).
+    pub fn save(&self, path: &Path) -> Result<(), OptimError> {
+        let io = |e: std::io::Error| OptimError::Io { path: path.to_path_buf(), source: e };
+        let tmp = path.with_extension("tmp");
+        let bytes = serde_json::to_vec(self).map_err(|e| io(std::io::Error::other(e)))?;
+        std::fs::write(&tmp, bytes).map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(io)
+    }
+
+    /// Reads a state [`save`](Self::save) wrote.
+    pub fn load(path: &Path) -> Result<Self, OptimError> {
+        let bytes = std::fs::read(path).map_err(|e| OptimError::Io { path: path.to_path_buf(), source: e })?;
+        serde_json::from_slice(&bytes).map_err(|e| OptimError::Io {
+            path: path.to_path_buf(),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+        })
+    }
+
+    /// Steps the averager had seen.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+}
+
+/// Builds a model whose initial weights depend only on `seed`: burn draws them from one global RNG that
+/// every thread shares, so a threaded run (or two tests at once) otherwise starts from other weights
+/// each time. Seeds `device`'s RNG and runs `init` under a process-wide lock, initializing every
+/// parameter before the lock is released (burn initializes them lazily, at first use).
+///
+/// ```
+/// use burn::nn::{Linear, LinearConfig};
+/// use burn::tensor::Device;
+/// let device = Device::flex();
+/// let a: Linear = qsr_optim::seeded_init(&device, 7, || LinearConfig::new(4, 2).init(&device));
+/// let b: Linear = qsr_optim::seeded_init(&device, 7, || LinearConfig::new(4, 2).init(&device));
+/// assert_eq!(a.weight.val().into_data(), b.weight.val().into_data());
+/// ```
+pub fn seeded_init<M: Module>(device: &Device, seed: u64, init: impl FnOnce() -> M) -> M {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = LOCK.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    device.seed(seed);
+    let model = init();
+    let layout = ParamLayout::of(&model);
+    let mut values = vec![0.0; layout.len()];
+    // Reading every parameter draws its lazily initialized values now, under the lock.
+    let _ = layout.read_params(&model, &mut values);
+    model
 }
 
 impl Averager {
@@ -177,6 +249,7 @@ impl Averager {
             grads_averaged: None,
             outer: None,
             stats: AveragerStats::default(),
+            settings,
         };
         let model = if avg.config.broadcast_initial { avg.broadcast_from_rank0(model)? } else { model };
         if let Some(config) = avg.config.outer {
@@ -269,6 +342,62 @@ impl Averager {
         self.outer.as_ref().map(Outer::state)
     }
 
+    /// Where this averager stands, to save beside the model and the optimizer record.
+    pub fn state(&self) -> AveragerState {
+        AveragerState {
+            settings: self.settings.clone(),
+            steps: self.stats.steps,
+            syncs: self.stats.syncs,
+            synced_at: self.synced_at,
+            rounds_after_warmup: self.rounds_after_warmup,
+            round: self.round,
+            outer: self.outer.as_ref().map(|o| {
+                let (global, momentum) = o.state();
+                (global.to_vec(), momentum.to_vec())
+            }),
+        }
+    }
+
+    /// Continues from a saved [`state`](Self::state): call it right after [`Averager::new`], on every
+    /// rank, with the state each rank saved at the same step (then load the model's and the optimizer's
+    /// records as usual). A state saved under other settings, or ranks resuming at different steps, is
+    /// an error naming the difference.
+    pub fn restore(&mut self, state: AveragerState) -> Result<(), OptimError> {
+        let diffs = qsr_comm::differing_keys(&self.settings, &state.settings);
+        if !diffs.is_empty() {
+            let list: Vec<String> =
+                diffs.iter().map(|d| format!("`{}`: now {}, saved {}", d.key, d.left, d.right)).collect();
+            return Err(OptimError::Config {
+                field: "state".into(),
+                reason: format!("saved under other settings: {}", list.join("; ")),
+            });
+        }
+        let position = serde_json::json!({ "resumed_at_step": state.steps, "synced_at": state.synced_at });
+        qsr_comm::agree(self.comm.as_mut(), &position).map_err(|source| OptimError::Setup { source })?;
+        match (&mut self.outer, &state.outer) {
+            (Some(outer), Some((global, momentum))) => outer.restore(global, momentum)?,
+            (None, None) => {}
+            _ => {
+                return Err(OptimError::Config {
+                    field: "state".into(),
+                    reason: "the outer optimizer's state does not fit the config".into(),
+                });
+            }
+        }
+        self.stats.steps = state.steps;
+        self.stats.syncs = state.syncs;
+        self.synced_at = state.synced_at;
+        self.rounds_after_warmup = state.rounds_after_warmup;
+        self.round = state.round;
+        Ok(())
+    }
+
+    /// Steps taken since the last synchronization: what [`finish`](Self::finish) would average. Non-zero
+    /// when the averager is dropped means the workers end with different models (it warns then).
+    pub fn unsynced_steps(&self) -> u64 {
+        self.stats.steps - self.synced_at
+    }
+
     /// Restores the outer optimizer's state saved by [`Self::outer_state`].
     pub fn restore_outer_state(&mut self, global: &[f32], momentum: &[f32]) -> Result<(), OptimError> {
         Outer::restore_into(self.outer.as_mut(), global, momentum, "averager")
@@ -297,7 +426,7 @@ impl Averager {
     /// length [`AveragerConfig::run_steps`] did not give (the last round cut short, as the planner cuts
     /// it). Every rank must call it at the same point.
     pub fn finish<M: Module>(&mut self, model: M) -> Result<M, OptimError> {
-        if self.stats.steps > self.synced_at { self.average_now(model) } else { Ok(model) }
+        if self.unsynced_steps() > 0 { self.average_now(model) } else { Ok(model) }
     }
 
     /// `true` on every rank when any rank passes `true`: how ranks agree to stop at the same step. One
@@ -360,5 +489,25 @@ impl Averager {
         let n = self.layout.len();
         let model = self.layout.write_params(model, &self.params[..n])?;
         if self.config.average_bn { self.layout.write_running(model, &self.params[n..]) } else { Ok(model) }
+    }
+}
+
+/// A round left unaveraged is lost work and leaves the workers with different models: say so, once.
+impl Drop for Averager {
+    fn drop(&mut self) {
+        let pending = self.unsynced_steps();
+        if pending == 0 || std::thread::panicking() {
+            return;
+        }
+        let message = format!(
+            "qsr Averager (rank {} of {}) dropped {pending} step(s) after its last synchronization: the workers' models differ; call `Averager::finish(model)` after the last step, or set `AveragerConfig::run_steps`",
+            self.comm.rank(),
+            self.comm.world_size()
+        );
+        if tracing::dispatcher::has_been_set() {
+            tracing::warn!("{message}");
+        } else {
+            eprintln!("warning: {message}");
+        }
     }
 }

@@ -51,6 +51,16 @@ pub enum OptimError {
         #[source]
         source: LossError,
     },
+    /// A file of the optimizer's own (an [`AveragerState`](crate::AveragerState)) could not be
+    /// written or read.
+    #[error("{}: {source}", .path.display())]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What went wrong (for a file that is not a saved state: what did not parse).
+        #[source]
+        source: std::io::Error,
+    },
     /// The plan has no steps left.
     #[error("the plan is finished (step {0})")]
     Finished(u64),

@@ -21,7 +21,7 @@ mod replica;
 mod snapshot;
 mod sync;
 
-pub use averager::{Averager, AveragerConfig, AveragerStats};
+pub use averager::{Averager, AveragerConfig, AveragerState, AveragerStats, seeded_init};
 pub use device::{DEFAULT_DEVICE_GROUP_TIMEOUT, DeviceGroup, DeviceOptimizer};
 pub use driver::Worker;
 pub use error::{LossError, OptimError};

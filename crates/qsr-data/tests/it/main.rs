@@ -2,6 +2,7 @@
 //! that a cold build links one binary rather than one per file.
 
 mod augment;
+mod burn_shard;
 mod digits;
 mod loader;
 mod readers;

@@ -261,3 +261,170 @@ fn bf16_parameter_averages_are_identical_bf16_values_near_the_f32_average() {
     }
     assert_ne!(half, exact);
 }
+
+/// What one rank saved at an interruption: the files of the model's and the optimizer's burn records
+/// and of the averager's state, as a user's checkpoint would hold them.
+struct Saved {
+    model: std::path::PathBuf,
+    optim: std::path::PathBuf,
+    state: std::path::PathBuf,
+}
+
+/// Rank `comm.rank()` trains steps `from.steps..until` (from scratch without `from`); returns its flat
+/// parameters and what it would save at `until`.
+fn train_span(comm: Box<dyn Collective>, from: Option<Saved>, until: u64, dir: &std::path::Path) -> (Vec<f32>, Saved) {
+    let device = Device::flex().autodiff();
+    let rank = comm.rank();
+    let rule = SyncRule::Qsr { h_base: 2, alpha: 0.03 };
+    let mut config = AveragerConfig::new(rule, 20);
+    config.run_steps = Some(STEPS);
+    let model = if rank == 0 { seeded(Mlp::new(&device, 4, 1)) } else { Mlp::new(&device, 4, 1) };
+    let (mut avg, mut model) = Averager::new(model, config, comm).unwrap();
+    let mut optim = SgdConfig::new().with_momentum(Some(MomentumConfig::new().with_momentum(0.9))).init();
+    let start = match from {
+        Some(saved) => {
+            model = model.load_record(burn::store::ModuleRecord::load(&saved.model).unwrap());
+            optim = optim.load(&saved.optim).unwrap();
+            avg.restore(qsr_optim::AveragerState::load(&saved.state).unwrap()).unwrap();
+            avg.stats().steps
+        }
+        None => 0,
+    };
+    for step in start..until {
+        let lr = schedule().lr(step);
+        let (x, y) = batch(rank, step, &device);
+        let loss = (model.forward(x) - y).powi_scalar(2).mean();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(lr, model, grads);
+        model = avg.step(model, lr).unwrap();
+    }
+    let layout = ParamLayout::of(&model);
+    let mut flat = vec![0.0; layout.len()];
+    layout.read_params(&model, &mut flat).unwrap();
+    let saved = Saved {
+        model: dir.join(format!("model-{until}-{rank}.bpk")),
+        optim: dir.join(format!("optim-{until}-{rank}.bpk")),
+        state: dir.join(format!("averager-{until}-{rank}.json")),
+    };
+    model.save_file(&saved.model).unwrap();
+    optim.save(&saved.optim).unwrap();
+    avg.state().save(&saved.state).unwrap();
+    (flat, saved)
+}
+
+#[test]
+fn interrupted_and_resumed_run_equals_the_uninterrupted_one_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |from: Vec<Option<Saved>>, until: u64| -> Vec<(Vec<f32>, Saved)> {
+        std::thread::scope(|s| {
+            let joins: Vec<_> = InProcessGroup::new(2)
+                .into_iter()
+                .zip(from)
+                .map(|(c, f)| {
+                    let dir = dir.path();
+                    s.spawn(move || train_span(Box::new(c), f, until, dir))
+                })
+                .collect();
+            joins.into_iter().map(|j| j.join().unwrap()).collect()
+        })
+    };
+    let whole = run(vec![None, None], STEPS);
+    // 137 is inside a QSR round (and after warmup): the resumed run must finish that round on time.
+    let first = run(vec![None, None], 137);
+    assert_eq!(qsr_optim::AveragerState::load(&first[0].1.state).unwrap().steps(), 137);
+    let resumed = run(first.into_iter().map(|(_, saved)| Some(saved)).collect(), STEPS);
+    let state = |s: &Saved| qsr_optim::AveragerState::load(&s.state).unwrap();
+    for (w, r) in whole.iter().zip(&resumed) {
+        assert_eq!(w.0, r.0, "resumed parameters differ from the uninterrupted run's");
+        assert_eq!(state(&w.1), state(&r.1), "resumed averager state differs");
+    }
+}
+
+#[test]
+fn a_state_saved_under_another_rule_is_refused_naming_the_setting() {
+    let device = Device::flex();
+    let make = |rule: SyncRule| {
+        let comm = InProcessGroup::new(1).remove(0);
+        Averager::new(Mlp::new(&device, 4, 1), AveragerConfig::new(rule, 0), Box::new(comm)).unwrap().0
+    };
+    let saved = make(SyncRule::Constant { h: 4 }).state();
+    let err = make(SyncRule::Constant { h: 8 }).restore(saved).unwrap_err();
+    assert!(matches!(&err, OptimError::Config { field, .. } if field == "state"), "{err}");
+    assert!(err.to_string().contains("config.rule"), "{err}");
+    let unreadable = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(unreadable.path(), b"{ not json").unwrap();
+    let err = qsr_optim::AveragerState::load(unreadable.path()).unwrap_err();
+    assert!(err.to_string().contains(&unreadable.path().display().to_string()), "{err}");
+}
+
+/// A writer the test can read back: what a tracing subscriber printed.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// What dropping `avg` after `steps` constant-H=4 steps prints, and its unsynced steps before the drop.
+fn dropped_after(steps: u64, finish: bool) -> (u64, String) {
+    let device = Device::flex();
+    let comm = InProcessGroup::new(1).remove(0);
+    let config = AveragerConfig::new(SyncRule::Constant { h: 4 }, 0);
+    let (mut avg, mut model) = Averager::new(Mlp::new(&device, 4, 1), config, Box::new(comm)).unwrap();
+    for _ in 0..steps {
+        model = avg.step(model, 0.1).unwrap();
+    }
+    if finish {
+        model = avg.finish(model).unwrap();
+    }
+    let pending = avg.unsynced_steps();
+    let out = Captured::default();
+    let writer = out.clone();
+    let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
+    tracing::subscriber::with_default(subscriber, || drop(avg));
+    drop(model);
+    let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+    (pending, text)
+}
+
+#[test]
+fn dropping_an_averager_mid_round_warns_naming_finish() {
+    let (pending, warning) = dropped_after(6, false);
+    assert_eq!(pending, 2, "steps 4 and 5 of the second round are not averaged");
+    assert!(warning.contains("WARN") && warning.contains("Averager::finish"), "{warning}");
+    assert!(warning.contains("2 step(s)"), "{warning}");
+    // At a round's end, or after `finish`, nothing is lost and nothing is printed.
+    assert_eq!(dropped_after(8, false), (0, String::new()));
+    assert_eq!(dropped_after(6, true), (0, String::new()));
+}
+
+#[test]
+fn seeded_init_gives_every_thread_the_same_weights_every_time() {
+    let weights = || {
+        std::thread::scope(|s| {
+            let joins: Vec<_> = (0..4)
+                .map(|_| {
+                    s.spawn(|| {
+                        let device = Device::flex();
+                        let model = qsr_optim::seeded_init(&device, 11, || Mlp::new(&device, 4, 1));
+                        let layout = ParamLayout::of(&model);
+                        let mut flat = vec![0.0; layout.len()];
+                        layout.read_params(&model, &mut flat).unwrap();
+                        flat
+                    })
+                })
+                .collect();
+            joins.into_iter().map(|j| j.join().unwrap()).collect::<Vec<_>>()
+        })
+    };
+    let first = weights();
+    assert!(first.iter().all(|w| w == &first[0]), "threads built different weights");
+    assert_eq!(weights()[0], first[0], "a rerun built other weights");
+    assert!(first[0].iter().any(|&v| v != 0.0));
+}

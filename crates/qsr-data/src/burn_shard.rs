@@ -1,0 +1,105 @@
+//! One rank's shard of any burn [`Dataset`](burn::data::dataset::Dataset), in the trainer's data order.
+
+use std::sync::{Arc, RwLock};
+
+use burn::data::dataset::Dataset;
+
+use crate::error::{DataError, Result};
+use crate::sampler::ShardedSampler;
+
+/// Rank `rank`'s shard of a burn dataset, reshuffled every epoch as `qsr train` reshuffles its data.
+///
+/// Each epoch one permutation of all N items, the same on every rank (seeded by `seed` and the epoch),
+/// strided over the K ranks like torch's `DistributedSampler`: rank k sees `perm[k], perm[k + K], ...`,
+/// `floor(N / K)` items, so every rank takes the same number of steps and the shards are disjoint. A
+/// contiguous slice per rank would hand each rank a few classes of class-ordered data; strides over a
+/// permutation do not.
+///
+/// Call [`set_epoch`](Self::set_epoch) before each epoch (as with torch's
+/// `DistributedSampler.set_epoch`); a burn `DataLoader` built over an `Arc` of the shard sees the new
+/// order. Build the loader without `.shuffle(..)`: the shard already holds the epoch's order.
+///
+/// ```
+/// use std::sync::Arc;
+/// use burn::data::dataset::{Dataset, InMemDataset};
+/// use qsr_data::ShardedDataset;
+///
+/// let items: Vec<u32> = (0..10).collect();
+/// let shards: Vec<_> = (0..2).map(|rank| ShardedDataset::new(InMemDataset::new(items.clone()), rank, 2, 7).unwrap()).collect();
+/// let items_of = |s: &ShardedDataset<_>| s.iter().map(Result::unwrap).collect::<Vec<u32>>();
+/// let mut seen: Vec<u32> = shards.iter().flat_map(items_of).collect();
+/// seen.sort();
+/// assert_eq!(seen, items); // disjoint, and together the whole dataset
+/// let first = items_of(&shards[0]);
+/// shards[0].set_epoch(1);
+/// assert_ne!(items_of(&shards[0]), first); // another order next epoch
+/// let shard = Arc::new(ShardedDataset::new(InMemDataset::new(items), 0, 2, 7).unwrap());
+/// assert_eq!(shard.len(), 5); // an `Arc` of it is a dataset too: give one to the DataLoader
+/// ```
+#[derive(Debug)]
+pub struct ShardedDataset<D> {
+    inner: D,
+    sampler: ShardedSampler,
+    /// The epoch whose order `indices` holds.
+    order: RwLock<(u64, Arc<Vec<usize>>)>,
+}
+
+impl<D> ShardedDataset<D> {
+    /// Rank `rank` of `world_size` over `dataset` (of at least `world_size` items), epoch 0's order.
+    /// Every rank must pass the same `seed` and an equal dataset.
+    pub fn new<I>(dataset: D, rank: usize, world_size: usize, seed: u64) -> Result<Self>
+    where
+        D: Dataset<I>,
+    {
+        let len = dataset.len();
+        if world_size == 0 || rank >= world_size {
+            return Err(DataError::Config(format!("shard: rank {rank} is not in 0..world_size {world_size}")));
+        }
+        if len < world_size {
+            return Err(DataError::Config(format!(
+                "shard: a dataset of {len} items cannot give each of {world_size} ranks an item"
+            )));
+        }
+        let sampler = ShardedSampler::simple(len, world_size, rank, 1, seed)?;
+        let order = RwLock::new((0, Arc::new(sampler.shard(0))));
+        Ok(Self { inner: dataset, sampler, order })
+    }
+
+    /// Switches to `epoch`'s order (every rank at the same epoch, before iterating it).
+    pub fn set_epoch(&self, epoch: u64) {
+        let shard = Arc::new(self.sampler.shard(epoch));
+        let mut order = self.order.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        *order = (epoch, shard);
+    }
+
+    /// The epoch whose order the shard holds.
+    pub fn epoch(&self) -> u64 {
+        self.order.read().unwrap_or_else(std::sync::PoisonError::into_inner).0
+    }
+
+    /// The dataset this shard reads from.
+    pub fn inner(&self) -> &D {
+        &self.inner
+    }
+
+    fn indices(&self) -> Arc<Vec<usize>> {
+        Arc::clone(&self.order.read().unwrap_or_else(std::sync::PoisonError::into_inner).1)
+    }
+}
+
+impl<D: Dataset<I>, I> Dataset<I> for ShardedDataset<D> {
+    fn get(&self, index: usize) -> std::result::Result<I, burn::data::dataset::DatasetError> {
+        let indices = self.indices();
+        match indices.get(index) {
+            Some(&i) => self.inner.get(i),
+            None => Err(burn::data::dataset::DatasetError::new(DataError::Config(format!(
+                "shard: index {index} is past the shard's {} items",
+                indices.len()
+            )))),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.sampler.shard_len()
+    }
+}
