@@ -192,6 +192,12 @@ pub trait Collective: Send {
     fn backend(&self) -> &'static str;
 }
 
+/// The exit status with which a rank says it stopped only because another rank failed (a peer died,
+/// stalled or aborted): launchers (`qsr launch`, `qsr train --nproc`) then name the rank that failed
+/// first instead of this one. A program run under `qsr launch` exits with it on a [`CommError`] that
+/// comes from a peer.
+pub const EXIT_PEER_FAILED: u8 = 3;
+
 /// The collective of this process's launch, for library users: our collectives ([`connect`]: shared
 /// memory among ranks of one host, the TCP ring between hosts, as `QSR_TRANSPORT` says) when a
 /// launcher started several processes (torchrun's `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`,

@@ -24,8 +24,8 @@ pub enum Exit {
     Failure = 1,
     /// 2.
     BadInput = 2,
-    /// 3.
-    PeerFailed = 3,
+    /// 3 ([`qsr_comm::EXIT_PEER_FAILED`]).
+    PeerFailed = qsr_comm::EXIT_PEER_FAILED as isize,
     /// 4.
     Diverged = 4,
     /// 5.

@@ -6,7 +6,8 @@
 //! Every command of the `qsr` binary is one function here, taking its parsed arguments: [`run_plan`]
 //! ([`PlanArgs`]), [`run_train`] ([`TrainArgs`], returning rank 0's [`Summary`]), [`run_compare`]
 //! ([`CompareArgs`]), [`plot()`] ([`PlotArgs`]), [`run_simulate`] ([`SimulateArgs`]), [`device_check`]
-//! ([`DeviceCheckArgs`]) and [`rendezvous`] ([`RendezvousArgs`], the store of `qsr train --elastic`).
+//! ([`DeviceCheckArgs`]), [`rendezvous`] ([`RendezvousArgs`], the store of `qsr train --elastic`) and
+//! [`launch`] ([`LaunchArgs`]: N ranks of any program, torchrun's face; each rank through [`exec_rank`]).
 //! An error's exit status is [`exit_code`] ([`Exit`]). Recipes are in [`recipe`], the files of a
 //! run directory's checkpoints in [`checkpoint`].
 //!
@@ -51,4 +52,4 @@ pub use records::{LocalLevel, MembershipChange, Summary};
 pub use rendezvous::{RendezvousArgs, rendezvous};
 pub use simulate::{SimulateArgs, run as run_simulate};
 pub use time_step::{StepModel, StepTiming, TimeStepArgs, time_step};
-pub use topology::run as run_train;
+pub use topology::{ExecRankArgs, LaunchArgs, exec_rank, launch, run as run_train};

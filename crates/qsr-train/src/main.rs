@@ -1,4 +1,5 @@
-//! The `qsr` command line: plan, train, compare, plot, simulate, device-check, time-step, rendezvous.
+//! The `qsr` command line: plan, train, compare, plot, simulate, device-check, time-step, rendezvous,
+//! launch.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -32,6 +33,11 @@ enum Command {
     TimeStep(qsr_train::TimeStepArgs),
     /// Serve the store of an elastic job (`qsr train --elastic --rendezvous HOST:PORT`) until it finishes.
     Rendezvous(qsr_train::RendezvousArgs),
+    /// Start N ranks of your own program with torchrun's environment: `qsr launch --nproc 4 -- ./prog args`.
+    Launch(qsr_train::LaunchArgs),
+    /// What `qsr launch` runs as each rank: die with the launcher, then become the program.
+    #[command(hide = true)]
+    ExecRank(qsr_train::ExecRankArgs),
 }
 
 /// glibc gives large freed blocks back to the kernel at once, and a training step frees and allocates
@@ -83,6 +89,8 @@ fn main() -> ExitCode {
         Command::Simulate(args) => qsr_train::run_simulate(&args, &mut std::io::stdout().lock()),
         Command::TimeStep(args) => qsr_train::time_step(&args, &mut std::io::stdout().lock()).map(|_| ()),
         Command::Rendezvous(args) => qsr_train::rendezvous(&args, &mut std::io::stdout().lock()),
+        Command::Launch(args) => qsr_train::launch(&args),
+        Command::ExecRank(args) => qsr_train::exec_rank(&args),
         Command::DeviceCheck(args) => qsr_train::device_check(&args, &mut std::io::stdout().lock())
             .and_then(|ok| if ok { Ok(()) } else { Err(anyhow::anyhow!("device check failed (see the table above)")) }),
     };

@@ -11,10 +11,12 @@ use crate::records::Summary;
 use crate::run_dir::{check_world, prepare_run_dir, resolve};
 use crate::run_lock::RunLock;
 use crate::worker::{RunSpec, preflight};
+pub use launcher::{ExecRankArgs, LaunchArgs, exec_rank, launch};
 use processes::ChildArgs;
 
 mod elastic;
 mod external;
+mod launcher;
 mod processes;
 pub(crate) mod threads;
 

@@ -39,7 +39,7 @@ pub(super) const PORT_FILE: &str = ".rendezvous-port";
 /// In a worker: die with the launcher (SIGKILL on its death), and refuse to start if it is already gone.
 pub fn die_with_launcher() -> Result<()> {
     let Some(launcher) = std::env::var(LAUNCHER_PID).ok().and_then(|p| p.parse::<i32>().ok()) else {
-        bail!("--spawned is for the workers that `qsr train --nproc` starts ({LAUNCHER_PID} is not set)");
+        bail!("this is for the processes `qsr train --nproc` and `qsr launch` start ({LAUNCHER_PID} is not set)");
     };
     rustix::process::set_parent_process_death_signal(Some(Signal::KILL))
         .context("cannot ask for a parent-death signal")?;
@@ -64,13 +64,34 @@ pub fn launch(
     let signal = Arc::new(AtomicUsize::new(0));
     let ids = register_signals(&signal)?;
     let port_file = (store.is_none() && n > 1).then(|| run_dir.join(PORT_FILE));
-    let result = supervise(n, &command, &signal, store, port_file.as_deref());
+    let result = supervise(n, &command, &signal, store, port_file.as_deref(), Groups::Shared);
     for id in ids {
         signal_hook::low_level::unregister(id);
     }
     result?;
     let summary = std::fs::read(run_dir.join("summary.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
     Ok(summary)
+}
+
+/// Starts `n` processes of a program that is not qsr's (`command(rank)`), each in a process group of its
+/// own, so that stopping a rank stops whatever it started too; waits for them like [`launch`]: the
+/// first failure stops the rest and is named, signals are forwarded.
+pub fn launch_program(n: usize, command: impl Fn(usize) -> Result<Command>) -> Result<()> {
+    let signal = Arc::new(AtomicUsize::new(0));
+    let ids = register_signals(&signal)?;
+    let result = supervise(n, &|rank, _| command(rank), &signal, None, None, Groups::Own);
+    for id in ids {
+        signal_hook::low_level::unregister(id);
+    }
+    result
+}
+
+/// Whether each worker leads a process group of its own (a foreign program, whose own children must
+/// stop with it) or stays in the launcher's (qsr's workers, which start no processes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Groups {
+    Shared,
+    Own,
 }
 
 /// Records the number of the last of SIGINT, SIGTERM, SIGHUP received, instead of dying of it.
@@ -89,6 +110,18 @@ fn register_signals(signal: &Arc<AtomicUsize>) -> Result<Vec<signal_hook::SigId>
 struct Spawned {
     rank: usize,
     child: Child,
+    groups: Groups,
+}
+
+impl Spawned {
+    /// Sends `sig` to the worker, and with [`Groups::Own`] to every process of its group.
+    fn signal(&self, sig: Signal) {
+        let pid = Pid::from_child(&self.child);
+        let _ = match self.groups {
+            Groups::Own => rustix::process::kill_process_group(pid, sig),
+            Groups::Shared => rustix::process::kill_process(pid, sig),
+        };
+    }
 }
 
 /// A worker that ended unsuccessfully, or stopped answering.
@@ -166,8 +199,21 @@ fn supervise(
     signal: &AtomicUsize,
     store: Option<&qsr_elastic::Store>,
     port_file: Option<&Path>,
+    groups: Groups,
 ) -> Result<()> {
-    let mut workers = start(n, command, signal, port_file)?;
+    let workers = start(n, command, signal, port_file, groups)?;
+    let leaders: Vec<Pid> =
+        workers.iter().filter(|w| w.groups == Groups::Own).map(|w| Pid::from_child(&w.child)).collect();
+    let result = watch(n, workers, signal, store);
+    // What a worker left behind (a rank killed before its children, a child that ignored SIGTERM) goes too.
+    for leader in leaders {
+        let _ = rustix::process::kill_process_group(leader, Signal::KILL);
+    }
+    result
+}
+
+/// Waits for the started workers (see [`supervise`]).
+fn watch(n: usize, mut workers: Vec<Spawned>, signal: &AtomicUsize, store: Option<&qsr_elastic::Store>) -> Result<()> {
     let mut failures: Vec<Failure> = Vec::new();
     let mut finished_at: Option<Instant> = None;
     while !workers.is_empty() {
@@ -229,6 +275,7 @@ fn start(
     command: &impl Fn(usize, Option<u16>) -> Result<Command>,
     signal: &AtomicUsize,
     port_file: Option<&Path>,
+    groups: Groups,
 ) -> Result<Vec<Spawned>> {
     let mut workers: Vec<Spawned> = Vec::new();
     let mut port = None;
@@ -246,7 +293,7 @@ fn start(
                 }
             }
         }
-        if let Err(e) = spawn(&mut workers, rank, command(rank, port)) {
+        if let Err(e) = spawn(&mut workers, rank, command(rank, port), groups) {
             stop(&mut workers, Signal::TERM);
             return Err(e);
         }
@@ -255,11 +302,15 @@ fn start(
 }
 
 /// Starts worker `rank` from its command line.
-fn spawn(workers: &mut Vec<Spawned>, rank: usize, command: Result<Command>) -> Result<()> {
+fn spawn(workers: &mut Vec<Spawned>, rank: usize, command: Result<Command>, groups: Groups) -> Result<()> {
+    use std::os::unix::process::CommandExt;
     let mut c = command?;
     c.env(LAUNCHER_PID, std::process::id().to_string());
+    if groups == Groups::Own {
+        c.process_group(0);
+    }
     let child = c.spawn().with_context(|| format!("cannot start worker process {rank}"))?;
-    workers.push(Spawned { rank, child });
+    workers.push(Spawned { rank, child, groups });
     Ok(())
 }
 
@@ -329,8 +380,7 @@ fn reap(workers: Vec<Spawned>, failures: &mut Vec<Failure>) -> Result<Vec<Spawne
 /// up to [`STOP_GRACE`] saying for which ranks, then kills and reaps the rest.
 fn stop(workers: &mut Vec<Spawned>, sig: Signal) {
     for w in workers.iter() {
-        let sig = if is_stopped(&w.child) { Signal::KILL } else { sig };
-        let _ = rustix::process::kill_process(Pid::from_child(&w.child), sig);
+        w.signal(if is_stopped(&w.child) { Signal::KILL } else { sig });
     }
     let deadline = Instant::now() + STOP_GRACE;
     let mut said = false;
@@ -347,6 +397,7 @@ fn stop(workers: &mut Vec<Spawned>, sig: Signal) {
         std::thread::sleep(POLL);
     }
     for w in workers.iter_mut() {
+        w.signal(Signal::KILL);
         let _ = w.child.kill();
         let _ = w.child.wait();
     }

@@ -4,6 +4,7 @@
 mod common;
 mod elastic;
 mod hardening;
+mod launch;
 mod plan_cli;
 mod recipes;
 mod simulate;

@@ -1,0 +1,93 @@
+//! `qsr launch`: N ranks of any program, with the environment torchrun gives (documented on
+//! [`LaunchArgs`]).
+
+use std::ffi::OsString;
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+
+use super::processes;
+use crate::exit::bad_input;
+use crate::worker::intra_op_threads;
+
+/// `qsr launch --nproc N -- PROGRAM [ARGS...]`: starts N processes of PROGRAM on this host as the ranks
+/// of one job, with torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+/// `MASTER_ADDR`, `MASTER_PORT`) and a fresh `QSR_JOB_TOKEN`, so that `qsr_comm::from_env()` in
+/// PROGRAM joins them. Each rank's intra-op threads are this host's cores shared out
+/// (`RAYON_NUM_THREADS`, unless set).
+///
+/// Each rank runs in a process group of its own and dies with the launcher (even by SIGKILL). SIGINT,
+/// SIGTERM and SIGHUP are forwarded to every rank; when one rank fails, the others are stopped, with
+/// whatever they started, and the rank that failed first is named. A rank that exits with
+/// `qsr_comm::EXIT_PEER_FAILED` (3) says it only lost a peer, and is not blamed while another cause
+/// exists. The launcher exits 0 when every rank did, else with the status of the rank that failed
+/// first (3 for one killed by a signal), or 128 + N when it was interrupted by signal N.
+#[derive(Debug, Args)]
+pub struct LaunchArgs {
+    /// Number of ranks to start.
+    #[arg(long)]
+    pub nproc: usize,
+    /// Port of rank 0's rendezvous (default: a port free when the launcher looked).
+    #[arg(long)]
+    pub master_port: Option<u16>,
+    /// The program and its arguments, after `--`.
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "PROGRAM")]
+    pub command: Vec<OsString>,
+}
+
+/// Runs `qsr launch`.
+pub fn launch(args: &LaunchArgs) -> Result<()> {
+    if args.nproc == 0 {
+        return Err(bad_input(anyhow::anyhow!("--nproc must be at least 1")));
+    }
+    let port = match args.master_port {
+        Some(p) => p,
+        None => free_port()?,
+    };
+    let token = qsr_comm::random_token();
+    let shim = std::env::current_exe().context("cannot locate the qsr executable")?;
+    let threads = std::env::var_os("RAYON_NUM_THREADS").is_none().then(|| intra_op_threads(args.nproc));
+    let n = args.nproc;
+    processes::launch_program(n, |rank| {
+        let mut c = Command::new(&shim);
+        c.arg("exec-rank").arg("--").args(&args.command);
+        c.env("RANK", rank.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("LOCAL_WORLD_SIZE", n.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("QSR_JOB_TOKEN", &token);
+        if let Some(t) = threads {
+            c.env("RAYON_NUM_THREADS", t.to_string());
+        }
+        Ok(c)
+    })
+}
+
+/// A port nobody listened on a moment ago (rank 0 binds it; torchrun picks its port the same way).
+fn free_port() -> Result<u16> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("cannot find a free port for MASTER_PORT")?;
+    Ok(listener.local_addr()?.port())
+}
+
+/// `qsr exec-rank -- PROGRAM [ARGS...]`, what `qsr launch` runs as each rank: asks to die with the
+/// launcher, then becomes PROGRAM (same process, so the request holds for it).
+#[derive(Debug, Args)]
+pub struct ExecRankArgs {
+    /// The program and its arguments, after `--`.
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "PROGRAM")]
+    pub command: Vec<OsString>,
+}
+
+/// Runs `qsr exec-rank`: returns only when PROGRAM could not be started.
+pub fn exec_rank(args: &ExecRankArgs) -> Result<()> {
+    use std::os::unix::process::CommandExt;
+    processes::die_with_launcher()?;
+    let Some((program, rest)) = args.command.split_first() else {
+        bail!("exec-rank needs a program");
+    };
+    let error = Command::new(program).args(rest).exec();
+    Err(bad_input(anyhow::Error::new(error).context(format!("cannot run {}", program.to_string_lossy()))))
+}

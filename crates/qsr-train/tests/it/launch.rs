@@ -1,0 +1,113 @@
+//! `qsr launch` with a program that is not qsr (a shell script standing in for a user's binary): every
+//! rank gets torchrun's environment; a rank killed with SIGKILL stops the others and whatever they
+//! started, and is named; killing the launcher kills the ranks.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn qsr_launch(nproc: usize, script: &str, dir: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_qsr"));
+    c.args(["launch", "--nproc", &nproc.to_string(), "--", "sh", "-c", script]).arg(dir);
+    c
+}
+
+/// Waits until `names` all exist in `dir` (the ranks wrote them), or fails after 60 s.
+fn wait_for_files(dir: &Path, names: &[String]) -> Vec<String> {
+    let start = Instant::now();
+    loop {
+        let texts: Option<Vec<String>> =
+            names.iter().map(|n| std::fs::read_to_string(dir.join(n)).ok().filter(|t| t.ends_with('\n'))).collect();
+        if let Some(t) = texts {
+            return t.into_iter().map(|s| s.trim().to_string()).collect();
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "the ranks never wrote {names:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Whether process `pid` is gone (or a zombie nobody reaped: it runs no more).
+fn gone(pid: &str) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map_or(true, |st| st.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z')))
+}
+
+/// Waits for `child` to exit within `limit` (a hang guard, not a speed test), killing it otherwise.
+fn exit_within(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            panic!("still running after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn names(prefix: &str, n: usize) -> Vec<String> {
+    (0..n).map(|r| format!("{prefix}-{r}")).collect()
+}
+
+#[test]
+fn launch_gives_four_ranks_torchruns_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = r#"echo "$RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT $QSR_JOB_TOKEN" > "$0/env-$RANK""#;
+    let out = qsr_launch(4, script, dir.path()).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines = wait_for_files(dir.path(), &names("env", 4));
+    let first: Vec<&str> = lines[0].split(' ').collect();
+    for (rank, line) in lines.iter().enumerate() {
+        let f: Vec<&str> = line.split(' ').collect();
+        assert_eq!(f[..5], [rank.to_string().as_str(), &rank.to_string(), "4", "4", "127.0.0.1"], "{line}");
+        assert!(f[5].parse::<u16>().is_ok_and(|p| p > 0), "MASTER_PORT: {line}");
+        assert_eq!((f[5], f[6]), (first[5], first[6]), "every rank has the same port and job token");
+        assert!(f[6].len() >= 16, "QSR_JOB_TOKEN: {line}");
+    }
+}
+
+#[test]
+fn a_rank_killed_by_sigkill_stops_the_others_and_their_children_and_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    // Each rank starts a child of its own (as a data loader or a helper would) and waits for it.
+    let script = r#"sleep 300 & echo $! > "$0/child-$RANK"; echo $$ > "$0/pid-$RANK"; wait"#;
+    let mut launcher = qsr_launch(4, script, dir.path()).stderr(Stdio::piped()).spawn().unwrap();
+    let pids = wait_for_files(dir.path(), &names("pid", 4));
+    let children = wait_for_files(dir.path(), &names("child", 4));
+    assert!(Command::new("kill").args(["-9", &pids[2]]).status().unwrap().success());
+    let status = exit_within(&mut launcher, Duration::from_secs(30));
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut launcher.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(i32::from(qsr_comm::EXIT_PEER_FAILED)), "{stderr}");
+    assert!(stderr.contains("rank 2 was killed by signal 9 (SIGKILL)"), "{stderr}");
+    for pid in pids.iter().chain(&children) {
+        assert!(gone(pid), "process {pid} outlived the job");
+    }
+}
+
+#[test]
+fn killing_the_launcher_kills_its_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut launcher = qsr_launch(2, r#"echo $$ > "$0/pid-$RANK"; exec sleep 300"#, dir.path()).spawn().unwrap();
+    let pids = wait_for_files(dir.path(), &names("pid", 2));
+    launcher.kill().unwrap();
+    launcher.wait().unwrap();
+    let start = Instant::now();
+    while !pids.iter().all(|p| gone(p)) {
+        assert!(start.elapsed() < Duration::from_secs(30), "ranks {pids:?} outlived their launcher");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_program_that_does_not_exist_is_named() {
+    let out = Command::new(env!("CARGO_BIN_EXE_qsr"))
+        .args(["launch", "--nproc", "2", "--", "/nonexistent/my-binary"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("cannot run /nonexistent/my-binary"), "{stderr}");
+}
