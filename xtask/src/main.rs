@@ -112,7 +112,7 @@ fn run_mpi_check(mut c: Command) -> Result<Totals> {
 /// test when it exits 0. Each finishes in seconds and needs no data beyond the embedded digits. Not here:
 /// qsr-comm's `mpi_check` (its own step, under mpirun), and the measurements `allreduce_bench` (qsr-comm) and
 /// `loader_throughput` (qsr-data), which take tens of seconds and are `cargo xtask bench`'s.
-const CI_EXAMPLES: [(&str, &str); 9] = [
+const CI_EXAMPLES: [(&str, &str); 11] = [
     ("qsr-sched", "plan_qsr"),
     ("qsr-kernels", "fused_average"),
     ("qsr-models", "count_params"),
@@ -122,7 +122,41 @@ const CI_EXAMPLES: [(&str, &str); 9] = [
     ("qsr-comm", "allreduce_processes"),
     ("qsr-optim", "averager"),
     ("qsr-optim", "worker_custom_model"),
+    ("qsr-optim", "burn_plain"),
+    ("qsr-optim", "burn_qsr"),
 ];
+
+/// Examples that also run as the ranks of a job, each under `qsr launch --nproc 2` (the `qsr` the test
+/// step built), as a user runs their own binary.
+const LAUNCHED_EXAMPLES: [(&str, &str); 2] = [("qsr-optim", "averager"), ("qsr-optim", "burn_qsr")];
+
+/// A plain burn program and the same program with QSR added: the lines a user changes, at most
+/// [`MAX_QSR_LINES`] (a replaced line counts once; the `//!` header, which says what each is, not at all).
+const QSR_DIFF: (&str, &str) = ("crates/qsr-optim/examples/burn_plain.rs", "crates/qsr-optim/examples/burn_qsr.rs");
+const MAX_QSR_LINES: usize = 10;
+
+/// Fails when adding QSR to [`QSR_DIFF`]'s plain program takes more than [`MAX_QSR_LINES`] lines.
+fn check_qsr_diff() -> Result<()> {
+    let read = |p: &str| -> Result<String> {
+        let text = std::fs::read_to_string(root().join(p)).with_context(|| format!("cannot read {p}"))?;
+        Ok(text.lines().filter(|l| !l.starts_with("//!")).map(|l| format!("{l}\n")).collect())
+    };
+    let (plain, qsr) = (read(QSR_DIFF.0)?, read(QSR_DIFF.1)?);
+    let diff = similar::TextDiff::from_lines(&plain, &qsr);
+    let changed: usize = diff
+        .ops()
+        .iter()
+        .map(|op| match op.as_tag_tuple() {
+            (similar::DiffTag::Equal, ..) => 0,
+            (_, old, new) => old.len().max(new.len()),
+        })
+        .sum();
+    println!("adding QSR to {} changes {changed} lines (at most {MAX_QSR_LINES})", QSR_DIFF.0);
+    if changed > MAX_QSR_LINES {
+        bail!("{} differs from {} by {changed} lines, more than {MAX_QSR_LINES}", QSR_DIFF.1, QSR_DIFF.0);
+    }
+    Ok(())
+}
 
 /// The crate that integrates with burn-train (tested in a step of its own, see `Cmd::Ci`).
 const BURN_TRAIN: &str = "qsr-burn-train";
@@ -155,6 +189,23 @@ fn run_examples(selection: &[&str], examples: &[(&str, &str)]) -> Result<Totals>
     }
     if !failed.is_empty() {
         bail!("{} of {} examples failed: {}", failed.len(), examples.len(), failed.join(", "));
+    }
+    Ok(totals)
+}
+
+/// Runs each built example of `examples` as 2 ranks under `qsr launch`.
+fn run_launched_examples(examples: &[(&str, &str)]) -> Result<Totals> {
+    let mut totals = Totals::default();
+    for &(package, example) in examples {
+        let mut c = Command::new(target_dir().join("release/qsr"));
+        c.args(["launch", "--nproc", "2", "--"]).arg(target_dir().join("release/examples").join(example));
+        eprintln!("xtask: {c:?}");
+        let status = c.status().with_context(|| format!("cannot start `qsr launch` for {package}/{example}"))?;
+        if !status.success() {
+            bail!("example {package}/{example} under `qsr launch --nproc 2` failed ({status})");
+        }
+        println!("example {package}/{example} as 2 launched ranks ... ok");
+        totals.passed += 1;
     }
     Ok(totals)
 }
@@ -201,6 +252,7 @@ fn tidy() -> Result<()> {
     crates.extend([root().join("xtask"), root().join("benches")]);
     crates.sort();
     layers::check(&crates)?;
+    check_qsr_diff()?;
     let mut c = cargo();
     c.args(["clippy", "--release", "--locked", "--workspace", "--all-targets", "--", "-D", "warnings"]);
     run(c)?;
@@ -227,6 +279,7 @@ fn main() -> Result<()> {
             let mut totals = run_tests(t)?;
             // The crates' examples, each run as its users would run it.
             totals.add(run_examples(&workspace, &CI_EXAMPLES)?);
+            totals.add(run_launched_examples(&LAUNCHED_EXAMPLES)?);
             // The fault campaign, one job per fault kind (docs/RELIABILITY.md); a job is a test.
             // The test step built `qsr` for the integration tests; `cargo build --bin qsr` alone would resolve
             // burn's dependencies without the dev-dependencies' features and compile burn again (7 min).

@@ -220,13 +220,36 @@ pub fn from_env() -> Result<Box<dyn Collective>, CommError> {
 
 /// Runs `worker` on `k` threads of this process, each with its handle of one in-process group (rank
 /// `0..k`), and returns their results in rank order: K simulated workers in one call. A panic in a
-/// worker is resumed on the caller's thread.
+/// worker is resumed on the caller's thread. `T` crosses threads: a worker's error type must be `Send`
+/// (`anyhow::Error`, or `Box<dyn Error + Send + Sync>`; not `Box<dyn Error>`).
 pub fn run_threads<T: Send>(k: usize, worker: impl Fn(InProcessComm) -> T + Sync) -> Vec<T> {
     std::thread::scope(|s| {
         let worker = &worker;
         let joins: Vec<_> = InProcessGroup::new(k).into_iter().map(|c| s.spawn(move || worker(c))).collect();
         joins.into_iter().map(|j| j.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
     })
+}
+
+/// Runs `worker` for each rank this process holds: the one rank of a launched job when a launcher
+/// started it (`qsr launch`, torchrun, mpirun, srun: the collective of [`from_env`]), else `threads`
+/// ranks as threads of one in-process group ([`run_threads`]). Results come back in rank order. The
+/// same program then runs as threads (`cargo run`) and as processes (`qsr launch --nproc 4 -- ...`);
+/// `T` crosses threads, so a worker's error type must be `Send` (`anyhow::Error` is; `Box<dyn Error>`
+/// is not, `Box<dyn Error + Send + Sync>` is).
+///
+/// ```
+/// let ranks = qsr_comm::run_workers(3, |comm| (comm.rank(), comm.world_size())).unwrap();
+/// assert_eq!(ranks, [(0, 3), (1, 3), (2, 3)]); // no launcher here: three threads
+/// ```
+pub fn run_workers<T: Send>(
+    threads: usize,
+    worker: impl Fn(Box<dyn Collective>) -> T + Sync,
+) -> Result<Vec<T>, CommError> {
+    if detect_from_process_env(&Explicit::default())?.source == Source::Single {
+        Ok(run_threads(threads, |c| worker(Box::new(c))))
+    } else {
+        Ok(vec![worker(from_env()?)])
+    }
 }
 
 /// A boxed collective is a collective, so generic code can take `Box<dyn Collective>`.

@@ -1,14 +1,12 @@
 //! QSR added to a plain burn training loop: burn's own SGD (momentum 0.9) and cosine lr scheduler, an MLP
 //! on the embedded digits, K workers each on its own shard, parameters averaged by a [`qsr_optim::Averager`]
-//! whenever a QSR round ends. Prints the syncs next to the planned rounds and the test accuracy, first for
-//! 4 workers as threads, then for 2 processes it starts over qsr's TCP ring; fails if syncs differ from the
-//! plan.
+//! whenever a QSR round ends. Prints the syncs next to the planned rounds and the test accuracy, for 4
+//! workers as threads, or for the ranks of a launch (`qsr launch`, torchrun, mpirun, srun) over qsr's
+//! TCP ring; fails if syncs differ from the plan.
 //!
 //! ```sh
-//! cargo run --release -p qsr-optim --example averager              # 4 threads, then 2 processes
-//! # one rank of your own launch (what torchrun would set):
-//! for r in 0 1; do RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 \
-//!   cargo run --release -p qsr-optim --example averager & done; wait
+//! cargo run --release -p qsr-optim --example averager                          # 4 threads
+//! target/release/qsr launch --nproc 2 -- target/release/examples/averager     # 2 processes
 //! ```
 
 use burn::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
@@ -19,7 +17,7 @@ use burn::optim::{GradientsParams, SgdConfig, momentum::MomentumConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use qsr_comm::Collective;
 use qsr_data::{Dataset, Split};
-use qsr_optim::{Averager, AveragerConfig, ParamLayout};
+use qsr_optim::{Averager, AveragerConfig};
 use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncRule};
 
 const STEPS: usize = 600;
@@ -57,32 +55,19 @@ fn tensors(set: &qsr_data::ImageSet, idx: &[usize], device: &Device) -> (Tensor<
     )
 }
 
-/// Deterministic initial weights (burn draws lazily from one global RNG shared by all threads).
-fn seeded(model: Mlp) -> Mlp {
-    let layout = ParamLayout::of(&model);
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    let values: Vec<f32> = (0..layout.len())
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.25
-        })
-        .collect();
-    layout.write_params(model, &values).expect("layout of this model")
-}
-
 /// One worker: a plain burn loop; the lines that add QSR are marked.
-fn worker(comm: Box<dyn Collective>, rule: SyncRule) -> Result<(usize, u64, f64), Box<dyn std::error::Error>> {
+fn worker(comm: Box<dyn Collective>, rule: SyncRule) -> anyhow::Result<(usize, u64, f64)> {
     let device = Device::flex().autodiff();
     let (rank, k) = (comm.rank(), comm.world_size());
     let train = qsr_data::digits(Split::Train);
-    let model = if rank == 0 { seeded(Mlp::new(&device)) } else { Mlp::new(&device) };
+    // The same weights on every rerun (burn's RNG is shared by the threads); Averager::new then gives
+    // every worker rank 0's.
+    let model = qsr_optim::seeded_init(&device, 7, || Mlp::new(&device));
     let mut config = AveragerConfig::new(rule, 0); // QSR
     config.run_steps = Some(STEPS as u64); // QSR
     let (mut avg, mut model) = Averager::new(model, config, comm)?; // QSR: rank 0's weights everywhere
     let mut optim = SgdConfig::new().with_momentum(Some(MomentumConfig::new().with_momentum(0.9))).init();
-    let mut sched = CosineAnnealingLrSchedulerConfig::new(LR, STEPS).init()?;
+    let mut sched = CosineAnnealingLrSchedulerConfig::new(LR, STEPS).init().map_err(anyhow::Error::msg)?;
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
     let shard: Vec<usize> = (rank..train.len()).step_by(k).collect();
     for step in 0..STEPS {
@@ -103,24 +88,13 @@ fn worker(comm: Box<dyn Collective>, rule: SyncRule) -> Result<(usize, u64, f64)
     Ok((rank, avg.stats().syncs, correct as f64 / test.len() as f64))
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> anyhow::Result<()> {
     let rule = SyncRule::Qsr { h_base: 2, alpha: 0.06 };
     // The rounds qsr-sched plans for burn's cosine schedule (burn's starts at step 0 with the peak lr).
     let plan = Plan::from_parts(LrSchedule::new(ScheduleKind::Cosine, STEPS as u64, 0, LR, 0.0), rule.clone(), None)?;
-    if std::env::var("WORLD_SIZE").is_ok() {
-        // One rank of a launch (torchrun / mpirun / srun, or the two processes started below).
-        return report(vec![worker(qsr_comm::from_env()?, rule).map_err(|e| e.to_string())], &plan);
-    }
-    println!("4 workers as threads:");
-    report(qsr_comm::run_threads(4, |c| worker(Box::new(c), rule.clone()).map_err(|e| e.to_string())), &plan)?;
-    println!("2 workers as processes over the TCP ring:");
-    spawn_ranks(2)
-}
-
-/// Prints rank 0's line and fails when the synchronizations differ from the plan.
-fn report(results: Vec<Result<(usize, u64, f64), String>>, plan: &Plan) -> Result<(), Box<dyn std::error::Error>> {
-    for r in results {
-        let (rank, syncs, acc) = r?;
+    // 4 threads, or this process's rank when a launcher started it.
+    for result in qsr_comm::run_workers(4, |c| worker(c, rule.clone()))? {
+        let (rank, syncs, acc) = result?;
         if rank == 0 {
             println!(
                 "syncs {syncs} (plan: {} rounds, {:.1}% of data parallel), test accuracy {:.2}%",
@@ -129,33 +103,11 @@ fn report(results: Vec<Result<(usize, u64, f64), String>>, plan: &Plan) -> Resul
                 100.0 * acc
             );
         }
-        if syncs != plan.summary().rounds {
-            return Err(format!("rank {rank}: {syncs} synchronizations, the plan has {}", plan.summary().rounds).into());
-        }
-    }
-    Ok(())
-}
-
-/// Runs this program as `k` processes with the variables torchrun would set, and waits for them.
-fn spawn_ranks(k: usize) -> Result<(), Box<dyn std::error::Error>> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port().to_string();
-    let token = qsr_comm::random_token();
-    let exe = std::env::current_exe()?;
-    let children: Vec<_> = (0..k)
-        .map(|rank| {
-            std::process::Command::new(&exe)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", k.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("QSR_JOB_TOKEN", &token)
-                .spawn()
-        })
-        .collect::<Result<_, _>>()?;
-    for mut c in children {
-        if !c.wait()?.success() {
-            return Err("a rank failed".into());
-        }
+        anyhow::ensure!(
+            syncs == plan.summary().rounds,
+            "rank {rank}: {syncs} synchronizations, the plan has {}",
+            plan.summary().rounds
+        );
     }
     Ok(())
 }

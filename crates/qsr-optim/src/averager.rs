@@ -96,6 +96,11 @@ impl AveragerConfig {
             wire: Wire::F32,
         }
     }
+
+    /// QSR without warmup: `H = max(h_base, floor((alpha / lr)^2))` at each round's start.
+    pub fn qsr(h_base: u64, alpha: f64) -> Self {
+        Self::new(SyncRule::Qsr { h_base, alpha }, 0)
+    }
 }
 
 /// The round under way: steps `start..end`, of length `h` unless cut at the run's end.
