@@ -243,12 +243,14 @@ fn without_launcher(explicit: &Explicit, env: &dyn Fn(&str) -> Option<String>) -
                 ("--master-port", explicit.master_port.is_some()),
             ];
             if let Some((var, _)) = given.iter().find(|(_, set)| *set) {
+                // Flags are the trainer's; a library user's program (`from_env`) has none to pass.
+                let flags = if *explicit == Explicit::default() { "" } else { ", or pass --rank and --world-size" };
                 return Err(CommError::launch(
                     "RANK",
                     format!(
                         "{var} is set but RANK and WORLD_SIZE are not, and no launcher was found \
-                         (Open MPI, PMI, SLURM); set RANK and WORLD_SIZE, or pass --rank and \
-                         --world-size"
+                         (Open MPI, PMI, SLURM); set RANK and WORLD_SIZE (`qsr launch` and torchrun \
+                         set both){flags}"
                     ),
                 ));
             }
@@ -540,6 +542,15 @@ mod tests {
         }
         let ex = Explicit { master_addr: Some("n0".into()), ..Default::default() };
         assert!(refusal(&ex, &[]).1.contains("--master-addr is set"));
+    }
+
+    /// A library user's program (`from_env`, no flags) is not told to pass the trainer's flags.
+    #[test]
+    fn a_programs_launch_error_names_variables_not_the_trainers_flags() {
+        let (_, msg) = refusal(&Explicit::default(), &[("MASTER_ADDR", "n0")]);
+        assert!(msg.contains("set RANK and WORLD_SIZE") && !msg.contains("--rank"), "{msg}");
+        let ex = Explicit { master_port: Some(1234), ..Default::default() };
+        assert!(refusal(&ex, &[]).1.contains("pass --rank and --world-size"));
     }
 
     #[test]

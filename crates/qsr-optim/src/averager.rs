@@ -233,7 +233,7 @@ impl Averager {
                 });
             }
         }
-        check_wire(config.wire, comm.as_ref())?;
+        check_wire(config.wire, comm.as_ref(), "wire")?;
         let layout = ParamLayout::of(&model);
         let settings = serde_json::json!({
             "config": &config,

@@ -64,7 +64,7 @@ impl<M: Module> Worker<M> {
         if config.broadcast_initial && comm.world_size() > 1 {
             model = broadcast_initial(model, &layout, comm.as_mut(), cursor.step())?;
         }
-        check_wire(config.wire, comm.as_ref())?;
+        check_wire(config.wire, comm.as_ref(), "driver.wire")?;
         let residency = resolve_residency(config.residency, &model);
         if config.wire == Wire::Bf16 && residency == Residency::Device {
             return Err(OptimError::Config {
@@ -94,7 +94,7 @@ impl<M: Module> Worker<M> {
                 reason: "the plan has no local level, so a node's collective would never be used".into(),
             });
         }
-        check_wire(self.config.wire, local.as_ref())?;
+        check_wire(self.config.wire, local.as_ref(), "driver.wire")?;
         self.local = Some(local);
         Ok(())
     }
@@ -227,7 +227,7 @@ impl<M: Module> Worker<M> {
     /// old one. Refused when the new one cannot carry the configured wire, and for workers of a
     /// two-level plan or a device group, whose other groups would still span the old membership.
     pub fn replace_comm(&mut self, comm: Box<dyn Collective>) -> Result<Box<dyn Collective>, OptimError> {
-        check_wire(self.config.wire, comm.as_ref())?;
+        check_wire(self.config.wire, comm.as_ref(), "driver.wire")?;
         if self.local.is_some() {
             return Err(OptimError::Config {
                 field: "sync.local".into(),

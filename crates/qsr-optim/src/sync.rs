@@ -349,11 +349,13 @@ impl SyncReport {
     }
 }
 
-/// Refuses bf16 syncs over a collective without a bf16 all-reduce before the first step, naming both.
-pub(crate) fn check_wire(wire: Wire, comm: &dyn Collective) -> Result<(), OptimError> {
+/// Refuses bf16 syncs over a collective without a bf16 all-reduce before the first step, naming both;
+/// `field` is the setting as its user writes it (`driver.wire` in a recipe, `wire` of an
+/// `AveragerConfig`).
+pub(crate) fn check_wire(wire: Wire, comm: &dyn Collective, field: &str) -> Result<(), OptimError> {
     if wire == Wire::Bf16 && !comm.supports_bf16() {
         return Err(OptimError::Config {
-            field: "driver.wire".into(),
+            field: field.into(),
             reason: format!(
                 "the {} collective has no bf16 all-reduce (the TCP ring and the in-process group do)",
                 comm.backend()

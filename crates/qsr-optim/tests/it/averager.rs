@@ -428,3 +428,17 @@ fn seeded_init_gives_every_thread_the_same_weights_every_time() {
     assert_eq!(weights()[0], first[0], "a rerun built other weights");
     assert!(first[0].iter().any(|&v| v != 0.0));
 }
+
+/// Regression: an Averager's bf16 refusal named the trainer's recipe key `driver.wire`, which a
+/// library user does not have; it names the config's field.
+#[test]
+fn an_averagers_bf16_refusal_names_its_own_field() {
+    let mut config = AveragerConfig::qsr(2, 0.1);
+    config.wire = Wire::Bf16;
+    let comm = Box::new(crate::driver::NoBf16(InProcessGroup::new(1).remove(0)));
+    let Err(e) = Averager::new(Mlp::new(&Device::flex(), 4, 1), config, comm) else {
+        panic!("bf16 over a collective without it was accepted")
+    };
+    assert!(matches!(&e, OptimError::Config { field, .. } if field == "wire"), "{e}");
+    assert!(!e.to_string().contains("driver."), "{e}");
+}

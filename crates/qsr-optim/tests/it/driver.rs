@@ -740,7 +740,7 @@ fn bf16_parameter_syncs_keep_ranks_identical_and_halve_the_bytes() {
 }
 
 /// A collective without a bf16 all-reduce (as MPI and NCCL are): the in-process group behind it.
-struct NoBf16(qsr_comm::InProcessComm);
+pub(crate) struct NoBf16(pub(crate) qsr_comm::InProcessComm);
 
 impl qsr_comm::Collective for NoBf16 {
     fn rank(&self) -> usize {
