@@ -43,19 +43,27 @@ pub struct Task {
     pub epochs: usize,
     /// Peak learning rate of the cosine schedule.
     pub lr: f64,
+    /// Steps the cosine schedule lasts; `None`: a replica's steps in the run, as it should.
+    pub schedule_steps: Option<usize>,
 }
 
 impl Task {
     /// sklearn's digits (embedded), 20 epochs at lr 0.2.
     pub fn digits() -> Self {
-        Task { train: qsr_data::digits(Split::Train), test: qsr_data::digits(Split::Test), epochs: 20, lr: 0.2 }
+        Task {
+            train: qsr_data::digits(Split::Train),
+            test: qsr_data::digits(Split::Test),
+            epochs: 20,
+            lr: 0.2,
+            schedule_steps: None,
+        }
     }
 
     /// Fashion-MNIST from `dir`, 2 epochs at lr 0.05. The digits' 0.2 is past the edge of stability on
     /// 784 inputs: its accuracy then hangs on the CPU's rounding (73.6% on one machine, 61.3% on another).
     pub fn fashion_mnist(dir: &str) -> Result<Self, qsr_data::DataError> {
         let train = qsr_data::fashion_mnist(dir, Split::Train)?;
-        Ok(Task { train, test: qsr_data::fashion_mnist(dir, Split::Test)?, epochs: 2, lr: 0.05 })
+        Ok(Task { train, test: qsr_data::fashion_mnist(dir, Split::Test)?, epochs: 2, lr: 0.05, schedule_steps: None })
     }
 
     /// Pixels per image and classes.
@@ -187,7 +195,7 @@ pub fn run_task(
         DataLoaderBuilder::new(DigitBatcher::of(set)).batch_size(BATCH).shuffle(7).build(InMemDataset::new(digits(set)))
     };
     let optim = SgdConfig::new().with_momentum(Some(MomentumConfig::new().with_momentum(0.9))).init();
-    let sched = CosineAnnealingLrSchedulerConfig::new(task.lr, steps).init()?;
+    let sched = CosineAnnealingLrSchedulerConfig::new(task.lr, task.schedule_steps.unwrap_or(steps)).init()?;
     let learner = Learner::new(Mlp::new(task.dims(), &device), optim, sched);
 
     let strategy = Arc::new(LocalTrainingStrategy::new(replicas, AveragerConfig::new(rule.clone(), 0)));

@@ -27,6 +27,7 @@
 
 #![forbid(unsafe_code)]
 
+mod horizon;
 mod renderer;
 mod replica;
 mod report;

@@ -8,7 +8,7 @@ use burn::train::{
     TrainingComponents, TrainingError, ValidLoader, train::WorkerFailure,
 };
 use qsr_comm::{Collective, InProcessGroup};
-use qsr_optim::{Averager, AveragerConfig, AveragerStats};
+use qsr_optim::{Averager, AveragerConfig, AveragerStats, OptimError};
 
 use crate::replica::{Failure, Replica};
 use crate::report::Reporter;
@@ -44,6 +44,11 @@ pub enum Replicas {
 /// - **Stopping**: an interruption or early stopping takes effect at the end of an epoch, on every rank
 ///   together (one 4-byte all-reduce per epoch); a failed rank fails the others at their next collective.
 /// - Gradient accumulation counts one optimizer step per accumulated batch group, as burn-train does.
+/// - **The lr scheduler** steps once per replica step: size it for a replica's steps (its `1/K` of the
+///   loader's batches times the epochs), not the whole loader's. A scheduler that decays to its end
+///   long after the run ends (cosine, linear sized for the whole loader) is refused after the first
+///   epoch, naming the step count to give it: the sync rule would otherwise follow lrs that never decay
+///   as planned.
 pub struct LocalTrainingStrategy {
     replicas: Replicas,
     config: AveragerConfig,
@@ -211,6 +216,13 @@ impl LocalTrainingStrategy {
                 r.end_training(epoch);
             } else {
                 replica.train_epoch(|_| ())?;
+            }
+            if epoch == *run.epochs.start() {
+                // Only now is a replica's step count known: steps per epoch times the epochs.
+                let per_epoch = replica.avg.stats().steps;
+                let (at, run_steps) = (per_epoch * epoch as u64, per_epoch * *run.epochs.end() as u64);
+                crate::horizon::check(&replica.learner, at, run_steps, replica.avg.world_size())
+                    .map_err(|reason| OptimError::Config { field: "lr scheduler".into(), reason })?;
             }
             let mut stop = run.interrupter.should_stop();
             if let Some(r) = reporter.as_deref_mut()

@@ -146,9 +146,35 @@ fn fewer_training_items_than_replicas_is_an_error_not_an_empty_run() {
         "three-digits",
     )
     .unwrap();
-    let task = example::Task { train, test: qsr_data::digits(qsr_data::Split::Test), epochs: 1, lr: 0.2 };
+    let task = example::Task {
+        train,
+        test: qsr_data::digits(qsr_data::Split::Test),
+        epochs: 1,
+        lr: 0.2,
+        schedule_steps: None,
+    };
     let Err(e) = example::run_task(&task, threads(4), 4, SyncRule::Constant { h: 2 }) else {
         panic!("3 items for 4 replicas")
     };
     assert!(e.to_string().contains("fewer training items than the 4 replicas"), "{e}");
+}
+
+/// Regression (a user's trial): a scheduler sized for the whole loader (as for one device) made 40
+/// syncs where the plan for the replicas' steps said 17, silently; now the run stops after its first
+/// epoch, naming the step count the scheduler should have.
+#[test]
+fn a_scheduler_sized_for_the_whole_loader_is_refused_naming_the_replicas_steps() {
+    let _turn = serial();
+    let mut task = example::Task::digits();
+    task.epochs = 3;
+    let per_replica = 3 * (task.train.labels.len() / 2).div_ceil(16);
+    task.schedule_steps = Some(2 * per_replica);
+    let Err(e) = example::run_task(&task, threads(2), 2, SyncRule::Qsr { h_base: 2, alpha: 0.06 }) else {
+        panic!("a schedule twice the run's length was accepted")
+    };
+    let e = e.to_string();
+    assert!(e.contains("lr scheduler") && e.contains(&format!("takes only {per_replica} optimizer steps")), "{e}");
+    // Sized for the replicas' steps, the same run trains.
+    task.schedule_steps = None;
+    assert!(example::run_task(&task, threads(2), 2, SyncRule::Qsr { h_base: 2, alpha: 0.06 }).is_ok());
 }
