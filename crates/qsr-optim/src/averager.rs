@@ -101,6 +101,50 @@ impl AveragerConfig {
     pub fn qsr(h_base: u64, alpha: f64) -> Self {
         Self::new(SyncRule::Qsr { h_base, alpha }, 0)
     }
+
+    /// The length of each round an [`Averager`] with this config makes over a run whose steps use
+    /// `lrs` (one per step, in order; the last round cut at the run's end): the plan of your own
+    /// schedule, e.g. a clone of your burn `LrScheduler` sampled step by step. Its `len()` is the
+    /// number of synchronizations such a run makes (with `run_steps` set, or `finish` at the end).
+    ///
+    /// ```
+    /// use burn::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
+    /// let mut sched = CosineAnnealingLrSchedulerConfig::new(0.1, 1000).init().unwrap();
+    /// let config = qsr_optim::AveragerConfig::qsr(2, 0.02);
+    /// let rounds = config.round_lengths((0..1000).map(|_| sched.step().base())).unwrap();
+    /// assert_eq!(rounds.iter().sum::<u64>(), 1000);
+    /// assert!(rounds.len() < 500, "{} syncs: fewer than every other step", rounds.len());
+    /// ```
+    pub fn round_lengths(&self, lrs: impl IntoIterator<Item = f64>) -> Result<Vec<u64>, OptimError> {
+        let mut rounds_after_warmup = 0;
+        let mut starts = Vec::new();
+        let mut end = 0;
+        let mut steps = 0;
+        for (t, lr) in (0..).zip(lrs) {
+            if t >= end {
+                end = self.round_at(t, lr, &mut rounds_after_warmup)?.end;
+                starts.push(t);
+            }
+            steps = t + 1;
+        }
+        starts.push(steps);
+        Ok(starts.windows(2).map(|w| w[1] - w[0]).collect())
+    }
+
+    /// The round that starts at step `t` with learning rate `lr` (QSR: `H` from it after warmup).
+    fn round_at(&self, t: u64, lr: f64, rounds_after_warmup: &mut u64) -> Result<RoundSpan, OptimError> {
+        let in_warmup = t < self.warmup_steps;
+        if self.rule.power().is_some() && !in_warmup && !(lr.is_finite() && lr > 0.0) {
+            return Err(OptimError::Config {
+                field: "lr".into(),
+                reason: format!("step {t}: the power rules need a finite positive learning rate, got {lr}"),
+            });
+        }
+        let h = self.rule.h_at(RoundStart { step: t, lr, in_warmup, rounds_after_warmup: *rounds_after_warmup });
+        *rounds_after_warmup += u64::from(!in_warmup);
+        let end = t.saturating_add(h).min(self.run_steps.unwrap_or(u64::MAX));
+        Ok(RoundSpan { start: t, h, end })
+    }
 }
 
 /// The round under way: steps `start..end`, of length `h` unless cut at the run's end.
@@ -464,18 +508,7 @@ impl Averager {
     }
 
     fn start_round(&mut self, t: u64, lr: f64) -> Result<RoundSpan, OptimError> {
-        let in_warmup = t < self.config.warmup_steps;
-        if self.config.rule.power().is_some() && !in_warmup && !(lr.is_finite() && lr > 0.0) {
-            return Err(OptimError::Config {
-                field: "lr".into(),
-                reason: format!("step {t}: the power rules need a finite positive learning rate, got {lr}"),
-            });
-        }
-        let h =
-            self.config.rule.h_at(RoundStart { step: t, lr, in_warmup, rounds_after_warmup: self.rounds_after_warmup });
-        self.rounds_after_warmup += u64::from(!in_warmup);
-        let end = t.saturating_add(h).min(self.config.run_steps.unwrap_or(u64::MAX));
-        let round = RoundSpan { start: t, h, end };
+        let round = self.config.round_at(t, lr, &mut self.rounds_after_warmup)?;
         self.round = Some(round);
         Ok(round)
     }

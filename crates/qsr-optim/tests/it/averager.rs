@@ -442,3 +442,40 @@ fn an_averagers_bf16_refusal_names_its_own_field() {
     assert!(matches!(&e, OptimError::Config { field, .. } if field == "wire"), "{e}");
     assert!(!e.to_string().contains("driver."), "{e}");
 }
+
+/// The rounds planned from a user's burn scheduler (sampled) are the rounds the Averager makes when
+/// stepped with that scheduler's lrs.
+#[test]
+fn round_lengths_from_a_burn_scheduler_are_the_averagers_syncs() {
+    use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
+    let steps = 700;
+    let sched = || LinearLrSchedulerConfig::new(0.2, 0.001, steps).init().unwrap();
+    let config = AveragerConfig::new(SyncRule::Qsr { h_base: 2, alpha: 0.03 }, 30);
+    let mut planning = sched();
+    let planned = config.round_lengths((0..steps).map(|_| planning.step().base())).unwrap();
+    let comm = InProcessGroup::new(1).remove(0);
+    let (mut avg, mut model) = Averager::new(Mlp::new(&Device::flex(), 4, 1), config, Box::new(comm)).unwrap();
+    let mut training = sched();
+    let mut ends = Vec::new();
+    for _ in 0..steps {
+        let syncs = avg.stats().syncs;
+        model = avg.step(model, training.step().base()).unwrap();
+        if avg.stats().syncs > syncs {
+            ends.push(avg.stats().steps);
+        }
+    }
+    model = avg.finish(model).unwrap();
+    drop(model);
+    ends.extend((ends.last() != Some(&(steps as u64))).then_some(steps as u64));
+    let planned_ends: Vec<u64> = planned
+        .iter()
+        .scan(0, |t, h| {
+            Some({
+                *t += h;
+                *t
+            })
+        })
+        .collect();
+    assert_eq!(planned_ends, ends);
+    assert!(planned.len() > 20 && planned.len() < 350, "{} rounds", planned.len());
+}
