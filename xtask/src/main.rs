@@ -7,6 +7,7 @@ mod chaos;
 mod cuda;
 mod layers;
 mod netem;
+mod qsr_diff;
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -25,6 +26,9 @@ struct Cli {
 enum Cmd {
     /// The test suite as CI runs it, examples included (release build: training code is ~50x slower in debug).
     Ci,
+    /// Rewrites README.md's diff between the plain burn example and its QSR version (the tidy step
+    /// checks it).
+    QsrDiff,
     /// The paper's communication plans (and their lr/H picture), then the README's main job.
     Demo {
         /// Where to write the picture.
@@ -130,34 +134,6 @@ const CI_EXAMPLES: [(&str, &str); 11] = [
 /// step built), as a user runs their own binary.
 const LAUNCHED_EXAMPLES: [(&str, &str); 2] = [("qsr-optim", "averager"), ("qsr-optim", "burn_qsr")];
 
-/// A plain burn program and the same program with QSR added: the lines a user changes, at most
-/// [`MAX_QSR_LINES`] (a replaced line counts once; the `//!` header, which says what each is, not at all).
-const QSR_DIFF: (&str, &str) = ("crates/qsr-optim/examples/burn_plain.rs", "crates/qsr-optim/examples/burn_qsr.rs");
-const MAX_QSR_LINES: usize = 10;
-
-/// Fails when adding QSR to [`QSR_DIFF`]'s plain program takes more than [`MAX_QSR_LINES`] lines.
-fn check_qsr_diff() -> Result<()> {
-    let read = |p: &str| -> Result<String> {
-        let text = std::fs::read_to_string(root().join(p)).with_context(|| format!("cannot read {p}"))?;
-        Ok(text.lines().filter(|l| !l.starts_with("//!")).map(|l| format!("{l}\n")).collect())
-    };
-    let (plain, qsr) = (read(QSR_DIFF.0)?, read(QSR_DIFF.1)?);
-    let diff = similar::TextDiff::from_lines(&plain, &qsr);
-    let changed: usize = diff
-        .ops()
-        .iter()
-        .map(|op| match op.as_tag_tuple() {
-            (similar::DiffTag::Equal, ..) => 0,
-            (_, old, new) => old.len().max(new.len()),
-        })
-        .sum();
-    println!("adding QSR to {} changes {changed} lines (at most {MAX_QSR_LINES})", QSR_DIFF.0);
-    if changed > MAX_QSR_LINES {
-        bail!("{} differs from {} by {changed} lines, more than {MAX_QSR_LINES}", QSR_DIFF.1, QSR_DIFF.0);
-    }
-    Ok(())
-}
-
 /// The crate that integrates with burn-train (tested in a step of its own, see `Cmd::Ci`).
 const BURN_TRAIN: &str = "qsr-burn-train";
 
@@ -252,7 +228,7 @@ fn tidy() -> Result<()> {
     crates.extend([root().join("xtask"), root().join("benches")]);
     crates.sort();
     layers::check(&crates)?;
-    check_qsr_diff()?;
+    qsr_diff::check(&root())?;
     let mut c = cargo();
     c.args(["clippy", "--release", "--locked", "--workspace", "--all-targets", "--", "-D", "warnings"]);
     run(c)?;
@@ -350,6 +326,7 @@ fn main() -> Result<()> {
             run(c)
         }
         Cmd::Bench { which } => bench::run(&which, &root(), &target_dir()),
+        Cmd::QsrDiff => qsr_diff::write_readme(&root()),
         Cmd::Netem(args) => netem::run(&args, &root()),
         Cmd::Cuda(args) => cuda::run(&args, &root(), &target_dir()),
         Cmd::Chaos(args) => chaos::run(&args, &root(), &target_dir()),

@@ -32,8 +32,11 @@ pub enum Replicas {
 /// What it does with the rest of burn-train (each choice because replicas must call collectives at
 /// the same steps):
 /// - **Data**: the training loader is cut into K equal contiguous slices (burn's `DataLoader::slice`,
-///   the remainder of `items / K` dropped so every replica takes the same number of steps); shuffle the
-///   dataset before (or give the loader a seed: each slice then shuffles within itself per epoch).
+///   the remainder of `items / K` dropped so every replica takes the same number of steps): a loader
+///   holds no dataset the strategy could stride over. On data stored in class order, shuffle the
+///   dataset once before building the loader (burn's `ShuffledDataset::with_seed`), or each replica
+///   trains on a few classes; the loader's `.shuffle(seed)` only reorders each slice per epoch. Outside
+///   the Learner, `qsr_data::ShardedDataset` strides each rank over a fresh permutation every epoch.
 /// - **Events and metrics**: rank 0 reports its own replica's training items and, after each epoch,
 ///   validates its replica's current parameters; other ranks train silently. The model the Learner
 ///   returns is the average of all replicas after the last step.

@@ -6,30 +6,31 @@
 //! needs: the learning rate each step used, so that at the start of every round it can pick `H` from
 //! the lr of the round's first step, and a [`Collective`] to average parameters over.
 //!
-//! A plain burn loop, and the same loop with K-worker QSR (the lines marked `+`; the complete program is
-//! `examples/averager.rs`, 4 threads or one process of a torchrun/mpirun/srun launch):
+//! A plain burn loop, and the same loop with K-worker QSR (the lines marked `+`; complete programs:
+//! `examples/burn_plain.rs` and `examples/burn_qsr.rs`, 4 threads or ranks under `qsr launch`):
 //!
 //! ```text
+//! + for result in qsr_comm::run_workers(4, |comm| {    // 4 threads, or this process's launched rank
 //!   let model = Mlp::new(&device);
-//! + let comm = qsr_comm::from_env()?;                 // or qsr_comm::run_threads(k, |c| ...) for threads
-//! + let rule = SyncRule::Qsr { h_base: 2, alpha: 0.06 };
-//! + let (mut avg, mut model) = Averager::new(model, AveragerConfig::new(rule, warmup_steps), comm)?;
-//!   let mut optim = SgdConfig::new().with_momentum(Some(MomentumConfig::new().with_momentum(0.9))).init();
-//!   let mut sched = CosineAnnealingLrSchedulerConfig::new(0.2, steps).init()?;
-//!   for step in 0..steps {                             // each worker on its own shard of the data
+//! + let (mut avg, mut model) = Averager::new(model, AveragerConfig::qsr(2, 0.06), comm)?;
+//!   let mut optim = AdamWConfig::new().init();
+//!   for step in 0..steps {                             // each rank on its own shard (ShardedDataset)
 //!       let lr = sched.step();
-//! +     let base_lr = lr.base();
 //!       let grads = GradientsParams::from_grads(loss(&model, batch(step)).backward(), &model);
-//!       model = optim.step(lr, model, grads);
-//! +     model = avg.step(model, base_lr)?;             // averages when a round ends
+//!       model = optim.step(lr.clone(), model, grads);
+//! +     model = avg.step(model, lr.base())?;           // averages when a round ends
 //!   }
+//! + let model = avg.finish(model)?;                    // the last round (a drop without it warns)
+//! + ...
 //! ```
 //!
 //! Initial weights: [`Averager::new`] gives every worker rank 0's parameters, so only rank 0's
 //! initialization matters. burn draws initial weights lazily from one global RNG shared by all threads;
-//! for reruns that are bit-identical, seed rank 0's weights yourself (write them with
-//! [`ParamLayout::write_params`](crate::ParamLayout::write_params), as the example does) or build the
-//! model on one thread after `device.seed(..)`.
+//! for reruns that are bit-identical, build the model with [`seeded_init`].
+//!
+//! Resume: [`Averager::state`] (an [`AveragerState`], saved beside the model's and the optimizer's
+//! records) and [`Averager::restore`] right after [`Averager::new`] continue the rounds exactly.
+//! [`AveragerConfig::round_lengths`] gives the rounds a run makes for the lrs of your own schedule.
 //!
 //! Rules that all-reduce gradients (`dp`, `post-local` before its switch) need the gradients before the
 //! optimizer step: call [`Averager::average_grads`] between the backward pass and the optimizer step
