@@ -132,7 +132,8 @@ const CI_EXAMPLES: [(&str, &str); 11] = [
 
 /// Examples that also run as the ranks of a job, each under `qsr launch --nproc 2` (the `qsr` the test
 /// step built), as a user runs their own binary.
-const LAUNCHED_EXAMPLES: [(&str, &str); 2] = [("qsr-optim", "averager"), ("qsr-optim", "burn_qsr")];
+const LAUNCHED_EXAMPLES: [(&str, &str); 3] =
+    [("qsr-comm", "allreduce_processes"), ("qsr-optim", "averager"), ("qsr-optim", "burn_qsr")];
 
 /// The crate that integrates with burn-train (tested in a step of its own, see `Cmd::Ci`).
 const BURN_TRAIN: &str = "qsr-burn-train";
