@@ -10,7 +10,7 @@
 //! `examples/burn_plain.rs` and `examples/burn_qsr.rs`, 4 threads or ranks under `qsr launch`):
 //!
 //! ```text
-//! + for result in qsr_comm::run_workers(4, |comm| {    // 4 threads, or this process's launched rank
+//! + fn train(comm: Box<dyn Collective>) -> anyhow::Result<Mlp> {  // main: qsr_comm::run_workers(4, train)
 //!   let model = Mlp::new(&device);
 //! + let (mut avg, mut model) = Averager::new(model, AveragerConfig::qsr(2, 0.06), comm)?;
 //!   let mut optim = AdamWConfig::new().init();
@@ -21,7 +21,6 @@
 //! +     model = avg.step(model, lr.base())?;           // averages when a round ends
 //!   }
 //! + let model = avg.finish(model)?;                    // the last round (a drop without it warns)
-//! + ...
 //! ```
 //!
 //! Initial weights: [`Averager::new`] gives every worker rank 0's parameters, so only rank 0's
