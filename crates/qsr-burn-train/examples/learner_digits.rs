@@ -17,6 +17,7 @@ use std::sync::Arc;
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
+use burn::data::dataset::transform::ShuffledDataset;
 use burn::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
@@ -192,7 +193,10 @@ pub fn run_task(
     // At least 1: burn's scheduler refuses 0 (the strategy then names an empty slice).
     let steps = (task.epochs * (task.train.labels.len() / k).div_ceil(BATCH)).max(1);
     let loader = |set: &ImageSet| {
-        DataLoaderBuilder::new(DigitBatcher::of(set)).batch_size(BATCH).shuffle(7).build(InMemDataset::new(digits(set)))
+        // One fixed permutation first: the strategy cuts the loader into contiguous slices, which on data
+        // stored in class order would give each replica a few classes; `.shuffle` then reorders each slice.
+        let dataset = ShuffledDataset::new(InMemDataset::new(digits(set)), 11);
+        DataLoaderBuilder::new(DigitBatcher::of(set)).batch_size(BATCH).shuffle(7).build(dataset)
     };
     let optim = SgdConfig::new().with_momentum(Some(MomentumConfig::new().with_momentum(0.9))).init();
     let sched = CosineAnnealingLrSchedulerConfig::new(task.lr, task.schedule_steps.unwrap_or(steps)).init()?;

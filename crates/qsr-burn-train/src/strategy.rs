@@ -34,7 +34,7 @@ pub enum Replicas {
 /// - **Data**: the training loader is cut into K equal contiguous slices (burn's `DataLoader::slice`,
 ///   the remainder of `items / K` dropped so every replica takes the same number of steps): a loader
 ///   holds no dataset the strategy could stride over. On data stored in class order, shuffle the
-///   dataset once before building the loader (burn's `ShuffledDataset::with_seed`), or each replica
+///   dataset once before building the loader (burn's `ShuffledDataset::new(dataset, seed)`), or each replica
 ///   trains on a few classes; the loader's `.shuffle(seed)` only reorders each slice per epoch. Outside
 ///   the Learner, `qsr_data::ShardedDataset` strides each rank over a fresh permutation every epoch.
 /// - **Events and metrics**: rank 0 reports its own replica's training items and, after each epoch,

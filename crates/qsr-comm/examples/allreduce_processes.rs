@@ -19,11 +19,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(i) = (0..buf.len()).find(|&i| buf[i] != expected(i)) {
         return Err(format!("element {i}: {} instead of {}", buf[i], expected(i)).into());
     }
-    println!(
-        "rank {} of {k}: sum of {} floats over the {} backend is correct",
-        comm.rank(),
-        buf.len(),
-        comm.backend()
-    );
+    println!("rank {} of {k}: sum of {} floats over the {} backend is correct", comm.rank(), buf.len(), comm.backend());
     Ok(())
 }
