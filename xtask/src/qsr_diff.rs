@@ -57,7 +57,7 @@ pub fn check(root: &Path) -> Result<()> {
 pub fn write_readme(root: &Path) -> Result<()> {
     let path = root.join("README.md");
     let readme = std::fs::read_to_string(&path).context("cannot read README.md")?;
-    let (Some(start), Some(end)) = (readme.find(BEGIN), readme.find(END)) else {
+    let Some((start, end)) = readme.find(BEGIN).and_then(|s| Some((s, s + readme[s..].find(END)?))) else {
         bail!("README.md has no block between `{}` and `{END}`", BEGIN.trim_end());
     };
     let (_, shown) = diff(root)?;

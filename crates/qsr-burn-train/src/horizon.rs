@@ -2,44 +2,62 @@
 
 use burn::train::{Learner, LearnerModel};
 
-/// Refuses a Learner whose lr scheduler ends long after the run does.
+/// Refuses a Learner whose lr scheduler is far from its end when the run ends.
 ///
 /// Each of the K replicas takes `1/K` of the loader's batches, so a scheduler sized for the whole
 /// loader (`epochs x batches`, as for one device) is still near its peak lr when the run ends: QSR then
 /// keeps `H` small and syncs far more often than the schedule the user planned for (40 syncs instead of
 /// 17 in a user's trial). Sampled from a clone of the Learner after the run's first epoch, when the
-/// replica's step count is known: `at` optimizer steps taken so far, `run_steps` in the whole run. A
-/// schedule that keeps decreasing (step, exponential) has no end to compare and passes, as does one
-/// that ends within 1.5x the run.
+/// replica's step count is known: `at` optimizer steps taken so far, `run_steps` in the whole run.
+/// Refused: a schedule that reaches its lowest lr past 1.5x the run while the run's last lr is still
+/// more than a tenth of the way from that lowest lr to the peak. Schedules that keep decaying (step,
+/// exponential) pass: their lr at any step is close to where it ends, or they never end.
 pub(crate) fn check<M: LearnerModel>(learner: &Learner<M>, at: u64, run_steps: u64, k: usize) -> Result<(), String> {
-    let Some(end) = schedule_end(learner.clone(), at, run_steps, k) else {
+    let Some(shape) = sample(learner.clone(), at, run_steps, k) else {
         return Ok(());
     };
-    if 2 * end < 3 * run_steps {
+    let far = shape.last_lr - shape.floor > 0.1 * (shape.peak - shape.floor);
+    if 2 * shape.end < 3 * run_steps || !far {
         return Ok(());
     }
     Err(format!(
-        "the Learner's lr scheduler decays until step {end}, but each of the {k} replicas takes only {run_steps} \
-         optimizer steps (its 1/{k} of the training loader, every epoch): the schedule would end far after the run, \
-         and the sync rule would follow lrs it never reaches the end of. Size the scheduler for {run_steps} steps \
-         (e.g. CosineAnnealingLrSchedulerConfig::new(lr, {run_steps}))"
+        "the Learner's lr scheduler decays until step {}, but each of the {k} replicas takes only {run_steps} \
+         optimizer steps (its 1/{k} of the training loader, every epoch): the run would end at lr {:.3e}, far \
+         from the schedule's {:.3e}, and the sync rule would follow lrs that never decay as planned. Size the \
+         scheduler for {run_steps} steps (e.g. CosineAnnealingLrSchedulerConfig::new(lr, {run_steps}))",
+        shape.end, shape.last_lr, shape.floor
     ))
 }
 
-/// The last step at which the lr still decreased, once it has then not decreased for a whole run's
-/// length; `None` when it keeps decreasing within the steps sampled (at most `(4k + 1) x run_steps`).
-fn schedule_end<M: LearnerModel>(mut learner: Learner<M>, at: u64, run_steps: u64, k: usize) -> Option<u64> {
+/// What sampling found: where the lr stopped decreasing, its value there, the highest lr seen, and the
+/// lr of the run's last step.
+struct Shape {
+    end: u64,
+    floor: f64,
+    peak: f64,
+    last_lr: f64,
+}
+
+/// Samples the schedule from step `at` until its lr has not decreased for a whole run's length (the
+/// end: the last step at which it decreased); `None` when it keeps decreasing through
+/// `(k + 2) x run_steps` steps.
+fn sample<M: LearnerModel>(mut learner: Learner<M>, at: u64, run_steps: u64, k: usize) -> Option<Shape> {
     let window = run_steps.max(1);
-    let cap = at + (4 * k as u64 + 1) * window;
+    let cap = at.max(run_steps) + (k as u64 + 1) * window;
     let mut lr = learner.lr_current().base();
-    let mut last_decrease = at.saturating_sub(1);
+    let (mut peak, mut last_lr) = (lr, lr);
+    let mut end = (at.saturating_sub(1), lr);
     for step in at..cap {
         learner.lr_step();
         let next = learner.lr_current().base();
+        peak = peak.max(next);
+        if step + 1 == run_steps {
+            last_lr = next;
+        }
         if next < lr {
-            last_decrease = step;
-        } else if step - last_decrease >= window {
-            return Some(last_decrease);
+            end = (step, next);
+        } else if step - end.0 >= window && step + 1 >= run_steps {
+            return Some(Shape { end: end.0, floor: end.1, peak, last_lr });
         }
         lr = next;
     }

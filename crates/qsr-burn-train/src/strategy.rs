@@ -192,6 +192,10 @@ impl LocalTrainingStrategy {
         learner.load_model(model.into_record());
         let mut replica = Replica { learner, avg, train: shard, grad_accumulation: run.grad_accumulation };
         let result = self.epochs(run, &mut replica, &mut reporter);
+        if result.is_err() {
+            // The run ends on an error it reports; the last round's steps are not lost by mistake.
+            replica.avg.abandon();
+        }
         if record_stats {
             *self.stats.lock().unwrap_or_else(PoisonError::into_inner) = Some(*replica.avg.stats());
         }

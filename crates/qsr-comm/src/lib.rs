@@ -194,8 +194,8 @@ pub trait Collective: Send {
 
 /// The exit status with which a rank says it stopped only because another rank failed (a peer died,
 /// stalled or aborted): launchers (`qsr launch`, `qsr train --nproc`) then name the rank that failed
-/// first instead of this one. A program run under `qsr launch` exits with it on a [`CommError`] that
-/// comes from a peer.
+/// first instead of this one. qsr's trainer exits with it; a program run under `qsr launch` should too
+/// when a [`CommError`] tells it a peer failed (nothing here exits for it).
 pub const EXIT_PEER_FAILED: u8 = 3;
 
 /// The collective of this process's launch, for library users: our collectives ([`connect`]: shared

@@ -17,7 +17,9 @@ use crate::sampler::ShardedSampler;
 ///
 /// Call [`set_epoch`](Self::set_epoch) before each epoch (as with torch's
 /// `DistributedSampler.set_epoch`); a burn `DataLoader` built over an `Arc` of the shard sees the new
-/// order. Build the loader without `.shuffle(..)`: the shard already holds the epoch's order.
+/// order. The shard already holds the epoch's order: a loader's `.shuffle(..)` on top only reorders
+/// the shard (still disjoint, no longer the trainer's order). The dataset's length is read once, at
+/// construction: the dataset must not change length afterwards.
 ///
 /// ```
 /// use std::sync::Arc;

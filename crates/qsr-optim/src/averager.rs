@@ -187,6 +187,8 @@ pub struct Averager {
     stats: AveragerStats,
     /// What the ranks agreed on at construction; a saved state must carry the same.
     settings: serde_json::Value,
+    /// A collective failed, or the caller gave up ([`Averager::abandon`]): no warning at drop.
+    abandoned: bool,
 }
 
 /// Where an [`Averager`] stands: its step, rounds and outer state, saved beside the model and the
@@ -206,11 +208,13 @@ pub struct AveragerState {
 }
 
 impl AveragerState {
-    /// Writes the state as JSON to `path` (through a temporary file and a rename, so a crash never
-    /// leaves half a file).
+    /// Writes the state as JSON to `path` (through a temporary file of this process and a rename, so a
+    /// crash of the process never leaves half a file).
     pub fn save(&self, path: &Path) -> Result<(), OptimError> {
         let io = |e: std::io::Error| OptimError::Io { path: path.to_path_buf(), source: e };
-        let tmp = path.with_extension("tmp");
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(format!(".tmp.{}", std::process::id()));
+        let tmp = std::path::PathBuf::from(tmp);
         let bytes = serde_json::to_vec(self).map_err(|e| io(std::io::Error::other(e)))?;
         std::fs::write(&tmp, bytes).map_err(io)?;
         std::fs::rename(&tmp, path).map_err(io)
@@ -299,6 +303,7 @@ impl Averager {
             outer: None,
             stats: AveragerStats::default(),
             settings,
+            abandoned: false,
         };
         let model = if avg.config.broadcast_initial { avg.broadcast_from_rank0(model)? } else { model };
         if let Some(config) = avg.config.outer {
@@ -413,6 +418,14 @@ impl Averager {
     /// an error naming the difference.
     pub fn restore(&mut self, state: AveragerState) -> Result<(), OptimError> {
         let diffs = qsr_comm::differing_keys(&self.settings, &state.settings);
+        // Every rank takes part in the agreement, a rank whose state does not fit included, so that
+        // no rank is left waiting for one that failed alone.
+        let position = serde_json::json!({
+            "resumed_at_step": state.steps,
+            "synced_at": state.synced_at,
+            "saved_settings_fit": diffs.is_empty(),
+        });
+        qsr_comm::agree(self.comm.as_mut(), &position).map_err(|source| OptimError::Setup { source })?;
         if !diffs.is_empty() {
             let list: Vec<String> =
                 diffs.iter().map(|d| format!("`{}`: now {}, saved {}", d.key, d.left, d.right)).collect();
@@ -421,8 +434,6 @@ impl Averager {
                 reason: format!("saved under other settings: {}", list.join("; ")),
             });
         }
-        let position = serde_json::json!({ "resumed_at_step": state.steps, "synced_at": state.synced_at });
-        qsr_comm::agree(self.comm.as_mut(), &position).map_err(|source| OptimError::Setup { source })?;
         match (&mut self.outer, &state.outer) {
             (Some(outer), Some((global, momentum))) => outer.restore(global, momentum)?,
             (None, None) => {}
@@ -444,7 +455,14 @@ impl Averager {
     /// Steps taken since the last synchronization: what [`finish`](Self::finish) would average. Non-zero
     /// when the averager is dropped means the workers end with different models (it warns then).
     pub fn unsynced_steps(&self) -> u64 {
-        self.stats.steps - self.synced_at
+        // `average_grads` counts its step as synced before `step` counts the step itself.
+        self.stats.steps.saturating_sub(self.synced_at)
+    }
+
+    /// Ends the run here on purpose, the models left as they are (after an error elsewhere, say): the
+    /// averager then does not warn about unaveraged steps when dropped.
+    pub fn abandon(&mut self) {
+        self.abandoned = true;
     }
 
     /// Restores the outer optimizer's state saved by [`Self::outer_state`].
@@ -459,7 +477,10 @@ impl Averager {
             Wire::F32 => self.comm.all_reduce(buf, ReduceOp::Mean),
             Wire::Bf16 => self.comm.all_reduce_bf16(buf, ReduceOp::Mean),
         };
-        reduced.map_err(|source| OptimError::Comm { step, source })?;
+        if let Err(source) = reduced {
+            self.abandoned = true;
+            return Err(OptimError::Comm { step, source });
+        }
         self.stats.syncs += 1;
         let delta = self.comm.stats().since(&before);
         self.stats.comm = CommStats {
@@ -534,7 +555,7 @@ impl Averager {
 impl Drop for Averager {
     fn drop(&mut self) {
         let pending = self.unsynced_steps();
-        if pending == 0 || std::thread::panicking() {
+        if pending == 0 || self.abandoned || std::thread::panicking() {
             return;
         }
         let message = format!(

@@ -479,3 +479,33 @@ fn round_lengths_from_a_burn_scheduler_are_the_averagers_syncs() {
     assert_eq!(planned_ends, ends);
     assert!(planned.len() > 20 && planned.len() < 350, "{} rounds", planned.len());
 }
+
+/// Regression: between `average_grads` (which counts its step as synced) and `step`, the unsynced count
+/// underflowed, and an averager dropped there (an error in the optimizer step, say) warned of 2^64 - 1
+/// steps, or panicked in a debug build; an abandoned averager does not warn either.
+#[test]
+fn an_averager_dropped_after_average_grads_or_abandoned_does_not_warn() {
+    let device = Device::flex().autodiff();
+    let comm = InProcessGroup::new(1).remove(0);
+    let (mut avg, model) =
+        Averager::new(Mlp::new(&device, 4, 1), AveragerConfig::new(SyncRule::Dp, 0), Box::new(comm)).unwrap();
+    let (x, y) = batch(0, 0, &device);
+    let loss = (model.forward(x) - y).powi_scalar(2).mean();
+    let grads = GradientsParams::from_grads(loss.backward(), &model);
+    let _grads = avg.average_grads(&model, grads).unwrap();
+    assert_eq!(avg.unsynced_steps(), 0);
+    let comm = InProcessGroup::new(1).remove(0);
+    let config = AveragerConfig::new(SyncRule::Constant { h: 4 }, 0);
+    let (mut mid_round, mut model) = Averager::new(Mlp::new(&device, 4, 1), config, Box::new(comm)).unwrap();
+    model = mid_round.step(model, 0.1).unwrap();
+    mid_round.abandon();
+    let out = Captured::default();
+    let writer = out.clone();
+    let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
+    tracing::subscriber::with_default(subscriber, || {
+        drop(avg);
+        drop(mid_round);
+    });
+    drop(model);
+    assert_eq!(String::from_utf8(out.0.lock().unwrap().clone()).unwrap(), "");
+}

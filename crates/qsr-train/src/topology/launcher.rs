@@ -17,7 +17,8 @@ use crate::worker::intra_op_threads;
 /// PROGRAM joins them. Each rank's intra-op threads are this host's cores shared out
 /// (`RAYON_NUM_THREADS`, unless set).
 ///
-/// Each rank runs in a process group of its own and dies with the launcher (even by SIGKILL). SIGINT,
+/// Each rank runs in a session and process group of its own (stdin closed) and dies with the launcher
+/// (even by SIGKILL; what the rank itself started then lives on). SIGINT,
 /// SIGTERM and SIGHUP are forwarded to every rank; when one rank fails, the others are stopped, with
 /// whatever they started, and the rank that failed first is named. A rank that exits with
 /// `qsr_comm::EXIT_PEER_FAILED` (3) says it only lost a peer, and is not blamed while another cause
@@ -73,7 +74,7 @@ fn free_port() -> Result<u16> {
 }
 
 /// `qsr exec-rank -- PROGRAM [ARGS...]`, what `qsr launch` runs as each rank: asks to die with the
-/// launcher, then becomes PROGRAM (same process, so the request holds for it).
+/// launcher, starts a session of its own, then becomes PROGRAM (same process, so both hold for it).
 #[derive(Debug, Args)]
 pub struct ExecRankArgs {
     /// The program and its arguments, after `--`.
@@ -85,6 +86,9 @@ pub struct ExecRankArgs {
 pub fn exec_rank(args: &ExecRankArgs) -> Result<()> {
     use std::os::unix::process::CommandExt;
     processes::die_with_launcher()?;
+    // A session of its own: a process group the launcher stops whole, and no controlling terminal
+    // whose job control could stop a rank that reads it or sets its modes.
+    rustix::process::setsid().context("cannot start a session for this rank")?;
     let Some((program, rest)) = args.command.split_first() else {
         bail!("exec-rank needs a program");
     };

@@ -86,8 +86,9 @@ pub fn launch_program(n: usize, command: impl Fn(usize) -> Result<Command>) -> R
     result
 }
 
-/// Whether each worker leads a process group of its own (a foreign program, whose own children must
-/// stop with it) or stays in the launcher's (qsr's workers, which start no processes).
+/// Whether each worker leads a session and process group of its own (a foreign program through
+/// `qsr exec-rank`, whose own children must stop with it, and which no terminal may stop for reading or
+/// setting it) or stays in the launcher's (qsr's workers, which start no processes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Groups {
     Shared,
@@ -121,6 +122,13 @@ impl Spawned {
             Groups::Own => rustix::process::kill_process_group(pid, sig),
             Groups::Shared => rustix::process::kill_process(pid, sig),
         };
+    }
+
+    /// With [`Groups::Own`], sends `sig` to what is left of the worker's group (the worker just exited).
+    fn signal_group(&self, sig: Signal) {
+        if self.groups == Groups::Own {
+            let _ = rustix::process::kill_process_group(Pid::from_child(&self.child), sig);
+        }
     }
 }
 
@@ -202,14 +210,7 @@ fn supervise(
     groups: Groups,
 ) -> Result<()> {
     let workers = start(n, command, signal, port_file, groups)?;
-    let leaders: Vec<Pid> =
-        workers.iter().filter(|w| w.groups == Groups::Own).map(|w| Pid::from_child(&w.child)).collect();
-    let result = watch(n, workers, signal, store);
-    // What a worker left behind (a rank killed before its children, a child that ignored SIGTERM) goes too.
-    for leader in leaders {
-        let _ = rustix::process::kill_process_group(leader, Signal::KILL);
-    }
-    result
+    watch(n, workers, signal, store)
 }
 
 /// Waits for the started workers (see [`supervise`]).
@@ -303,11 +304,11 @@ fn start(
 
 /// Starts worker `rank` from its command line.
 fn spawn(workers: &mut Vec<Spawned>, rank: usize, command: Result<Command>, groups: Groups) -> Result<()> {
-    use std::os::unix::process::CommandExt;
     let mut c = command?;
     c.env(LAUNCHER_PID, std::process::id().to_string());
     if groups == Groups::Own {
-        c.process_group(0);
+        // Until `qsr exec-rank` makes it a session (and group) of its own, it is in ours.
+        c.stdin(std::process::Stdio::null());
     }
     let child = c.spawn().with_context(|| format!("cannot start worker process {rank}"))?;
     workers.push(Spawned { rank, child, groups });
@@ -364,7 +365,13 @@ fn received(signal: &AtomicUsize) -> Option<Signal> {
 fn reap(workers: Vec<Spawned>, failures: &mut Vec<Failure>) -> Result<Vec<Spawned>> {
     let mut running = Vec::new();
     for mut w in workers {
-        match w.child.try_wait().with_context(|| format!("cannot wait for worker {}", w.rank))? {
+        let exited = w.child.try_wait().with_context(|| format!("cannot wait for worker {}", w.rank))?;
+        if exited.is_some() {
+            // What it started goes with it, now: its group's number stays reserved while members live,
+            // and an empty group has nothing to hit.
+            w.signal_group(Signal::KILL);
+        }
+        match exited {
             Some(_) if failures.iter().any(|f| f.rank == w.rank) => {}
             Some(status) if !status.success() => {
                 failures.push(Failure { rank: w.rank, status: Some(status), seen: Instant::now() });
@@ -397,9 +404,12 @@ fn stop(workers: &mut Vec<Spawned>, sig: Signal) {
         std::thread::sleep(POLL);
     }
     for w in workers.iter_mut() {
-        w.signal(Signal::KILL);
+        if matches!(w.child.try_wait(), Ok(None)) {
+            w.signal(Signal::KILL);
+        }
         let _ = w.child.kill();
         let _ = w.child.wait();
+        w.signal_group(Signal::KILL);
     }
     workers.clear();
 }

@@ -111,3 +111,19 @@ fn a_program_that_does_not_exist_is_named() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("cannot run /nonexistent/my-binary"), "{stderr}");
 }
+
+/// Regression (review): ranks in a background process group of the terminal's session were stopped by
+/// job control when they read stdin or set terminal modes; each rank now has a session of its own and
+/// no stdin, so a read ends at once.
+#[test]
+fn a_rank_that_reads_stdin_gets_end_of_file_and_leads_its_own_session() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = r#"read line; echo "$? $$ $(cut -d" " -f6 /proc/$$/stat)" > "$0/read-$RANK""#;
+    let out = qsr_launch(2, script, dir.path()).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for line in wait_for_files(dir.path(), &names("read", 2)) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(f[0], "1", "read did not end at end of file: {line}");
+        assert_eq!(f[1], f[2], "the rank does not lead its own session: {line}");
+    }
+}
