@@ -109,7 +109,7 @@ impl CifarBlock {
 
     fn shortcut(&self, x: Tensor<4>) -> Tensor<4> {
         if let Some(p) = &self.projection {
-            return p.bn.forward(fused::conv2d(&p.conv, x));
+            return fused::batch_norm(&p.bn, fused::conv2d(&p.conv, x));
         }
         let mut x = x;
         if self.subsample > 1 {
@@ -129,8 +129,8 @@ impl CifarBlock {
 
     fn forward(&self, x: Tensor<4>) -> Tensor<4> {
         let identity = self.shortcut(x.clone());
-        let out = relu(self.bn1.forward(fused::conv2d(&self.conv1, x)));
-        let out = self.bn2.forward(fused::conv2d(&self.conv2, out));
+        let out = relu(fused::batch_norm(&self.bn1, fused::conv2d(&self.conv1, x)));
+        let out = fused::batch_norm(&self.bn2, fused::conv2d(&self.conv2, out));
         relu(out + identity)
     }
 
@@ -203,7 +203,7 @@ impl CifarResNet {
 
     /// Logits `[N, classes]` for images `[N, C, H, W]` (designed for 32x32; any size works).
     pub fn forward(&self, x: Tensor<4>) -> Tensor<2> {
-        let mut x = relu(self.bn1.forward(fused::conv2d(&self.conv1, x)));
+        let mut x = relu(fused::batch_norm(&self.bn1, fused::conv2d(&self.conv1, x)));
         for block in self.layer1.iter().chain(&self.layer2).chain(&self.layer3) {
             x = block.forward(x);
         }

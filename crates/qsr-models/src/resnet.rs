@@ -71,7 +71,7 @@ impl Downsample {
     }
 
     fn forward(&self, x: Tensor<4>) -> Tensor<4> {
-        self.bn.forward(fused::conv2d(&self.conv, x))
+        fused::batch_norm(&self.bn, fused::conv2d(&self.conv, x))
     }
 }
 
@@ -107,8 +107,8 @@ impl BasicBlock {
             Some(d) => d.forward(x.clone()),
             None => x.clone(),
         };
-        let out = relu(self.bn1.forward(fused::conv2d(&self.conv1, x)));
-        let out = self.bn2.forward(fused::conv2d(&self.conv2, out));
+        let out = relu(fused::batch_norm(&self.bn1, fused::conv2d(&self.conv1, x)));
+        let out = fused::batch_norm(&self.bn2, fused::conv2d(&self.conv2, out));
         relu(out + identity)
     }
 
@@ -171,9 +171,9 @@ impl Bottleneck {
             Some(d) => d.forward(x.clone()),
             None => x.clone(),
         };
-        let out = relu(self.bn1.forward(fused::conv2d(&self.conv1, x)));
-        let out = relu(self.bn2.forward(fused::conv2d(&self.conv2, out)));
-        let out = self.bn3.forward(fused::conv2d(&self.conv3, out));
+        let out = relu(fused::batch_norm(&self.bn1, fused::conv2d(&self.conv1, x)));
+        let out = relu(fused::batch_norm(&self.bn2, fused::conv2d(&self.conv2, out)));
+        let out = fused::batch_norm(&self.bn3, fused::conv2d(&self.conv3, out));
         relu(out + identity)
     }
 
@@ -333,7 +333,7 @@ impl ResNet {
 
     /// Logits `[N, classes]` for images `[N, C, H, W]` (any H, W >= 1: the pool is adaptive).
     pub fn forward(&self, x: Tensor<4>) -> Tensor<2> {
-        let x = relu(self.bn1.forward(fused::conv2d(&self.conv1, x)));
+        let x = relu(fused::batch_norm(&self.bn1, fused::conv2d(&self.conv1, x)));
         let mut x = self.maxpool.forward(x);
         for stage in [&self.layer1, &self.layer2, &self.layer3, &self.layer4] {
             x = stage.forward(x);

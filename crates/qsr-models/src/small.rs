@@ -35,7 +35,7 @@ impl ConvUnit {
     fn forward(&self, x: Tensor<4>) -> Tensor<4> {
         let x = fused::conv2d(&self.conv, x);
         let x = match &self.bn {
-            Some(bn) => bn.forward(x),
+            Some(bn) => fused::batch_norm(bn, x),
             None => x,
         };
         relu(x)

@@ -11,6 +11,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::{DType, Shape, TensorData};
 
 use super::FusedOps;
+use super::batch_norm::{self, BnShape};
 use super::conv::{self, ConvShape};
 use super::kernels::{self, Heads};
 
@@ -137,6 +138,35 @@ fn conv2d_forward(
     (from_vec(out, Shape::from([s.n, s.cout, ho, wo])), Conv { x, weight, shape: s })
 }
 
+/// The layout of `x` `[n, c, ..]` as batch norm sees it.
+fn bn_shape(x: &FlexTensor) -> BnShape {
+    let dims = shape(x);
+    let (n, c) = (dims[0], dims[1]);
+    BnShape { n, c, plane: dims.num_elements() / (n * c).max(1) }
+}
+
+fn batch_norm_forward(
+    x: &FlexTensor,
+    gamma: &FlexTensor,
+    beta: &FlexTensor,
+    stats: &FlexTensor,
+    epsilon: f32,
+) -> (FlexTensor, Bn) {
+    let (x, gamma, beta, stats) = (contiguous(x), contiguous(gamma), contiguous(beta), contiguous(stats));
+    let s = bn_shape(&x);
+    let out = batch_norm::apply(x.storage(), gamma.storage(), beta.storage(), stats.storage(), epsilon, s);
+    (from_vec(out, shape(&x)), Bn { x, gamma, stats, epsilon })
+}
+
+/// What batch norm's backward needs: the contiguous input, gamma, the batch's statistics, epsilon.
+#[derive(Clone, Debug)]
+struct Bn {
+    x: FlexTensor,
+    gamma: FlexTensor,
+    stats: FlexTensor,
+    epsilon: f32,
+}
+
 /// What the convolution's backward needs: the contiguous input and weight, and the geometry.
 #[derive(Clone, Debug)]
 struct Conv {
@@ -178,6 +208,51 @@ impl FusedOps for Flex {
         padding: [usize; 4],
     ) -> FlexTensor {
         conv2d_forward(&x, &weight, &bias, stride, padding).0
+    }
+
+    fn batch_norm_stats(x: FlexTensor) -> FlexTensor {
+        let x = contiguous(&x);
+        let s = bn_shape(&x);
+        from_vec(batch_norm::stats(x.storage(), s), Shape::from([2, s.c]))
+    }
+
+    fn batch_norm(x: FlexTensor, gamma: FlexTensor, beta: FlexTensor, stats: FlexTensor, epsilon: f32) -> FlexTensor {
+        batch_norm_forward(&x, &gamma, &beta, &stats, epsilon).0
+    }
+}
+
+#[derive(Debug)]
+struct BatchNormBackward;
+
+impl Backward<Flex, 3> for BatchNormBackward {
+    type State = Bn;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [x_node, gamma_node, beta_node] = ops.parents;
+        let g = contiguous(&grads.consume::<Flex>(&ops.node));
+        let Bn { x, gamma, stats, epsilon } = ops.state;
+        let s = bn_shape(&x);
+        let (dx, dgamma, dbeta) =
+            batch_norm::backward(x.storage(), gamma.storage(), stats.storage(), epsilon, g.storage(), s);
+        for (node, grad, shape) in
+            [(x_node, dx, shape(&x)), (gamma_node, dgamma, shape(&gamma)), (beta_node, dbeta, shape(&gamma))]
+        {
+            if let Some(node) = node {
+                grads.register::<Flex>(node.id, from_vec(grad, shape));
+            }
+        }
+    }
+}
+
+/// The statistics are constants to autodiff: their dependence on the input is in batch norm's backward.
+#[derive(Debug)]
+struct BatchNormStatsBackward;
+
+impl Backward<Flex, 1> for BatchNormStatsBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        grads.consume::<Flex>(&ops.node);
     }
 }
 
@@ -370,6 +445,31 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
         let (x, weight, bias) = (x.into_primitive(), weight.into_primitive(), bias.into_primitive());
         let (out, saved) = conv2d_forward(&x, &weight, &bias, stride, padding);
         match Conv2dBackward.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(saved, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
+    fn batch_norm_stats(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let node = x.node();
+        let stats = <Flex as FusedOps>::batch_norm_stats(x.into_primitive());
+        match BatchNormStatsBackward.prepare::<C>([node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((), stats),
+            OpsKind::UnTracked(prep) => prep.finish(stats),
+        }
+    }
+
+    fn batch_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        stats: FloatTensor<Self>,
+        epsilon: f32,
+    ) -> FloatTensor<Self> {
+        let nodes = [x.node(), gamma.node(), beta.node()];
+        let (x, gamma, beta) = (x.into_primitive(), gamma.into_primitive(), beta.into_primitive());
+        let (out, saved) = batch_norm_forward(&x, &gamma, &beta, &stats.into_primitive(), epsilon);
+        match BatchNormBackward.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish(saved, out),
             OpsKind::UnTracked(prep) => prep.finish(out),
         }

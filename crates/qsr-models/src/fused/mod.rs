@@ -1,5 +1,5 @@
-//! Fused training ops: causal attention, causal softmax, layer norm, cross-entropy, GELU and 2-D
-//! convolution, each one graph node with its own backward on burn's flex (CPU) backend, spread over the
+//! Fused training ops: causal attention, causal softmax, layer norm, cross-entropy, GELU, 2-D
+//! convolution and batch norm, each one graph node with its own backward on burn's flex (CPU) backend, spread over the
 //! rayon pool it runs in.
 //!
 //! burn's autodiff builds these from 5-10 small ops, each a graph node and a new buffer; here each is
@@ -19,15 +19,16 @@
 //! assert_eq!(logits.grad(&grads).unwrap().dims(), [2, 3]);
 //! ```
 
+mod batch_norm;
 mod conv;
 mod flex;
 mod kernels;
 
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Dispatch, backend_extension};
-use burn::nn::PaddingConfig2d;
 use burn::nn::conv::Conv2d;
 use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{BatchNorm, PaddingConfig2d};
 use burn::tensor::{Bool, DType, Device, Int, Tensor};
 
 /// The fused ops as a backend extension: flex computes them, autodiff over flex records one node each.
@@ -55,6 +56,17 @@ pub(crate) trait FusedOps: burn::backend::Backend {
         bias: FloatTensor<Self>,
         stride: [usize; 2],
         padding: [usize; 4],
+    ) -> FloatTensor<Self>;
+    /// Per-channel mean and biased variance of `x` `[n, c, ..]`, as `[2, c]`; not differentiated
+    /// (its dependence on `x` is in [`FusedOps::batch_norm`]'s backward).
+    fn batch_norm_stats(x: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// See [`batch_norm`]: `x` normalized by the batch's own `stats` (from `batch_norm_stats`).
+    fn batch_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        stats: FloatTensor<Self>,
+        epsilon: f32,
     ) -> FloatTensor<Self>;
 }
 
@@ -167,5 +179,38 @@ pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
         conv.stride,
         padding,
     );
+    Tensor::from_dispatch(out)
+}
+
+/// `bn.forward(x)` for a burn [`BatchNorm`] layer over images `[n, c, h, w]`, fused in training (an
+/// autodiff device and the layer not frozen): the batch's statistics computed in place of the layout,
+/// one graph node whose backward gives the input's, gamma's and beta's gradients, and the layer's
+/// running statistics updated as burn does (`momentum`, biased variance). Otherwise, and on other
+/// devices or dtypes, this is `bn.forward(x)`.
+pub fn batch_norm(bn: &BatchNorm, x: Tensor<4>) -> Tensor<4> {
+    let (gamma, beta) = (bn.gamma.val(), bn.beta.val());
+    let training = x.device().is_autodiff() && bn.training.is_enabled();
+    if !(training && fused(&x) && fused(&gamma) && fused(&beta) && x.dims()[1] == gamma.dims()[0]) {
+        return bn.forward(x);
+    }
+    let c = gamma.dims()[0];
+    let stats = <Dispatch as FusedOps>::batch_norm_stats(x.clone().detach().into_dispatch());
+    let stats = Tensor::<2>::from_dispatch(stats);
+    let out = <Dispatch as FusedOps>::batch_norm(
+        x.into_dispatch(),
+        gamma.into_dispatch(),
+        beta.into_dispatch(),
+        stats.clone().into_dispatch(),
+        bn.epsilon as f32,
+    );
+    let device = stats.device();
+    let [mean, var] = [0, 1].map(|i| stats.clone().narrow(0, i, 1).reshape([c]));
+    let m = bn.momentum;
+    let running = |state: &burn::module::RunningState<Tensor<1>>, batch: Tensor<1>| {
+        let old = state.value_sync().to_device(&device);
+        state.update(old.mul_scalar(1.0 - m).add(batch.detach().mul_scalar(m)).detach());
+    };
+    running(&bn.running_mean, mean);
+    running(&bn.running_var, var);
     Tensor::from_dispatch(out)
 }

@@ -3,9 +3,9 @@
 //! not depend on the thread count.
 
 use burn::module::Param;
-use burn::nn::PaddingConfig2d;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{BatchNorm, BatchNormConfig, PaddingConfig2d};
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use qsr_models::fused;
@@ -220,6 +220,52 @@ fn conv2d_matches_burns_in_values_and_all_three_gradients() {
     }
 }
 
+/// A batch norm layer with random gamma and beta (momentum 0.3, so running statistics move visibly).
+fn bn_layer(channels: usize, device: &Device) -> BatchNorm {
+    let mut bn = BatchNormConfig::new(channels).with_momentum(0.3).init(device);
+    bn.gamma = Param::from_tensor(random([channels], 40, device));
+    bn.beta = Param::from_tensor(random([channels], 41, device));
+    bn
+}
+
+/// The output, the gradients of the input, gamma and beta of `sum(bn(x) * weights)`, then the running
+/// mean and variance after the step.
+fn bn_value_and_grads(bn: &BatchNorm, x: &Tensor<4>, f: &dyn Fn(&BatchNorm, Tensor<4>) -> Tensor<4>) -> Vec<Vec<f32>> {
+    let x = x.clone().require_grad();
+    let y = f(bn, x.clone());
+    let weights = random(y.dims(), 42, &y.device());
+    let grads = (y.clone() * weights).sum().backward();
+    let grad = |p: &Param<Tensor<1>>| values(p.val().grad(&grads).unwrap());
+    vec![
+        values(y),
+        values(x.grad(&grads).unwrap()),
+        grad(&bn.gamma),
+        grad(&bn.beta),
+        values(bn.running_mean.value()),
+        values(bn.running_var.value()),
+    ]
+}
+
+#[test]
+fn batch_norm_matches_burns_in_values_gradients_and_running_statistics() {
+    let device = autodiff();
+    // ResNet-20's first stage at a small batch, odd planes, one channel, a 1x1 plane.
+    for (i, shape) in [[6, 16, 8, 8], [3, 5, 7, 9], [4, 1, 5, 5], [9, 3, 1, 1]].into_iter().enumerate() {
+        let x = random(shape, 43 + i as u64, &device) + 1.5;
+        let fused = bn_value_and_grads(&bn_layer(shape[1], &device), &x, &|bn, x| fused::batch_norm(bn, x));
+        let reference = bn_value_and_grads(&bn_layer(shape[1], &device), &x, &|bn, x| bn.forward(x));
+        let parts = ["output", "dx", "dgamma", "dbeta", "running mean", "running var"];
+        for (what, (a, b)) in parts.iter().zip(fused.into_iter().zip(reference)) {
+            assert_close(&format!("case {i}: {what}"), a, b, 2e-5);
+        }
+    }
+    // Inference (no autodiff) and a frozen layer use the running statistics, as burn's forward.
+    let inner = Device::flex();
+    let bn = bn_layer(4, &inner);
+    let x = random([2, 4, 3, 3], 50, &inner);
+    assert_eq!(values(fused::batch_norm(&bn, x.clone())), values(bn.forward(x)));
+}
+
 #[test]
 fn conv2d_falls_back_to_burn_for_groups_and_dilation() {
     let device = autodiff();
@@ -267,8 +313,15 @@ fn all_ops_in_pool(threads: usize) -> Vec<Vec<f32>> {
         let (w, b) =
             (conv.weight.val().grad(&conv_grads).unwrap(), conv.bias.as_ref().unwrap().val().grad(&conv_grads));
         let conv_parts = [values(images.grad(&conv_grads).unwrap()), values(w), values(b.unwrap())];
+        let bn = bn_layer(4, &device);
+        let bn_grads = fused::batch_norm(&bn, images.clone().detach().require_grad()).powf_scalar(2.0).sum();
+        let bn_grads = bn_grads.backward();
+        let bn_parts = [values(bn.gamma.val().grad(&bn_grads).unwrap()), values(bn.running_var.value())];
         [vec![values(loss), values(x.grad(&grads).unwrap()), values(gamma.grad(&grads).unwrap())], conv_parts.to_vec()]
             .concat()
+            .into_iter()
+            .chain(bn_parts)
+            .collect()
     })
 }
 

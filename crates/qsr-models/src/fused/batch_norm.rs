@@ -1,0 +1,101 @@
+//! Batch normalization over `[n, c, spatial...]` in place of its layout: per-channel statistics read
+//! each image's channel plane where it lies, with no transposed copy (burn's default transposes the
+//! input to `[c, n * spatial]` for the statistics, forward and backward).
+//!
+//! Sums are per channel, in a fixed order and in f64: the same bits at any thread count.
+
+use rayon::prelude::*;
+
+/// `n` images of `c` channels of `plane` values each, `[n, c, plane]` row-major.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BnShape {
+    pub(crate) n: usize,
+    pub(crate) c: usize,
+    pub(crate) plane: usize,
+}
+
+impl BnShape {
+    /// Channel `ch`'s planes, one per image.
+    fn planes<'a>(&self, x: &'a [f32], ch: usize) -> impl Iterator<Item = &'a [f32]> {
+        let (c, plane) = (self.c, self.plane);
+        (0..self.n).map(move |i| &x[(i * c + ch) * plane..][..plane])
+    }
+
+    fn count(&self) -> f64 {
+        (self.n * self.plane) as f64
+    }
+}
+
+/// Per channel: the mean, then the biased variance (two passes, as burn's), `[mean.., variance..]`.
+pub(crate) fn stats(x: &[f32], s: BnShape) -> Vec<f32> {
+    let per_channel: Vec<(f32, f32)> = (0..s.c)
+        .into_par_iter()
+        .map(|ch| {
+            let sum: f64 = s.planes(x, ch).flatten().map(|&v| f64::from(v)).sum();
+            let mean = sum / s.count();
+            let squares: f64 = s.planes(x, ch).flatten().map(|&v| (f64::from(v) - mean).powi(2)).sum();
+            (mean as f32, (squares / s.count()) as f32)
+        })
+        .collect();
+    per_channel.iter().map(|p| p.0).chain(per_channel.iter().map(|p| p.1)).collect()
+}
+
+/// Each channel's `1 / sqrt(variance + epsilon)`.
+fn inv_std(stats: &[f32], c: usize, epsilon: f32) -> Vec<f32> {
+    stats[c..].iter().map(|&v| 1.0 / (v + epsilon).sqrt()).collect()
+}
+
+/// `(x - mean) / sqrt(variance + epsilon) * gamma + beta`, per channel.
+pub(crate) fn apply(x: &[f32], gamma: &[f32], beta: &[f32], stats: &[f32], epsilon: f32, s: BnShape) -> Vec<f32> {
+    let inv = inv_std(stats, s.c, epsilon);
+    let mut out = vec![0.0; x.len()];
+    out.par_chunks_mut(s.plane).zip(x.par_chunks(s.plane)).enumerate().for_each(|(i, (o, x))| {
+        let ch = i % s.c;
+        let (scale, mean) = (inv[ch] * gamma[ch], stats[ch]);
+        o.iter_mut().zip(x).for_each(|(o, &x)| *o = (x - mean) * scale + beta[ch]);
+    });
+    out
+}
+
+/// Gradients of the input, gamma and beta from the output's gradient `g`, the statistics being the
+/// batch's own (so the input's gradient includes their dependence on it).
+pub(crate) fn backward(
+    x: &[f32],
+    gamma: &[f32],
+    stats: &[f32],
+    epsilon: f32,
+    g: &[f32],
+    s: BnShape,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let inv = inv_std(stats, s.c, epsilon);
+    // Per channel: sum of g (beta's gradient) and of g * x_hat (gamma's).
+    let sums: Vec<(f32, f32)> = (0..s.c)
+        .into_par_iter()
+        .map(|ch| {
+            let (mean, inv) = (stats[ch], inv[ch]);
+            let (mut sum_g, mut sum_gx) = (0.0f64, 0.0f64);
+            for (gp, xp) in s.planes(g, ch).zip(s.planes(x, ch)) {
+                for (&g, &x) in gp.iter().zip(xp) {
+                    sum_g += f64::from(g);
+                    sum_gx += f64::from(g) * f64::from((x - mean) * inv);
+                }
+            }
+            (sum_g as f32, sum_gx as f32)
+        })
+        .collect();
+    let count = s.count() as f32;
+    let mut dx = vec![0.0; x.len()];
+    dx.par_chunks_mut(s.plane).zip(x.par_chunks(s.plane).zip(g.par_chunks(s.plane))).enumerate().for_each(
+        |(i, (d, (x, g)))| {
+            let ch = i % s.c;
+            let (mean, inv) = (stats[ch], inv[ch]);
+            let (mean_g, mean_gx, scale) = (sums[ch].0 / count, sums[ch].1 / count, gamma[ch] * inv);
+            for ((d, &x), &g) in d.iter_mut().zip(x).zip(g) {
+                *d = scale * (g - mean_g - (x - mean) * inv * mean_gx);
+            }
+        },
+    );
+    let dgamma = sums.iter().map(|p| p.1).collect();
+    let dbeta = sums.iter().map(|p| p.0).collect();
+    (dx, dgamma, dbeta)
+}
