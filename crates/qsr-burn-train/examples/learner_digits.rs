@@ -17,7 +17,6 @@ use std::sync::Arc;
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
-use burn::data::dataset::transform::ShuffledDataset;
 use burn::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
@@ -28,8 +27,8 @@ use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{
     ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep, TrainingStrategy,
 };
-use qsr_burn_train::{AveragerConfig, EpochLines, LocalTrainingStrategy, Replicas, SyncRule};
-use qsr_data::{ImageSet, Split};
+use qsr_burn_train::{AveragerConfig, EpochLines, LocalTrainingStrategy, Replicas, Shard, SyncRule};
+use qsr_data::{ImageSet, ShardedDataset, Split};
 use qsr_sched::{LrSchedule, Plan, ScheduleKind};
 
 const BATCH: usize = 16;
@@ -130,6 +129,7 @@ pub struct DigitBatch {
 }
 
 /// Flattens images of `dim` pixels with values up to `pixel_max`.
+#[derive(Clone)]
 struct DigitBatcher {
     dim: usize,
     pixel_max: f32,
@@ -193,16 +193,21 @@ pub fn run_task(
     // At least 1: burn's scheduler refuses 0 (the strategy then names an empty slice).
     let steps = (task.epochs * (task.train.labels.len() / k).div_ceil(BATCH)).max(1);
     let loader = |set: &ImageSet| {
-        // One fixed permutation first: the strategy cuts the loader into contiguous slices, which on data
-        // stored in class order would give each replica a few classes; `.shuffle` then reorders each slice.
-        let dataset = ShuffledDataset::new(InMemDataset::new(digits(set)), 11);
-        DataLoaderBuilder::new(DigitBatcher::of(set)).batch_size(BATCH).shuffle(7).build(dataset)
+        DataLoaderBuilder::new(DigitBatcher::of(set)).batch_size(BATCH).build(InMemDataset::new(digits(set)))
+    };
+    // Each replica's shard of the training set, strided over a fresh permutation every epoch.
+    let (train, batcher) = (Arc::new(InMemDataset::new(digits(&task.train))), DigitBatcher::of(&task.train));
+    let shards = move |s: Shard| {
+        let shard = ShardedDataset::new(Arc::clone(&train), s.rank, s.world_size, 7)?;
+        shard.set_epoch(s.epoch as u64);
+        Ok::<_, qsr_data::DataError>(DataLoaderBuilder::new(batcher.clone()).batch_size(BATCH).build(shard))
     };
     let optim = SgdConfig::new().with_momentum(Some(MomentumConfig::new().with_momentum(0.9))).init();
     let sched = CosineAnnealingLrSchedulerConfig::new(task.lr, task.schedule_steps.unwrap_or(steps)).init()?;
     let learner = Learner::new(Mlp::new(task.dims(), &device), optim, sched);
 
-    let strategy = Arc::new(LocalTrainingStrategy::new(replicas, AveragerConfig::new(rule.clone(), 0)));
+    let strategy =
+        Arc::new(LocalTrainingStrategy::new(replicas, AveragerConfig::new(rule.clone(), 0)).with_shards(shards));
     let dir = tempfile::tempdir()?;
     let result = SupervisedTraining::new(dir.path(), loader(&task.train), loader(&task.test))
         .metric_train_numeric(LossMetric::new())

@@ -22,7 +22,9 @@
 //! + println!("{} synchronizations", strategy.stats().map_or(0, |s| s.syncs));
 //! ```
 //!
-//! How the strategy treats data, events, checkpoints and stopping is on [`LocalTrainingStrategy`].
+//! How the strategy treats data (contiguous slices, or each rank's [`Shard`] through
+//! [`LocalTrainingStrategy::with_shards`]), events, checkpoints and stopping is on
+//! [`LocalTrainingStrategy`].
 //! This crate is the only one of qsr's that depends on burn-train.
 
 #![forbid(unsafe_code)]
@@ -37,4 +39,5 @@ mod strategy;
 pub use qsr_optim::{AveragerConfig, AveragerStats};
 pub use qsr_sched::SyncRule;
 pub use renderer::EpochLines;
+pub use shard::Shard;
 pub use strategy::{LocalTrainingStrategy, Replicas};

@@ -14,6 +14,8 @@ pub(crate) enum Failure {
     Training(TrainingError),
     /// qsr's: the collective or the averager.
     Qsr(OptimError),
+    /// The user's `with_shards` function could not build an epoch's loader.
+    Shard(String),
 }
 
 impl From<OptimError> for Failure {

@@ -1,10 +1,62 @@
-//! The training loader cut into equal slices, one per replica.
+//! Each replica's part of the training data: the Learner's loader cut into equal contiguous slices,
+//! or, with [`LocalTrainingStrategy::with_shards`](crate::LocalTrainingStrategy::with_shards), the
+//! loader the user's function builds for each rank and epoch.
 
-use burn::train::{LearnerModel, TrainLoader};
+use std::sync::Arc;
 
-/// `k` contiguous slices of `items / k` items each (the remainder dropped, so every replica takes the
-/// same number of steps), cut in rank order: thread and process launches give rank `r` the same slice.
-pub(crate) fn split<M: LearnerModel>(loader: &TrainLoader<M>, k: usize) -> Vec<TrainLoader<M>> {
-    let per = loader.num_items() / k.max(1);
-    (0..k).map(|r| loader.slice(r * per, (r + 1) * per)).collect()
+use burn::data::dataloader::DataLoader;
+use burn::train::{LearnerModel, TrainLoader, TrainStep};
+
+/// The part of the training data a replica asks for: rank `rank` of `world_size`, at `epoch` (burn-train
+/// counts epochs from 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    /// The replica's rank, `0..world_size`.
+    pub rank: usize,
+    /// The number of replicas in the job.
+    pub world_size: usize,
+    /// The epoch about to start.
+    pub epoch: usize,
+}
+
+/// A user's function from a [`Shard`] to its training loader of batches `I`.
+pub(crate) type BuildShard<I> = Arc<dyn Fn(Shard) -> Result<Arc<dyn DataLoader<I>>, String> + Send + Sync>;
+
+/// The batches a model `M` trains on.
+pub(crate) type Batch<M> = <M as TrainStep>::Input;
+
+/// Where one replica's batches come from.
+pub(crate) enum Source<M: LearnerModel> {
+    /// The same slice of the Learner's loader every epoch.
+    Slice(TrainLoader<M>),
+    /// A loader built for each epoch.
+    Built { build: BuildShard<Batch<M>>, rank: usize, world_size: usize },
+}
+
+impl<M: LearnerModel> Source<M> {
+    /// The loader of `epoch`.
+    pub(crate) fn for_epoch(&self, epoch: usize) -> Result<TrainLoader<M>, String> {
+        match self {
+            Source::Slice(loader) => Ok(loader.clone()),
+            Source::Built { build, rank, world_size } => build(Shard { rank: *rank, world_size: *world_size, epoch })
+                .map_err(|e| format!("the training loader of rank {rank} for epoch {epoch} (with_shards) failed: {e}")),
+        }
+    }
+}
+
+/// Each of `k` replicas' source, in rank order: `build`'s loaders, else `k` contiguous slices of `items /
+/// k` items each of `loader` (the remainder dropped, so every replica takes the same number of steps),
+/// cut in rank order so that thread and process launches give rank `r` the same slice.
+pub(crate) fn sources<M: LearnerModel>(
+    loader: &TrainLoader<M>,
+    k: usize,
+    build: Option<&BuildShard<Batch<M>>>,
+) -> Vec<Source<M>> {
+    match build {
+        Some(build) => (0..k).map(|rank| Source::Built { build: Arc::clone(build), rank, world_size: k }).collect(),
+        None => {
+            let per = loader.num_items() / k.max(1);
+            (0..k).map(|r| Source::Slice(loader.slice(r * per, (r + 1) * per))).collect()
+        }
+    }
 }

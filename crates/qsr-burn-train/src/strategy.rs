@@ -1,7 +1,9 @@
 //! [`LocalTrainingStrategy`]: burn-train's `SupervisedLearningStrategy` for local methods.
 
-use std::sync::{Mutex, PoisonError};
+use std::any::Any;
+use std::sync::{Arc, Mutex, PoisonError};
 
+use burn::data::dataloader::DataLoader;
 use burn::tensor::Device;
 use burn::train::{
     Interrupter, Learner, LearnerModel, SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader,
@@ -12,6 +14,7 @@ use qsr_optim::{Averager, AveragerConfig, AveragerStats, OptimError};
 
 use crate::replica::{Failure, Replica};
 use crate::report::Reporter;
+use crate::shard::{Batch, BuildShard, Shard, Source};
 
 /// Where a [`LocalTrainingStrategy`]'s replicas run.
 #[derive(Debug, Clone)]
@@ -31,12 +34,13 @@ pub enum Replicas {
 ///
 /// What it does with the rest of burn-train (each choice because replicas must call collectives at
 /// the same steps):
-/// - **Data**: the training loader is cut into K equal contiguous slices (burn's `DataLoader::slice`,
-///   the remainder of `items / K` dropped so every replica takes the same number of steps): a loader
-///   holds no dataset the strategy could stride over. On data stored in class order, shuffle the
-///   dataset once before building the loader (burn's `ShuffledDataset::new(dataset, seed)`), or each replica
-///   trains on a few classes; the loader's `.shuffle(seed)` only reorders each slice per epoch. Outside
-///   the Learner, `qsr_data::ShardedDataset` strides each rank over a fresh permutation every epoch.
+/// - **Data**: with [`with_shards`](Self::with_shards), each replica trains on the loader the user's
+///   function builds for its rank and epoch (over `qsr_data::ShardedDataset`: every rank strided over
+///   a fresh permutation of the whole dataset each epoch, as `qsr train` samples). Without it, the
+///   Learner's training loader is cut into K equal contiguous slices (burn's `DataLoader::slice`, the
+///   remainder of `items / K` dropped so every replica takes the same number of steps): a loader holds
+///   no dataset the strategy could stride over, so on data stored in class order each replica would
+///   train on a few classes; the loader's `.shuffle(seed)` only reorders each slice.
 /// - **Events and metrics**: rank 0 reports its own replica's training items and, after each epoch,
 ///   validates its replica's current parameters; other ranks train silently. The model the Learner
 ///   returns is the average of all replicas after the last step.
@@ -56,6 +60,9 @@ pub struct LocalTrainingStrategy {
     replicas: Replicas,
     config: AveragerConfig,
     stats: Mutex<Option<AveragerStats>>,
+    /// A `BuildShard<I>` from [`LocalTrainingStrategy::with_shards`] (typed when `fit` knows the
+    /// model's batch type `I`).
+    shards: Option<Arc<dyn Any + Send + Sync>>,
 }
 
 /// What every replica follows, from [`TrainingComponents`] (shared by reference with the threads).
@@ -70,7 +77,45 @@ impl LocalTrainingStrategy {
     /// before its switch average gradients before the Learner's optimizer step, the others parameters
     /// after it).
     pub fn new(replicas: Replicas, config: AveragerConfig) -> Self {
-        Self { replicas, config, stats: Mutex::new(None) }
+        Self { replicas, config, stats: Mutex::new(None), shards: None }
+    }
+
+    /// Each replica trains on the loader `build` makes for its [`Shard`] (rank, world size, epoch) at the
+    /// start of every epoch, instead of a contiguous slice of the Learner's loader: e.g. a DataLoader
+    /// over `qsr_data::ShardedDataset` at that epoch, which strides every rank over a fresh permutation
+    /// of the whole dataset (the slices give each replica a few classes of class-ordered data). Every
+    /// rank's loader must hold the same number of items. The Learner's own training loader is then not
+    /// read. (`examples/learner_digits.rs` is a complete program.)
+    ///
+    /// ```text
+    /// let data = Arc::new(InMemDataset::new(items));
+    /// let strategy = LocalTrainingStrategy::new(replicas, config).with_shards(move |s: Shard| {
+    ///     let shard = ShardedDataset::new(Arc::clone(&data), s.rank, s.world_size, SEED)?;
+    ///     shard.set_epoch(s.epoch as u64);
+    ///     Ok::<_, qsr_data::DataError>(DataLoaderBuilder::new(MyBatcher).batch_size(32).shuffle(SEED).build(shard))
+    /// });
+    /// ```
+    pub fn with_shards<I, E>(
+        mut self,
+        build: impl Fn(Shard) -> Result<Arc<dyn DataLoader<I>>, E> + Send + Sync + 'static,
+    ) -> Self
+    where
+        I: 'static,
+        E: std::fmt::Display,
+    {
+        let build: BuildShard<I> = Arc::new(move |s| build(s).map_err(|e| e.to_string()));
+        self.shards = Some(Arc::new(build));
+        self
+    }
+
+    /// The function of [`with_shards`](Self::with_shards), for model `M`; an error when it builds loaders
+    /// of another batch type than `M` trains on.
+    fn build_shard<M: LearnerModel + 'static>(&self) -> Result<Option<BuildShard<Batch<M>>>, String> {
+        let Some(any) = &self.shards else {
+            return Ok(None);
+        };
+        let build = any.downcast_ref::<BuildShard<Batch<M>>>().cloned();
+        build.map(Some).ok_or_else(|| "with_shards builds loaders of another batch type than the model's".into())
     }
 
     /// The averager's totals (steps, synchronizations, traffic) of this process's first replica (rank 0
@@ -79,14 +124,20 @@ impl LocalTrainingStrategy {
         *self.stats.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn fit_threads<M: LearnerModel>(
+    fn fit_threads<M: LearnerModel + 'static>(
         &self,
         devices: &[Device],
         run: Run,
         (learner, train): (Learner<M>, TrainLoader<M>),
         reporter: Reporter<M>,
     ) -> (M, SupervisedTrainingEventProcessor<M>) {
-        let shards = crate::shard::split::<M>(&train, devices.len());
+        let shards = match self.build_shard::<M>() {
+            Ok(build) => crate::shard::sources::<M>(&train, devices.len(), build.as_ref()),
+            Err(message) => {
+                run.interrupter.fail(failure(0, message));
+                return (learner.model(), reporter.into_processor());
+            }
+        };
         let comms = InProcessGroup::new(devices.len());
         let run = &run;
         std::thread::scope(|s| {
@@ -113,7 +164,7 @@ impl LocalTrainingStrategy {
         })
     }
 
-    fn fit_launched<M: LearnerModel>(
+    fn fit_launched<M: LearnerModel + 'static>(
         &self,
         device: &Device,
         run: Run,
@@ -128,7 +179,13 @@ impl LocalTrainingStrategy {
             }
         };
         let (rank, k) = (comm.rank(), comm.world_size());
-        let shard = crate::shard::split::<M>(&train, k).swap_remove(rank);
+        let shard = match self.build_shard::<M>() {
+            Ok(build) => crate::shard::sources::<M>(&train, k, build.as_ref()).swap_remove(rank),
+            Err(message) => {
+                run.interrupter.fail(failure(rank, message));
+                return (learner.model(), reporter.into_processor());
+            }
+        };
         if rank == 0 {
             return self.rank0(&run, learner, comm, shard, device, reporter);
         }
@@ -148,7 +205,7 @@ impl LocalTrainingStrategy {
         run: &Run,
         learner: Learner<M>,
         comm: Box<dyn Collective>,
-        shard: TrainLoader<M>,
+        shard: Source<M>,
         device: &Device,
         mut reporter: Reporter<M>,
     ) -> (M, SupervisedTrainingEventProcessor<M>) {
@@ -169,11 +226,11 @@ impl LocalTrainingStrategy {
         run: &Run,
         mut learner: Learner<M>,
         mut comm: Box<dyn Collective>,
-        shard: TrainLoader<M>,
+        source: Source<M>,
         device: &Device,
         (mut reporter, record_stats): (Option<&mut Reporter<M>>, bool),
     ) -> Result<M, String> {
-        let shard = shard.to_device(device);
+        let shard = source.for_epoch(*run.epochs.start())?.to_device(device);
         learner.fork(device);
         // Every rank must take the same number of steps: check what decides it before the first one.
         let settings = serde_json::json!({
@@ -191,7 +248,7 @@ impl LocalTrainingStrategy {
         let (avg, model) = Averager::new(learner.model(), self.config.clone(), comm).map_err(|e| e.to_string())?;
         learner.load_model(model.into_record());
         let mut replica = Replica { learner, avg, train: shard, grad_accumulation: run.grad_accumulation };
-        let result = self.epochs(run, &mut replica, &mut reporter);
+        let result = self.epochs(run, &mut replica, &mut reporter, (&source, device));
         if result.is_err() {
             // The run ends on an error it reports; the last round's steps are not lost by mistake.
             replica.avg.abandon();
@@ -206,6 +263,7 @@ impl LocalTrainingStrategy {
                 Ok(replica.learner.model())
             }
             Err(Failure::Qsr(e)) => Err(e.to_string()),
+            Err(Failure::Shard(message)) => Err(message),
         }
     }
 
@@ -215,8 +273,12 @@ impl LocalTrainingStrategy {
         run: &Run,
         replica: &mut Replica<M>,
         reporter: &mut Option<&mut Reporter<M>>,
+        (source, device): (&Source<M>, &Device),
     ) -> Result<(), Failure> {
         for epoch in run.epochs.clone() {
+            if epoch != *run.epochs.start() && matches!(source, Source::Built { .. }) {
+                replica.train = source.for_epoch(epoch).map_err(Failure::Shard)?.to_device(device);
+            }
             if let Some(r) = reporter.as_deref_mut() {
                 r.start_epoch(epoch, replica.train.num_items());
                 replica.train_epoch(|item| r.item(item))?;
@@ -246,7 +308,7 @@ impl LocalTrainingStrategy {
     }
 }
 
-impl<M: LearnerModel> SupervisedLearningStrategy<M> for LocalTrainingStrategy {
+impl<M: LearnerModel + 'static> SupervisedLearningStrategy<M> for LocalTrainingStrategy {
     fn fit(
         &self,
         components: TrainingComponents<M>,

@@ -156,7 +156,27 @@ fn fewer_training_items_than_replicas_is_an_error_not_an_empty_run() {
     let Err(e) = example::run_task(&task, threads(4), 4, SyncRule::Constant { h: 2 }) else {
         panic!("3 items for 4 replicas")
     };
-    assert!(e.to_string().contains("fewer training items than the 4 replicas"), "{e}");
+    assert!(e.to_string().contains("3 items cannot give each of 4 ranks an item"), "{e}");
+}
+
+/// Regression (a user's trial, and the strategy's own contiguous slices): on data stored class by
+/// class, each replica trained on a few classes; `with_shards` over `ShardedDataset` strides every
+/// replica over the whole dataset, so the run learns every class.
+#[test]
+fn class_ordered_data_through_shards_learns_every_class() {
+    let _turn = serial();
+    let digits = qsr_data::digits(qsr_data::Split::Train);
+    let mut order: Vec<usize> = (0..digits.labels.len()).collect();
+    order.sort_by_key(|&i| digits.labels[i]);
+    let images = order.iter().flat_map(|&i| digits.images[i * 64..(i + 1) * 64].to_vec()).collect();
+    let labels = order.iter().map(|&i| digits.labels[i]).collect();
+    let train =
+        qsr_data::ImageSet::new("sorted-digits", images, labels, (1, 8, 8), 10, 16, false, "sorted-digits").unwrap();
+    let mut task = example::Task::digits();
+    task.train = train;
+    let out = example::run_task(&task, threads(4), 4, SyncRule::Qsr { h_base: 2, alpha: 0.06 }).unwrap();
+    assert_eq!(out.syncs, out.planned);
+    assert!(out.accuracy >= 0.85, "test accuracy {} on class-ordered data", out.accuracy);
 }
 
 /// Regression (a user's trial): a scheduler sized for the whole loader (as for one device) made 40
