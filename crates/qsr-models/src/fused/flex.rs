@@ -1,6 +1,7 @@
 //! [`FusedOps`] on flex (the kernels on the tensors' buffers) and on autodiff over flex (one graph
 //! node per op, with the backward in `kernels`).
 
+use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
@@ -234,12 +235,28 @@ impl Backward<Flex, 3> for BatchNormBackward {
         let s = bn_shape(&x);
         let (dx, dgamma, dbeta) =
             batch_norm::backward(x.storage(), gamma.storage(), stats.storage(), epsilon, g.storage(), s);
-        for (node, grad, shape) in
-            [(x_node, dx, shape(&x)), (gamma_node, dgamma, shape(&gamma)), (beta_node, dbeta, shape(&gamma))]
-        {
-            if let Some(node) = node {
-                grads.register::<Flex>(node.id, from_vec(grad, shape));
-            }
+        let gamma_shape = shape(&gamma);
+        register_norm_grads(
+            grads,
+            [x_node, gamma_node, beta_node].map(|n| n.map(|n| n.id)),
+            [dx, dgamma, dbeta],
+            [shape(&x), gamma_shape],
+        );
+    }
+}
+
+/// Registers a normalization's gradients of the input, gamma and beta (shaped as gamma) for the
+/// parents that are tracked.
+fn register_norm_grads(
+    grads: &mut Gradients,
+    nodes: [Option<NodeId>; 3],
+    values: [Vec<f32>; 3],
+    [x_shape, gamma_shape]: [Shape; 2],
+) {
+    let shapes = [x_shape, gamma_shape.clone(), gamma_shape];
+    for ((node, grad), shape) in nodes.into_iter().zip(values).zip(shapes) {
+        if let Some(id) = node {
+            grads.register::<Flex>(id, from_vec(grad, shape));
         }
     }
 }
@@ -308,13 +325,13 @@ impl Backward<Flex, 3> for LayerNormBackward {
         let g = contiguous(&grads.consume::<Flex>(&ops.node));
         let (x, gamma, stats) = ops.state;
         let (dx, dgamma, dbeta) = kernels::layer_norm_backward(x.storage(), gamma.storage(), &stats, g.storage());
-        for (node, grad, shape) in
-            [(x_node, dx, shape(&x)), (gamma_node, dgamma, shape(&gamma)), (beta_node, dbeta, shape(&gamma))]
-        {
-            if let Some(node) = node {
-                grads.register::<Flex>(node.id, from_vec(grad, shape));
-            }
-        }
+        let gamma_shape = shape(&gamma);
+        register_norm_grads(
+            grads,
+            [x_node, gamma_node, beta_node].map(|n| n.map(|n| n.id)),
+            [dx, dgamma, dbeta],
+            [shape(&x), gamma_shape],
+        );
     }
 }
 
