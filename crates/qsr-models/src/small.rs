@@ -80,8 +80,8 @@ impl SmallCnn {
 
     /// Logits `[N, classes]` for images of the size the model was built for.
     pub fn forward(&self, x: Tensor<4>) -> Tensor<2> {
-        let x = self.pool.forward(self.unit1.forward(x));
-        let x = self.pool.forward(self.unit2.forward(x));
+        let x = fused::max_pool2d(&self.pool, self.unit1.forward(x));
+        let x = fused::max_pool2d(&self.pool, self.unit2.forward(x));
         let [n, c, h, w] = x.dims();
         self.fc.forward(x.reshape([n, c * h * w]))
     }

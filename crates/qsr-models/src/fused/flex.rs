@@ -15,6 +15,7 @@ use super::FusedOps;
 use super::batch_norm::{self, BnShape};
 use super::conv::{self, ConvShape};
 use super::kernels::{self, Heads};
+use super::pool::{self, PoolShape};
 
 /// `tensor` as one contiguous `f32` buffer covering exactly its elements.
 fn contiguous(tensor: &FlexTensor) -> FlexTensor {
@@ -139,6 +140,16 @@ fn conv2d_forward(
     (from_vec(out, Shape::from([s.n, s.cout, ho, wo])), Conv { x, weight, shape: s })
 }
 
+/// The pooled output of `x` `[n, c, h, w]`, each window's argmax, and the pooling's geometry.
+fn max_pool_forward(x: &FlexTensor, kernel: [usize; 2]) -> (FlexTensor, (Vec<u32>, PoolShape)) {
+    let x = contiguous(x);
+    let [n, c, h, w] = [0, 1, 2, 3].map(|i| shape(&x)[i]);
+    let s = PoolShape { planes: n * c, h, w, k: kernel };
+    let (out, arg) = pool::max_pool(x.storage(), s);
+    let [ho, wo] = s.out_hw();
+    (from_vec(out, Shape::from([n, c, ho, wo])), (arg, s))
+}
+
 /// The layout of `x` `[n, c, ..]` as batch norm sees it.
 fn bn_shape(x: &FlexTensor) -> BnShape {
     let dims = shape(x);
@@ -211,6 +222,10 @@ impl FusedOps for Flex {
         conv2d_forward(&x, &weight, &bias, stride, padding).0
     }
 
+    fn max_pool2d(x: FlexTensor, kernel: [usize; 2]) -> FlexTensor {
+        max_pool_forward(&x, kernel).0
+    }
+
     fn batch_norm_stats(x: FlexTensor) -> FlexTensor {
         let x = contiguous(&x);
         let s = bn_shape(&x);
@@ -258,6 +273,24 @@ fn register_norm_grads(
         if let Some(id) = node {
             grads.register::<Flex>(id, from_vec(grad, shape));
         }
+    }
+}
+
+#[derive(Debug)]
+struct MaxPoolBackward;
+
+impl Backward<Flex, 1> for MaxPoolBackward {
+    /// Each window's argmax within its plane, and the geometry.
+    type State = (Vec<u32>, PoolShape);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [parent] = ops.parents;
+        let g = contiguous(&grads.consume::<Flex>(&ops.node));
+        let Some(parent) = parent else { return };
+        let (arg, s) = ops.state;
+        let dx = pool::max_pool_backward(g.storage(), &arg, s);
+        let n = shape(&g)[0];
+        grads.register::<Flex>(parent.id, from_vec(dx, Shape::from([n, s.planes / n.max(1), s.h, s.w])));
     }
 }
 
@@ -462,6 +495,15 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
         let (x, weight, bias) = (x.into_primitive(), weight.into_primitive(), bias.into_primitive());
         let (out, saved) = conv2d_forward(&x, &weight, &bias, stride, padding);
         match Conv2dBackward.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(saved, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
+    fn max_pool2d(x: FloatTensor<Self>, kernel: [usize; 2]) -> FloatTensor<Self> {
+        let node = x.node();
+        let (out, saved) = max_pool_forward(&x.into_primitive(), kernel);
+        match MaxPoolBackward.prepare::<C>([node]).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish(saved, out),
             OpsKind::UnTracked(prep) => prep.finish(out),
         }

@@ -1,5 +1,5 @@
 //! Fused training ops: causal attention, causal softmax, layer norm, cross-entropy, GELU, 2-D
-//! convolution and batch norm, each one graph node with its own backward on burn's flex (CPU) backend, spread over the
+//! convolution, batch norm and max pooling, each one graph node with its own backward on burn's flex (CPU) backend, spread over the
 //! rayon pool it runs in.
 //!
 //! burn's autodiff builds these from 5-10 small ops, each a graph node and a new buffer; here each is
@@ -23,11 +23,13 @@ mod batch_norm;
 mod conv;
 mod flex;
 mod kernels;
+mod pool;
 
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Dispatch, backend_extension};
 use burn::nn::conv::Conv2d;
 use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::pool::MaxPool2d;
 use burn::nn::{BatchNorm, PaddingConfig2d};
 use burn::tensor::{Bool, DType, Device, Int, Tensor};
 
@@ -57,6 +59,8 @@ pub(crate) trait FusedOps: burn::backend::Backend {
         stride: [usize; 2],
         padding: [usize; 4],
     ) -> FloatTensor<Self>;
+    /// See [`max_pool2d`]: windows of `kernel` at stride `kernel`, no padding, `x` `[n, c, h, w]`.
+    fn max_pool2d(x: FloatTensor<Self>, kernel: [usize; 2]) -> FloatTensor<Self>;
     /// Per-channel mean and biased variance of `x` `[n, c, ..]`, as `[2, c]`; not differentiated
     /// (its dependence on `x` is in [`FusedOps::batch_norm`]'s backward).
     fn batch_norm_stats(x: FloatTensor<Self>) -> FloatTensor<Self>;
@@ -213,4 +217,19 @@ pub fn batch_norm(bn: &BatchNorm, x: Tensor<4>) -> Tensor<4> {
     running(&bn.running_mean, mean);
     running(&bn.running_var, var);
     Tensor::from_dispatch(out)
+}
+
+/// `pool.forward(x)` for a burn [`MaxPool2d`] over images `[n, c, h, w]`, fused for non-overlapping
+/// windows (stride = kernel, no padding, dilation 1, floor mode, windows that fit): one graph node that
+/// keeps each window's argmax for its backward. Otherwise, and on other devices or dtypes, this is
+/// `pool.forward(x)`.
+pub fn max_pool2d(pool: &MaxPool2d, x: Tensor<4>) -> Tensor<4> {
+    let [_, _, h, w] = x.dims();
+    let k = pool.kernel_size;
+    let plain = pool.stride == k && pool.dilation == [1, 1] && !pool.ceil_mode;
+    let unpadded = matches!(pool.padding, PaddingConfig2d::Valid | PaddingConfig2d::Explicit(0, 0, 0, 0));
+    if !(fused(&x) && plain && unpadded && k[0] > 0 && k[1] > 0 && h >= k[0] && w >= k[1]) {
+        return pool.forward(x);
+    }
+    Tensor::from_dispatch(<Dispatch as FusedOps>::max_pool2d(x.into_dispatch(), k))
 }

@@ -5,6 +5,7 @@
 use burn::module::Param;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::pool::MaxPool2dConfig;
 use burn::nn::{BatchNorm, BatchNormConfig, PaddingConfig2d};
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
@@ -264,6 +265,27 @@ fn batch_norm_matches_burns_in_values_gradients_and_running_statistics() {
     let bn = bn_layer(4, &inner);
     let x = random([2, 4, 3, 3], 50, &inner);
     assert_eq!(values(fused::batch_norm(&bn, x.clone())), values(bn.forward(x)));
+}
+
+#[test]
+fn max_pool2d_matches_burns_in_values_and_gradients() {
+    let device = autodiff();
+    // The CNN's 2x2 on 8x8 and on 7x7 (floor: the last row and column dropped), a 3x3 window, a 1x2.
+    let cases = [([5, 3, 8, 8], [2, 2]), ([2, 4, 7, 7], [2, 2]), ([3, 2, 9, 10], [3, 3]), ([2, 2, 4, 6], [1, 2])];
+    for (i, (shape, kernel)) in cases.into_iter().enumerate() {
+        let pool = MaxPool2dConfig::new(kernel).init();
+        let x = random(shape, 60 + i as u64, &device);
+        let out_dims = pool.forward(x.clone()).dims();
+        let weights = random(out_dims, 61, &device);
+        let fused = value_and_grad(&x, &weights, &|x| fused::max_pool2d(&pool, x));
+        let reference = value_and_grad(&x, &weights, &|x| pool.forward(x));
+        assert_eq!(fused.0, reference.0, "case {i}: values");
+        assert_eq!(fused.1, reference.1, "case {i}: gradients");
+    }
+    // Overlapping windows (stride 1) are burn's.
+    let overlapping = MaxPool2dConfig::new([2, 2]).with_strides([1, 1]).init();
+    let x = random([1, 1, 4, 4], 62, &device);
+    assert_eq!(values(fused::max_pool2d(&overlapping, x.clone())), values(overlapping.forward(x)));
 }
 
 #[test]
