@@ -139,10 +139,13 @@ impl Gpt {
         for block in &self.h {
             x = block.forward(x);
         }
-        let x = norm(&self.ln_f, x);
-        // The tied head: logits = x wte^T.
-        let head = self.wte.weight.val().transpose().unsqueeze::<3>();
-        Ok(x.matmul(head))
+        let [b, t, width] = x.dims();
+        let x = norm(&self.ln_f, x).reshape([b * t, width]);
+        // The tied head: logits = x wte^T, over all b t rows at once (see `fused::linear`).
+        let head = self.wte.weight.val().transpose();
+        let logits = x.matmul(head);
+        let vocab = logits.dims()[1];
+        Ok(logits.reshape([b, t, vocab]))
     }
 }
 
@@ -205,10 +208,10 @@ impl CausalSelfAttention {
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         let [b, t, w] = x.dims();
         let (h, d) = (self.heads, w / self.heads);
-        let qkv = self.c_attn.forward(x);
+        let qkv = fused::linear(&self.c_attn, x);
         if self.attn_dropout.prob == 0.0 {
             // Heads split, scores, causal softmax, weights x v and heads merged: one fused op.
-            return self.resid_dropout.forward(self.c_proj.forward(fused::causal_attention(qkv, h)));
+            return self.resid_dropout.forward(fused::linear(&self.c_proj, fused::causal_attention(qkv, h)));
         }
         // 'b t (h d) -> b h t d' for each of q, k, v.
         let split = |i: usize| qkv.clone().narrow(2, i * w, w).reshape([b, t, h, d]).swap_dims(1, 2);
@@ -217,7 +220,7 @@ impl CausalSelfAttention {
         let weights = fused::causal_softmax(q.matmul(k.swap_dims(2, 3)), (d as f64).powf(-0.5));
         let weights = self.attn_dropout.forward(weights);
         let out = weights.matmul(v).swap_dims(1, 2).reshape([b, t, w]);
-        self.resid_dropout.forward(self.c_proj.forward(out))
+        self.resid_dropout.forward(fused::linear(&self.c_proj, out))
     }
 }
 
@@ -243,7 +246,7 @@ impl GptMlp {
     }
 
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        self.dropout.forward(self.c_proj.forward(fused::gelu(self.c_fc.forward(x))))
+        self.dropout.forward(fused::linear(&self.c_proj, fused::gelu(fused::linear(&self.c_fc, x))))
     }
 }
 

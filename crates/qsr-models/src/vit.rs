@@ -15,6 +15,7 @@
 //! biases U(±1/sqrt(fan_in)) (burn's default `Linear` init is the same), LayerNorm gamma 1 beta 0,
 //! eps 1e-5.
 
+use crate::fused;
 use burn::module::Module;
 use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::{gelu, softmax};
@@ -115,14 +116,14 @@ impl Attention {
         let [b, n, _] = x.dims();
         let (h, d) = (self.heads, self.dim_head);
         let inner = h * d;
-        let qkv = self.to_qkv.forward(self.norm.forward(x));
+        let qkv = fused::linear(&self.to_qkv, self.norm.forward(x));
         // qkv.chunk(3, dim=-1), then 'b n (h d) -> b h n d'
         let split = |i: usize| qkv.clone().narrow(2, i * inner, inner).reshape([b, n, h, d]).swap_dims(1, 2);
         let (q, k, v) = (split(0), split(1), split(2));
         let dots = q.matmul(k.swap_dims(2, 3)) * (d as f64).powf(-0.5);
         let attn = softmax(dots, 3);
         let out = attn.matmul(v).swap_dims(1, 2).reshape([b, n, h * d]);
-        self.to_out.forward(out)
+        fused::linear(&self.to_out, out)
     }
 }
 
@@ -147,7 +148,7 @@ impl FeedForward {
     }
 
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        self.fc2.forward(gelu(self.fc1.forward(self.norm.forward(x))))
+        fused::linear(&self.fc2, gelu(fused::linear(&self.fc1, self.norm.forward(x))))
     }
 }
 
@@ -225,7 +226,7 @@ impl SimpleVit {
     /// Logits `[N, classes]` for images `[N, C, H, W]` of the size the model was built for.
     pub fn forward(&self, x: Tensor<4>) -> Tensor<2> {
         let x = self.patchify(x);
-        let x = self.patch_norm2.forward(self.patch_linear.forward(self.patch_norm1.forward(x)));
+        let x = self.patch_norm2.forward(fused::linear(&self.patch_linear, self.patch_norm1.forward(x)));
         let [b, n, dim] = x.dims();
         let pos = self.pos_embedding.clone().to_device(&x.device()).reshape([1, n, dim]);
         let mut x = x + pos;

@@ -10,6 +10,8 @@ use std::borrow::Cow;
 
 use rayon::prelude::*;
 
+use super::gemm::{Threads, gemm};
+
 /// Columns (output positions over the block's images) a block aims for: enough for gemm to run wide.
 const COLUMNS_PER_BLOCK: usize = 256;
 
@@ -60,50 +62,6 @@ impl ConvShape {
 
     fn out_len(&self) -> usize {
         self.cout * self.positions()
-    }
-}
-
-/// `dst = (read_dst ? dst : 0) + lhs x rhs` on one thread, for `m x k` by `k x n` matrices, each given
-/// with its (row, column) strides. gemm packs whichever operand the microkernel cannot read in place; a
-/// destination laid out column-major (`[1, m]`) keeps it from transposing the problem, which decides
-/// which operand that is.
-#[allow(unsafe_code)]
-fn gemm(
-    [m, n, k]: [usize; 3],
-    (dst, dst_strides): (&mut [f32], [usize; 2]),
-    read_dst: bool,
-    lhs: (&[f32], [usize; 2]),
-    rhs: (&[f32], [usize; 2]),
-) {
-    let last = |[rs, cs]: [usize; 2], rows: usize, cols: usize| (rows - 1) * rs + (cols - 1) * cs;
-    if m * n == 0 {
-        return;
-    }
-    assert!(last(dst_strides, m, n) < dst.len(), "gemm: destination too short");
-    assert!(k == 0 || (last(lhs.1, m, k) < lhs.0.len() && last(rhs.1, k, n) < rhs.0.len()));
-    // SAFETY: the asserts above keep every index gemm reads or writes inside the slices.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            dst_strides[1] as isize,
-            dst_strides[0] as isize,
-            read_dst,
-            lhs.0.as_ptr(),
-            lhs.1[1] as isize,
-            lhs.1[0] as isize,
-            rhs.0.as_ptr(),
-            rhs.1[1] as isize,
-            rhs.1[0] as isize,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
     }
 }
 
@@ -209,7 +167,14 @@ fn conv2d_block(out: &mut [f32], x: &[f32], weight: &[f32], bias: &[f32], s: &Co
     let cols = im2col(x, s, images);
     let columns = images * p;
     let mut grouped: Vec<f32> = bias.iter().flat_map(|&b| std::iter::repeat_n(b, columns)).collect();
-    gemm([s.cout, columns, taps], (&mut grouped, [columns, 1]), true, (weight, [taps, 1]), (&cols, [columns, 1]));
+    gemm(
+        Threads::One,
+        [s.cout, columns, taps],
+        (&mut grouped, [columns, 1]),
+        true,
+        (weight, [taps, 1]),
+        (&cols, [columns, 1]),
+    );
     out.copy_from_slice(&regroup(&grouped, images, s.cout, p, true));
 }
 
@@ -260,11 +225,18 @@ fn conv2d_backward_group(dx: &mut [f32], x: &[f32], g: &[f32], weight: &[f32], s
         if !dx.is_empty() {
             let mut d_cols = vec![0.0; taps * columns];
             let d = (&mut d_cols[..], [columns, 1]);
-            gemm([taps, columns, s.cout], d, false, (weight, [1, taps]), (&grouped, [columns, 1]));
+            gemm(Threads::One, [taps, columns, s.cout], d, false, (weight, [1, taps]), (&grouped, [columns, 1]));
             col2im(&d_cols, s, images, &mut dx[first * per_block * s.in_len()..][..images * s.in_len()]);
         }
         let cols = im2col(x, s, images);
-        gemm([s.cout, taps, columns], (&mut dw_t, [1, s.cout]), true, (&grouped, [columns, 1]), (&cols, [1, columns]));
+        gemm(
+            Threads::One,
+            [s.cout, taps, columns],
+            (&mut dw_t, [1, s.cout]),
+            true,
+            (&grouped, [columns, 1]),
+            (&cols, [1, columns]),
+        );
         for (d, row) in db.iter_mut().zip(grouped.chunks(columns)) {
             *d += row.iter().sum::<f32>();
         }

@@ -15,6 +15,7 @@ use super::FusedOps;
 use super::batch_norm::{self, BnShape};
 use super::conv::{self, ConvShape};
 use super::kernels::{self, Heads};
+use super::linear::{self, LinearShape};
 use super::pool::{self, PoolShape};
 
 /// `tensor` as one contiguous `f32` buffer covering exactly its elements.
@@ -140,6 +141,14 @@ fn conv2d_forward(
     (from_vec(out, Shape::from([s.n, s.cout, ho, wo])), Conv { x, weight, shape: s })
 }
 
+/// The layer's output `[rows, d_output]` and its contiguous input and weight (what the backward needs).
+fn linear_forward(x: &FlexTensor, weight: &FlexTensor, bias: &FlexTensor) -> (FlexTensor, LinearState) {
+    let (x, weight, bias) = (contiguous(x), contiguous(weight), contiguous(bias));
+    let s = LinearShape { rows: shape(&x)[0], d_input: shape(&x)[1], d_output: shape(&weight)[1] };
+    let y = linear::forward(x.storage(), weight.storage(), bias.storage(), s);
+    (from_vec(y, Shape::from([s.rows, s.d_output])), LinearState { x, weight, shape: s })
+}
+
 /// The pooled output of `x` `[n, c, h, w]`, each window's argmax, and the pooling's geometry.
 fn max_pool_forward(x: &FlexTensor, kernel: [usize; 2]) -> (FlexTensor, (Vec<u32>, PoolShape)) {
     let x = contiguous(x);
@@ -187,6 +196,14 @@ struct Conv {
     shape: ConvShape,
 }
 
+/// What the linear layer's backward needs: the contiguous input and weight, and the geometry.
+#[derive(Clone, Debug)]
+struct LinearState {
+    x: FlexTensor,
+    weight: FlexTensor,
+    shape: LinearShape,
+}
+
 impl FusedOps for Flex {
     fn causal_softmax(scores: FlexTensor, scale: f32) -> FlexTensor {
         let scores = contiguous(&scores);
@@ -210,6 +227,10 @@ impl FusedOps for Flex {
 
     fn causal_attention(qkv: FlexTensor, heads: usize) -> FlexTensor {
         attention_forward(&qkv, heads).0
+    }
+
+    fn linear(x: FlexTensor, weight: FlexTensor, bias: FlexTensor) -> FlexTensor {
+        linear_forward(&x, &weight, &bias).0
     }
 
     fn conv2d(
@@ -325,6 +346,29 @@ impl Backward<Flex, 3> for Conv2dBackward {
         }
         if let Some(node) = bias_node {
             grads.register::<Flex>(node.id, from_vec(db, Shape::from([s.cout])));
+        }
+    }
+}
+
+#[derive(Debug)]
+struct LinearBackward;
+
+impl Backward<Flex, 3> for LinearBackward {
+    type State = LinearState;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [x_node, weight_node, bias_node] = ops.parents;
+        let g = contiguous(&grads.consume::<Flex>(&ops.node));
+        let LinearState { x, weight, shape: s } = ops.state;
+        let (dx, dw, db) = linear::backward(x.storage(), weight.storage(), g.storage(), s, x_node.is_some());
+        if let (Some(node), Some(dx)) = (x_node, dx) {
+            grads.register::<Flex>(node.id, from_vec(dx, shape(&x)));
+        }
+        if let Some(node) = weight_node {
+            grads.register::<Flex>(node.id, from_vec(dw, shape(&weight)));
+        }
+        if let Some(node) = bias_node {
+            grads.register::<Flex>(node.id, from_vec(db, Shape::from([s.d_output])));
         }
     }
 }
@@ -481,6 +525,16 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
                 prep.finish(saved, out)
             }
             OpsKind::UnTracked(prep) => prep.finish(attention_forward(&qkv.into_primitive(), heads).0),
+        }
+    }
+
+    fn linear(x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
+        let nodes = [x.node(), weight.node(), bias.node()];
+        let (x, weight, bias) = (x.into_primitive(), weight.into_primitive(), bias.into_primitive());
+        let (out, saved) = linear_forward(&x, &weight, &bias);
+        match LinearBackward.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(saved, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
         }
     }
 

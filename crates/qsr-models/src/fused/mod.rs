@@ -22,7 +22,9 @@
 mod batch_norm;
 mod conv;
 mod flex;
+mod gemm;
 mod kernels;
+mod linear;
 mod pool;
 
 use burn::backend::tensor::{FloatTensor, IntTensor};
@@ -30,7 +32,7 @@ use burn::backend::{Dispatch, backend_extension};
 use burn::nn::conv::Conv2d;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::pool::MaxPool2d;
-use burn::nn::{BatchNorm, PaddingConfig2d};
+use burn::nn::{BatchNorm, Linear, PaddingConfig2d};
 use burn::tensor::{Bool, DType, Device, Int, Tensor};
 
 /// The fused ops as a backend extension: flex computes them, autodiff over flex records one node each.
@@ -51,6 +53,9 @@ pub(crate) trait FusedOps: burn::backend::Backend {
     fn gelu(x: FloatTensor<Self>) -> FloatTensor<Self>;
     /// See [`causal_attention`]; `qkv` is `[b, t, 3 width]`.
     fn causal_attention(qkv: FloatTensor<Self>, heads: usize) -> FloatTensor<Self>;
+    /// See [`linear`]: `x` `[rows, d_input]`, `weight` `[d_input, d_output]`, `bias` zeros where the
+    /// layer has none.
+    fn linear(x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self>;
     /// See [`conv2d`]; `bias` is zeros where the layer has none, `padding` is `[top, left, bottom, right]`.
     fn conv2d(
         x: FloatTensor<Self>,
@@ -151,6 +156,36 @@ pub fn causal_attention(qkv: Tensor<3>, heads: usize) -> Tensor<3> {
     let (q, k, v) = (split(0), split(1), split(2));
     let weights = causal_softmax(q.matmul(k.swap_dims(2, 3)), (d as f64).powf(-0.5));
     weights.matmul(v).swap_dims(1, 2).reshape([b, t, w])
+}
+
+/// `layer.forward(x)` for a burn [`Linear`] layer, with every leading axis of `x` merged into the rows
+/// of one `[rows, d_input] x [d_input, d_output]` product. burn keeps a batched product where the
+/// sequence length is a multiple of 32, whose weight gradient is then one product per batch element
+/// (each summing over `t` rows only) and a sum over them; merged, it is one product over all rows, as
+/// PyTorch's. Fused on flex (one graph node: the product onto the bias, and a backward of two products
+/// and a column sum); elsewhere burn's matmul and add on the merged rows.
+pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> {
+    let mut dims = x.dims();
+    let weight = layer.weight.val();
+    let [d_input, d_output] = weight.dims();
+    assert_eq!(dims[D - 1], d_input, "linear: input {dims:?} does not end in the layer's d_input {d_input}");
+    let x = x.reshape([dims[..D - 1].iter().product::<usize>(), d_input]);
+    let y = if fused(&x) && fused(&weight) {
+        let bias = match &layer.bias {
+            Some(bias) => bias.val(),
+            None => Tensor::zeros([d_output], &weight.device()),
+        };
+        let y = <Dispatch as FusedOps>::linear(x.into_dispatch(), weight.into_dispatch(), bias.into_dispatch());
+        Tensor::from_dispatch(y)
+    } else {
+        let y = x.matmul(weight);
+        match &layer.bias {
+            Some(bias) => y + bias.val().unsqueeze::<2>(),
+            None => y,
+        }
+    };
+    dims[D - 1] = d_output;
+    y.reshape(dims)
 }
 
 /// `conv.forward(x)` for a burn [`Conv2d`] layer, fused where it can be: one graph node whose backward

@@ -6,7 +6,7 @@ use burn::module::Param;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::pool::MaxPool2dConfig;
-use burn::nn::{BatchNorm, BatchNormConfig, PaddingConfig2d};
+use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d};
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use qsr_models::fused;
@@ -221,6 +221,42 @@ fn conv2d_matches_burns_in_values_and_all_three_gradients() {
     }
 }
 
+/// The output, and the gradients of the input, weight and bias (if any) of `sum(f(x) * weights)`.
+fn linear_value_and_grads<const D: usize>(
+    layer: &Linear,
+    x: &Tensor<D>,
+    f: &dyn Fn(&Linear, Tensor<D>) -> Tensor<D>,
+) -> Vec<Vec<f32>> {
+    let x = x.clone().require_grad();
+    let y = f(layer, x.clone());
+    let weights = random(y.dims(), 41, &y.device());
+    let grads = (y.clone() * weights).sum().backward();
+    let mut out = vec![values(y), values(x.grad(&grads).unwrap()), values(layer.weight.val().grad(&grads).unwrap())];
+    out.extend(layer.bias.as_ref().map(|b| values(b.val().grad(&grads).unwrap())));
+    out
+}
+
+#[test]
+fn linear_with_merged_rows_matches_burns_in_values_and_all_three_gradients() {
+    let device = autodiff();
+    for (i, bias) in [true, false].into_iter().enumerate() {
+        let mut layer = LinearConfig::new(6, 5).with_bias(bias).init(&device);
+        layer.weight = Param::from_tensor(random([6, 5], 42 + i as u64, &device));
+        layer.bias = layer.bias.map(|b| Param::from_tensor(random(b.dims(), 44, &device)));
+        // t = 32: burn keeps the batched product there (its weight gradient summed per batch element).
+        let x = random([3, 32, 6], 45, &device);
+        let fused = linear_value_and_grads(&layer, &x, &|l, x| fused::linear(l, x));
+        let reference = linear_value_and_grads(&layer, &x, &|l, x| l.forward(x));
+        assert_eq!(fused.len(), reference.len());
+        for (what, (a, b)) in ["output", "dx", "dweight", "dbias"].iter().zip(fused.into_iter().zip(reference)) {
+            assert_close(&format!("bias {bias}: {what}"), a, b, 1e-5);
+        }
+        let x = random([7, 6], 46, &device);
+        let (a, b) = (fused::linear(&layer, x.clone()), layer.forward(x));
+        assert_close("2-d input", values(a), values(b), 1e-6);
+    }
+}
+
 /// A batch norm layer with random gamma and beta (momentum 0.3, so running statistics move visibly).
 fn bn_layer(channels: usize, device: &Device) -> BatchNorm {
     let mut bn = BatchNormConfig::new(channels).with_momentum(0.3).init(device);
@@ -312,6 +348,9 @@ fn fused_ops_run_without_autodiff_and_agree_with_the_tracked_path() {
     let conv = conv_layer([3, 4], [3, 3], [1, 1], PaddingConfig2d::Explicit(1, 1, 1, 1), true, &inner);
     let x = random([2, 3, 5, 5], 31, &inner);
     assert_close("untracked conv", values(fused::conv2d(&conv, x.clone())), values(conv.forward(x)), 1e-5);
+    let layer = LinearConfig::new(5, 3).init(&inner);
+    let x = random([2, 4, 5], 35, &inner);
+    assert_close("untracked linear", values(fused::linear(&layer, x.clone())), values(layer.forward(x)), 1e-5);
 }
 
 /// Forward and gradients of all the ops in a rayon pool of `threads`.
@@ -339,15 +378,30 @@ fn all_ops_in_pool(threads: usize) -> Vec<Vec<f32>> {
         let bn_grads = fused::batch_norm(&bn, images.clone().detach().require_grad()).powf_scalar(2.0).sum();
         let bn_grads = bn_grads.backward();
         let bn_parts = [values(bn.gamma.val().grad(&bn_grads).unwrap()), values(bn.running_var.value())];
+        // The medium GPT's MLP layer (2048 rows x 256 x 1024): gemm splits it over the pool.
+        let mut layer = LinearConfig::new(256, 1024).init(&device);
+        layer.weight = Param::from_tensor(random([256, 1024], 33, &device));
+        layer.bias = Some(Param::from_tensor(random([1024], 36, &device)));
+        let rows = random([16, 128, 256], 34, &device).require_grad();
+        let lin = fused::linear(&layer, rows.clone()).powf_scalar(2.0).sum().backward();
+        let bias_grad = values(layer.bias.as_ref().unwrap().val().grad(&lin).unwrap());
+        let linear_parts =
+            [values(rows.grad(&lin).unwrap()), values(layer.weight.val().grad(&lin).unwrap()), bias_grad];
         [vec![values(loss), values(x.grad(&grads).unwrap()), values(gamma.grad(&grads).unwrap())], conv_parts.to_vec()]
             .concat()
             .into_iter()
             .chain(bn_parts)
+            .chain(linear_parts)
             .collect()
     })
 }
 
 #[test]
 fn fused_ops_give_the_same_bits_at_one_and_two_threads() {
-    assert_eq!(all_ops_in_pool(1), all_ops_in_pool(2));
+    let (one, two) = (all_ops_in_pool(1), all_ops_in_pool(2));
+    assert_eq!(one.len(), two.len());
+    for (part, (a, b)) in one.iter().zip(&two).enumerate() {
+        let differs = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+        assert_eq!(differs, 0, "part {part}: {differs} of {} values differ between 1 and 2 threads", a.len());
+    }
 }
