@@ -19,7 +19,7 @@ python3 - "$data.txt" <<'PY'
 import re, sys
 groups = [
     ("matrix products (gemm)", r"gemm_"),
-    ("fused ops (qsr_models::fused)", r"qsr_models::fused"),
+    ("fused ops (qsr_models::fused; their loops run inside pulp's dispatch)", r"qsr_models::fused|pulp::"),
     ("convolutions (flex conv, im2col)", r"burn_flex::ops::conv|FnMut<A> for &F>::call_mut"),
     ("copies and layout (memmove, strided copies)", r"memmove|copy_2d|memcpy|to_contiguous|permute"),
     ("zero fills (memset)", r"memset|filled"),

@@ -51,6 +51,23 @@ fn normal_cdf(x: f32) -> f32 {
     if x < 0.0 { tail } else { 1.0 - tail }
 }
 
+/// Runs `f` compiled for the widest vector instructions this CPU has (AVX-512, or AVX2 with FMA,
+/// chosen at run time by pulp), so that the loops inlined into it vectorise for them: the crate itself
+/// is compiled for baseline x86-64, four lanes wide. Every path gives the same bits: Rust never fuses
+/// a multiply and an add on its own, and the reductions here fix their own lanes.
+#[inline(always)]
+pub(crate) fn vectorized<R>(f: impl FnOnce() -> R) -> R {
+    struct Op<F>(F);
+    impl<R, F: FnOnce() -> R> pulp::WithSimd for Op<F> {
+        type Output = R;
+        #[inline(always)]
+        fn with_simd<S: pulp::Simd>(self, _: S) -> R {
+            (self.0)()
+        }
+    }
+    pulp::Arch::new().dispatch(Op(f))
+}
+
 /// Lanes of the partial sums below: enough for the compiler to keep them in vector registers.
 const LANES: usize = 8;
 
@@ -104,15 +121,20 @@ pub(crate) fn causal_softmax(scores: &[f32], t: usize, scale: f32) -> Vec<f32> {
 
 #[inline(never)]
 fn causal_softmax_block(b: usize, out: &mut [f32], scores: &[f32], t: usize, scale: f32) {
-    for (r, (y, x)) in out.chunks_mut(t).zip(scores.chunks(t)).enumerate() {
-        let seen = row_index(b, r) % t + 1;
-        let (y, x) = (&mut y[..seen], &x[..seen]);
-        y.iter_mut().zip(x).for_each(|(y, &x)| *y = x * scale);
-        let top = max(y);
-        y.iter_mut().for_each(|y| *y = exp(*y - top));
-        let inv = 1.0 / sum(y);
-        y.iter_mut().for_each(|y| *y *= inv);
-    }
+    vectorized(
+        #[inline(always)]
+        || {
+            for (r, (y, x)) in out.chunks_mut(t).zip(scores.chunks(t)).enumerate() {
+                let seen = row_index(b, r) % t + 1;
+                let (y, x) = (&mut y[..seen], &x[..seen]);
+                y.iter_mut().zip(x).for_each(|(y, &x)| *y = x * scale);
+                let top = max(y);
+                y.iter_mut().for_each(|y| *y = exp(*y - top));
+                let inv = 1.0 / sum(y);
+                y.iter_mut().for_each(|y| *y *= inv);
+            }
+        },
+    )
 }
 
 /// The scores' gradient of [`causal_softmax`] from its output `y` and the output's gradient `g`:
@@ -129,15 +151,20 @@ pub(crate) fn causal_softmax_backward(y: &[f32], g: &[f32], t: usize, scale: f32
 
 #[inline(never)]
 fn causal_softmax_backward_block(b: usize, dx: &mut [f32], y: &[f32], g: &[f32], t: usize, scale: f32) {
-    for (r, ((dx, y), g)) in dx.chunks_mut(t).zip(y.chunks(t)).zip(g.chunks(t)).enumerate() {
-        let seen = row_index(b, r) % t + 1;
-        let (dx, y, g) = (&mut dx[..seen], &y[..seen], &g[..seen]);
-        dx.iter_mut().zip(y).zip(g).for_each(|((dx, &y), &g)| *dx = y * g);
-        let dot = sum(dx);
-        for ((dx, &y), &g) in dx.iter_mut().zip(y).zip(g) {
-            *dx = scale * y * (g - dot);
-        }
-    }
+    vectorized(
+        #[inline(always)]
+        || {
+            for (r, ((dx, y), g)) in dx.chunks_mut(t).zip(y.chunks(t)).zip(g.chunks(t)).enumerate() {
+                let seen = row_index(b, r) % t + 1;
+                let (dx, y, g) = (&mut dx[..seen], &y[..seen], &g[..seen]);
+                dx.iter_mut().zip(y).zip(g).for_each(|((dx, &y), &g)| *dx = y * g);
+                let dot = sum(dx);
+                for ((dx, &y), &g) in dx.iter_mut().zip(y).zip(g) {
+                    *dx = scale * y * (g - dot);
+                }
+            }
+        },
+    )
 }
 
 /// Layer norm over rows of `n`: `(x - mean) / sqrt(var + epsilon) * gamma + beta` with the biased
@@ -156,16 +183,21 @@ pub(crate) fn layer_norm(x: &[f32], gamma: &[f32], beta: &[f32], epsilon: f32) -
 
 #[inline(never)]
 fn layer_norm_block(out: &mut [f32], stats: &mut [f32], x: &[f32], (gamma, beta): (&[f32], &[f32]), epsilon: f32) {
-    let n = gamma.len();
-    for ((y, x), s) in out.chunks_mut(n).zip(x.chunks(n)).zip(stats.chunks_mut(2)) {
-        let mean = sum(x) / n as f32;
-        y.iter_mut().zip(x).for_each(|(y, &x)| *y = (x - mean) * (x - mean));
-        let rstd = 1.0 / (sum(y) / n as f32 + epsilon).sqrt();
-        for (((y, &x), &g), &b) in y.iter_mut().zip(x).zip(gamma).zip(beta) {
-            *y = (x - mean) * rstd * g + b;
-        }
-        s.copy_from_slice(&[mean, rstd]);
-    }
+    vectorized(
+        #[inline(always)]
+        || {
+            let n = gamma.len();
+            for ((y, x), s) in out.chunks_mut(n).zip(x.chunks(n)).zip(stats.chunks_mut(2)) {
+                let mean = sum(x) / n as f32;
+                y.iter_mut().zip(x).for_each(|(y, &x)| *y = (x - mean) * (x - mean));
+                let rstd = 1.0 / (sum(y) / n as f32 + epsilon).sqrt();
+                for (((y, &x), &g), &b) in y.iter_mut().zip(x).zip(gamma).zip(beta) {
+                    *y = (x - mean) * rstd * g + b;
+                }
+                s.copy_from_slice(&[mean, rstd]);
+            }
+        },
+    )
 }
 
 /// Gradients of [`layer_norm`]: `(dx, dgamma, dbeta)` from the input, gamma, the row statistics it
@@ -203,24 +235,29 @@ fn layer_norm_backward_block(
     gamma: &[f32],
     stats: &[f32],
 ) -> (Vec<f32>, Vec<f32>) {
-    let n = gamma.len();
-    let (mut dgamma, mut dbeta) = (vec![0.0; n], vec![0.0; n]);
-    let (mut x_hat, mut dx_hat) = (vec![0.0; n], vec![0.0; n]);
-    for (((dx, x), g), s) in dx.chunks_mut(n).zip(x.chunks(n)).zip(g.chunks(n)).zip(stats.chunks(2)) {
-        let (mean, rstd) = (s[0], s[1]);
-        for j in 0..n {
-            x_hat[j] = (x[j] - mean) * rstd;
-            dx_hat[j] = g[j] * gamma[j];
-            dgamma[j] += g[j] * x_hat[j];
-            dbeta[j] += g[j];
-            dx[j] = dx_hat[j] * x_hat[j];
-        }
-        let (mean_dx_hat, mean_dot) = (sum(&dx_hat) / n as f32, sum(dx) / n as f32);
-        for j in 0..n {
-            dx[j] = rstd * (dx_hat[j] - mean_dx_hat - x_hat[j] * mean_dot);
-        }
-    }
-    (dgamma, dbeta)
+    vectorized(
+        #[inline(always)]
+        || {
+            let n = gamma.len();
+            let (mut dgamma, mut dbeta) = (vec![0.0; n], vec![0.0; n]);
+            let (mut x_hat, mut dx_hat) = (vec![0.0; n], vec![0.0; n]);
+            for (((dx, x), g), s) in dx.chunks_mut(n).zip(x.chunks(n)).zip(g.chunks(n)).zip(stats.chunks(2)) {
+                let (mean, rstd) = (s[0], s[1]);
+                for j in 0..n {
+                    x_hat[j] = (x[j] - mean) * rstd;
+                    dx_hat[j] = g[j] * gamma[j];
+                    dgamma[j] += g[j] * x_hat[j];
+                    dbeta[j] += g[j];
+                    dx[j] = dx_hat[j] * x_hat[j];
+                }
+                let (mean_dx_hat, mean_dot) = (sum(&dx_hat) / n as f32, sum(dx) / n as f32);
+                for j in 0..n {
+                    dx[j] = rstd * (dx_hat[j] - mean_dx_hat - x_hat[j] * mean_dot);
+                }
+            }
+            (dgamma, dbeta)
+        },
+    )
 }
 
 /// Mean cross-entropy of rows of `v` logits against `targets` (each `< v`), with label smoothing
@@ -240,17 +277,22 @@ pub(crate) fn cross_entropy(logits: &[f32], targets: &[usize], v: usize, smoothi
 /// One block's log-sum-exps and the sum of its rows' losses.
 #[inline(never)]
 fn cross_entropy_block(lse: &mut [f32], logits: &[f32], targets: &[usize], smoothing: f32) -> f32 {
-    let v = logits.len() / targets.len();
-    let mut exps = vec![0.0; v];
-    let mut loss = 0.0f32;
-    for ((lse, x), &t) in lse.iter_mut().zip(logits.chunks(v)).zip(targets) {
-        let top = max(x);
-        exps.iter_mut().zip(x).for_each(|(e, &x)| *e = exp(x - top));
-        *lse = top + sum(&exps).ln();
-        let mean = sum(x) / v as f32;
-        loss += *lse - (1.0 - smoothing) * x[t] - smoothing * mean;
-    }
-    loss
+    vectorized(
+        #[inline(always)]
+        || {
+            let v = logits.len() / targets.len();
+            let mut exps = vec![0.0; v];
+            let mut loss = 0.0f32;
+            for ((lse, x), &t) in lse.iter_mut().zip(logits.chunks(v)).zip(targets) {
+                let top = max(x);
+                exps.iter_mut().zip(x).for_each(|(e, &x)| *e = exp(x - top));
+                *lse = top + sum(&exps).ln();
+                let mean = sum(x) / v as f32;
+                loss += *lse - (1.0 - smoothing) * x[t] - smoothing * mean;
+            }
+            loss
+        },
+    )
 }
 
 /// The logits' gradient of [`cross_entropy`] for the loss's gradient `g`:
@@ -276,14 +318,19 @@ pub(crate) fn cross_entropy_backward(
 /// One block of [`cross_entropy_backward`], `g` already divided by the rows.
 #[inline(never)]
 fn cross_entropy_backward_block(dx: &mut [f32], x: &[f32], targets: &[usize], lse: &[f32], smoothing: f32, g: f32) {
-    let v = x.len() / targets.len();
-    let floor = smoothing / v as f32;
-    for (((dx, x), &t), &lse) in dx.chunks_mut(v).zip(x.chunks(v)).zip(targets).zip(lse) {
-        for (dx, &x) in dx.iter_mut().zip(x) {
-            *dx = g * (exp(x - lse) - floor);
-        }
-        dx[t] -= g * (1.0 - smoothing);
-    }
+    vectorized(
+        #[inline(always)]
+        || {
+            let v = x.len() / targets.len();
+            let floor = smoothing / v as f32;
+            for (((dx, x), &t), &lse) in dx.chunks_mut(v).zip(x.chunks(v)).zip(targets).zip(lse) {
+                for (dx, &x) in dx.iter_mut().zip(x) {
+                    *dx = g * (exp(x - lse) - floor);
+                }
+                dx[t] -= g * (1.0 - smoothing);
+            }
+        },
+    )
 }
 
 /// Elements one rayon task takes in the elementwise kernels.
@@ -303,10 +350,15 @@ pub(crate) fn gelu(x: &[f32]) -> (Vec<f32>, Vec<f32>) {
 
 #[inline(never)]
 fn gelu_block(out: &mut [f32], cdf: &mut [f32], x: &[f32]) {
-    for ((y, c), &x) in out.iter_mut().zip(cdf.iter_mut()).zip(x) {
-        *c = normal_cdf(x);
-        *y = x * *c;
-    }
+    vectorized(
+        #[inline(always)]
+        || {
+            for ((y, c), &x) in out.iter_mut().zip(cdf.iter_mut()).zip(x) {
+                *c = normal_cdf(x);
+                *y = x * *c;
+            }
+        },
+    )
 }
 
 /// The input's gradient of [`gelu`]: `g * (cdf(x) + x * pdf(x))`.
@@ -319,10 +371,15 @@ pub(crate) fn gelu_backward(x: &[f32], cdf: &[f32], g: &[f32]) -> Vec<f32> {
 
 #[inline(never)]
 fn gelu_backward_block(dx: &mut [f32], x: &[f32], cdf: &[f32], g: &[f32]) {
-    let inv_sqrt_2pi = 1.0 / (2.0 * core::f32::consts::PI).sqrt();
-    for (((dx, &x), &c), &g) in dx.iter_mut().zip(x).zip(cdf).zip(g) {
-        *dx = g * (c + x * inv_sqrt_2pi * exp(-0.5 * x * x));
-    }
+    vectorized(
+        #[inline(always)]
+        || {
+            let inv_sqrt_2pi = 1.0 / (2.0 * core::f32::consts::PI).sqrt();
+            for (((dx, &x), &c), &g) in dx.iter_mut().zip(x).zip(cdf).zip(g) {
+                *dx = g * (c + x * inv_sqrt_2pi * exp(-0.5 * x * x));
+            }
+        },
+    )
 }
 
 /// The shape of attention's head layout: `[batch, time, heads, head width]`.
@@ -342,12 +399,17 @@ pub(crate) fn split_heads(x: &[f32], [b, t, h, d]: Heads, parts: usize) -> Vec<V
 
 #[inline(never)]
 fn split_head_block(dst: &mut [f32], x: &[f32], [_, t, h, d]: Heads, parts: usize, (part, bh): (usize, usize)) {
-    let (batch, head) = (bh / h, bh % h);
-    let row = parts * h * d;
-    for (ti, dst) in dst.chunks_mut(d).enumerate() {
-        let start = (batch * t + ti) * row + part * h * d + head * d;
-        dst.copy_from_slice(&x[start..start + d]);
-    }
+    vectorized(
+        #[inline(always)]
+        || {
+            let (batch, head) = (bh / h, bh % h);
+            let row = parts * h * d;
+            for (ti, dst) in dst.chunks_mut(d).enumerate() {
+                let start = (batch * t + ti) * row + part * h * d + head * d;
+                dst.copy_from_slice(&x[start..start + d]);
+            }
+        },
+    )
 }
 
 /// The inverse of [`split_heads`]: `parts` buffers `[b, h, t, d]` into rows `[b, t, parts * h * d]`,
@@ -363,17 +425,22 @@ pub(crate) fn merge_heads(parts: &[&[f32]], [b, t, h, d]: Heads) -> Vec<f32> {
 
 #[inline(never)]
 fn merge_head_block(out: &mut [f32], parts: &[&[f32]], [_, t, h, d]: Heads, first_row: usize) {
-    let row = parts.len() * h * d;
-    for (r, out) in out.chunks_mut(row).enumerate() {
-        let (batch, ti) = ((first_row + r) / t, (first_row + r) % t);
-        for (part, src) in parts.iter().enumerate() {
-            for head in 0..h {
-                let from = ((batch * h + head) * t + ti) * d;
-                let to = part * h * d + head * d;
-                out[to..to + d].copy_from_slice(&src[from..from + d]);
+    vectorized(
+        #[inline(always)]
+        || {
+            let row = parts.len() * h * d;
+            for (r, out) in out.chunks_mut(row).enumerate() {
+                let (batch, ti) = ((first_row + r) / t, (first_row + r) % t);
+                for (part, src) in parts.iter().enumerate() {
+                    for head in 0..h {
+                        let from = ((batch * h + head) * t + ti) * d;
+                        let to = part * h * d + head * d;
+                        out[to..to + d].copy_from_slice(&src[from..from + d]);
+                    }
+                }
             }
-        }
-    }
+        },
+    )
 }
 
 #[cfg(test)]

@@ -4,17 +4,15 @@
 //! burn builds the layer from a matmul and an add, each a graph node and a new buffer (flex copies
 //! every new buffer once more to align it); here the output starts as the bias and the product adds
 //! onto it, and the gradients are written where they are returned. Each product may split its output
-//! over the pool (never its sum) and the bias gradient sums each column in row order: results do not
-//! depend on threads.
+//! over the pool (never its sum) and the bias gradient adds partial sums over blocks of rows fixed by
+//! the shape: results do not depend on threads.
 
 use rayon::prelude::*;
 
 use super::gemm::{Threads, gemm};
+use super::kernels::vectorized;
 
-/// Columns of the bias gradient per rayon task.
-const COLUMNS_PER_TASK: usize = 64;
-
-/// Rows of the output a rayon task fills with the bias.
+/// Rows per rayon task: of the output the forward fills with the bias, of the bias gradient's sums.
 const ROWS_PER_TASK: usize = 64;
 
 /// The geometry of one linear layer: input `[rows, d_input]`, weight `[d_input, d_output]`.
@@ -58,17 +56,31 @@ pub(crate) fn backward(
     (dx, dw, column_sums(g, dout))
 }
 
-/// The sum of each column of `g` (rows of `columns`), each in row order.
+/// The sum of each column of `g` (rows of `columns`): partial sums over blocks of [`ROWS_PER_TASK`]
+/// rows (one task each, reading rows whole), added in block order.
 fn column_sums(g: &[f32], columns: usize) -> Vec<f32> {
-    let mut sums = vec![0.0; columns];
     if columns == 0 {
-        return sums;
+        return Vec::new();
     }
-    sums.par_chunks_mut(COLUMNS_PER_TASK).enumerate().for_each(|(task, sums)| {
-        let span = task * COLUMNS_PER_TASK..task * COLUMNS_PER_TASK + sums.len();
-        for row in g.chunks_exact(columns) {
-            sums.iter_mut().zip(&row[span.clone()]).for_each(|(s, v)| *s += v);
-        }
-    });
+    let partials: Vec<Vec<f32>> =
+        g.par_chunks(ROWS_PER_TASK * columns).map(|rows| partial_sums(rows, columns)).collect();
+    let mut sums = vec![0.0; columns];
+    for partial in &partials {
+        sums.iter_mut().zip(partial).for_each(|(s, p)| *s += p);
+    }
     sums
+}
+
+#[inline(never)]
+fn partial_sums(rows: &[f32], columns: usize) -> Vec<f32> {
+    vectorized(
+        #[inline(always)]
+        || {
+            let mut sums = vec![0.0; columns];
+            for row in rows.chunks_exact(columns) {
+                sums.iter_mut().zip(row).for_each(|(s, v)| *s += v);
+            }
+            sums
+        },
+    )
 }
