@@ -7,6 +7,8 @@
 
 use rayon::prelude::*;
 
+use super::kernels::vectorized;
+
 /// `n` images of `c` channels of `plane` values each, `[n, c, plane]` row-major.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct BnShape {
@@ -29,6 +31,14 @@ impl BnShape {
 
 /// `sum(f(a[i], b[i]))` over one plane in 16 f32 lanes, in a fixed order; the lanes added in f64.
 fn lane_sum(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f64 {
+    vectorized(
+        #[inline(always)]
+        || lane_sum_body(a, b, f),
+    )
+}
+
+#[inline(always)]
+fn lane_sum_body(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f64 {
     const LANES: usize = 16;
     let mut acc = [0.0f32; LANES];
     let (whole, rest) = (a.len() / LANES * LANES, a.len() % LANES);
@@ -69,7 +79,10 @@ pub(crate) fn apply(x: &[f32], gamma: &[f32], beta: &[f32], stats: &[f32], epsil
     out.par_chunks_mut(s.plane).zip(x.par_chunks(s.plane)).enumerate().for_each(|(i, (o, x))| {
         let ch = i % s.c;
         let (scale, mean) = (inv[ch] * gamma[ch], stats[ch]);
-        o.iter_mut().zip(x).for_each(|(o, &x)| *o = (x - mean) * scale + beta[ch]);
+        vectorized(
+            #[inline(always)]
+            || o.iter_mut().zip(x).for_each(|(o, &x)| *o = (x - mean) * scale + beta[ch]),
+        );
     });
     out
 }
@@ -105,9 +118,14 @@ pub(crate) fn backward(
             let ch = i % s.c;
             let (mean, inv) = (stats[ch], inv[ch]);
             let (mean_g, mean_gx, scale) = (sums[ch].0 / count, sums[ch].1 / count, gamma[ch] * inv);
-            for ((d, &x), &g) in d.iter_mut().zip(x).zip(g) {
-                *d = scale * (g - mean_g - (x - mean) * inv * mean_gx);
-            }
+            vectorized(
+                #[inline(always)]
+                || {
+                    for ((d, &x), &g) in d.iter_mut().zip(x).zip(g) {
+                        *d = scale * (g - mean_g - (x - mean) * inv * mean_gx);
+                    }
+                },
+            );
         },
     );
     let dgamma = sums.iter().map(|p| p.1).collect();

@@ -1,5 +1,7 @@
 //! 2-D convolution (groups 1, dilation 1, any stride and padding) on contiguous NCHW `f32` buffers, as
-//! im2col and one gemm per block of images, with its backward.
+//! im2col and one gemm per block of images, with its backward; stride-1 convolutions over large enough
+//! images and channels run as one product per kernel tap over shifted views of the padded image,
+//! without a column matrix (`shifted`).
 //!
 //! burn's flex backend runs the backward as a transposed convolution and a convolution over permuted
 //! copies; here both gradients come from the same column matrix. Blocks of images are the rayon tasks,
@@ -11,6 +13,7 @@ use std::borrow::Cow;
 use rayon::prelude::*;
 
 use super::gemm::{Threads, gemm};
+use super::kernels::vectorized;
 
 /// Columns (output positions over the block's images) a block aims for: enough for gemm to run wide.
 const COLUMNS_PER_BLOCK: usize = 256;
@@ -84,6 +87,7 @@ struct Segment {
 
 /// Visits every segment of a block's column matrix `[taps, images x positions]` in the order im2col
 /// and col2im share; entries outside the visited segments are padding (zero).
+#[inline(always)]
 fn for_each_segment(s: &ConvShape, images: usize, mut f: impl FnMut(Segment)) {
     let ([kh, kw], [ho, wo], [sy, sx]) = (s.kernel, s.out_hw(), s.stride);
     let [top, left, ..] = s.padding;
@@ -123,14 +127,19 @@ fn im2col(x: &[f32], s: &ConvShape, images: usize) -> Vec<f32> {
 
 /// Adds each column entry back to the input position it came from.
 fn col2im(cols: &[f32], s: &ConvShape, images: usize, dx: &mut [f32]) {
-    for_each_segment(s, images, |Segment { column, input, len, step }| {
-        let src = &cols[column..column + len];
-        if step == 1 {
-            dx[input..input + len].iter_mut().zip(src).for_each(|(d, v)| *d += v);
-        } else {
-            dx[input..].iter_mut().step_by(step).zip(src).for_each(|(d, v)| *d += v);
-        }
-    });
+    vectorized(
+        #[inline(always)]
+        || {
+            for_each_segment(s, images, |Segment { column, input, len, step }| {
+                let src = &cols[column..column + len];
+                if step == 1 {
+                    dx[input..input + len].iter_mut().zip(src).for_each(|(d, v)| *d += v);
+                } else {
+                    dx[input..].iter_mut().step_by(step).zip(src).for_each(|(d, v)| *d += v);
+                }
+            })
+        },
+    )
 }
 
 /// `[images, c, p]` to `[c, images x p]` (or back with `inverse`); one image needs no copy.
@@ -149,6 +158,72 @@ fn regroup(src: &[f32], images: usize, c: usize, p: usize, inverse: bool) -> Cow
     Cow::Owned(dst)
 }
 
+/// Input channels from which a convolution may run as shifted products: each tap's product sums over
+/// them, too few to keep gemm busy below this.
+const SHIFTED_MIN_CHANNELS: usize = 16;
+
+/// Whether the convolution runs as shifted products (below): stride 1, padding below the kernel on
+/// every side (the input gradient pads the output gradient by `kernel - 1 - padding`), images of at
+/// least a block's worth of positions (smaller ones go several to a block through im2col) and
+/// [`SHIFTED_MIN_CHANNELS`].
+fn shifted(s: &ConvShape) -> bool {
+    let [top, left, bottom, right] = s.padding;
+    let fits = top.max(bottom) < s.kernel[0] && left.max(right) < s.kernel[1];
+    s.stride == [1, 1] && fits && s.positions() >= COLUMNS_PER_BLOCK && s.cin >= SHIFTED_MIN_CHANNELS
+}
+
+/// `x` `[c, h, w]` inside zero padding `[top, left, bottom, right]`, followed by `extra` zeros.
+fn pad(x: &[f32], [c, h, w]: [usize; 3], [top, left, bottom, right]: [usize; 4], extra: usize) -> Vec<f32> {
+    let (hp, wp) = (h + top + bottom, w + left + right);
+    let mut out = vec![0.0; c * hp * wp + extra];
+    for (plane, x) in out.chunks_exact_mut(hp * wp).zip(x.chunks_exact(h * w)) {
+        for (row, x) in plane[top * wp..].chunks_exact_mut(wp).zip(x.chunks_exact(w)) {
+            row[left..left + w].copy_from_slice(x);
+        }
+    }
+    out
+}
+
+/// One image's convolution without a column matrix: on the padded input `[cin, hp, wp]`, the output
+/// at `(y, x)` over the padded width is `sum over taps (a, b) of W_ab x input[.., (y + a) wp + x + b]`,
+/// so each tap is one product whose right operand is the padded planes read from offset `a wp + b`
+/// (row stride `hp wp`, column stride 1). The `kw - 1` columns past `wo` in each row are computed and
+/// dropped.
+fn shifted_forward(out: &mut [f32], x: &[f32], weight: &[f32], bias: &[f32], s: &ConvShape) {
+    let ([kh, kw], [ho, wo], [top, left, bottom, right]) = (s.kernel, s.out_hw(), s.padding);
+    let (hp, wp) = (s.h + top + bottom, s.w + left + right);
+    let q = ho * wp;
+    let xp = pad(x, [s.cin, s.h, s.w], s.padding, kw - 1);
+    let mut wide: Vec<f32> = bias.iter().flat_map(|&b| std::iter::repeat_n(b, q)).collect();
+    for (a, b) in (0..kh).flat_map(|a| (0..kw).map(move |b| (a, b))) {
+        let lhs = (&weight[a * kw + b..], [s.taps(), kh * kw]);
+        let rhs = (&xp[a * wp + b..], [hp * wp, 1]);
+        gemm(Threads::One, [s.cout, q, s.cin], (&mut wide, [q, 1]), true, lhs, rhs);
+    }
+    for (out, wide) in out.chunks_exact_mut(wo).zip(wide.chunks_exact(wp)) {
+        out.copy_from_slice(&wide[..wo]);
+    }
+}
+
+/// One image's input gradient the same way: the output gradient padded by `kernel - 1 - padding`
+/// (`[cout, h + kh - 1, w + kw - 1]`) read from offset `(kh - 1 - a) wq + kw - 1 - b` for tap `(a, b)`,
+/// times `W_ab` transposed.
+fn shifted_input_grad(dx: &mut [f32], g: &[f32], weight: &[f32], s: &ConvShape) {
+    let ([kh, kw], [ho, wo], [top, left, bottom, right]) = (s.kernel, s.out_hw(), s.padding);
+    let (hq, wq) = (s.h + kh - 1, s.w + kw - 1);
+    let q = s.h * wq;
+    let gp = pad(g, [s.cout, ho, wo], [kh - 1 - top, kw - 1 - left, kh - 1 - bottom, kw - 1 - right], kw - 1);
+    let mut wide = vec![0.0; s.cin * q];
+    for (a, b) in (0..kh).flat_map(|a| (0..kw).map(move |b| (a, b))) {
+        let lhs = (&weight[a * kw + b..], [kh * kw, s.taps()]);
+        let rhs = (&gp[(kh - 1 - a) * wq + kw - 1 - b..], [hq * wq, 1]);
+        gemm(Threads::One, [s.cin, q, s.cout], (&mut wide, [q, 1]), true, lhs, rhs);
+    }
+    for (dx, wide) in dx.chunks_exact_mut(s.w).zip(wide.chunks_exact(wq)) {
+        dx.copy_from_slice(&wide[..s.w]);
+    }
+}
+
 /// The convolution of `x` by `weight` plus `bias` (one value per output channel).
 pub(crate) fn conv2d(x: &[f32], weight: &[f32], bias: &[f32], s: &ConvShape) -> Vec<f32> {
     let mut out = vec![0.0; s.n * s.out_len()];
@@ -163,6 +238,12 @@ pub(crate) fn conv2d(x: &[f32], weight: &[f32], bias: &[f32], s: &ConvShape) -> 
 }
 
 fn conv2d_block(out: &mut [f32], x: &[f32], weight: &[f32], bias: &[f32], s: &ConvShape) {
+    if shifted(s) {
+        for (out, x) in out.chunks_exact_mut(s.out_len()).zip(x.chunks_exact(s.in_len())) {
+            shifted_forward(out, x, weight, bias, s);
+        }
+        return;
+    }
     let (images, p, taps) = (out.len() / s.out_len(), s.positions(), s.taps());
     let cols = im2col(x, s, images);
     let columns = images * p;
@@ -213,6 +294,9 @@ pub(crate) fn conv2d_backward(
 
 /// One group's input gradient (written to `dx` unless it is empty) and its weight and bias partials.
 fn conv2d_backward_group(dx: &mut [f32], x: &[f32], g: &[f32], weight: &[f32], s: &ConvShape) -> (Vec<f32>, Vec<f32>) {
+    if shifted(s) {
+        return shifted_backward_group(dx, x, g, weight, s);
+    }
     let (per_block, p, taps) = (s.images_per_block(), s.positions(), s.taps());
     // dW accumulates column-major (dW^T, `taps x cout`): gemm then reads the column matrix in place
     // instead of packing its `taps x columns` strided rows at every block (a third of ResNet-20's step).
@@ -229,18 +313,40 @@ fn conv2d_backward_group(dx: &mut [f32], x: &[f32], g: &[f32], weight: &[f32], s
             col2im(&d_cols, s, images, &mut dx[first * per_block * s.in_len()..][..images * s.in_len()]);
         }
         let cols = im2col(x, s, images);
-        gemm(
-            Threads::One,
-            [s.cout, taps, columns],
-            (&mut dw_t, [1, s.cout]),
-            true,
-            (&grouped, [columns, 1]),
-            (&cols, [1, columns]),
-        );
+        let d = (&mut dw_t[..], [1, s.cout]);
+        gemm(Threads::One, [s.cout, taps, columns], d, true, (&grouped, [columns, 1]), (&cols, [1, columns]));
         for (d, row) in db.iter_mut().zip(grouped.chunks(columns)) {
             *d += row.iter().sum::<f32>();
         }
     }
     let dw = (0..s.cout * taps).map(|i| dw_t[(i % taps) * s.cout + i / taps]).collect();
+    (dw, db)
+}
+
+/// [`conv2d_backward_group`] as shifted products, image by image: the input gradient by
+/// [`shifted_input_grad`], and for each tap `(a, b)` the weight gradient `dW_ab` (`[cout, cin]`, kept
+/// per tap) as the output gradient over the padded width (zeros past `wo`) times the padded input
+/// read from offset `a wp + b`, transposed.
+fn shifted_backward_group(dx: &mut [f32], x: &[f32], g: &[f32], weight: &[f32], s: &ConvShape) -> (Vec<f32>, Vec<f32>) {
+    let ([kh, kw], [ho, wo], [top, left, bottom, right]) = (s.kernel, s.out_hw(), s.padding);
+    let (hp, wp, taps) = (s.h + top + bottom, s.w + left + right, s.taps());
+    let q = ho * wp;
+    let (mut dw_taps, mut db) = (vec![0.0; s.cout * taps], vec![0.0; s.cout]);
+    for (image, (x, g)) in x.chunks_exact(s.in_len()).zip(g.chunks_exact(s.out_len())).enumerate() {
+        if !dx.is_empty() {
+            shifted_input_grad(&mut dx[image * s.in_len()..][..s.in_len()], g, weight, s);
+        }
+        let xp = pad(x, [s.cin, s.h, s.w], s.padding, kw - 1);
+        let gw = pad(g, [s.cout, ho, wo], [0, 0, 0, wp - wo], 0);
+        for (tap, dw) in dw_taps.chunks_exact_mut(s.cout * s.cin).enumerate() {
+            let rhs = (&xp[(tap / kw) * wp + tap % kw..], [1, hp * wp]);
+            gemm(Threads::One, [s.cout, s.cin, q], (dw, [s.cin, 1]), true, (&gw, [q, 1]), rhs);
+        }
+        for (d, plane) in db.iter_mut().zip(g.chunks_exact(s.positions())) {
+            *d += plane.iter().sum::<f32>();
+        }
+    }
+    // [kh kw, cout, cin] to the weight's [cout, cin, kh, kw].
+    let dw = (0..s.cout * taps).map(|i| dw_taps[(i % (kh * kw)) * s.cout * s.cin + i / (kh * kw)]).collect();
     (dw, db)
 }

@@ -200,7 +200,9 @@ fn conv2d_matches_burns_in_values_and_all_three_gradients() {
     let explicit = PaddingConfig2d::Explicit;
     // (input, channels, kernel, stride, padding, bias): the CNN's 3x3 pad 1 on 8x8 digits (batch 19,
     // not a multiple of a block), a strided 3x3, a 1x1 stride-2 projection, an uneven kernel with
-    // asymmetric padding, an unpadded conv, and ResNet's 7x7 stride 2 pad 3 stem.
+    // asymmetric padding, an unpadded conv, ResNet's 7x7 stride 2 pad 3 stem, a stride-1 uneven kernel
+    // with asymmetric padding and a 1x1 padded by 1 (both small: im2col), then ResNet's 3x3 and the
+    // uneven kernel on 16 channels of 16 x 16 (the shifted products).
     let cases = [
         ([19, 1, 8, 8], [1, 32], [3, 3], [1, 1], explicit(1, 1, 1, 1), true),
         ([5, 6, 9, 11], [6, 4], [3, 3], [2, 2], explicit(1, 1, 1, 1), false),
@@ -208,6 +210,10 @@ fn conv2d_matches_burns_in_values_and_all_three_gradients() {
         ([2, 3, 7, 10], [3, 5], [2, 3], [1, 2], explicit(0, 2, 1, 1), true),
         ([4, 2, 6, 6], [2, 3], [3, 3], [1, 1], PaddingConfig2d::Valid, true),
         ([2, 3, 20, 20], [3, 8], [7, 7], [2, 2], explicit(3, 3, 3, 3), false),
+        ([3, 4, 6, 7], [4, 5], [2, 3], [1, 1], explicit(1, 2, 0, 1), true),
+        ([2, 3, 5, 5], [3, 4], [1, 1], [1, 1], explicit(1, 1, 1, 1), true),
+        ([2, 16, 16, 16], [16, 8], [3, 3], [1, 1], explicit(1, 1, 1, 1), true),
+        ([2, 16, 16, 17], [16, 5], [2, 3], [1, 1], explicit(1, 2, 0, 1), false),
     ];
     for (i, (input, channels, kernel, stride, padding, bias)) in cases.into_iter().enumerate() {
         let conv = conv_layer(channels, kernel, stride, padding, bias, &device);
@@ -373,7 +379,13 @@ fn all_ops_in_pool(threads: usize) -> Vec<Vec<f32>> {
         let conv_grads = fused::conv2d(&conv, images.clone()).powf_scalar(2.0).sum().backward();
         let (w, b) =
             (conv.weight.val().grad(&conv_grads).unwrap(), conv.bias.as_ref().unwrap().val().grad(&conv_grads));
-        let conv_parts = [values(images.grad(&conv_grads).unwrap()), values(w), values(b.unwrap())];
+        let mut conv_parts = vec![values(images.grad(&conv_grads).unwrap()), values(w), values(b.unwrap())];
+        // 16 channels of 16 x 16: the shifted products.
+        let wide = conv_layer([16, 8], [3, 3], [1, 1], PaddingConfig2d::Explicit(1, 1, 1, 1), true, &device);
+        let planes = random([20, 16, 16, 16], 37, &device).require_grad();
+        let wide_grads = fused::conv2d(&wide, planes.clone()).powf_scalar(2.0).sum().backward();
+        conv_parts.push(values(planes.grad(&wide_grads).unwrap()));
+        conv_parts.push(values(wide.weight.val().grad(&wide_grads).unwrap()));
         let bn = bn_layer(4, &device);
         let bn_grads = fused::batch_norm(&bn, images.clone().detach().require_grad()).powf_scalar(2.0).sum();
         let bn_grads = bn_grads.backward();
@@ -387,7 +399,7 @@ fn all_ops_in_pool(threads: usize) -> Vec<Vec<f32>> {
         let bias_grad = values(layer.bias.as_ref().unwrap().val().grad(&lin).unwrap());
         let linear_parts =
             [values(rows.grad(&lin).unwrap()), values(layer.weight.val().grad(&lin).unwrap()), bias_grad];
-        [vec![values(loss), values(x.grad(&grads).unwrap()), values(gamma.grad(&grads).unwrap())], conv_parts.to_vec()]
+        [vec![values(loss), values(x.grad(&grads).unwrap()), values(gamma.grad(&grads).unwrap())], conv_parts]
             .concat()
             .into_iter()
             .chain(bn_parts)
