@@ -24,21 +24,25 @@ impl BnShape {
         (0..self.n).map(move |i| &x[(i * c + ch) * plane..][..plane])
     }
 
+    /// Planes per rayon task of the elementwise passes: about 16K values each.
+    fn planes_per_task(&self) -> usize {
+        (16_384 / self.plane.max(1)).max(1)
+    }
+
+    /// Values per rayon task of the elementwise passes (at least 1, for empty planes).
+    fn task_len(&self) -> usize {
+        (self.planes_per_task() * self.plane).max(1)
+    }
+
     fn count(&self) -> f64 {
         (self.n * self.plane) as f64
     }
 }
 
 /// `sum(f(a[i], b[i]))` over one plane in 16 f32 lanes, in a fixed order; the lanes added in f64.
-fn lane_sum(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f64 {
-    vectorized(
-        #[inline(always)]
-        || lane_sum_body(a, b, f),
-    )
-}
-
+/// Callers run it inside [`vectorized`], once per channel.
 #[inline(always)]
-fn lane_sum_body(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f64 {
+fn lane_sum(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f64 {
     const LANES: usize = 16;
     let mut acc = [0.0f32; LANES];
     let (whole, rest) = (a.len() / LANES * LANES, a.len() % LANES);
@@ -58,10 +62,15 @@ pub(crate) fn stats(x: &[f32], s: BnShape) -> Vec<f32> {
     let per_channel: Vec<(f32, f32)> = (0..s.c)
         .into_par_iter()
         .map(|ch| {
-            let sum: f64 = s.planes(x, ch).map(|p| lane_sum(p, p, |v, _| v)).sum();
-            let mean = (sum / s.count()) as f32;
-            let squares: f64 = s.planes(x, ch).map(|p| lane_sum(p, p, |v, _| (v - mean) * (v - mean))).sum();
-            (mean, (squares / s.count()) as f32)
+            vectorized(
+                #[inline(always)]
+                || {
+                    let sum: f64 = s.planes(x, ch).map(|p| lane_sum(p, p, |v, _| v)).sum();
+                    let mean = (sum / s.count()) as f32;
+                    let squares: f64 = s.planes(x, ch).map(|p| lane_sum(p, p, |v, _| (v - mean) * (v - mean))).sum();
+                    (mean, (squares / s.count()) as f32)
+                },
+            )
         })
         .collect();
     per_channel.iter().map(|p| p.0).chain(per_channel.iter().map(|p| p.1)).collect()
@@ -76,13 +85,18 @@ fn inv_std(stats: &[f32], c: usize, epsilon: f32) -> Vec<f32> {
 pub(crate) fn apply(x: &[f32], gamma: &[f32], beta: &[f32], stats: &[f32], epsilon: f32, s: BnShape) -> Vec<f32> {
     let inv = inv_std(stats, s.c, epsilon);
     let mut out = vec![0.0; x.len()];
-    out.par_chunks_mut(s.plane).zip(x.par_chunks(s.plane)).enumerate().for_each(|(i, (o, x))| {
-        let ch = i % s.c;
-        let (scale, mean) = (inv[ch] * gamma[ch], stats[ch]);
+    let (per, block) = (s.planes_per_task(), s.task_len());
+    out.par_chunks_mut(block).zip(x.par_chunks(block)).enumerate().for_each(|(task, (o, x))| {
         vectorized(
             #[inline(always)]
-            || o.iter_mut().zip(x).for_each(|(o, &x)| *o = (x - mean) * scale + beta[ch]),
-        );
+            || {
+                for (i, (o, x)) in o.chunks_mut(s.plane).zip(x.chunks(s.plane)).enumerate() {
+                    let ch = (task * per + i) % s.c;
+                    let (scale, mean) = (inv[ch] * gamma[ch], stats[ch]);
+                    o.iter_mut().zip(x).for_each(|(o, &x)| *o = (x - mean) * scale + beta[ch]);
+                }
+            },
+        )
     });
     out
 }
@@ -102,32 +116,40 @@ pub(crate) fn backward(
     let sums: Vec<(f32, f32)> = (0..s.c)
         .into_par_iter()
         .map(|ch| {
-            let (mean, inv) = (stats[ch], inv[ch]);
-            let (mut sum_g, mut sum_gx) = (0.0f64, 0.0f64);
-            for (gp, xp) in s.planes(g, ch).zip(s.planes(x, ch)) {
-                sum_g += lane_sum(gp, gp, |g, _| g);
-                sum_gx += lane_sum(gp, xp, |g, x| g * ((x - mean) * inv));
-            }
-            (sum_g as f32, sum_gx as f32)
+            vectorized(
+                #[inline(always)]
+                || {
+                    let (mean, inv) = (stats[ch], inv[ch]);
+                    let (mut sum_g, mut sum_gx) = (0.0f64, 0.0f64);
+                    for (gp, xp) in s.planes(g, ch).zip(s.planes(x, ch)) {
+                        sum_g += lane_sum(gp, gp, |g, _| g);
+                        sum_gx += lane_sum(gp, xp, |g, x| g * ((x - mean) * inv));
+                    }
+                    (sum_g as f32, sum_gx as f32)
+                },
+            )
         })
         .collect();
     let count = s.count() as f32;
     let mut dx = vec![0.0; x.len()];
-    dx.par_chunks_mut(s.plane).zip(x.par_chunks(s.plane).zip(g.par_chunks(s.plane))).enumerate().for_each(
-        |(i, (d, (x, g)))| {
-            let ch = i % s.c;
-            let (mean, inv) = (stats[ch], inv[ch]);
-            let (mean_g, mean_gx, scale) = (sums[ch].0 / count, sums[ch].1 / count, gamma[ch] * inv);
-            vectorized(
-                #[inline(always)]
-                || {
+    let (per, block) = (s.planes_per_task(), s.task_len());
+    let blocks = dx.par_chunks_mut(block).zip(x.par_chunks(block).zip(g.par_chunks(block)));
+    blocks.enumerate().for_each(|(task, (d, (x, g)))| {
+        vectorized(
+            #[inline(always)]
+            || {
+                for (i, (d, (x, g))) in d.chunks_mut(s.plane).zip(x.chunks(s.plane).zip(g.chunks(s.plane))).enumerate()
+                {
+                    let ch = (task * per + i) % s.c;
+                    let (mean, inv) = (stats[ch], inv[ch]);
+                    let (mean_g, mean_gx, scale) = (sums[ch].0 / count, sums[ch].1 / count, gamma[ch] * inv);
                     for ((d, &x), &g) in d.iter_mut().zip(x).zip(g) {
                         *d = scale * (g - mean_g - (x - mean) * inv * mean_gx);
                     }
-                },
-            );
-        },
-    );
+                }
+            },
+        )
+    });
     let dgamma = sums.iter().map(|p| p.1).collect();
     let dbeta = sums.iter().map(|p| p.0).collect();
     (dx, dgamma, dbeta)
