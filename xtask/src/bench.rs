@@ -343,9 +343,14 @@ const STEP_CASES: [StepCase; 4] = [
     StepCase { name: "ResNet-20 (3 x 32 x 32, batch 128)", args: &["--model", "resnet20"], steps: "6" },
 ];
 
+/// Alternated runs of each step case (odd, so that a median is a run).
+const STEP_REPEATS: usize = 5;
+
 /// One training step of each [`STEP_CASES`] model at 1 and 2 intra-op threads: `qsr time-step` against
-/// PyTorch eager (`benches/peers/train_step.py`) on the same model, batch and thread count, 3 alternated
-/// runs, medians; then where qsr's step goes, phase by phase.
+/// PyTorch eager (`benches/peers/train_step.py`) on the same model, batch and thread count,
+/// [`STEP_REPEATS`] alternated runs: medians of the rates, and each ratio the median of the runs' paired
+/// ratios (run i over PyTorch's run i, taken moments apart), which a shared machine's slow spells
+/// disturb less than a ratio of medians; then where qsr's step goes, phase by phase.
 fn step_tables(root: &Path, target: &Path) -> Result<String> {
     let python = bench_python();
     let has_torch = Command::new(&python).args(["-c", "import torch"]).output().is_ok_and(|o| o.status.success());
@@ -389,7 +394,8 @@ impl StepTables {
         Self {
             ratios: String::from(
                 "\nOne training step on one worker (`qsr time-step` vs `benches/peers/train_step.py`, PyTorch \
-                 eager), median of 3 alternated runs:\n\n| model | threads | qsr | PyTorch | ratio |\n\
+                 eager), medians of 5 alternated runs; each ratio the median of the runs' paired ratios:\n\n\
+                 | model | threads | qsr | PyTorch | ratio |\n\
                  |---|---|---|---|---|\n",
             ),
             backends: String::from(
@@ -414,23 +420,30 @@ impl StepTables {
             let _ = writeln!(self.failures, "- {} at {threads} thread(s) on LibTorch: `{why}`", case.name);
         }
         let rate_of = |v: &serde_json::Value| v["per_second"].as_f64().unwrap_or(0.0);
+        let paired = |rates: &[f64]| median(rates.iter().zip(&torch).map(|(r, t)| r / t).collect());
+        let ours_rates: Vec<f64> = ours.iter().map(rate_of).collect();
+        let (flex_ratio, libtorch_ratio) = (paired(&ours_rates), paired(&libtorch));
         ours.sort_by(|a, b| f64::total_cmp(&rate_of(a), &rate_of(b)));
         let q = &ours[ours.len() / 2];
         let rate = q["per_second"].as_f64().unwrap_or(f64::NAN);
         let unit = format!("{}/s", q["unit"].as_str().unwrap_or("items"));
         let torch_rate = median(torch);
         let (t, ratio) = match torch_rate.is_nan() {
-            false => (format!("{torch_rate:.0} {unit}"), format!("{:.2}", rate / torch_rate)),
+            false => (format!("{torch_rate:.0} {unit}"), format!("{flex_ratio:.2}")),
             true => ("-".into(), "-".into()),
         };
         let _ = writeln!(self.ratios, "| {} | {threads} | {rate:.0} {unit} | {t} | {ratio} |", case.name);
-        let cell = |r: f64| if r.is_nan() { "-".to_string() } else { format!("{r:.0} ({:.2})", r / torch_rate) };
+        let cell = |r: f64, ratio: f64| match (r.is_nan(), ratio.is_nan()) {
+            (true, _) => "-".to_string(),
+            (false, true) => format!("{r:.0}"),
+            (false, false) => format!("{r:.0} ({ratio:.2})"),
+        };
         let _ = writeln!(
             self.backends,
             "| {} | {threads} | {} | {} | {t} |",
             case.name,
-            cell(rate),
-            cell(median(libtorch))
+            cell(rate, flex_ratio),
+            cell(median(libtorch), libtorch_ratio)
         );
         let p = &q["phases_ms"];
         let ms = |k: &str| p[k].as_f64().unwrap_or(f64::NAN);
@@ -454,8 +467,8 @@ fn median(mut v: Vec<f64>) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
-/// 3 alternated runs of one case: qsr's JSON results, then (with a `python` that has torch) the peer's
-/// rates.
+/// [`STEP_REPEATS`] alternated runs of one case: qsr's JSON results, then (with a `python` that has
+/// torch) the peer's rates.
 fn measure_step(
     root: &Path,
     target: &Path,
@@ -468,7 +481,7 @@ fn measure_step(
     let read = |json: &Path| -> Result<serde_json::Value> { Ok(serde_json::from_slice(&std::fs::read(json)?)?) };
     let (mut ours, mut torch, mut burn_tch) = (Vec::new(), Vec::new(), Vec::new());
     let mut libtorch_error = None;
-    for i in 0..3 {
+    for i in 0..STEP_REPEATS {
         let json = tmp.join(format!("qsr-{i}.json"));
         let mut c = Command::new(target.join("release/qsr"));
         c.arg("time-step").args(case.args).args(["--threads", threads, "--steps", case.steps, "--json"]).arg(&json);
