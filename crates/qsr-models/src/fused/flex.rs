@@ -133,20 +133,20 @@ fn conv2d_forward(
     bias: &FlexTensor,
     stride: [usize; 2],
     padding: [usize; 4],
-) -> (FlexTensor, Conv) {
+) -> (FlexTensor, Layer<ConvShape>) {
     let s = conv_shape(x, weight, stride, padding);
     let (x, weight, bias) = (contiguous(x), contiguous(weight), contiguous(bias));
     let out = conv::conv2d(x.storage(), weight.storage(), bias.storage(), &s);
     let [ho, wo] = s.out_hw();
-    (from_vec(out, Shape::from([s.n, s.cout, ho, wo])), Conv { x, weight, shape: s })
+    (from_vec(out, Shape::from([s.n, s.cout, ho, wo])), Layer { x, weight, shape: s })
 }
 
 /// The layer's output `[rows, d_output]` and its contiguous input and weight (what the backward needs).
-fn linear_forward(x: &FlexTensor, weight: &FlexTensor, bias: &FlexTensor) -> (FlexTensor, LinearState) {
+fn linear_forward(x: &FlexTensor, weight: &FlexTensor, bias: &FlexTensor) -> (FlexTensor, Layer<LinearShape>) {
     let (x, weight, bias) = (contiguous(x), contiguous(weight), contiguous(bias));
     let s = LinearShape { rows: shape(&x)[0], d_input: shape(&x)[1], d_output: shape(&weight)[1] };
     let y = linear::forward(x.storage(), weight.storage(), bias.storage(), s);
-    (from_vec(y, Shape::from([s.rows, s.d_output])), LinearState { x, weight, shape: s })
+    (from_vec(y, Shape::from([s.rows, s.d_output])), Layer { x, weight, shape: s })
 }
 
 /// The pooled output of `x` `[n, c, h, w]`, each window's argmax, and the pooling's geometry.
@@ -188,20 +188,41 @@ struct Bn {
     epsilon: f32,
 }
 
-/// What the convolution's backward needs: the contiguous input and weight, and the geometry.
+/// A layer of an input, a weight and a bias (convolution, linear) as its backward needs it: the
+/// contiguous input and weight, and the geometry, whose kernels give the three gradients.
 #[derive(Clone, Debug)]
-struct Conv {
+struct Layer<S> {
     x: FlexTensor,
     weight: FlexTensor,
-    shape: ConvShape,
+    shape: S,
 }
 
-/// What the linear layer's backward needs: the contiguous input and weight, and the geometry.
-#[derive(Clone, Debug)]
-struct LinearState {
-    x: FlexTensor,
-    weight: FlexTensor,
-    shape: LinearShape,
+/// The geometry of a [`Layer`]: its backward kernel and its bias's length.
+trait LayerShape: Copy + std::fmt::Debug + Send + Sync + 'static {
+    /// The gradients of the input (when `need_dx`), the weight and the bias.
+    fn backward(&self, x: &[f32], weight: &[f32], g: &[f32], need_dx: bool) -> (Option<Vec<f32>>, Vec<f32>, Vec<f32>);
+    /// The bias's length.
+    fn outputs(&self) -> usize;
+}
+
+impl LayerShape for ConvShape {
+    fn backward(&self, x: &[f32], weight: &[f32], g: &[f32], need_dx: bool) -> (Option<Vec<f32>>, Vec<f32>, Vec<f32>) {
+        conv::conv2d_backward(x, weight, g, self, need_dx)
+    }
+
+    fn outputs(&self) -> usize {
+        self.cout
+    }
+}
+
+impl LayerShape for LinearShape {
+    fn backward(&self, x: &[f32], weight: &[f32], g: &[f32], need_dx: bool) -> (Option<Vec<f32>>, Vec<f32>, Vec<f32>) {
+        linear::backward(x, weight, g, *self, need_dx)
+    }
+
+    fn outputs(&self) -> usize {
+        self.d_output
+    }
 }
 
 impl FusedOps for Flex {
@@ -327,48 +348,24 @@ impl Backward<Flex, 1> for BatchNormStatsBackward {
     }
 }
 
+/// The backward of a [`Layer`] of geometry `S`.
 #[derive(Debug)]
-struct Conv2dBackward;
+struct LayerBackward<S>(std::marker::PhantomData<S>);
 
-impl Backward<Flex, 3> for Conv2dBackward {
-    type State = Conv;
+impl<S: LayerShape> Backward<Flex, 3> for LayerBackward<S> {
+    type State = Layer<S>;
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [x_node, weight_node, bias_node] = ops.parents;
         let g = contiguous(&grads.consume::<Flex>(&ops.node));
-        let Conv { x, weight, shape: s } = ops.state;
-        let (dx, dw, db) = conv::conv2d_backward(x.storage(), weight.storage(), g.storage(), &s, x_node.is_some());
-        if let (Some(node), Some(dx)) = (x_node, dx) {
-            grads.register::<Flex>(node.id, from_vec(dx, shape(&x)));
-        }
-        if let Some(node) = weight_node {
-            grads.register::<Flex>(node.id, from_vec(dw, shape(&weight)));
-        }
-        if let Some(node) = bias_node {
-            grads.register::<Flex>(node.id, from_vec(db, Shape::from([s.cout])));
-        }
-    }
-}
-
-#[derive(Debug)]
-struct LinearBackward;
-
-impl Backward<Flex, 3> for LinearBackward {
-    type State = LinearState;
-
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [x_node, weight_node, bias_node] = ops.parents;
-        let g = contiguous(&grads.consume::<Flex>(&ops.node));
-        let LinearState { x, weight, shape: s } = ops.state;
-        let (dx, dw, db) = linear::backward(x.storage(), weight.storage(), g.storage(), s, x_node.is_some());
-        if let (Some(node), Some(dx)) = (x_node, dx) {
-            grads.register::<Flex>(node.id, from_vec(dx, shape(&x)));
-        }
-        if let Some(node) = weight_node {
-            grads.register::<Flex>(node.id, from_vec(dw, shape(&weight)));
-        }
-        if let Some(node) = bias_node {
-            grads.register::<Flex>(node.id, from_vec(db, Shape::from([s.d_output])));
+        let Layer { x, weight, shape: s } = ops.state;
+        let (dx, dw, db) = s.backward(x.storage(), weight.storage(), g.storage(), x_node.is_some());
+        let shapes = [shape(&x), shape(&weight), Shape::from([s.outputs()])];
+        let values = [dx, Some(dw), Some(db)];
+        for ((node, value), shape) in [x_node, weight_node, bias_node].into_iter().zip(values).zip(shapes) {
+            if let (Some(node), Some(value)) = (node, value) {
+                grads.register::<Flex>(node.id, from_vec(value, shape));
+            }
         }
     }
 }
@@ -532,7 +529,7 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
         let nodes = [x.node(), weight.node(), bias.node()];
         let (x, weight, bias) = (x.into_primitive(), weight.into_primitive(), bias.into_primitive());
         let (out, saved) = linear_forward(&x, &weight, &bias);
-        match LinearBackward.prepare::<C>(nodes).compute_bound().stateful() {
+        match LayerBackward::<LinearShape>(Default::default()).prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish(saved, out),
             OpsKind::UnTracked(prep) => prep.finish(out),
         }
@@ -548,7 +545,7 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
         let nodes = [x.node(), weight.node(), bias.node()];
         let (x, weight, bias) = (x.into_primitive(), weight.into_primitive(), bias.into_primitive());
         let (out, saved) = conv2d_forward(&x, &weight, &bias, stride, padding);
-        match Conv2dBackward.prepare::<C>(nodes).compute_bound().stateful() {
+        match LayerBackward::<ConvShape>(Default::default()).prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish(saved, out),
             OpsKind::UnTracked(prep) => prep.finish(out),
         }

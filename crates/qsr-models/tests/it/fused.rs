@@ -6,7 +6,7 @@ use burn::module::Param;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::pool::MaxPool2dConfig;
-use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d};
+use burn::nn::{BatchNorm, BatchNormConfig, LinearConfig, PaddingConfig2d};
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use qsr_models::fused;
@@ -183,14 +183,18 @@ fn conv_layer(
     conv
 }
 
-/// The output, and the gradients of the input, weight and bias (if any) of `sum(conv(x) * weights)`.
-fn conv_value_and_grads(conv: &Conv2d, x: &Tensor<4>, f: &dyn Fn(&Conv2d, Tensor<4>) -> Tensor<4>) -> Vec<Vec<f32>> {
+/// The output, and the gradients of the input, weight and bias (if any) of `sum(f(x) * weights)`.
+fn layer_value_and_grads<const D: usize, const W: usize>(
+    x: &Tensor<D>,
+    (weight, bias): (&Param<Tensor<W>>, Option<&Param<Tensor<1>>>),
+    f: &dyn Fn(Tensor<D>) -> Tensor<D>,
+) -> Vec<Vec<f32>> {
     let x = x.clone().require_grad();
-    let y = f(conv, x.clone());
+    let y = f(x.clone());
     let weights = random(y.dims(), 21, &y.device());
     let grads = (y.clone() * weights).sum().backward();
-    let mut out = vec![values(y), values(x.grad(&grads).unwrap()), values(conv.weight.val().grad(&grads).unwrap())];
-    out.extend(conv.bias.as_ref().map(|b| values(b.val().grad(&grads).unwrap())));
+    let mut out = vec![values(y), values(x.grad(&grads).unwrap()), values(weight.val().grad(&grads).unwrap())];
+    out.extend(bias.map(|b| values(b.val().grad(&grads).unwrap())));
     out
 }
 
@@ -218,28 +222,14 @@ fn conv2d_matches_burns_in_values_and_all_three_gradients() {
     for (i, (input, channels, kernel, stride, padding, bias)) in cases.into_iter().enumerate() {
         let conv = conv_layer(channels, kernel, stride, padding, bias, &device);
         let x = random(input, 22 + i as u64, &device);
-        let fused = conv_value_and_grads(&conv, &x, &|c, x| fused::conv2d(c, x));
-        let reference = conv_value_and_grads(&conv, &x, &|c, x| c.forward(x));
+        let params = (&conv.weight, conv.bias.as_ref());
+        let fused = layer_value_and_grads(&x, params, &|x| fused::conv2d(&conv, x));
+        let reference = layer_value_and_grads(&x, params, &|x| conv.forward(x));
         assert_eq!(fused.len(), reference.len());
         for (what, (a, b)) in ["output", "dx", "dweight", "dbias"].iter().zip(fused.into_iter().zip(reference)) {
             assert_close(&format!("case {i}: {what}"), a, b, 1e-5);
         }
     }
-}
-
-/// The output, and the gradients of the input, weight and bias (if any) of `sum(f(x) * weights)`.
-fn linear_value_and_grads<const D: usize>(
-    layer: &Linear,
-    x: &Tensor<D>,
-    f: &dyn Fn(&Linear, Tensor<D>) -> Tensor<D>,
-) -> Vec<Vec<f32>> {
-    let x = x.clone().require_grad();
-    let y = f(layer, x.clone());
-    let weights = random(y.dims(), 41, &y.device());
-    let grads = (y.clone() * weights).sum().backward();
-    let mut out = vec![values(y), values(x.grad(&grads).unwrap()), values(layer.weight.val().grad(&grads).unwrap())];
-    out.extend(layer.bias.as_ref().map(|b| values(b.val().grad(&grads).unwrap())));
-    out
 }
 
 #[test]
@@ -251,8 +241,9 @@ fn linear_with_merged_rows_matches_burns_in_values_and_all_three_gradients() {
         layer.bias = layer.bias.map(|b| Param::from_tensor(random(b.dims(), 44, &device)));
         // t = 32: burn keeps the batched product there (its weight gradient summed per batch element).
         let x = random([3, 32, 6], 45, &device);
-        let fused = linear_value_and_grads(&layer, &x, &|l, x| fused::linear(l, x));
-        let reference = linear_value_and_grads(&layer, &x, &|l, x| l.forward(x));
+        let params = (&layer.weight, layer.bias.as_ref());
+        let fused = layer_value_and_grads(&x, params, &|x| fused::linear(&layer, x));
+        let reference = layer_value_and_grads(&x, params, &|x| layer.forward(x));
         assert_eq!(fused.len(), reference.len());
         for (what, (a, b)) in ["output", "dx", "dweight", "dbias"].iter().zip(fused.into_iter().zip(reference)) {
             assert_close(&format!("bias {bias}: {what}"), a, b, 1e-5);
