@@ -22,6 +22,7 @@
 
 mod comm;
 mod error;
+mod fragment;
 mod local;
 mod plan;
 mod round;
@@ -30,6 +31,7 @@ mod schedule;
 
 pub use comm::{CommVolume, ring_allreduce_bytes_per_rank};
 pub use error::ConfigError;
+pub use fragment::{FragmentPlan, FragmentSummary, FragmentSync, MAX_FRAGMENTS, split_elements, split_tensors};
 pub use local::LocalSummary;
 pub use plan::{Cursor, Plan, PlanSummary, Rounds, StepInfo};
 pub use round::{Round, SyncMode};
