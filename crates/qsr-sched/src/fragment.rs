@@ -23,7 +23,9 @@ pub const MAX_FRAGMENTS: u32 = 1024;
 /// The recipe name of the fragment count, for refusals.
 const FIELD: &str = "sync.streaming.fragments";
 
-/// A [`Plan`] whose parameter averages go fragment by fragment ([module docs](self)).
+/// A [`Plan`] whose parameter averages go fragment by fragment: in a round of `H` steps from `s`,
+/// fragment `p` of `P` syncs after step `s + ceil((p + 1) H / P) - 1`, so the last one at the round's
+/// end and the others `H / P` steps apart before it (at most `ceil(P / H)` share a step when `H < P`).
 ///
 /// ```
 /// use qsr_sched::{FragmentPlan, LrSchedule, Plan, ScheduleKind, SyncRule};
