@@ -5,10 +5,10 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{Result, bail};
-use qsr_sched::{Plan, PlanSummary};
+use qsr_sched::{FragmentSummary, Plan, PlanSummary, ring_allreduce_bytes_per_rank, split_elements};
 use serde::Serialize;
 
-use crate::recipe::{PlanOverrides, PlanRecipe, load_plan};
+use crate::recipe::{PlanOverrides, PlanRecipe, StreamingSync, load_plan};
 
 /// Output format of `qsr plan` (`--format`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -74,6 +74,25 @@ pub struct PlanReport {
     /// with `--params` and a local level.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub local_volume: Option<qsr_sched::CommVolume>,
+    /// `[sync.streaming]`'s fragment schedule, where the recipe has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub streaming: Option<StreamingReport>,
+}
+
+/// The fragment schedule of a recipe's `[sync.streaming]`.
+#[derive(Debug, Serialize)]
+pub struct StreamingReport {
+    /// The section's settings (fragments, delay, mix).
+    pub settings: StreamingSync,
+    /// Syncs per fragment, most fragments on one step, fewest steps between syncs.
+    pub summary: FragmentSummary,
+    /// The most bytes one rank sends after one step (ring all-reduce of the fragments syncing then,
+    /// the parameters split evenly); only with `--params`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_bytes_per_step: Option<u64>,
+    /// The same without fragments (the whole model at every sync); only with `--params`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub plain_peak_bytes_per_step: Option<u64>,
 }
 
 /// Runs `qsr plan`: loads each recipe with the overrides, writes the plans to `out` in the chosen format,
@@ -128,6 +147,20 @@ fn report(r: &PlanRecipe, args: &PlanArgs) -> PlanReport {
         .as_ref()
         .zip(args.params)
         .map(|(l, n)| l.volume(summary.run_steps, n, args.bytes_per_param, node));
+    let streaming = r.streaming.as_ref().map(|(settings, fragments)| {
+        let ring = |elements| ring_allreduce_bytes_per_rank(elements, args.bytes_per_param, args.world_size);
+        let peak = |params| {
+            let sizes: Vec<u64> =
+                split_elements(params, fragments.fragments()).iter().map(|f| f.end - f.start).collect();
+            ring(fragments.peak_elements(&sizes))
+        };
+        StreamingReport {
+            settings: settings.clone(),
+            summary: fragments.summary(),
+            peak_bytes_per_step: args.params.map(peak),
+            plain_peak_bytes_per_step: args.params.map(ring),
+        }
+    });
     PlanReport {
         name: r.name.clone(),
         sync: r.plan.sync().clone(),
@@ -136,6 +169,7 @@ fn report(r: &PlanRecipe, args: &PlanArgs) -> PlanReport {
         volume,
         local_sync: r.plan.local().cloned(),
         local_volume,
+        streaming,
     }
 }
 
@@ -210,6 +244,19 @@ fn human(r: &PlanRecipe, rep: &PlanReport) -> String {
             bytes(v.bytes_per_rank),
             bytes(v.bytes_per_sync)
         );
+    }
+    if let Some(st) = &rep.streaming {
+        let (set, f) = (&st.settings, &st.summary);
+        let _ = writeln!(
+            o,
+            "fragments   {}, each synced once per round ({} syncs each), delay {} steps, mix {}",
+            set.fragments, f.syncs_per_fragment, set.delay, set.mix
+        );
+        let gap = f.min_gap.map_or("-".to_string(), |g| g.to_string());
+        let _ = writeln!(o, "            at most {} per step, fewest steps between syncs {gap}", f.max_per_step);
+        if let (Some(peak), Some(plain)) = (st.peak_bytes_per_step, st.plain_peak_bytes_per_step) {
+            let _ = writeln!(o, "            peak per step {} per rank (whole model: {})", bytes(peak), bytes(plain));
+        }
     }
     // The shape of H over training, in tenths of the run.
     let _ = writeln!(o, "\n  steps              lr at start   rounds   H (min..max)");

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
-use qsr_sched::{ConfigError, LrSchedule, Plan, SyncRule};
+use qsr_sched::{ConfigError, FragmentPlan, LrSchedule, Plan, SyncRule};
 use serde::{Deserialize, Serialize};
 use toml::{Table, Value};
 
@@ -17,6 +17,47 @@ pub struct SyncSection {
     /// Averaging inside each node between the global syncs (`[sync.local]`); none by default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub local: Option<LocalSync>,
+    /// The parameters averaged in fragments on staggered steps (`[sync.streaming]`); none by default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub streaming: Option<StreamingSync>,
+}
+
+/// `[sync.streaming]`: the parameters averaged in fragments, each once per round on its own step
+/// ([`FragmentPlan`]). `qsr plan` shows its schedule; the trainer does not run it yet and refuses it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamingSync {
+    /// Fragments the parameters are averaged in (`sync.streaming.fragments`).
+    pub fragments: u32,
+    /// Steps a fragment's average runs behind the inner steps before it is applied
+    /// (`sync.streaming.delay`, at least 1).
+    #[serde(default = "one_step")]
+    pub delay: u64,
+    /// Weight of the averaged fragment against the local one when it is applied (`sync.streaming.mix`,
+    /// in (0, 1]; 1 replaces the local fragment).
+    #[serde(default = "full_mix")]
+    pub mix: f64,
+}
+
+fn one_step() -> u64 {
+    1
+}
+
+fn full_mix() -> f64 {
+    1.0
+}
+
+impl StreamingSync {
+    /// The fragment schedule of these settings over `plan`, each refusal naming its key.
+    pub fn fragment_plan(&self, plan: Plan) -> Result<FragmentPlan> {
+        if self.delay == 0 {
+            bail!("invalid `sync.streaming.delay`: must be at least 1 (got 0)");
+        }
+        if !(self.mix > 0.0 && self.mix <= 1.0) {
+            bail!("invalid `sync.streaming.mix`: must be in (0, 1] (got {})", self.mix);
+        }
+        Ok(FragmentPlan::new(plan, self.fragments)?)
+    }
 }
 
 /// `[sync.local]`: the local level of a two-level run (see [`Plan::with_local`]).
@@ -35,7 +76,7 @@ pub struct LocalSync {
 impl SyncSection {
     /// A flat section: `rule` alone.
     pub fn flat(rule: SyncRule) -> Self {
-        SyncSection { rule, local: None }
+        SyncSection { rule, local: None, streaming: None }
     }
 
     /// The plan of this section under `schedule` for a run of `run_steps` (default the horizon).
@@ -144,6 +185,8 @@ pub struct PlanRecipe {
     pub source: Option<PathBuf>,
     /// The validated round plan: schedule, sync rule and run length.
     pub plan: Plan,
+    /// `[sync.streaming]`'s settings and fragment schedule over `plan`, where the recipe has them.
+    pub streaming: Option<(StreamingSync, FragmentPlan)>,
 }
 
 /// Reads a recipe file as a TOML table, naming the file in every error.
@@ -189,7 +232,7 @@ impl PlanOverrides {
             let old = sync.get("rule").and_then(Value::as_str).map(str::to_string);
             if old.as_deref() != Some(rule.as_str()) {
                 let keep = rule_keys(rule);
-                sync.retain(|k, _| keep.contains(&k) || k == "local");
+                sync.retain(|k, _| keep.contains(&k) || k == "local" || k == "streaming");
                 if rule == "power" && !sync.contains_key("power") && old.as_deref() == Some("qsr") {
                     sync.insert("power".into(), Value::Float(2.0));
                 }
@@ -211,7 +254,7 @@ impl PlanOverrides {
 /// that provides it.
 fn parse_section<T: serde::de::DeserializeOwned>(root: &Table, name: &str, origin: &str) -> Result<T> {
     let table = root.get(name).cloned().unwrap_or_else(|| Value::Table(Table::new()));
-    // The local level's own errors name it.
+    // The local level's and streaming's own errors name them.
     if name == "sync"
         && let Some(local) = table.get("local")
     {
@@ -220,6 +263,12 @@ fn parse_section<T: serde::de::DeserializeOwned>(root: &Table, name: &str, origi
             "sync.local",
             origin,
         )?;
+    }
+    if name == "sync"
+        && let Some(streaming) = table.get("streaming")
+    {
+        let table = Table::from_iter([("sync.streaming".to_string(), streaming.clone())]);
+        parse_section::<StreamingSync>(&table, "sync.streaming", origin)?;
     }
     table.try_into::<T>().map_err(|e| {
         let msg = e.message().trim().to_string();
@@ -233,11 +282,21 @@ fn parse_section<T: serde::de::DeserializeOwned>(root: &Table, name: &str, origi
     })
 }
 
-/// Builds the plan of a recipe table (already overridden).
-pub(crate) fn plan_from_table(root: &Table, run_steps: Option<u64>, origin: &str) -> Result<Plan> {
+/// Builds the plan of a recipe table (already overridden), with its `[sync.streaming]` schedule.
+type PlanParts = (Plan, Option<(StreamingSync, FragmentPlan)>);
+
+fn plan_from_table(root: &Table, run_steps: Option<u64>, origin: &str) -> Result<PlanParts> {
     let schedule: LrSchedule = parse_section(root, "schedule", origin)?;
     let sync: SyncSection = parse_section(root, "sync", origin)?;
-    sync.plan(schedule, run_steps).map_err(|e| anyhow!("{origin}: {e}"))
+    let plan = sync.plan(schedule, run_steps).map_err(|e| anyhow!("{origin}: {e}"))?;
+    let streaming = match sync.streaming {
+        Some(settings) => {
+            let fragments = settings.fragment_plan(plan.clone()).map_err(|e| anyhow!("{origin}: {e}"))?;
+            Some((settings, fragments))
+        }
+        None => None,
+    };
+    Ok((plan, streaming))
 }
 
 /// Loads a recipe (or none: flags only), applies the overrides and validates.
@@ -262,7 +321,7 @@ pub fn load_plan(path: Option<&Path>, overrides: &PlanOverrides) -> Result<PlanR
                 .ok_or_else(|| anyhow!("{origin}: `train.steps` must be a positive integer"))
         })
         .transpose()?;
-    let plan = plan_from_table(&root, overrides.run_steps.or(recipe_steps), &origin)?;
+    let (plan, streaming) = plan_from_table(&root, overrides.run_steps.or(recipe_steps), &origin)?;
     let name = match root.get("name") {
         Some(Value::String(s)) => s.clone(),
         Some(_) => bail!("{origin}: `name` must be a string"),
@@ -270,5 +329,5 @@ pub fn load_plan(path: Option<&Path>, overrides: &PlanOverrides) -> Result<PlanR
             path.and_then(|p| p.file_stem()).map_or_else(|| "flags".to_string(), |s| s.to_string_lossy().into_owned())
         }
     };
-    Ok(PlanRecipe { name, source: path.map(Path::to_path_buf), plan })
+    Ok(PlanRecipe { name, source: path.map(Path::to_path_buf), plan, streaming })
 }

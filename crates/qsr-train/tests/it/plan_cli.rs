@@ -237,3 +237,57 @@ fn plan_shows_the_local_level_of_a_two_level_recipe_with_its_bytes() {
     let dp = text(&["--sync", "dp"]);
     assert!(dp.contains("0 averages"), "{dp}");
 }
+
+/// A QSR recipe over 880 steps with `h_base = 2` and `[sync.streaming]` lines appended.
+fn streaming_recipe(dir: &std::path::Path, streaming: &str) -> String {
+    let recipe = dir.join("streaming.toml");
+    std::fs::write(
+        &recipe,
+        format!(
+            "[schedule]\nkind = \"cosine\"\ntotal_steps = 880\nwarmup_steps = 88\nlr_max = 0.1\nlr_min = 0.0\n\
+             [sync]\nrule = \"qsr\"\nh_base = 2\nalpha = 0.06\n[sync.streaming]\n{streaming}\n"
+        ),
+    )
+    .unwrap();
+    recipe.to_str().unwrap().to_string()
+}
+
+#[test]
+fn plan_shows_streaming_fragments_and_their_peak_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = streaming_recipe(dir.path(), "fragments = 4\ndelay = 2");
+    let v = plan_json(&["--recipe", &recipe, "--params", "1000000", "--world-size", "4"]);
+    let st = &v["streaming"];
+    assert_eq!((st["settings"]["fragments"].as_u64(), st["settings"]["delay"].as_u64()), (Some(4), Some(2)));
+    assert_eq!(st["settings"]["mix"], 1.0);
+    assert_eq!(st["summary"]["syncs_per_fragment"], v["rounds"]);
+    // 2-step rounds (h_base 2) carry two of the four fragments per step: half the whole model's bytes.
+    assert_eq!(st["summary"]["max_per_step"], 2);
+    assert_eq!(st["plain_peak_bytes_per_step"], v["volume"]["bytes_per_sync"]);
+    assert_eq!(st["peak_bytes_per_step"].as_u64().unwrap() * 2, st["plain_peak_bytes_per_step"].as_u64().unwrap());
+    let out = qsr(&["plan", "--recipe", &recipe]);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("fragments   4, each synced once per round"), "{text}");
+    // Without the section the report has no streaming part.
+    let v = plan_json(&["--recipe", "recipes/imagenet-vit-b-qsr-hbase4.toml"]);
+    assert!(v.get("streaming").is_none());
+}
+
+#[test]
+fn bad_streaming_settings_are_refused_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    for (section, key) in [
+        ("fragments = 0", "sync.streaming.fragments"),
+        ("fragments = 2\ndelay = 0", "sync.streaming.delay"),
+        ("fragments = 2\nmix = 1.5", "sync.streaming.mix"),
+        ("fragments = 2\nfragment_size = 1", "sync.streaming"),
+        ("delay = 2", "sync.streaming"),
+    ] {
+        let recipe = streaming_recipe(dir.path(), section);
+        let err = plan_refused(&["--recipe", &recipe]);
+        assert!(err.contains(key), "{section}: {err}");
+    }
+    let recipe = streaming_recipe(dir.path(), "fragments = 2");
+    let err = plan_refused(&["--recipe", &recipe, "--sync", "dp"]);
+    assert!(err.contains("`sync.streaming.fragments`") && err.contains("`dp` all-reduces gradients"), "{err}");
+}

@@ -299,3 +299,14 @@ fn workers_per_node_is_checked_against_the_world_the_run_has() {
     ok(&[&args[..], &["--workers", "6"]].concat());
     assert_eq!(json(&out.join("summary.json"))["local"]["node_size"], 3);
 }
+
+/// `[sync.streaming]` has a schedule (`qsr plan`) but no trainer yet: `qsr train` refuses it by name.
+#[test]
+fn streaming_sync_is_refused_by_the_trainer_naming_the_section() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("r");
+    let args = ["train", "--recipe", RECIPE, "--quiet", "--out", out.to_str().unwrap()];
+    let e = refused(&[&args[..], &["--set", "sync.streaming.fragments=4"]].concat());
+    assert!(e.contains("`sync.streaming`") && e.contains("does not run streaming"), "{e}");
+    assert!(!out.join("summary.json").exists());
+}
