@@ -32,6 +32,7 @@
 //! kernel against a device copy of the same bytes).
 
 mod host;
+mod quant;
 
 // cubecl kernels for replicas on a device (wgpu here, CUDA on a GPU machine); documented in cube.rs (an outer
 // doc here would make rustdoc resolve that file's links from the crate root). A public module, not root
@@ -47,6 +48,7 @@ mod device_check;
 #[cfg(feature = "cube")]
 pub use device_check::{Bandwidth, CaseResult, check_correctness, measure_bandwidth, random_replicas};
 pub use host::{average_and_broadcast, mean_into, reduce_and_broadcast_serial, sum_into};
+pub use quant::{Codec, ErrorFeedback, Quantized, fp8_decode, fp8_encode};
 
 /// Elements per parallel task: large enough to amortize scheduling, small enough to balance 2..64 cores.
 pub const CHUNK: usize = 1 << 16;

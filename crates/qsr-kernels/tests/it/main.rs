@@ -3,3 +3,4 @@
 
 mod cube_wgpu;
 mod host;
+mod quant;

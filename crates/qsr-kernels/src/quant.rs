@@ -1,0 +1,187 @@
+//! Compressed sync payloads: one byte per value (int8, or fp8 e4m3) and one f32 scale per block of
+//! values, and error feedback, which carries what quantization dropped into the next payload.
+//!
+//! Every function is deterministic (no thread-dependent order): a payload decodes to the same f32
+//! values on every rank. Decoding adds into an f32 buffer ([`Quantized::add_into`]), so a collective
+//! can accumulate payloads in f32 at every hop.
+
+/// How a payload stores each value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Codec {
+    /// A signed byte in `-127..=127` times the block's scale (`max |x| / 127`).
+    Int8,
+    /// An fp8 e4m3 number (OCP's E4M3FN: 4 exponent bits, 3 mantissa bits, largest 448, no infinity)
+    /// times the block's scale (`max |x| / 448`), rounded to nearest, ties to even.
+    Fp8E4m3,
+}
+
+impl Codec {
+    /// The largest magnitude one byte holds, which the block's largest value is scaled to.
+    fn max_code_value(self) -> f32 {
+        match self {
+            Codec::Int8 => 127.0,
+            Codec::Fp8E4m3 => 448.0,
+        }
+    }
+
+    fn encode(self, v: f32) -> u8 {
+        match self {
+            Codec::Int8 => v.round().clamp(-127.0, 127.0) as i8 as u8,
+            Codec::Fp8E4m3 => fp8_encode(v),
+        }
+    }
+
+    fn decode(self, byte: u8) -> f32 {
+        match self {
+            Codec::Int8 => f32::from(byte as i8),
+            Codec::Fp8E4m3 => fp8_decode(byte),
+        }
+    }
+}
+
+/// A quantized buffer: `len` values as one byte each, and one f32 scale per `block` values.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Quantized {
+    codec: Codec,
+    block: usize,
+    bytes: Vec<u8>,
+    scales: Vec<f32>,
+}
+
+impl Quantized {
+    /// `values` in `codec`, with one scale per `block` values (the last block may be shorter).
+    ///
+    /// # Panics
+    ///
+    /// If `block` is 0 (a programming error: the block size is a setting checked where it is read).
+    pub fn encode(codec: Codec, values: &[f32], block: usize) -> Self {
+        assert!(block > 0, "Quantized::encode: block must be at least 1");
+        let mut bytes = Vec::with_capacity(values.len());
+        let mut scales = Vec::with_capacity(values.len().div_ceil(block));
+        for chunk in values.chunks(block) {
+            let max = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let scale = if max > 0.0 && max.is_finite() { max / codec.max_code_value() } else { 0.0 };
+            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+            bytes.extend(chunk.iter().map(|&v| codec.encode(v * inv)));
+            scales.push(scale);
+        }
+        Self { codec, block, bytes, scales }
+    }
+
+    /// How many values the payload holds.
+    pub fn len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// Whether the payload holds no values.
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+
+    /// Bytes on the wire: one per value and four per block's scale.
+    pub fn wire_bytes(&self) -> u64 {
+        self.bytes.len() as u64 + 4 * self.scales.len() as u64
+    }
+
+    /// `acc += decoded payload`, in f32.
+    ///
+    /// # Panics
+    ///
+    /// If `acc` does not hold [`Quantized::len`] values.
+    pub fn add_into(&self, acc: &mut [f32]) {
+        assert_eq!(acc.len(), self.bytes.len(), "Quantized::add_into: length mismatch");
+        for ((acc, bytes), &scale) in acc.chunks_mut(self.block).zip(self.bytes.chunks(self.block)).zip(&self.scales) {
+            for (a, &b) in acc.iter_mut().zip(bytes) {
+                *a += self.codec.decode(b) * scale;
+            }
+        }
+    }
+
+    /// The decoded values.
+    pub fn decode(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.bytes.len()];
+        self.add_into(&mut out);
+        out
+    }
+}
+
+/// Error feedback for one worker's payloads: each payload quantizes the update plus what earlier
+/// payloads dropped, and keeps what this one drops, so the sum of the decoded payloads follows the sum
+/// of the updates to within one payload's rounding.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ErrorFeedback {
+    codec: Codec,
+    block: usize,
+    residual: Vec<f32>,
+}
+
+impl ErrorFeedback {
+    /// Feedback for updates of `len` values, quantized by `codec` in blocks of `block`.
+    pub fn new(codec: Codec, block: usize, len: usize) -> Self {
+        Self { codec, block, residual: vec![0.0; len] }
+    }
+
+    /// The payload of `update` plus the carried residual; the residual becomes what it drops.
+    ///
+    /// # Panics
+    ///
+    /// If `update` does not have the length the feedback was made for.
+    pub fn compress(&mut self, update: &[f32]) -> Quantized {
+        assert_eq!(update.len(), self.residual.len(), "ErrorFeedback::compress: length mismatch");
+        self.residual.iter_mut().zip(update).for_each(|(r, u)| *r += u);
+        let payload = Quantized::encode(self.codec, &self.residual, self.block);
+        let mut decoded = vec![0.0; update.len()];
+        payload.add_into(&mut decoded);
+        self.residual.iter_mut().zip(decoded).for_each(|(r, d)| *r -= d);
+        payload
+    }
+
+    /// What the payloads so far have dropped (the next payload adds it).
+    pub fn residual(&self) -> &[f32] {
+        &self.residual
+    }
+}
+
+/// The value of an fp8 e4m3 byte: sign, 4 exponent bits (bias 7), 3 mantissa bits; `0x7f` and `0xff`
+/// are NaN, exponent 0 is subnormal.
+pub fn fp8_decode(byte: u8) -> f32 {
+    let sign = if byte & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (exponent, mantissa) = (i32::from((byte >> 3) & 0x0f), f32::from(byte & 0x07));
+    if byte & 0x7f == 0x7f {
+        return f32::NAN;
+    }
+    let magnitude = match exponent {
+        0 => mantissa / 8.0 * 2f32.powi(-6),
+        e => (1.0 + mantissa / 8.0) * 2f32.powi(e - 7),
+    };
+    sign * magnitude
+}
+
+/// `v` as the nearest fp8 e4m3 byte (ties to an even mantissa), magnitudes above 448 saturated to
+/// 448 and NaN to 0.
+pub fn fp8_encode(v: f32) -> u8 {
+    if v.is_nan() {
+        return 0;
+    }
+    let sign = if v.is_sign_negative() { 0x80 } else { 0 };
+    let a = v.abs();
+    // The positive codes 0x00..=0x7e are increasing in value: the nearest is one of the two around `a`.
+    let values = fp8_values();
+    let above = values.partition_point(|&x| x < a).min(0x7e) as u8;
+    let below = above.saturating_sub(1);
+    let (lo, hi) = (values[below as usize], values[above as usize]);
+    let code = if a >= hi || above == 0 {
+        above
+    } else if a - lo < hi - a || (a - lo == hi - a && below.is_multiple_of(2)) {
+        below
+    } else {
+        above
+    };
+    sign | code
+}
+
+/// The values of the positive fp8 e4m3 codes `0x00..=0x7e`, in increasing order.
+fn fp8_values() -> &'static [f32; 127] {
+    static VALUES: std::sync::OnceLock<[f32; 127]> = std::sync::OnceLock::new();
+    VALUES.get_or_init(|| std::array::from_fn(|c| fp8_decode(c as u8)))
+}

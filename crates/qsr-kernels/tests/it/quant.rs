@@ -1,0 +1,94 @@
+//! Compressed payloads: int8 and fp8 e4m3 with per-block scales, and error feedback.
+
+use qsr_kernels::{Codec, ErrorFeedback, Quantized, fp8_decode, fp8_encode};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn normal_values(n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..n).map(|_| (rng.random::<f32>() - 0.5) * 4.0 * rng.random::<f32>()).collect()
+}
+
+#[test]
+fn int8_round_trip_is_within_half_a_step_of_each_blocks_scale() {
+    let block = 64;
+    let values = normal_values(1_000, 1);
+    let q = Quantized::encode(Codec::Int8, &values, block);
+    let decoded = q.decode();
+    for (chunk, (dec, i)) in values.chunks(block).zip(decoded.chunks(block).zip(0..)) {
+        let step = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0;
+        for (x, y) in chunk.iter().zip(dec) {
+            assert!((x - y).abs() <= step * 0.5001 + f32::EPSILON, "block {i}: {x} decoded as {y} (step {step})");
+        }
+    }
+    // A block's largest value survives exactly up to its scale's rounding.
+    let max = values.iter().take(block).fold(0.0f32, |m, v| m.max(v.abs()));
+    assert!(decoded.iter().take(block).any(|v| (v.abs() - max).abs() <= max * 1e-6));
+}
+
+#[test]
+fn payload_bytes_are_one_per_value_plus_a_scale_per_block() {
+    let q = Quantized::encode(Codec::Int8, &vec![1.0; 1_000], 64);
+    assert_eq!(q.wire_bytes(), 1_000 + 4 * 16);
+    // Against f32: 0.25 + 1 / block, 0.27 or less from blocks of 64.
+    assert!(q.wire_bytes() as f64 <= 0.27 * 4.0 * 1_000.0);
+    let zeros = Quantized::encode(Codec::Fp8E4m3, &[0.0; 10], 4);
+    assert_eq!(zeros.decode(), vec![0.0; 10]);
+    assert!(Quantized::encode(Codec::Int8, &[], 8).is_empty());
+}
+
+#[test]
+fn fp8_e4m3_codes_match_the_format() {
+    for (byte, value) in [(0x00, 0.0), (0x01, 2f32.powi(-9)), (0x08, 2f32.powi(-6)), (0x38, 1.0), (0x7e, 448.0)] {
+        assert_eq!(fp8_decode(byte), value, "{byte:#04x}");
+        assert_eq!(fp8_encode(value), byte, "{value}");
+        assert_eq!(fp8_decode(byte | 0x80), -value, "{byte:#04x} negated");
+    }
+    assert!(fp8_decode(0x7f).is_nan() && fp8_decode(0xff).is_nan());
+    // Saturation, and ties to the even mantissa: 1.0625 lies between 1.0 (0x38) and 1.125 (0x39),
+    // 1.1875 between 1.125 and 1.25 (0x3a).
+    assert_eq!(fp8_encode(1_000.0), 0x7e);
+    assert_eq!(fp8_encode(-1_000.0), 0xfe);
+    assert_eq!(fp8_encode(1.0625), 0x38);
+    assert_eq!(fp8_encode(1.1875), 0x3a);
+    assert_eq!((fp8_encode(1.05), fp8_encode(1.07)), (0x38, 0x39));
+    // Every code decodes and encodes back to itself.
+    for byte in (0u8..=0xff).filter(|b| b & 0x7f != 0x7f) {
+        assert_eq!(fp8_encode(fp8_decode(byte)) & 0x7f, byte & 0x7f, "{byte:#04x}");
+    }
+}
+
+#[test]
+fn fp8_round_trip_keeps_three_mantissa_bits_relative_to_the_block() {
+    let values = normal_values(512, 2);
+    let decoded = Quantized::encode(Codec::Fp8E4m3, &values, 128).decode();
+    for (chunk, dec) in values.chunks(128).zip(decoded.chunks(128)) {
+        let max = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        for (x, y) in chunk.iter().zip(dec) {
+            // Half a mantissa step (1/16 relative), or the subnormal step near zero.
+            let bound = x.abs() / 16.0 + max / 448.0 * 2f32.powi(-10);
+            assert!((x - y).abs() <= bound * 1.0001, "{x} decoded as {y}");
+        }
+    }
+}
+
+#[test]
+fn error_feedback_keeps_the_long_run_sum_exact_within_f32_rounding() {
+    for codec in [Codec::Int8, Codec::Fp8E4m3] {
+        let n = 300;
+        let mut feedback = ErrorFeedback::new(codec, 64, n);
+        let (mut sent, mut exact) = (vec![0.0f64; n], vec![0.0f64; n]);
+        for step in 0..200 {
+            let update = normal_values(n, 100 + step);
+            feedback.compress(&update).decode().iter().zip(&mut sent).for_each(|(d, s)| *s += f64::from(*d));
+            update.iter().zip(&mut exact).for_each(|(u, e)| *e += f64::from(*u));
+        }
+        // What was sent plus what is still held back is what was given, to f32 rounding.
+        for ((s, e), r) in sent.iter().zip(&exact).zip(feedback.residual()) {
+            assert!((s + f64::from(*r) - e).abs() <= 1e-3, "{codec:?}: {s} + {r} vs {e}");
+        }
+        // And what is held back is at most one payload's rounding, not the sum of 200.
+        let held = feedback.residual().iter().fold(0.0f32, |m, r| m.max(r.abs()));
+        assert!(held < 0.5, "{codec:?}: residual {held}");
+    }
+}
