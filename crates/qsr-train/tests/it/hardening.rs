@@ -879,7 +879,9 @@ fn a_diverging_elastic_job_ends_with_status_4_not_a_hang() {
     );
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(4), "{err}");
-    assert!(err.contains("training diverged") && err.contains("rank 0 diverged"), "{err}");
+    // Both ranks diverge at the same evaluation; the launcher names whichever it sees exit first.
+    let named = err.contains("rank 0 diverged") || err.contains("rank 1 diverged");
+    assert!(err.contains("training diverged") && named, "{err}");
 }
 
 #[test]
