@@ -195,6 +195,8 @@ pub fn split_tensors(sizes: &[u64], fragments: u32) -> Result<Vec<Range<usize>>,
 /// `elements` split into `fragments` contiguous ranges whose sizes differ by at most one (for `qsr plan
 /// --params`, where there is no model to split by tensor).
 pub fn split_elements(elements: u64, fragments: u32) -> Vec<Range<u64>> {
-    let p = u64::from(fragments.max(1));
-    (0..p).map(|i| i * elements / p..(i + 1) * elements / p).collect()
+    let p = u128::from(fragments.max(1));
+    // In u128: `i * elements` overflows u64 for a parameter count near u64::MAX.
+    let cut = |i: u128| (i * u128::from(elements) / p) as u64;
+    (0..p).map(|i| cut(i)..cut(i + 1)).collect()
 }

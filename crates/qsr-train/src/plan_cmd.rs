@@ -246,17 +246,7 @@ fn human(r: &PlanRecipe, rep: &PlanReport) -> String {
         );
     }
     if let Some(st) = &rep.streaming {
-        let (set, f) = (&st.settings, &st.summary);
-        let _ = writeln!(
-            o,
-            "fragments   {}, each synced once per round ({} syncs each), delay {} steps, mix {}",
-            set.fragments, f.syncs_per_fragment, set.delay, set.mix
-        );
-        let gap = f.min_gap.map_or("-".to_string(), |g| g.to_string());
-        let _ = writeln!(o, "            at most {} per step, fewest steps between syncs {gap}", f.max_per_step);
-        if let (Some(peak), Some(plain)) = (st.peak_bytes_per_step, st.plain_peak_bytes_per_step) {
-            let _ = writeln!(o, "            peak per step {} per rank (whole model: {})", bytes(peak), bytes(plain));
-        }
+        o.push_str(&streaming_lines(st));
     }
     // The shape of H over training, in tenths of the run.
     let _ = writeln!(o, "\n  steps              lr at start   rounds   H (min..max)");
@@ -279,6 +269,22 @@ fn human(r: &PlanRecipe, rep: &PlanReport) -> String {
         }
         let h = if n == 0 { "-".to_string() } else { format!("{hmin}..{hmax}") };
         let _ = writeln!(o, "  {:>8}..{:<8} {:<13.4e} {:>6}   {}", lo, hi, p.lr(lo), n, h);
+    }
+    o
+}
+
+/// The human summary's lines for `[sync.streaming]`.
+fn streaming_lines(st: &StreamingReport) -> String {
+    let (set, f, mut o) = (&st.settings, &st.summary, String::new());
+    let _ = writeln!(
+        o,
+        "fragments   {}, each synced once per round ({} syncs each), delay {} steps, mix {}",
+        set.fragments, f.syncs_per_fragment, set.delay, set.mix
+    );
+    let gap = f.min_gap.map_or("-".to_string(), |g| g.to_string());
+    let _ = writeln!(o, "            at most {} per step, fewest steps between syncs {gap}", f.max_per_step);
+    if let (Some(peak), Some(plain)) = (st.peak_bytes_per_step, st.plain_peak_bytes_per_step) {
+        let _ = writeln!(o, "            peak per step {} per rank (whole model: {})", bytes(peak), bytes(plain));
     }
     o
 }

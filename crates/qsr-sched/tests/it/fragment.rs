@@ -108,6 +108,13 @@ fn elements_split_into_ranges_within_one_of_each_other() {
 }
 
 #[test]
+fn a_parameter_count_near_u64_max_splits_without_overflow() {
+    let ranges = split_elements(u64::MAX, MAX_FRAGMENTS);
+    assert_eq!((ranges[0].start, ranges.last().unwrap().end), (0, u64::MAX));
+    assert!(ranges.windows(2).all(|w| w[0].end == w[1].start && w[0].start < w[0].end));
+}
+
+#[test]
 fn bad_fragment_counts_and_gradient_rules_are_refused_naming_the_key() {
     let base = plan(SyncRule::Constant { h: 4 });
     for bad in [0, MAX_FRAGMENTS + 1] {
