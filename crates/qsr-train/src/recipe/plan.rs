@@ -101,6 +101,20 @@ fn rule_keys(rule: &str) -> &'static [&'static str] {
     }
 }
 
+/// Makes `rule` the `[sync]` table's rule, dropping the settings of the old rule that the new one does
+/// not take (`--sync` and `--set sync.rule=...`: a qsr recipe switched to dp keeps no `alpha`).
+pub(super) fn switch_rule(sync: &mut Table, rule: &str) {
+    let old = sync.get("rule").and_then(Value::as_str).map(str::to_string);
+    if old.as_deref() != Some(rule) {
+        let keep = rule_keys(rule);
+        sync.retain(|k, _| keep.contains(&k) || k == "local" || k == "streaming");
+        if rule == "power" && !sync.contains_key("power") && old.as_deref() == Some("qsr") {
+            sync.insert("power".into(), Value::Float(2.0));
+        }
+    }
+    sync.insert("rule".into(), Value::String(rule.to_string()));
+}
+
 /// Where each setting can come from, for error messages.
 fn flag_for(key: &str) -> Option<&'static str> {
     Some(match key {
@@ -229,15 +243,7 @@ impl PlanOverrides {
 
         let sync = section(root, "sync")?;
         if let Some(rule) = &self.rule {
-            let old = sync.get("rule").and_then(Value::as_str).map(str::to_string);
-            if old.as_deref() != Some(rule.as_str()) {
-                let keep = rule_keys(rule);
-                sync.retain(|k, _| keep.contains(&k) || k == "local" || k == "streaming");
-                if rule == "power" && !sync.contains_key("power") && old.as_deref() == Some("qsr") {
-                    sync.insert("power".into(), Value::Float(2.0));
-                }
-            }
-            sync.insert("rule".into(), Value::String(rule.clone()));
+            switch_rule(sync, rule);
         }
         set(sync, "h_base", int(self.h_base));
         set(sync, "alpha", float(self.alpha));

@@ -206,7 +206,13 @@ pub(crate) fn apply_sets(root: &mut Table, sets: &[String]) -> Result<()> {
                 .as_table_mut()
                 .ok_or_else(|| anyhow!("--set {set}: `{}` is not a table", parts[..=i].join(".")))?;
         }
-        table.insert(parts[parts.len() - 1].to_string(), value);
+        match (key, value.as_str()) {
+            // Switching the rule drops the old rule's settings, as `--sync` does.
+            ("sync.rule", Some(rule)) => super::plan::switch_rule(table, rule),
+            _ => {
+                table.insert(parts[parts.len() - 1].to_string(), value);
+            }
+        }
     }
     Ok(())
 }

@@ -20,3 +20,19 @@ fn every_shipped_recipe_validates() {
     }
     assert!(n >= 9, "found only {n} recipes");
 }
+
+/// Regression: `--set sync.rule=dp` on a QSR recipe failed with "unknown field `alpha`" (the GPU
+/// check's data-parallel baseline never ran on the first card it met). Switching the rule with `--set`
+/// now drops the old rule's settings, as `qsr plan --sync` does; later `--set`s still apply.
+#[test]
+fn set_sync_rule_switches_the_rule_and_drops_the_old_rules_settings() {
+    let gpu = crate::common::root().join("recipes/fashion-mnist-resnet20-gpu.toml");
+    let dp = TrainRecipe::load(&gpu, &["sync.rule=dp".to_string()]).unwrap();
+    assert_eq!(dp.sync.rule.name(), "dp");
+    let sets = ["sync.rule=constant".to_string(), "sync.h=8".to_string()];
+    let constant = TrainRecipe::load(&gpu, &sets).unwrap();
+    assert_eq!(constant.sync.rule, qsr_sched::SyncRule::Constant { h: 8 });
+    // The same rule keeps its settings.
+    let qsr = TrainRecipe::load(&gpu, &["sync.rule=qsr".to_string()]).unwrap();
+    assert_eq!(qsr.plan().unwrap(), TrainRecipe::load(&gpu, &[]).unwrap().plan().unwrap());
+}
