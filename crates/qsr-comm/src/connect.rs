@@ -187,6 +187,18 @@ impl Collective for Split {
     fn supports_bf16(&self) -> bool {
         self.inner.supports_bf16()
     }
+    fn all_reduce_quantized(
+        &mut self,
+        buf: &mut [f32],
+        op: crate::ReduceOp,
+        codec: crate::Codec,
+    ) -> Result<(), CommError> {
+        let r = self.inner.all_reduce_quantized(buf, op, codec);
+        self.named(r)
+    }
+    fn supports_quantized(&self) -> bool {
+        self.inner.supports_quantized()
+    }
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
         let r = self.inner.broadcast(buf, root);
         self.named(r)

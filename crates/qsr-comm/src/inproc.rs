@@ -20,6 +20,8 @@
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use qsr_kernels::{Codec, WIRE_BLOCK, WIRE_BLOCK_BYTES};
+
 use crate::{CallKind, Collective, CommError, CommStats, ReduceOp, bf16_round, split_range};
 
 /// How an all-reduce's payload travels (in a ring; here: how it is rounded).
@@ -27,6 +29,29 @@ use crate::{CallKind, Collective, CommError, CommStats, ReduceOp, bf16_round, sp
 pub(crate) enum Rounding {
     F32,
     Bf16,
+    /// One byte per value and a scale per block of `qsr_kernels::WIRE_BLOCK` values.
+    Quantized(Codec),
+}
+
+impl Rounding {
+    /// Bytes one rank sends in a ring all-reduce of `len` values carried this way over `k` ranks.
+    pub(crate) fn ring_bytes(self, len: usize, k: usize) -> u64 {
+        match self {
+            Rounding::F32 => crate::ring_allreduce_bytes(len, 4, k),
+            Rounding::Bf16 => crate::ring_allreduce_bytes(len, 2, k),
+            Rounding::Quantized(_) => crate::ring_allreduce_bytes(len.div_ceil(WIRE_BLOCK), WIRE_BLOCK_BYTES as u64, k),
+        }
+    }
+
+    /// How the TCP ring names the payload in an op's name (empty for f32).
+    pub(crate) fn suffix(self) -> &'static str {
+        match self {
+            Rounding::F32 => "",
+            Rounding::Bf16 => " (bf16 payload)",
+            Rounding::Quantized(Codec::Int8) => " (int8 payload)",
+            Rounding::Quantized(Codec::Fp8E4m3) => " (fp8 payload)",
+        }
+    }
 }
 
 /// Default time a rank waits for the others to enter the same collective.
@@ -226,8 +251,7 @@ impl InProcessComm {
         let bytes = (len * 4) as u64;
         let (sent, recv) = match kind {
             CallKind::AllReduce => {
-                let elem = if matches!(op, Some((_, Rounding::Bf16))) { 2 } else { 4 };
-                let v = crate::ring_allreduce_bytes(len, elem, self.k);
+                let v = op.map_or(Rounding::F32, |(_, r)| r).ring_bytes(len, self.k);
                 (v, v)
             }
             CallKind::Broadcast if self.rank == root => (bytes, 0),
@@ -243,7 +267,7 @@ impl InProcessComm {
 pub(crate) fn op_name(op: Option<(ReduceOp, Rounding)>) -> String {
     let Some((op, wire)) = op else { return "none".into() };
     let name = if op == ReduceOp::Mean { "mean" } else { "sum" };
-    if wire == Rounding::Bf16 { format!("{name} (bf16 payload)") } else { name.into() }
+    format!("{name}{}", wire.suffix())
 }
 
 /// Checks that all K published calls agree; the message compares each rank with rank 0.
@@ -323,6 +347,42 @@ fn reduce_slice_bf16(slots: &[Slot], rank: usize, op: ReduceOp) {
     }
 }
 
+/// The quantized work step for segment `rank` of the buffer's blocks of [`WIRE_BLOCK`] values: the
+/// TCP ring's order and rounding ([`Collective::all_reduce_quantized`]), so both give the same bits.
+/// Per block: the partial sum starts at rank `rank`; each next rank adds its f32 values to the
+/// quantized partial it "received"; a mean divides the last sum by K; every rank gets the result
+/// quantized once more. One rank: unchanged.
+fn reduce_slice_quantized(slots: &[Slot], rank: usize, op: ReduceOp, codec: Codec) {
+    let k = slots.len();
+    if k == 1 {
+        return;
+    }
+    let len = slots[rank].len;
+    let blocks = split_range(len.div_ceil(WIRE_BLOCK), k, rank);
+    let range = (blocks.start * WIRE_BLOCK).min(len)..(blocks.end * WIRE_BLOCK).min(len);
+    let view = |r: usize| {
+        // SAFETY: as in `reduce_slice`: elements of `range` are touched only by this thread, each slot a
+        // distinct live buffer of at least `range.end` f32s whose owner waits in this call.
+        unsafe { std::slice::from_raw_parts_mut((slots[r].addr as *mut f32).add(range.start), range.len()) }
+    };
+    let mut views: Vec<&mut [f32]> = (0..k).map(|j| view((rank + j) % k)).collect();
+    let mut sum = [0.0f32; WIRE_BLOCK];
+    for at in (0..range.len()).step_by(WIRE_BLOCK) {
+        let n = WIRE_BLOCK.min(range.len() - at);
+        let sum = &mut sum[..n];
+        sum.copy_from_slice(&views[0][at..at + n]);
+        for v in &views[1..] {
+            codec.round_block(sum);
+            sum.iter_mut().zip(&v[at..at + n]).for_each(|(s, x)| *s += x);
+        }
+        if op == ReduceOp::Mean {
+            sum.iter_mut().for_each(|s| *s /= k as f32);
+        }
+        codec.round_block(sum);
+        views.iter_mut().for_each(|v| v[at..at + n].copy_from_slice(sum));
+    }
+}
+
 impl Collective for InProcessComm {
     fn rank(&self) -> usize {
         self.rank
@@ -349,6 +409,18 @@ impl Collective for InProcessComm {
         let addr = buf.as_mut_ptr() as usize;
         self.run(CallKind::AllReduce, Some((op, Rounding::Bf16)), 0, addr, buf.len(), |slots| {
             reduce_slice_bf16(slots, rank, op)
+        })
+    }
+
+    fn supports_quantized(&self) -> bool {
+        true
+    }
+
+    fn all_reduce_quantized(&mut self, buf: &mut [f32], op: ReduceOp, codec: Codec) -> Result<(), CommError> {
+        let rank = self.rank;
+        let addr = buf.as_mut_ptr() as usize;
+        self.run(CallKind::AllReduce, Some((op, Rounding::Quantized(codec))), 0, addr, buf.len(), |slots| {
+            reduce_slice_quantized(slots, rank, op, codec)
         })
     }
 

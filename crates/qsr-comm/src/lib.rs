@@ -70,6 +70,7 @@ pub use mpi_backend::MpiComm;
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclComm, probe_libraries};
 
+pub use qsr_kernels::Codec;
 use serde::{Deserialize, Serialize};
 
 /// The reduction applied by [`Collective::all_reduce`].
@@ -88,6 +89,14 @@ impl ReduceOp {
             ReduceOp::Sum => 0,
             ReduceOp::Mean => 1,
         }
+    }
+}
+
+/// A codec's name in messages and settings: `int8`, `fp8`.
+pub fn codec_name(codec: Codec) -> &'static str {
+    match codec {
+        Codec::Int8 => "int8",
+        Codec::Fp8E4m3 => "fp8",
     }
 }
 
@@ -179,6 +188,23 @@ pub trait Collective: Send {
     fn supports_bf16(&self) -> bool {
         false
     }
+    /// [`all_reduce`](Self::all_reduce) with the payload carried as one byte per value (`codec`: int8
+    /// or fp8 e4m3) plus one f32 scale per block of [`qsr_kernels::WIRE_BLOCK`] values, 0.266 of the
+    /// f32 call's bytes. Each hop decodes the partial sum it received, adds its own f32 values in f32
+    /// and sends the sum quantized again; the rank that completes a segment divides by K for a mean
+    /// and quantizes once more, and every rank ends with what those bytes decode to, bit-identical.
+    /// What quantization drops is lost here: error feedback is the caller's, who knows what it sends
+    /// from one call to the next. With one rank the buffer is unchanged. Backends without it refuse
+    /// with [`CommError::Unsupported`] (the default).
+    fn all_reduce_quantized(&mut self, buf: &mut [f32], op: ReduceOp, codec: Codec) -> Result<(), CommError> {
+        let _ = (buf, op);
+        let what = format!("an {} all-reduce", codec_name(codec));
+        Err(CommError::Unsupported { backend: self.backend(), what })
+    }
+    /// Whether [`all_reduce_quantized`](Self::all_reduce_quantized) is offered. Default false.
+    fn supports_quantized(&self) -> bool {
+        false
+    }
     /// Copies `root`'s `buf` into every other rank's `buf` (same length on every rank).
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError>;
     /// Copies `root`'s byte payload to every rank; non-roots' `bytes` are resized to match. For
@@ -268,6 +294,12 @@ impl<C: Collective + ?Sized> Collective for Box<C> {
     }
     fn supports_bf16(&self) -> bool {
         (**self).supports_bf16()
+    }
+    fn all_reduce_quantized(&mut self, buf: &mut [f32], op: ReduceOp, codec: Codec) -> Result<(), CommError> {
+        (**self).all_reduce_quantized(buf, op, codec)
+    }
+    fn supports_quantized(&self) -> bool {
+        (**self).supports_quantized()
     }
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
         (**self).broadcast(buf, root)

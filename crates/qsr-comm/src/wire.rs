@@ -468,7 +468,7 @@ pub struct CallHeader {
     /// Which collective: one of the `KIND_*` constants.
     pub kind: u8,
     /// Reduction: 0 sum (also a barrier's), 1 mean, [`OP_SUM_BF16`] / [`OP_MEAN_BF16`] with a bf16
-    /// payload, [`OP_NONE`] for broadcasts.
+    /// payload, `OP_*_INT8` / `OP_*_FP8` with a quantized one, [`OP_NONE`] for broadcasts.
     pub op: u8,
     /// Pipelining block size in 4 KiB units (ranks must agree on it to agree on frame lengths).
     pub chunk: u16,
@@ -501,6 +501,31 @@ pub const OP_SUM_BF16: u8 = 2;
 /// `op` value of a mean whose payload travels as bf16.
 pub const OP_MEAN_BF16: u8 = 3;
 
+/// `op` value of a sum whose payload travels as int8 with block scales.
+pub const OP_SUM_INT8: u8 = 4;
+
+/// `op` value of a mean whose payload travels as int8 with block scales.
+pub const OP_MEAN_INT8: u8 = 5;
+
+/// `op` value of a sum whose payload travels as fp8 e4m3 with block scales.
+pub const OP_SUM_FP8: u8 = 6;
+
+/// `op` value of a mean whose payload travels as fp8 e4m3 with block scales.
+pub const OP_MEAN_FP8: u8 = 7;
+
+/// A reduction's name in messages, from its `op` value: `sum`, `mean (int8 payload)`, `none`.
+pub fn op_label(op: u8) -> String {
+    let name = if op.is_multiple_of(2) { "sum" } else { "mean" };
+    let payload = match op {
+        0 | 1 => "",
+        OP_SUM_BF16 | OP_MEAN_BF16 => " (bf16 payload)",
+        OP_SUM_INT8 | OP_MEAN_INT8 => " (int8 payload)",
+        OP_SUM_FP8 | OP_MEAN_FP8 => " (fp8 payload)",
+        _ => return "none".into(),
+    };
+    format!("{name}{payload}")
+}
+
 impl CallHeader {
     /// The 32-byte header, starting with [`CALL_MAGIC`].
     pub fn encode(&self) -> [u8; CALL_HEADER_LEN] {
@@ -527,7 +552,7 @@ impl CallHeader {
             return Err(WireError::BadValue { what: "call kind", value: u64::from(kind) });
         }
         let op = c.u8()?;
-        if op > OP_MEAN_BF16 && op != OP_NONE {
+        if op > OP_MEAN_FP8 && op != OP_NONE {
             return Err(WireError::BadValue { what: "reduce op", value: u64::from(op) });
         }
         let chunk = c.u16()?;

@@ -31,12 +31,75 @@ impl Codec {
         }
     }
 
+    /// Writes `values` as one block: their scale, then one byte each into `codes`; returns the scale.
+    /// A block holding a non-finite value gets a NaN scale, so it decodes to NaN rather than to
+    /// numbers (a diverged worker stays visible after a sync).
+    fn encode_block(self, values: &[f32], codes: &mut [u8]) -> f32 {
+        let max = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let scale = if !max.is_finite() || values.iter().any(|v| v.is_nan()) {
+            f32::NAN
+        } else if max > 0.0 {
+            max / self.max_code_value()
+        } else {
+            0.0
+        };
+        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        codes.iter_mut().zip(values).for_each(|(c, &v)| *c = self.encode(v * inv));
+        scale
+    }
+
+    /// Writes `values` as one block of the collectives' payload: the scale as 4 little-endian bytes,
+    /// then one byte per value (`out` holds `4 + values.len()` bytes).
+    ///
+    /// # Panics
+    ///
+    /// If `out` has another length.
+    pub fn put_block(self, values: &[f32], out: &mut [u8]) {
+        assert_eq!(out.len(), 4 + values.len(), "Codec::put_block: length mismatch");
+        let (head, codes) = out.split_at_mut(4);
+        head.copy_from_slice(&self.encode_block(values, codes).to_le_bytes());
+    }
+
+    /// The values of a block written by [`Codec::put_block`], into `out` (`bytes.len() - 4` values).
+    ///
+    /// # Panics
+    ///
+    /// If `out` has another length.
+    pub fn get_block(self, bytes: &[u8], out: &mut [f32]) {
+        assert_eq!(bytes.len(), 4 + out.len(), "Codec::get_block: length mismatch");
+        let scale = f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+        out.iter_mut().zip(&bytes[4..]).for_each(|(o, &b)| *o = self.decode(b) * scale);
+    }
+
+    /// `values` replaced by what one block of them decodes to: [`Codec::put_block`] then
+    /// [`Codec::get_block`], the same bits, without the bytes (a hop of an in-memory collective).
+    pub fn round_block(self, values: &mut [f32]) {
+        let mut codes = [0u8; WIRE_BLOCK];
+        for chunk in values.chunks_mut(WIRE_BLOCK) {
+            let codes = &mut codes[..chunk.len()];
+            let scale = self.encode_block(chunk, codes);
+            chunk.iter_mut().zip(codes.iter()).for_each(|(v, &b)| *v = self.decode(b) * scale);
+        }
+    }
+
     fn decode(self, byte: u8) -> f32 {
         match self {
             Codec::Int8 => f32::from(byte as i8),
             Codec::Fp8E4m3 => fp8_decode(byte),
         }
     }
+}
+
+/// Values per scale in the collectives' compressed payloads ([`Codec::put_block`]): one scale per 64
+/// values is 1/16 byte per value, so a payload is `1 + 4/64` bytes per value, 0.266 of f32.
+pub const WIRE_BLOCK: usize = 64;
+
+/// Bytes of a full block of [`WIRE_BLOCK`] values on the wire: its scale and one byte per value.
+pub const WIRE_BLOCK_BYTES: usize = 4 + WIRE_BLOCK;
+
+/// Bytes on the wire of `values` values in blocks of [`WIRE_BLOCK`] (the last block may be shorter).
+pub fn wire_bytes(values: u64) -> u64 {
+    values + 4 * values.div_ceil(WIRE_BLOCK as u64)
 }
 
 /// A quantized buffer: `len` values as one byte each, and one f32 scale per `block` values.
@@ -56,15 +119,8 @@ impl Quantized {
     /// If `block` is 0 (a programming error: the block size is a setting checked where it is read).
     pub fn encode(codec: Codec, values: &[f32], block: usize) -> Self {
         assert!(block > 0, "Quantized::encode: block must be at least 1");
-        let mut bytes = Vec::with_capacity(values.len());
-        let mut scales = Vec::with_capacity(values.len().div_ceil(block));
-        for chunk in values.chunks(block) {
-            let max = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let scale = if max > 0.0 && max.is_finite() { max / codec.max_code_value() } else { 0.0 };
-            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-            bytes.extend(chunk.iter().map(|&v| codec.encode(v * inv)));
-            scales.push(scale);
-        }
+        let mut bytes = vec![0; values.len()];
+        let scales = values.chunks(block).zip(bytes.chunks_mut(block)).map(|(v, b)| codec.encode_block(v, b)).collect();
         Self { codec, block, bytes, scales }
     }
 

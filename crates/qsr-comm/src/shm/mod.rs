@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use crate::inproc::{Rounding, check_root, op_name};
 use crate::tcp::engine::f32_bytes_mut;
-use crate::{CallKind, Collective, CommError, CommStats, ReduceOp, bf16_round, split_range};
+use crate::{CallKind, Codec, Collective, CommError, CommStats, ReduceOp, bf16_round, split_range};
+use qsr_kernels::WIRE_BLOCK;
 
 use mapping::Mapping;
 pub(crate) use mapping::pid_ns;
@@ -86,10 +87,17 @@ fn kind_code(k: CallKind) -> u64 {
     }
 }
 
+/// The payloads in the order of their codes in a header's op byte.
+const PAYLOADS: [Rounding; 4] =
+    [Rounding::F32, Rounding::Bf16, Rounding::Quantized(Codec::Int8), Rounding::Quantized(Codec::Fp8E4m3)];
+
 fn op_code(op: Option<(ReduceOp, Rounding)>) -> u64 {
     match op {
         None => 0,
-        Some((op, wire)) => 1 + u64::from(op.code()) + if wire == Rounding::Bf16 { 2 } else { 0 },
+        Some((op, wire)) => {
+            let payload = PAYLOADS.iter().position(|&p| p == wire).unwrap_or(0) as u64;
+            1 + u64::from(op.code()) + 2 * payload
+        }
     }
 }
 
@@ -114,7 +122,8 @@ impl Head {
                 0 => "none".to_string(),
                 c => {
                     let op = if (c - 1) % 2 == 1 { ReduceOp::Mean } else { ReduceOp::Sum };
-                    op_name(Some((op, if c > 2 { Rounding::Bf16 } else { Rounding::F32 })))
+                    let payload = PAYLOADS.get((c as usize - 1) / 2).copied().unwrap_or(Rounding::F32);
+                    op_name(Some((op, payload)))
                 }
             };
             return Some(("reduce op", name(ours[1]), name(theirs[1])));
@@ -352,7 +361,14 @@ impl ShmComm {
     /// Our share of an all-reduce step of `len` elements that starts at element `at` of `total`:
     /// reduced over every member's half and written back into every half.
     fn reduce_share(&self, at: usize, len: usize, total: usize, op: ReduceOp, wire: Rounding) {
-        let share = split_range(len, self.n, self.rank);
+        let share = match wire {
+            // Whole blocks of the quantized payload (a step starts on a block: slots are 4 KiB multiples).
+            Rounding::Quantized(_) => {
+                let b = split_range(len.div_ceil(WIRE_BLOCK), self.n, self.rank);
+                (b.start * WIRE_BLOCK).min(len)..(b.end * WIRE_BLOCK).min(len)
+            }
+            _ => split_range(len, self.n, self.rank),
+        };
         let mut views: Vec<&mut [f32]> = (0..self.n)
             .map(|q| {
                 // SAFETY: between the two stages of a step, elements `share` of every half are touched
@@ -368,6 +384,7 @@ impl ShmComm {
         match wire {
             Rounding::F32 => qsr_kernels::reduce_and_broadcast_serial(&mut views, op == ReduceOp::Mean),
             Rounding::Bf16 => reduce_in_ring_order(&mut views, at + share.start, total, op),
+            Rounding::Quantized(codec) => reduce_blocks_in_ring_order(&mut views, at + share.start, total, op, codec),
         }
     }
 
@@ -491,8 +508,7 @@ impl ShmComm {
 
     fn all_reduce_with(&mut self, buf: &mut [f32], op: ReduceOp, wire: Rounding) -> Result<(), CommError> {
         let total = buf.len();
-        let elem = if wire == Rounding::Bf16 { 2 } else { 4 };
-        let bytes = crate::ring_allreduce_bytes(total, elem, self.n);
+        let bytes = wire.ring_bytes(total, self.n);
         let one_stage = wire == Rounding::F32 && total * 4 <= self.cfg.one_stage_bytes.min(self.cfg.slot_bytes);
         let head = Head { kind: CallKind::AllReduce, op: Some((op, wire)), len: total as u64 * 4, one_stage, ..BLANK };
         self.call(head, (bytes, bytes), |me, head| {
@@ -598,6 +614,32 @@ fn reduce_in_ring_order(views: &mut [&mut [f32]], at: usize, total: usize, op: R
     }
 }
 
+/// The TCP ring's quantized order ([`Collective::all_reduce_quantized`]) for elements `at..at + len`
+/// of a `total`-element buffer, `at` on a block boundary: block `b` of segment `s` (of
+/// `split_range(blocks, K, s)`) starts at rank `s`, each next rank adds its f32 values to the
+/// quantized partial sum, a mean divides the last sum by K, and every view gets the result quantized.
+fn reduce_blocks_in_ring_order(views: &mut [&mut [f32]], at: usize, total: usize, op: ReduceOp, codec: Codec) {
+    let k = views.len();
+    let len = views.first().map_or(0, |v| v.len());
+    let blocks = total.div_ceil(WIRE_BLOCK);
+    let mut sum = [0.0f32; WIRE_BLOCK];
+    for e in (0..len).step_by(WIRE_BLOCK) {
+        let s = segment_of((at + e) / WIRE_BLOCK, blocks, k);
+        let n = WIRE_BLOCK.min(len - e);
+        let sum = &mut sum[..n];
+        sum.copy_from_slice(&views[s][e..e + n]);
+        for j in 1..k {
+            codec.round_block(sum);
+            sum.iter_mut().zip(&views[(s + j) % k][e..e + n]).for_each(|(a, x)| *a += x);
+        }
+        if op == ReduceOp::Mean {
+            sum.iter_mut().for_each(|a| *a /= k as f32);
+        }
+        codec.round_block(sum);
+        views.iter_mut().for_each(|v| v[e..e + n].copy_from_slice(sum));
+    }
+}
+
 /// The `s` with `g` in `split_range(total, k, s)`.
 fn segment_of(g: usize, total: usize, k: usize) -> usize {
     let (base, rem) = (total / k, total % k);
@@ -624,6 +666,17 @@ impl Collective for ShmComm {
 
     fn all_reduce_bf16(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
         self.all_reduce_with(buf, op, Rounding::Bf16)
+    }
+
+    fn supports_quantized(&self) -> bool {
+        true
+    }
+
+    fn all_reduce_quantized(&mut self, buf: &mut [f32], op: ReduceOp, codec: Codec) -> Result<(), CommError> {
+        if self.n == 1 {
+            return self.all_reduce(buf, op); // as the ring: nothing travels, the buffer stays
+        }
+        self.all_reduce_with(buf, op, Rounding::Quantized(codec))
     }
 
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {

@@ -18,6 +18,8 @@ use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
+use qsr_kernels::{Codec, WIRE_BLOCK, WIRE_BLOCK_BYTES};
+
 use crate::CommError;
 use crate::wire::{self, Back, CallHeader, Frame, Reason};
 
@@ -129,6 +131,13 @@ pub(crate) enum Buf<'a> {
         master: &'a mut [f32],
         wire: &'a mut [u8],
     },
+    /// The f32 values (padded to whole blocks of `WIRE_BLOCK`), reduced in f32, and their
+    /// quantized wire copy: per block its scale and one byte per value (`WIRE_BLOCK_BYTES`).
+    Quantized {
+        master: &'a mut [f32],
+        wire: &'a mut [u8],
+        codec: Codec,
+    },
     Bytes(&'a mut [u8]),
 }
 
@@ -136,7 +145,7 @@ impl Buf<'_> {
     fn bytes(&mut self) -> &mut [u8] {
         match self {
             Buf::F32(f) => f32_bytes_mut(f),
-            Buf::Bf16 { wire, .. } => wire,
+            Buf::Bf16 { wire, .. } | Buf::Quantized { wire, .. } => wire,
             Buf::Bytes(b) => b,
         }
     }
@@ -630,6 +639,18 @@ impl<'a> Call<'a> {
                     put_bf16(*d, &mut out[2 * i..2 * i + 2]);
                 }
             }
+            Buf::Quantized { master, wire, codec } => {
+                // The received partial sum decoded, our f32 values added, the sum quantized again.
+                let (lo, hi) = (block.range.start / WIRE_BLOCK_BYTES, block.range.end / WIRE_BLOCK_BYTES);
+                let src = &f32_bytes_mut(self.scratch)[..(hi - lo) * WIRE_BLOCK_BYTES];
+                let mut got = [0.0f32; WIRE_BLOCK];
+                for (i, g) in (lo..hi).enumerate() {
+                    codec.get_block(&src[i * WIRE_BLOCK_BYTES..(i + 1) * WIRE_BLOCK_BYTES], &mut got);
+                    let d = &mut master[g * WIRE_BLOCK..(g + 1) * WIRE_BLOCK];
+                    d.iter_mut().zip(&got).for_each(|(d, s)| *d = finish(*d + *s));
+                    codec.put_block(d, &mut wire[g * WIRE_BLOCK_BYTES..(g + 1) * WIRE_BLOCK_BYTES]);
+                }
+            }
             Buf::Bytes(_) => {}
         }
     }
@@ -645,13 +666,7 @@ impl<'a> Call<'a> {
             wire::KIND_BROADCAST_LEN => "broadcast_bytes length".into(),
             k => format!("kind {k}"),
         };
-        let op_name = |o: u8| match o {
-            0 => "sum".to_string(),
-            1 => "mean".into(),
-            wire::OP_SUM_BF16 => "sum (bf16 payload)".into(),
-            wire::OP_MEAN_BF16 => "mean (bf16 payload)".into(),
-            _ => "none".into(),
-        };
+        let op_name = wire::op_label;
         let diff: Option<(&'static str, String, String)> = if theirs.sender as usize != left {
             Some(("sender rank", left.to_string(), theirs.sender.to_string()))
         } else if theirs.seq != ours.seq {

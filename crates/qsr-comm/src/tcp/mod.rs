@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use crate::launch_env::LaunchEnv;
 use crate::wire::{self, CallHeader, PROTOCOL_VERSION};
-use crate::{Collective, CommError, CommStats, ReduceOp};
+use crate::{Codec, Collective, CommError, CommStats, ReduceOp};
+use qsr_kernels::{WIRE_BLOCK, WIRE_BLOCK_BYTES};
 
 use engine::{Buf, Call};
 
@@ -258,8 +259,10 @@ pub struct TcpComm {
     stats: CommStats,
     broken: Option<String>,
     scratch: Vec<f32>,
-    /// The bf16 wire copy of a bf16 all-reduce (kept to reuse its allocation).
+    /// The wire copy of a bf16 or quantized all-reduce (kept to reuse its allocation).
     wire: Vec<u8>,
+    /// A quantized all-reduce's f32 values padded to whole blocks (kept to reuse its allocation).
+    quant_master: Vec<f32>,
     /// Every rank's host as the rendezvous table gave it (empty for a ring of one).
     hosts: Vec<String>,
     /// Called while a call makes progress (a hierarchy's leader tells its host it is alive).
@@ -393,6 +396,7 @@ impl TcpComm {
             broken: None,
             scratch: Vec::new(),
             wire: Vec::new(),
+            quant_master: Vec::new(),
             hosts: Vec::new(),
             progress: None,
             doubling: None,
@@ -450,6 +454,7 @@ impl TcpComm {
             broken: None,
             scratch: Vec::new(),
             wire: Vec::new(),
+            quant_master: Vec::new(),
             hosts: table.into_iter().map(|(h, _)| h).collect(),
             progress: None,
             doubling: None,
@@ -625,6 +630,49 @@ impl Collective for TcpComm {
             buf.iter_mut().zip(wire.chunks_exact(2)).for_each(|(x, w)| *x = engine::bf16_at(w));
         }
         self.wire = wire;
+        res
+    }
+
+    fn supports_quantized(&self) -> bool {
+        true
+    }
+
+    fn all_reduce_quantized(&mut self, buf: &mut [f32], op: ReduceOp, codec: Codec) -> Result<(), CommError> {
+        if self.n == 1 {
+            return self.all_reduce(buf, op); // nothing travels: the buffer stays as it is
+        }
+        let mean = op == ReduceOp::Mean;
+        // The ring's elements are whole blocks: every segment and pipelining block ends on one.
+        let blocks = buf.len().div_ceil(WIRE_BLOCK);
+        let plan = plan::all_reduce_of(self.rank, self.n, blocks, mean, chunk_bytes(&self.cfg), WIRE_BLOCK_BYTES);
+        let mut master = std::mem::take(&mut self.quant_master);
+        master.clear();
+        master.extend_from_slice(buf);
+        master.resize(blocks * WIRE_BLOCK, 0.0);
+        let mut wire = std::mem::take(&mut self.wire);
+        wire.clear();
+        wire.resize(blocks * WIRE_BLOCK_BYTES, 0);
+        for (m, w) in master.chunks(WIRE_BLOCK).zip(wire.chunks_mut(WIRE_BLOCK_BYTES)) {
+            codec.put_block(m, w);
+        }
+        let code = match codec {
+            Codec::Int8 if mean => wire::OP_MEAN_INT8,
+            Codec::Int8 => wire::OP_SUM_INT8,
+            Codec::Fp8E4m3 if mean => wire::OP_MEAN_FP8,
+            Codec::Fp8E4m3 => wire::OP_SUM_FP8,
+        };
+        let len = wire.len();
+        let quantized = Buf::Quantized { master: &mut master, wire: &mut wire, codec };
+        let res = self.call(wire::KIND_ALL_REDUCE, code, 0, quantized, len, plan);
+        if res.is_ok() {
+            // Every rank takes the values on the wire, its own segment's too: bit-identical everywhere.
+            for (x, w) in buf.chunks_mut(WIRE_BLOCK).zip(wire.chunks(WIRE_BLOCK_BYTES)) {
+                let n = x.len();
+                codec.get_block(&w[..4 + n], x);
+            }
+        }
+        self.wire = wire;
+        self.quant_master = master;
         res
     }
 

@@ -8,6 +8,7 @@ mod doubling;
 mod hosts;
 mod inproc;
 mod processes;
+mod quantized;
 mod shm;
 mod tcp_faults;
 mod tcp_launch;
