@@ -282,6 +282,12 @@ impl Averager {
             }
         }
         check_wire(config.wire, comm.as_ref(), "wire")?;
+        if config.wire.codec().is_some() {
+            return Err(OptimError::Config {
+                field: "wire".into(),
+                reason: "the Averager sends f32 or bf16; int8 and fp8 syncs run in the Worker".into(),
+            });
+        }
         let layout = ParamLayout::of(&model);
         let settings = serde_json::json!({
             "config": &config,
@@ -474,8 +480,9 @@ impl Averager {
     fn all_reduce_counted(&mut self, buf: &mut [f32], step: u64, wire: Wire) -> Result<(), OptimError> {
         let before = *self.comm.stats();
         let reduced = match wire {
-            Wire::F32 => self.comm.all_reduce(buf, ReduceOp::Mean),
             Wire::Bf16 => self.comm.all_reduce_bf16(buf, ReduceOp::Mean),
+            // A quantized wire is refused when the averager is made.
+            _ => self.comm.all_reduce(buf, ReduceOp::Mean),
         };
         if let Err(source) = reduced {
             self.abandoned = true;

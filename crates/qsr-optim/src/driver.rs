@@ -19,7 +19,7 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
 use qsr_comm::Collective;
-use qsr_sched::{Cursor, SyncMode};
+use qsr_sched::{Cursor, FragmentPlan, StepInfo, SyncMode, split_tensors};
 
 use crate::device::DeviceGroup;
 use crate::error::{LossError, OptimError};
@@ -27,7 +27,8 @@ use crate::flat::ParamLayout;
 use crate::optim::{OptimState, OptimizerConfig};
 use crate::outer::{Outer, OuterConfig};
 use crate::replica::{DeviceReplica, HostReplica, Replica};
-use crate::sync::{DriverConfig, DriverStats, Level, Peers, Residency, StepReport, Wire, check_wire};
+use crate::stream::{Stream, StreamState, StreamingConfig};
+use crate::sync::{BnPolicy, DriverConfig, DriverStats, Level, Peers, Residency, StepReport, Wire, check_wire};
 
 /// One worker: a model replica, its flat parameters, its optimizer state, its collective and cursor.
 pub struct Worker<M: Module> {
@@ -43,8 +44,11 @@ pub struct Worker<M: Module> {
     cursor: Cursor,
     config: DriverConfig,
     stats: DriverStats,
-    /// DiLoCo's outer optimizer (see [`Worker::set_outer`]).
+    /// DiLoCo's outer optimizer (see [`Worker::set_outer`]); plain averaging as an outer step for a
+    /// streaming or quantized sync without one.
     outer: Option<Outer>,
+    /// Fragments, delayed application, quantized payloads ([`Worker::set_streaming`], `driver.wire`).
+    stream: Option<Stream>,
 }
 
 impl<M: Module> Worker<M> {
@@ -66,10 +70,13 @@ impl<M: Module> Worker<M> {
         }
         check_wire(config.wire, comm.as_ref(), "driver.wire")?;
         let residency = resolve_residency(config.residency, &model);
-        if config.wire == Wire::Bf16 && residency == Residency::Device {
+        if config.wire != Wire::F32 && residency == Residency::Device {
             return Err(OptimError::Config {
                 field: "driver.wire".into(),
-                reason: "bf16 syncs run on host-resident workers (driver.residency = \"host\")".into(),
+                reason: format!(
+                    "{} syncs run on host-resident workers (driver.residency = \"host\")",
+                    config.wire.encoding_name()
+                ),
             });
         }
         let replica = match residency {
@@ -80,7 +87,111 @@ impl<M: Module> Worker<M> {
             _ => Replica::Host(HostReplica::new(&model, &layout, optimizer.clone())?),
         };
         let stats = DriverStats::default();
-        Ok(Self { model, layout, replica, optimizer, comm, local: None, cursor, config, stats, outer: None })
+        let mut worker = Self {
+            model,
+            layout,
+            replica,
+            optimizer,
+            comm,
+            local: None,
+            cursor,
+            config,
+            stats,
+            outer: None,
+            stream: None,
+        };
+        if worker.config.wire.codec().is_some() {
+            // A quantized wire sends pseudo-gradients with error feedback: one fragment, applied at once.
+            worker.start_stream(StreamingConfig { fragments: 1, delay: 0, mix: 1.0 }, "driver.wire")?;
+        }
+        Ok(worker)
+    }
+
+    /// Makes parameter syncs streaming (`[sync.streaming]`): the parameters in `config.fragments`
+    /// contiguous groups of tensors, each averaged once per round on its own step ([`FragmentPlan`]),
+    /// the average applied `config.delay` steps later and blended with the local values by
+    /// `config.mix`. Without [`Self::set_outer`] the average is plain (an outer step with lr 1). The
+    /// all-reduces run between steps on the worker's collective unless [`Self::set_streaming_comm`]
+    /// gives them their own. Refused (naming the key) for device-resident workers, two-level plans,
+    /// optimizer-state or BatchNorm averaging, and fragments the plan or model cannot have.
+    pub fn set_streaming(&mut self, config: StreamingConfig) -> Result<(), OptimError> {
+        config.validate()?;
+        self.start_stream(config, "sync.streaming")
+    }
+
+    fn start_stream(&mut self, config: StreamingConfig, field: &str) -> Result<(), OptimError> {
+        let refuse = |reason: &str| Err(OptimError::Config { field: field.into(), reason: reason.into() });
+        let Replica::Host(h) = &self.replica else {
+            return refuse("streaming and quantized syncs run on host-resident workers (driver.residency = \"host\")");
+        };
+        if self.cursor.plan().local().is_some() {
+            return refuse("streaming and quantized syncs do not run with a two-level plan (`sync.local`)");
+        }
+        let state = self.config.state;
+        if state.average_first_moment || state.average_second_moment || self.config.bn == BnPolicy::Average {
+            return refuse(
+                "streaming and quantized syncs average parameters only (not `driver.state`, not `driver.bn = \"average\"`)",
+            );
+        }
+        let fragments = FragmentPlan::new(self.cursor.plan().clone(), config.fragments)?;
+        let sizes: Vec<u64> = self.layout.trainable.iter().map(|e| e.range.len() as u64).collect();
+        let tensors = split_tensors(&sizes, config.fragments)?;
+        let ranges = tensors
+            .iter()
+            .map(|t| self.layout.trainable[t.start].range.start..self.layout.trainable[t.end - 1].range.end)
+            .collect();
+        let n = self.layout.len();
+        self.stream = Some(Stream::new(fragments, ranges, config, (self.config.wire, self.config.bucket_elems), n));
+        if self.outer.is_none() {
+            self.outer = Some(Outer::new(OuterConfig::averaging(), &h.params_snapshot()));
+        }
+        Ok(())
+    }
+
+    /// Runs the streaming fragments' all-reduces on `comm`, on a thread of their own, while the worker
+    /// keeps stepping (overlap): `comm` must hold the same ranks as the worker's collective (e.g. from
+    /// [`qsr_comm::split`], or a second [`qsr_comm::InProcessGroup`]), and every rank must give one.
+    /// The results are the same bits as without it. Refused without [`Self::set_streaming`], once a
+    /// fragment is in flight, and for a collective that cannot carry the wire.
+    pub fn set_streaming_comm(&mut self, comm: Box<dyn Collective>) -> Result<(), OptimError> {
+        check_wire(self.config.wire, comm.as_ref(), "driver.wire")?;
+        if comm.world_size() != self.world_size() || comm.rank() != self.rank() {
+            return Err(OptimError::Config {
+                field: "sync.streaming".into(),
+                reason: format!(
+                    "the streaming collective is rank {} of {}, the worker's rank {} of {}",
+                    comm.rank(),
+                    comm.world_size(),
+                    self.rank(),
+                    self.world_size()
+                ),
+            });
+        }
+        match &mut self.stream {
+            Some(stream) => stream.set_background(comm),
+            None => Err(OptimError::Config {
+                field: "sync.streaming".into(),
+                reason: "a streaming collective needs streaming syncs (Worker::set_streaming)".into(),
+            }),
+        }
+    }
+
+    /// The streaming state (averages in flight, waiting for them; the error-feedback residual) for a
+    /// checkpoint, if the worker streams. Every rank must call it at the same step.
+    pub fn streaming_state(&mut self) -> Result<Option<StreamState>, OptimError> {
+        self.stream.as_mut().map(Stream::state).transpose()
+    }
+
+    /// Restores the state saved by [`Self::streaming_state`] (after [`Self::set_streaming`] and
+    /// [`Self::restore`]).
+    pub fn restore_streaming_state(&mut self, state: StreamState) -> Result<(), OptimError> {
+        match &mut self.stream {
+            Some(stream) => stream.restore(state),
+            None => Err(OptimError::Config {
+                field: "sync.streaming".into(),
+                reason: "this worker does not stream, so it has no streaming state".into(),
+            }),
+        }
     }
 
     /// Gives the worker its node's collective, through which the local averages of a two-level plan
@@ -148,6 +259,16 @@ impl<M: Module> Worker<M> {
                 reason: "the outer optimizer runs on host-resident workers (driver.residency = \"host\")".into(),
             });
         };
+        if let Some(stream) = &mut self.stream {
+            // The outer state of the fragments restarts from the parameters now, with nothing in flight.
+            stream.state().and_then(|s| {
+                if s.in_flight.is_empty() {
+                    Ok(())
+                } else {
+                    Err(OptimError::Config { field: "outer".into(), reason: "set it before the first step".into() })
+                }
+            })?;
+        }
         self.outer = Some(Outer::new(config, &self.params()?));
         Ok(())
     }
@@ -237,6 +358,12 @@ impl<M: Module> Worker<M> {
         if matches!(&self.replica, Replica::Device(d) if d.has_group()) {
             return Err(OptimError::DeviceGroup("a device group's members are fixed; it cannot change".into()));
         }
+        if self.stream.as_ref().is_some_and(Stream::in_background) {
+            return Err(OptimError::Config {
+                field: "sync.streaming".into(),
+                reason: "the streaming collective would still span the old membership".into(),
+            });
+        }
         Ok(std::mem::replace(&mut self.comm, comm))
     }
     /// Takes the totals so far, leaving zeros (a trainer that carries its own counters across a
@@ -288,6 +415,11 @@ impl<M: Module> Worker<M> {
             });
         }
         let info = self.cursor.advance().ok_or(OptimError::Finished(self.cursor.step()))?;
+        // A streaming worker's parameter syncs are its fragments', after the step.
+        let replica_info = StepInfo {
+            sync_after: info.sync_after && (self.stream.is_none() || info.mode == SyncMode::Gradients),
+            ..info
+        };
         let mut peers = Peers {
             comm: self.comm.as_mut(),
             config: &self.config,
@@ -296,9 +428,15 @@ impl<M: Module> Worker<M> {
             level: Level::Global,
         };
         let mut stepped = match &mut self.replica {
-            Replica::Host(h) => h.step(&mut self.model, &self.layout, &mut peers, &info, loss_fn)?,
-            Replica::Device(d) => d.step(&mut self.model, &self.layout, &mut peers, &info, loss_fn)?,
+            Replica::Host(h) => h.step(&mut self.model, &self.layout, &mut peers, &replica_info, loss_fn)?,
+            Replica::Device(d) => d.step(&mut self.model, &self.layout, &mut peers, &replica_info, loss_fn)?,
         };
+        if let (Some(stream), Replica::Host(h), Some(outer)) = (&mut self.stream, &mut self.replica, &mut self.outer) {
+            let at = (&info, self.cursor.is_done());
+            let comm = self.comm.as_mut();
+            let sent = stream.after_step(h.params_mut(), at, outer, comm, &mut self.stats.comm)?;
+            stepped.sync = stepped.sync.or(sent);
+        }
         if let Some(local) = self.local.as_deref_mut().filter(|_| info.local_sync_after) {
             // A plain average inside the node: the outer optimizer steps at global syncs only.
             let mut peers =
@@ -310,7 +448,8 @@ impl<M: Module> Worker<M> {
         self.write_back()?;
         self.stats.steps += 1;
         if let Some(s) = stepped.sync.filter(|s| s.level == Level::Global) {
-            self.stats.syncs += 1;
+            // A streaming worker counts rounds, not the fragments' syncs inside them.
+            self.stats.syncs += u64::from(self.stream.is_none() || info.sync_after);
             if s.mode == SyncMode::Gradients {
                 self.stats.gradient_syncs += 1;
             }

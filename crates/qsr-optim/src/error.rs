@@ -65,3 +65,10 @@ pub enum OptimError {
     #[error("the plan is finished (step {0})")]
     Finished(u64),
 }
+
+impl From<qsr_sched::ConfigError> for OptimError {
+    /// A schedule setting the driver cannot run (a fragment count, a rule), under its recipe key.
+    fn from(e: qsr_sched::ConfigError) -> Self {
+        OptimError::Config { field: e.field, reason: e.reason }
+    }
+}

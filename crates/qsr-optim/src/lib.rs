@@ -19,6 +19,7 @@ mod optim;
 mod outer;
 mod replica;
 mod snapshot;
+mod stream;
 mod sync;
 
 pub use averager::{Averager, AveragerConfig, AveragerState, AveragerStats, seeded_init};
@@ -31,6 +32,7 @@ pub use optim::{
 };
 pub use outer::OuterConfig;
 pub use snapshot::Snapshot;
+pub use stream::{InFlight, StreamState, StreamingConfig};
 pub use sync::{
     BnPolicy, DriverConfig, DriverStats, Level, LocalStats, PhaseTimes, Residency, StatePolicy, StepReport, SyncReport,
     Wire,

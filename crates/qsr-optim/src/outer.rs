@@ -26,6 +26,12 @@ impl OuterConfig {
         Self { lr: 0.7, momentum: 0.9, nesterov: true }
     }
 
+    /// Plain averaging written as an outer step (lr 1, no momentum: `global - mean(global - local)`),
+    /// which streaming and quantized syncs use when a recipe has no `[outer]`.
+    pub fn averaging() -> Self {
+        Self { lr: 1.0, momentum: 0.0, nesterov: false }
+    }
+
     /// DiLoCo's outer lr with Nesterov momentum 0.5, for the short rounds of QSR and constant H (2 to
     /// ~100 steps), where momentum 0.9 overshoots: on digits it drove QSR to chance accuracy while
     /// 0.5 trains (docs/RESULTS.md, section 5). `qsr compare`'s `+outer` rules use it by default.
@@ -113,11 +119,26 @@ impl Outer {
         local.iter_mut().zip(&self.global).for_each(|(l, g)| *l = g - *l);
     }
 
+    /// The pseudo-gradient `global - local` of the parameters at `at..at + out.len()`, into `out`
+    /// (`local` holding all parameters): one fragment's payload.
+    pub(crate) fn pseudo_gradient_of(&self, at: usize, local: &[f32], out: &mut [f32]) {
+        let range = at..at + out.len();
+        out.iter_mut().zip(&self.global[range.clone()]).zip(&local[range]).for_each(|((o, g), l)| *o = g - l);
+    }
+
     /// One outer step on the mean pseudo-gradient `delta`, in torch SGD's order (`buf = buf * mu + d`,
     /// Nesterov `d + mu * buf`, `global - lr * step`); writes the new global parameters into `delta`.
     pub(crate) fn step(&mut self, delta: &mut [f32]) {
+        self.step_at(0, delta);
+    }
+
+    /// [`Self::step`] of the parameters at `at..at + delta.len()` only (one fragment; the others'
+    /// global values and momentum stay as they are).
+    pub(crate) fn step_at(&mut self, at: usize, delta: &mut [f32]) {
         let (lr, mu) = (self.config.lr as f32, self.config.momentum as f32);
-        for ((d, g), m) in delta.iter_mut().zip(&mut self.global).zip(&mut self.momentum) {
+        let range = at..at + delta.len();
+        let parts = self.global[range.clone()].iter_mut().zip(&mut self.momentum[range]);
+        for (d, (g, m)) in delta.iter_mut().zip(parts) {
             let step = if mu == 0.0 {
                 *d
             } else {

@@ -114,6 +114,16 @@ impl HostReplica {
         Ok(Self { params, grads: vec![0.0; n], grad_sum: Vec::new(), sync_buf: Vec::new(), optimizer })
     }
 
+    /// A copy of the flat parameters.
+    pub(crate) fn params_snapshot(&self) -> Vec<f32> {
+        self.params.clone()
+    }
+
+    /// The flat parameters, for a sync that runs outside the step (streaming fragments).
+    pub(crate) fn params_mut(&mut self) -> &mut [f32] {
+        &mut self.params
+    }
+
     /// One step: gradients of every micro-batch, their mean, the data-parallel all-reduce when the
     /// step syncs gradients, the update (skipped when not finite), the parameter sync at a round's end.
     pub(crate) fn step<M: Module, F>(

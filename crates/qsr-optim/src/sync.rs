@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use burn::module::Module;
-use qsr_comm::{Collective, CommStats, ReduceOp};
+use qsr_comm::{Codec, Collective, CommStats, ReduceOp};
 use qsr_sched::{StepInfo, SyncMode};
 use serde::{Deserialize, Serialize};
 
@@ -64,8 +64,9 @@ pub struct DriverConfig {
     #[serde(default)]
     pub residency: Residency,
     /// How the payload of a parameter sync (parameters or pseudo-gradients, with the state the
-    /// policies append) travels: `f32` (default) or `bf16` (f32 accumulation at every hop, half the
-    /// bytes; host-resident workers). Gradient all-reduces stay f32.
+    /// policies append) travels: `f32` (default), `bf16` (f32 accumulation at every hop, half the
+    /// bytes), `int8` or `fp8` (a byte per value and a scale per 64: 0.266 of the bytes, sending
+    /// pseudo-gradients with error feedback); host-resident workers. Gradient all-reduces stay f32.
     #[serde(default)]
     pub wire: Wire,
 }
@@ -80,14 +81,41 @@ pub enum Wire {
     /// 2 bytes per value: every rank ends with the bf16-rounded mean, bit-identical
     /// ([`qsr_comm::Collective::all_reduce_bf16`]).
     Bf16,
+    /// A signed byte per value and an f32 scale per 64 values
+    /// ([`qsr_comm::Collective::all_reduce_quantized`]). A sync then sends each worker's
+    /// pseudo-gradient (the last global parameters minus its own) with error feedback, as DiLoCo's
+    /// outer step does, because parameters themselves lose too much in 8 bits.
+    Int8,
+    /// An fp8 e4m3 number per value and an f32 scale per 64 values, sent as [`Wire::Int8`] is.
+    Fp8,
 }
 
 impl Wire {
-    /// Bytes per value on the wire.
-    pub fn bytes_per_element(self) -> u64 {
+    /// How a payload of this wire is laid out, for the accounting (`qsr plan`, `qsr simulate`).
+    pub fn encoding(self) -> qsr_sched::Encoding {
         match self {
-            Wire::F32 => 4,
-            Wire::Bf16 => 2,
+            Wire::F32 => qsr_sched::Encoding::F32,
+            Wire::Bf16 => qsr_sched::Encoding::BF16,
+            Wire::Int8 | Wire::Fp8 => qsr_sched::Encoding::quantized(qsr_kernels::WIRE_BLOCK as u64),
+        }
+    }
+
+    /// The wire's name in a recipe: `f32`, `bf16`, `int8`, `fp8`.
+    pub fn encoding_name(self) -> &'static str {
+        match self {
+            Wire::F32 => "f32",
+            Wire::Bf16 => "bf16",
+            Wire::Int8 => "int8",
+            Wire::Fp8 => "fp8",
+        }
+    }
+
+    /// The byte codec of a quantized wire (`int8`, `fp8`); `None` for f32 and bf16.
+    pub fn codec(self) -> Option<Codec> {
+        match self {
+            Wire::Int8 => Some(Codec::Int8),
+            Wire::Fp8 => Some(Codec::Fp8E4m3),
+            Wire::F32 | Wire::Bf16 => None,
         }
     }
 }
@@ -300,7 +328,7 @@ impl Peers<'_> {
         fused: bool,
     ) -> SyncReport {
         let k = self.comm.world_size() as u64;
-        let bytes = qsr_sched::ring_allreduce_bytes_per_rank(elements as u64, 4, k);
+        let bytes = qsr_sched::ring_allreduce_bytes_per_rank(elements as u64, qsr_sched::Encoding::F32, k);
         let seconds = t.elapsed().as_secs_f64();
         self.stats.comm.calls += calls;
         self.stats.comm.bytes_sent += bytes;
@@ -353,11 +381,17 @@ impl SyncReport {
 /// `field` is the setting as its user writes it (`driver.wire` in a recipe, `wire` of an
 /// `AveragerConfig`).
 pub(crate) fn check_wire(wire: Wire, comm: &dyn Collective, field: &str) -> Result<(), OptimError> {
-    if wire == Wire::Bf16 && !comm.supports_bf16() {
+    let supported = match wire {
+        Wire::F32 => true,
+        Wire::Bf16 => comm.supports_bf16(),
+        Wire::Int8 | Wire::Fp8 => comm.supports_quantized(),
+    };
+    let name = wire.encoding_name();
+    if !supported {
         return Err(OptimError::Config {
             field: field.into(),
             reason: format!(
-                "the {} collective has no bf16 all-reduce (the TCP ring and the in-process group do)",
+                "the {} collective has no {name} all-reduce (the TCP ring, shared memory and the in-process group do)",
                 comm.backend()
             ),
         });
@@ -366,15 +400,16 @@ pub(crate) fn check_wire(wire: Wire, comm: &dyn Collective, field: &str) -> Resu
 }
 
 /// Mean all-reduce of `buf`, in buckets of at most `bucket` elements; returns the calls made.
-fn all_reduce_bucketed(
+pub(crate) fn all_reduce_bucketed(
     comm: &mut dyn Collective,
     buf: &mut [f32],
     bucket: Option<usize>,
     wire: Wire,
 ) -> Result<u64, qsr_comm::CommError> {
-    let mut reduce = |chunk: &mut [f32]| match wire {
-        Wire::F32 => comm.all_reduce(chunk, ReduceOp::Mean),
-        Wire::Bf16 => comm.all_reduce_bf16(chunk, ReduceOp::Mean),
+    let mut reduce = |chunk: &mut [f32]| match (wire, wire.codec()) {
+        (_, Some(codec)) => comm.all_reduce_quantized(chunk, ReduceOp::Mean, codec),
+        (Wire::Bf16, None) => comm.all_reduce_bf16(chunk, ReduceOp::Mean),
+        _ => comm.all_reduce(chunk, ReduceOp::Mean),
     };
     match bucket {
         Some(b) if b < buf.len() => {

@@ -14,7 +14,7 @@ use std::ops::Range;
 use serde::{Deserialize, Serialize};
 
 use crate::error::ConfigError;
-use crate::plan::Plan;
+use crate::plan::{Plan, StepInfo};
 use crate::round::{Round, SyncMode};
 
 /// Most fragments a plan accepts.
@@ -75,6 +75,15 @@ impl FragmentPlan {
     pub fn sync_step(&self, round: &Round, fragment: u32) -> u64 {
         let offset = ((u64::from(fragment) + 1) * round.len).div_ceil(u64::from(self.fragments));
         round.start + offset - 1
+    }
+
+    /// The fragments that sync after the step `info` hands out (none in a data-parallel round), in
+    /// fragment order: a trainer's question at each step.
+    pub fn syncs_after<'a>(&'a self, info: &StepInfo) -> impl Iterator<Item = u32> + use<'a> {
+        let parameters = info.mode == SyncMode::Parameters;
+        let offset = info.step.checked_sub(info.round_start).map(|o| o + 1).filter(|_| parameters);
+        let (len, p) = (info.h, u64::from(self.fragments));
+        (0..self.fragments).filter(move |&f| offset == Some(((u64::from(f) + 1) * len).div_ceil(p)))
     }
 
     /// Every fragment sync of the run, lazily, in step order (fragment order within a step).

@@ -29,7 +29,7 @@ mod round;
 mod rule;
 mod schedule;
 
-pub use comm::{CommVolume, ring_allreduce_bytes_per_rank};
+pub use comm::{CommVolume, Encoding, ring_allreduce_bytes_per_rank};
 pub use error::ConfigError;
 pub use fragment::{FragmentPlan, FragmentSummary, FragmentSync, MAX_FRAGMENTS, split_elements, split_tensors};
 pub use local::LocalSummary;

@@ -11,7 +11,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::comm::CommVolume;
+use crate::comm::{CommVolume, Encoding};
 use crate::error::ConfigError;
 use crate::round::{Round, SyncMode};
 use crate::rule::SyncRule;
@@ -124,8 +124,8 @@ impl LocalSummary {
     }
 
     /// Bytes each rank sends for the local averages over the run: a ring all-reduce of `params`
-    /// elements of `bytes_per_elem` bytes inside a node of `node_size` workers.
-    pub fn volume(&self, run_steps: u64, params: u64, bytes_per_elem: u64, node_size: u64) -> CommVolume {
-        CommVolume::new(self.rounds, run_steps, params, bytes_per_elem, node_size)
+    /// values in `encoding` inside a node of `node_size` workers.
+    pub fn volume(&self, run_steps: u64, params: u64, encoding: Encoding, node_size: u64) -> CommVolume {
+        CommVolume::new(self.rounds, run_steps, params, encoding, node_size)
     }
 }

@@ -1,6 +1,6 @@
 use serde::{Deserialize, Serialize};
 
-use crate::comm::CommVolume;
+use crate::comm::{CommVolume, Encoding};
 use crate::error::ConfigError;
 use crate::local::{self, LocalPos, LocalSummary};
 use crate::round::{Round, SyncMode};
@@ -256,10 +256,10 @@ pub struct PlanSummary {
 }
 
 impl PlanSummary {
-    /// Bytes each rank sends over the whole run with a ring all-reduce of `params` elements of
-    /// `bytes_per_elem` bytes across `world_size` ranks.
-    pub fn volume(&self, params: u64, bytes_per_elem: u64, world_size: u64) -> CommVolume {
-        CommVolume::new(self.rounds, self.run_steps, params, bytes_per_elem, world_size)
+    /// Bytes each rank sends over the whole run with a ring all-reduce of `params` values in
+    /// `encoding` across `world_size` ranks.
+    pub fn volume(&self, params: u64, encoding: Encoding, world_size: u64) -> CommVolume {
+        CommVolume::new(self.rounds, self.run_steps, params, encoding, world_size)
     }
 }
 

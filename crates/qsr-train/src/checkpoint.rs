@@ -4,6 +4,10 @@
 //! - `step-<N>/model.safetensors`: the averaged trainable parameters and rank 0's BatchNorm statistics,
 //!   one tensor per module path (readable by any safetensors tool);
 //! - `step-<N>/optim-rank<r>.safetensors`: each rank's optimizer moments (state stays per worker);
+//! - `step-<N>/outer.safetensors`: the global parameters and outer momentum, where syncs are outer
+//!   steps (`[outer]`, streaming or quantized syncs; the same on every rank);
+//! - `step-<N>/stream-rank<r>.safetensors`: a streaming (or quantized) worker's own parameters, its
+//!   error-feedback residual and the fragment averages it has in flight (since format 2);
 //! - `step-<N>/state.json`: the `qsr-sched` cursor (with its plan), world size and the recipe's resume key;
 //! - `step-<N>/manifest.json`: the SHA-256 of every file above;
 //! - `LATEST`: the name of the newest complete checkpoint.
@@ -13,7 +17,7 @@
 //! intact and `LATEST` pointing at a complete one.
 //!
 //! Public here is the reading side, for a library user who inspects or loads a run's checkpoints:
-//! [`latest`], [`verify`], [`load_model`], [`load_optim`], [`load_outer`] and [`CheckpointState`]; the
+//! [`latest`], [`verify`], [`load_model`], [`load_optim`], [`load_outer`], [`load_stream`] and [`CheckpointState`]; the
 //! trainer alone writes them.
 
 use std::collections::BTreeMap;
@@ -22,7 +26,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
-use qsr_optim::{OptimState, ParamLayout};
+use qsr_optim::{InFlight, OptimState, ParamLayout, StreamState};
 use qsr_sched::Cursor;
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use serde::{Deserialize, Serialize};
@@ -86,8 +90,12 @@ impl Counters {
     }
 }
 
-/// The checkpoint layout version this build writes and reads (`state.json`'s `format`).
-pub const FORMAT: u32 = 1;
+/// The checkpoint layout version this build writes (`state.json`'s `format`). Version 2 added the
+/// streaming workers' `stream-rank<r>.safetensors`; version 1 checkpoints (without them) still load.
+pub const FORMAT: u32 = 2;
+
+/// The oldest layout version this build reads.
+const OLDEST_FORMAT: u32 = 1;
 
 /// Writes `bytes` to `path` through a temp file in the same directory, fsynced, then renamed.
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
@@ -190,6 +198,50 @@ fn read_f32(st: &SafeTensors<'_>, name: &str, len: usize, file: &Path) -> Result
         );
     }
     Ok(t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+}
+
+/// `stream-rank<r>.safetensors`: a streaming worker's own parameters (ranks differ between a
+/// fragment's syncs), its error-feedback residual and the averages it has in flight, whose fragment
+/// and steps are the metadata entry `in_flight` (JSON).
+pub(crate) fn stream_bytes(params: &[f32], state: &StreamState) -> Result<Vec<u8>> {
+    let mut named = vec![("params".to_string(), vec![params.len()], f32_bytes(params))];
+    if !state.residual.is_empty() {
+        named.push(("residual".to_string(), vec![state.residual.len()], f32_bytes(&state.residual)));
+    }
+    let mut meta = Vec::new();
+    for (i, f) in state.in_flight.iter().enumerate() {
+        named.push((format!("in_flight.{i}"), vec![f.mean.len()], f32_bytes(&f.mean)));
+        meta.push(InFlight { mean: Vec::new(), ..f.clone() });
+    }
+    tensors_to_bytes(&named, BTreeMap::from([("in_flight".into(), serde_json::to_string(&meta)?)]))
+}
+
+/// Loads a streaming worker's `stream-rank<r>.safetensors`: its parameters and streaming state (the
+/// worker checks the fragments' sizes when it restores them).
+pub fn load_stream(file: &Path, layout: &ParamLayout) -> Result<(Vec<f32>, StreamState)> {
+    let bytes = fs::read(file).with_context(|| {
+        format!(
+            "cannot read {} (the recipe streams or quantizes its syncs: was the checkpoint written without?)",
+            file.display()
+        )
+    })?;
+    let st =
+        SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{} is not a safetensors file: {e}", file.display()))?;
+    let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| anyhow!("{}: {e}", file.display()))?;
+    let listed = meta.metadata().as_ref().and_then(|m| m.get("in_flight")).map_or("[]", String::as_str);
+    let mut in_flight: Vec<InFlight> =
+        serde_json::from_str(listed).with_context(|| format!("{}: metadata `in_flight`", file.display()))?;
+    if in_flight.len() > qsr_sched::MAX_FRAGMENTS as usize {
+        bail!("{}: {} averages in flight, more than fragments can be", file.display(), in_flight.len());
+    }
+    for (i, f) in in_flight.iter_mut().enumerate() {
+        let name = format!("in_flight.{i}");
+        let t = st.tensor(&name).map_err(|_| anyhow!("{}: tensor `{name}` is missing", file.display()))?;
+        f.mean = read_f32(&st, &name, (t.data().len() / 4).min(layout.len()), file)?;
+    }
+    let residual =
+        if st.tensor("residual").is_ok() { read_f32(&st, "residual", layout.len(), file)? } else { Vec::new() };
+    Ok((read_f32(&st, "params", layout.len(), file)?, StreamState { in_flight, residual }))
 }
 
 /// Loads `model.safetensors` against the layout of the model being resumed.
@@ -356,8 +408,12 @@ pub fn latest(run_dir: &Path) -> Result<(PathBuf, CheckpointState)> {
     let state_path = dir.join("state.json");
     let state: CheckpointState = serde_json::from_slice(&fs::read(&state_path)?)
         .with_context(|| format!("{} is not a valid checkpoint state", state_path.display()))?;
-    if state.format != FORMAT {
-        bail!("{}: checkpoint format {} is not supported (expected {FORMAT})", state_path.display(), state.format);
+    if !(OLDEST_FORMAT..=FORMAT).contains(&state.format) {
+        bail!(
+            "{}: checkpoint format {} is not supported (expected {OLDEST_FORMAT}..={FORMAT})",
+            state_path.display(),
+            state.format
+        );
     }
     Ok((dir, state))
 }

@@ -5,7 +5,8 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{Result, bail};
-use qsr_sched::{FragmentSummary, Plan, PlanSummary, ring_allreduce_bytes_per_rank, split_elements};
+use qsr_optim::Wire;
+use qsr_sched::{Encoding, FragmentSummary, Plan, PlanSummary, ring_allreduce_bytes_per_rank, split_elements};
 use serde::Serialize;
 
 use crate::recipe::{PlanOverrides, PlanRecipe, StreamingSync, load_plan};
@@ -46,6 +47,10 @@ pub struct PlanArgs {
     /// Bytes per parameter on the wire.
     #[arg(long, default_value_t = 4)]
     pub bytes_per_param: u64,
+    /// The parameter syncs' wire, as `driver.wire` says it (`f32`, `bf16`, `int8`, `fp8`: a byte per
+    /// value and a scale per 64); replaces `--bytes-per-param`.
+    #[arg(long, value_parser = parse_wire)]
+    pub wire: Option<Wire>,
     /// Workers per node for the byte count of a two-level plan's local averages (default: the
     /// world size, one node).
     #[arg(long)]
@@ -138,24 +143,28 @@ fn load(args: &PlanArgs) -> Result<Vec<PlanRecipe>> {
     Ok(recipes)
 }
 
+/// `--wire`'s value, as a recipe's `driver.wire` spells it.
+fn parse_wire(s: &str) -> Result<Wire, String> {
+    serde_json::from_value(serde_json::Value::String(s.into()))
+        .map_err(|_| format!("`{s}` is not a wire: f32, bf16, int8 or fp8"))
+}
+
 fn report(r: &PlanRecipe, args: &PlanArgs) -> PlanReport {
     let summary = r.plan.summary();
-    let volume = args.params.map(|n| summary.volume(n, args.bytes_per_param, args.world_size));
+    let encoding = args.wire.map_or(Encoding::plain(args.bytes_per_param), Wire::encoding);
+    let volume = args.params.map(|n| summary.volume(n, encoding, args.world_size));
     let node = args.node_size.unwrap_or(args.world_size);
-    let local_volume = summary
-        .local
-        .as_ref()
-        .zip(args.params)
-        .map(|(l, n)| l.volume(summary.run_steps, n, args.bytes_per_param, node));
+    let local_volume =
+        summary.local.as_ref().zip(args.params).map(|(l, n)| l.volume(summary.run_steps, n, encoding, node));
     let streaming = r.streaming.as_ref().map(|(settings, fragments)| {
-        let ring = |elements| ring_allreduce_bytes_per_rank(elements, args.bytes_per_param, args.world_size);
+        let ring = |elements| ring_allreduce_bytes_per_rank(elements, encoding, args.world_size);
         let peak = |params| {
             let sizes: Vec<u64> =
                 split_elements(params, fragments.fragments()).iter().map(|f| f.end - f.start).collect();
             ring(fragments.peak_elements(&sizes))
         };
         StreamingReport {
-            settings: settings.clone(),
+            settings: *settings,
             summary: fragments.summary(),
             peak_bytes_per_step: args.params.map(peak),
             plain_peak_bytes_per_step: args.params.map(ring),

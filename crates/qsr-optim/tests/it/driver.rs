@@ -17,9 +17,9 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::common::Mlp;
 
-const IN: usize = 6;
-const OUT: usize = 3;
-const BATCH: usize = 8;
+pub(crate) const IN: usize = 6;
+pub(crate) const OUT: usize = 3;
+pub(crate) const BATCH: usize = 8;
 
 #[derive(Module, Debug)]
 struct BnNet {
@@ -43,14 +43,14 @@ impl BnNet {
     }
 }
 
-fn device() -> Device {
+pub(crate) fn device() -> Device {
     Device::flex().autodiff()
 }
 
 /// Deterministic initial weights from our own seeded RNG. burn initializes parameters lazily from the
 /// backend's one global RNG, which concurrently running tests and worker threads share, so its draws are
 /// not reproducible across runs of a multi-threaded test.
-fn init<M: Module>(model: M) -> M {
+pub(crate) fn init<M: Module>(model: M) -> M {
     let layout = ParamLayout::of(&model);
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     let values: Vec<f32> = (0..layout.len()).map(|_| rng.random_range(-0.4f32..0.4)).collect();
@@ -58,13 +58,13 @@ fn init<M: Module>(model: M) -> M {
 }
 
 /// A fixed regression task: 256 seeded inputs, targets from a fixed random teacher.
-struct Task {
+pub(crate) struct Task {
     x: Vec<f32>,
     y: Vec<f32>,
 }
 
 impl Task {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         let mut rng = ChaCha8Rng::seed_from_u64(11);
         let n = 256;
         let x: Vec<f32> = (0..n * IN).map(|_| rng.random_range(-1.0f32..1.0)).collect();
@@ -79,7 +79,7 @@ impl Task {
     }
 
     /// Rows of `size` samples starting at sample `start` (wrapping).
-    fn batch(&self, start: usize, size: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
+    pub(crate) fn batch(&self, start: usize, size: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
         let n = self.x.len() / IN;
         let rows: Vec<usize> = (start..start + size).map(|i| i % n).collect();
         let x: Vec<f32> = rows.iter().flat_map(|&r| self.x[r * IN..(r + 1) * IN].iter().copied()).collect();
@@ -91,16 +91,16 @@ impl Task {
     }
 
     /// Worker `rank` of `k`, global step `t`, micro-batch `micro` of `accum`: disjoint samples per worker.
-    fn start(rank: usize, k: usize, t: u64, micro: usize, accum: usize) -> usize {
+    pub(crate) fn start(rank: usize, k: usize, t: u64, micro: usize, accum: usize) -> usize {
         ((t as usize * k + rank) * accum + micro) * BATCH / accum
     }
 }
 
-fn mse(pred: Tensor<2>, target: Tensor<2>) -> Tensor<1> {
+pub(crate) fn mse(pred: Tensor<2>, target: Tensor<2>) -> Tensor<1> {
     (pred - target).powf_scalar(2.0).mean()
 }
 
-fn plan(total: u64, sync: SyncRule) -> Plan {
+pub(crate) fn plan(total: u64, sync: SyncRule) -> Plan {
     Plan::new(LrSchedule::new(ScheduleKind::Cosine, total, total / 10, 0.2, 0.0), sync).unwrap()
 }
 
@@ -210,18 +210,18 @@ fn node_comms(k: usize, plan: &Plan) -> Vec<Option<qsr_comm::InProcessComm>> {
     }
 }
 
-fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
+pub(crate) fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
     assert_eq!(a.len(), b.len());
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
         assert!((x - y).abs() <= tol * (1.0 + x.abs().max(y.abs())), "{what}: element {i}: {x} vs {y}");
     }
 }
 
-fn bit_identical(a: &[f32], b: &[f32]) -> bool {
+pub(crate) fn bit_identical(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
-fn sgd() -> OptimizerConfig {
+pub(crate) fn sgd() -> OptimizerConfig {
     OptimizerConfig::sgd(0.0, 0.0)
 }
 

@@ -6,4 +6,5 @@ mod common;
 mod averager;
 mod device_wgpu;
 mod driver;
+mod streaming;
 mod torch_fixtures;

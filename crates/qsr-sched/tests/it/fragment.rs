@@ -127,3 +127,23 @@ fn bad_fragment_counts_and_gradient_rules_are_refused_naming_the_key() {
     assert!(err.reason.contains("`dp` all-reduces gradients"), "{err}");
     assert!(FragmentPlan::new(plan(SyncRule::Dp), 1).is_ok());
 }
+
+/// A trainer asks `syncs_after` at every step the cursor hands out; its answers are the schedule.
+#[test]
+fn syncs_after_each_step_reproduce_the_schedule() {
+    for (rule, fragments) in [
+        (SyncRule::Qsr { h_base: 2, alpha: 0.02 }, 4),
+        (SyncRule::Qsr { h_base: 2, alpha: 0.02 }, 3),
+        (SyncRule::Constant { h: 5 }, 7),
+        (SyncRule::Constant { h: 1 }, 2),
+    ] {
+        let p = FragmentPlan::new(plan(rule), fragments).unwrap();
+        let asked: Vec<(u64, u32)> =
+            p.plan().cursor().flat_map(|info| p.syncs_after(&info).map(move |f| (info.step, f))).collect();
+        let scheduled: Vec<(u64, u32)> = p.syncs().map(|s| (s.step, s.fragment)).collect();
+        assert_eq!(asked, scheduled, "{fragments} fragments");
+    }
+    // A data-parallel round averages no fragment.
+    let dp = FragmentPlan::new(plan(SyncRule::Dp), 1).unwrap();
+    assert_eq!(dp.plan().cursor().map(|info| dp.syncs_after(&info).count()).sum::<usize>(), 0);
+}

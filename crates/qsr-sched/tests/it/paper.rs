@@ -137,13 +137,32 @@ fn run_steps_shorter_than_the_horizon_ends_on_a_sync() {
 #[test]
 fn ring_volume_matches_the_ring_formula() {
     let s = Plan::new(resnet152(), SyncRule::Constant { h: 4 }).unwrap().summary();
-    let v = s.volume(60_192_808, 4, 16);
+    let v = s.volume(60_192_808, qsr_sched::Encoding::F32, 16);
     // 2 (K-1)/K x 4 bytes x params
     assert_eq!(v.bytes_per_sync, 2 * 15 * 60_192_808 * 4 / 16);
     assert_eq!(v.bytes_per_rank, v.bytes_per_sync * 15_600);
     assert_eq!(v.data_parallel_bytes_per_rank, v.bytes_per_sync * 62_400);
-    assert_eq!(qsr_sched::ring_allreduce_bytes_per_rank(1_000, 4, 1), 0);
-    assert_eq!(qsr_sched::ring_allreduce_bytes_per_rank(1_000, 4, 2), 4_000);
+    assert_eq!(qsr_sched::ring_allreduce_bytes_per_rank(1_000, qsr_sched::Encoding::F32, 1), 0);
+    assert_eq!(qsr_sched::ring_allreduce_bytes_per_rank(1_000, qsr_sched::Encoding::F32, 2), 4_000);
+}
+
+/// A quantized payload counts one byte per value and one f32 scale per block, a short last block
+/// whole: 0.266 of f32 at blocks of 64, under the 0.27 that streaming QSR's int8 wire promises.
+#[test]
+fn quantized_encoding_counts_a_byte_per_value_and_a_scale_per_block() {
+    use qsr_sched::{Encoding, ring_allreduce_bytes_per_rank as ring};
+    let int8 = Encoding::quantized(64);
+    assert_eq!(int8.bytes(0), 0);
+    assert_eq!(int8.bytes(64), 68);
+    assert_eq!(int8.bytes(65), 65 + 8);
+    assert_eq!(Encoding::BF16.bytes(10), 20);
+    assert!((int8.bytes_per_value() - 68.0 / 64.0).abs() < 1e-12);
+    // The ring moves whole blocks: 100 values are 2 blocks of 68 bytes; K = 2 moves all of it once.
+    assert_eq!(ring(100, int8, 2), 136);
+    let (q, f) = (ring(1 << 20, int8, 4), ring(1 << 20, Encoding::F32, 4));
+    assert!((q as f64 / f as f64 - 68.0 / 256.0).abs() < 1e-9, "{q} vs {f}");
+    assert!(q as f64 <= 0.27 * f as f64);
+    assert_eq!(ring(u64::MAX, Encoding::F32, 2), u64::MAX, "saturates");
 }
 
 /// `SyncRule::h_at` with the lr of each round's first step reproduces the plan's rounds: a caller with its

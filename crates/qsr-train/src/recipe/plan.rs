@@ -23,41 +23,13 @@ pub struct SyncSection {
 }
 
 /// `[sync.streaming]`: the parameters averaged in fragments, each once per round on its own step
-/// ([`FragmentPlan`]). `qsr plan` shows its schedule; the trainer does not run it yet and refuses it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct StreamingSync {
-    /// Fragments the parameters are averaged in (`sync.streaming.fragments`).
-    pub fragments: u32,
-    /// Steps a fragment's average runs behind the inner steps before it is applied
-    /// (`sync.streaming.delay`, at least 1).
-    #[serde(default = "one_step")]
-    pub delay: u64,
-    /// Weight of the averaged fragment against the local one when it is applied (`sync.streaming.mix`,
-    /// in (0, 1]; 1 replaces the local fragment).
-    #[serde(default = "full_mix")]
-    pub mix: f64,
-}
+/// ([`FragmentPlan`]), applied `delay` steps later and blended by `mix` (the driver's settings).
+pub use qsr_optim::StreamingConfig as StreamingSync;
 
-fn one_step() -> u64 {
-    1
-}
-
-fn full_mix() -> f64 {
-    1.0
-}
-
-impl StreamingSync {
-    /// The fragment schedule of these settings over `plan`, each refusal naming its key.
-    pub fn fragment_plan(&self, plan: Plan) -> Result<FragmentPlan> {
-        if self.delay == 0 {
-            bail!("invalid `sync.streaming.delay`: must be at least 1 (got 0)");
-        }
-        if !(self.mix > 0.0 && self.mix <= 1.0) {
-            bail!("invalid `sync.streaming.mix`: must be in (0, 1] (got {})", self.mix);
-        }
-        Ok(FragmentPlan::new(plan, self.fragments)?)
-    }
+/// The fragment schedule of `streaming` over `plan`, each refusal naming its key.
+pub fn fragment_plan(streaming: &StreamingSync, plan: Plan) -> Result<FragmentPlan> {
+    streaming.validate()?;
+    Ok(FragmentPlan::new(plan, streaming.fragments)?)
 }
 
 /// `[sync.local]`: the local level of a two-level run (see [`Plan::with_local`]).
@@ -297,7 +269,7 @@ fn plan_from_table(root: &Table, run_steps: Option<u64>, origin: &str) -> Result
     let plan = sync.plan(schedule, run_steps).map_err(|e| anyhow!("{origin}: {e}"))?;
     let streaming = match sync.streaming {
         Some(settings) => {
-            let fragments = settings.fragment_plan(plan.clone()).map_err(|e| anyhow!("{origin}: {e}"))?;
+            let fragments = fragment_plan(&settings, plan.clone()).map_err(|e| anyhow!("{origin}: {e}"))?;
             Some((settings, fragments))
         }
         None => None,

@@ -321,11 +321,8 @@ impl TrainRecipe {
         if self.sync.local.as_ref().and_then(|l| l.workers_per_node) == Some(0) {
             bail!("invalid `sync.local.workers_per_node`: must be at least 1");
         }
-        if self.sync.streaming.is_some() {
-            bail!(
-                "invalid `sync.streaming`: the trainer does not run streaming synchronization yet (`qsr plan` \
-                 shows its fragment schedule); remove the section to train"
-            );
+        if let Some(streaming) = &self.sync.streaming {
+            super::plan::fragment_plan(streaming, self.plan()?)?;
         }
         if let Some(outer) = &self.outer {
             outer.validate()?;

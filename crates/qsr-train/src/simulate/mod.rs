@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, anyhow, bail};
 use qsr_models::ModelConfig;
 use qsr_optim::{BnPolicy, OptimizerKind};
-use qsr_sched::{Plan, SyncMode};
+use qsr_sched::{Encoding, Plan, SyncMode};
 use serde::{Deserialize, Serialize};
 
 use crate::recipe::TrainRecipe;
@@ -151,8 +151,9 @@ pub struct SyncPayload {
     pub parameter_elements: u64,
     /// Bytes per element of a gradient all-reduce on the wire (4: f32).
     pub bytes_per_element: u64,
-    /// Bytes per element of a parameter all-reduce on the wire (4: f32; 2 with `driver.wire = "bf16"`).
-    pub parameter_bytes_per_element: u64,
+    /// How a parameter all-reduce's payload travels (`driver.wire`): f32, bf16, or int8 / fp8 with
+    /// one scale per 64 values.
+    pub parameter_encoding: Encoding,
     /// Largest bucket in elements (`driver.bucket_elems`), if the recipe buckets its all-reduces.
     pub bucket_elements: Option<u64>,
 }
@@ -165,7 +166,7 @@ impl SyncPayload {
             gradient_elements: params,
             parameter_elements: params,
             bytes_per_element: 4,
-            parameter_bytes_per_element: 4,
+            parameter_encoding: Encoding::F32,
             bucket_elements: None,
         }
     }
@@ -181,11 +182,11 @@ impl SyncPayload {
     pub fn seconds(&self, mode: SyncMode, world_size: usize, net: &Network) -> f64 {
         let n = self.elements(mode);
         let calls = self.bucket_elements.filter(|&b| b > 0).map_or(1, |b| n.div_ceil(b).max(1));
-        let width = match mode {
-            SyncMode::Gradients => self.bytes_per_element,
-            SyncMode::Parameters => self.parameter_bytes_per_element,
+        let bytes = match mode {
+            SyncMode::Gradients => n * self.bytes_per_element,
+            SyncMode::Parameters => self.parameter_encoding.bytes(n),
         };
-        net.allreduce_seconds((n * width) as f64, world_size, calls)
+        net.allreduce_seconds(bytes as f64, world_size, calls)
     }
 }
 
@@ -362,7 +363,7 @@ pub fn recipe_payload(recipe: &TrainRecipe, params: u64, running: u64) -> SyncPa
         gradient_elements: params,
         parameter_elements: params + extra,
         bytes_per_element: 4,
-        parameter_bytes_per_element: recipe.driver.wire.bytes_per_element(),
+        parameter_encoding: recipe.driver.wire.encoding(),
         bucket_elements: recipe.driver.bucket_elems.map(|b| b as u64),
     }
 }

@@ -155,7 +155,7 @@ fn bf16_wire_halves_the_parameter_sync_payload() {
     let base = recipe("imagenet-vit-b-qsr-hbase4.toml");
     let f32_payload = recipe_payload(&TrainRecipe::load(&base, &[]).unwrap(), 1_000_000, 0);
     let bf16 = recipe_payload(&TrainRecipe::load(&base, &["driver.wire=bf16".to_string()]).unwrap(), 1_000_000, 0);
-    assert_eq!((bf16.bytes_per_element, bf16.parameter_bytes_per_element), (4, 2));
+    assert_eq!((bf16.bytes_per_element, bf16.parameter_encoding), (4, qsr_sched::Encoding::BF16));
     let net = Network::new(1e9, 0.0).unwrap();
     let (a, b) = (f32_payload.seconds(SyncMode::Parameters, 4, &net), bf16.seconds(SyncMode::Parameters, 4, &net));
     assert!(close(b * 2.0, a), "bf16 {b} s vs f32 {a} s");

@@ -41,7 +41,7 @@ fn connect_levels(env: &LaunchEnv, recipe: &TrainRecipe, port_file: Option<&Path
     }
     .context("forming the node groups of [sync.local]")?;
     let world = qsr_comm::over_ring(ring, transport, &host, shm)?;
-    Ok(Comms { world, node: Some(node) })
+    Ok(Comms { world, node: Some(node), stream: None })
 }
 
 /// This rank's TCP ring. Rank 0 of a `--nproc` launch (`--port-file`) binds its rendezvous port

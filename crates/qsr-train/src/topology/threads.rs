@@ -18,6 +18,11 @@ pub(crate) fn run(spec: &RunSpec) -> Result<Option<Summary>> {
     // Used by device-resident workers (GPU): their syncs average on the device.
     let groups = DeviceGroup::new(k);
     let nodes = simulated_nodes(&spec.recipe)?;
+    // Streaming fragments all-reduce on a group of their own, on a thread beside each worker.
+    let streams: Vec<Option<Box<dyn Collective>>> = match spec.recipe.sync.streaming {
+        Some(_) => InProcessGroup::new(k).into_iter().map(|c| Some(Box::new(c) as Box<dyn Collective>)).collect(),
+        None => (0..k).map(|_| None).collect(),
+    };
     // The cores split between the workers: each computes in a pool of its own.
     let threads = intra_op_threads(k);
     let results: Vec<Result<Option<Summary>>> = std::thread::scope(|s| {
@@ -25,14 +30,15 @@ pub(crate) fn run(spec: &RunSpec) -> Result<Option<Summary>> {
             .into_iter()
             .zip(groups)
             .zip(nodes)
-            .map(|((comm, group), node)| {
+            .zip(streams)
+            .map(|(((comm, group), node), stream)| {
                 // Each replica gets its own BatchNorm state (a plain clone would share it).
                 let replica = model.replica();
                 let spec = spec.clone();
                 s.spawn(move || {
                     let rank = comm.rank();
                     let spec = RunSpec { progress: spec.progress && rank == 0, ..spec };
-                    let comms = Comms { world: Box::new(comm), node };
+                    let comms = Comms { world: Box::new(comm), node, stream };
                     in_pool(rank, threads, || run_worker(&spec, comms, replica, Some(group)))
                 })
             })

@@ -64,6 +64,12 @@ fn run<T: Task>(
     {
         worker.set_device_group(g)?;
     }
+    if let Some(streaming) = recipe.sync.streaming {
+        worker.set_streaming(streaming)?;
+        if let Some(comm) = comms.stream {
+            worker.set_streaming_comm(comm)?;
+        }
+    }
     if let Some(outer) = recipe.outer {
         worker.set_outer(outer)?;
     }
@@ -77,7 +83,8 @@ fn run<T: Task>(
         crate::fault::at(rank, crate::fault::Point::Step(worker.cursor().step()));
         let report = task.train_step(&mut worker, &mut stream)?;
         segment.stepped(&worker, &report, &pace);
-        let global = report.sync.is_some_and(|s| s.level == Level::Global);
+        // A round's end (streaming fragments sync inside rounds; their records are the round's).
+        let global = report.info.sync_after && report.sync.is_some_and(|s| s.level == Level::Global);
         match if global { segment.synced(spec, &pace, task, &mut worker, &report)? } else { AfterSync::Continue } {
             AfterSync::Continue => {}
             AfterSync::Diverged => break,
@@ -104,7 +111,18 @@ pub(crate) fn resume<M: Module>(
         return Ok((None, Counters::default()));
     };
     let rank = worker.rank();
-    let (params, running) = checkpoint::load_model(&dir.join("model.safetensors"), worker.layout())?;
+    let (mut params, running) = checkpoint::load_model(&dir.join("model.safetensors"), worker.layout())?;
+    // A streaming worker's own parameters and what it has in flight.
+    let stream = match worker.streaming_state()? {
+        Some(_) if rank >= state.world_size => {
+            bail!("checkpoint {}: a streaming run resumes with the workers that wrote it", dir.display())
+        }
+        Some(_) => Some(checkpoint::load_stream(&dir.join(format!("stream-rank{rank}.safetensors")), worker.layout())?),
+        None => None,
+    };
+    if let Some((local, _)) = &stream {
+        params.clone_from(local);
+    }
     let template: OptimState = worker.optimizer_state()?.into_owned();
     // An elastic run may resume with more workers than wrote the checkpoint: those start with fresh
     // moments, as a worker joining a running job does.
@@ -122,6 +140,9 @@ pub(crate) fn resume<M: Module>(
     if worker.outer_state().is_some() {
         let (global, momentum) = checkpoint::load_outer(&dir.join("outer.safetensors"), params.len())?;
         worker.restore_outer_state(&global, &momentum)?;
+    }
+    if let Some((_, stream)) = stream {
+        worker.restore_streaming_state(stream)?;
     }
     if !running.is_empty() {
         let m = worker.layout().write_running(worker.model().clone(), &running)?;

@@ -393,6 +393,10 @@ fn save_checkpoint<M: Module>(worker: &mut Worker<M>, spec: &RunSpec, step: u64,
         &format!("optim-rank{rank}.safetensors"),
         &checkpoint::optim_bytes(&*worker.optimizer_state()?)?,
     )?;
+    if let Some(stream) = worker.streaming_state()? {
+        let bytes = checkpoint::stream_bytes(&worker.params()?, &stream)?;
+        checkpoint::write_file(&tmp, &format!("stream-rank{rank}.safetensors"), &bytes)?;
+    }
     if rank == 0 {
         let mut running = vec![0.0; worker.layout().running_len()];
         worker.layout().read_running(worker.model(), &mut running)?;

@@ -32,11 +32,14 @@ pub struct Comms {
     pub world: Box<dyn Collective>,
     /// The worker's node, for the local averages of a two-level run.
     pub node: Option<Box<dyn Collective>>,
+    /// A second collective of all workers for streaming fragments' all-reduces, which then run on a
+    /// thread while the worker steps (`[sync.streaming]`); without it they run between steps.
+    pub stream: Option<Box<dyn Collective>>,
 }
 
 impl Comms {
     /// The collective of a flat run.
     pub fn flat(world: Box<dyn Collective>) -> Self {
-        Comms { world, node: None }
+        Comms { world, node: None, stream: None }
     }
 }

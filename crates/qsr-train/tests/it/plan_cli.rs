@@ -273,6 +273,23 @@ fn plan_shows_streaming_fragments_and_their_peak_bytes() {
     assert!(v.get("streaming").is_none());
 }
 
+/// `--wire int8` counts a byte per value and a scale per 64 (whole blocks, as the ring moves them):
+/// 68 / 256 of the f32 volume, in the plan's volume and the streaming peak alike.
+#[test]
+fn plan_counts_int8_wire_bytes_with_their_scales() {
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = streaming_recipe(dir.path(), "fragments = 4");
+    let args = ["--recipe", &recipe, "--params", "1048576", "--world-size", "4"];
+    let (f, q) = (plan_json(&args), plan_json(&[&args[..], &["--wire", "int8"]].concat()));
+    let bytes = |v: &serde_json::Value, k: &str| v["volume"][k].as_u64().unwrap();
+    assert_eq!(bytes(&q, "bytes_per_sync") * 256, bytes(&f, "bytes_per_sync") * 68);
+    assert_eq!(bytes(&q, "bytes_per_rank") * 256, bytes(&f, "bytes_per_rank") * 68);
+    let peak = |v: &serde_json::Value| v["streaming"]["peak_bytes_per_step"].as_u64().unwrap();
+    assert_eq!(peak(&q) * 256, peak(&f) * 68);
+    let err = plan_refused(&[&args[..], &["--wire", "int4"]].concat());
+    assert!(err.contains("int4") && err.contains("int8"), "{err}");
+}
+
 #[test]
 fn bad_streaming_settings_are_refused_naming_the_key() {
     let dir = tempfile::tempdir().unwrap();

@@ -1,0 +1,426 @@
+//! Streaming synchronization: the parameters in fragments, each averaged on its own step of the round
+//! (qsr-sched's [`FragmentPlan`]), its average applied `delay` steps later while the worker keeps
+//! stepping, and the payload optionally quantized with error feedback.
+//!
+//! A fragment's sync sends the worker's pseudo-gradient `global - local` of the fragment (DiLoCo's
+//! outer gradient; plain averaging is the outer step with lr 1), plus, on a quantized wire, what
+//! earlier payloads dropped. The mean comes back bit-identical on every rank; `delay` steps after the
+//! sync the outer step turns it into the fragment's new global values (the same on every rank) and the
+//! local fragment becomes `mix * global + (1 - mix) * local`. When and how much is applied depends on
+//! the schedule alone, never on when the all-reduce finished: a run is the same bits with the
+//! all-reduce in the background or between steps.
+//!
+//! Invariants:
+//! - at most one average of a fragment is in flight: a fragment due to sync again while its last
+//!   average waits applies that one first (only when `delay` reaches into the next round);
+//! - the global values and outer momentum of every fragment are bit-identical on all ranks, and with
+//!   `mix = 1` so are the fragment's parameters right after each apply;
+//! - the run's last step settles every average in flight and (with more than one fragment, or
+//!   `mix < 1`) ends with an f32 average of all parameters, so every rank holds the same model at the
+//!   end, as plain averaging leaves it.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use qsr_comm::{Collective, CommError, CommStats};
+use qsr_sched::{FragmentPlan, StepInfo, SyncMode};
+use serde::{Deserialize, Serialize};
+
+use crate::error::OptimError;
+use crate::outer::Outer;
+use crate::sync::{Level, SyncReport, Wire, all_reduce_bucketed};
+
+/// Streaming synchronization's settings: a recipe's `[sync.streaming]` (keys `sync.streaming.<field>`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamingConfig {
+    /// Fragments the parameters are averaged in (`sync.streaming.fragments`).
+    pub fragments: u32,
+    /// Steps a fragment's average runs behind the inner steps before it is applied
+    /// (`sync.streaming.delay`, at least 1).
+    #[serde(default = "one_step")]
+    pub delay: u64,
+    /// Weight of the averaged fragment against the local one when it is applied (`sync.streaming.mix`,
+    /// in (0, 1]; 1 replaces the local fragment).
+    #[serde(default = "full_mix")]
+    pub mix: f64,
+}
+
+fn one_step() -> u64 {
+    1
+}
+
+fn full_mix() -> f64 {
+    1.0
+}
+
+impl StreamingConfig {
+    /// `fragments` fragments, each average applied one step after its sync, replacing the local values.
+    pub fn new(fragments: u32) -> Self {
+        Self { fragments, delay: 1, mix: 1.0 }
+    }
+
+    /// Checks `delay` and `mix`, naming the key (the fragment count is checked by [`FragmentPlan::new`]).
+    pub fn validate(&self) -> Result<(), OptimError> {
+        if self.delay == 0 {
+            return Err(OptimError::Config {
+                field: "sync.streaming.delay".into(),
+                reason: "must be at least 1 (got 0)".into(),
+            });
+        }
+        if !(self.mix > 0.0 && self.mix <= 1.0) {
+            return Err(OptimError::Config {
+                field: "sync.streaming.mix".into(),
+                reason: format!("must be in (0, 1] (got {})", self.mix),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A fragment's average that has not been applied yet, as a checkpoint holds it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InFlight {
+    /// The fragment, `0..fragments`.
+    pub fragment: u32,
+    /// The step after which the fragment was sent.
+    pub sent_after: u64,
+    /// The step after which the average is applied.
+    pub apply_after: u64,
+    /// The mean pseudo-gradient of the fragment's parameters (empty until the all-reduce finished;
+    /// a checkpoint waits for it).
+    pub mean: Vec<f32>,
+}
+
+/// What a streaming worker holds beyond its parameters, optimizer and outer state: the averages in
+/// flight and the error-feedback residual (empty on an f32 or bf16 wire).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StreamState {
+    /// Averages sent and not yet applied, in the order they were sent.
+    pub in_flight: Vec<InFlight>,
+    /// What quantization dropped from this worker's payloads so far, one value per parameter.
+    pub residual: Vec<f32>,
+}
+
+/// A job of the background lane: the payload, and the step it belongs to (for errors).
+struct Job {
+    payload: Vec<f32>,
+    step: u64,
+}
+
+/// A finished job: the mean.
+type Done = Result<Vec<f32>, OptimError>;
+
+/// Where the fragments' all-reduces run.
+enum Lane {
+    /// On the worker's collective, between steps: the mean is ready at the sync and held until it
+    /// is applied.
+    Inline,
+    /// On a collective of its own, on a thread: the all-reduce runs while the worker steps.
+    Background { jobs: Option<mpsc::Sender<Job>>, done: mpsc::Receiver<Done>, thread: Option<JoinHandle<()>> },
+}
+
+/// The streaming state of a host-resident worker.
+pub(crate) struct Stream {
+    plan: FragmentPlan,
+    /// Each fragment's range of the flat parameters.
+    ranges: Vec<Range<usize>>,
+    config: StreamingConfig,
+    wire: Wire,
+    bucket: Option<usize>,
+    residual: Vec<f32>,
+    in_flight: VecDeque<InFlight>,
+    /// Of `in_flight`, how many from the front have their mean (the background lane answers in order).
+    received: usize,
+    lane: Lane,
+}
+
+impl Stream {
+    /// Streaming over `plan`'s fragments, fragment `p` holding the parameters `ranges[p]` of `len`.
+    pub(crate) fn new(
+        plan: FragmentPlan,
+        ranges: Vec<Range<usize>>,
+        config: StreamingConfig,
+        (wire, bucket): (Wire, Option<usize>),
+        len: usize,
+    ) -> Self {
+        let residual = if wire.codec().is_some() { vec![0.0; len] } else { Vec::new() };
+        let (in_flight, received, lane) = (VecDeque::new(), 0, Lane::Inline);
+        Self { plan, ranges, config, wire, bucket, residual, in_flight, received, lane }
+    }
+
+    /// Runs the fragments' all-reduces on `comm`, on a thread of their own, so they overlap the steps.
+    /// `comm` holds the same ranks as the worker's collective (e.g. from [`qsr_comm::split`]) and
+    /// every rank must give one; nothing may be in flight.
+    pub(crate) fn set_background(&mut self, mut comm: Box<dyn Collective>) -> Result<(), OptimError> {
+        if !self.in_flight.is_empty() {
+            return Err(OptimError::Config {
+                field: "sync.streaming".into(),
+                reason: "a background collective must be given before any fragment is in flight".into(),
+            });
+        }
+        let (wire, bucket) = (self.wire, self.bucket);
+        let (jobs, inbox) = mpsc::channel::<Job>();
+        let (outbox, done) = mpsc::channel::<Done>();
+        let thread = std::thread::Builder::new()
+            .name("qsr-stream".into())
+            .spawn(move || {
+                for mut job in inbox {
+                    let res = all_reduce_bucketed(comm.as_mut(), &mut job.payload, bucket, wire)
+                        .map(|_| job.payload)
+                        .map_err(|source| OptimError::Comm { step: job.step, source });
+                    let failed = res.is_err();
+                    if outbox.send(res).is_err() || failed {
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| OptimError::Config { field: "sync.streaming".into(), reason: format!("no thread: {e}") })?;
+        self.lane = Lane::Background { jobs: Some(jobs), done, thread: Some(thread) };
+        Ok(())
+    }
+
+    /// Whether the all-reduces run on a background collective.
+    pub(crate) fn in_background(&self) -> bool {
+        matches!(self.lane, Lane::Background { .. })
+    }
+
+    /// After step `info.step`'s update of `params`: applies the averages due after it, starts the
+    /// fragments that sync after it, and on the run's last step (`last`) settles everything and
+    /// averages all parameters in f32. Returns the step's report, if it sent anything; its traffic
+    /// is added to `stats` (seconds: the time the worker spent here, waiting included).
+    pub(crate) fn after_step(
+        &mut self,
+        params: &mut [f32],
+        (info, last): (&StepInfo, bool),
+        outer: &mut Outer,
+        comm: &mut dyn Collective,
+        stats: &mut CommStats,
+    ) -> Result<Option<SyncReport>, OptimError> {
+        let t = Instant::now();
+        let mut sent = Vec::new();
+        let mut traffic = CommStats::default();
+        while self.in_flight.front().is_some_and(|f| f.apply_after <= info.step) {
+            self.apply_front(params, outer)?;
+        }
+        if info.mode == SyncMode::Parameters {
+            let due: Vec<u32> = self.plan.syncs_after(info).collect();
+            for fragment in due {
+                if let Some(i) = self.in_flight.iter().position(|f| f.fragment == fragment) {
+                    // Its previous average is still out (delay beyond the round): apply it first.
+                    for _ in 0..=i {
+                        self.apply_front(params, outer)?;
+                    }
+                }
+                traffic = add(traffic, self.send(fragment, params, info.step, outer, comm)?);
+                sent.push(self.ranges[fragment as usize].len());
+            }
+        }
+        // A delay of 0 (a quantized wire without streaming) applies what it just sent.
+        while self.in_flight.front().is_some_and(|f| f.apply_after <= info.step) {
+            self.apply_front(params, outer)?;
+        }
+        if last {
+            while !self.in_flight.is_empty() {
+                self.apply_front(params, outer)?;
+            }
+            // One fragment replaced at the last step leaves every rank the same; otherwise average.
+            if self.ranges.len() > 1 || self.config.mix < 1.0 {
+                traffic = add(traffic, self.average_all(params, info.step, outer, comm)?);
+                sent.push(params.len());
+            }
+        }
+        let seconds = t.elapsed().as_secs_f64();
+        *stats = add(*stats, CommStats { seconds, ..traffic });
+        Ok((!sent.is_empty()).then(|| SyncReport {
+            mode: SyncMode::Parameters,
+            level: Level::Global,
+            elements: sent.iter().sum(),
+            calls: traffic.calls,
+            bytes_sent: traffic.bytes_sent,
+            seconds,
+        }))
+    }
+
+    /// Sends `fragment`'s pseudo-gradient (with error feedback on a quantized wire).
+    fn send(
+        &mut self,
+        fragment: u32,
+        params: &[f32],
+        step: u64,
+        outer: &Outer,
+        comm: &mut dyn Collective,
+    ) -> Result<CommStats, OptimError> {
+        let range = self.ranges[fragment as usize].clone();
+        let mut payload = vec![0.0; range.len()];
+        outer.pseudo_gradient_of(range.start, params, &mut payload);
+        if let Some(codec) = self.wire.codec() {
+            // Error feedback: this payload carries what earlier ones dropped and keeps what it drops.
+            let residual = &mut self.residual[range.clone()];
+            residual.iter_mut().zip(&payload).for_each(|(r, p)| *r += p);
+            payload.copy_from_slice(residual);
+            codec.round_block(&mut payload);
+            residual.iter_mut().zip(&payload).for_each(|(r, q)| *r -= q);
+        }
+        let apply_after = step + self.config.delay;
+        let mut entry = InFlight { fragment, sent_after: step, apply_after, mean: Vec::new() };
+        let predicted = self.predicted(range.len(), comm.world_size());
+        let traffic = match &mut self.lane {
+            Lane::Inline => {
+                let before = *comm.stats();
+                all_reduce_bucketed(comm, &mut payload, self.bucket, self.wire)
+                    .map_err(|source| OptimError::Comm { step, source })?;
+                entry.mean = payload;
+                comm.stats().since(&before)
+            }
+            Lane::Background { jobs, .. } => {
+                let sent = jobs.as_ref().is_some_and(|j| j.send(Job { payload, step }).is_ok());
+                if !sent {
+                    return Err(lane_failed(step));
+                }
+                // Counted when sent, as a ring all-reduce of the payload moves it (the in-process
+                // group's own count), so a checkpoint with it in flight has counted it already.
+                predicted
+            }
+        };
+        if matches!(self.lane, Lane::Inline) {
+            self.received = self.in_flight.len() + 1;
+        }
+        self.in_flight.push_back(entry);
+        Ok(traffic)
+    }
+
+    /// The calls and bytes of a ring all-reduce of `len` values on this wire over `k` ranks.
+    fn predicted(&self, len: usize, k: usize) -> CommStats {
+        let bucket = self.bucket.filter(|&b| b > 0 && b < len).unwrap_or(len.max(1));
+        let (full, rest) = (len / bucket, len % bucket);
+        let ring = |n: usize| qsr_sched::ring_allreduce_bytes_per_rank(n as u64, self.wire.encoding(), k as u64);
+        let bytes = full as u64 * ring(bucket) + ring(rest);
+        let calls = (full + usize::from(rest > 0)).max(1) as u64;
+        CommStats { calls, bytes_sent: bytes, bytes_received: bytes, seconds: 0.0 }
+    }
+
+    /// Applies the oldest average in flight (waiting for it on the background lane).
+    fn apply_front(&mut self, params: &mut [f32], outer: &mut Outer) -> Result<(), OptimError> {
+        self.receive_front()?;
+        let Some(mut entry) = self.in_flight.pop_front() else {
+            return Ok(());
+        };
+        self.received -= 1;
+        let range = self.ranges[entry.fragment as usize].clone();
+        outer.step_at(range.start, &mut entry.mean);
+        let mix = self.config.mix as f32;
+        let local = &mut params[range];
+        if mix == 1.0 {
+            local.copy_from_slice(&entry.mean);
+        } else {
+            local.iter_mut().zip(&entry.mean).for_each(|(l, g)| *l = mix * g + (1.0 - mix) * *l);
+        }
+        Ok(())
+    }
+
+    /// Makes sure the front entry has its mean (waiting for the background lane).
+    fn receive_front(&mut self) -> Result<(), OptimError> {
+        if self.received > 0 || self.in_flight.is_empty() {
+            return Ok(());
+        }
+        let step = self.in_flight[0].sent_after;
+        let Lane::Background { done, .. } = &self.lane else {
+            return Ok(());
+        };
+        match done.recv() {
+            Ok(Ok(mean)) => {
+                self.in_flight[0].mean = mean;
+                self.received = 1;
+                Ok(())
+            }
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(lane_failed(step)),
+        }
+    }
+
+    /// Every rank's parameters averaged in f32, which become the global values: the run's end.
+    fn average_all(
+        &mut self,
+        params: &mut [f32],
+        step: u64,
+        outer: &mut Outer,
+        comm: &mut dyn Collective,
+    ) -> Result<CommStats, OptimError> {
+        let before = *comm.stats();
+        all_reduce_bucketed(comm, params, self.bucket, Wire::F32)
+            .map_err(|source| OptimError::Comm { step, source })?;
+        outer.follow(params);
+        Ok(comm.stats().since(&before))
+    }
+
+    /// The averages in flight (waiting for every one of them) and the residual, for a checkpoint.
+    pub(crate) fn state(&mut self) -> Result<StreamState, OptimError> {
+        while self.received < self.in_flight.len() {
+            let step = self.in_flight[self.received].sent_after;
+            let Lane::Background { done, .. } = &self.lane else { break };
+            match done.recv() {
+                Ok(Ok(mean)) => self.in_flight[self.received].mean = mean,
+                Ok(Err(e)) => return Err(e),
+                Err(_) => return Err(lane_failed(step)),
+            }
+            self.received += 1;
+        }
+        Ok(StreamState { in_flight: self.in_flight.iter().cloned().collect(), residual: self.residual.clone() })
+    }
+
+    /// Restores a checkpoint's state (before any step of this worker).
+    pub(crate) fn restore(&mut self, state: StreamState) -> Result<(), OptimError> {
+        let bad = |reason: String| OptimError::Layout(format!("streaming state: {reason}"));
+        if state.residual.len() != self.residual.len() {
+            return Err(bad(format!("residual of {} values, expected {}", state.residual.len(), self.residual.len())));
+        }
+        for f in &state.in_flight {
+            let Some(range) = self.ranges.get(f.fragment as usize) else {
+                return Err(bad(format!("fragment {} of {}", f.fragment, self.ranges.len())));
+            };
+            if f.mean.len() != range.len() {
+                return Err(bad(format!(
+                    "fragment {} holds {} values, expected {}",
+                    f.fragment,
+                    f.mean.len(),
+                    range.len()
+                )));
+            }
+        }
+        self.residual = state.residual;
+        self.received = state.in_flight.len();
+        self.in_flight = state.in_flight.into();
+        Ok(())
+    }
+}
+
+/// The error of a background lane whose thread is gone (after its collective failed).
+fn lane_failed(step: u64) -> OptimError {
+    let detail = "the streaming collective's thread stopped after an earlier failure".to_string();
+    OptimError::Comm { step, source: CommError::Broken(detail) }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if let Lane::Background { jobs, thread, .. } = &mut self.lane {
+            jobs.take(); // the thread's loop ends once its queue is closed and drained
+            if let Some(t) = thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+/// `a` and `b` together (calls, bytes and seconds summed).
+fn add(a: CommStats, b: CommStats) -> CommStats {
+    CommStats {
+        calls: a.calls + b.calls,
+        bytes_sent: a.bytes_sent + b.bytes_sent,
+        bytes_received: a.bytes_received + b.bytes_received,
+        seconds: a.seconds + b.seconds,
+    }
+}

@@ -1,0 +1,297 @@
+//! Streaming syncs (fragments on staggered steps, applied `delay` steps late, blended by `mix`) and
+//! quantized payloads with error feedback, with K in-process workers on threads.
+
+use std::thread;
+
+use qsr_comm::{Collective, InProcessGroup};
+use qsr_optim::{
+    DriverConfig, OptimError, OptimState, OuterConfig, Residency, StepReport, StreamState, StreamingConfig, Wire,
+    Worker,
+};
+use qsr_sched::{Cursor, Plan, SyncRule};
+
+use crate::common::Mlp;
+use crate::driver::{BATCH, IN, OUT, Task, assert_close, bit_identical, device, init, mse, plan, sgd};
+
+/// One run's settings.
+#[derive(Clone)]
+struct Setup {
+    k: usize,
+    plan: Plan,
+    streaming: Option<StreamingConfig>,
+    wire: Wire,
+    outer: Option<OuterConfig>,
+    /// The fragments' all-reduces on a second in-process group, on a thread.
+    background: bool,
+}
+
+impl Setup {
+    fn new(k: usize, plan: Plan, streaming: Option<StreamingConfig>) -> Self {
+        Setup { k, plan, streaming, wire: Wire::F32, outer: None, background: false }
+    }
+}
+
+/// Everything a checkpoint of one rank holds.
+#[derive(Clone)]
+struct Saved {
+    params: Vec<f32>,
+    optim: OptimState,
+    outer: Option<(Vec<f32>, Vec<f32>)>,
+    stream: Option<StreamState>,
+    cursor: Cursor,
+}
+
+/// One rank's run: final parameters, reports, the global parameters after every step, and the state
+/// at `stop_after` (if the run stopped there).
+struct Ranked {
+    params: Vec<f32>,
+    reports: Vec<StepReport>,
+    globals: Vec<Vec<f32>>,
+    saved: Option<Saved>,
+    syncs: u64,
+}
+
+fn worker(setup: &Setup, comm: Box<dyn Collective>, stream: Option<Box<dyn Collective>>) -> Worker<Mlp> {
+    let config = DriverConfig { wire: setup.wire, ..DriverConfig::default() };
+    let model = init(Mlp::new(&device(), IN, OUT));
+    let mut w = Worker::new(model, sgd(), comm, setup.plan.cursor(), config).unwrap();
+    if let Some(s) = setup.streaming {
+        w.set_streaming(s).unwrap();
+        if let Some(c) = stream {
+            w.set_streaming_comm(c).unwrap();
+        }
+    }
+    if let Some(o) = setup.outer {
+        w.set_outer(o).unwrap();
+    }
+    w
+}
+
+/// Trains `setup.k` workers from `resume` (or the start) to the end of the plan, or to `stop_after`.
+fn run(setup: &Setup, resume: Option<&[Saved]>, stop_after: Option<u64>) -> Vec<Ranked> {
+    let k = setup.k;
+    let task = Task::new();
+    let comms = InProcessGroup::new(k);
+    let streams: Vec<Option<Box<dyn Collective>>> = if setup.background {
+        InProcessGroup::new(k).into_iter().map(|c| Some(Box::new(c) as Box<dyn Collective>)).collect()
+    } else {
+        (0..k).map(|_| None).collect()
+    };
+    thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .zip(streams)
+            .enumerate()
+            .map(|(rank, (comm, stream))| {
+                let task = &task;
+                s.spawn(move || {
+                    let device = device();
+                    let mut w = worker(setup, Box::new(comm), stream);
+                    if let Some(saved) = resume.map(|r| &r[rank]) {
+                        w.restore(&saved.params, saved.optim.clone(), saved.cursor.clone()).unwrap();
+                        if let Some((g, m)) = &saved.outer {
+                            w.restore_outer_state(g, m).unwrap();
+                        }
+                        if let Some(st) = &saved.stream {
+                            w.restore_streaming_state(st.clone()).unwrap();
+                        }
+                    }
+                    let (mut reports, mut globals, mut saved) = (Vec::new(), Vec::new(), None);
+                    while !w.cursor().is_done() {
+                        let t = w.cursor().step();
+                        let r = w
+                            .step(|m: &Mlp, _| {
+                                let (x, y) = task.batch(Task::start(rank, k, t, 0, 1), BATCH, &device);
+                                Ok(mse(m.forward(x), y))
+                            })
+                            .unwrap();
+                        reports.push(r);
+                        globals.push(w.outer_state().map(|(g, _)| g.to_vec()).unwrap_or_default());
+                        if stop_after == Some(t) {
+                            saved = Some(Saved {
+                                params: w.params().unwrap().to_vec(),
+                                optim: w.optimizer_state().unwrap().into_owned(),
+                                outer: w.outer_state().map(|(g, m)| (g.to_vec(), m.to_vec())),
+                                stream: w.streaming_state().unwrap(),
+                                cursor: w.cursor().clone(),
+                            });
+                            break;
+                        }
+                    }
+                    let syncs = w.stats().syncs;
+                    Ranked { params: w.params().unwrap().to_vec(), reports, globals, saved, syncs }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn streaming(fragments: u32, delay: u64, mix: f64) -> Option<StreamingConfig> {
+    Some(StreamingConfig { fragments, delay, mix })
+}
+
+fn all_identical(runs: &[Ranked], what: &str, get: impl Fn(&Ranked) -> &Vec<f32>) {
+    for (r, run) in runs.iter().enumerate().skip(1) {
+        assert!(bit_identical(get(run), get(&runs[0])), "{what}: rank {r} differs from rank 0");
+    }
+}
+
+/// The global (and outer) state of every fragment is the same bits on every rank after every step;
+/// with `mix = 1` the ranks' parameters agree at the end, and so they do with `mix < 1` (the run ends
+/// with an f32 average). Rounds are counted once, not once per fragment.
+#[test]
+fn streaming_keeps_the_global_state_identical_on_every_rank() {
+    let p = plan(80, SyncRule::Qsr { h_base: 2, alpha: 0.25 });
+    let rounds = p.summary().rounds;
+    for (mix, outer) in [(1.0, None), (0.5, None), (1.0, Some(OuterConfig::short_rounds()))] {
+        let mut setup = Setup::new(3, p.clone(), streaming(4, 2, mix));
+        setup.outer = outer;
+        let runs = run(&setup, None, None);
+        for step in 0..runs[0].globals.len() {
+            all_identical(&runs, &format!("mix {mix}, outer {outer:?}: global after step {step}"), |r| {
+                &r.globals[step]
+            });
+        }
+        all_identical(&runs, &format!("mix {mix}: final parameters"), |r| &r.params);
+        assert!(runs[0].params.iter().all(|x| x.is_finite()));
+        assert_eq!(runs[0].syncs, rounds, "mix {mix}: syncs count rounds");
+        let sent: usize = runs[0].reports.iter().filter_map(|r| r.sync).map(|s| s.elements).sum();
+        // Every fragment once per round, and the final average of everything.
+        assert_eq!(sent as u64, rounds * runs[0].params.len() as u64 + runs[0].params.len() as u64, "mix {mix}");
+    }
+}
+
+/// Where the all-reduces run changes nothing: on a collective of their own on a thread, the run is
+/// the same bits as with them between steps.
+#[test]
+fn background_and_inline_fragment_all_reduces_give_the_same_bits() {
+    let p = plan(60, SyncRule::Constant { h: 6 });
+    for wire in [Wire::F32, Wire::Int8] {
+        let mut setup = Setup::new(3, p.clone(), streaming(3, 2, 0.75));
+        setup.wire = wire;
+        let inline = run(&setup, None, None);
+        setup.background = true;
+        let background = run(&setup, None, None);
+        for (r, (a, b)) in inline.iter().zip(&background).enumerate() {
+            assert!(bit_identical(&a.params, &b.params), "{wire:?}: rank {r}'s parameters differ");
+            for (step, (x, y)) in a.globals.iter().zip(&b.globals).enumerate() {
+                assert!(bit_identical(x, y), "{wire:?}: rank {r}'s global state after step {step} differs");
+            }
+        }
+    }
+}
+
+/// A run stopped with a fragment's average in flight (and int8 residuals) and resumed from what a
+/// checkpoint holds ends with the same bits as the run that never stopped.
+#[test]
+fn streaming_resumes_bit_exact_with_an_average_in_flight() {
+    let p = plan(60, SyncRule::Constant { h: 8 });
+    for (wire, background) in [(Wire::F32, false), (Wire::Int8, true), (Wire::Fp8, false)] {
+        let mut setup = Setup::new(3, p.clone(), streaming(4, 3, 0.5));
+        (setup.wire, setup.background) = (wire, background);
+        let whole = run(&setup, None, None);
+        // After step 24 (a round's first): the last fragment's average, sent after step 23 with a delay
+        // of 3, is in flight.
+        let first = run(&setup, None, Some(24));
+        let saved: Vec<Saved> = first.iter().map(|r| r.saved.clone().unwrap()).collect();
+        let stream = saved[0].stream.as_ref().unwrap();
+        assert!(!stream.in_flight.is_empty(), "{wire:?}: nothing in flight at the stop");
+        assert_eq!(stream.residual.is_empty(), wire == Wire::F32, "{wire:?}: residual");
+        let rest = run(&setup, Some(&saved), None);
+        for (r, (a, b)) in whole.iter().zip(&rest).enumerate() {
+            assert!(bit_identical(&a.params, &b.params), "{wire:?}: rank {r} differs after the resume");
+        }
+    }
+}
+
+/// `driver.wire = "int8"` without streaming: a pseudo-gradient per sync with error feedback, applied at
+/// once. Ranks agree after every sync, the parameters follow the f32 run closely, and a sync sends
+/// 0.27 of the f32 bytes or less.
+#[test]
+fn int8_syncs_keep_ranks_identical_follow_f32_and_send_a_quarter_of_the_bytes() {
+    let p = plan(60, SyncRule::Constant { h: 4 });
+    let exact = run(&Setup::new(3, p.clone(), None), None, None);
+    for wire in [Wire::Int8, Wire::Fp8] {
+        let mut setup = Setup::new(3, p.clone(), None);
+        setup.wire = wire;
+        let q = run(&setup, None, None);
+        for step in (3..60).step_by(4) {
+            all_identical(&q, &format!("{wire:?}: global after step {step}"), |r| &r.globals[step as usize]);
+        }
+        all_identical(&q, &format!("{wire:?}: parameters"), |r| &r.params);
+        assert_close(&q[0].params, &exact[0].params, 3e-2, &format!("{wire:?} vs f32 syncs"));
+        // A sync moves the ring's share of whole blocks: 64 bytes of values and a 4-byte scale each.
+        let bytes = |runs: &[Ranked]| runs[0].reports.iter().filter_map(|r| r.sync).map(|s| s.bytes_sent).sum::<u64>();
+        let n = q[0].params.len() as u64;
+        let per_sync = qsr_sched::ring_allreduce_bytes_per_rank(n, wire.encoding(), 3);
+        assert_eq!(bytes(&q), q[0].syncs * per_sync, "{wire:?}");
+        assert_eq!(per_sync, n.div_ceil(64) * 68 * 4 / 3);
+        assert_eq!(q[0].syncs, exact[0].syncs);
+    }
+}
+
+/// Settings the driver cannot stream with are refused before training, naming the key.
+#[test]
+fn streaming_settings_that_cannot_run_are_refused_naming_the_key() {
+    let build = |sync: SyncRule, config: DriverConfig, s: StreamingConfig| -> OptimError {
+        let model = init(Mlp::new(&device(), IN, OUT));
+        let comm = Box::new(InProcessGroup::new(1).remove(0));
+        let mut w = Worker::new(model, sgd(), comm, plan(20, sync).cursor(), config).unwrap();
+        w.set_streaming(s).unwrap_err()
+    };
+    let h4 = SyncRule::Constant { h: 4 };
+    let cases = [
+        (
+            build(h4.clone(), DriverConfig::default(), StreamingConfig { delay: 0, ..StreamingConfig::new(2) }),
+            "sync.streaming.delay",
+        ),
+        (
+            build(h4.clone(), DriverConfig::default(), StreamingConfig { mix: 0.0, ..StreamingConfig::new(2) }),
+            "sync.streaming.mix",
+        ),
+        (build(h4.clone(), DriverConfig::default(), StreamingConfig::new(5)), "sync.streaming.fragments"),
+        (build(SyncRule::Dp, DriverConfig::default(), StreamingConfig::new(2)), "sync.streaming.fragments"),
+        (
+            build(
+                h4.clone(),
+                DriverConfig { residency: Residency::Device, ..DriverConfig::default() },
+                StreamingConfig::new(2),
+            ),
+            "sync.streaming",
+        ),
+        (
+            build(
+                h4,
+                DriverConfig { bn: qsr_optim::BnPolicy::Average, ..DriverConfig::default() },
+                StreamingConfig::new(2),
+            ),
+            "sync.streaming",
+        ),
+    ];
+    for (e, key) in cases {
+        assert!(e.to_string().contains(&format!("`{key}`")), "expected `{key}` in: {e}");
+    }
+    // A streaming collective without streaming, and one of another size.
+    let model = init(Mlp::new(&device(), IN, OUT));
+    let mut w = Worker::new(
+        model,
+        sgd(),
+        Box::new(InProcessGroup::new(1).remove(0)),
+        plan(20, SyncRule::Constant { h: 4 }).cursor(),
+        DriverConfig::default(),
+    )
+    .unwrap();
+    let e = w.set_streaming_comm(Box::new(InProcessGroup::new(1).remove(0))).unwrap_err();
+    assert!(e.to_string().contains("`sync.streaming`"), "{e}");
+}
+
+/// Streaming with a delay trains: the loss of the last steps is far below the first steps'.
+#[test]
+fn streaming_with_a_delay_trains_the_model() {
+    let p = plan(120, SyncRule::Qsr { h_base: 2, alpha: 0.25 });
+    let runs = run(&Setup::new(2, p, streaming(4, 2, 1.0)), None, None);
+    let mean = |r: &[StepReport]| r.iter().map(|s| s.loss).sum::<f32>() / r.len() as f32;
+    let (first, last) = (mean(&runs[0].reports[..10]), mean(&runs[0].reports[110..]));
+    assert!(last < 0.5 * first, "loss {first} -> {last}");
+}
