@@ -59,9 +59,15 @@ pub struct NetemArgs {
     #[arg(long, value_delimiter = ',', default_value = "4096,2560")]
     pub hidden: Vec<usize>,
     /// Rules to run: dp, `h<N>` (constant H = N), qsr; `l<N>+<rule>` adds a local level averaging
-    /// inside each node every N steps (`[sync.local]`), e.g. `l1+qsr`.
+    /// inside each node every N steps (`[sync.local]`), e.g. `l1+qsr`. Suffixes: `/s<P>` streams in P
+    /// fragments (`/s<P>d<tau>` with a delay of tau steps, default 1; `[sync.streaming]`), `/int8` or
+    /// `/fp8` quantizes the parameter syncs (`driver.wire`), `/outer` makes them DiLoCo's outer step
+    /// (lr 0.7, Nesterov momentum 0.5), e.g. `qsr/s4d2/int8`.
     #[arg(long, value_delimiter = ',', default_value = "dp,h4,qsr")]
     pub rules: Vec<String>,
+    /// The recipes' seed (model initialization, data order).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
     /// QSR: h_base.
     #[arg(long, default_value_t = 4)]
     pub h_base: u64,
@@ -424,15 +430,20 @@ pub fn recipe_text(args: &NetemArgs, rule: &str) -> Result<String> {
     let steps = spe * args.epochs;
     // Warmup: a tenth of the run, the paper's ViT-B proportion (10,000 of 93,600 steps).
     let warmup = (steps / 10).max(1);
-    let sync = sync_text(args, rule)?;
+    let mut parts = rule.split('/');
+    let sync = sync_text(args, parts.next().unwrap_or(rule))?;
+    let (sync_extra, sections) = modifiers_text(rule, parts)?;
+    let sync = format!("{sync}{sync_extra}");
     let hidden: Vec<String> = args.hidden.iter().map(usize::to_string).collect();
     Ok(format!(
         "# cargo xtask netem: MLP on digits, K = {k}, {epochs} epochs of {spe} steps; only [sync] differs between runs.\n\
-         name = \"netem-{rule}\"\nseed = 0\n\n[model]\nkind = \"mlp\"\nhidden = [{hidden}]\n\n\
+         name = \"netem-{name}\"\nseed = {seed}\n\n[model]\nkind = \"mlp\"\nhidden = [{hidden}]\n\n\
          [data]\ndataset = \"digits\"\naugment = true\n\n[train]\nworkers = {k}\nlocal_batch = {lb}\n\n\
          [optimizer]\nkind = \"sgd\"\nmomentum = 0.9\nweight_decay = 5e-4\n\n\
          [schedule]\nkind = \"cosine\"\ntotal_steps = {steps}\nwarmup_steps = {warmup}\nlr_max = {lr}\nlr_min = 1e-6\n\n\
-         [sync]\n{sync}\n\n{eval}",
+         [sync]\n{sync}\n\n{sections}{eval}",
+        name = rule.replace('/', "_"),
+        seed = args.seed,
         k = args.workers,
         lb = args.local_batch,
         epochs = args.epochs,
@@ -444,6 +455,27 @@ pub fn recipe_text(args: &NetemArgs, rule: &str) -> Result<String> {
             "[eval]\nevery_epochs = 1000   # only at the end\n\n[checkpoint]\nenabled = false\n"
         },
     ))
+}
+
+/// The sections a rule's `/` suffixes add (see [`NetemArgs::rules`]): text to append to `[sync]`
+/// (its `[sync.streaming]` table) and whole sections (`[driver]`, `[outer]`).
+fn modifiers_text<'a>(rule: &str, suffixes: impl Iterator<Item = &'a str>) -> Result<(String, String)> {
+    let (mut sync, mut sections) = (String::new(), String::new());
+    for m in suffixes {
+        match m {
+            "int8" | "fp8" => sections.push_str(&format!("[driver]\nwire = \"{m}\"\n\n")),
+            "outer" => sections.push_str("[outer]\nlr = 0.7\nmomentum = 0.5\nnesterov = true\n\n"),
+            s if s.starts_with('s') => {
+                let (p, d) = s[1..].split_once('d').unwrap_or((&s[1..], "1"));
+                let (Ok(p), Ok(d)) = (p.parse::<u32>(), d.parse::<u64>()) else {
+                    bail!("`{m}` in `{rule}`: expected s<P> or s<P>d<delay>, e.g. s4d2");
+                };
+                sync.push_str(&format!("\n\n[sync.streaming]\nfragments = {p}\ndelay = {d}"));
+            }
+            other => bail!("unknown suffix `/{other}` in `{rule}` (expected /s<P>[d<delay>], /int8, /fp8, /outer)"),
+        }
+    }
+    Ok((sync, sections))
 }
 
 /// The `[sync]` section of `rule` (see [`NetemArgs::rules`]).
@@ -894,7 +926,7 @@ pub fn run(args: &NetemArgs, root: &Path) -> Result<()> {
     std::fs::copy(&qsr, &bin).with_context(|| format!("cannot copy {}", qsr.display()))?;
     let mut paths = Vec::new();
     for rule in &args.rules {
-        let p = recipes.join(format!("netem-{rule}.toml"));
+        let p = recipes.join(format!("netem-{}.toml", rule.replace('/', "_")));
         std::fs::write(&p, recipe_text(args, rule)?)?;
         paths.push((rule.clone(), p));
     }
@@ -920,7 +952,7 @@ pub fn run(args: &NetemArgs, root: &Path) -> Result<()> {
         eprintln!("netem: {line}");
         let _ = writeln!(probes, "- {line}");
         for (rule, recipe) in &paths {
-            let dir = out.join(format!("{link}-{rule}"));
+            let dir = out.join(format!("{link}-{}", rule.replace('/', "_")));
             eprintln!("netem: {link} {rule} -> {}", dir.display());
             port += 4;
             let timeout = Duration::from_secs(args.timeout);
@@ -1000,6 +1032,7 @@ mod tests {
             local_batch: 16,
             hidden: vec![4096, 2560],
             rules: vec![],
+            seed: 0,
             h_base: 4,
             alpha: 0.05,
             lr_max: 0.1,
@@ -1022,6 +1055,16 @@ mod tests {
         assert!(recipe_text(&args, "lx+qsr").is_err() && recipe_text(&args, "l0+dp").is_err());
         // One local level at most (two would write two [sync.local] tables).
         assert!(recipe_text(&args, "l1+l2+qsr").unwrap_err().to_string().contains("one local level at most"));
+        let streaming = recipe_text(&args, "qsr/s4d2/int8/outer").unwrap();
+        assert!(streaming.contains("name = \"netem-qsr_s4d2_int8_outer\""), "{streaming}");
+        assert!(streaming.contains("alpha = 0.05\n\n[sync.streaming]\nfragments = 4\ndelay = 2\n"), "{streaming}");
+        assert!(
+            streaming.contains("[driver]\nwire = \"int8\"") && streaming.contains("[outer]\nlr = 0.7"),
+            "{streaming}"
+        );
+        assert!(recipe_text(&args, "qsr/s4").unwrap().contains("fragments = 4\ndelay = 1"));
+        assert!(recipe_text(&args, "qsr/zip").unwrap_err().to_string().contains("unknown suffix `/zip`"));
+        assert!(recipe_text(&args, "qsr/sx").is_err());
         // Under --fault the runs checkpoint every epoch, so the restarted job has somewhere to resume from.
         assert!(dp.contains("enabled = false"));
         let faulty = NetemArgs { fault: Some("kill:2:70".into()), ..args };

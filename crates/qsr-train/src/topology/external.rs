@@ -29,19 +29,28 @@ fn connect_levels(env: &LaunchEnv, recipe: &TrainRecipe, port_file: Option<&Path
         None => "none (one level)".to_string(),
         Some(l) => l.workers_per_node.map_or("one node per host".into(), |n| format!("{n} workers per node")),
     };
-    qsr_comm::agree(&mut ring, &serde_json::json!({ "sync.local": nodes }))?;
+    let streaming = recipe.sync.streaming.is_some();
+    qsr_comm::agree(&mut ring, &serde_json::json!({ "sync.local": nodes, "sync.streaming": streaming }))?;
+    // Streaming fragments all-reduce on a group of their own, on a thread beside the steps.
+    let rank = ring.rank();
+    let stream = match streaming {
+        true => Some(
+            qsr_comm::split(&mut ring, 0, rank as u32, transport, &host, shm.clone())
+                .context("forming the streaming fragments' group of [sync.streaming]")?,
+        ),
+        false => None,
+    };
     let Some(local) = &recipe.sync.local else {
-        return Ok(Comms::flat(qsr_comm::over_ring(ring, transport, &host, shm)?));
+        return Ok(Comms { world: qsr_comm::over_ring(ring, transport, &host, shm)?, node: None, stream });
     };
     recipe.check_nodes(ring.world_size())?;
-    let rank = ring.rank();
     let node = match local.workers_per_node {
         Some(n) => qsr_comm::split(&mut ring, (rank / n) as u32, rank as u32, transport, &host, shm.clone()),
         None => qsr_comm::split_by_host(&mut ring, transport, &host, shm.clone()),
     }
     .context("forming the node groups of [sync.local]")?;
     let world = qsr_comm::over_ring(ring, transport, &host, shm)?;
-    Ok(Comms { world, node: Some(node), stream: None })
+    Ok(Comms { world, node: Some(node), stream })
 }
 
 /// This rank's TCP ring. Rank 0 of a `--nproc` launch (`--port-file`) binds its rendezvous port
