@@ -91,6 +91,10 @@ pub struct StreamingReport {
     pub settings: StreamingSync,
     /// Syncs per fragment, most fragments on one step, fewest steps between syncs.
     pub summary: FragmentSummary,
+    /// Fragment syncs that come at most `delay` steps after the fragment's previous one, so that its
+    /// previous average is applied first and the sync sends only what came after it (nothing with
+    /// `mix = 1`): rounds too short for the delay.
+    pub syncs_within_delay: u64,
     /// The most bytes one rank sends after one step (ring all-reduce of the fragments syncing then,
     /// the parameters split evenly); only with `--params`.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -166,6 +170,7 @@ fn report(r: &PlanRecipe, args: &PlanArgs) -> PlanReport {
         StreamingReport {
             settings: *settings,
             summary: fragments.summary(),
+            syncs_within_delay: fragments.syncs_within(settings.delay),
             peak_bytes_per_step: args.params.map(peak),
             plain_peak_bytes_per_step: args.params.map(ring),
         }
@@ -294,6 +299,9 @@ fn streaming_lines(st: &StreamingReport) -> String {
     let _ = writeln!(o, "            at most {} per step, fewest steps between syncs {gap}", f.max_per_step);
     if let (Some(peak), Some(plain)) = (st.peak_bytes_per_step, st.plain_peak_bytes_per_step) {
         let _ = writeln!(o, "            peak per step {} per rank (whole model: {})", bytes(peak), bytes(plain));
+    }
+    if st.syncs_within_delay > 0 {
+        let _ = writeln!(o, "            warning: {}", crate::recipe::within_delay_warning(set, st.syncs_within_delay));
     }
     o
 }

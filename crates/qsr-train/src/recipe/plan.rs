@@ -32,6 +32,16 @@ pub fn fragment_plan(streaming: &StreamingSync, plan: Plan) -> Result<FragmentPl
     Ok(FragmentPlan::new(plan, streaming.fragments)?)
 }
 
+/// Why syncs that come within the delay of their fragment's previous one waste work.
+pub fn within_delay_warning(set: &StreamingSync, within: u64) -> String {
+    let mix = if set.mix == 1.0 { "mix = 1 sends nothing for them" } else { "they send only the steps after it" };
+    format!(
+        "{within} fragment syncs come at most sync.streaming.delay = {} steps after their fragment's previous \
+         one (rounds too short for the delay): the previous average is applied first, and {mix}",
+        set.delay
+    )
+}
+
 /// `[sync.local]`: the local level of a two-level run (see [`Plan::with_local`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LocalSync {

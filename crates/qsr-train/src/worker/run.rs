@@ -65,6 +65,11 @@ fn run<T: Task>(
         worker.set_device_group(g)?;
     }
     if let Some(streaming) = recipe.sync.streaming {
+        let within =
+            qsr_sched::FragmentPlan::new(pace.plan.clone(), streaming.fragments)?.syncs_within(streaming.delay);
+        if rank == 0 && within > 0 {
+            eprintln!("qsr: warning: {}", crate::recipe::within_delay_warning(&streaming, within));
+        }
         worker.set_streaming(streaming)?;
         if let Some(comm) = comms.stream {
             worker.set_streaming_comm(comm)?;

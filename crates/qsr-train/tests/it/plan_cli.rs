@@ -268,6 +268,11 @@ fn plan_shows_streaming_fragments_and_their_peak_bytes() {
     let out = qsr(&["plan", "--recipe", &recipe]);
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("fragments   4, each synced once per round"), "{text}");
+    // A delay of 2 reaches the next sync of a fragment in 2-step rounds: counted, and warned about.
+    assert!(st["syncs_within_delay"].as_u64().unwrap() > 0, "{st}");
+    assert!(text.contains("warning:") && text.contains("mix = 1 sends nothing"), "{text}");
+    let short = streaming_recipe(dir.path(), "fragments = 4\ndelay = 1");
+    assert_eq!(plan_json(&["--recipe", &short])["streaming"]["syncs_within_delay"], 0);
     // Without the section the report has no streaming part.
     let v = plan_json(&["--recipe", "recipes/imagenet-vit-b-qsr-hbase4.toml"]);
     assert!(v.get("streaming").is_none());
