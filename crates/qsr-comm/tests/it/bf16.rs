@@ -82,14 +82,7 @@ fn a_bf16_call_against_an_f32_call_fails_naming_the_reduce_op() {
             let mut b = vec![1.0f32; 64];
             if c.rank() == 1 { c.all_reduce_bf16(&mut b, ReduceOp::Mean) } else { c.all_reduce(&mut b, ReduceOp::Mean) }
         };
-        let comms: Vec<Box<dyn Collective>> = if tcp {
-            crate::common::tcp_group(2, crate::common::test_config())
-                .into_iter()
-                .map(|c| Box::new(c) as Box<dyn Collective>)
-                .collect()
-        } else {
-            InProcessGroup::new(2).into_iter().map(|c| Box::new(c) as Box<dyn Collective>).collect()
-        };
+        let comms = crate::common::boxed_group(2, tcp);
         let errors: Vec<String> = crate::common::on_threads(comms, f)
             .into_iter()
             .map(|r| r.expect_err("mixed precisions must fail").to_string())

@@ -117,14 +117,7 @@ fn a_quantized_call_against_an_f32_call_fails_naming_the_reduce_op() {
                 c.all_reduce(&mut b, ReduceOp::Mean)
             }
         };
-        let comms: Vec<Box<dyn Collective>> = if tcp {
-            crate::common::tcp_group(2, crate::common::test_config())
-                .into_iter()
-                .map(|c| Box::new(c) as Box<dyn Collective>)
-                .collect()
-        } else {
-            InProcessGroup::new(2).into_iter().map(|c| Box::new(c) as Box<dyn Collective>).collect()
-        };
+        let comms = crate::common::boxed_group(2, tcp);
         let errors: Vec<String> = crate::common::on_threads(comms, f)
             .into_iter()
             .map(|r| r.expect_err("mixed payloads must fail").to_string())

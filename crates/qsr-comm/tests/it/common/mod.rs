@@ -89,6 +89,15 @@ pub fn tcp_group(n: usize, cfg: TcpConfig) -> Vec<TcpComm> {
     out
 }
 
+/// A group of `n` boxed handles: a TCP ring over loopback, or the in-process group.
+pub fn boxed_group(n: usize, tcp: bool) -> Vec<Box<dyn Collective>> {
+    if tcp {
+        tcp_group(n, test_config()).into_iter().map(|c| Box::new(c) as Box<dyn Collective>).collect()
+    } else {
+        qsr_comm::InProcessGroup::new(n).into_iter().map(|c| Box::new(c) as Box<dyn Collective>).collect()
+    }
+}
+
 /// The full correctness matrix for one group (called with the group's handles).
 pub fn matrix<C: Collective + 'static>(make: impl Fn(usize) -> Vec<C>, sizes: &[usize]) {
     for &n in sizes {
