@@ -128,10 +128,8 @@ impl<M: Module> Worker<M> {
             return refuse("streaming and quantized syncs do not run with a two-level plan (`sync.local`)");
         }
         let state = self.config.state;
-        if state.average_first_moment || state.average_second_moment || self.config.bn == BnPolicy::Average {
-            return refuse(
-                "streaming and quantized syncs average parameters only (not `driver.state`, not `driver.bn = \"average\"`)",
-            );
+        if state.average_first_moment || state.average_second_moment {
+            return refuse("streaming and quantized syncs do not average optimizer moments (`driver.state`)");
         }
         let fragments = FragmentPlan::new(self.cursor.plan().clone(), config.fragments)?;
         let sizes: Vec<u64> = self.layout.trainable.iter().map(|e| e.range.len() as u64).collect();
@@ -436,6 +434,21 @@ impl<M: Module> Worker<M> {
             let comm = self.comm.as_mut();
             let sent = stream.after_step(h.params_mut(), at, outer, comm, &mut self.stats.comm)?;
             stepped.sync = stepped.sync.or(sent);
+            if info.sync_after && self.config.bn == BnPolicy::Average && self.layout.running_len() > 0 {
+                // BatchNorm statistics travel on their own at the round's end, in f32 and at once.
+                let mut peers = Peers {
+                    comm: self.comm.as_mut(),
+                    config: &self.config,
+                    stats: &mut self.stats,
+                    outer: None,
+                    level: Level::Global,
+                };
+                let bn = peers.average_running(&mut self.model, &self.layout, info.step)?;
+                match &mut stepped.sync {
+                    Some(s) => s.add(&bn),
+                    None => stepped.sync = Some(bn),
+                }
+            }
         }
         if let Some(local) = self.local.as_deref_mut().filter(|_| info.local_sync_after) {
             // A plain average inside the node: the outer optimizer steps at global syncs only.

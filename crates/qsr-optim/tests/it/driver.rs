@@ -406,41 +406,18 @@ fn layout_separates_batchnorm_statistics_and_roundtrips() {
 
 #[test]
 fn batchnorm_statistics_are_averaged_only_under_the_average_policy() {
-    let run = |bn: BnPolicy| {
-        let device = device();
-        let net = init(BnNet::new(&device));
-        let task = Task::new();
-        let p = plan(6, SyncRule::Constant { h: 3 });
-        let comms = InProcessGroup::new(2);
-        thread::scope(|s| {
-            let hs: Vec<_> = comms
-                .into_iter()
-                .enumerate()
-                .map(|(rank, comm)| {
-                    let (net, task, device, p) = (net.clone(), &task, device.clone(), &p);
-                    s.spawn(move || {
-                        let config = DriverConfig { bn, ..DriverConfig::default() };
-                        let mut w = Worker::new(net, sgd(), Box::new(comm), p.cursor(), config).unwrap();
-                        while !w.cursor().is_done() {
-                            let t = w.cursor().step();
-                            w.step(|m: &BnNet, _| {
-                                let (x, y) = task.batch(Task::start(rank, 2, t, 0, 1), BATCH, &device);
-                                Ok(mse(m.forward(x), y))
-                            })
-                            .unwrap();
-                        }
-                        let mut stats = vec![0.0; w.layout().running_len()];
-                        w.layout().read_running(w.model(), &mut stats).unwrap();
-                        let local = stats.clone();
-                        w.average_running_stats().unwrap();
-                        w.layout().read_running(w.model(), &mut stats).unwrap();
-                        (local, stats)
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
-        })
-    };
+    let run = |bn: BnPolicy| run_bn(bn, None);
+    bn_policies_hold(run);
+}
+
+/// Streaming workers average BatchNorm statistics on their own at each round's end (`driver.bn =
+/// "average"`), as plain ones do with their parameters.
+#[test]
+fn streaming_workers_average_batchnorm_statistics_at_round_ends() {
+    bn_policies_hold(|bn| run_bn(bn, Some(qsr_optim::StreamingConfig { fragments: 2, delay: 1, mix: 1.0 })));
+}
+
+fn bn_policies_hold(run: impl Fn(BnPolicy) -> Vec<(Vec<f32>, Vec<f32>)>) {
     let avg = run(BnPolicy::Average);
     assert!(bit_identical(&avg[0].0, &avg[1].0), "averaged at the last sync");
     let local = run(BnPolicy::Reestimate);
@@ -449,6 +426,47 @@ fn batchnorm_statistics_are_averaged_only_under_the_average_policy() {
     assert!(bit_identical(&local[0].1, &local[1].1));
     let mean: Vec<f32> = local[0].0.iter().zip(&local[1].0).map(|(a, b)| (a + b) / 2.0).collect();
     assert_close(&local[0].1, &mean, 1e-6, "mean of running stats");
+}
+
+/// Two BnNet workers under `bn` (streaming when given): each one's running statistics at the end,
+/// before and after an explicit average.
+fn run_bn(bn: BnPolicy, streaming: Option<qsr_optim::StreamingConfig>) -> Vec<(Vec<f32>, Vec<f32>)> {
+    let device = device();
+    let net = init(BnNet::new(&device));
+    let task = Task::new();
+    let p = plan(6, SyncRule::Constant { h: 3 });
+    let comms = InProcessGroup::new(2);
+    thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let (net, task, device, p) = (net.clone(), &task, device.clone(), &p);
+                s.spawn(move || {
+                    let config = DriverConfig { bn, ..DriverConfig::default() };
+                    let mut w = Worker::new(net, sgd(), Box::new(comm), p.cursor(), config).unwrap();
+                    if let Some(st) = streaming {
+                        w.set_streaming(st).unwrap();
+                    }
+                    while !w.cursor().is_done() {
+                        let t = w.cursor().step();
+                        w.step(|m: &BnNet, _| {
+                            let (x, y) = task.batch(Task::start(rank, 2, t, 0, 1), BATCH, &device);
+                            Ok(mse(m.forward(x), y))
+                        })
+                        .unwrap();
+                    }
+                    let mut stats = vec![0.0; w.layout().running_len()];
+                    w.layout().read_running(w.model(), &mut stats).unwrap();
+                    let local = stats.clone();
+                    w.average_running_stats().unwrap();
+                    w.layout().read_running(w.model(), &mut stats).unwrap();
+                    (local, stats)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+    })
 }
 
 fn device_config(base: DriverConfig) -> DriverConfig {

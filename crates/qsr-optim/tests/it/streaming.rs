@@ -241,6 +241,7 @@ fn streaming_settings_that_cannot_run_are_refused_naming_the_key() {
         w.set_streaming(s).unwrap_err()
     };
     let h4 = SyncRule::Constant { h: 4 };
+    let moments = qsr_optim::StatePolicy { average_first_moment: true, average_second_moment: false };
     let cases = [
         (
             build(h4.clone(), DriverConfig::default(), StreamingConfig { delay: 0, ..StreamingConfig::new(2) }),
@@ -261,11 +262,7 @@ fn streaming_settings_that_cannot_run_are_refused_naming_the_key() {
             "sync.streaming",
         ),
         (
-            build(
-                h4,
-                DriverConfig { bn: qsr_optim::BnPolicy::Average, ..DriverConfig::default() },
-                StreamingConfig::new(2),
-            ),
+            build(h4, DriverConfig { state: moments, ..DriverConfig::default() }, StreamingConfig::new(2)),
             "sync.streaming",
         ),
     ];
