@@ -44,7 +44,12 @@ impl Codec {
             0.0
         };
         let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-        codes.iter_mut().zip(values).for_each(|(c, &v)| *c = self.encode(v * inv));
+        if inv.is_finite() {
+            codes.iter_mut().zip(values).for_each(|(c, &v)| *c = self.encode(v * inv));
+        } else {
+            // A subnormal scale (a block of values below ~1e-36) has no finite inverse: divide.
+            codes.iter_mut().zip(values).for_each(|(c, &v)| *c = self.encode(v / scale));
+        }
         scale
     }
 

@@ -434,7 +434,8 @@ impl<M: Module> Worker<M> {
             let comm = self.comm.as_mut();
             let sent = stream.after_step(h.params_mut(), at, outer, comm, &mut self.stats.comm)?;
             stepped.sync = stepped.sync.or(sent);
-            if info.sync_after && self.config.bn == BnPolicy::Average && self.layout.running_len() > 0 {
+            let round_end = info.sync_after && info.mode == SyncMode::Parameters;
+            if round_end && self.config.bn == BnPolicy::Average && self.layout.running_len() > 0 {
                 // BatchNorm statistics travel on their own at the round's end, in f32 and at once.
                 let mut peers = Peers {
                     comm: self.comm.as_mut(),

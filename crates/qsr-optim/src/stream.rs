@@ -262,7 +262,9 @@ impl Stream {
             let residual = &mut self.residual[range.clone()];
             residual.iter_mut().zip(&payload).for_each(|(r, p)| *r += p);
             payload.copy_from_slice(residual);
-            codec.round_block(&mut payload);
+            // Blocks as the all-reduce forms them: from the start of each bucket.
+            let bucket = self.bucket.filter(|&b| b > 0).unwrap_or(payload.len().max(1));
+            payload.chunks_mut(bucket).for_each(|chunk| codec.round_block(chunk));
             residual.iter_mut().zip(&payload).for_each(|(r, q)| *r -= q);
         }
         let apply_after = step + self.config.delay;
@@ -309,7 +311,7 @@ impl Stream {
         let Some(mut entry) = self.in_flight.pop_front() else {
             return Ok(());
         };
-        self.received -= 1;
+        self.received = self.received.saturating_sub(1);
         let range = self.ranges[entry.fragment as usize].clone();
         outer.step_at(range.start, &mut entry.mean);
         let mix = self.config.mix as f32;
@@ -375,6 +377,10 @@ impl Stream {
     /// Restores a checkpoint's state (before any step of this worker).
     pub(crate) fn restore(&mut self, state: StreamState) -> Result<(), OptimError> {
         let bad = |reason: String| OptimError::Layout(format!("streaming state: {reason}"));
+        if !self.in_flight.is_empty() {
+            // A background lane would still answer for the averages in flight now.
+            return Err(bad("restored into a worker with averages in flight (restore before the first step)".into()));
+        }
         if state.residual.len() != self.residual.len() {
             return Err(bad(format!("residual of {} values, expected {}", state.residual.len(), self.residual.len())));
         }

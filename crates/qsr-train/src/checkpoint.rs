@@ -2,7 +2,8 @@
 //!
 //! Layout of `RUN_DIR/ckpt/`:
 //! - `step-<N>/model.safetensors`: the averaged trainable parameters and rank 0's BatchNorm statistics,
-//!   one tensor per module path (readable by any safetensors tool);
+//!   one tensor per module path (readable by any safetensors tool); in a streaming run, whose ranks
+//!   differ between a fragment's syncs, rank 0's own parameters (the run's last step averages them all);
 //! - `step-<N>/optim-rank<r>.safetensors`: each rank's optimizer moments (state stays per worker);
 //! - `step-<N>/outer.safetensors`: the global parameters and outer momentum, where syncs are outer
 //!   steps (`[outer]`, streaming or quantized syncs; the same on every rank);

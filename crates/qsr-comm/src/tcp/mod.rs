@@ -661,7 +661,9 @@ impl Collective for TcpComm {
             Codec::Fp8E4m3 if mean => wire::OP_MEAN_FP8,
             Codec::Fp8E4m3 => wire::OP_SUM_FP8,
         };
-        let len = wire.len();
+        // The header carries the f32 buffer's length: ranks whose buffers differ inside one block
+        // would otherwise agree on the padded wire length.
+        let len = buf.len() * 4;
         let quantized = Buf::Quantized { master: &mut master, wire: &mut wire, codec };
         let res = self.call(wire::KIND_ALL_REDUCE, code, 0, quantized, len, plan);
         if res.is_ok() {

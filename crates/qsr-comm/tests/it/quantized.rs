@@ -145,3 +145,20 @@ fn a_non_finite_value_poisons_its_block_not_the_buffer() {
         "the other blocks stay numbers"
     );
 }
+
+/// Regression: the TCP ring's header carried the padded wire length, so ranks whose buffers differed
+/// inside one block of 64 values agreed and reduced padding against data. It carries the f32 length
+/// now; the in-process group compared it already.
+#[test]
+fn quantized_calls_of_different_lengths_inside_one_block_fail_naming_the_length() {
+    for tcp in [true, false] {
+        let errors: Vec<String> = crate::common::on_threads(crate::common::boxed_group(2, tcp), |mut c| {
+            let mut b = vec![1.0f32; if c.rank() == 0 { 64 } else { 63 }];
+            c.all_reduce_quantized(&mut b, ReduceOp::Mean, Codec::Int8)
+        })
+        .into_iter()
+        .map(|r| r.expect_err("different lengths must fail").to_string())
+        .collect();
+        assert!(errors.iter().any(|e| e.contains("length")), "tcp {tcp}: {errors:?}");
+    }
+}

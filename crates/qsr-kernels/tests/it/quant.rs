@@ -92,3 +92,17 @@ fn error_feedback_keeps_the_long_run_sum_exact_within_f32_rounding() {
         assert!(held < 0.5, "{codec:?}: residual {held}");
     }
 }
+
+/// Regression: a block whose largest value is below ~1e-36 has a subnormal scale whose inverse is
+/// infinite, and every value decoded to the code's maximum. Such blocks now keep their values.
+#[test]
+fn a_block_of_tiny_values_keeps_them() {
+    for codec in [Codec::Int8, Codec::Fp8E4m3] {
+        let values: Vec<f32> = (1..=64).map(|i| i as f32 * 1e-40).collect();
+        let mut rounded = values.clone();
+        codec.round_block(&mut rounded);
+        for (v, r) in values.iter().zip(&rounded) {
+            assert!(r.is_finite() && (r - v).abs() <= 0.07 * 64e-40, "{codec:?}: {v:e} -> {r:e}");
+        }
+    }
+}

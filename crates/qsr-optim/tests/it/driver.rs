@@ -406,7 +406,7 @@ fn layout_separates_batchnorm_statistics_and_roundtrips() {
 
 #[test]
 fn batchnorm_statistics_are_averaged_only_under_the_average_policy() {
-    let run = |bn: BnPolicy| run_bn(bn, None);
+    let run = |bn: BnPolicy| run_bn(bn, None, (SyncRule::Constant { h: 3 }, Wire::F32));
     bn_policies_hold(run);
 }
 
@@ -414,7 +414,20 @@ fn batchnorm_statistics_are_averaged_only_under_the_average_policy() {
 /// "average"`), as plain ones do with their parameters.
 #[test]
 fn streaming_workers_average_batchnorm_statistics_at_round_ends() {
-    bn_policies_hold(|bn| run_bn(bn, Some(qsr_optim::StreamingConfig { fragments: 2, delay: 1, mix: 1.0 })));
+    let streaming = Some(qsr_optim::StreamingConfig { fragments: 2, delay: 1, mix: 1.0 });
+    bn_policies_hold(|bn| run_bn(bn, streaming, (SyncRule::Constant { h: 3 }, Wire::F32)));
+}
+
+/// Regression: a quantized wire (a stream of one fragment) averaged BatchNorm statistics after every
+/// data-parallel step, which plain workers never do. Data parallel's steps never average parameters,
+/// so the wire changes nothing there: the same statistics with `driver.wire` int8 as with f32.
+#[test]
+fn a_quantized_wire_changes_nothing_in_data_parallel_steps() {
+    let f32_wire = run_bn(BnPolicy::Average, None, (SyncRule::Dp, Wire::F32));
+    let int8_wire = run_bn(BnPolicy::Average, None, (SyncRule::Dp, Wire::Int8));
+    for (a, b) in f32_wire.iter().zip(&int8_wire) {
+        assert!(bit_identical(&a.0, &b.0), "BatchNorm statistics differ with the int8 wire");
+    }
 }
 
 fn bn_policies_hold(run: impl Fn(BnPolicy) -> Vec<(Vec<f32>, Vec<f32>)>) {
@@ -430,11 +443,15 @@ fn bn_policies_hold(run: impl Fn(BnPolicy) -> Vec<(Vec<f32>, Vec<f32>)>) {
 
 /// Two BnNet workers under `bn` (streaming when given): each one's running statistics at the end,
 /// before and after an explicit average.
-fn run_bn(bn: BnPolicy, streaming: Option<qsr_optim::StreamingConfig>) -> Vec<(Vec<f32>, Vec<f32>)> {
+fn run_bn(
+    bn: BnPolicy,
+    streaming: Option<qsr_optim::StreamingConfig>,
+    (rule, wire): (SyncRule, Wire),
+) -> Vec<(Vec<f32>, Vec<f32>)> {
     let device = device();
     let net = init(BnNet::new(&device));
     let task = Task::new();
-    let p = plan(6, SyncRule::Constant { h: 3 });
+    let p = plan(6, rule);
     let comms = InProcessGroup::new(2);
     thread::scope(|s| {
         let hs: Vec<_> = comms
@@ -443,7 +460,7 @@ fn run_bn(bn: BnPolicy, streaming: Option<qsr_optim::StreamingConfig>) -> Vec<(V
             .map(|(rank, comm)| {
                 let (net, task, device, p) = (net.clone(), &task, device.clone(), &p);
                 s.spawn(move || {
-                    let config = DriverConfig { bn, ..DriverConfig::default() };
+                    let config = DriverConfig { bn, wire, ..DriverConfig::default() };
                     let mut w = Worker::new(net, sgd(), Box::new(comm), p.cursor(), config).unwrap();
                     if let Some(st) = streaming {
                         w.set_streaming(st).unwrap();
