@@ -28,7 +28,9 @@ use crate::optim::{OptimState, OptimizerConfig};
 use crate::outer::{Outer, OuterConfig};
 use crate::replica::{DeviceReplica, HostReplica, Replica};
 use crate::stream::{Stream, StreamState, StreamingConfig};
-use crate::sync::{BnPolicy, DriverConfig, DriverStats, Level, Peers, Residency, StepReport, Wire, check_wire};
+use crate::sync::{
+    BnPolicy, DriverConfig, DriverStats, Level, Peers, Residency, StepReport, SyncReport, Wire, check_wire,
+};
 
 /// One worker: a model replica, its flat parameters, its optimizer state, its collective and cursor.
 pub struct Worker<M: Module> {
@@ -429,27 +431,9 @@ impl<M: Module> Worker<M> {
             Replica::Host(h) => h.step(&mut self.model, &self.layout, &mut peers, &replica_info, loss_fn)?,
             Replica::Device(d) => d.step(&mut self.model, &self.layout, &mut peers, &replica_info, loss_fn)?,
         };
-        if let (Some(stream), Replica::Host(h), Some(outer)) = (&mut self.stream, &mut self.replica, &mut self.outer) {
-            let at = (&info, self.cursor.is_done());
-            let comm = self.comm.as_mut();
-            let sent = stream.after_step(h.params_mut(), at, outer, comm, &mut self.stats.comm)?;
+        if self.stream.is_some() {
+            let sent = self.stream_step(&info)?;
             stepped.sync = stepped.sync.or(sent);
-            let round_end = info.sync_after && info.mode == SyncMode::Parameters;
-            if round_end && self.config.bn == BnPolicy::Average && self.layout.running_len() > 0 {
-                // BatchNorm statistics travel on their own at the round's end, in f32 and at once.
-                let mut peers = Peers {
-                    comm: self.comm.as_mut(),
-                    config: &self.config,
-                    stats: &mut self.stats,
-                    outer: None,
-                    level: Level::Global,
-                };
-                let bn = peers.average_running(&mut self.model, &self.layout, info.step)?;
-                match &mut stepped.sync {
-                    Some(s) => s.add(&bn),
-                    None => stepped.sync = Some(bn),
-                }
-            }
         }
         if let Some(local) = self.local.as_deref_mut().filter(|_| info.local_sync_after) {
             // A plain average inside the node: the outer optimizer steps at global syncs only.
@@ -472,6 +456,27 @@ impl<M: Module> Worker<M> {
         Ok(StepReport { info, loss: loss as f32, updated: stepped.updated, sync: stepped.sync })
     }
 
+    /// A streaming worker's syncs after step `info`: its fragments', and at a round's end the BatchNorm
+    /// statistics (`driver.bn = "average"`), on their own, in f32 and at once.
+    fn stream_step(&mut self, info: &StepInfo) -> Result<Option<SyncReport>, OptimError> {
+        let (Some(stream), Replica::Host(h), Some(outer)) = (&mut self.stream, &mut self.replica, &mut self.outer)
+        else {
+            return Ok(None);
+        };
+        let at = (info, self.cursor.is_done());
+        let mut sent = stream.after_step(h.params_mut(), at, outer, self.comm.as_mut(), &mut self.stats.comm)?;
+        let round_end = info.sync_after && info.mode == SyncMode::Parameters;
+        if round_end && self.config.bn == BnPolicy::Average && self.layout.running_len() > 0 {
+            let mut peers = Peers::global(self.comm.as_mut(), &self.config, &mut self.stats);
+            let bn = peers.average_running(&mut self.model, &self.layout, info.step)?;
+            match &mut sent {
+                Some(s) => s.add(&bn),
+                None => sent = Some(bn),
+            }
+        }
+        Ok(sent)
+    }
+
     /// Averages BatchNorm running statistics across workers (the last step of the paper's re-estimation,
     /// after the trainer ran its forward passes). A no-op for models without running statistics.
     pub fn average_running_stats(&mut self) -> Result<(), OptimError> {
@@ -479,13 +484,7 @@ impl<M: Module> Worker<M> {
             return Ok(());
         }
         let step = self.cursor.step();
-        let mut peers = Peers {
-            comm: self.comm.as_mut(),
-            config: &self.config,
-            stats: &mut self.stats,
-            outer: None,
-            level: Level::Global,
-        };
+        let mut peers = Peers::global(self.comm.as_mut(), &self.config, &mut self.stats);
         peers.average_running_unaccounted(&mut self.model, &self.layout, step)?;
         Ok(())
     }

@@ -277,7 +277,12 @@ pub(crate) struct Peers<'a> {
     pub(crate) level: Level,
 }
 
-impl Peers<'_> {
+impl<'a> Peers<'a> {
+    /// Every worker's collective, for a sync without an outer step (BatchNorm statistics).
+    pub(crate) fn global(comm: &'a mut dyn Collective, config: &'a DriverConfig, stats: &'a mut DriverStats) -> Self {
+        Peers { comm, config, stats, outer: None, level: Level::Global }
+    }
+
     /// The collective's counters and the clock at the start of a sync.
     pub(crate) fn start(&self) -> (CommStats, Instant) {
         (*self.comm.stats(), Instant::now())
