@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, anyhow, bail};
 use qsr_models::ModelConfig;
 use qsr_optim::{BnPolicy, OptimizerKind};
-use qsr_sched::{Encoding, Plan, SyncMode};
+use qsr_sched::{Encoding, FragmentPlan, Plan, SyncMode};
 use serde::{Deserialize, Serialize};
 
 use crate::recipe::TrainRecipe;
@@ -216,12 +216,13 @@ pub struct Prediction {
     /// Local averages inside the nodes (two-level plans).
     #[serde(default)]
     pub local_syncs: u64,
-    /// Modelled seconds of all synchronizations, local averages included.
+    /// Modelled seconds of all synchronizations, local averages included; for a streaming recipe, the
+    /// time the workers waited for averages that had not arrived (the rest overlaps the steps).
     pub comm_seconds: f64,
     /// Of `comm_seconds`, the local averages'.
     #[serde(default)]
     pub local_comm_seconds: f64,
-    /// `compute_seconds + comm_seconds` (no overlap).
+    /// `compute_seconds + comm_seconds`.
     pub total_seconds: f64,
     /// Time of each epoch (steps and syncs whose last step falls in it); the last may be partial.
     pub epoch_seconds: Vec<f64>,
@@ -558,7 +559,14 @@ pub fn simulate(args: &SimulateArgs) -> Result<Report> {
                 n.size
             );
         }
-        let prediction = predict(&item.recipe.name, &plan, step_seconds, &payload, world, cluster, spe);
+        let prediction = match &item.recipe.sync.streaming {
+            Some(st) => {
+                let fragments = FragmentPlan::new(plan.clone(), st.fragments)?;
+                let name = &item.recipe.name;
+                streaming::predict_streaming(name, (&fragments, st), step_seconds, &payload, world, (cluster, spe))
+            }
+            None => predict(&item.recipe.name, &plan, step_seconds, &payload, world, cluster, spe),
+        };
         let reference_seconds = references.iter().find(|(n, _)| *n == item.recipe.name).map(|(_, s)| *s);
         rows.push(Row {
             prediction,
@@ -808,6 +816,8 @@ pub fn run(args: &SimulateArgs, out: &mut dyn std::io::Write) -> Result<()> {
     }
     Ok(())
 }
+
+mod streaming;
 
 #[cfg(test)]
 mod tests;
