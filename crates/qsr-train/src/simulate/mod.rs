@@ -279,24 +279,49 @@ pub fn predict(
         }
     }
     let (local_syncs, local_comm) = local_averages(plan, &net, payload, spe, &mut epochs);
-    comm += local_comm;
-    let compute = steps as f64 * step_seconds;
-    Prediction {
-        name: name.to_string(),
-        rule: plan.sync().name().to_string(),
-        world_size,
-        steps,
-        steps_per_epoch: spe,
-        syncs,
-        gradient_syncs,
-        comm_percent: 100.0 * syncs as f64 / steps.max(1) as f64,
-        step_seconds,
-        compute_seconds: compute,
-        local_syncs,
-        comm_seconds: comm,
-        local_comm_seconds: local_comm,
-        total_seconds: compute + comm,
-        epoch_seconds: epochs,
+    let counted = Counted { syncs, gradient_syncs, local_syncs, comm: comm + local_comm, local_comm, epochs };
+    Prediction::new(name, plan, (world_size, spe, step_seconds), counted)
+}
+
+/// What a prediction's walk through a plan counted.
+struct Counted {
+    syncs: u64,
+    gradient_syncs: u64,
+    local_syncs: u64,
+    /// Seconds of communication the workers pay (local averages included).
+    comm: f64,
+    local_comm: f64,
+    epochs: Vec<f64>,
+}
+
+impl Prediction {
+    /// The prediction of `plan` for `world_size` workers, `spe` steps per epoch and `step_seconds`
+    /// of compute per step, from what its walk `counted`.
+    fn new(
+        name: &str,
+        plan: &Plan,
+        (world_size, spe, step_seconds): (usize, Option<u64>, f64),
+        counted: Counted,
+    ) -> Self {
+        let steps = plan.end_step();
+        let compute = steps as f64 * step_seconds;
+        Prediction {
+            name: name.to_string(),
+            rule: plan.sync().name().to_string(),
+            world_size,
+            steps,
+            steps_per_epoch: spe,
+            syncs: counted.syncs,
+            gradient_syncs: counted.gradient_syncs,
+            comm_percent: 100.0 * counted.syncs as f64 / steps.max(1) as f64,
+            step_seconds,
+            compute_seconds: compute,
+            local_syncs: counted.local_syncs,
+            comm_seconds: counted.comm,
+            local_comm_seconds: counted.local_comm,
+            total_seconds: compute + counted.comm,
+            epoch_seconds: counted.epochs,
+        }
     }
 }
 
