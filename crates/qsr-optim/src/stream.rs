@@ -90,19 +90,27 @@ pub struct InFlight {
     pub sent_after: u64,
     /// The step after which the average is applied.
     pub apply_after: u64,
-    /// The mean pseudo-gradient of the fragment's parameters (empty until the all-reduce finished;
-    /// a checkpoint waits for it).
+    /// The mean pseudo-gradient of the fragment's parameters (a checkpoint waits for it).
     pub mean: Vec<f32>,
 }
 
 /// What a streaming worker holds beyond its parameters, optimizer and outer state: the averages in
-/// flight and the error-feedback residual (empty on an f32 or bf16 wire).
+/// flight and the error-feedback residual (on an int8 or fp8 wire).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StreamState {
     /// Averages sent and not yet applied, in the order they were sent.
     pub in_flight: Vec<InFlight>,
     /// What quantization dropped from this worker's payloads so far, one value per parameter.
-    pub residual: Vec<f32>,
+    pub residual: Option<Vec<f32>>,
+}
+
+/// An average sent and not yet applied; its mean arrives with the all-reduce (at once on the inline
+/// lane, later on the background one).
+struct Sent {
+    fragment: u32,
+    sent_after: u64,
+    apply_after: u64,
+    mean: Option<Vec<f32>>,
 }
 
 /// A job of the background lane: the payload, and the step it belongs to (for errors).
@@ -131,10 +139,9 @@ pub(crate) struct Stream {
     config: StreamingConfig,
     wire: Wire,
     bucket: Option<usize>,
-    residual: Vec<f32>,
-    in_flight: VecDeque<InFlight>,
-    /// Of `in_flight`, how many from the front have their mean (the background lane answers in order).
-    received: usize,
+    /// What quantization dropped, one value per parameter: on an int8 or fp8 wire.
+    residual: Option<Vec<f32>>,
+    in_flight: VecDeque<Sent>,
     lane: Lane,
 }
 
@@ -147,9 +154,9 @@ impl Stream {
         (wire, bucket): (Wire, Option<usize>),
         len: usize,
     ) -> Self {
-        let residual = if wire.codec().is_some() { vec![0.0; len] } else { Vec::new() };
-        let (in_flight, received, lane) = (VecDeque::new(), 0, Lane::Inline);
-        Self { plan, ranges, config, wire, bucket, residual, in_flight, received, lane }
+        let residual = wire.codec().map(|_| vec![0.0; len]);
+        let (in_flight, lane) = (VecDeque::new(), Lane::Inline);
+        Self { plan, ranges, config, wire, bucket, residual, in_flight, lane }
     }
 
     /// Runs the fragments' all-reduces on `comm`, on a thread of their own, so they overlap the steps.
@@ -257,9 +264,9 @@ impl Stream {
         let range = self.ranges[fragment as usize].clone();
         let mut payload = vec![0.0; range.len()];
         outer.pseudo_gradient_of(range.start, params, &mut payload);
-        if let Some(codec) = self.wire.codec() {
+        if let (Some(codec), Some(residual)) = (self.wire.codec(), &mut self.residual) {
             // Error feedback: this payload carries what earlier ones dropped and keeps what it drops.
-            let residual = &mut self.residual[range.clone()];
+            let residual = &mut residual[range.clone()];
             residual.iter_mut().zip(&payload).for_each(|(r, p)| *r += p);
             payload.copy_from_slice(residual);
             // Blocks as the all-reduce forms them: from the start of each bucket.
@@ -268,14 +275,14 @@ impl Stream {
             residual.iter_mut().zip(&payload).for_each(|(r, q)| *r -= q);
         }
         let apply_after = step + self.config.delay;
-        let mut entry = InFlight { fragment, sent_after: step, apply_after, mean: Vec::new() };
+        let mut entry = Sent { fragment, sent_after: step, apply_after, mean: None };
         let predicted = self.predicted(range.len(), comm.world_size());
         let traffic = match &mut self.lane {
             Lane::Inline => {
                 let before = *comm.stats();
                 all_reduce_bucketed(comm, &mut payload, self.bucket, self.wire)
                     .map_err(|source| OptimError::Comm { step, source })?;
-                entry.mean = payload;
+                entry.mean = Some(payload);
                 comm.stats().since(&before)
             }
             Lane::Background { jobs, .. } => {
@@ -288,9 +295,6 @@ impl Stream {
                 predicted
             }
         };
-        if matches!(self.lane, Lane::Inline) {
-            self.received = self.in_flight.len() + 1;
-        }
         self.in_flight.push_back(entry);
         Ok(traffic)
     }
@@ -307,41 +311,41 @@ impl Stream {
 
     /// Applies the oldest average in flight (waiting for it on the background lane).
     fn apply_front(&mut self, params: &mut [f32], outer: &mut Outer) -> Result<(), OptimError> {
-        self.receive_front()?;
-        let Some(mut entry) = self.in_flight.pop_front() else {
+        self.receive(1)?;
+        let Some(entry) = self.in_flight.pop_front() else {
             return Ok(());
         };
-        self.received = self.received.saturating_sub(1);
+        let Some(mut mean) = entry.mean else {
+            return Err(lane_failed(entry.sent_after));
+        };
         let range = self.ranges[entry.fragment as usize].clone();
-        outer.step_at(range.start, &mut entry.mean);
+        outer.step_at(range.start, &mut mean);
         let mix = self.config.mix as f32;
         let local = &mut params[range];
         if mix == 1.0 {
-            local.copy_from_slice(&entry.mean);
+            local.copy_from_slice(&mean);
         } else {
-            local.iter_mut().zip(&entry.mean).for_each(|(l, g)| *l = mix * g + (1.0 - mix) * *l);
+            local.iter_mut().zip(&mean).for_each(|(l, g)| *l = mix * g + (1.0 - mix) * *l);
         }
         Ok(())
     }
 
-    /// Makes sure the front entry has its mean (waiting for the background lane).
-    fn receive_front(&mut self) -> Result<(), OptimError> {
-        if self.received > 0 || self.in_flight.is_empty() {
-            return Ok(());
-        }
-        let step = self.in_flight[0].sent_after;
-        let Lane::Background { done, .. } = &self.lane else {
-            return Ok(());
-        };
-        match done.recv() {
-            Ok(Ok(mean)) => {
-                self.in_flight[0].mean = mean;
-                self.received = 1;
-                Ok(())
+    /// Waits until the first `n` averages in flight have their means: the background lane answers
+    /// its jobs in the order they were sent, so the ones without are the queue's last.
+    fn receive(&mut self, n: usize) -> Result<(), OptimError> {
+        while let Some(i) = self.in_flight.iter().take(n).position(|s| s.mean.is_none()) {
+            let step = self.in_flight[i].sent_after;
+            // The inline lane has every mean at once; only a background lane leaves one to wait for.
+            let Lane::Background { done, .. } = &self.lane else {
+                return Err(lane_failed(step));
+            };
+            match done.recv() {
+                Ok(Ok(mean)) => self.in_flight[i].mean = Some(mean),
+                Ok(Err(e)) => return Err(e),
+                Err(_) => return Err(lane_failed(step)),
             }
-            Ok(Err(e)) => Err(e),
-            Err(_) => Err(lane_failed(step)),
         }
+        Ok(())
     }
 
     /// Every rank's parameters averaged in f32, which become the global values: the run's end.
@@ -361,17 +365,18 @@ impl Stream {
 
     /// The averages in flight (waiting for every one of them) and the residual, for a checkpoint.
     pub(crate) fn state(&mut self) -> Result<StreamState, OptimError> {
-        while self.received < self.in_flight.len() {
-            let step = self.in_flight[self.received].sent_after;
-            let Lane::Background { done, .. } = &self.lane else { break };
-            match done.recv() {
-                Ok(Ok(mean)) => self.in_flight[self.received].mean = mean,
-                Ok(Err(e)) => return Err(e),
-                Err(_) => return Err(lane_failed(step)),
-            }
-            self.received += 1;
-        }
-        Ok(StreamState { in_flight: self.in_flight.iter().cloned().collect(), residual: self.residual.clone() })
+        self.receive(self.in_flight.len())?;
+        let in_flight = self
+            .in_flight
+            .iter()
+            .map(|s| InFlight {
+                fragment: s.fragment,
+                sent_after: s.sent_after,
+                apply_after: s.apply_after,
+                mean: s.mean.clone().unwrap_or_default(),
+            })
+            .collect();
+        Ok(StreamState { in_flight, residual: self.residual.clone() })
     }
 
     /// Restores a checkpoint's state (before any step of this worker).
@@ -381,8 +386,10 @@ impl Stream {
             // A background lane would still answer for the averages in flight now.
             return Err(bad("restored into a worker with averages in flight (restore before the first step)".into()));
         }
-        if state.residual.len() != self.residual.len() {
-            return Err(bad(format!("residual of {} values, expected {}", state.residual.len(), self.residual.len())));
+        let len = |r: &Option<Vec<f32>>| r.as_ref().map(Vec::len);
+        if len(&state.residual) != len(&self.residual) {
+            let said = |r| len(r).map_or("none".to_string(), |n| format!("{n} values"));
+            return Err(bad(format!("residual: {}, expected {}", said(&state.residual), said(&self.residual))));
         }
         for f in &state.in_flight {
             let Some(range) = self.ranges.get(f.fragment as usize) else {
@@ -398,8 +405,16 @@ impl Stream {
             }
         }
         self.residual = state.residual;
-        self.received = state.in_flight.len();
-        self.in_flight = state.in_flight.into();
+        self.in_flight = state
+            .in_flight
+            .into_iter()
+            .map(|f| Sent {
+                fragment: f.fragment,
+                sent_after: f.sent_after,
+                apply_after: f.apply_after,
+                mean: Some(f.mean),
+            })
+            .collect();
         Ok(())
     }
 }

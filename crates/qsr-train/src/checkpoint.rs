@@ -206,8 +206,8 @@ fn read_f32(st: &SafeTensors<'_>, name: &str, len: usize, file: &Path) -> Result
 /// and steps are the metadata entry `in_flight` (JSON).
 pub(crate) fn stream_bytes(params: &[f32], state: &StreamState) -> Result<Vec<u8>> {
     let mut named = vec![("params".to_string(), vec![params.len()], f32_bytes(params))];
-    if !state.residual.is_empty() {
-        named.push(("residual".to_string(), vec![state.residual.len()], f32_bytes(&state.residual)));
+    if let Some(residual) = &state.residual {
+        named.push(("residual".to_string(), vec![residual.len()], f32_bytes(residual)));
     }
     let mut meta = Vec::new();
     for (i, f) in state.in_flight.iter().enumerate() {
@@ -241,7 +241,7 @@ pub fn load_stream(file: &Path, layout: &ParamLayout) -> Result<(Vec<f32>, Strea
         f.mean = read_f32(&st, &name, (t.data().len() / 4).min(layout.len()), file)?;
     }
     let residual =
-        if st.tensor("residual").is_ok() { read_f32(&st, "residual", layout.len(), file)? } else { Vec::new() };
+        if st.tensor("residual").is_ok() { Some(read_f32(&st, "residual", layout.len(), file)?) } else { None };
     Ok((read_f32(&st, "params", layout.len(), file)?, StreamState { in_flight, residual }))
 }
 
