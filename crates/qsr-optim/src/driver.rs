@@ -182,6 +182,14 @@ impl<M: Module> Worker<M> {
         self.stream.as_mut().map(Stream::state).transpose()
     }
 
+    /// Drops a streaming worker's averages in flight and its error-feedback residual (going back to a
+    /// snapshot, or taking another rank's state); every rank does it at the same step.
+    pub(crate) fn forget_stream(&mut self) {
+        if let Some(stream) = &mut self.stream {
+            stream.forget();
+        }
+    }
+
     /// Restores the state saved by [`Self::streaming_state`] (after [`Self::set_streaming`] and
     /// [`Self::restore`]).
     pub fn restore_streaming_state(&mut self, state: StreamState) -> Result<(), OptimError> {
@@ -346,7 +354,10 @@ impl<M: Module> Worker<M> {
     }
     /// Replaces the collective (an elastic job's next generation, [`qsr_comm::Elastic`]); returns the
     /// old one. Refused when the new one cannot carry the configured wire, and for workers of a
-    /// two-level plan or a device group, whose other groups would still span the old membership.
+    /// two-level plan or a device group, whose other groups would still span the old membership. A
+    /// streaming worker must have nothing in flight ([`Self::restore_snapshot`] drops it); its
+    /// fragments' all-reduces then run on the new collective until [`Self::set_streaming_comm`]
+    /// gives them one of their own again.
     pub fn replace_comm(&mut self, comm: Box<dyn Collective>) -> Result<Box<dyn Collective>, OptimError> {
         check_wire(self.config.wire, comm.as_ref(), "driver.wire")?;
         if self.local.is_some() {
@@ -358,11 +369,9 @@ impl<M: Module> Worker<M> {
         if matches!(&self.replica, Replica::Device(d) if d.has_group()) {
             return Err(OptimError::DeviceGroup("a device group's members are fixed; it cannot change".into()));
         }
-        if self.stream.as_ref().is_some_and(Stream::in_background) {
-            return Err(OptimError::Config {
-                field: "sync.streaming".into(),
-                reason: "the streaming collective would still span the old membership".into(),
-            });
+        if let Some(stream) = &mut self.stream {
+            // Its collective spans the old membership: the new one's comes with set_streaming_comm.
+            stream.set_inline()?;
         }
         Ok(std::mem::replace(&mut self.comm, comm))
     }

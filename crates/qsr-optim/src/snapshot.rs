@@ -8,7 +8,8 @@ use crate::{OptimError, OptimState, Worker};
 
 /// Everything a [`Worker`] continues from: flat parameters, BatchNorm running statistics, its own
 /// optimizer state, its position in the plan and the outer optimizer's state. Taken after a
-/// completed synchronization, it is the point a failed round goes back to.
+/// completed synchronization, it is the point a failed round goes back to. A streaming worker's
+/// averages in flight are not in it: they belong to the membership that sent them.
 #[derive(Debug, Clone)]
 pub struct Snapshot {
     params: Vec<f32>,
@@ -67,7 +68,11 @@ impl<M: Module> Worker<M> {
     }
 
     /// Goes back to `snap` (its parameters, statistics, optimizer state, position and outer state).
+    /// A streaming worker drops its averages in flight and its error-feedback residual: the global
+    /// values stay those of `snap`, and each dropped fragment's next sync sends what it carried
+    /// (its pseudo-gradient `global - local` holds the local steps since). Every rank restores alike.
     pub fn restore_snapshot(&mut self, snap: &Snapshot) -> Result<(), OptimError> {
+        self.forget_stream();
         self.restore(&snap.params, snap.optim.clone(), snap.cursor.clone())?;
         if let Some((global, momentum)) = &snap.outer {
             self.restore_outer_state(global, momentum)?;
@@ -79,8 +84,10 @@ impl<M: Module> Worker<M> {
     /// collective; every rank calls it) and moves to `cursor`; the optimizer state stays this
     /// worker's own. This is how the ranks of a new membership continue from the newest
     /// synchronization one of them holds, and how a new worker gets the job's state (its optimizer
-    /// state is then the fresh one it was built with).
+    /// state is then the fresh one it was built with). A streaming worker starts with nothing in
+    /// flight and a zero residual, as [`Self::restore_snapshot`] leaves it.
     pub fn adopt(&mut self, source: usize, cursor: Cursor) -> Result<(), OptimError> {
+        self.forget_stream();
         let step = cursor.step();
         let err = |source| OptimError::Comm { step, source };
         let mut params = self.params()?.into_owned();

@@ -127,8 +127,14 @@ enum Lane {
     /// On the worker's collective, between steps: the mean is ready at the sync and held until it
     /// is applied.
     Inline,
-    /// On a collective of its own, on a thread: the all-reduce runs while the worker steps.
-    Background { jobs: Option<mpsc::Sender<Job>>, done: mpsc::Receiver<Done>, thread: Option<JoinHandle<()>> },
+    /// On a collective of its own, on a thread: the all-reduce runs while the worker steps. `stale`
+    /// counts the answers still due for averages [`Stream::forget`] dropped, to be skipped.
+    Background {
+        jobs: Option<mpsc::Sender<Job>>,
+        done: mpsc::Receiver<Done>,
+        thread: Option<JoinHandle<()>>,
+        stale: usize,
+    },
 }
 
 /// The streaming state of a host-resident worker.
@@ -186,13 +192,38 @@ impl Stream {
                 }
             })
             .map_err(|e| OptimError::Config { field: "sync.streaming".into(), reason: format!("no thread: {e}") })?;
-        self.lane = Lane::Background { jobs: Some(jobs), done, thread: Some(thread) };
+        // A lane replaced here is detached, not joined: its thread ends once its queue is drained or
+        // its collective fails (an old membership's, when a peer was lost).
+        self.lane = Lane::Background { jobs: Some(jobs), done, thread: Some(thread), stale: 0 };
         Ok(())
     }
 
-    /// Whether the all-reduces run on a background collective.
-    pub(crate) fn in_background(&self) -> bool {
-        matches!(self.lane, Lane::Background { .. })
+    /// Runs the all-reduces between steps on the worker's collective again (before the worker's
+    /// collective is replaced); nothing may be in flight. A background lane is detached.
+    pub(crate) fn set_inline(&mut self) -> Result<(), OptimError> {
+        if !self.in_flight.is_empty() {
+            return Err(OptimError::Config {
+                field: "sync.streaming".into(),
+                reason: "averages are in flight on the streaming collective (restore a snapshot first)".into(),
+            });
+        }
+        self.lane = Lane::Inline;
+        Ok(())
+    }
+
+    /// Drops the averages in flight and zeroes the error-feedback residual: a worker going back to a
+    /// snapshot, or taking another rank's state. The dropped fragments sync again at their next
+    /// boundary, and their pseudo-gradient `global - local` then carries what the dropped ones did;
+    /// the residual's rounding of earlier payloads is lost. Every rank must forget at the same step.
+    pub(crate) fn forget(&mut self) {
+        let pending = self.in_flight.iter().filter(|s| s.mean.is_none()).count();
+        if let Lane::Background { stale, .. } = &mut self.lane {
+            *stale += pending;
+        }
+        self.in_flight.clear();
+        if let Some(r) = &mut self.residual {
+            r.fill(0.0);
+        }
     }
 
     /// After step `info.step`'s update of `params`: applies the averages due after it, starts the
@@ -336,9 +367,14 @@ impl Stream {
         while let Some(i) = self.in_flight.iter().take(n).position(|s| s.mean.is_none()) {
             let step = self.in_flight[i].sent_after;
             // The inline lane has every mean at once; only a background lane leaves one to wait for.
-            let Lane::Background { done, .. } = &self.lane else {
+            let Lane::Background { done, stale, .. } = &mut self.lane else {
                 return Err(lane_failed(step));
             };
+            // Answers for forgotten averages come first, in the order their jobs were sent.
+            while *stale > 0 {
+                done.recv().map_err(|_| lane_failed(step))?.map_err(|_| lane_failed(step))?;
+                *stale -= 1;
+            }
             match done.recv() {
                 Ok(Ok(mean)) => self.in_flight[i].mean = Some(mean),
                 Ok(Err(e)) => return Err(e),

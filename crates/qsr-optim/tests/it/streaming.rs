@@ -23,11 +23,13 @@ struct Setup {
     outer: Option<OuterConfig>,
     /// The fragments' all-reduces on a second in-process group, on a thread.
     background: bool,
+    /// Snapshot after the first step, go back to it after the second (an elastic round abandoned).
+    rewind: Option<(u64, u64)>,
 }
 
 impl Setup {
     fn new(k: usize, plan: Plan, streaming: Option<StreamingConfig>) -> Self {
-        Setup { k, plan, streaming, wire: Wire::F32, outer: None, background: false }
+        Setup { k, plan, streaming, wire: Wire::F32, outer: None, background: false, rewind: None }
     }
 }
 
@@ -97,6 +99,7 @@ fn run(setup: &Setup, resume: Option<&[Saved]>, stop_after: Option<u64>) -> Vec<
                         }
                     }
                     let (mut reports, mut globals, mut saved) = (Vec::new(), Vec::new(), None);
+                    let (mut snapshot, mut rewind) = (None, setup.rewind);
                     while !w.cursor().is_done() {
                         let t = w.cursor().step();
                         let r = w
@@ -107,6 +110,17 @@ fn run(setup: &Setup, resume: Option<&[Saved]>, stop_after: Option<u64>) -> Vec<
                             .unwrap();
                         reports.push(r);
                         globals.push(w.outer_state().map(|(g, _)| g.to_vec()).unwrap_or_default());
+                        match rewind {
+                            Some((at, _)) if at == t => snapshot = Some(w.snapshot().unwrap()),
+                            Some((_, back)) if back == t => {
+                                w.restore_snapshot(snapshot.as_ref().unwrap()).unwrap();
+                                let state = w.streaming_state().unwrap().unwrap();
+                                assert!(state.in_flight.is_empty(), "averages in flight after the restore");
+                                assert!(state.residual.iter().flatten().all(|&x| x == 0.0), "a residual kept");
+                                rewind = None;
+                            }
+                            _ => {}
+                        }
                         if stop_after == Some(t) {
                             saved = Some(Saved {
                                 params: w.params().unwrap().to_vec(),
@@ -179,6 +193,34 @@ fn background_and_inline_fragment_all_reduces_give_the_same_bits() {
                 assert!(bit_identical(x, y), "{wire:?}: rank {r}'s global state after step {step} differs");
             }
         }
+    }
+}
+
+/// Going back to a snapshot (an elastic round abandoned) with averages in flight drops them on every
+/// rank alike: the global state stays identical on all ranks after every step, a background lane
+/// skips the answers it still owes for them (the same bits as inline), and the run still trains.
+#[test]
+fn restoring_a_snapshot_drops_the_averages_in_flight_alike_on_every_rank_and_lane() {
+    let p = plan(60, SyncRule::Constant { h: 8 });
+    for wire in [Wire::F32, Wire::Int8] {
+        let mut setup = Setup::new(3, p.clone(), streaming(4, 3, 1.0));
+        setup.wire = wire;
+        // Snapshots after step 23 (a fragment just sent, its average in flight), back after 26.
+        setup.rewind = Some((23, 26));
+        let inline = run(&setup, None, None);
+        assert_eq!(inline[0].reports.len(), 63, "{wire:?}: steps 24..=26 taken twice");
+        for step in 0..inline[0].globals.len() {
+            all_identical(&inline, &format!("{wire:?}: global after step {step}"), |r| &r.globals[step]);
+        }
+        all_identical(&inline, &format!("{wire:?}: final parameters"), |r| &r.params);
+        setup.background = true;
+        let background = run(&setup, None, None);
+        for (r, (a, b)) in inline.iter().zip(&background).enumerate() {
+            assert!(bit_identical(&a.params, &b.params), "{wire:?}: rank {r}'s parameters differ in the background");
+        }
+        let whole = run(&Setup { rewind: None, ..setup.clone() }, None, None);
+        assert!(!bit_identical(&whole[0].params, &inline[0].params), "{wire:?}: the rewind changed nothing");
+        assert_close(&whole[0].params, &inline[0].params, 5e-2, &format!("{wire:?}: rewound vs whole run"));
     }
 }
 
