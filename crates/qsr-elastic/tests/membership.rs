@@ -80,6 +80,38 @@ fn survivors_of_a_lost_worker_form_the_next_generation_with_the_newest_sync() {
     assert!(store.wait_finished(Some(Duration::from_secs(5))));
 }
 
+/// `form_pair` gives each generation two groups of the same ranks that reduce at the same time (one
+/// on a thread), and a loss breaks both: the next generation forms its own pair.
+#[test]
+fn a_generation_formed_as_a_pair_reduces_on_both_groups_at_once_and_reforms_both() {
+    let store = store(3);
+    let handles: Vec<_> = (0..3u64)
+        .map(|order| {
+            let cfg = config(&store, order);
+            std::thread::spawn(move || {
+                let mut job = Elastic::connect(cfg).unwrap();
+                let (mut comm, mut side, m) = job.form_pair(None, "start").unwrap();
+                assert_eq!((side.rank(), side.world_size()), (m.rank, 3));
+                let beside = std::thread::spawn(move || (total(side.as_mut(), 2.0), side));
+                assert_eq!(total(comm.as_mut(), 1.0).unwrap(), 3.0);
+                let (sum, mut side) = beside.join().unwrap();
+                assert_eq!(sum.unwrap(), 6.0);
+                if m.rank == 2 {
+                    return None;
+                }
+                assert!(total(side.as_mut(), 1.0).is_err(), "rank {}'s side group did not see the loss", m.rank);
+                let (mut comm, mut side, m2) = job.form_pair(state(4), "lost a peer").unwrap();
+                assert_eq!((total(comm.as_mut(), 1.0).unwrap(), total(side.as_mut(), 3.0).unwrap()), (2.0, 6.0));
+                job.finish().unwrap();
+                Some(m2.world_size)
+            })
+        })
+        .collect();
+    let sizes: Vec<_> = handles.into_iter().filter_map(|h| h.join().unwrap()).collect();
+    assert_eq!(sizes, [2, 2]);
+    assert!(store.wait_finished(Some(Duration::from_secs(5))));
+}
+
 #[test]
 fn a_stalled_worker_is_expelled_and_its_later_join_is_refused() {
     let store = store(3);

@@ -160,6 +160,28 @@ impl Elastic {
         state: Option<SyncState>,
         reason: &str,
     ) -> Result<(Box<dyn Collective>, Membership), CommError> {
+        let (ring, membership) = self.join(state, reason)?;
+        let comm = over_ring(ring, self.cfg.transport, &self.cfg.host, self.cfg.shm.clone())?;
+        Ok((comm, membership))
+    }
+
+    /// [`Self::form`], and a second group of the same ranks split from the generation's ring
+    /// ([`crate::split`]), for collectives that run beside the first (a streaming worker's
+    /// fragments on a thread). Every member of a generation must call the same one.
+    pub fn form_pair(
+        &mut self,
+        state: Option<SyncState>,
+        reason: &str,
+    ) -> Result<(Box<dyn Collective>, Box<dyn Collective>, Membership), CommError> {
+        let (mut ring, membership) = self.join(state, reason)?;
+        let (transport, host, shm) = (self.cfg.transport, &self.cfg.host, &self.cfg.shm);
+        let side = crate::split(&mut ring, 0, membership.rank as u32, transport, host, shm.clone())?;
+        let comm = over_ring(ring, transport, host, shm.clone())?;
+        Ok((comm, side, membership))
+    }
+
+    /// Joins the next generation at the store and forms its ring.
+    fn join(&mut self, state: Option<SyncState>, reason: &str) -> Result<(TcpComm, Membership), CommError> {
         let (listener, port) = ring_listener(&self.cfg.tcp)?;
         let host = advertised_host(&self.cfg.tcp).unwrap_or_default();
         let join = Request::Join { seen: self.generation, host, port, state, reason: reason.into() };
@@ -174,8 +196,7 @@ impl Elastic {
         let membership = Membership { generation, rank, world_size: n, previous_rank, source, state, lost, joined };
         let tcp = TcpConfig { generation, ..self.cfg.tcp.clone() };
         let ring = TcpComm::from_table(rank, n, tcp, &listener, table)?;
-        let comm = over_ring(ring, self.cfg.transport, &self.cfg.host, self.cfg.shm.clone())?;
-        Ok((comm, membership))
+        Ok((ring, membership))
     }
 
     /// Asks the store whether the current generation still runs and how many workers wait to join.
