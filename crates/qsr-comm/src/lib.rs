@@ -54,7 +54,7 @@ mod nccl;
 pub use agree::{KeyDiff, agree, differing_keys};
 pub use bootstrap::{probe_library, share_unique_id};
 pub use connect::{Transport, connect, host_id, over_ring, split, split_by_host};
-pub use elastic::{Elastic, ElasticConfig, Membership, Poll};
+pub use elastic::{Elastic, ElasticConfig, Membership, Pair, Poll};
 pub use error::CommError;
 pub use inproc::{DEFAULT_TIMEOUT, InProcessComm, InProcessGroup};
 pub use launch_env::{

@@ -90,7 +90,7 @@ fn a_generation_formed_as_a_pair_reduces_on_both_groups_at_once_and_reforms_both
             let cfg = config(&store, order);
             std::thread::spawn(move || {
                 let mut job = Elastic::connect(cfg).unwrap();
-                let (mut comm, mut side, m) = job.form_pair(None, "start").unwrap();
+                let qsr_comm::Pair { mut comm, mut side, membership: m } = job.form_pair(None, "start").unwrap();
                 assert_eq!((side.rank(), side.world_size()), (m.rank, 3));
                 let beside = std::thread::spawn(move || (total(side.as_mut(), 2.0), side));
                 assert_eq!(total(comm.as_mut(), 1.0).unwrap(), 3.0);
@@ -100,7 +100,8 @@ fn a_generation_formed_as_a_pair_reduces_on_both_groups_at_once_and_reforms_both
                     return None;
                 }
                 assert!(total(side.as_mut(), 1.0).is_err(), "rank {}'s side group did not see the loss", m.rank);
-                let (mut comm, mut side, m2) = job.form_pair(state(4), "lost a peer").unwrap();
+                let qsr_comm::Pair { mut comm, mut side, membership: m2 } =
+                    job.form_pair(state(4), "lost a peer").unwrap();
                 assert_eq!((total(comm.as_mut(), 1.0).unwrap(), total(side.as_mut(), 3.0).unwrap()), (2.0, 6.0));
                 job.finish().unwrap();
                 Some(m2.world_size)

@@ -51,6 +51,16 @@ pub struct Membership {
     pub joined: Vec<usize>,
 }
 
+/// A generation formed by [`Elastic::form_pair`]: two groups of the same ranks.
+pub struct Pair {
+    /// The generation's collective.
+    pub comm: Box<dyn Collective>,
+    /// A second group of the same ranks, in the same order, for collectives that run beside `comm`.
+    pub side: Box<dyn Collective>,
+    /// The generation as this worker sees it.
+    pub membership: Membership,
+}
+
 /// How a worker reaches its elastic job: the store's address, and how it forms each generation's
 /// collective (the same transports as [`crate::connect`]).
 #[derive(Debug, Clone)]
@@ -168,16 +178,12 @@ impl Elastic {
     /// [`Self::form`], and a second group of the same ranks split from the generation's ring
     /// ([`crate::split`]), for collectives that run beside the first (a streaming worker's
     /// fragments on a thread). Every member of a generation must call the same one.
-    pub fn form_pair(
-        &mut self,
-        state: Option<SyncState>,
-        reason: &str,
-    ) -> Result<(Box<dyn Collective>, Box<dyn Collective>, Membership), CommError> {
+    pub fn form_pair(&mut self, state: Option<SyncState>, reason: &str) -> Result<Pair, CommError> {
         let (mut ring, membership) = self.join(state, reason)?;
         let (transport, host, shm) = (self.cfg.transport, &self.cfg.host, &self.cfg.shm);
         let side = crate::split(&mut ring, 0, membership.rank as u32, transport, host, shm.clone())?;
         let comm = over_ring(ring, transport, host, shm.clone())?;
-        Ok((comm, side, membership))
+        Ok(Pair { comm, side, membership })
     }
 
     /// Joins the next generation at the store and forms its ring.

@@ -10,7 +10,9 @@
 //! joins the next generation at that sync, and the newcomers take the parameters, outer state and
 //! counters over, with fresh optimizer moments. Rank 0's duties (metrics, summary, the shared
 //! checkpoint files) belong to whoever is rank 0 of the current generation: survivors keep their
-//! order, so that is the lowest surviving rank.
+//! order, so that is the lowest surviving rank. A streaming recipe forms each generation as a pair
+//! of groups (its fragments' all-reduces run on the second); going back to a snapshot drops the
+//! averages in flight on every rank alike.
 
 use anyhow::{Context, Result, anyhow, bail};
 use qsr_comm::{Collective, CommError, Elastic, ElasticConfig, Membership, Poll, SyncState, TcpConfig};
@@ -72,7 +74,7 @@ pub(crate) fn train(
     if let Some(order) = args.rank {
         fault::at(order, Point::Join);
     }
-    let (mut comm, m) = job.form(None, "start")?;
+    let (mut comm, side, m) = form(&mut job, &recipe, None, "start")?;
     let first = m.generation == 0;
     if first {
         start_first_generation(args, &recipe, (&run_dir, &resume), comm.as_mut(), spec.is_gpu())?;
@@ -84,7 +86,7 @@ pub(crate) fn train(
     let progress = !args.quiet && m.rank == 0 && first;
     let resume = if first { resume } else { None };
     let spec = RunSpec { recipe, device, run_dir, resume, progress, halt_after: None };
-    let summary = run_member(&spec, &mut job, (comm, m), model);
+    let summary = run_member(&spec, &mut job, (comm, side, m), model);
     // A diverged run ended its plan too: the store's job is finished, the exit status says how.
     if summary.as_ref().is_err_and(|e| e.chain().any(|c| c.is::<crate::exit::Diverged>())) {
         let _ = job.finish();
@@ -92,6 +94,21 @@ pub(crate) fn train(
     let summary = summary?;
     job.finish()?;
     Ok(if args.spawned { None } else { summary })
+}
+
+/// A generation's collective and membership, and for a streaming recipe the group its fragments'
+/// all-reduces run on, beside the training collective.
+type Formed = (Box<dyn Collective>, Option<Box<dyn Collective>>, Membership);
+
+/// Joins the next generation ([`Elastic::form`]); a streaming recipe's members form a pair of groups.
+fn form(job: &mut Elastic, recipe: &TrainRecipe, state: Option<SyncState>, why: &str) -> Result<Formed, CommError> {
+    if recipe.sync.streaming.is_some() {
+        let pair = job.form_pair(state, why)?;
+        Ok((pair.comm, Some(pair.side), pair.membership))
+    } else {
+        let (comm, m) = job.form(state, why)?;
+        Ok((comm, None, m))
+    }
 }
 
 /// The first generation agrees before its first training collective, as an external launch does:
@@ -129,12 +146,7 @@ fn start_first_generation(
 }
 
 /// The training loop of one elastic worker, for the recipe's task.
-fn run_member(
-    spec: &RunSpec,
-    job: &mut Elastic,
-    first: (Box<dyn Collective>, Membership),
-    model: TrainModel,
-) -> Result<Option<Summary>> {
+fn run_member(spec: &RunSpec, job: &mut Elastic, first: Formed, model: TrainModel) -> Result<Option<Summary>> {
     let recipe = &spec.recipe;
     match model {
         TrainModel::Image(m) => {
@@ -188,7 +200,7 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
     fn run(
         spec: &'a RunSpec,
         job: &'a mut Elastic,
-        (comm, m): (Box<dyn Collective>, Membership),
+        (comm, side, m): Formed,
         model: T::Module,
         make: F,
     ) -> Result<Option<Summary>> {
@@ -203,9 +215,7 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
         let mut driver = recipe.driver_config();
         driver.broadcast_initial &= !joining;
         let mut worker = Worker::new(model, recipe.optimizer.clone(), comm, pace.plan.cursor(), driver)?;
-        if let Some(outer) = recipe.outer {
-            worker.set_outer(outer)?;
-        }
+        crate::worker::set_up_syncs(&mut worker, recipe, &pace.plan, side, m.rank == 0 && !joining)?;
         let (records, base) =
             if joining { (None, Counters::default()) } else { crate::worker::resume(spec, &pace.plan, &mut worker)? };
         let (end, step) = (pace.plan.end_step(), worker.cursor().step());
@@ -237,7 +247,8 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
         fault::at(self.worker.rank(), Point::Step(self.worker.cursor().step()));
         let report = self.task.train_step(&mut self.worker, &mut self.stream)?;
         self.segment.stepped(&self.worker, &report, &self.pace);
-        if !report.sync.is_some_and(|s| s.level == Level::Global) {
+        // A round's end (streaming fragments sync inside rounds; their records are the round's).
+        if !(report.info.sync_after && report.sync.is_some_and(|s| s.level == Level::Global)) {
             return Ok(Next::Continue);
         }
         if self.segment.synced(self.spec, &self.pace, &self.task, &mut self.worker, &report)? == AfterSync::Diverged {
@@ -274,8 +285,12 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
             let counters = Counters { wall_seconds: wall, ..self.snap.1.counters };
             let handover = Handover { counters, ..self.snap.1.clone() };
             let state = SyncState { step: self.snap.0.step(), payload: serde_json::to_string(&handover)? };
-            let formed = self.job.form(Some(state), why).and_then(|(comm, m)| {
-                self.worker.replace_comm(comm).map_err(|e| CommError::InvalidArgument(e.to_string()))?;
+            let formed = form(self.job, &self.spec.recipe, Some(state), why).and_then(|(comm, side, m)| {
+                let invalid = |e: qsr_optim::OptimError| CommError::InvalidArgument(e.to_string());
+                self.worker.replace_comm(comm).map_err(invalid)?;
+                if let Some(side) = side {
+                    self.worker.set_streaming_comm(side).map_err(invalid)?;
+                }
                 Ok(m)
             });
             let result = match formed {

@@ -133,18 +133,5 @@ fn check_elastic(args: &TrainArgs, recipe: &TrainRecipe) -> Result<()> {
     if args.halt_after.is_some() {
         bail!("--halt-after is not supported with --elastic");
     }
-    // A generation restarts from the last completed round's snapshot, which holds no fragment in
-    // flight and no error-feedback residual.
-    if recipe.sync.streaming.is_some() {
-        bail!(
-            "invalid `sync.streaming`: --elastic does not run streaming syncs yet (averages in flight are not in its snapshots)"
-        );
-    }
-    if recipe.driver.wire.codec().is_some() {
-        bail!(
-            "invalid `driver.wire`: --elastic does not run {} syncs yet (their error feedback is not in its snapshots)",
-            recipe.driver.wire.encoding_name()
-        );
-    }
     Ok(())
 }

@@ -14,5 +14,5 @@ pub(crate) mod task;
 
 pub(crate) use model::{TrainModel, build_model, preflight};
 pub(crate) use pool::{in_pool, intra_op_threads};
-pub(crate) use run::{resume, run_worker};
+pub(crate) use run::{resume, run_worker, set_up_syncs};
 pub(crate) use spec::{Comms, RunSpec};

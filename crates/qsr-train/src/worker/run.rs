@@ -11,6 +11,7 @@ use super::segment::{AfterSync, Pace, Segment};
 use super::spec::{Comms, RunSpec};
 use super::task::{ImageTask, Task, TextTask};
 use crate::checkpoint::{self, Counters};
+use crate::recipe::TrainRecipe;
 use crate::records::Summary;
 
 /// Runs one worker to the end of the plan (or to `halt_after`).
@@ -64,20 +65,7 @@ fn run<T: Task>(
     {
         worker.set_device_group(g)?;
     }
-    if let Some(streaming) = recipe.sync.streaming {
-        let within =
-            qsr_sched::FragmentPlan::new(pace.plan.clone(), streaming.fragments)?.syncs_within(streaming.delay);
-        if rank == 0 && within > 0 {
-            eprintln!("qsr: warning: {}", crate::recipe::within_delay_warning(&streaming, within));
-        }
-        worker.set_streaming(streaming)?;
-        if let Some(comm) = comms.stream {
-            worker.set_streaming_comm(comm)?;
-        }
-    }
-    if let Some(outer) = recipe.outer {
-        worker.set_outer(outer)?;
-    }
+    set_up_syncs(&mut worker, recipe, &pace.plan, comms.stream, rank == 0)?;
     let (start_records, base) = resume(spec, &pace.plan, &mut worker)?;
     let end = pace.plan.end_step();
     let first_step = worker.cursor().step();
@@ -104,6 +92,31 @@ fn run<T: Task>(
     Ok(summary)
 }
 
+/// The recipe's `[sync.streaming]` (its fragments' all-reduces on `stream` when given) and `[outer]`
+/// on a new worker; `warn` says the fragments' syncs that fall within the delay (rank 0 does).
+pub(crate) fn set_up_syncs<M: Module>(
+    worker: &mut Worker<M>,
+    recipe: &TrainRecipe,
+    plan: &Plan,
+    stream: Option<Box<dyn Collective>>,
+    warn: bool,
+) -> Result<()> {
+    if let Some(streaming) = recipe.sync.streaming {
+        let within = qsr_sched::FragmentPlan::new(plan.clone(), streaming.fragments)?.syncs_within(streaming.delay);
+        if warn && within > 0 {
+            eprintln!("qsr: warning: {}", crate::recipe::within_delay_warning(&streaming, within));
+        }
+        worker.set_streaming(streaming)?;
+        if let Some(comm) = stream {
+            worker.set_streaming_comm(comm)?;
+        }
+    }
+    if let Some(outer) = recipe.outer {
+        worker.set_outer(outer)?;
+    }
+    Ok(())
+}
+
 /// Continues from `spec.resume`, if any: the checkpoint's parameters, this rank's optimizer state, its
 /// position in the plan and the BatchNorm statistics go into `worker`. Returns the step past which
 /// metrics records are dropped (`None` for a fresh run) and the counters the run continues from.
@@ -117,12 +130,18 @@ pub(crate) fn resume<M: Module>(
     };
     let rank = worker.rank();
     let (mut params, running) = checkpoint::load_model(&dir.join("model.safetensors"), worker.layout())?;
-    // A streaming worker's own parameters and what it has in flight.
+    // A streaming worker's own parameters and what it has in flight. A rank the checkpoint lacks (an
+    // elastic resume with more workers) starts from rank 0's parameters, with the averages in flight
+    // (the same on every rank) and a zero residual, as a worker joining a running job does.
     let stream = match worker.streaming_state()? {
-        Some(_) if rank >= state.world_size => {
-            bail!("checkpoint {}: a streaming run resumes with the workers that wrote it", dir.display())
+        Some(_) => {
+            let file = format!("stream-rank{}.safetensors", if rank < state.world_size { rank } else { 0 });
+            let (local, mut stream) = checkpoint::load_stream(&dir.join(file), worker.layout())?;
+            if rank >= state.world_size {
+                stream.residual.iter_mut().for_each(|r| r.fill(0.0));
+            }
+            Some((local, stream))
         }
-        Some(_) => Some(checkpoint::load_stream(&dir.join(format!("stream-rank{rank}.safetensors")), worker.layout())?),
         None => None,
     };
     if let Some((local, _)) = &stream {

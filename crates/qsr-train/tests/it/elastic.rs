@@ -99,9 +99,10 @@ fn final_model(run: &Path) -> Vec<u8> {
     std::fs::read(run.join("ckpt").join(latest.trim()).join("model.safetensors")).unwrap()
 }
 
-fn nproc_elastic(run: &Path, fault: &str) -> serde_json::Value {
+fn nproc_elastic(run: &Path, fault: &str, sets: &[&str]) -> serde_json::Value {
     let out = short_timeout_qsr()
         .args(["train", "--recipe", RECIPE, "--set", STEPS, "--quiet", "--nproc", "4", "--elastic"])
+        .args(sets.iter().flat_map(|s| ["--set", s]))
         .args(["--out", run.to_str().unwrap()])
         .env("QSR_TEST_FAULT", fault)
         .output()
@@ -117,7 +118,7 @@ fn a_worker_killed_mid_round_costs_one_round_and_the_same_failure_gives_the_same
     let dir = tempfile::tempdir().unwrap();
     let (a, b) = (dir.path().join("a"), dir.path().join("b"));
     // Rank 2 dies as it starts step 101, in the middle of a round (the plan's h_base is 2).
-    let s = nproc_elastic(&a, "kill:2:101");
+    let s = nproc_elastic(&a, "kill:2:101", &[]);
     assert_eq!(s["world_size"], 3);
     assert_eq!(s["syncs"], s["planned_syncs"], "every planned sync happened once");
     let floor = 0.8; // what the non-elastic digits runs clear (train_cli.rs)
@@ -131,8 +132,29 @@ fn a_worker_killed_mid_round_costs_one_round_and_the_same_failure_gives_the_same
     let records = membership(&a);
     assert_eq!(records.len(), 1);
     assert!(records[0]["step"].as_u64().unwrap() <= 101);
-    nproc_elastic(&b, "kill:2:101");
+    nproc_elastic(&b, "kill:2:101", &[]);
     assert!(final_model(&a) == final_model(&b), "the same failure at the same step gave different parameters");
+}
+
+/// Streaming with int8 payloads: two fragments, one syncing after every step of the early 2-step
+/// rounds, each average applied a step later on the fragments' own group, so one is in flight when
+/// rank 2 dies at step 101. The survivors drop what was in flight, re-form both groups and finish
+/// every planned sync, as accurate as the plain run above.
+#[test]
+fn a_worker_killed_with_a_fragment_in_flight_leaves_a_streaming_run_that_finishes() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let streaming = ["sync.streaming.fragments=2", "sync.streaming.delay=1", "driver.wire=int8"];
+    let s = nproc_elastic(&run, "kill:2:101", &streaming);
+    assert_eq!(s["world_size"], 3);
+    assert_eq!(s["syncs"], s["planned_syncs"], "every planned round happened once");
+    assert!(s["final_test_accuracy"].as_f64().unwrap() > 0.8, "{s}");
+    let m = &s["membership"][0];
+    assert_eq!((m["lost"][0]["rank"].as_u64(), m["rounds_lost"].as_u64()), (Some(2), Some(1)), "{m}");
+    // The last checkpoint has the survivors' streaming state, and no rank 3.
+    let latest = std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap();
+    let step = run.join("ckpt").join(latest.trim());
+    assert!(step.join("stream-rank2.safetensors").exists() && !step.join("stream-rank3.safetensors").exists());
 }
 
 #[test]
@@ -216,6 +238,25 @@ fn a_resume_at_another_world_size_needs_elastic() {
     ok(&["train", "--resume", out, "--nproc", "3", "--elastic", "--quiet"]);
     let s = json(&run.join("summary.json"));
     assert_eq!(s["world_size"], 3);
+    assert!(s["final_test_accuracy"].as_f64().unwrap() > 0.8, "{s}");
+}
+
+/// A streaming checkpoint written by 3 workers (an average in flight: the delay reaches past the
+/// round's end) resumed by 4 under `--elastic`: the new rank 3 starts from rank 0's parameters and
+/// averages in flight (the same on every rank), so the ranks' fragment syncs stay in step.
+#[test]
+fn a_streaming_run_resumed_with_more_workers_gives_the_new_rank_the_averages_in_flight() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let out = run.to_str().unwrap();
+    let streaming = ["--set", "sync.streaming.fragments=2", "--set", "sync.streaming.delay=1", "--set", STEPS];
+    let first = ["train", "--recipe", RECIPE, "--quiet", "--nproc", "3", "--out", out, "--halt-after", "200"];
+    ok(&[&first[..], &streaming].concat());
+    let latest = std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap();
+    assert!(!run.join("ckpt").join(latest.trim()).join("stream-rank3.safetensors").exists());
+    ok(&["train", "--resume", out, "--nproc", "4", "--elastic", "--quiet"]);
+    let s = json(&run.join("summary.json"));
+    assert_eq!((s["world_size"].as_u64(), s["syncs"].clone()), (Some(4), s["planned_syncs"].clone()));
     assert!(s["final_test_accuracy"].as_f64().unwrap() > 0.8, "{s}");
 }
 
@@ -448,7 +489,7 @@ fn rank_zero_killed_right_after_a_sync_leaves_that_syncs_record_in_the_metrics()
     let run = dir.path().join("run");
     // Step 100 ends a round (H = 2 there) without an evaluation: the survivors go on from it, and
     // rank 0 dies before it writes the record.
-    let s = nproc_elastic(&run, "kill:0:100:synced");
+    let s = nproc_elastic(&run, "kill:0:100:synced", &[]);
     let steps = sync_steps(&run);
     assert!(steps.contains(&100), "the record of the sync at step 100 is missing");
     assert_eq!(steps.len() as u64, s["planned_syncs"].as_u64().unwrap(), "{steps:?}");
@@ -461,7 +502,7 @@ fn rank_zero_killed_while_committing_a_checkpoint_leaves_no_partial_checkpoint_b
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
     // The first checkpoint, at the evaluation of epoch 5 (step 110).
-    let s = nproc_elastic(&run, "kill:0:110:commit");
+    let s = nproc_elastic(&run, "kill:0:110:commit", &[]);
     assert_eq!(s["syncs"], s["planned_syncs"]);
     let leftovers: Vec<String> = std::fs::read_dir(run.join("ckpt"))
         .unwrap()
