@@ -40,10 +40,16 @@
 //! the mean pseudo-gradient (last global parameters minus the worker's) drives an outer SGD with
 //! (Nesterov) momentum, whatever rule decides when, QSR included.
 //!
-//! What the averager does not do: it averages parameters (and, with [`AveragerConfig::average_bn`],
-//! BatchNorm running statistics) in one all-reduce per round; burn's optimizers keep their state
-//! private, so their moments stay per worker (the paper's default; [`Worker`](crate::Worker) can
-//! average them).
+//! With [`AveragerConfig::streaming`] the parameters sync in fragments of whole tensors, each once per
+//! round at its own step, its average applied `delay` steps later and blended by `mix` (Streaming
+//! DiLoCo's schedule with QSR's `H`); with an int8 / fp8 [`AveragerConfig::wire`] the payloads are
+//! block-scaled with error feedback. [`Averager::set_streaming_comm`] runs the fragments'
+//! all-reduces on a second group, on a thread, while the caller steps (the same bits). The run's
+//! last step (or [`Averager::finish`]) applies what is in flight and averages all parameters, so
+//! every rank ends with one model.
+//!
+//! What the averager does not do: burn's optimizers keep their state private, so their moments stay
+//! per worker (the paper's default; [`Worker`](crate::Worker) can average them).
 
 use std::path::Path;
 
@@ -51,12 +57,13 @@ use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::Device;
 use qsr_comm::{Collective, CommStats, ReduceOp};
-use qsr_sched::{RoundStart, SyncRule};
+use qsr_sched::{MAX_FRAGMENTS, RoundStart, StepInfo, SyncMode, SyncRule};
 use serde::{Deserialize, Serialize};
 
 use crate::error::OptimError;
 use crate::flat::ParamLayout;
 use crate::outer::{Outer, OuterConfig};
+use crate::stream::{Stream, StreamState, StreamingConfig, fragment_ranges};
 use crate::sync::{Wire, check_wire};
 
 /// What an [`Averager`] averages and when.
@@ -78,9 +85,15 @@ pub struct AveragerConfig {
     /// An outer optimizer (DiLoCo) on the mean pseudo-gradient at every parameter synchronization,
     /// instead of plain averaging (default none). BatchNorm statistics are still averaged plainly.
     pub outer: Option<OuterConfig>,
-    /// How a parameter average travels: f32 (default) or bf16 (half the bytes, every rank ends with
-    /// the same bf16-rounded mean; gradient averages stay f32).
+    /// How a parameter average travels: f32 (default), bf16 (half the bytes, every rank ends with
+    /// the same bf16-rounded mean), or int8 / fp8 (the pseudo-gradient in blocks with a scale each,
+    /// with error feedback, as [`Worker`](crate::Worker) sends them); gradient averages stay f32.
     pub wire: Wire,
+    /// Streaming syncs (default none): the parameters in fragments of whole tensors, each synced
+    /// once per round at its own step and applied `delay` steps later, blended by `mix`, as the
+    /// trainer's `[sync.streaming]` does. An int8 / fp8 wire without it syncs one fragment at each
+    /// round's end, applied at once.
+    pub streaming: Option<StreamingConfig>,
 }
 
 impl AveragerConfig {
@@ -94,6 +107,7 @@ impl AveragerConfig {
             run_steps: None,
             outer: None,
             wire: Wire::F32,
+            streaming: None,
         }
     }
 
@@ -147,6 +161,35 @@ impl AveragerConfig {
     }
 }
 
+/// The streaming state `config` asks for (`streaming`, or an int8 / fp8 wire alone: one fragment
+/// applied at once), checked naming the field.
+fn streaming_of(config: &AveragerConfig, layout: &ParamLayout) -> Result<Option<Stream>, OptimError> {
+    let streaming = match (config.streaming, config.wire.codec()) {
+        (Some(s), _) => s,
+        (None, Some(_)) => StreamingConfig { fragments: 1, delay: 0, mix: 1.0 },
+        (None, None) => return Ok(None),
+    };
+    let refuse = |reason: String| Err(OptimError::Config { field: "streaming.fragments".into(), reason });
+    if config.streaming.is_some() {
+        // Named as the averager's fields, not the recipe's keys.
+        streaming.validate().map_err(|e| match e {
+            OptimError::Config { field, reason } => OptimError::Config { field: field.replace("sync.", ""), reason },
+            e => e,
+        })?;
+    }
+    if !(1..=MAX_FRAGMENTS).contains(&streaming.fragments) {
+        return refuse(format!("must be 1..={MAX_FRAGMENTS} (got {})", streaming.fragments));
+    }
+    if streaming.fragments > 1 && config.rule.syncs_gradients(0) {
+        return refuse(format!(
+            "needs a rule that averages parameters; `{}` all-reduces gradients",
+            config.rule.name()
+        ));
+    }
+    let ranges = fragment_ranges(layout, streaming.fragments)?;
+    Ok(Some(Stream::new(ranges, streaming, (config.wire, None), layout.len())))
+}
+
 /// The round under way: steps `start..end`, of length `h` unless cut at the run's end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 struct RoundSpan {
@@ -182,8 +225,10 @@ pub struct Averager {
     grads: Vec<f32>,
     /// The step whose gradients [`Averager::average_grads`] averaged last.
     grads_averaged: Option<u64>,
-    /// The outer optimizer's state, when the config asks for one.
+    /// The outer optimizer's state, when the config asks for one (or streaming needs one).
     outer: Option<Outer>,
+    /// Fragments, delayed application and quantized payloads, when the config asks for them.
+    stream: Option<Stream>,
     stats: AveragerStats,
     /// What the ranks agreed on at construction; a saved state must carry the same.
     settings: serde_json::Value,
@@ -205,6 +250,9 @@ pub struct AveragerState {
     round: Option<RoundSpan>,
     /// The outer optimizer's global parameters and momentum.
     outer: Option<(Vec<f32>, Vec<f32>)>,
+    /// Streaming: the averages in flight and the error-feedback residual.
+    #[serde(default)]
+    stream: Option<StreamState>,
 }
 
 impl AveragerState {
@@ -282,13 +330,8 @@ impl Averager {
             }
         }
         check_wire(config.wire, comm.as_ref(), "wire")?;
-        if config.wire.codec().is_some() {
-            return Err(OptimError::Config {
-                field: "wire".into(),
-                reason: "the Averager sends f32 or bf16; int8 and fp8 syncs run in the Worker".into(),
-            });
-        }
         let layout = ParamLayout::of(&model);
+        let stream = streaming_of(&config, &layout)?;
         let settings = serde_json::json!({
             "config": &config,
             "world_size": comm.world_size(),
@@ -307,17 +350,47 @@ impl Averager {
             grads: Vec::new(),
             grads_averaged: None,
             outer: None,
+            stream,
             stats: AveragerStats::default(),
             settings,
             abandoned: false,
         };
         let model = if avg.config.broadcast_initial { avg.broadcast_from_rank0(model)? } else { model };
-        if let Some(config) = avg.config.outer {
+        // Streaming syncs pseudo-gradients: plain averaging is the outer step with lr 1.
+        let outer = avg.config.outer.or(avg.stream.as_ref().map(|_| OuterConfig::averaging()));
+        if let Some(config) = outer {
             let n = avg.layout.len();
             avg.layout.read_params(&model, &mut avg.params[..n])?;
             avg.outer = Some(Outer::new(config, &avg.params[..n]));
         }
         Ok((avg, model))
+    }
+
+    /// Runs the streaming fragments' all-reduces on `comm`, on a thread of their own, while the
+    /// caller steps: `comm` holds the same ranks as the averager's (a second
+    /// [`qsr_comm::InProcessGroup`], or [`qsr_comm::split`] of a ring), and every rank gives one
+    /// before its first step. The results are the same bits as without it.
+    pub fn set_streaming_comm(&mut self, comm: Box<dyn Collective>) -> Result<(), OptimError> {
+        check_wire(self.config.wire, comm.as_ref(), "wire")?;
+        if comm.world_size() != self.world_size() || comm.rank() != self.rank() {
+            return Err(OptimError::Config {
+                field: "streaming".into(),
+                reason: format!(
+                    "the streaming collective is rank {} of {}, the averager's rank {} of {}",
+                    comm.rank(),
+                    comm.world_size(),
+                    self.rank(),
+                    self.world_size()
+                ),
+            });
+        }
+        match &mut self.stream {
+            Some(stream) => stream.set_background(comm),
+            None => Err(OptimError::Config {
+                field: "streaming".into(),
+                reason: "a streaming collective needs `streaming` (or an int8 / fp8 wire) in the config".into(),
+            }),
+        }
     }
 
     /// Call after each of the caller's optimizer steps with the learning rate that step used. At the
@@ -346,7 +419,61 @@ impl Averager {
             return Ok(model);
         }
         self.stats.steps += 1;
+        if self.stream.is_some() {
+            return self.stream_step(model, t, lr, round);
+        }
         if self.stats.steps < round.end { Ok(model) } else { self.average_now(model) }
+    }
+
+    /// A streaming step's syncs, after step `t` of `round`: the fragments due, the averages that
+    /// land, at the round's end the BatchNorm statistics (`average_bn`, f32), at the run's end all.
+    fn stream_step<M: Module>(&mut self, model: M, t: u64, lr: f64, round: RoundSpan) -> Result<M, OptimError> {
+        let sync_after = t + 1 == round.end;
+        let info = StepInfo {
+            step: t,
+            lr,
+            round: self.stats.syncs,
+            round_start: round.start,
+            h: round.end - round.start,
+            sync_after,
+            mode: SyncMode::Parameters,
+            local_sync_after: false,
+        };
+        let last = self.config.run_steps == Some(t + 1);
+        self.stats.syncs += u64::from(sync_after);
+        let (Some(stream), Some(outer)) = (&mut self.stream, &mut self.outer) else {
+            return Ok(model);
+        };
+        let bn = sync_after && self.config.average_bn && self.layout.running_len() > 0;
+        if !stream.acts_after(&info, last) && !bn {
+            return Ok(model);
+        }
+        let n = self.layout.len();
+        self.layout.read_params(&model, &mut self.params[..n])?;
+        let stepped =
+            stream.after_step(&mut self.params[..n], (&info, last), outer, self.comm.as_mut(), &mut self.stats.comm);
+        if let Err(e) = stepped {
+            self.abandoned = true;
+            return Err(e);
+        }
+        let model = self.layout.write_params(model, &self.params[..n])?;
+        if last {
+            self.synced_at = t + 1;
+        }
+        if bn { self.average_running(model, t) } else { Ok(model) }
+    }
+
+    /// BatchNorm running statistics averaged in f32, on their own (a streaming round's end).
+    fn average_running<M: Module>(&mut self, model: M, step: u64) -> Result<M, OptimError> {
+        let n = self.layout.len();
+        self.layout.read_running(&model, &mut self.params[n..])?;
+        let before = *self.comm.stats();
+        if let Err(source) = self.comm.all_reduce(&mut self.params[n..], ReduceOp::Mean) {
+            self.abandoned = true;
+            return Err(OptimError::Comm { step, source });
+        }
+        self.count(self.comm.stats().since(&before));
+        self.layout.write_running(model, &self.params[n..])
     }
 
     /// Call between the backward pass and the optimizer step. On a step of a round that syncs gradients
@@ -377,6 +504,9 @@ impl Averager {
     /// Averages now, whatever the round: at the end of training (a last round cut short) or before an
     /// evaluation. Every rank must call it at the same point.
     pub fn average_now<M: Module>(&mut self, model: M) -> Result<M, OptimError> {
+        if self.stream.is_some() {
+            return self.settle(model);
+        }
         let step = self.stats.steps;
         let n = self.layout.len();
         self.layout.read_params(&model, &mut self.params[..n])?;
@@ -397,14 +527,42 @@ impl Averager {
         self.write(model)
     }
 
+    /// A streaming averager's [`Self::average_now`]: applies the averages in flight, then averages
+    /// every parameter (and with `average_bn` the statistics) in f32; a round cut short counts a sync.
+    fn settle<M: Module>(&mut self, model: M) -> Result<M, OptimError> {
+        let (step, n) = (self.stats.steps, self.layout.len());
+        let (Some(stream), Some(outer)) = (&mut self.stream, &mut self.outer) else {
+            return Ok(model);
+        };
+        self.layout.read_params(&model, &mut self.params[..n])?;
+        match stream.settle(&mut self.params[..n], step, true, (outer, self.comm.as_mut())) {
+            Ok(traffic) => self.count(traffic.unwrap_or_default()),
+            Err(e) => {
+                self.abandoned = true;
+                return Err(e);
+            }
+        }
+        let model = self.layout.write_params(model, &self.params[..n])?;
+        self.stats.syncs += u64::from(self.round.is_some_and(|r| step < r.end));
+        self.synced_at = step;
+        if self.config.average_bn && self.layout.running_len() > 0 {
+            self.average_running(model, step)
+        } else {
+            Ok(model)
+        }
+    }
+
     /// The outer optimizer's global parameters and momentum buffer (for a checkpoint), if it has one.
     pub fn outer_state(&self) -> Option<(&[f32], &[f32])> {
         self.outer.as_ref().map(Outer::state)
     }
 
-    /// Where this averager stands, to save beside the model and the optimizer record.
-    pub fn state(&self) -> AveragerState {
-        AveragerState {
+    /// Where this averager stands, to save beside the model and the optimizer record. A streaming
+    /// averager's state holds its averages in flight, waited for, and its residual: every rank
+    /// calls it at the same step.
+    pub fn state(&mut self) -> Result<AveragerState, OptimError> {
+        let stream = self.stream.as_mut().map(Stream::state).transpose()?;
+        Ok(AveragerState {
             settings: self.settings.clone(),
             steps: self.stats.steps,
             syncs: self.stats.syncs,
@@ -415,7 +573,8 @@ impl Averager {
                 let (global, momentum) = o.state();
                 (global.to_vec(), momentum.to_vec())
             }),
-        }
+            stream,
+        })
     }
 
     /// Continues from a saved [`state`](Self::state): call it right after [`Averager::new`], on every
@@ -447,6 +606,16 @@ impl Averager {
                 return Err(OptimError::Config {
                     field: "state".into(),
                     reason: "the outer optimizer's state does not fit the config".into(),
+                });
+            }
+        }
+        match (&mut self.stream, state.stream) {
+            (Some(stream), Some(saved)) => stream.restore(saved)?,
+            (None, None) => {}
+            _ => {
+                return Err(OptimError::Config {
+                    field: "state".into(),
+                    reason: "the streaming state does not fit the config".into(),
                 });
             }
         }
@@ -489,14 +658,18 @@ impl Averager {
             return Err(OptimError::Comm { step, source });
         }
         self.stats.syncs += 1;
-        let delta = self.comm.stats().since(&before);
+        self.count(self.comm.stats().since(&before));
+        Ok(())
+    }
+
+    /// `delta`'s traffic added to the totals.
+    fn count(&mut self, delta: CommStats) {
         self.stats.comm = CommStats {
             calls: self.stats.comm.calls + delta.calls,
             bytes_sent: self.stats.comm.bytes_sent + delta.bytes_sent,
             bytes_received: self.stats.comm.bytes_received + delta.bytes_received,
             seconds: self.stats.comm.seconds + delta.seconds,
         };
-        Ok(())
     }
 
     /// Averages if some step since the last synchronization is not averaged yet: the end of a run whose

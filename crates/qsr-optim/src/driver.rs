@@ -19,7 +19,7 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
 use qsr_comm::Collective;
-use qsr_sched::{Cursor, FragmentPlan, StepInfo, SyncMode, split_tensors};
+use qsr_sched::{Cursor, FragmentPlan, StepInfo, SyncMode};
 
 use crate::device::DeviceGroup;
 use crate::error::{LossError, OptimError};
@@ -27,7 +27,7 @@ use crate::flat::ParamLayout;
 use crate::optim::{OptimState, OptimizerConfig};
 use crate::outer::{Outer, OuterConfig};
 use crate::replica::{DeviceReplica, HostReplica, Replica};
-use crate::stream::{Stream, StreamState, StreamingConfig};
+use crate::stream::{Stream, StreamState, StreamingConfig, fragment_ranges};
 use crate::sync::{
     BnPolicy, DriverConfig, DriverStats, Level, Peers, Residency, StepReport, SyncReport, Wire, check_wire,
 };
@@ -133,15 +133,11 @@ impl<M: Module> Worker<M> {
         if state.average_first_moment || state.average_second_moment {
             return refuse("streaming and quantized syncs do not average optimizer moments (`driver.state`)");
         }
-        let fragments = FragmentPlan::new(self.cursor.plan().clone(), config.fragments)?;
-        let sizes: Vec<u64> = self.layout.trainable.iter().map(|e| e.range.len() as u64).collect();
-        let tensors = split_tensors(&sizes, config.fragments)?;
-        let ranges = tensors
-            .iter()
-            .map(|t| self.layout.trainable[t.start].range.start..self.layout.trainable[t.end - 1].range.end)
-            .collect();
+        // Checks the fragment count against the plan's rounds.
+        FragmentPlan::new(self.cursor.plan().clone(), config.fragments)?;
+        let ranges = fragment_ranges(&self.layout, config.fragments)?;
         let n = self.layout.len();
-        self.stream = Some(Stream::new(fragments, ranges, config, (self.config.wire, self.config.bucket_elems), n));
+        self.stream = Some(Stream::new(ranges, config, (self.config.wire, self.config.bucket_elems), n));
         if self.outer.is_none() {
             self.outer = Some(Outer::new(OuterConfig::averaging(), &h.params_snapshot()));
         }

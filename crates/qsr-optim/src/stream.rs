@@ -26,10 +26,11 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use qsr_comm::{Collective, CommError, CommStats};
-use qsr_sched::{FragmentPlan, StepInfo, SyncMode};
+use qsr_sched::{StepInfo, SyncMode, fragments_syncing_after, split_tensors};
 use serde::{Deserialize, Serialize};
 
 use crate::error::OptimError;
+use crate::flat::ParamLayout;
 use crate::outer::Outer;
 use crate::sync::{Level, SyncReport, Wire, all_reduce_bucketed};
 
@@ -96,7 +97,7 @@ pub struct InFlight {
 
 /// What a streaming worker holds beyond its parameters, optimizer and outer state: the averages in
 /// flight and the error-feedback residual (on an int8 or fp8 wire).
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StreamState {
     /// Averages sent and not yet applied, in the order they were sent.
     pub in_flight: Vec<InFlight>,
@@ -137,9 +138,16 @@ enum Lane {
     },
 }
 
-/// The streaming state of a host-resident worker.
+/// Each fragment's range of `layout`'s flat parameters: `fragments` contiguous groups of whole
+/// tensors, balanced by size.
+pub(crate) fn fragment_ranges(layout: &ParamLayout, fragments: u32) -> Result<Vec<Range<usize>>, OptimError> {
+    let sizes: Vec<u64> = layout.trainable.iter().map(|e| e.range.len() as u64).collect();
+    let tensors = split_tensors(&sizes, fragments)?;
+    Ok(tensors.iter().map(|t| layout.trainable[t.start].range.start..layout.trainable[t.end - 1].range.end).collect())
+}
+
+/// The streaming state of a host-resident worker (or an `Averager`).
 pub(crate) struct Stream {
-    plan: FragmentPlan,
     /// Each fragment's range of the flat parameters.
     ranges: Vec<Range<usize>>,
     config: StreamingConfig,
@@ -152,9 +160,8 @@ pub(crate) struct Stream {
 }
 
 impl Stream {
-    /// Streaming over `plan`'s fragments, fragment `p` holding the parameters `ranges[p]` of `len`.
+    /// Streaming over `ranges.len()` fragments, fragment `p` holding the parameters `ranges[p]` of `len`.
     pub(crate) fn new(
-        plan: FragmentPlan,
         ranges: Vec<Range<usize>>,
         config: StreamingConfig,
         (wire, bucket): (Wire, Option<usize>),
@@ -162,7 +169,7 @@ impl Stream {
     ) -> Self {
         let residual = wire.codec().map(|_| vec![0.0; len]);
         let (in_flight, lane) = (VecDeque::new(), Lane::Inline);
-        Self { plan, ranges, config, wire, bucket, residual, in_flight, lane }
+        Self { ranges, config, wire, bucket, residual, in_flight, lane }
     }
 
     /// Runs the fragments' all-reduces on `comm`, on a thread of their own, so they overlap the steps.
@@ -245,7 +252,7 @@ impl Stream {
             self.apply_front(params, outer)?;
         }
         if info.mode == SyncMode::Parameters {
-            let due: Vec<u32> = self.plan.syncs_after(info).collect();
+            let due: Vec<u32> = fragments_syncing_after(self.ranges.len() as u32, info).collect();
             for fragment in due {
                 if let Some(i) = self.in_flight.iter().position(|f| f.fragment == fragment) {
                     // Its previous average is still out (delay beyond the round): apply it first.
@@ -262,12 +269,10 @@ impl Stream {
             self.apply_front(params, outer)?;
         }
         if last {
-            while !self.in_flight.is_empty() {
-                self.apply_front(params, outer)?;
-            }
-            // One fragment replaced at the last step leaves every rank the same; otherwise average.
-            if self.ranges.len() > 1 || self.config.mix < 1.0 {
-                traffic = add(traffic, self.average_all(params, info.step, outer, comm)?);
+            // One fragment replaced at the round's (and run's) end leaves every rank the same.
+            let average = self.ranges.len() > 1 || self.config.mix < 1.0;
+            if let Some(t) = self.settle(params, info.step, average, (outer, comm))? {
+                traffic = add(traffic, t);
                 sent.push(params.len());
             }
         }
@@ -281,6 +286,28 @@ impl Stream {
             bytes_sent: traffic.bytes_sent,
             seconds,
         }))
+    }
+
+    /// Applies every average in flight, then (with `average`) averages all parameters in f32, which
+    /// become the global values; returns the traffic of that average. Every rank at the same step.
+    pub(crate) fn settle(
+        &mut self,
+        params: &mut [f32],
+        step: u64,
+        average: bool,
+        (outer, comm): (&mut Outer, &mut dyn Collective),
+    ) -> Result<Option<CommStats>, OptimError> {
+        while !self.in_flight.is_empty() {
+            self.apply_front(params, outer)?;
+        }
+        average.then(|| self.average_all(params, step, outer, comm)).transpose()
+    }
+
+    /// Whether [`Self::after_step`] has anything to do after `info` (an average to apply, a fragment
+    /// to send, or the run's end): a caller that keeps no flat copy reads its parameters only then.
+    pub(crate) fn acts_after(&self, info: &StepInfo, last: bool) -> bool {
+        let applies = self.in_flight.front().is_some_and(|f| f.apply_after <= info.step);
+        last || applies || fragments_syncing_after(self.ranges.len() as u32, info).next().is_some()
     }
 
     /// Sends `fragment`'s pseudo-gradient (with error feedback on a quantized wire).

@@ -23,6 +23,26 @@ pub const MAX_FRAGMENTS: u32 = 1024;
 /// The recipe name of the fragment count, for refusals.
 const FIELD: &str = "sync.streaming.fragments";
 
+/// Which of `fragments` fragments sync after the step `info` describes (none in a data-parallel
+/// round), in fragment order: [`FragmentPlan::syncs_after`] for rounds decided one at a time rather
+/// than planned ahead (qsr-optim's `Averager`, whose rounds follow the caller's lr). `info.h` is the
+/// round's length as run (cut at the run's end).
+///
+/// ```
+/// use qsr_sched::{StepInfo, SyncMode, fragments_syncing_after};
+///
+/// let at = |step| StepInfo { step, lr: 0.1, round: 0, round_start: 0, h: 8, sync_after: step == 7,
+///     mode: SyncMode::Parameters, local_sync_after: false };
+/// let steps: Vec<Vec<u32>> = (0..8).map(|s| fragments_syncing_after(4, &at(s)).collect()).collect();
+/// assert_eq!(steps, [vec![], vec![0], vec![], vec![1], vec![], vec![2], vec![], vec![3]]);
+/// ```
+pub fn fragments_syncing_after(fragments: u32, info: &StepInfo) -> impl Iterator<Item = u32> + use<> {
+    let parameters = info.mode == SyncMode::Parameters;
+    let offset = info.step.checked_sub(info.round_start).map(|o| o + 1).filter(|_| parameters);
+    let (len, p) = (info.h, u64::from(fragments));
+    (0..fragments).filter(move |&f| offset == Some(((u64::from(f) + 1) * len).div_ceil(p)))
+}
+
 /// A [`Plan`] whose parameter averages go fragment by fragment: in a round of `H` steps from `s`,
 /// fragment `p` of `P` syncs after step `s + ceil((p + 1) H / P) - 1`, so the last one at the round's
 /// end and the others `H / P` steps apart before it (at most `ceil(P / H)` share a step when `H < P`).
@@ -79,11 +99,8 @@ impl FragmentPlan {
 
     /// The fragments that sync after the step `info` hands out (none in a data-parallel round), in
     /// fragment order: a trainer's question at each step.
-    pub fn syncs_after<'a>(&'a self, info: &StepInfo) -> impl Iterator<Item = u32> + use<'a> {
-        let parameters = info.mode == SyncMode::Parameters;
-        let offset = info.step.checked_sub(info.round_start).map(|o| o + 1).filter(|_| parameters);
-        let (len, p) = (info.h, u64::from(self.fragments));
-        (0..self.fragments).filter(move |&f| offset == Some(((u64::from(f) + 1) * len).div_ceil(p)))
+    pub fn syncs_after(&self, info: &StepInfo) -> impl Iterator<Item = u32> + use<> {
+        fragments_syncing_after(self.fragments, info)
     }
 
     /// Every fragment sync of the run, lazily, in step order (fragment order within a step).

@@ -31,7 +31,9 @@ mod schedule;
 
 pub use comm::{CommVolume, Encoding, ring_allreduce_bytes_per_rank};
 pub use error::ConfigError;
-pub use fragment::{FragmentPlan, FragmentSummary, FragmentSync, MAX_FRAGMENTS, split_elements, split_tensors};
+pub use fragment::{
+    FragmentPlan, FragmentSummary, FragmentSync, MAX_FRAGMENTS, fragments_syncing_after, split_elements, split_tensors,
+};
 pub use local::LocalSummary;
 pub use plan::{Cursor, Plan, PlanSummary, Rounds, StepInfo};
 pub use round::{Round, SyncMode};

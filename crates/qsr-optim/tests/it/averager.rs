@@ -14,7 +14,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::common::Mlp;
 
 /// Worker `rank`'s batch at `step`: y = sum(x) + noise, seeded by (rank, step).
-fn batch(rank: usize, step: u64, device: &Device) -> (Tensor<2>, Tensor<2>) {
+pub(crate) fn batch(rank: usize, step: u64, device: &Device) -> (Tensor<2>, Tensor<2>) {
     let mut rng = ChaCha8Rng::seed_from_u64(1000 * rank as u64 + step);
     let x: Vec<f32> = (0..8 * 4).map(|_| rng.random_range(-1.0f32..1.0)).collect();
     let y: Vec<f32> = x.chunks(4).map(|r| r.iter().sum::<f32>() + rng.random_range(-0.05f32..0.05)).collect();
@@ -22,16 +22,16 @@ fn batch(rank: usize, step: u64, device: &Device) -> (Tensor<2>, Tensor<2>) {
 }
 
 /// The model with weights from our own seeded RNG.
-fn seeded<M: Module>(model: M) -> M {
+pub(crate) fn seeded<M: Module>(model: M) -> M {
     let layout = ParamLayout::of(&model);
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     let values: Vec<f32> = (0..layout.len()).map(|_| rng.random_range(-0.4f32..0.4)).collect();
     layout.write_params(model, &values).unwrap()
 }
 
-const STEPS: u64 = 300;
+pub(crate) const STEPS: u64 = 300;
 
-fn schedule() -> LrSchedule {
+pub(crate) fn schedule() -> LrSchedule {
     LrSchedule::new(ScheduleKind::Cosine, STEPS, 20, 0.1, 1e-4)
 }
 
@@ -308,7 +308,7 @@ fn train_span(comm: Box<dyn Collective>, from: Option<Saved>, until: u64, dir: &
     };
     model.save_file(&saved.model).unwrap();
     optim.save(&saved.optim).unwrap();
-    avg.state().save(&saved.state).unwrap();
+    avg.state().unwrap().save(&saved.state).unwrap();
     (flat, saved)
 }
 
@@ -347,7 +347,7 @@ fn a_state_saved_under_another_rule_is_refused_naming_the_setting() {
         let comm = InProcessGroup::new(1).remove(0);
         Averager::new(Mlp::new(&device, 4, 1), AveragerConfig::new(rule, 0), Box::new(comm)).unwrap().0
     };
-    let saved = make(SyncRule::Constant { h: 4 }).state();
+    let saved = make(SyncRule::Constant { h: 4 }).state().unwrap();
     let err = make(SyncRule::Constant { h: 8 }).restore(saved).unwrap_err();
     assert!(matches!(&err, OptimError::Config { field, .. } if field == "state"), "{err}");
     assert!(err.to_string().contains("config.rule"), "{err}");

@@ -4,6 +4,7 @@
 mod common;
 
 mod averager;
+mod averager_streaming;
 mod device_wgpu;
 mod driver;
 mod streaming;
