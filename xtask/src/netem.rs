@@ -95,6 +95,10 @@ pub struct NetemArgs {
     /// evaluate and checkpoint every epoch; the table gives the wall-clock each way lost.
     #[arg(long)]
     pub fault: Option<String>,
+    /// Evaluate at every epoch's end (not only the last), without checkpoints: the runs' test accuracy
+    /// against wall-clock, for `qsr plot` (each evaluation's time counts in its epoch).
+    #[arg(long)]
+    pub eval_every_epoch: bool,
 }
 
 /// A link shape: rate (tc units, e.g. `1gbit`) and one-way delay (tc units, e.g. `0.2ms`; `None`: the
@@ -449,10 +453,11 @@ pub fn recipe_text(args: &NetemArgs, rule: &str) -> Result<String> {
         epochs = args.epochs,
         hidden = hidden.join(", "),
         lr = args.lr_max,
-        eval = if args.fault.is_some() {
-            "[eval]\nevery_epochs = 1      # a checkpoint every epoch, to restart from\n"
-        } else {
-            "[eval]\nevery_epochs = 1000   # only at the end\n\n[checkpoint]\nenabled = false\n"
+        eval = match (args.fault.is_some(), args.eval_every_epoch) {
+            (true, _) => "[eval]\nevery_epochs = 1      # a checkpoint every epoch, to restart from\n",
+            (false, true) =>
+                "[eval]\nevery_epochs = 1      # accuracy against wall-clock\n\n[checkpoint]\nenabled = false\n",
+            (false, false) => "[eval]\nevery_epochs = 1000   # only at the end\n\n[checkpoint]\nenabled = false\n",
         },
     ))
 }
@@ -1041,6 +1046,7 @@ mod tests {
             timeout: 1,
             check: false,
             fault: None,
+            eval_every_epoch: false,
         };
         let dp = recipe_text(&args, "dp").unwrap();
         let h4 = recipe_text(&args, "h4").unwrap();
@@ -1067,6 +1073,9 @@ mod tests {
         assert!(recipe_text(&args, "qsr/sx").is_err());
         // Under --fault the runs checkpoint every epoch, so the restarted job has somewhere to resume from.
         assert!(dp.contains("enabled = false"));
+        let curves = NetemArgs { eval_every_epoch: true, ..args.clone() };
+        let qsr = recipe_text(&curves, "qsr").unwrap();
+        assert!(qsr.contains("every_epochs = 1 ") && qsr.contains("enabled = false"), "{qsr}");
         let faulty = NetemArgs { fault: Some("kill:2:70".into()), ..args };
         let dp = recipe_text(&faulty, "dp").unwrap();
         assert!(dp.contains("every_epochs = 1 ") && !dp.contains("enabled = false"), "{dp}");

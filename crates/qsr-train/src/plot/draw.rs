@@ -517,7 +517,8 @@ fn lines(
 
 /// `qsr plot`: `schedule.png` (lr and H against step), `accuracy.png` (test accuracy against step and
 /// against bytes sent), `loss.png` (train loss against step and bytes), `eval-loss.png` (the held-out
-/// loss: test loss, or a language model's validation loss, against step and bytes), overlaying the runs.
+/// loss: test loss, or a language model's validation loss, against step and bytes), `wall-clock.png`
+/// (test accuracy and train loss against wall-clock seconds), overlaying the runs.
 pub fn runs_png(runs: &[RunSeries], out_dir: &Path) -> Result<Vec<std::path::PathBuf>> {
     register_font();
     std::fs::create_dir_all(out_dir).with_context(|| format!("cannot create {}", out_dir.display()))?;
@@ -609,6 +610,15 @@ pub fn runs_png(runs: &[RunSeries], out_dir: &Path) -> Result<Vec<std::path::Pat
             &series("sync", &|r| r.loss.map(|v| (r.bytes as f64 / per, v))),
             at_bytes,
         )
+    })?;
+    let wall = ("wall-clock (s)", Scale::Real);
+    let at_wall: Vec<f64> = changes.iter().map(|r| r.wall_seconds).collect();
+    draw("wall-clock.png", &|root| {
+        let (l, r) = root.split_horizontally(width / 2);
+        let accuracy = series("eval", &|r| r.accuracy.map(|a| (r.wall_seconds, a)));
+        lines(&l, "test accuracy vs wall-clock", wall, acc, &accuracy, &at_wall)?;
+        let train = series("sync", &|r| r.loss.map(|v| (r.wall_seconds, v)));
+        lines(&r, "train loss (rank 0) vs wall-clock", wall, loss, &train, &at_wall)
     })?;
     draw("eval-loss.png", &|root| {
         let (l, r) = root.split_horizontally(width / 2);
@@ -737,7 +747,7 @@ mod tests {
             syncs: step / h,
             bytes: step * 50_000,
             comm_seconds: 0.0,
-            wall_seconds: 0.0,
+            wall_seconds: step as f64 * 0.05,
             local_syncs: 0,
             local_bytes: 0,
             membership: None,
@@ -767,7 +777,7 @@ mod tests {
             .collect();
         let written = runs_png(&runs, dir.path()).unwrap();
         let names: Vec<_> = written.iter().filter_map(|p| p.file_name()?.to_str()).collect();
-        assert_eq!(names, ["schedule.png", "accuracy.png", "loss.png", "eval-loss.png"]);
+        assert_eq!(names, ["schedule.png", "accuracy.png", "loss.png", "wall-clock.png", "eval-loss.png"]);
         for p in &written {
             assert!(std::fs::read(p).unwrap().starts_with(b"\x89PNG"), "{}", p.display());
         }
