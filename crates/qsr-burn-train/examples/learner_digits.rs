@@ -188,6 +188,17 @@ pub fn run_task(
     k: usize,
     rule: SyncRule,
 ) -> Result<Outcome, Box<dyn std::error::Error>> {
+    run_config(task, replicas, k, AveragerConfig::new(rule, 0))
+}
+
+/// [`run_task`] with the averager's whole config (streaming, the wire, the outer step).
+pub fn run_config(
+    task: &Task,
+    replicas: Replicas,
+    k: usize,
+    config: AveragerConfig,
+) -> Result<Outcome, Box<dyn std::error::Error>> {
+    let rule = config.rule.clone();
     let device = Device::flex().autodiff();
     device.seed(42); // the Learner's model is built once, here; the strategy gives every replica its weights
     // At least 1: burn's scheduler refuses 0 (the strategy then names an empty slice).
@@ -206,8 +217,7 @@ pub fn run_task(
     let sched = CosineAnnealingLrSchedulerConfig::new(task.lr, task.schedule_steps.unwrap_or(steps)).init()?;
     let learner = Learner::new(Mlp::new(task.dims(), &device), optim, sched);
 
-    let strategy =
-        Arc::new(LocalTrainingStrategy::new(replicas, AveragerConfig::new(rule.clone(), 0)).with_shards(shards));
+    let strategy = Arc::new(LocalTrainingStrategy::new(replicas, config).with_shards(shards));
     let dir = tempfile::tempdir()?;
     let result = SupervisedTraining::new(dir.path(), loader(&task.train), loader(&task.test))
         .metric_train_numeric(LossMetric::new())

@@ -76,10 +76,11 @@ impl<M: LearnerModel> Replica<M> {
     /// The averager's step with the lr this optimizer step used; the averaged parameters go back into
     /// the Learner (its optimizer state is keyed by parameter id, which loading a record keeps).
     fn after_optimizer_step(&mut self) -> Result<(), OptimError> {
-        let syncs = self.avg.stats().syncs;
+        let updates = self.avg.stats().updates;
         let lr = self.learner.lr_current().base();
         let model = self.avg.step(self.learner.model(), lr)?;
-        if self.avg.stats().syncs > syncs {
+        // A streaming averager also writes mid-round, where an average lands.
+        if self.avg.stats().updates > updates {
             self.learner.load_model(model.into_record());
         }
         Ok(())
@@ -88,9 +89,9 @@ impl<M: LearnerModel> Replica<M> {
     /// Averages the steps since the last synchronization (the last round, cut at the run's end) and
     /// hands back the model every replica now shares.
     pub(crate) fn finish(&mut self) -> Result<M, OptimError> {
-        let syncs = self.avg.stats().syncs;
+        let updates = self.avg.stats().updates;
         let model = self.avg.finish(self.learner.model())?;
-        if self.avg.stats().syncs > syncs {
+        if self.avg.stats().updates > updates {
             self.learner.load_model(model.into_record());
         }
         Ok(self.learner.model())

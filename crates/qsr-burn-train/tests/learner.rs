@@ -31,6 +31,21 @@ fn qsr_through_the_learner_syncs_as_planned_and_learns_digits() {
     assert!(out.accuracy >= 0.85, "test accuracy {}", out.accuracy);
 }
 
+/// Streaming int8 fragments through the Learner: averages land mid-round (the Learner takes each),
+/// the rounds are QSR's, every replica ends with the settled model, and it learns.
+#[test]
+fn streaming_int8_through_the_learner_syncs_as_planned_and_learns_digits() {
+    let _turn = serial();
+    let mut config = qsr_optim::AveragerConfig::new(SyncRule::Qsr { h_base: 2, alpha: 0.06 }, 0);
+    config.streaming = Some(qsr_optim::StreamingConfig { fragments: 2, delay: 1, mix: 1.0 });
+    config.wire = qsr_optim::Wire::Int8;
+    let out = example::run_config(&example::Task::digits(), threads(2), 2, config.clone()).unwrap();
+    assert_eq!(out.syncs, out.planned);
+    assert!(out.accuracy >= 0.85, "test accuracy {}", out.accuracy);
+    let again = example::run_config(&example::Task::digits(), threads(2), 2, config).unwrap();
+    assert!(out.weights.iter().zip(&again.weights).all(|(x, y)| x.to_bits() == y.to_bits()), "reruns differ");
+}
+
 #[test]
 fn constant_h_reruns_are_bit_identical_and_sync_as_planned() {
     let _turn = serial();

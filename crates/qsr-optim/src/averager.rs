@@ -207,6 +207,10 @@ pub struct AveragerStats {
     pub syncs: u64,
     /// Traffic and time of the synchronizations.
     pub comm: CommStats,
+    /// Calls that wrote averaged values into the model they returned: every parameter average, and
+    /// with streaming every step where an average landed (mid-round too), so a caller that keeps its
+    /// own copy of the model knows when to take the returned one.
+    pub updates: u64,
 }
 
 /// Averages a model's parameters over a [`Collective`] at the end of every round of a sync rule,
@@ -434,7 +438,8 @@ impl Averager {
             lr,
             round: self.stats.syncs,
             round_start: round.start,
-            h: round.end - round.start,
+            // A step past `run_steps` is a round of its own, cut to nothing: no fragment syncs in it.
+            h: round.end.saturating_sub(round.start),
             sync_after,
             mode: SyncMode::Parameters,
             local_sync_after: false,
@@ -450,16 +455,21 @@ impl Averager {
         }
         let n = self.layout.len();
         self.layout.read_params(&model, &mut self.params[..n])?;
+        let applied = stream.applied();
         let stepped =
             stream.after_step(&mut self.params[..n], (&info, last), outer, self.comm.as_mut(), &mut self.stats.comm);
         if let Err(e) = stepped {
             self.abandoned = true;
             return Err(e);
         }
-        let model = self.layout.write_params(model, &self.params[..n])?;
-        if last {
+        let landed = stream.applied() > applied;
+        // One fragment replaced by its average (mix 1), nothing left in flight: every rank holds the
+        // same model now, as after a plain average (an int8 wire without streaming, at each round's end).
+        if last || (landed && stream.leaves_ranks_equal()) {
             self.synced_at = t + 1;
         }
+        self.stats.updates += u64::from(landed || last || bn);
+        let model = self.layout.write_params(model, &self.params[..n])?;
         if bn { self.average_running(model, t) } else { Ok(model) }
     }
 
@@ -524,6 +534,7 @@ impl Averager {
             outer.step(&mut self.params[..n]);
         }
         self.synced_at = step;
+        self.stats.updates += 1;
         self.write(model)
     }
 
@@ -544,6 +555,7 @@ impl Averager {
         }
         let model = self.layout.write_params(model, &self.params[..n])?;
         self.stats.syncs += u64::from(self.round.is_some_and(|r| step < r.end));
+        self.stats.updates += 1;
         self.synced_at = step;
         if self.config.average_bn && self.layout.running_len() > 0 {
             self.average_running(model, step)

@@ -157,6 +157,8 @@ pub(crate) struct Stream {
     residual: Option<Vec<f32>>,
     in_flight: VecDeque<Sent>,
     lane: Lane,
+    /// Averages applied so far (a caller learns from it whether a step changed the parameters).
+    applied: u64,
 }
 
 impl Stream {
@@ -169,17 +171,19 @@ impl Stream {
     ) -> Self {
         let residual = wire.codec().map(|_| vec![0.0; len]);
         let (in_flight, lane) = (VecDeque::new(), Lane::Inline);
-        Self { ranges, config, wire, bucket, residual, in_flight, lane }
+        Self { ranges, config, wire, bucket, residual, in_flight, lane, applied: 0 }
     }
 
     /// Runs the fragments' all-reduces on `comm`, on a thread of their own, so they overlap the steps.
     /// `comm` holds the same ranks as the worker's collective (e.g. from [`qsr_comm::split`]) and
-    /// every rank must give one; nothing may be in flight.
+    /// every rank must give one; no average may be on its way (restored ones, with their means, may
+    /// wait to be applied).
     pub(crate) fn set_background(&mut self, mut comm: Box<dyn Collective>) -> Result<(), OptimError> {
-        if !self.in_flight.is_empty() {
+        // Restored averages hold their means; one still owed by the current lane would be lost.
+        if self.in_flight.iter().any(|s| s.mean.is_none()) {
             return Err(OptimError::Config {
                 field: "sync.streaming".into(),
-                reason: "a background collective must be given before any fragment is in flight".into(),
+                reason: "a background collective must be given while no average is on its way".into(),
             });
         }
         let (wire, bucket) = (self.wire, self.bucket);
@@ -303,6 +307,17 @@ impl Stream {
         average.then(|| self.average_all(params, step, outer, comm)).transpose()
     }
 
+    /// Averages applied so far.
+    pub(crate) fn applied(&self) -> u64 {
+        self.applied
+    }
+
+    /// Whether applying leaves every rank the same parameters: one fragment, replaced (mix 1), and
+    /// nothing else in flight.
+    pub(crate) fn leaves_ranks_equal(&self) -> bool {
+        self.ranges.len() == 1 && self.config.mix == 1.0 && self.in_flight.is_empty()
+    }
+
     /// Whether [`Self::after_step`] has anything to do after `info` (an average to apply, a fragment
     /// to send, or the run's end): a caller that keeps no flat copy reads its parameters only then.
     pub(crate) fn acts_after(&self, info: &StepInfo, last: bool) -> bool {
@@ -332,7 +347,7 @@ impl Stream {
             payload.chunks_mut(bucket).for_each(|chunk| codec.round_block(chunk));
             residual.iter_mut().zip(&payload).for_each(|(r, q)| *r -= q);
         }
-        let apply_after = step + self.config.delay;
+        let apply_after = step.saturating_add(self.config.delay);
         let mut entry = Sent { fragment, sent_after: step, apply_after, mean: None };
         let predicted = self.predicted(range.len(), comm.world_size());
         let traffic = match &mut self.lane {
@@ -378,6 +393,7 @@ impl Stream {
         };
         let range = self.ranges[entry.fragment as usize].clone();
         outer.step_at(range.start, &mut mean);
+        self.applied += 1;
         let mix = self.config.mix as f32;
         let local = &mut params[range];
         if mix == 1.0 {

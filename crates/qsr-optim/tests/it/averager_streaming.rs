@@ -228,3 +228,87 @@ fn streaming_averager_settings_that_cannot_run_are_refused_naming_the_field() {
     .set_streaming_comm(Box::new(InProcessGroup::new(1).remove(0)));
     assert!(side.unwrap_err().to_string().contains("`streaming`"));
 }
+
+/// Runs `body` on two ranks of an in-process group, each with a seeded model and its averager.
+fn two_ranks<T: Send>(config: AveragerConfig, body: impl Fn(usize, Averager, Mlp) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let joins: Vec<_> = InProcessGroup::new(2)
+            .into_iter()
+            .map(|c| {
+                let (config, body) = (config.clone(), &body);
+                s.spawn(move || {
+                    let device = Device::flex().autodiff();
+                    let rank = c.rank();
+                    let model = if rank == 0 { seeded(Mlp::new(&device, 4, 1)) } else { Mlp::new(&device, 4, 1) };
+                    let (avg, model) = Averager::new(model, config, Box::new(c)).unwrap();
+                    body(rank, avg, model)
+                })
+            })
+            .collect();
+        joins.into_iter().map(|j| j.join().unwrap()).collect()
+    })
+}
+
+/// `steps` of plain SGD at lr 0.05 from step `from`, the averager after each.
+fn sgd_steps(rank: usize, avg: &mut Averager, mut model: Mlp, steps: std::ops::Range<u64>) -> Mlp {
+    let device = Device::flex().autodiff();
+    let mut optim = SgdConfig::new().init();
+    for step in steps {
+        let (x, y) = batch(rank, step, &device);
+        let grads = GradientsParams::from_grads((model.forward(x) - y).powi_scalar(2).mean().backward(), &model);
+        model = optim.step(0.05, model, grads);
+        model = avg.step(model, 0.05).unwrap();
+    }
+    model
+}
+
+fn flat(model: &Mlp) -> Vec<f32> {
+    let layout = ParamLayout::of(model);
+    let mut v = vec![0.0; layout.len()];
+    layout.read_params(model, &mut v).unwrap();
+    v
+}
+
+/// An int8 wire without streaming leaves the ranks equal at every round's end, as a plain average
+/// does: nothing unsynced there (no drop warning, no extra average at `finish`); a step past it is.
+#[test]
+fn an_int8_averager_counts_its_round_ends_as_synchronized() {
+    let mut config = AveragerConfig::new(SyncRule::Constant { h: 4 }, 0);
+    config.wire = Wire::Int8;
+    let ends = two_ranks(config, |rank, mut avg, model| {
+        let model = sgd_steps(rank, &mut avg, model, 0..40);
+        let (unsynced, calls) = (avg.unsynced_steps(), avg.stats().comm.calls);
+        let model = avg.finish(model).unwrap();
+        assert_eq!(avg.stats().comm.calls, calls, "finish at a round's end averaged again");
+        let model = sgd_steps(rank, &mut avg, model, 40..41);
+        let past = avg.unsynced_steps();
+        let model = avg.finish(model).unwrap();
+        (unsynced, past, avg.stats().syncs, flat(&model))
+    });
+    assert_eq!((ends[0].0, ends[0].1, ends[0].2), (0, 1, 11), "unsynced at 40, past it, syncs");
+    assert_eq!(ends[0].3, ends[1].3);
+}
+
+/// `average_now` in the middle of a streaming round settles everything and leaves the ranks one
+/// model; training goes on, the cut round counts as a sync, and averages landing mid-round are counted
+/// as updates of the model.
+#[test]
+fn average_now_mid_round_settles_a_streaming_averager_and_training_goes_on() {
+    let mut config = AveragerConfig::new(SyncRule::Constant { h: 8 }, 0);
+    (config.streaming, config.run_steps) = (streaming(2, 1, 1.0), Some(80));
+    let ends = two_ranks(config, |rank, mut avg, model| {
+        let model = sgd_steps(rank, &mut avg, model, 0..43);
+        let (syncs, updates) = (avg.stats().syncs, avg.stats().updates);
+        let model = avg.average_now(model).unwrap();
+        let settled = flat(&model);
+        assert_eq!(avg.stats().syncs, syncs + 1, "the cut round counts");
+        let model = sgd_steps(rank, &mut avg, model, 43..80);
+        (settled, flat(&model), avg.stats().syncs, updates)
+    });
+    assert_eq!(ends[0].0, ends[1].0, "average_now leaves one model");
+    assert_eq!(ends[0].1, ends[1].1, "the run's last step leaves one model");
+    assert_eq!(ends[0].2, 10 + 1);
+    // Fragments sync after steps 3, 7, 11, ... (two a round of 8) and land a step later: after steps
+    // 4, 8, ..., 40 by step 42, ten updates of the model against five round ends.
+    assert_eq!(ends[0].3, 10, "averages landed by step 42");
+}
