@@ -114,8 +114,9 @@ impl<M: Module> Worker<M> {
     /// the average applied `config.delay` steps later and blended with the local values by
     /// `config.mix`. Without [`Self::set_outer`] the average is plain (an outer step with lr 1). The
     /// all-reduces run between steps on the worker's collective unless [`Self::set_streaming_comm`]
-    /// gives them their own. Refused (naming the key) for device-resident workers, two-level plans,
-    /// optimizer-state or BatchNorm averaging, and fragments the plan or model cannot have.
+    /// gives them their own. Under a two-level plan the fragments follow the global rounds and the
+    /// nodes average in f32 at their local rounds' ends. Refused (naming the key) for device-resident
+    /// workers, optimizer-state averaging, and fragments the plan or model cannot have.
     pub fn set_streaming(&mut self, config: StreamingConfig) -> Result<(), OptimError> {
         config.validate()?;
         self.start_stream(config, "sync.streaming")
@@ -126,9 +127,6 @@ impl<M: Module> Worker<M> {
         let Replica::Host(h) = &self.replica else {
             return refuse("streaming and quantized syncs run on host-resident workers (driver.residency = \"host\")");
         };
-        if self.cursor.plan().local().is_some() {
-            return refuse("streaming and quantized syncs do not run with a two-level plan (`sync.local`)");
-        }
         let state = self.config.state;
         if state.average_first_moment || state.average_second_moment {
             return refuse("streaming and quantized syncs do not average optimizer moments (`driver.state`)");
@@ -147,8 +145,9 @@ impl<M: Module> Worker<M> {
     /// Runs the streaming fragments' all-reduces on `comm`, on a thread of their own, while the worker
     /// keeps stepping (overlap): `comm` must hold the same ranks as the worker's collective (e.g. from
     /// [`qsr_comm::split`], or a second [`qsr_comm::InProcessGroup`]), and every rank must give one.
-    /// The results are the same bits as without it. Refused without [`Self::set_streaming`], once a
-    /// fragment is in flight, and for a collective that cannot carry the wire.
+    /// The results are the same bits as without it. Refused without [`Self::set_streaming`], while an
+    /// average is on its way (restored ones may wait to be applied), and for a collective that cannot
+    /// carry the wire.
     pub fn set_streaming_comm(&mut self, comm: Box<dyn Collective>) -> Result<(), OptimError> {
         check_wire(self.config.wire, comm.as_ref(), "driver.wire")?;
         if comm.world_size() != self.world_size() || comm.rank() != self.rank() {
@@ -209,7 +208,7 @@ impl<M: Module> Worker<M> {
                 reason: "the plan has no local level, so a node's collective would never be used".into(),
             });
         }
-        check_wire(self.config.wire, local.as_ref(), "driver.wire")?;
+        check_wire(self.config.wire.at(Level::Local), local.as_ref(), "driver.wire")?;
         self.local = Some(local);
         Ok(())
     }
@@ -444,7 +443,9 @@ impl<M: Module> Worker<M> {
             // A plain average inside the node: the outer optimizer steps at global syncs only.
             let mut peers =
                 Peers { comm: local, config: &self.config, stats: &mut self.stats, outer: None, level: Level::Local };
-            stepped.sync = Some(self.replica.sync_parameters(&mut self.model, &self.layout, &mut peers, info.step)?);
+            let report = self.replica.sync_parameters(&mut self.model, &self.layout, &mut peers, info.step)?;
+            // A global sync of the same step (a streaming fragment's) is the step's report.
+            stepped.sync = Some(stepped.sync.filter(|s| s.level == Level::Global).unwrap_or(report));
             self.stats.local.syncs += 1;
         }
         // The module rewritten from the flat parameters, and the step counted.

@@ -110,6 +110,16 @@ impl Wire {
         }
     }
 
+    /// The wire a parameter sync at `level` travels on: this one, except that a node's plain average
+    /// (a two-level plan's local level) stays f32 under int8 / fp8, which carry pseudo-gradients of
+    /// the global syncs and never raw parameters.
+    pub fn at(self, level: Level) -> Wire {
+        match (level, self.codec()) {
+            (Level::Local, Some(_)) => Wire::F32,
+            _ => self,
+        }
+    }
+
     /// The byte codec of a quantized wire (`int8`, `fp8`); `None` for f32 and bf16.
     pub fn codec(self) -> Option<Codec> {
         match self {
@@ -296,7 +306,7 @@ impl<'a> Peers<'a> {
 
     /// [`Self::all_reduce`] of a parameter sync's payload, on the configured wire (`driver.wire`).
     pub(crate) fn all_reduce_params(&mut self, buf: &mut [f32], step: u64) -> Result<u64, OptimError> {
-        all_reduce_bucketed(&mut *self.comm, buf, self.config.bucket_elems, self.config.wire)
+        all_reduce_bucketed(&mut *self.comm, buf, self.config.bucket_elems, self.config.wire.at(self.level))
             .map_err(|source| OptimError::Comm { step, source })
     }
 

@@ -5,7 +5,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{Result, bail};
-use qsr_optim::Wire;
+use qsr_optim::{Level, Wire};
 use qsr_sched::{Encoding, FragmentSummary, Plan, PlanSummary, ring_allreduce_bytes_per_rank, split_elements};
 use serde::Serialize;
 
@@ -158,8 +158,10 @@ fn report(r: &PlanRecipe, args: &PlanArgs) -> PlanReport {
     let encoding = args.wire.map_or(Encoding::plain(args.bytes_per_param), Wire::encoding);
     let volume = args.params.map(|n| summary.volume(n, encoding, args.world_size));
     let node = args.node_size.unwrap_or(args.world_size);
+    // Node averages travel in f32 under int8 / fp8 (`Wire::at`).
+    let local_encoding = args.wire.map_or(encoding, |w| w.at(Level::Local).encoding());
     let local_volume =
-        summary.local.as_ref().zip(args.params).map(|(l, n)| l.volume(summary.run_steps, n, encoding, node));
+        summary.local.as_ref().zip(args.params).map(|(l, n)| l.volume(summary.run_steps, n, local_encoding, node));
     let streaming = r.streaming.as_ref().map(|(settings, fragments)| {
         let ring = |elements| ring_allreduce_bytes_per_rank(elements, encoding, args.world_size);
         let peak = |params| {

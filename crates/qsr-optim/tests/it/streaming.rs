@@ -3,10 +3,10 @@
 
 use std::thread;
 
-use qsr_comm::{Collective, InProcessGroup};
+use qsr_comm::{Collective, InProcessComm, InProcessGroup};
 use qsr_optim::{
-    DriverConfig, OptimError, OptimState, OuterConfig, Residency, StepReport, StreamState, StreamingConfig, Wire,
-    Worker,
+    DriverConfig, Level, OptimError, OptimState, OuterConfig, Residency, StepReport, StreamState, StreamingConfig,
+    Wire, Worker,
 };
 use qsr_sched::{Cursor, Plan, SyncRule};
 
@@ -25,11 +25,13 @@ struct Setup {
     background: bool,
     /// Snapshot after the first step, go back to it after the second (an elastic round abandoned).
     rewind: Option<(u64, u64)>,
+    /// Workers per node of a two-level plan (consecutive ranks), each node with its own group.
+    nodes: Option<usize>,
 }
 
 impl Setup {
     fn new(k: usize, plan: Plan, streaming: Option<StreamingConfig>) -> Self {
-        Setup { k, plan, streaming, wire: Wire::F32, outer: None, background: false, rewind: None }
+        Setup { k, plan, streaming, wire: Wire::F32, outer: None, background: false, rewind: None, nodes: None }
     }
 }
 
@@ -51,12 +53,21 @@ struct Ranked {
     globals: Vec<Vec<f32>>,
     saved: Option<Saved>,
     syncs: u64,
+    /// Node averages, and the bytes this rank sent in them.
+    local: (u64, u64),
 }
 
-fn worker(setup: &Setup, comm: Box<dyn Collective>, stream: Option<Box<dyn Collective>>) -> Worker<Mlp> {
+fn worker(
+    setup: &Setup,
+    comm: Box<dyn Collective>,
+    (stream, node): (Option<Box<dyn Collective>>, Option<InProcessComm>),
+) -> Worker<Mlp> {
     let config = DriverConfig { wire: setup.wire, ..DriverConfig::default() };
     let model = init(Mlp::new(&device(), IN, OUT));
     let mut w = Worker::new(model, sgd(), comm, setup.plan.cursor(), config).unwrap();
+    if let Some(node) = node {
+        w.set_local(Box::new(node)).unwrap();
+    }
     if let Some(s) = setup.streaming {
         w.set_streaming(s).unwrap();
         if let Some(c) = stream {
@@ -79,16 +90,20 @@ fn run(setup: &Setup, resume: Option<&[Saved]>, stop_after: Option<u64>) -> Vec<
     } else {
         (0..k).map(|_| None).collect()
     };
+    let nodes: Vec<Option<InProcessComm>> = match setup.nodes {
+        Some(n) => (0..k / n).flat_map(|_| InProcessGroup::new(n)).map(Some).collect(),
+        None => (0..k).map(|_| None).collect(),
+    };
     thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
-            .zip(streams)
+            .zip(streams.into_iter().zip(nodes))
             .enumerate()
-            .map(|(rank, (comm, stream))| {
+            .map(|(rank, (comm, lanes))| {
                 let task = &task;
                 s.spawn(move || {
                     let device = device();
-                    let mut w = worker(setup, Box::new(comm), stream);
+                    let mut w = worker(setup, Box::new(comm), lanes);
                     if let Some(saved) = resume.map(|r| &r[rank]) {
                         w.restore(&saved.params, saved.optim.clone(), saved.cursor.clone()).unwrap();
                         if let Some((g, m)) = &saved.outer {
@@ -133,7 +148,8 @@ fn run(setup: &Setup, resume: Option<&[Saved]>, stop_after: Option<u64>) -> Vec<
                         }
                     }
                     let syncs = w.stats().syncs;
-                    Ranked { params: w.params().unwrap().to_vec(), reports, globals, saved, syncs }
+                    let local = (w.stats().local.syncs, w.local_comm().map_or(0, |c| c.stats().bytes_sent));
+                    Ranked { params: w.params().unwrap().to_vec(), reports, globals, saved, syncs, local }
                 })
             })
             .collect();
@@ -193,6 +209,32 @@ fn background_and_inline_fragment_all_reduces_give_the_same_bits() {
                 assert!(bit_identical(x, y), "{wire:?}: rank {r}'s global state after step {step} differs");
             }
         }
+    }
+}
+
+/// Two nodes of two workers: the fragments sync over all four ranks, and each node averages its
+/// parameters in f32 at every local round's end, as the plan says. The global state stays identical on
+/// every rank, the ranks end with one model, on f32 and int8 wires; the node averages move f32 bytes.
+#[test]
+fn streaming_runs_over_two_levels_with_node_averages_in_f32() {
+    let p = plan(60, SyncRule::Constant { h: 8 }).with_local(SyncRule::Constant { h: 2 }).unwrap();
+    for wire in [Wire::F32, Wire::Int8] {
+        let mut setup = Setup::new(4, p.clone(), streaming(2, 2, 1.0));
+        (setup.wire, setup.nodes) = (wire, Some(2));
+        let runs = run(&setup, None, None);
+        for step in 0..runs[0].globals.len() {
+            all_identical(&runs, &format!("{wire:?}: global after step {step}"), |r| &r.globals[step]);
+        }
+        all_identical(&runs, &format!("{wire:?}: final parameters"), |r| &r.params);
+        assert_eq!(runs[0].syncs, p.summary().rounds, "{wire:?}: global rounds");
+        // Every other step but the global rounds' ends: 22 node averages of the whole model.
+        let planned = p.cursor().filter(|s| s.local_sync_after).count() as u64;
+        assert_eq!(planned, 22);
+        let n = runs[0].params.len() as u64;
+        let f32_average = qsr_sched::ring_allreduce_bytes_per_rank(n, Wire::F32.encoding(), 2);
+        assert_eq!(runs[0].local, (planned, planned * f32_average), "{wire:?}: node averages and their bytes");
+        let globals = runs[0].reports.iter().filter(|r| r.sync.is_some_and(|s| s.level == Level::Global)).count();
+        assert!(globals >= 2 * 8, "{wire:?}: {globals} steps report a global sync (two fragments a round)");
     }
 }
 

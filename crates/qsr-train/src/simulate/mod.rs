@@ -88,7 +88,8 @@ impl Cluster {
 
     /// Seconds of a local average inside a node (none without nodes: every worker is its own node).
     fn local_seconds(&self, payload: &SyncPayload) -> f64 {
-        self.nodes.map_or(0.0, |n| payload.seconds(SyncMode::Parameters, n.size, &n.intra))
+        let local = SyncPayload { parameter_encoding: payload.local_encoding, ..*payload };
+        self.nodes.map_or(0.0, |n| local.seconds(SyncMode::Parameters, n.size, &n.intra))
     }
 }
 
@@ -154,6 +155,9 @@ pub struct SyncPayload {
     /// How a parameter all-reduce's payload travels (`driver.wire`): f32, bf16, or int8 / fp8 with
     /// one scale per 64 values.
     pub parameter_encoding: Encoding,
+    /// How a node's local average travels (`Wire::at(Level::Local)`): f32 under int8 / fp8, which
+    /// carry only the global syncs' pseudo-gradients.
+    pub local_encoding: Encoding,
     /// Largest bucket in elements (`driver.bucket_elems`), if the recipe buckets its all-reduces.
     pub bucket_elements: Option<u64>,
 }
@@ -167,6 +171,7 @@ impl SyncPayload {
             parameter_elements: params,
             bytes_per_element: 4,
             parameter_encoding: Encoding::F32,
+            local_encoding: Encoding::F32,
             bucket_elements: None,
         }
     }
@@ -390,6 +395,7 @@ pub fn recipe_payload(recipe: &TrainRecipe, params: u64, running: u64) -> SyncPa
         parameter_elements: params + extra,
         bytes_per_element: 4,
         parameter_encoding: recipe.driver.wire.encoding(),
+        local_encoding: recipe.driver.wire.at(qsr_optim::Level::Local).encoding(),
         bucket_elements: recipe.driver.bucket_elems.map(|b| b as u64),
     }
 }

@@ -69,6 +69,9 @@ pub(super) fn predict_streaming(
         net.global_seconds(&part, SyncMode::Parameters, world_size)
     };
     let (mut pending, mut syncs, mut gradient_syncs) = (Vec::<Pending>::new(), 0, 0);
+    // A node's plain average at every local round's end (in f32 under int8 / fp8).
+    let node_average = net.local_seconds(payload);
+    let (mut local_syncs, mut local_comm) = (0, 0.0);
     for info in plan.cursor() {
         t.spend(info.step, step_seconds);
         if info.mode == SyncMode::Gradients {
@@ -83,6 +86,10 @@ pub(super) fn predict_streaming(
             let arrives = t.send(fragment_seconds(share.end - share.start));
             pending.push(Pending { fragment: f, apply_after: info.step + streaming.delay, arrives });
         }
+        if info.local_sync_after {
+            t.wait(info.step, t.clock + node_average);
+            (local_syncs, local_comm) = (local_syncs + 1, local_comm + node_average);
+        }
         if info.step + 1 == plan.end_step() {
             let last = pending.iter().map(|p| p.arrives).fold(t.clock, f64::max);
             t.wait(info.step, last);
@@ -93,7 +100,7 @@ pub(super) fn predict_streaming(
             }
         }
     }
-    let counted = Counted { syncs, gradient_syncs, local_syncs: 0, comm: t.waited, local_comm: 0.0, epochs: t.epochs };
+    let counted = Counted { syncs, gradient_syncs, local_syncs, comm: t.waited, local_comm, epochs: t.epochs };
     Prediction::new(name, plan, (world_size, spe, step_seconds), counted)
 }
 

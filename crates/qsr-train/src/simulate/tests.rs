@@ -156,6 +156,7 @@ fn bf16_wire_halves_the_parameter_sync_payload() {
     let f32_payload = recipe_payload(&TrainRecipe::load(&base, &[]).unwrap(), 1_000_000, 0);
     let bf16 = recipe_payload(&TrainRecipe::load(&base, &["driver.wire=bf16".to_string()]).unwrap(), 1_000_000, 0);
     assert_eq!((bf16.bytes_per_element, bf16.parameter_encoding), (4, qsr_sched::Encoding::BF16));
+    assert_eq!(bf16.local_encoding, qsr_sched::Encoding::BF16, "node averages stay bf16");
     let net = Network::new(1e9, 0.0).unwrap();
     let (a, b) = (f32_payload.seconds(SyncMode::Parameters, 4, &net), bf16.seconds(SyncMode::Parameters, 4, &net));
     assert!(close(b * 2.0, a), "bf16 {b} s vs f32 {a} s");
@@ -184,6 +185,33 @@ fn two_level_prediction_hand_computed() {
     let f = predict("flat", &flat, 0.1, &payload, 4, cluster, None);
     assert_eq!(f.local_syncs, 0);
     assert!(close(f.comm_seconds, 20.0));
+}
+
+/// Two nodes of two workers: every local round's end averages the node in f32 whatever the wire,
+/// blocking the workers; the fragments cross the nodes.
+#[test]
+fn streaming_predictions_count_node_averages_in_f32() {
+    let p = plan(SyncRule::Constant { h: 8 }, 64).with_local(SyncRule::Constant { h: 2 }).unwrap();
+    let int8 = recipe("digits-qsr.toml");
+    let int8 = recipe_payload(&TrainRecipe::load(&int8, &["driver.wire=int8".to_string()]).unwrap(), 1_000_000, 0);
+    assert_eq!(
+        (int8.parameter_encoding, int8.local_encoding),
+        (qsr_sched::Encoding::quantized(64), qsr_sched::Encoding::F32)
+    );
+    let payload = SyncPayload {
+        parameter_encoding: int8.parameter_encoding,
+        local_encoding: int8.local_encoding,
+        ..SyncPayload::params(1_000_000)
+    };
+    let st = qsr_optim::StreamingConfig { fragments: 2, delay: 1, mix: 1.0 };
+    let fragments = qsr_sched::FragmentPlan::new(p.clone(), 2).unwrap();
+    let (inter, intra) = (Network::new(1e10, 0.0).unwrap(), Network::new(1e9, 0.0).unwrap());
+    let cluster = Cluster { inter, nodes: Some(Nodes { size: 2, intra }) };
+    let s = streaming::predict_streaming("s", (&fragments, &st), 0.1, &payload, 4, (cluster, Some(16)));
+    assert_eq!(s.local_syncs, 24, "every other step of 64 but the 8 global rounds' ends");
+    let f32_average = intra.allreduce_seconds(4e6, 2, 1);
+    assert!(close(s.local_comm_seconds, 24.0 * f32_average), "{} vs {}", s.local_comm_seconds, 24.0 * f32_average);
+    assert!(s.comm_seconds >= s.local_comm_seconds);
 }
 
 /// A streaming recipe's fragments overlap the steps: where every average arrives before it is due, the

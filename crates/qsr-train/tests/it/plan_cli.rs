@@ -236,6 +236,12 @@ fn plan_shows_the_local_level_of_a_two_level_recipe_with_its_bytes() {
     // The flag keeps the local level when it switches the global rule.
     let dp = text(&["--sync", "dp"]);
     assert!(dp.contains("0 averages"), "{dp}");
+    // Regression: under `--wire int8` the node averages were counted in int8; they travel in f32
+    // (int8 carries the global syncs' pseudo-gradients only), and bf16 ones in bf16.
+    let int8 = text(&["--node-size", "2", "--wire", "int8"]);
+    assert!(int8.contains("351.56 KiB per rank inside its node (3.91 KiB per average)"), "{int8}");
+    let bf16 = text(&["--node-size", "2", "--wire", "bf16"]);
+    assert!(bf16.contains("175.78 KiB per rank inside its node (1.95 KiB per average)"), "{bf16}");
 }
 
 /// A QSR recipe over 880 steps with `h_base = 2` and `[sync.streaming]` lines appended.

@@ -327,16 +327,36 @@ fn a_streaming_run_resumes_exactly_with_an_average_in_flight() {
 /// it is applied. The run learns, counts rounds as syncs and sends about a quarter of the bytes.
 #[test]
 fn streaming_processes_equal_streaming_threads_and_send_a_quarter_of_the_bytes() {
+    streaming_processes_equal_threads_with(&[]);
+}
+
+/// The same over two levels: nodes of 2 workers average every step in f32 (over shared memory between
+/// processes), the int8 fragments cross the nodes; the node averages are the plan's.
+#[test]
+fn two_level_streaming_processes_equal_two_level_streaming_threads() {
+    let local = ["sync.local.rule=constant", "sync.local.h=1", "sync.local.workers_per_node=2"];
+    let summaries =
+        streaming_processes_equal_threads_with(&local.iter().flat_map(|l| ["--set", l]).collect::<Vec<_>>());
+    for s in summaries {
+        let l = &s["local"];
+        assert_eq!((l["node_size"].as_u64(), l["syncs"].clone()), (Some(2), l["planned_syncs"].clone()), "{s}");
+        assert_eq!(l["syncs"].as_u64().unwrap() + s["syncs"].as_u64().unwrap(), 300, "{s}");
+    }
+}
+
+/// Runs the streaming recipe with `extra` settings as 4 simulated workers and as 4 processes over shared
+/// memory, and plain QSR beside; checks they agree; returns the streaming runs' summaries.
+fn streaming_processes_equal_threads_with(extra: &[&str]) -> [serde_json::Value; 2] {
     let dir = tempfile::tempdir().unwrap();
-    let set = [&["--set", "schedule.total_steps=300", "--quiet"][..], &STREAMING].concat();
+    let set = [&["--set", "schedule.total_steps=300", "--quiet"][..], &STREAMING, extra].concat();
     let (threads, procs, plain) = (dir.path().join("threads"), dir.path().join("procs"), dir.path().join("plain"));
-    ok(&[&["train", "--recipe", RECIPE, "--workers", "3", "--out", threads.to_str().unwrap()][..], &set].concat());
+    ok(&[&["train", "--recipe", RECIPE, "--workers", "4", "--out", threads.to_str().unwrap()][..], &set].concat());
     ok_over(
         "shm",
-        &[&["train", "--recipe", RECIPE, "--nproc", "3", "--out", procs.to_str().unwrap()][..], &set].concat(),
+        &[&["train", "--recipe", RECIPE, "--nproc", "4", "--out", procs.to_str().unwrap()][..], &set].concat(),
     );
-    let plain_args = ["train", "--recipe", RECIPE, "--workers", "3", "--quiet", "--out", plain.to_str().unwrap()];
-    ok(&[&plain_args[..], &["--set", "schedule.total_steps=300"]].concat());
+    let plain_args = ["train", "--recipe", RECIPE, "--workers", "4", "--quiet", "--out", plain.to_str().unwrap()];
+    ok(&[&plain_args[..], &["--set", "schedule.total_steps=300"], extra].concat());
     assert_eq!(final_params(&threads), final_params(&procs));
     let (t, p) = (json(&threads.join("summary.json")), json(&procs.join("summary.json")));
     let q = json(&plain.join("summary.json"));
@@ -345,4 +365,5 @@ fn streaming_processes_equal_streaming_threads_and_send_a_quarter_of_the_bytes()
     let ratio = t["bytes_per_rank"].as_f64().unwrap() / q["bytes_per_rank"].as_f64().unwrap();
     assert!(ratio < 0.3, "streaming int8 sent {ratio} of plain QSR's bytes: {t}");
     assert!(t["final_test_accuracy"].as_f64().unwrap() > 0.8, "{t}");
+    [t, p]
 }
