@@ -26,6 +26,49 @@ fn int8_round_trip_is_within_half_a_step_of_each_blocks_scale() {
     assert!(decoded.iter().take(block).any(|v| (v.abs() - max).abs() <= max * 1e-6));
 }
 
+/// int8 codes round to nearest with ties to even (a block whose largest value is 127 has scale 1).
+#[test]
+fn int8_rounds_to_the_nearest_code_ties_to_even() {
+    let mut values = [127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 3.49, -3.51, 126.5];
+    Codec::Int8.round_block(&mut values);
+    assert_eq!(values, [127.0, 0.0, 2.0, 2.0, -0.0, -2.0, 3.0, -4.0, 126.0]);
+}
+
+/// The bit-level fp8 encoder against a search for the nearest code (ties to the even code), around
+/// every code: the codes, their midpoints and one ulp either side, subnormals, 448 and beyond, and a
+/// seeded sweep of magnitudes from 2^-14 to 2^10.
+#[test]
+fn fp8_encode_is_the_nearest_code_ties_to_even() {
+    let codes: Vec<f32> = (0..=0x7eu8).map(fp8_decode).collect();
+    let nearest = |v: f32| -> u8 {
+        let a = v.abs();
+        let sign = if v.is_sign_negative() { 0x80 } else { 0 };
+        if a >= 448.0 {
+            return sign | 0x7e; // saturates (distances to huge values round to ties)
+        }
+        let best = (0..codes.len())
+            .min_by(|&i, &j| {
+                let (di, dj) = ((codes[i] - a).abs(), (codes[j] - a).abs());
+                di.total_cmp(&dj).then((i % 2).cmp(&(j % 2)))
+            })
+            .unwrap() as u8;
+        sign | best
+    };
+    let mut probes = vec![0.0, 1e-30, 1e-10, 1e-3, f32::MIN_POSITIVE, 448.0, 449.0, 464.0, 470.0, 1e6, f32::MAX];
+    for w in codes.windows(2) {
+        let mid = (w[0] + w[1]) / 2.0;
+        probes.extend([w[0], mid.next_down(), mid, mid.next_up(), w[1]]);
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    probes.extend((0..20_000).map(|_| 2f32.powf(rng.random_range(-14.0f32..10.0))));
+    for a in probes {
+        for v in [a, -a] {
+            assert_eq!(fp8_encode(v), nearest(v), "{v:e}");
+        }
+    }
+    assert_eq!((fp8_encode(f32::INFINITY), fp8_encode(f32::NEG_INFINITY), fp8_encode(f32::NAN)), (0x7e, 0xfe, 0));
+}
+
 #[test]
 fn payload_bytes_are_one_per_value_plus_a_scale_per_block() {
     let q = Quantized::encode(Codec::Int8, &vec![1.0; 1_000], 64);
