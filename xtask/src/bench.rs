@@ -9,7 +9,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-pub const GROUPS: [&str; 6] = ["sched", "kernels", "optim", "comm", "data", "train"];
+pub const GROUPS: [&str; 7] = ["sched", "kernels", "optim", "comm", "comm-quantized", "data", "train"];
 
 fn cargo(root: &Path) -> Command {
     let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
@@ -83,9 +83,20 @@ fn section_kernels(root: &Path) -> Result<String> {
         "| operation (K = 4 x 64 MiB) | median | GiB/s (read + write) | fused bandwidth vs this |\n|---|---|---|---|\n",
     );
     let bytes = 2.0 * 4.0 * 64.0 * 1024.0 * 1024.0;
-    for (id, ms) in &m {
+    let (averaging, coding): (Vec<_>, Vec<_>) = m.iter().partition(|(id, _)| id.starts_with("average_"));
+    for (id, ms) in averaging {
         let gib = bytes / (ms / 1e3) / (1024.0 * 1024.0 * 1024.0);
         let _ = writeln!(o, "| {id} | {ms:.2} ms | {gib:.2} | {:.2}x |", ms / fused);
+    }
+    // The streaming syncs' coding: 4 Mi values encoded and decoded in place, one thread.
+    let copy = get(&m, "round_block_4Mi/copy_only");
+    o.push_str(
+        "\n| coding (4 Mi values, one thread) | median | ns per value | vs a copy of the buffer |\n|---|---|---|---|\n",
+    );
+    for (id, ms) in coding {
+        let ns = ms * 1e6 / (4.0 * 1024.0 * 1024.0);
+        let vs = copy.map_or("-".into(), |c| format!("{:.1}x", ms / c));
+        let _ = writeln!(o, "| {id} | {ms:.2} ms | {ns:.2} | {vs} |");
     }
     Ok(o)
 }
@@ -166,16 +177,21 @@ struct CommBench {
     gloo: bool,
 }
 
-fn section_comm(root: &Path, target: &Path) -> Result<String> {
+/// Builds the all-reduce bench (with `features`) and says where it and its peers are.
+fn comm_bench(root: &Path, target: &Path, features: &[&str]) -> Result<CommBench> {
     let mut b = cargo(root);
-    b.args(["build", "--release", "--locked", "-p", "qsr-comm", "--features", "mpi", "--example", "allreduce_bench"]);
+    b.args(["build", "--release", "--locked", "-p", "qsr-comm", "--example", "allreduce_bench"]).args(features);
     output(b)?;
     let tmp = std::env::temp_dir().join("qsr-bench-comm");
     std::fs::create_dir_all(&tmp)?;
     // Gloo (torch.distributed) is a peer only where Python torch is importable.
     let gloo =
         Command::new("python3").args(["-c", "import torch.distributed"]).output().is_ok_and(|o| o.status.success());
-    let ctx = CommBench { root: root.to_path_buf(), exe: target.join("release/examples/allreduce_bench"), tmp, gloo };
+    Ok(CommBench { root: root.to_path_buf(), exe: target.join("release/examples/allreduce_bench"), tmp, gloo })
+}
+
+fn section_comm(root: &Path, target: &Path) -> Result<String> {
+    let ctx = comm_bench(root, target, &["--features", "mpi"])?;
     let mut o = String::from(
         "busbw GB/s (algbw x 2(n-1)/n), sizes 4 KiB..256 MiB, and the 8 B latency; `ours` is what `qsr_comm::connect` \
          picks (shared memory, every rank being on this host), next to our TCP ring, MPI_Allreduce (our MPI backend \
@@ -232,6 +248,44 @@ fn section_comm(root: &Path, target: &Path) -> Result<String> {
     o.push_str(&shm_cutover(&ctx)?);
     o.push_str(&tcp_cutover(&ctx)?);
     Ok(o)
+}
+
+/// `cargo xtask bench comm-quantized`: the TCP ring's f32 all-reduce against its int8 and fp8 ones
+/// (block-scaled, re-quantized at each hop) at 4 ranks, 64 KiB..64 MiB of f32: time per call and the
+/// bytes a rank sends.
+fn section_comm_quantized(root: &Path, target: &Path) -> Result<String> {
+    let ctx = &comm_bench(root, target, &[])?;
+    let mut o = String::from(
+        "The TCP ring at 4 ranks with block-scaled int8 / fp8 payloads (`all_reduce_quantized`) against f32: \
+         median us per call for a buffer of that many f32 bytes, and the bytes rank 0 sends per call \
+         (`CommStats`):\n\n\
+         | size (f32) | f32 us | int8 us | fp8 us | int8 / f32 time | f32 bytes sent | int8 bytes sent | int8 / f32 bytes |\n\
+         |---|---|---|---|---|---|---|---|\n",
+    );
+    let (min, max) = (64u64 << 10, 64u64 << 20);
+    let run = |wire: &str| comm_sweep(ctx, "tcp", 4, (min, max), &["--wire", wire]);
+    let (f, i, e) = (run("f32")?, run("int8")?, run("fp8")?);
+    let sent = |wire: &str| wire_bytes(&ctx.tmp.join(format!("tcp-4-{min}-{max}--wire{wire}.json")));
+    let (fs, is) = (sent("f32")?, sent("int8")?);
+    for (((a, b), c), (x, y)) in f.iter().zip(&i).zip(&e).zip(fs.iter().zip(&is)) {
+        let _ = writeln!(
+            o,
+            "| {} | {:.1} | {:.1} | {:.1} | {:.2} | {x} | {y} | {:.3} |",
+            human(a.0),
+            a.1,
+            b.1,
+            c.1,
+            b.1 / a.1,
+            *y as f64 / *x as f64
+        );
+    }
+    Ok(o)
+}
+
+/// The bytes rank 0 sent per call at each size of a sweep's JSON.
+fn wire_bytes(json: &Path) -> Result<Vec<u64>> {
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(json)?)?;
+    Ok(v.as_array().map(|rows| rows.iter().filter_map(|r| r["wire_bytes"].as_u64()).collect()).unwrap_or_default())
 }
 
 /// The TCP ring's all-reduce by recursive doubling against the pipelined ring, 64 B..64 KiB at 4 and
@@ -625,6 +679,7 @@ pub fn run(which: &str, root: &Path, target: &Path) -> Result<()> {
             "kernels" => section_kernels(root)?,
             "optim" => section_optim(root)?,
             "comm" => section_comm(root, target)?,
+            "comm-quantized" => section_comm_quantized(root, target)?,
             "train" => section_train(root, target)?,
             _ => section_data(root)?,
         };

@@ -13,15 +13,19 @@
 //! mpirun --allow-run-as-root --oversubscribe -np 4 target/release/examples/allreduce_bench --backend mpi
 //! ```
 //! Options: `--min-bytes 4096 --max-bytes 268435456 --iters N --warmup N --json FILE
-//! --chunk-bytes N --socket-buffer N --doubling-bytes N --one-stage-bytes N` (the last for `shm`). For `tcp`, `shm` and `auto` the ranks are child processes of
-//! this program on 127.0.0.1 (rank 0 is the parent); time is the median of per-call times on rank 0.
+//! --chunk-bytes N --socket-buffer N --doubling-bytes N --one-stage-bytes N` (the last for `shm`),
+//! `--wire int8|fp8` (block-scaled payloads, `Collective::all_reduce_quantized`; sizes stay those of
+//! the f32 buffer, `wire_bytes` is what rank 0 sent per call, and `#wrong` counts values further from
+//! the exact sum than `ranks` steps of the buffer's largest sum). For `tcp`, `shm` and `auto` the ranks
+//! are child processes of this program on 127.0.0.1 (rank 0 is the parent); time is the median of
+//! per-call times on rank 0.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use qsr_comm::{Collective, MasterListener, ReduceOp, ShmConfig, TcpComm, TcpConfig, Transport};
+use qsr_comm::{Codec, Collective, MasterListener, ReduceOp, ShmConfig, TcpComm, TcpConfig, Transport};
 
 #[derive(Clone, Debug)]
 struct Args {
@@ -38,6 +42,8 @@ struct Args {
     doubling_bytes: Option<usize>,
     child_rank: Option<usize>,
     master: Option<String>,
+    /// Block-scaled payloads instead of f32 (`--wire int8|fp8`).
+    codec: Option<Codec>,
 }
 
 fn parse() -> Result<Args, String> {
@@ -55,6 +61,7 @@ fn parse() -> Result<Args, String> {
         doubling_bytes: None,
         child_rank: None,
         master: None,
+        codec: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -74,6 +81,14 @@ fn parse() -> Result<Args, String> {
             "--doubling-bytes" => a.doubling_bytes = Some(num(v()?)?),
             "--child-rank" => a.child_rank = Some(num(v()?)?),
             "--master" => a.master = Some(v()?),
+            "--wire" => {
+                a.codec = match v()?.as_str() {
+                    "f32" => None,
+                    "int8" => Some(Codec::Int8),
+                    "fp8" => Some(Codec::Fp8E4m3),
+                    w => return Err(format!("--wire {w}: expected f32, int8 or fp8")),
+                }
+            }
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -102,6 +117,8 @@ struct Row {
     algbw: f64,
     busbw: f64,
     wrong: usize,
+    /// Bytes rank 0 sent per call.
+    wire_bytes: u64,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -124,24 +141,25 @@ fn sweep(c: &mut dyn Collective, a: &Args) -> Result<Vec<Row>, String> {
         let mut buf = vec![0f32; count];
         let iters = iters_for(a, bytes);
         let mut times = Vec::with_capacity(iters);
-        let mut wrong = 0;
+        let (mut wrong, mut wire_bytes) = (0, 0);
         for it in 0..a.warmup + iters {
             fill(&mut buf, c.rank());
             // Refilling is not timed; the barrier keeps one rank's refill out of another's time.
             c.barrier().map_err(|e| e.to_string())?;
+            let sent = c.stats().bytes_sent;
             let t = Instant::now();
-            c.all_reduce(&mut buf, ReduceOp::Sum).map_err(|e| e.to_string())?;
+            match a.codec {
+                Some(codec) => c.all_reduce_quantized(&mut buf, ReduceOp::Sum, codec),
+                None => c.all_reduce(&mut buf, ReduceOp::Sum),
+            }
+            .map_err(|e| e.to_string())?;
             let dt = t.elapsed().as_secs_f64();
+            wire_bytes = c.stats().bytes_sent - sent;
             if it >= a.warmup {
                 times.push(dt);
             }
             if it + 1 == a.warmup + iters {
-                let ranks_sum = (n * (n - 1) / 2) as f32;
-                wrong = buf
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, x)| **x != (i % 61) as f32 * 0.25 * n as f32 + ranks_sum)
-                    .count();
+                wrong = count_wrong(&buf, n, a.codec.is_some());
             }
         }
         let t = median(times);
@@ -153,9 +171,19 @@ fn sweep(c: &mut dyn Collective, a: &Args) -> Result<Vec<Row>, String> {
             algbw,
             busbw: algbw * 2.0 * (n as f64 - 1.0) / n as f64,
             wrong,
+            wire_bytes,
         });
     }
     Ok(rows)
+}
+
+/// Values of the sum of [`fill`]'s inputs over `n` ranks that are wrong: not exact in f32, or, for a
+/// quantized sum, further off than `n` steps of 1/127 of the largest sum (each hop rounds once).
+fn count_wrong(buf: &[f32], n: usize, quantized: bool) -> usize {
+    let ranks_sum = (n * (n - 1) / 2) as f32;
+    let exact = |i: usize| (i % 61) as f32 * 0.25 * n as f32 + ranks_sum;
+    let tolerance = if quantized { n as f32 * (60.0 * 0.25 * n as f32 + ranks_sum) / 127.0 } else { 0.0 };
+    buf.iter().enumerate().filter(|&(i, x)| (x - exact(i)).abs() > tolerance || x.is_nan()).count()
 }
 
 /// Raw loopback reference: n ranks (a sender and a receiver thread each) in a ring, each streaming
@@ -221,7 +249,7 @@ fn raw_sweep(a: &Args) -> Result<Vec<Row>, String> {
         .map(|(i, &bytes)| {
             let t = results[1][i];
             let bw = bytes as f64 / t / 1e9;
-            Row { bytes, count: bytes / 4, time_us: t * 1e6, algbw: bw, busbw: bw, wrong: 0 }
+            Row { bytes, count: bytes / 4, time_us: t * 1e6, algbw: bw, busbw: bw, wrong: 0, wire_bytes: bytes as u64 }
         })
         .collect())
 }
@@ -229,13 +257,13 @@ fn raw_sweep(a: &Args) -> Result<Vec<Row>, String> {
 fn print(a: &Args, n: usize, rows: &[Row]) {
     println!("# backend {} ranks {n}", a.backend);
     println!(
-        "# {:>12} {:>10} {:>12} {:>10} {:>10} {:>7}",
-        "size", "count", "time_us", "algbw_GB/s", "busbw_GB/s", "#wrong"
+        "# {:>12} {:>10} {:>12} {:>10} {:>10} {:>7} {:>12}",
+        "size", "count", "time_us", "algbw_GB/s", "busbw_GB/s", "#wrong", "wire_bytes"
     );
     for r in rows {
         println!(
-            "  {:>12} {:>10} {:>12.1} {:>10.3} {:>10.3} {:>7}",
-            r.bytes, r.count, r.time_us, r.algbw, r.busbw, r.wrong
+            "  {:>12} {:>10} {:>12.1} {:>10.3} {:>10.3} {:>7} {:>12}",
+            r.bytes, r.count, r.time_us, r.algbw, r.busbw, r.wrong, r.wire_bytes
         );
     }
     if let Some(path) = &a.json {
@@ -243,7 +271,8 @@ fn print(a: &Args, n: usize, rows: &[Row]) {
             .iter()
             .map(|r| {
                 serde_json::json!({"backend": a.backend, "ranks": n, "bytes": r.bytes, "count": r.count,
-                    "time_us": r.time_us, "algbw_gbs": r.algbw, "busbw_gbs": r.busbw, "wrong": r.wrong})
+                    "time_us": r.time_us, "algbw_gbs": r.algbw, "busbw_gbs": r.busbw, "wrong": r.wrong,
+                    "wire_bytes": r.wire_bytes})
             })
             .collect();
         if let Err(e) = std::fs::write(path, serde_json::to_string_pretty(&v).unwrap_or_default()) {
@@ -318,7 +347,7 @@ fn memcpy_sweep(a: &Args) -> Vec<Row> {
                 .collect();
             let t = median(times);
             let bw = bytes as f64 / t / 1e9;
-            Row { bytes, count: bytes / 4, time_us: t * 1e6, algbw: bw, busbw: bw, wrong: 0 }
+            Row { bytes, count: bytes / 4, time_us: t * 1e6, algbw: bw, busbw: bw, wrong: 0, wire_bytes: bytes as u64 }
         })
         .collect()
 }
