@@ -63,7 +63,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::OptimError;
 use crate::flat::ParamLayout;
 use crate::outer::{Outer, OuterConfig};
-use crate::stream::{Stream, StreamState, StreamingConfig, fragment_ranges};
+use crate::stream::{Stream, StreamState, StreamingConfig, fragment_ranges, give_background};
 use crate::sync::{Wire, check_wire};
 
 /// What an [`Averager`] averages and when.
@@ -376,25 +376,8 @@ impl Averager {
     /// before its first step. The results are the same bits as without it.
     pub fn set_streaming_comm(&mut self, comm: Box<dyn Collective>) -> Result<(), OptimError> {
         check_wire(self.config.wire, comm.as_ref(), "wire")?;
-        if comm.world_size() != self.world_size() || comm.rank() != self.rank() {
-            return Err(OptimError::Config {
-                field: "streaming".into(),
-                reason: format!(
-                    "the streaming collective is rank {} of {}, the averager's rank {} of {}",
-                    comm.rank(),
-                    comm.world_size(),
-                    self.rank(),
-                    self.world_size()
-                ),
-            });
-        }
-        match &mut self.stream {
-            Some(stream) => stream.set_background(comm),
-            None => Err(OptimError::Config {
-                field: "streaming".into(),
-                reason: "a streaming collective needs `streaming` (or an int8 / fp8 wire) in the config".into(),
-            }),
-        }
+        let at = (self.rank(), self.world_size());
+        give_background(self.stream.as_mut(), comm, at, ("streaming", "averager"))
     }
 
     /// Call after each of the caller's optimizer steps with the learning rate that step used. At the

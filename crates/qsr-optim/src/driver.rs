@@ -27,7 +27,7 @@ use crate::flat::ParamLayout;
 use crate::optim::{OptimState, OptimizerConfig};
 use crate::outer::{Outer, OuterConfig};
 use crate::replica::{DeviceReplica, HostReplica, Replica};
-use crate::stream::{Stream, StreamState, StreamingConfig, fragment_ranges};
+use crate::stream::{Stream, StreamState, StreamingConfig, fragment_ranges, give_background};
 use crate::sync::{
     BnPolicy, DriverConfig, DriverStats, Level, Peers, Residency, StepReport, SyncReport, Wire, check_wire,
 };
@@ -150,25 +150,8 @@ impl<M: Module> Worker<M> {
     /// carry the wire.
     pub fn set_streaming_comm(&mut self, comm: Box<dyn Collective>) -> Result<(), OptimError> {
         check_wire(self.config.wire, comm.as_ref(), "driver.wire")?;
-        if comm.world_size() != self.world_size() || comm.rank() != self.rank() {
-            return Err(OptimError::Config {
-                field: "sync.streaming".into(),
-                reason: format!(
-                    "the streaming collective is rank {} of {}, the worker's rank {} of {}",
-                    comm.rank(),
-                    comm.world_size(),
-                    self.rank(),
-                    self.world_size()
-                ),
-            });
-        }
-        match &mut self.stream {
-            Some(stream) => stream.set_background(comm),
-            None => Err(OptimError::Config {
-                field: "sync.streaming".into(),
-                reason: "a streaming collective needs streaming syncs (Worker::set_streaming)".into(),
-            }),
-        }
+        let at = (self.rank(), self.world_size());
+        give_background(self.stream.as_mut(), comm, at, ("sync.streaming", "worker"))
     }
 
     /// The streaming state (averages in flight, waiting for them; the error-feedback residual) for a

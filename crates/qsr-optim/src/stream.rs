@@ -64,7 +64,7 @@ impl StreamingConfig {
         Self { fragments, delay: 1, mix: 1.0 }
     }
 
-    /// Checks `delay` and `mix`, naming the key (the fragment count is checked by [`FragmentPlan::new`]).
+    /// Checks `delay` and `mix`, naming the key (the fragment count is checked by [`qsr_sched::FragmentPlan::new`]).
     pub fn validate(&self) -> Result<(), OptimError> {
         if self.delay == 0 {
             return Err(OptimError::Config {
@@ -144,6 +144,31 @@ pub(crate) fn fragment_ranges(layout: &ParamLayout, fragments: u32) -> Result<Ve
     let sizes: Vec<u64> = layout.trainable.iter().map(|e| e.range.len() as u64).collect();
     let tensors = split_tensors(&sizes, fragments)?;
     Ok(tensors.iter().map(|t| layout.trainable[t.start].range.start..layout.trainable[t.end - 1].range.end).collect())
+}
+
+/// Gives the owner's `stream` (a worker's or an averager's) a background collective, which must hold
+/// the owner's `rank` of `world`; refused naming `field` (the owner's streaming setting) otherwise, or
+/// when the owner does not stream.
+pub(crate) fn give_background(
+    stream: Option<&mut Stream>,
+    comm: Box<dyn Collective>,
+    (rank, world): (usize, usize),
+    (field, owner): (&str, &str),
+) -> Result<(), OptimError> {
+    let refuse = |reason: String| Err(OptimError::Config { field: field.into(), reason });
+    if comm.world_size() != world || comm.rank() != rank {
+        let theirs = (comm.rank(), comm.world_size());
+        return refuse(format!(
+            "the streaming collective is rank {} of {}, the {owner}'s rank {rank} of {world}",
+            theirs.0, theirs.1
+        ));
+    }
+    match stream {
+        Some(stream) => stream.set_background(comm),
+        None => {
+            refuse(format!("a streaming collective needs the {owner} to stream (`{field}`, or an int8 / fp8 wire)"))
+        }
+    }
 }
 
 /// The streaming state of a host-resident worker (or an `Averager`).
