@@ -57,8 +57,14 @@ impl Store {
 
 /// One external elastic worker (launcher order `rank`, when given) of the run in `out`.
 fn worker(store: &str, out: &Path, rank: Option<usize>, fault: Option<&str>) -> Child {
+    worker_with(store, out, rank, fault, &[])
+}
+
+/// [`worker`] with `--set` settings.
+fn worker_with(store: &str, out: &Path, rank: Option<usize>, fault: Option<&str>, sets: &[&str]) -> Child {
     let mut c = short_timeout_qsr();
     c.args(["train", "--recipe", RECIPE, "--set", STEPS, "--quiet", "--comm", "tcp", "--elastic"]);
+    c.args(sets.iter().flat_map(|s| ["--set", s]));
     c.args(["--rendezvous", store, "--out", out.to_str().unwrap()]);
     if let Some(r) = rank {
         c.args(["--rank", &r.to_string()]);
@@ -196,6 +202,25 @@ fn a_killed_worker_restarted_rejoins_and_the_run_ends_with_four() {
     assert_eq!(s["syncs"], s["planned_syncs"]);
     let m = &s["membership"][0];
     assert_eq!((m["lost"][0]["rank"].as_u64(), m["joined"][0].as_u64()), (Some(3), Some(3)), "{m}");
+}
+
+/// The same with streaming int8 fragments: the replacement forms the pair of groups with the
+/// survivors, takes their parameters and global values (nothing in flight), and the run ends with four.
+#[test]
+fn a_killed_streaming_worker_restarted_rejoins_and_the_run_ends_with_four() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let sets = ["sync.streaming.fragments=2", "sync.streaming.delay=1", "driver.wire=int8"];
+    let (store, addr) = rendezvous(4, 4);
+    let mut workers: Vec<Child> =
+        (0..4).map(|r| worker_with(&addr, &run, Some(r), Some("kill:3:101"), &sets)).collect();
+    assert!(!stderr_of(workers.remove(3)).0.success(), "rank 3 should have been killed");
+    workers.push(worker_with(&addr, &run, None, None, &sets));
+    let s = job_finished(workers, store, &run);
+    assert_eq!((s["world_size"].as_u64(), s["syncs"].clone()), (Some(4), s["planned_syncs"].clone()), "{s}");
+    let m = &s["membership"][0];
+    assert_eq!((m["lost"][0]["rank"].as_u64(), m["joined"][0].as_u64()), (Some(3), Some(3)), "{m}");
+    assert!(s["final_test_accuracy"].as_f64().unwrap() > 0.8, "{s}");
 }
 
 #[test]
