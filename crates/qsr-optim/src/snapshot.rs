@@ -4,7 +4,7 @@
 use burn::module::Module;
 use qsr_sched::Cursor;
 
-use crate::{OptimError, OptimState, Worker};
+use crate::{InFlight, OptimError, OptimState, StreamState, Worker};
 
 /// Everything a [`Worker`] continues from: flat parameters, BatchNorm running statistics, its own
 /// optimizer state, its position in the plan and the outer optimizer's state. Taken after a
@@ -113,6 +113,38 @@ impl<M: Module> Worker<M> {
         self.set_running(&running)
     }
 
+    /// Gives every rank the averages in flight that rank `source` holds (`held`, its
+    /// [`Self::streaming_state`], which waited for their means; what other ranks pass is ignored): an
+    /// elastic generation that admits workers without a failure keeps the averages the old membership
+    /// completed. Every rank of a streaming job calls it after [`Self::adopt`] (nothing in flight); a
+    /// source holding none shares none.
+    pub fn share_in_flight(&mut self, source: usize, held: Option<StreamState>) -> Result<(), OptimError> {
+        let step = self.cursor().step();
+        let err = |source| OptimError::Comm { step, source };
+        let held = held.filter(|_| self.rank() == source).map(|s| s.in_flight).unwrap_or_default();
+        let mut count = [held.len() as f32];
+        self.comm_mut().broadcast(&mut count, source).map_err(err)?;
+        let mut in_flight = Vec::new();
+        for i in 0..count[0] as usize {
+            let mine = held.get(i);
+            let mut head = mine.map_or([0.0; 6], head_of);
+            self.comm_mut().broadcast(&mut head, source).map_err(err)?;
+            let [fragment, len, sent_hi, sent_lo, apply_hi, apply_lo] = head.map(f32::to_bits);
+            // Bounded by the model: a mean longer than all parameters is refused by the restore below.
+            let len = (len as usize).min(self.layout().len());
+            let mut mean = mine.map_or_else(|| vec![0.0; len], |f| f.mean.clone());
+            self.comm_mut().broadcast(&mut mean, source).map_err(err)?;
+            let (sent_after, apply_after) = (join(sent_hi, sent_lo), join(apply_hi, apply_lo));
+            in_flight.push(InFlight { fragment, sent_after, apply_after, mean });
+        }
+        if in_flight.is_empty() {
+            return Ok(());
+        }
+        // After `adopt` the residual is zero on every rank, as a joining worker's is.
+        let residual = self.streaming_state()?.and_then(|s| s.residual);
+        self.restore_streaming_state(StreamState { in_flight, residual })
+    }
+
     fn set_running(&mut self, running: &[f32]) -> Result<(), OptimError> {
         if running.is_empty() {
             return Ok(());
@@ -120,6 +152,19 @@ impl<M: Module> Worker<M> {
         let model = self.layout().write_running(self.model().clone(), running)?;
         self.set_model(model)
     }
+}
+
+/// An average in flight's fragment, mean length and steps as the bit patterns of 6 f32s (a broadcast
+/// copies bits; steps need all 64 of theirs).
+fn head_of(f: &InFlight) -> [f32; 6] {
+    let hi = |x: u64| (x >> 32) as u32;
+    let (sent, apply) = (f.sent_after, f.apply_after);
+    [f.fragment, f.mean.len() as u32, hi(sent), sent as u32, hi(apply), apply as u32].map(f32::from_bits)
+}
+
+/// A step from the two halves [`head_of`] sent.
+fn join(hi: u32, lo: u32) -> u64 {
+    (u64::from(hi) << 32) | u64::from(lo)
 }
 
 /// `dst` made equal to `src`, in its own allocation when that is large enough.

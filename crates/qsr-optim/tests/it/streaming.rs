@@ -27,11 +27,24 @@ struct Setup {
     rewind: Option<(u64, u64)>,
     /// Workers per node of a two-level plan (consecutive ranks), each node with its own group.
     nodes: Option<usize>,
+    /// After this step every rank adopts rank 0's state and rank 0 shares its averages in flight
+    /// (an elastic admission).
+    share_at: Option<u64>,
 }
 
 impl Setup {
     fn new(k: usize, plan: Plan, streaming: Option<StreamingConfig>) -> Self {
-        Setup { k, plan, streaming, wire: Wire::F32, outer: None, background: false, rewind: None, nodes: None }
+        Setup {
+            k,
+            plan,
+            streaming,
+            wire: Wire::F32,
+            outer: None,
+            background: false,
+            rewind: None,
+            nodes: None,
+            share_at: None,
+        }
     }
 }
 
@@ -125,6 +138,14 @@ fn run(setup: &Setup, resume: Option<&[Saved]>, stop_after: Option<u64>) -> Vec<
                             .unwrap();
                         reports.push(r);
                         globals.push(w.outer_state().map(|(g, _)| g.to_vec()).unwrap_or_default());
+                        if setup.share_at == Some(t) {
+                            let held = w.streaming_state().unwrap().unwrap();
+                            assert!(!held.in_flight.is_empty(), "nothing in flight to share");
+                            w.adopt(0, w.cursor().clone()).unwrap();
+                            w.share_in_flight(0, (rank == 0).then(|| held.clone())).unwrap();
+                            let shared = w.streaming_state().unwrap().unwrap();
+                            assert_eq!(shared.in_flight, held.in_flight, "rank {rank}: the averages in flight");
+                        }
                         match rewind {
                             Some((at, _)) if at == t => snapshot = Some(w.snapshot().unwrap()),
                             Some((_, back)) if back == t => {
@@ -264,6 +285,21 @@ fn restoring_a_snapshot_drops_the_averages_in_flight_alike_on_every_rank_and_lan
         assert!(!bit_identical(&whole[0].params, &inline[0].params), "{wire:?}: the rewind changed nothing");
         assert_close(&whole[0].params, &inline[0].params, 5e-2, &format!("{wire:?}: rewound vs whole run"));
     }
+}
+
+/// An elastic admission (nobody failed) keeps the averages in flight: after every rank adopts rank 0's
+/// state, rank 0 shares its averages (waited for); every rank then holds the same ones, the global state
+/// stays identical on all ranks after every later step, and the run ends with one model.
+#[test]
+fn averages_in_flight_shared_after_adopt_reach_every_rank() {
+    let p = plan(60, SyncRule::Constant { h: 8 });
+    let mut setup = Setup::new(3, p, streaming(4, 3, 1.0));
+    (setup.wire, setup.background, setup.share_at) = (Wire::Int8, true, Some(23));
+    let runs = run(&setup, None, None);
+    for step in 0..runs[0].globals.len() {
+        all_identical(&runs, &format!("global after step {step}"), |r| &r.globals[step]);
+    }
+    all_identical(&runs, "final parameters", |r| &r.params);
 }
 
 /// A run stopped with a fragment's average in flight (and int8 residuals) and resumed from what a

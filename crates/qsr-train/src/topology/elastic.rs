@@ -12,12 +12,13 @@
 //! checkpoint files) belong to whoever is rank 0 of the current generation: survivors keep their
 //! order, so that is the lowest surviving rank. A streaming recipe forms each generation as a pair
 //! of groups (its fragments' all-reduces run on the second); going back to a snapshot drops the
-//! averages in flight on every rank alike.
+//! averages in flight on every rank alike, except at an admission, where they complete and the
+//! source shares them with every rank of the next generation.
 
 use anyhow::{Context, Result, anyhow, bail};
 use qsr_comm::{Collective, CommError, Elastic, ElasticConfig, Membership, Poll, SyncState, TcpConfig};
 use qsr_elastic::{Store, StoreConfig};
-use qsr_optim::{Level, Snapshot, Worker};
+use qsr_optim::{Level, Snapshot, StreamState, Worker};
 use serde::{Deserialize, Serialize};
 
 use crate::args::TrainArgs;
@@ -183,6 +184,9 @@ struct Member<'a, T: Task, F> {
     segment: Segment,
     /// The last completed global sync, and what a new generation continuing from it takes over.
     snap: (Snapshot, Handover),
+    /// A streaming worker's averages in flight at that sync, waited for when the generation admits
+    /// workers (nobody failed): the next generation keeps them ([`Worker::share_in_flight`]).
+    held: Option<StreamState>,
     generation: u64,
 }
 
@@ -223,7 +227,8 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
         let stream = task.stream(step, end)?;
         let snap = (worker.snapshot()?, Handover { counters: base, records: Vec::new() });
         let generation = m.generation;
-        let mut me = Member { spec, job, make, pace, task, stream, worker, segment, snap, generation };
+        let held = None;
+        let mut me = Member { spec, job, make, pace, task, stream, worker, segment, snap, held, generation };
         if joining {
             me.take_over(m, None, "a new worker joined")?;
         }
@@ -271,7 +276,11 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
         Ok(match answer[0] {
             0.0 => Next::Continue,
             n if n < 0.0 => Next::Reform(format!("the store ended generation {}", self.generation)),
-            n => Next::Reform(format!("admitting {n} new worker(s)")),
+            n => {
+                // Every rank is here at this sync: the averages in flight complete and are kept.
+                self.held = self.worker.streaming_state()?;
+                Next::Reform(format!("admitting {n} new worker(s)"))
+            }
         })
     }
 
@@ -318,7 +327,11 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
         };
         let step = state.step;
         fault::disarm();
-        self.worker.adopt(m.source.unwrap_or(0), self.pace.plan.cursor_at(step))?;
+        let source = m.source.unwrap_or(0);
+        self.worker.adopt(source, self.pace.plan.cursor_at(step))?;
+        if self.spec.recipe.sync.streaming.is_some() {
+            self.worker.share_in_flight(source, self.held.take())?;
+        }
         let handover: Handover = serde_json::from_str(&state.payload).context("the counters handed over")?;
         let base = handover.counters;
         let failed_at = failed_at.unwrap_or(step);

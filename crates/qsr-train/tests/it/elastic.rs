@@ -303,12 +303,24 @@ fn elastic_mode_refuses_what_it_does_not_cover() {
 
 #[test]
 fn a_worker_started_while_the_job_runs_is_admitted_at_a_sync() {
+    admitted_at_a_sync(&[]);
+}
+
+/// The same with streaming int8 fragments: the survivors wait for the averages in flight at the
+/// admitting sync and share them with the new worker (`Worker::share_in_flight`; that every rank then
+/// holds them is qsr-optim's averages_in_flight_shared_after_adopt_reach_every_rank).
+#[test]
+fn a_worker_started_while_a_streaming_job_runs_is_admitted_at_a_sync() {
+    admitted_at_a_sync(&["sync.streaming.fragments=2", "sync.streaming.delay=1", "driver.wire=int8"]);
+}
+
+fn admitted_at_a_sync(sets: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
     let (store, addr) = rendezvous(4, 1);
     // A longer run, so that the new worker's start-up (a fraction of a second) ends well before it.
     let long = |c: &mut Command| {
-        c.args(["--set", "schedule.total_steps=4000"]);
+        c.args(["--set", "schedule.total_steps=4000"]).args(sets.iter().flat_map(|s| ["--set", s]));
     };
     let mut workers: Vec<Child> = (0..4)
         .map(|r| {
