@@ -124,8 +124,17 @@ impl<M: Module> Worker<M> {
         let held = held.filter(|_| self.rank() == source).map(|s| s.in_flight).unwrap_or_default();
         let mut count = [held.len() as f32];
         self.comm_mut().broadcast(&mut count, source).map_err(err)?;
+        // Checked on every rank, the source's too, so that all refuse together: at most one average
+        // per fragment is ever in flight.
+        let count = count[0];
+        if !(count >= 0.0 && count <= qsr_sched::MAX_FRAGMENTS as f32 && count.fract() == 0.0) {
+            return Err(OptimError::Layout(format!(
+                "rank {source} shares {count} averages in flight; at most {} (one per fragment)",
+                qsr_sched::MAX_FRAGMENTS
+            )));
+        }
         let mut in_flight = Vec::new();
-        for i in 0..count[0] as usize {
+        for i in 0..count as usize {
             let mine = held.get(i);
             let mut head = mine.map_or([0.0; 6], head_of);
             self.comm_mut().broadcast(&mut head, source).map_err(err)?;

@@ -302,6 +302,32 @@ fn averages_in_flight_shared_after_adopt_reach_every_rank() {
     all_identical(&runs, "final parameters", |r| &r.params);
 }
 
+/// A source sharing more averages in flight than fragments can have (one each, at most 1024) is
+/// refused on every rank alike, before anything is allocated for them.
+#[test]
+fn sharing_more_averages_in_flight_than_fragments_is_refused_on_every_rank() {
+    let setup = Setup::new(2, plan(20, SyncRule::Constant { h: 4 }), streaming(2, 1, 1.0));
+    let bogus = qsr_optim::InFlight { fragment: 0, sent_after: 0, apply_after: 1, mean: Vec::new() };
+    let held = StreamState { in_flight: vec![bogus; 1025], residual: None };
+    let errors: Vec<String> = thread::scope(|s| {
+        let handles: Vec<_> = InProcessGroup::new(2)
+            .into_iter()
+            .map(|comm| {
+                let (setup, held) = (&setup, held.clone());
+                s.spawn(move || {
+                    let rank = comm.rank();
+                    let mut w = worker(setup, Box::new(comm), (None, None));
+                    w.share_in_flight(0, (rank == 0).then_some(held)).unwrap_err().to_string()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in errors {
+        assert!(e.contains("rank 0 shares 1025 averages in flight"), "{e}");
+    }
+}
+
 /// A run stopped with a fragment's average in flight (and int8 residuals) and resumed from what a
 /// checkpoint holds ends with the same bits as the run that never stopped.
 #[test]
