@@ -43,31 +43,37 @@ fn total(comm: &mut dyn Collective, mine: f32) -> Result<f32, CommError> {
     Ok(buf[0])
 }
 
+/// `n` workers of `store` on threads, launcher order `0..n`, each connected and running `body`;
+/// their results in order.
+fn each_worker<T: Send + 'static>(store: &Store, n: u64, body: fn(u64, Elastic) -> T) -> Vec<T> {
+    let handles: Vec<_> = (0..n)
+        .map(|order| {
+            let cfg = config(store, order);
+            std::thread::spawn(move || body(order, Elastic::connect(cfg).unwrap()))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
 #[test]
 fn survivors_of_a_lost_worker_form_the_next_generation_with_the_newest_sync() {
     let store = store(3);
-    let results: Vec<_> = (0..3u64)
-        .map(|order| {
-            let cfg = config(&store, order);
-            std::thread::spawn(move || {
-                let mut job = Elastic::connect(cfg).unwrap();
-                let (mut comm, m) = job.form(None, "start").unwrap();
-                assert_eq!((m.generation, m.rank, m.world_size, m.state.clone()), (0, order as usize, 3, None));
-                assert_eq!(total(comm.as_mut(), 1.0).unwrap(), 3.0);
-                if m.rank == 2 {
-                    return None; // lost: its connections close
-                }
-                assert!(total(comm.as_mut(), 1.0).is_err(), "rank {} did not see the loss", m.rank);
-                // Rank 1 completed a later sync than rank 0: the new generation continues from it.
-                let step = if m.rank == 1 { 20 } else { 10 };
-                let (mut comm, m2) = job.form(state(step), "lost a peer").unwrap();
-                assert_eq!(total(comm.as_mut(), 1.0).unwrap(), 2.0);
-                job.finish().unwrap();
-                Some(m2)
-            })
-        })
-        .collect();
-    let got: Vec<_> = results.into_iter().filter_map(|h| h.join().unwrap()).collect();
+    let results = each_worker(&store, 3, |order, mut job| {
+        let (mut comm, m) = job.form(None, "start").unwrap();
+        assert_eq!((m.generation, m.rank, m.world_size, m.state.clone()), (0, order as usize, 3, None));
+        assert_eq!(total(comm.as_mut(), 1.0).unwrap(), 3.0);
+        if m.rank == 2 {
+            return None; // lost: its connections close
+        }
+        assert!(total(comm.as_mut(), 1.0).is_err(), "rank {} did not see the loss", m.rank);
+        // Rank 1 completed a later sync than rank 0: the new generation continues from it.
+        let step = if m.rank == 1 { 20 } else { 10 };
+        let (mut comm, m2) = job.form(state(step), "lost a peer").unwrap();
+        assert_eq!(total(comm.as_mut(), 1.0).unwrap(), 2.0);
+        job.finish().unwrap();
+        Some(m2)
+    });
+    let got: Vec<_> = results.into_iter().flatten().collect();
     assert_eq!(got.len(), 2);
     for (rank, m) in got.iter().enumerate() {
         assert_eq!((m.generation, m.rank, m.world_size, m.previous_rank), (1, rank, 2, Some(rank)));
@@ -85,31 +91,23 @@ fn survivors_of_a_lost_worker_form_the_next_generation_with_the_newest_sync() {
 #[test]
 fn a_generation_formed_as_a_pair_reduces_on_both_groups_at_once_and_reforms_both() {
     let store = store(3);
-    let handles: Vec<_> = (0..3u64)
-        .map(|order| {
-            let cfg = config(&store, order);
-            std::thread::spawn(move || {
-                let mut job = Elastic::connect(cfg).unwrap();
-                let qsr_comm::Pair { mut comm, mut side, membership: m } = job.form_pair(None, "start").unwrap();
-                assert_eq!((side.rank(), side.world_size()), (m.rank, 3));
-                let beside = std::thread::spawn(move || (total(side.as_mut(), 2.0), side));
-                assert_eq!(total(comm.as_mut(), 1.0).unwrap(), 3.0);
-                let (sum, mut side) = beside.join().unwrap();
-                assert_eq!(sum.unwrap(), 6.0);
-                if m.rank == 2 {
-                    return None;
-                }
-                assert!(total(side.as_mut(), 1.0).is_err(), "rank {}'s side group did not see the loss", m.rank);
-                let qsr_comm::Pair { mut comm, mut side, membership: m2 } =
-                    job.form_pair(state(4), "lost a peer").unwrap();
-                assert_eq!((total(comm.as_mut(), 1.0).unwrap(), total(side.as_mut(), 3.0).unwrap()), (2.0, 6.0));
-                job.finish().unwrap();
-                Some(m2.world_size)
-            })
-        })
-        .collect();
-    let sizes: Vec<_> = handles.into_iter().filter_map(|h| h.join().unwrap()).collect();
-    assert_eq!(sizes, [2, 2]);
+    let sizes = each_worker(&store, 3, |_, mut job| {
+        let qsr_comm::Pair { mut comm, mut side, membership: m } = job.form_pair(None, "start").unwrap();
+        assert_eq!((side.rank(), side.world_size()), (m.rank, 3));
+        let beside = std::thread::spawn(move || (total(side.as_mut(), 2.0), side));
+        assert_eq!(total(comm.as_mut(), 1.0).unwrap(), 3.0);
+        let (sum, mut side) = beside.join().unwrap();
+        assert_eq!(sum.unwrap(), 6.0);
+        if m.rank == 2 {
+            return None;
+        }
+        assert!(total(side.as_mut(), 1.0).is_err(), "rank {}'s side group did not see the loss", m.rank);
+        let qsr_comm::Pair { mut comm, mut side, membership: m2 } = job.form_pair(state(4), "lost a peer").unwrap();
+        assert_eq!((total(comm.as_mut(), 1.0).unwrap(), total(side.as_mut(), 3.0).unwrap()), (2.0, 6.0));
+        job.finish().unwrap();
+        Some(m2.world_size)
+    });
+    assert_eq!(sizes.into_iter().flatten().collect::<Vec<_>>(), [2, 2]);
     assert!(store.wait_finished(Some(Duration::from_secs(5))));
 }
 
