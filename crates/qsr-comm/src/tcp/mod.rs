@@ -397,7 +397,8 @@ impl TcpComm {
             scratch: Vec::new(),
             wire: Vec::new(),
             quant_master: Vec::new(),
-            hosts: Vec::new(),
+            // Nobody connects to a ring of one; a group split from it is one rank too (N2).
+            hosts: vec!["127.0.0.1".into()],
             progress: None,
             doubling: None,
             _late: None,

@@ -155,3 +155,24 @@ fn every_transport_accounts_calls_as_the_plans_count_them() {
         }
     }
 }
+
+/// N2: a ring of one (a launch with `WORLD_SIZE=1`, an elastic job shrunk to one survivor) splits
+/// into a group of one, as a streaming job's second lane asks; it panicked indexing its hosts.
+#[test]
+fn a_ring_of_one_splits_into_a_group_of_one() {
+    use qsr_comm::{LaunchEnv, Source, TcpComm};
+    let env = LaunchEnv {
+        rank: 0,
+        world_size: 1,
+        local_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        master_port: 0,
+        source: Source::Explicit,
+    };
+    let mut ring = TcpComm::from_launch(&env, crate::common::test_config()).expect("a ring of one");
+    let shm = ShmConfig { slot_bytes: 64 << 10, ..ShmConfig::default() };
+    let mut sub = qsr_comm::split(&mut ring, 0, 0, Transport::Auto, "one", shm).expect("split");
+    let mut b = [3.0f32];
+    sub.all_reduce(&mut b, ReduceOp::Mean).unwrap();
+    assert_eq!((sub.rank(), sub.world_size(), b[0]), (0, 1, 3.0));
+}
