@@ -136,15 +136,19 @@ impl<M: Module> Worker<M> {
         let mut in_flight = Vec::new();
         for i in 0..count as usize {
             let mine = held.get(i);
-            let mut head = mine.map_or([0.0; 6], head_of);
+            let mut head = mine.map_or([0.0; 7], head_of);
             self.comm_mut().broadcast(&mut head, source).map_err(err)?;
-            let [fragment, len, sent_hi, sent_lo, apply_hi, apply_lo] = head.map(f32::to_bits);
+            let [fragment, len, sent_len, sent_hi, sent_lo, apply_hi, apply_lo] = head.map(f32::to_bits);
             // Bounded by the model: a mean longer than all parameters is refused by the restore below.
-            let len = (len as usize).min(self.layout().len());
-            let mut mean = mine.map_or_else(|| vec![0.0; len], |f| f.mean.clone());
+            let most = self.layout().len();
+            let bounded = |n: u32| (n as usize).min(most);
+            let mut mean = mine.map_or_else(|| vec![0.0; bounded(len)], |f| f.mean.clone());
             self.comm_mut().broadcast(&mut mean, source).map_err(err)?;
+            // Every rank now holds the source's parameters, so its sent values are everyone's.
+            let mut sent = mine.map_or_else(|| vec![0.0; bounded(sent_len)], |f| f.sent.clone());
+            self.comm_mut().broadcast(&mut sent, source).map_err(err)?;
             let (sent_after, apply_after) = (join(sent_hi, sent_lo), join(apply_hi, apply_lo));
-            in_flight.push(InFlight { fragment, sent_after, apply_after, mean });
+            in_flight.push(InFlight { fragment, sent_after, apply_after, mean, sent });
         }
         if in_flight.is_empty() {
             return Ok(());
@@ -163,12 +167,13 @@ impl<M: Module> Worker<M> {
     }
 }
 
-/// An average in flight's fragment, mean length and steps as the bit patterns of 6 f32s (a broadcast
-/// copies bits; steps need all 64 of theirs).
-fn head_of(f: &InFlight) -> [f32; 6] {
+/// An average in flight's fragment, mean and sent lengths and steps as the bit patterns of 7 f32s (a
+/// broadcast copies bits; steps need all 64 of theirs).
+fn head_of(f: &InFlight) -> [f32; 7] {
     let hi = |x: u64| (x >> 32) as u32;
     let (sent, apply) = (f.sent_after, f.apply_after);
-    [f.fragment, f.mean.len() as u32, hi(sent), sent as u32, hi(apply), apply as u32].map(f32::from_bits)
+    let lens = [f.mean.len() as u32, f.sent.len() as u32];
+    [f.fragment, lens[0], lens[1], hi(sent), sent as u32, hi(apply), apply as u32].map(f32::from_bits)
 }
 
 /// A step from the two halves [`head_of`] sent.

@@ -5,19 +5,23 @@
 //! A fragment's sync sends the worker's pseudo-gradient `global - local` of the fragment (DiLoCo's
 //! outer gradient; plain averaging is the outer step with lr 1), plus, on a quantized wire, what
 //! earlier payloads dropped. The mean comes back bit-identical on every rank; `delay` steps after the
-//! sync the outer step turns it into the fragment's new global values (the same on every rank) and the
-//! local fragment becomes `mix * global + (1 - mix) * local`. When and how much is applied depends on
+//! sync the outer step turns it into the fragment's new global values (the same on every rank). The
+//! average lands as a correction that keeps the local steps taken while it was in flight (the
+//! overlapped schemes of Overlap Local-SGD and DiLoCo's delayed outer gradients): with `sent` the
+//! fragment's local values when it was sent, `corrected = global + (local - sent)`, and the local
+//! fragment becomes `mix * corrected + (1 - mix) * local`. When and how much is applied depends on
 //! the schedule alone, never on when the all-reduce finished: a run is the same bits with the
 //! all-reduce in the background or between steps.
 //!
 //! Invariants:
 //! - at most one average of a fragment is in flight: a fragment due to sync again while its last
-//!   average waits applies that one first (only when `delay` reaches into the next round);
-//! - the global values and outer momentum of every fragment are bit-identical on all ranks, and with
-//!   `mix = 1` so are the fragment's parameters right after each apply;
-//! - the run's last step settles every average in flight and (with more than one fragment, or
-//!   `mix < 1`) ends with an f32 average of all parameters, so every rank holds the same model at the
-//!   end, as plain averaging leaves it.
+//!   average waits applies that one first (only when `delay` reaches past the next round's sync), so
+//!   the copies of sent values hold at most one parameter vector;
+//! - the global values and outer momentum of every fragment are bit-identical on all ranks; with
+//!   `mix = 1` and no step between send and landing (delay 0) so are the fragment's parameters;
+//! - the run's last step settles every average in flight and (unless one fragment lands at once,
+//!   replacing: [`StreamingConfig::ends_with_average`]) ends with an f32 average of all parameters,
+//!   so every rank holds the same model at the end, as plain averaging leaves it.
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -44,8 +48,8 @@ pub struct StreamingConfig {
     /// (`sync.streaming.delay`, at least 1).
     #[serde(default = "one_step")]
     pub delay: u64,
-    /// Weight of the averaged fragment against the local one when it is applied (`sync.streaming.mix`,
-    /// in (0, 1]; 1 replaces the local fragment).
+    /// Weight of the landed average (corrected by the local steps taken since it was sent) against
+    /// the local fragment (`sync.streaming.mix`, in (0, 1]; 1 takes the corrected average).
     #[serde(default = "full_mix")]
     pub mix: f64,
 }
@@ -59,9 +63,16 @@ fn full_mix() -> f64 {
 }
 
 impl StreamingConfig {
-    /// `fragments` fragments, each average applied one step after its sync, replacing the local values.
+    /// `fragments` fragments, each average landing one step after its sync, with mix 1.
     pub fn new(fragments: u32) -> Self {
         Self { fragments, delay: 1, mix: 1.0 }
+    }
+
+    /// Whether a run under these settings ends with an f32 average of all parameters: the ranks differ
+    /// at its end unless one fragment lands in the step that sent it (delay 0: an int8 / fp8 wire
+    /// without streaming), replacing the local values.
+    pub fn ends_with_average(&self) -> bool {
+        self.fragments > 1 || self.mix < 1.0 || self.delay > 0
     }
 
     /// Checks `delay` and `mix`, naming the key (the fragment count is checked by [`qsr_sched::FragmentPlan::new`]).
@@ -93,6 +104,11 @@ pub struct InFlight {
     pub apply_after: u64,
     /// The mean pseudo-gradient of the fragment's parameters (a checkpoint waits for it).
     pub mean: Vec<f32>,
+    /// This worker's values of the fragment when it was sent: the landing keeps what the local steps
+    /// changed since. Empty in a state saved before landings kept them (such an average lands as it
+    /// was sent then, replacing the local values by `mix`).
+    #[serde(default)]
+    pub sent: Vec<f32>,
 }
 
 /// What a streaming worker holds beyond its parameters, optimizer and outer state: the averages in
@@ -111,6 +127,8 @@ struct Sent {
     fragment: u32,
     sent_after: u64,
     apply_after: u64,
+    /// The fragment's local values when sent (see [`InFlight::sent`]).
+    sent: Vec<f32>,
     mean: Option<Vec<f32>>,
 }
 
@@ -298,8 +316,8 @@ impl Stream {
             self.apply_front(params, outer)?;
         }
         if last {
-            // One fragment replaced at the round's (and run's) end leaves every rank the same.
-            let average = self.ranges.len() > 1 || self.config.mix < 1.0;
+            // One fragment replaced in the round's (and run's) last step leaves every rank the same.
+            let average = self.config.ends_with_average();
             if let Some(t) = self.settle(params, info.step, average, (outer, comm))? {
                 traffic = add(traffic, t);
                 sent.push(params.len());
@@ -337,10 +355,10 @@ impl Stream {
         self.applied
     }
 
-    /// Whether applying leaves every rank the same parameters: one fragment, replaced (mix 1), and
-    /// nothing else in flight.
+    /// Whether applying leaves every rank the same parameters: one fragment, replaced (mix 1) in the
+    /// step that sent it (no local step to keep), and nothing else in flight.
     pub(crate) fn leaves_ranks_equal(&self) -> bool {
-        self.ranges.len() == 1 && self.config.mix == 1.0 && self.in_flight.is_empty()
+        !self.config.ends_with_average() && self.in_flight.is_empty()
     }
 
     /// Whether [`Self::after_step`] has anything to do after `info` (an average to apply, a fragment
@@ -373,7 +391,8 @@ impl Stream {
             residual.iter_mut().zip(&payload).for_each(|(r, q)| *r -= q);
         }
         let apply_after = step.saturating_add(self.config.delay);
-        let mut entry = Sent { fragment, sent_after: step, apply_after, mean: None };
+        let sent = params[range.clone()].to_vec();
+        let mut entry = Sent { fragment, sent_after: step, apply_after, sent, mean: None };
         let predicted = self.predicted(range.len(), comm.world_size());
         let traffic = match &mut self.lane {
             Lane::Inline => {
@@ -419,13 +438,7 @@ impl Stream {
         let range = self.ranges[entry.fragment as usize].clone();
         outer.step_at(range.start, &mut mean);
         self.applied += 1;
-        let mix = self.config.mix as f32;
-        let local = &mut params[range];
-        if mix == 1.0 {
-            local.copy_from_slice(&mean);
-        } else {
-            local.iter_mut().zip(&mean).for_each(|(l, g)| *l = mix * g + (1.0 - mix) * *l);
-        }
+        land(&mut params[range], &mean, &entry.sent, self.config.mix as f32);
         Ok(())
     }
 
@@ -478,6 +491,7 @@ impl Stream {
                 sent_after: s.sent_after,
                 apply_after: s.apply_after,
                 mean: s.mean.clone().unwrap_or_default(),
+                sent: s.sent.clone(),
             })
             .collect();
         Ok(StreamState { in_flight, residual: self.residual.clone() })
@@ -499,11 +513,12 @@ impl Stream {
             let Some(range) = self.ranges.get(f.fragment as usize) else {
                 return Err(bad(format!("fragment {} of {}", f.fragment, self.ranges.len())));
             };
-            if f.mean.len() != range.len() {
+            if f.mean.len() != range.len() || !(f.sent.is_empty() || f.sent.len() == range.len()) {
                 return Err(bad(format!(
-                    "fragment {} holds {} values, expected {}",
+                    "fragment {} holds {} values ({} sent), expected {}",
                     f.fragment,
                     f.mean.len(),
+                    f.sent.len(),
                     range.len()
                 )));
             }
@@ -516,10 +531,28 @@ impl Stream {
                 fragment: f.fragment,
                 sent_after: f.sent_after,
                 apply_after: f.apply_after,
+                sent: f.sent,
                 mean: Some(f.mean),
             })
             .collect();
         Ok(())
+    }
+}
+
+/// Lands a fragment's new global values `global` on its local values `local`, which were `sent` when
+/// its average left: `corrected = global + (local - sent)` keeps the local steps taken since, and
+/// `local` becomes `mix * corrected + (1 - mix) * local`. A value no step changed lands as `global`
+/// exactly (a delay of 0 leaves every rank the same bits); an empty `sent` (a state saved before
+/// corrections) lands `global` itself.
+fn land(local: &mut [f32], global: &[f32], sent: &[f32], mix: f32) {
+    let corrected = |l: f32, g: f32, s: Option<&f32>| match s {
+        Some(&s) if l != s => g + (l - s),
+        _ => g,
+    };
+    let sent = sent.iter().map(Some).chain(std::iter::repeat(None));
+    for ((l, &g), s) in local.iter_mut().zip(global).zip(sent) {
+        let c = corrected(*l, g, s);
+        *l = if mix == 1.0 { c } else { mix * c + (1.0 - mix) * *l };
     }
 }
 
@@ -547,5 +580,28 @@ fn add(a: CommStats, b: CommStats) -> CommStats {
         bytes_sent: a.bytes_sent + b.bytes_sent,
         bytes_received: a.bytes_received + b.bytes_received,
         seconds: a.seconds + b.seconds,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::land;
+
+    /// A landing keeps what the local steps changed since the send: `global + (local - sent)`, and
+    /// a value no step changed lands as the global bits themselves.
+    #[test]
+    fn a_landing_keeps_the_local_steps_since_the_send() {
+        let (global, sent) = ([1.0, -0.0, 0.25], [0.5, 3.0, 0.75]);
+        let mut local = [0.75, 3.0, 1.0];
+        land(&mut local, &global, &sent, 1.0);
+        assert_eq!(local.map(f32::to_bits), [1.25f32, -0.0, 0.5].map(f32::to_bits));
+        // mix blends the corrected values with the local ones.
+        let mut local = [0.75, 3.0, 1.0];
+        land(&mut local, &global, &sent, 0.5);
+        assert_eq!(local, [1.0, 1.5, 0.75]);
+        // A state saved before corrections (no sent values) lands the global values.
+        let mut local = [0.75, 3.0, 1.0];
+        land(&mut local, &global, &[], 1.0);
+        assert_eq!(local, global);
     }
 }

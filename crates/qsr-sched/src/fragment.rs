@@ -114,18 +114,17 @@ impl FragmentPlan {
         })
     }
 
-    /// How many fragment syncs come at most `delay` steps after the same fragment's previous sync.
-    /// There the previous average (applied `delay` steps after it was sent) lands at or before the
-    /// new sync and is applied first, so the new sync sends only what the local steps did since that
-    /// apply: nothing with `mix = 1`, which replaced them. Rounds shorter than the delay (a small
-    /// `h_base`, or `H` near `delay` early in a run) cause it; 0 means every average is applied before
-    /// its fragment syncs again.
+    /// How many fragment syncs come fewer than `delay` steps after the same fragment's previous sync,
+    /// before that sync's average was due to land: it lands then, early (at most one average of a
+    /// fragment is in flight), so those averages wait a round instead of `delay` steps. Rounds shorter
+    /// than the delay (a small `h_base`, or `H` near `delay` early in a run) cause it; 0 means every
+    /// average lands `delay` steps after its sync.
     pub fn syncs_within(&self, delay: u64) -> u64 {
         let mut last = vec![None::<u64>; self.fragments as usize];
         let mut within = 0;
         for s in self.syncs() {
             let prev = last[s.fragment as usize].replace(s.step);
-            within += u64::from(prev.is_some_and(|p| s.step - p <= delay));
+            within += u64::from(prev.is_some_and(|p| s.step - p < delay));
         }
         within
     }

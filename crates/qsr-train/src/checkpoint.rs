@@ -202,8 +202,9 @@ fn read_f32(st: &SafeTensors<'_>, name: &str, len: usize, file: &Path) -> Result
 }
 
 /// `stream-rank<r>.safetensors`: a streaming worker's own parameters (ranks differ between a
-/// fragment's syncs), its error-feedback residual and the averages it has in flight, whose fragment
-/// and steps are the metadata entry `in_flight` (JSON).
+/// fragment's syncs), its error-feedback residual and the averages it has in flight (`in_flight.<i>`
+/// the mean, `in_flight.<i>.sent` the fragment's values when sent), whose fragment and steps are the
+/// metadata entry `in_flight` (JSON).
 pub(crate) fn stream_bytes(params: &[f32], state: &StreamState) -> Result<Vec<u8>> {
     let mut named = vec![("params".to_string(), vec![params.len()], f32_bytes(params))];
     if let Some(residual) = &state.residual {
@@ -212,7 +213,10 @@ pub(crate) fn stream_bytes(params: &[f32], state: &StreamState) -> Result<Vec<u8
     let mut meta = Vec::new();
     for (i, f) in state.in_flight.iter().enumerate() {
         named.push((format!("in_flight.{i}"), vec![f.mean.len()], f32_bytes(&f.mean)));
-        meta.push(InFlight { mean: Vec::new(), ..f.clone() });
+        if !f.sent.is_empty() {
+            named.push((format!("in_flight.{i}.sent"), vec![f.sent.len()], f32_bytes(&f.sent)));
+        }
+        meta.push(InFlight { mean: Vec::new(), sent: Vec::new(), ..f.clone() });
     }
     tensors_to_bytes(&named, BTreeMap::from([("in_flight".into(), serde_json::to_string(&meta)?)]))
 }
@@ -239,6 +243,11 @@ pub fn load_stream(file: &Path, layout: &ParamLayout) -> Result<(Vec<f32>, Strea
         let name = format!("in_flight.{i}");
         let t = st.tensor(&name).map_err(|_| anyhow!("{}: tensor `{name}` is missing", file.display()))?;
         f.mean = read_f32(&st, &name, (t.data().len() / 4).min(layout.len()), file)?;
+        // Absent in checkpoints written before landings kept the local steps.
+        let sent = format!("{name}.sent");
+        if st.tensor(&sent).is_ok() {
+            f.sent = read_f32(&st, &sent, f.mean.len(), file)?;
+        }
     }
     let residual =
         if st.tensor("residual").is_ok() { Some(read_f32(&st, "residual", layout.len(), file)?) } else { None };

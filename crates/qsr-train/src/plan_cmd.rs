@@ -91,10 +91,11 @@ pub struct StreamingReport {
     pub settings: StreamingSync,
     /// Syncs per fragment, most fragments on one step, fewest steps between syncs.
     pub summary: FragmentSummary,
-    /// Fragment syncs that come at most `delay` steps after the fragment's previous one, so that its
-    /// previous average is applied first and the sync sends only what came after it (nothing with
-    /// `mix = 1`): rounds too short for the delay.
+    /// Fragment syncs that come fewer than `delay` steps after the fragment's previous one, so that
+    /// its previous average lands early, at this sync: rounds too short for the delay.
     pub syncs_within_delay: u64,
+    /// What the settings do differently than they say (`recipe::streaming_warnings`), one line each.
+    pub warnings: Vec<String>,
     /// The most bytes one rank sends after one step (ring all-reduce of the fragments syncing then,
     /// the parameters split evenly); only with `--params`.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -173,6 +174,7 @@ fn report(r: &PlanRecipe, args: &PlanArgs) -> PlanReport {
             settings: *settings,
             summary: fragments.summary(),
             syncs_within_delay: fragments.syncs_within(settings.delay),
+            warnings: crate::recipe::streaming_warnings(settings, fragments),
             peak_bytes_per_step: args.params.map(peak),
             plain_peak_bytes_per_step: args.params.map(ring),
         }
@@ -302,8 +304,8 @@ fn streaming_lines(st: &StreamingReport) -> String {
     if let (Some(peak), Some(plain)) = (st.peak_bytes_per_step, st.plain_peak_bytes_per_step) {
         let _ = writeln!(o, "            peak per step {} per rank (whole model: {})", bytes(peak), bytes(plain));
     }
-    if st.syncs_within_delay > 0 {
-        let _ = writeln!(o, "            warning: {}", crate::recipe::within_delay_warning(set, st.syncs_within_delay));
+    for w in &st.warnings {
+        let _ = writeln!(o, "            warning: {w}");
     }
     o
 }

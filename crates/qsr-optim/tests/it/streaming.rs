@@ -144,7 +144,15 @@ fn run(setup: &Setup, resume: Option<&[Saved]>, stop_after: Option<u64>) -> Vec<
                             w.adopt(0, w.cursor().clone()).unwrap();
                             w.share_in_flight(0, (rank == 0).then(|| held.clone())).unwrap();
                             let shared = w.streaming_state().unwrap().unwrap();
-                            assert_eq!(shared.in_flight, held.in_flight, "rank {rank}: the averages in flight");
+                            // The means and steps are every rank's; the sent values rank 0's, now everyone's.
+                            let unsent = |s: &StreamState| {
+                                let f = s.in_flight.iter();
+                                f.map(|f| (f.fragment, f.sent_after, f.apply_after, f.mean.clone())).collect::<Vec<_>>()
+                            };
+                            assert_eq!(unsent(&shared), unsent(&held), "rank {rank}: the averages in flight");
+                            if rank == 0 {
+                                assert_eq!(shared.in_flight, held.in_flight, "rank 0's sent values");
+                            }
                         }
                         match rewind {
                             Some((at, _)) if at == t => snapshot = Some(w.snapshot().unwrap()),
@@ -307,7 +315,7 @@ fn averages_in_flight_shared_after_adopt_reach_every_rank() {
 #[test]
 fn sharing_more_averages_in_flight_than_fragments_is_refused_on_every_rank() {
     let setup = Setup::new(2, plan(20, SyncRule::Constant { h: 4 }), streaming(2, 1, 1.0));
-    let bogus = qsr_optim::InFlight { fragment: 0, sent_after: 0, apply_after: 1, mean: Vec::new() };
+    let bogus = qsr_optim::InFlight { fragment: 0, sent_after: 0, apply_after: 1, mean: Vec::new(), sent: Vec::new() };
     let held = StreamState { in_flight: vec![bogus; 1025], residual: None };
     let errors: Vec<String> = thread::scope(|s| {
         let handles: Vec<_> = InProcessGroup::new(2)
@@ -437,4 +445,25 @@ fn streaming_with_a_delay_trains_the_model() {
     let mean = |r: &[StepReport]| r.iter().map(|s| s.loss).sum::<f32>() / r.len() as f32;
     let (first, last) = (mean(&runs[0].reports[..10]), mean(&runs[0].reports[110..]));
     assert!(last < 0.5 * first, "loss {first} -> {last}");
+}
+
+/// N1: an average that lands a whole round (or more) after it was sent keeps the local steps taken
+/// meanwhile. With one fragment, `mix = 1` and `delay >= H`, the landing used to replace them and
+/// the run never trained; now the loss falls as with a shorter delay, and the ranks end with one model.
+#[test]
+fn a_landing_average_keeps_the_local_steps_taken_while_it_was_in_flight() {
+    let p = plan(120, SyncRule::Constant { h: 4 });
+    let mean = |r: &[StepReport]| r.iter().map(|s| s.loss).sum::<f32>() / r.len() as f32;
+    let last_loss = |delay| {
+        let runs = run(&Setup::new(2, p.clone(), streaming(1, delay, 1.0)), None, None);
+        all_identical(&runs, &format!("delay {delay}: final parameters"), |r| &r.params);
+        let (first, last) = (mean(&runs[0].reports[..10]), mean(&runs[0].reports[110..]));
+        assert!(last < 0.5 * first, "delay {delay}: loss {first} -> {last}");
+        last
+    };
+    let short = last_loss(3);
+    for delay in [4, 8, 900] {
+        let late = last_loss(delay);
+        assert!(late < 2.0 * short, "delay {delay}: last loss {late}, delay 3's {short}");
+    }
 }

@@ -6,6 +6,8 @@ mod plan;
 mod train;
 
 pub(crate) use plan::read_table;
-pub use plan::{LocalSync, PlanOverrides, PlanRecipe, StreamingSync, SyncSection, load_plan, within_delay_warning};
+pub use plan::{
+    LocalSync, PlanOverrides, PlanRecipe, StreamingSync, SyncSection, fragment_plan, load_plan, streaming_warnings,
+};
 pub use train::{CheckpointConfig, DataConfig, EvalConfig, TrainConfig, TrainRecipe};
 pub(crate) use train::{open_corpus, open_dataset};

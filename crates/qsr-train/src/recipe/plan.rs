@@ -26,20 +26,58 @@ pub struct SyncSection {
 /// ([`FragmentPlan`]), applied `delay` steps later and blended by `mix` (the driver's settings).
 pub use qsr_optim::StreamingConfig as StreamingSync;
 
-/// The fragment schedule of `streaming` over `plan`, each refusal naming its key.
+/// Of the workers' differences, the most that may be left after a run's syncs under `mix`: less
+/// than three halvings' worth (e^-3) means the final average mixes models that never came together.
+const MIX_LEFT_REFUSED: f64 = 0.05;
+
+/// The fragment schedule of `streaming` over `plan`, each refusal naming its key. A `mix` under which
+/// the run's syncs leave more than [`MIX_LEFT_REFUSED`] of the workers' differences is refused (N8):
+/// each sync keeps `1 - mix` of them.
 pub fn fragment_plan(streaming: &StreamingSync, plan: Plan) -> Result<FragmentPlan> {
     streaming.validate()?;
-    Ok(FragmentPlan::new(plan, streaming.fragments)?)
+    let fragments = FragmentPlan::new(plan, streaming.fragments)?;
+    let syncs = fragments.summary().syncs_per_fragment;
+    let left = (1.0 - streaming.mix).powf(syncs as f64);
+    if syncs > 0 && left > MIX_LEFT_REFUSED {
+        let least = 1.0 - MIX_LEFT_REFUSED.powf(1.0 / syncs as f64);
+        bail!(
+            "sync.streaming.mix = {} cannot bring the workers together: each of the run's {syncs} syncs per \
+             fragment keeps 1 - mix of their differences, {:.0}% after them all, and the run ends averaging \
+             models that never agreed; use mix >= {least:.4} (mix 0.5 is Streaming DiLoCo's)",
+            streaming.mix,
+            100.0 * left
+        );
+    }
+    Ok(fragments)
 }
 
-/// Why syncs that come within the delay of their fragment's previous one waste work.
-pub fn within_delay_warning(set: &StreamingSync, within: u64) -> String {
-    let mix = if set.mix == 1.0 { "mix = 1 sends nothing for them" } else { "they send only the steps after it" };
-    format!(
-        "{within} fragment syncs come at most sync.streaming.delay = {} steps after their fragment's previous \
-         one (rounds too short for the delay): the previous average is applied first, and {mix}",
-        set.delay
-    )
+/// What a runnable `[sync.streaming]` does differently from its settings over `fragments`, one line
+/// each, as `qsr plan`, `qsr train` and `qsr simulate` warn: averages that land early, before their
+/// delay, because their fragment syncs again first (rounds shorter than the delay); a `mix` that
+/// takes more than a tenth of the run's syncs to halve the workers' differences.
+pub fn streaming_warnings(set: &StreamingSync, fragments: &FragmentPlan) -> Vec<String> {
+    let mut warnings = Vec::new();
+    let early = fragments.syncs_within(set.delay);
+    if early > 0 {
+        let shortest = fragments.plan().rounds().map(|r| r.len).min().unwrap_or(0);
+        warnings.push(format!(
+            "{early} fragment syncs come fewer than sync.streaming.delay = {} steps after their fragment's \
+             previous one (shortest round: {shortest} steps): those averages land early, at the next sync, a \
+             round after they were sent",
+            set.delay
+        ));
+    }
+    let syncs = fragments.summary().syncs_per_fragment as f64;
+    let half_life = std::f64::consts::LN_2 / -(1.0 - set.mix).ln();
+    if syncs > 0.0 && set.mix < 1.0 && half_life > syncs / 10.0 {
+        let least = 1.0 - 0.5f64.powf(10.0 / syncs);
+        warnings.push(format!(
+            "sync.streaming.mix = {} halves the workers' differences only every {half_life:.0} syncs of the \
+             run's {syncs}: they drift apart for much of the run (mix >= {least:.3} halves them within a tenth)",
+            set.mix
+        ));
+    }
+    warnings
 }
 
 /// `[sync.local]`: the local level of a two-level run (see [`Plan::with_local`]).

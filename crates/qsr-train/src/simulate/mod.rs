@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, anyhow, bail};
 use qsr_models::ModelConfig;
 use qsr_optim::{BnPolicy, OptimizerKind};
-use qsr_sched::{Encoding, FragmentPlan, Plan, SyncMode};
+use qsr_sched::{Encoding, Plan, SyncMode};
 use serde::{Deserialize, Serialize};
 
 use crate::recipe::TrainRecipe;
@@ -592,8 +592,11 @@ pub fn simulate(args: &SimulateArgs) -> Result<Report> {
         }
         let prediction = match &item.recipe.sync.streaming {
             Some(st) => {
-                let fragments = FragmentPlan::new(plan.clone(), st.fragments)?;
+                let fragments = crate::recipe::fragment_plan(st, plan.clone())?;
                 let name = &item.recipe.name;
+                for w in crate::recipe::streaming_warnings(st, &fragments) {
+                    eprintln!("qsr: warning: `{name}`: {w}");
+                }
                 streaming::predict_streaming(name, (&fragments, st), step_seconds, &payload, world, (cluster, spe))
             }
             None => predict(&item.recipe.name, &plan, step_seconds, &payload, world, cluster, spe),

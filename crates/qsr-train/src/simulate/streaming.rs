@@ -48,8 +48,8 @@ impl Timeline {
 /// [`super::predict`] of a streaming recipe. Each fragment's all-reduce (its share of the parameters,
 /// split evenly) queues on the link when the fragment syncs and runs while the workers step; a worker
 /// waits only where an average is due (`delay` steps after it was sent, or earlier when its fragment
-/// syncs again) and has not arrived. The run's last step settles every average and, with more than one
-/// fragment or `mix < 1`, averages all parameters in f32 at once, as the driver does. `comm_seconds`
+/// syncs again) and has not arrived. The run's last step settles every average and (where
+/// [`StreamingConfig::ends_with_average`]) averages all parameters in f32 at once, as the driver does. `comm_seconds`
 /// is the time the workers waited.
 pub(super) fn predict_streaming(
     name: &str,
@@ -93,7 +93,7 @@ pub(super) fn predict_streaming(
         if info.step + 1 == plan.end_step() {
             let last = pending.iter().map(|p| p.arrives).fold(t.clock, f64::max);
             t.wait(info.step, last);
-            if fragments.fragments() > 1 || streaming.mix < 1.0 {
+            if streaming.ends_with_average() {
                 let full = SyncPayload { parameter_encoding: qsr_sched::Encoding::F32, ..*payload };
                 let until = t.clock + net.global_seconds(&full, SyncMode::Parameters, world_size);
                 t.wait(info.step, until);

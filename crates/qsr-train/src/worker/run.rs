@@ -102,9 +102,9 @@ pub(crate) fn set_up_syncs<M: Module>(
     warn: bool,
 ) -> Result<()> {
     if let Some(streaming) = recipe.sync.streaming {
-        let within = qsr_sched::FragmentPlan::new(plan.clone(), streaming.fragments)?.syncs_within(streaming.delay);
-        if warn && within > 0 {
-            eprintln!("qsr: warning: {}", crate::recipe::within_delay_warning(&streaming, within));
+        let fragments = crate::recipe::fragment_plan(&streaming, plan.clone())?;
+        for w in crate::recipe::streaming_warnings(&streaming, &fragments).iter().filter(|_| warn) {
+            eprintln!("qsr: warning: {w}");
         }
         worker.set_streaming(streaming)?;
         if let Some(comm) = stream {
