@@ -298,7 +298,9 @@ impl Compare<'_> {
             // A diverged run is a result of the comparison: its summary says so.
             Err(e) if e.chain().any(|c| c.is::<crate::exit::Diverged>()) => {
                 eprintln!("compare: {label} seed {seed}: {e:#}");
-                std::fs::read(run_dir.join("summary.json")).ok().and_then(|b| serde_json::from_slice(&b).ok())
+                crate::files::read_regular(&run_dir.join("summary.json"), crate::files::SUMMARY_BYTES, "run summary")
+                    .ok()
+                    .and_then(|b| serde_json::from_slice(&b).ok())
             }
             Err(e) => return Err(e),
         };

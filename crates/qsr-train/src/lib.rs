@@ -29,6 +29,7 @@ mod compare;
 mod device_spec;
 mod exit;
 mod fault;
+mod files;
 mod launch_facts;
 mod plan_cmd;
 mod plot;

@@ -174,7 +174,7 @@ impl Record {
 
 /// The membership records of a run's `metrics.jsonl`, in order (none outside elastic runs).
 pub(crate) fn membership_changes(run_dir: &Path) -> Vec<MembershipChange> {
-    let Ok(file) = File::open(run_dir.join("metrics.jsonl")) else {
+    let Ok(file) = crate::files::open_regular(&run_dir.join("metrics.jsonl"), "metrics file") else {
         return Vec::new();
     };
     BufReader::new(file)
@@ -195,7 +195,7 @@ impl Metrics {
         if let Some(step) = resume_at
             && path.exists()
         {
-            let kept: Vec<String> = BufReader::new(File::open(&path)?)
+            let kept: Vec<String> = BufReader::new(crate::files::open_regular(&path, "metrics file")?)
                 .lines()
                 .map_while(Result::ok)
                 .filter(|l| serde_json::from_str::<Record>(l).is_ok_and(|r| r.step <= step))
@@ -226,12 +226,13 @@ impl Metrics {
 
     /// Appends those of `records` the file lacks (by kind and step).
     pub(crate) fn restore<'a>(&mut self, run_dir: &Path, records: impl Iterator<Item = &'a Record>) -> Result<()> {
-        let have: Vec<(String, u64)> = BufReader::new(File::open(run_dir.join("metrics.jsonl"))?)
-            .lines()
-            .map_while(Result::ok)
-            .filter_map(|l| serde_json::from_str::<Record>(&l).ok())
-            .map(|r| (r.kind, r.step))
-            .collect();
+        let have: Vec<(String, u64)> =
+            BufReader::new(crate::files::open_regular(&run_dir.join("metrics.jsonl"), "metrics file")?)
+                .lines()
+                .map_while(Result::ok)
+                .filter_map(|l| serde_json::from_str::<Record>(&l).ok())
+                .map(|r| (r.kind, r.step))
+                .collect();
         for r in records {
             if !have.iter().any(|(kind, step)| *kind == r.kind && *step == r.step) {
                 self.write(r)?;

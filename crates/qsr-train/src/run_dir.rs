@@ -27,6 +27,9 @@ pub fn resolve(args: &TrainArgs) -> Result<(TrainRecipe, PathBuf, Resume)> {
         (None, None) => bail!("--recipe FILE is required (or --resume RUN_DIR)"),
     };
     let mut recipe = TrainRecipe::load(&path, &args.sets)?;
+    if let Some(n) = args.nproc {
+        crate::args::check_nproc(n)?;
+    }
     for (flag, k) in [("--workers", args.workers), ("--nproc", args.nproc)] {
         match k {
             Some(0) => bail!("{flag} must be at least 1"),

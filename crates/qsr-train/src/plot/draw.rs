@@ -410,7 +410,7 @@ impl RunSeries {
     /// Reads `RUN_DIR/metrics.jsonl`; the run is named after its directory.
     pub fn load(run_dir: &Path) -> Result<Self> {
         let path = run_dir.join("metrics.jsonl");
-        let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+        let text = crate::files::read_text(&path, crate::files::METRICS_BYTES, "metrics file")?;
         let mut records = Vec::new();
         for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
             records.push(

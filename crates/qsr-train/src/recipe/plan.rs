@@ -225,7 +225,7 @@ pub struct PlanRecipe {
 
 /// Reads a recipe file as a TOML table, naming the file in every error.
 pub(crate) fn read_table(path: &Path) -> Result<Table> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read recipe {}", path.display()))?;
+    let text = crate::files::read_text(path, crate::files::RECIPE_BYTES, "recipe")?;
     text.parse::<Table>().with_context(|| format!("recipe {} is not valid TOML", path.display()))
 }
 

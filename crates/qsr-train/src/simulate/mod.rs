@@ -513,8 +513,8 @@ struct Item {
 
 fn read_summary(dir: &Path) -> Result<Summary> {
     let path = dir.join("summary.json");
-    let bytes =
-        std::fs::read(&path).with_context(|| format!("cannot read {} (is the run finished?)", path.display()))?;
+    let bytes = crate::files::read_regular(&path, crate::files::SUMMARY_BYTES, "run summary")
+        .context("is the run finished?")?;
     serde_json::from_slice(&bytes).with_context(|| format!("{} is not a qsr summary", path.display()))
 }
 

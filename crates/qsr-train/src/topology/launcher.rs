@@ -39,9 +39,7 @@ pub struct LaunchArgs {
 
 /// Runs `qsr launch`.
 pub fn launch(args: &LaunchArgs) -> Result<()> {
-    if args.nproc == 0 {
-        return Err(bad_input(anyhow::anyhow!("--nproc must be at least 1")));
-    }
+    crate::args::check_nproc(args.nproc)?;
     let port = match args.master_port {
         Some(p) => p,
         None => free_port()?,

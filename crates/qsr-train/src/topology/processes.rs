@@ -68,8 +68,15 @@ pub fn launch(
     for id in ids {
         signal_hook::low_level::unregister(id);
     }
+    if result.is_err() {
+        // Every worker has stopped: a checkpoint one left unfinished (interrupted mid-commit, a full
+        // disk) is garbage, and the next run in this directory would sweep it anyway (N5).
+        let _ = crate::checkpoint::sweep(run_dir);
+    }
     result?;
-    let summary = std::fs::read(run_dir.join("summary.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
+    let summary = crate::files::read_regular(&run_dir.join("summary.json"), crate::files::SUMMARY_BYTES, "run summary")
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok());
     Ok(summary)
 }
 

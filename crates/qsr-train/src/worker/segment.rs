@@ -379,7 +379,17 @@ fn counters(base: &Counters, st: &qsr_optim::DriverStats, t0: Instant) -> Counte
     })
 }
 
+/// Writes the checkpoint of `step` (every rank its files, rank 0 the rest and the commit); a rank 0
+/// that fails removes the unfinished one (a full disk leaves no `tmp-step-<N>`, N5).
 fn save_checkpoint<M: Module>(worker: &mut Worker<M>, spec: &RunSpec, step: u64, counters: Counters) -> Result<()> {
+    let saved = write_checkpoint(worker, spec, step, counters);
+    if saved.is_err() && worker.rank() == 0 {
+        let _ = std::fs::remove_dir_all(checkpoint::tmp_dir(&spec.run_dir, step));
+    }
+    saved
+}
+
+fn write_checkpoint<M: Module>(worker: &mut Worker<M>, spec: &RunSpec, step: u64, counters: Counters) -> Result<()> {
     let rank = worker.rank();
     let run_dir = &spec.run_dir;
     let tmp = checkpoint::tmp_dir(run_dir, step);

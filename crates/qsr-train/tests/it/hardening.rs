@@ -356,8 +356,9 @@ fn a_full_disk_is_reported_as_the_root_cause_not_a_dropped_handle() {
     let mnt = dir.path().join("small");
     std::fs::create_dir_all(&mnt).unwrap();
     for attempt in 0..3 {
+        // After the run, the checkpoint directory's entries (the tmpfs goes with the namespace).
         let script = format!(
-            "mount -t tmpfs -o size=160k tmpfs {m} && exec {q} train --recipe {RECIPE} --workers 4 --out {m}/run --quiet --set schedule.total_steps=200 --set eval.every_epochs=1",
+            "mount -t tmpfs -o size=160k tmpfs {m} && {{ {q} train --recipe {RECIPE} --workers 4 --out {m}/run --quiet --set schedule.total_steps=200 --set eval.every_epochs=1; rc=$?; echo left: $(ls {m}/run/ckpt) >&2; exit $rc; }}",
             m = s(&mnt),
             q = env!("CARGO_BIN_EXE_qsr")
         );
@@ -368,6 +369,9 @@ fn a_full_disk_is_reported_as_the_root_cause_not_a_dropped_handle() {
             err.contains("No space left on device") && !err.contains("dropped its handle"),
             "attempt {attempt}: {err}"
         );
+        // [N5] The unfinished checkpoint is removed, complete ones kept.
+        let left = err.lines().find_map(|l| l.strip_prefix("left:")).unwrap_or_else(|| panic!("no listing: {err}"));
+        assert!(!left.contains("tmp-step-"), "attempt {attempt}: {left}");
     }
 }
 
@@ -905,4 +909,103 @@ fn an_elastic_launch_whose_last_worker_dies_ends_instead_of_waiting_forever() {
     assert_eq!(status.code(), Some(3), "{}", launcher.stderr());
     assert!(launcher.stderr().contains("rank 0 was killed by signal 9"), "{}", launcher.stderr());
     assert!(wait_until(Duration::from_secs(30), || processes_with(s(&out)).is_empty()), "workers left behind");
+}
+
+// Issue 43: streaming and the edges a new attack found (N-items in brackets).
+
+/// Makes a FIFO at `path`.
+fn fifo(path: &Path) {
+    assert!(Command::new("mkfifo").arg(path).status().unwrap().success(), "mkfifo {}", path.display());
+}
+
+/// [N4] Every file qsr reads is a regular file of bounded size: a FIFO named as a recipe (train,
+/// plan, compare), a resumed run's recipe.toml, a plotted metrics.jsonl or a simulated run's
+/// summary.json hung, and `--recipe /dev/zero` grew memory at 1 GB/s. Each is refused at once as bad
+/// input, naming the file.
+#[test]
+fn files_that_are_not_regular_are_refused_at_once_naming_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let at = |name: &str| dir.path().join(name);
+    let recipe = at("recipe.toml");
+    fifo(&recipe);
+    let (train, compare) = (at("t"), at("c"));
+    for args in [
+        &["train", "--recipe", s(&recipe), "--workers", "2", "--out", s(&train)][..],
+        &["plan", "--recipe", s(&recipe)],
+        &["compare", "--recipe", s(&recipe), "--out", s(&compare)],
+        &["plan", "--recipe", "/dev/zero"],
+    ] {
+        let err = refused_within(args, &[]);
+        assert!(err.contains("is not a regular file (it is a"), "{args:?}: {err}");
+    }
+    let run = at("run");
+    halted_run(&run);
+    std::fs::remove_file(run.join("recipe.toml")).unwrap();
+    fifo(&run.join("recipe.toml"));
+    let err = refused_within(&["train", "--resume", s(&run), "--workers", "2", "--quiet"], &[]);
+    assert!(err.contains("recipe.toml is not a regular file (it is a FIFO)"), "{err}");
+    let plotted = at("plotted");
+    std::fs::create_dir(&plotted).unwrap();
+    fifo(&plotted.join("metrics.jsonl"));
+    let err = refused_within(&["plot", s(&plotted), "--out", s(&at("plots"))], &[]);
+    assert!(err.contains("metrics.jsonl is not a regular file (it is a FIFO)"), "{err}");
+    let simulated = at("simulated");
+    std::fs::create_dir(&simulated).unwrap();
+    std::fs::copy(root().join(RECIPE), simulated.join("recipe.toml")).unwrap();
+    fifo(&simulated.join("summary.json"));
+    let err =
+        refused_within(&["simulate", "--run", s(&simulated), "--bandwidth", "1gbit", "--step-seconds", "0.1"], &[]);
+    assert!(err.contains("summary.json is not a regular file (it is a FIFO)"), "{err}");
+}
+
+/// [N6] `qsr launch --nproc 4294967295` spawned about 32,400 processes before the host refused more;
+/// `--nproc` is bounded for `qsr launch` as for `qsr train`, refused before anything starts.
+#[test]
+fn an_nproc_beyond_one_host_is_refused_before_anything_starts() {
+    for args in [
+        &["launch", "--nproc", "4294967295", "--", "/bin/true"][..],
+        &["train", "--recipe", RECIPE, "--nproc", "100000", "--quiet"],
+    ] {
+        let err = refused_within(args, &[]);
+        assert!(err.contains("must be in 1..=1024 processes on this host"), "{args:?}: {err}");
+    }
+}
+
+/// [N5] A `--nproc` launcher interrupted (SIGINT, SIGTERM) while rank 0 commits a streaming
+/// checkpoint left `ckpt/tmp-step-<N>` behind; it sweeps what its stopped workers left unfinished.
+#[test]
+fn an_interrupted_launcher_leaves_no_unfinished_checkpoint() {
+    for (signal, code) in [("INT", 130), ("TERM", 143)] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("run");
+        let sets = ["sync.rule=constant", "sync.h=2", "sync.streaming.fragments=2", "eval.every_epochs=1"];
+        let mut args = vec!["train", "--recipe", RECIPE, "--nproc", "2", "--out", s(&out), "--quiet"];
+        args.extend(sets.iter().flat_map(|x| ["--set", x]));
+        let stderr = std::fs::File::create(dir.path().join("stderr")).unwrap();
+        // Rank 0 stops (SIGSTOP) as it commits step 44's checkpoint, its files written.
+        let mut child = qsr_cmd(&args)
+            .env("QSR_TEST_FAULT", "stop:0:44:commit")
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .unwrap();
+        let tmp = out.join("ckpt/tmp-step-44");
+        let log = || std::fs::read_to_string(dir.path().join("stderr")).unwrap_or_default();
+        let stopped = wait_until(Duration::from_secs(60), || tmp.join("state.json").exists());
+        std::thread::sleep(Duration::from_millis(300));
+        kill(child.id(), signal);
+        let mut status = None;
+        wait_until(Duration::from_secs(30), || {
+            status = child.try_wait().unwrap();
+            status.is_some()
+        });
+        let _ = child.kill();
+        assert!(stopped, "{signal}: rank 0 never reached the commit of step 44: {}", log());
+        assert_eq!(status.and_then(|s| s.code()), Some(code), "{signal}: {}", log());
+        let left: Vec<String> = std::fs::read_dir(out.join("ckpt"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(left.iter().all(|n| !n.starts_with("tmp-step-")), "{signal}: {left:?}");
+    }
 }
