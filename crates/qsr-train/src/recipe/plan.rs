@@ -31,8 +31,8 @@ pub use qsr_optim::StreamingConfig as StreamingSync;
 const MIX_LEFT_REFUSED: f64 = 0.05;
 
 /// The fragment schedule of `streaming` over `plan`, each refusal naming its key. A `mix` under which
-/// the run's syncs leave more than [`MIX_LEFT_REFUSED`] of the workers' differences is refused (N8):
-/// each sync keeps `1 - mix` of them.
+/// the run's syncs leave more than 5 % of the workers' differences is refused (N8): each sync keeps
+/// `1 - mix` of them.
 pub fn fragment_plan(streaming: &StreamingSync, plan: Plan) -> Result<FragmentPlan> {
     streaming.validate()?;
     let fragments = FragmentPlan::new(plan, streaming.fragments)?;
