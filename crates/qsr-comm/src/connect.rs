@@ -150,7 +150,7 @@ pub fn split(
     let me = members.iter().position(|&(_, r, _)| r == ring.rank()).expect("this rank passed its own color");
     let table = members.iter().map(|&(_, r, p)| (ring.hosts()[r].clone(), p)).collect();
     let names: Vec<usize> = members.iter().map(|&(_, r, _)| r).collect();
-    let rename = |e| crate::hier::rename(e, &names);
+    let rename = |e| crate::status::rename(e, &names);
     let sub = TcpComm::from_table(me, members.len(), cfg, &listener, table).map_err(rename)?;
     let inner = over_ring(sub, transport, host, shm_cfg).map_err(rename)?;
     Ok(Box::new(Split { inner, names }))
@@ -165,7 +165,7 @@ struct Split {
 
 impl Split {
     fn named<T>(&self, r: Result<T, CommError>) -> Result<T, CommError> {
-        r.map_err(|e| crate::hier::rename(e, &self.names))
+        r.map_err(|e| crate::status::rename(e, &self.names))
     }
 }
 

@@ -41,6 +41,7 @@ mod hier;
 mod inproc;
 mod launch_env;
 mod shm;
+mod status;
 pub mod store_protocol;
 mod tcp;
 mod util;

@@ -4,7 +4,7 @@ use std::net::TcpListener;
 use std::time::Duration;
 
 use super::{TcpComm, ring_listener};
-use crate::hier::{read_status, reason_of, rename, status_word};
+use crate::status::{read_status, reason_of, rename, status_word};
 use crate::{Collective, CommError};
 
 /// Largest world recursive doubling serves: each call carries one status word per rank.
