@@ -49,11 +49,16 @@ pub enum Response {
         mismatch: bool,
     },
     /// A join is still waiting (sent every [`KEEPALIVE`], so the worker knows the store lives):
-    /// `status` says for what, in words the worker prints.
+    /// `status` says for what, in words the worker prints. `for_workers`: it waits for workers that
+    /// have not joined (the first generation's, or new ones to reach `min_workers`), which the
+    /// worker waits for at most its rendezvous timeout; a spare waiting for a free slot and a
+    /// survivor waiting for members to report (bounded by the store's settle time) do not.
     Waiting {
         generation: Option<u64>,
         #[serde(default)]
         status: String,
+        #[serde(default)]
+        for_workers: bool,
     },
     /// A generation formed with this worker in it.
     Formed {

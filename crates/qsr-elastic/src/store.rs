@@ -405,8 +405,9 @@ fn join(shared: &Shared, id: u64, seen: Option<u64>, pending: Pending, reason: S
         }
         if beat.elapsed() >= KEEPALIVE {
             let (generation, status) = (st.generation, st.status(Some(id), &shared.cfg));
+            let for_workers = st.waits_for_workers();
             drop(st);
-            if send(w, &Response::Waiting { generation, status }).is_err() {
+            if send(w, &Response::Waiting { generation, status, for_workers }).is_err() {
                 return refused("connection lost".into());
             }
             beat = Instant::now();
@@ -527,6 +528,26 @@ impl State {
         true
     }
 
+    /// Whether the next generation waits for workers that have not joined: the first generation's,
+    /// or new ones to reach `min_workers` once every surviving member has reported.
+    fn waits_for_workers(&self) -> bool {
+        match (self.generation, &self.over) {
+            (None, _) => true,
+            (Some(_), None) => false,
+            (Some(_), Some(_)) => self.missing_members().is_empty(),
+        }
+    }
+
+    /// The ranks of the current generation that are connected, not done and have not reported.
+    fn missing_members(&self) -> Vec<usize> {
+        (0..self.members.len())
+            .filter(|&r| {
+                let m = self.members[r];
+                self.alive.contains_key(&m) && !self.done.contains(&m) && !self.pending.contains_key(&m)
+            })
+            .collect()
+    }
+
     /// What a waiting join (of worker `id`, or the store itself with `None`) waits for, in words.
     fn status(&self, id: Option<u64>, cfg: &StoreConfig) -> String {
         let Some(g) = self.generation else {
@@ -538,12 +559,7 @@ impl State {
                 self.members.len()
             );
         };
-        let missing: Vec<usize> = (0..self.members.len())
-            .filter(|&r| {
-                let m = self.members[r];
-                self.alive.contains_key(&m) && !self.done.contains(&m) && !self.pending.contains_key(&m)
-            })
-            .collect();
+        let missing = self.missing_members();
         let reported = self.members.iter().filter(|m| self.pending.contains_key(m)).count();
         if missing.is_empty() {
             let ready = reported + self.pending.keys().filter(|p| !self.members.contains(p)).count();
@@ -593,11 +609,7 @@ impl State {
             (None, _) => return self.form_first(cfg),
             (Some(_), None) => false,
             (Some(_), Some(over)) => {
-                let missing = self
-                    .members
-                    .iter()
-                    .any(|m| self.alive.contains_key(m) && !self.done.contains(m) && !self.pending.contains_key(m));
-                !missing || over.since.is_some_and(|t| t.elapsed() >= cfg.settle)
+                self.missing_members().is_empty() || over.since.is_some_and(|t| t.elapsed() >= cfg.settle)
             }
         };
         if !due {

@@ -333,6 +333,76 @@ fn a_first_generation_short_of_workers_fails_at_the_rendezvous_timeout() {
     assert!(err.to_string().contains("did not form within the rendezvous timeout"), "{err}");
 }
 
+/// N3: a survivor below `min_workers` waits for new workers at most its rendezvous timeout (it
+/// waited on past it), and the store, its job orphaned, says so.
+#[test]
+fn a_survivor_below_min_workers_gives_up_at_its_rendezvous_timeout() {
+    let cfg = StoreConfig {
+        settle: Duration::from_secs(1),
+        token: "elastic-test".into(),
+        min_workers: 2,
+        ..StoreConfig::new(3)
+    };
+    let store = Store::bind("127.0.0.1:0", cfg).unwrap();
+    let handles: Vec<_> = (0..3u64)
+        .map(|order| {
+            let mut cfg = config(&store, order);
+            cfg.tcp.rendezvous_timeout = Duration::from_secs(2);
+            std::thread::spawn(move || {
+                let mut job = Elastic::connect(cfg).unwrap();
+                let (mut comm, m) = job.form(None, "start").unwrap();
+                if m.rank != 0 {
+                    return None; // two of three lost: one survivor, below min_workers
+                }
+                assert!(total(comm.as_mut(), 1.0).is_err());
+                let start = std::time::Instant::now();
+                let err = job.form(state(10), "lost two peers").err().expect("alone below min_workers");
+                Some((err.to_string(), start.elapsed()))
+            })
+        })
+        .collect();
+    let (msg, took) = handles.into_iter().find_map(|h| h.join().unwrap()).unwrap();
+    assert!(msg.contains("no new worker came within the rendezvous timeout of 2s"), "{msg}");
+    assert!(msg.contains("at least 2 workers and 1 are ready"), "{msg}");
+    assert!(took < Duration::from_secs(8), "gave up after {took:?}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while store.orphaned().is_none() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(store.orphaned().is_some(), "the store must see its job orphaned");
+}
+
+/// A spare waits for a free slot as long as the job runs, past its rendezvous timeout.
+#[test]
+fn a_spare_waits_past_its_rendezvous_timeout_for_a_free_slot() {
+    let store = store(2);
+    let handles: Vec<_> = (0..3u64)
+        .map(|order| {
+            let mut cfg = config(&store, order);
+            cfg.tcp.rendezvous_timeout = Duration::from_secs(1);
+            std::thread::spawn(move || {
+                let mut job = Elastic::connect(cfg).unwrap();
+                let (mut comm, first) = job.form(None, "start").unwrap();
+                if first.generation == 0 {
+                    std::thread::sleep(Duration::from_millis(2500)); // a long round
+                    if first.rank == 1 {
+                        return None;
+                    }
+                    assert!(total(comm.as_mut(), 1.0).is_err());
+                    (comm, _) = job.form(state(10), "lost a peer").unwrap();
+                }
+                assert_eq!(total(comm.as_mut(), 1.0).unwrap(), 2.0);
+                job.finish().unwrap();
+                Some(first.generation)
+            })
+        })
+        .collect();
+    let mut ended: Vec<_> = handles.into_iter().filter_map(|h| h.join().unwrap()).collect();
+    ended.sort();
+    assert_eq!(ended, vec![0, 1], "the spare joined generation 1 after 2.5 s of a 1 s timeout");
+    assert!(store.wait_finished(Some(Duration::from_secs(5))));
+}
+
 #[test]
 fn a_join_whose_payload_would_not_fit_is_refused_naming_the_field() {
     let store = store(1);

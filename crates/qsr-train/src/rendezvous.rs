@@ -1,10 +1,11 @@
 //! `qsr rendezvous`: the store of an elastic job, served until the job finishes.
 
 use std::io::Write;
+use std::net::ToSocketAddrs;
 use std::time::Duration;
 
 use anyhow::{Result, anyhow};
-use qsr_comm::CommError;
+use qsr_comm::{CommError, TcpConfig};
 use qsr_elastic::{Store, StoreConfig};
 
 use crate::exit::bad_input;
@@ -28,7 +29,8 @@ pub struct RendezvousArgs {
 }
 
 /// Runs `qsr rendezvous`: serves the elastic job's store until every worker of its last generation
-/// finished. The job token is `QSR_JOB_TOKEN`, as for the workers.
+/// finished, or until `QSR_RENDEZVOUS_TIMEOUT_SECS` passed without a first generation. The job token
+/// is `QSR_JOB_TOKEN`, as for the workers.
 pub fn rendezvous(args: &RendezvousArgs, out: &mut dyn Write) -> Result<()> {
     let secs = args.settle_secs;
     if !(secs.is_finite() && secs > 0.0 && secs <= qsr_comm::MAX_TIMEOUT_SECS) {
@@ -36,6 +38,7 @@ pub fn rendezvous(args: &RendezvousArgs, out: &mut dyn Write) -> Result<()> {
         return Err(bad_input(anyhow!("--settle-secs {secs:e}: expected a number of seconds in (0, {max}] (a week)")));
     }
     let settle = Duration::from_secs_f64(secs);
+    let first_within = TcpConfig::from_env(&|k| std::env::var(k).ok()).map_err(bad_input)?.rendezvous_timeout;
     let cfg = StoreConfig {
         workers: args.workers,
         min_workers: args.min_workers,
@@ -43,6 +46,9 @@ pub fn rendezvous(args: &RendezvousArgs, out: &mut dyn Write) -> Result<()> {
         token: std::env::var("QSR_JOB_TOKEN").unwrap_or_default(),
         ..StoreConfig::new(args.workers)
     };
+    if let Err(e) = args.listen.to_socket_addrs() {
+        return Err(bad_input(anyhow!("--listen {}: not an address to listen on ({e})", args.listen)));
+    }
     let open = cfg.token.is_empty();
     let store = match Store::bind(&args.listen, cfg) {
         Ok(s) => s,
@@ -61,9 +67,16 @@ pub fn rendezvous(args: &RendezvousArgs, out: &mut dyn Write) -> Result<()> {
     let start = std::time::Instant::now();
     let mut next_line = start + Duration::from_secs(10).min(settle);
     while !store.wait_finished(Some(Duration::from_secs(1))) {
+        let addr = || store.local_addr().to_string();
         if let Some(why) = store.orphaned() {
-            let addr = store.local_addr().to_string();
-            return Err(CommError::Store { addr, detail: format!("the job ended unfinished: {why}") }.into());
+            return Err(CommError::Store { addr: addr(), detail: format!("the job ended unfinished: {why}") }.into());
+        }
+        if store.generation().is_none() && start.elapsed() >= first_within {
+            let what = store.waiting_for().unwrap_or_default();
+            let detail = format!(
+                "the first generation did not form within the rendezvous timeout of {first_within:?} (QSR_RENDEZVOUS_TIMEOUT_SECS): {what}"
+            );
+            return Err(CommError::Store { addr: addr(), detail }.into());
         }
         if std::time::Instant::now() >= next_line
             && let Some(what) = store.waiting_for()

@@ -191,9 +191,7 @@ impl Elastic {
         let (listener, port) = ring_listener(&self.cfg.tcp)?;
         let host = advertised_host(&self.cfg.tcp).unwrap_or_default();
         let join = Request::Join { seen: self.generation, host, port, state, reason: reason.into() };
-        // Joining a running job may wait for a long round; the first generation only for its workers.
-        let deadline = Instant::now() + self.cfg.tcp.rendezvous_timeout;
-        let reply = self.ask_until(&join, Some(deadline))?;
+        let reply = self.ask_until(&join, Some(self.cfg.tcp.rendezvous_timeout))?;
         let Response::Formed { generation, rank, previous_rank, table, source, state, lost, joined } = reply else {
             return Err(self.unexpected(reply));
         };
@@ -231,35 +229,36 @@ impl Elastic {
         self.ask_until(req, None)
     }
 
-    /// [`Self::ask`], failing at `first_deadline` while the store has formed no generation yet.
-    /// A wait of more than a second says what it waits for (the store's words) at a bounded
-    /// interval.
-    fn ask_until(&mut self, req: &Request, first_deadline: Option<Instant>) -> Result<Response, CommError> {
+    /// [`Self::ask`], failing once a join has waited `patience` for workers that have not joined
+    /// (the first generation's, or new ones to reach the store's `min_workers`). A wait of more than
+    /// a second says what it waits for (the store's words) at a bounded interval.
+    fn ask_until(&mut self, req: &Request, patience: Option<Duration>) -> Result<Response, CommError> {
         let addr = self.cfg.store.clone();
         send(&mut self.writer, req).map_err(|e| store_err(&addr, format!("cannot send: {e}")))?;
         // The store answers at once, or keeps a waiting join alive every half second: silence for
         // the comm timeout means it stopped.
         let silence = self.cfg.tcp.timeout.max(MIN_STORE_TIMEOUT);
         let _ = self.reader.get_ref().set_read_timeout(Some(silence));
-        // A first generation gives up at the rendezvous timeout; a running job's join waits as long as
-        // the job runs (a spare waits for a free slot).
-        let total = first_deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        let mut wait = Waiting::first_after(total, Duration::from_secs(1));
+        // A spare waits for a free slot as long as the job runs, and survivors for members to
+        // report as long as the store's settle time: only a wait for workers is bounded here.
+        let mut wait = Waiting::first_after(None, Duration::from_secs(1));
+        let mut since = Some(Instant::now());
+        let what = format!("waiting at the elastic store {addr}");
         loop {
             match recv::<Response>(&mut self.reader) {
-                Ok(Some(Response::Waiting { generation: None, status }))
-                    if first_deadline.is_some_and(|d| Instant::now() >= d) =>
-                {
-                    return Err(store_err(
-                        &addr,
-                        format!(
-                            "the first generation did not form within the rendezvous timeout of {:?} (QSR_RENDEZVOUS_TIMEOUT_SECS): {status} (did one fail to start, or run with other settings?)",
-                            self.cfg.tcp.rendezvous_timeout
-                        ),
-                    ));
-                }
-                Ok(Some(Response::Waiting { status, .. })) => {
-                    wait.tick(&format!("waiting at the elastic store {addr}"), &status);
+                Ok(Some(Response::Waiting { generation, status, for_workers })) => {
+                    if !for_workers {
+                        since = None;
+                    }
+                    let started = for_workers.then(|| *since.get_or_insert_with(Instant::now));
+                    match (patience, started) {
+                        (Some(p), Some(t)) if t.elapsed() >= p => return Err(gave_up(&addr, generation, p, &status)),
+                        (Some(p), Some(t)) => {
+                            let left = p.saturating_sub(t.elapsed()).as_secs_f64().ceil();
+                            wait.tick(&what, &format!("{status}; giving up in {left} s"));
+                        }
+                        _ => wait.tick(&what, &status),
+                    }
                 }
                 Ok(Some(r)) => return Ok(r),
                 Ok(None) => return Err(store_err(&addr, "the store closed the connection (did `qsr rendezvous` exit or get killed?); the job cannot change its membership without it: restart the store and the workers with `qsr train --resume` from the run's checkpoint".into())),
@@ -286,6 +285,19 @@ impl Elastic {
             other => store_err(&self.cfg.store, format!("unexpected answer {other:?}")),
         }
     }
+}
+
+/// The error of a join that waited `patience` for workers that did not come.
+fn gave_up(addr: &str, generation: Option<u64>, patience: Duration, status: &str) -> CommError {
+    let detail = match generation {
+        None => format!(
+            "the first generation did not form within the rendezvous timeout of {patience:?} (QSR_RENDEZVOUS_TIMEOUT_SECS): {status} (did one fail to start, or run with other settings?)"
+        ),
+        Some(g) => format!(
+            "no new worker came within the rendezvous timeout of {patience:?} (QSR_RENDEZVOUS_TIMEOUT_SECS): {status}; start workers with the store's address, or lower its --min-workers, and continue from generation {g}'s checkpoint with `qsr train --resume`"
+        ),
+    };
+    store_err(addr, detail)
 }
 
 fn store_err(addr: &str, detail: String) -> CommError {

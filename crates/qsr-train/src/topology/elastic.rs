@@ -228,9 +228,17 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
         let snap = (worker.snapshot()?, Handover { counters: base, records: Vec::new() });
         let generation = m.generation;
         let held = None;
+        let (resized, rank) = (if joining { None } else { resized(spec, &m) }, m.rank);
         let mut me = Member { spec, job, make, pace, task, stream, worker, segment, snap, held, generation };
         if joining {
             me.take_over(m, None, "a new worker joined")?;
+        }
+        if let Some(change) = resized {
+            if rank == 0 {
+                eprintln!("qsr: {} ({} workers now)", change.reason, change.world_size);
+            }
+            let record = me.record(step, base, change);
+            me.segment.append(&record)?;
         }
         while !me.worker.cursor().is_done() {
             match me.step() {
@@ -369,6 +377,23 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
         let counted = Record::counted("membership", step, self.pace.epoch(step), lr, h, c);
         Record { membership: Some(change), ..counted }
     }
+}
+
+/// The membership change of an elastic resume with another number of workers than wrote the
+/// checkpoint (N9): its ranks this generation lacks are lost, those past its own joined.
+fn resized(spec: &RunSpec, m: &Membership) -> Option<MembershipChange> {
+    let (_, state) = spec.resume.as_ref()?;
+    let (was, now) = (state.world_size, m.world_size);
+    let reason = format!("the job resumed with {now} workers");
+    (was != now).then(|| MembershipChange {
+        generation: m.generation,
+        world_size: now,
+        lost: (now..was).map(|rank| qsr_comm::Lost { rank, reason: reason.clone() }).collect(),
+        joined: (was..now).collect(),
+        reason: format!("resumed from the checkpoint at step {} written by {was} workers", state.step),
+        rounds_lost: 0,
+        steps_lost: 0,
+    })
 }
 
 /// Whether forming a generation's ring failed (a member of it died meanwhile): worth another try.

@@ -146,6 +146,14 @@ impl Segment {
         Ok(())
     }
 
+    /// Appends `record` to rank 0's `metrics.jsonl` (a membership change at a resume).
+    pub(crate) fn append(&mut self, record: &Record) -> Result<()> {
+        if let Some(m) = self.metrics.as_mut() {
+            m.write(record)?;
+        }
+        Ok(())
+    }
+
     /// The records of the last global sync (written by rank 0; kept by every rank).
     pub(crate) fn sync_records(&self) -> &[Record] {
         &self.held

@@ -252,8 +252,9 @@ fn rank_zero_killed_under_a_standalone_store_leaves_a_run_that_finishes_and_chec
     assert!(evals >= 2, "evaluations before and after the loss: {text}");
 }
 
+/// An elastic resume at another world size is a membership change (N9: none was recorded).
 #[test]
-fn a_resume_at_another_world_size_needs_elastic() {
+fn a_resume_at_another_world_size_needs_elastic_and_records_the_membership_change() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
     let out = run.to_str().unwrap();
@@ -263,6 +264,13 @@ fn a_resume_at_another_world_size_needs_elastic() {
     ok(&["train", "--resume", out, "--nproc", "3", "--elastic", "--quiet"]);
     let s = json(&run.join("summary.json"));
     assert_eq!(s["world_size"], 3);
+    let changes = membership(&run);
+    assert_eq!(changes.len(), 1, "{changes:?}");
+    let m = &changes[0]["membership"];
+    assert_eq!((m["world_size"].as_u64(), m["joined"].as_array().map(Vec::len)), (Some(3), Some(0)), "{m}");
+    assert_eq!(m["lost"][0]["rank"], 3, "{m}");
+    assert!(m["reason"].as_str().unwrap().contains("written by 4 workers"), "{m}");
+    assert!(changes[0]["step"].as_u64().unwrap() >= 200, "at the checkpoint the halt left: {m}");
     assert!(s["final_test_accuracy"].as_f64().unwrap() > 0.8, "{s}");
 }
 
@@ -282,6 +290,9 @@ fn a_streaming_run_resumed_with_more_workers_gives_the_new_rank_the_averages_in_
     ok(&["train", "--resume", out, "--nproc", "4", "--elastic", "--quiet"]);
     let s = json(&run.join("summary.json"));
     assert_eq!((s["world_size"].as_u64(), s["syncs"].clone()), (Some(4), s["planned_syncs"].clone()));
+    let changes = membership(&run);
+    assert_eq!(changes.len(), 1, "N9: the resume by 4 is a membership change: {changes:?}");
+    assert_eq!(changes[0]["membership"]["joined"], serde_json::json!([3]), "{changes:?}");
     assert!(s["final_test_accuracy"].as_f64().unwrap() > 0.8, "{s}");
 }
 
@@ -567,4 +578,20 @@ fn the_launcher_kills_expelled_workers_at_the_end_naming_them() {
         "{err}"
     );
     assert!(!err.contains("waiting up to"), "the launcher must not wait for a stopped worker: {err}");
+}
+
+/// N3: `qsr rendezvous` that no worker reaches gives up at `QSR_RENDEZVOUS_TIMEOUT_SECS` (it served
+/// on), naming the timeout and what it waited for.
+#[test]
+fn a_store_that_no_worker_reaches_gives_up_at_the_rendezvous_timeout() {
+    let t0 = Instant::now();
+    let mut c = short_timeout_qsr();
+    c.env("QSR_RENDEZVOUS_TIMEOUT_SECS", "3");
+    c.args(["rendezvous", "--listen", "127.0.0.1:0", "--workers", "2"]);
+    let (status, lines) = timed_stderr(c.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap(), t0);
+    let all = lines.iter().map(|l| format!("{:.1} {}", l.0, l.1)).collect::<Vec<_>>().join("\n");
+    assert_eq!(status.code(), Some(5), "{all}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "{all}");
+    assert!(all.contains("did not form within the rendezvous timeout of 3s"), "{all}");
+    assert!(all.contains("0 of 2 workers have joined the first generation"), "{all}");
 }
