@@ -1,18 +1,26 @@
 //! `cargo xtask chaos`: elastic jobs on loopback under injected faults, each checked against the
 //! outcome its fault must have and the invariants every job keeps.
 //!
-//! Every job is a `qsr rendezvous` store and K `qsr train --comm tcp --elastic` workers on digits.
-//! One fault per job, the kinds in equal quotas, in an order and at points drawn from the seed:
-//! workers (rank 0 or another) are killed (SIGKILL) or stopped (SIGSTOP) through `QSR_TEST_FAULT`
-//! at a step, right after a sync, or (rank 0) while it commits a checkpoint, so a worker fault
-//! replays exactly from the seed; the store is killed or stopped a drawn delay after training began.
+//! Every job trains digits with K elastic workers, under a setting drawn from the seed (plain f32
+//! syncs, or streaming fragments whose averages go as int8 or fp8), mostly as a `qsr rendezvous`
+//! store and K `qsr train --comm tcp --elastic` workers. One fault per job, the kinds in equal
+//! quotas, in an order and at points drawn from the seed: workers (rank 0 or another) are killed
+//! (SIGKILL) or stopped (SIGSTOP) through `QSR_TEST_FAULT` at a step, right after a sync, or (rank
+//! 0) while it commits a checkpoint, so a worker fault replays exactly from the seed; all workers
+//! but rank 0 are killed at once (the job shrinks to one survivor), or two at once when the store
+//! needs K - 1 (the survivors fall below `--min-workers`); the store is killed or stopped a drawn
+//! delay after training began; a `qsr train --nproc K --elastic` launcher gets SIGINT or SIGTERM
+//! while rank 0 commits a checkpoint.
 //!
-//! Expected outcomes: a lost worker costs a round, and the job finishes with the planned syncs,
-//! K - 1 workers and the victim named as the lost rank; a lost store is a defined failure, every
-//! worker exiting with status 5 and naming the store. Invariants of every job: `metrics.jsonl`
-//! parses, its syncs are the run's in order and once each, and they agree with `summary.json` and
-//! the checkpoint; `ckpt/LATEST` names a checkpoint that verifies; nothing is left in `ckpt/`
-//! (`tmp-step-*`) or `/dev/shm` (`qsr-shm-*`).
+//! Expected outcomes: a lost worker costs a round, and the job finishes with the planned syncs, the
+//! workers left and the victims named as the lost ranks; survivors below `--min-workers` give up at
+//! their rendezvous timeout, exiting 5; a lost store is a defined failure, every worker exiting
+//! with status 5 and naming the store; an interrupted launcher exits 128 + the signal, and
+//! `--resume` finishes the run. Invariants of every job: `metrics.jsonl` parses, its syncs are the
+//! run's in order and once each, and they agree with `summary.json` and the checkpoint;
+//! `ckpt/LATEST` names a checkpoint that verifies; nothing is left in `ckpt/` (`tmp-step-*`) or
+//! `/dev/shm` (`qsr-shm-*`); a finished job's model is not at chance (the setting's clean job
+//! trains).
 
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
@@ -32,6 +40,13 @@ const STEPS: u64 = 400;
 const STORE_JOB_STEPS: u64 = 4000;
 /// A job that is not over by then hangs: everything is killed and the job fails.
 const JOB_LIMIT: Duration = Duration::from_secs(150);
+/// The rendezvous timeout of a job's workers; survivors below `--min-workers` wait this long.
+const RENDEZVOUS_SECS: u64 = 60;
+const BELOW_MIN_RENDEZVOUS_SECS: u64 = 8;
+/// Test accuracy a finished job's model must exceed (digits has 10 classes: chance is 0.1), and a
+/// setting's clean job before it, so that the floor means something.
+const ACCURACY_FLOOR: f64 = 0.5;
+const CLEAN_ACCURACY: f64 = 0.8;
 
 /// Arguments of `cargo xtask chaos`.
 #[derive(Debug, Clone, clap::Args)]
@@ -49,8 +64,8 @@ pub struct ChaosArgs {
     #[arg(long)]
     pub write_docs: bool,
     /// Use the `qsr` already in the target dir instead of building it (`cargo xtask ci`: its test step
-    /// built it for the integration tests).
-    #[arg(skip)]
+    /// built it for the integration tests, with the features a plain build would resolve otherwise).
+    #[arg(long)]
     pub prebuilt: bool,
 }
 
@@ -59,6 +74,8 @@ pub struct ChaosArgs {
 enum Sig {
     Kill,
     Stop,
+    Int,
+    Term,
 }
 
 impl Sig {
@@ -66,6 +83,8 @@ impl Sig {
         match self {
             Sig::Kill => "kill",
             Sig::Stop => "stop",
+            Sig::Int => "int",
+            Sig::Term => "term",
         }
     }
 
@@ -73,6 +92,43 @@ impl Sig {
         match self {
             Sig::Kill => libc::SIGKILL,
             Sig::Stop => libc::SIGSTOP,
+            Sig::Int => libc::SIGINT,
+            Sig::Term => libc::SIGTERM,
+        }
+    }
+}
+
+/// How a job's workers sync, drawn per job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Setting {
+    /// Whole-model f32 averages at the rule's syncs.
+    Plain,
+    /// Two streaming fragments, each average landing two steps late, sent as this wire (int8, fp8).
+    Streaming(&'static str),
+}
+
+const SETTINGS: [Setting; 3] = [Setting::Plain, Setting::Streaming("int8"), Setting::Streaming("fp8")];
+
+impl Setting {
+    fn name(self) -> &'static str {
+        match self {
+            Setting::Plain => "f32",
+            Setting::Streaming("int8") => "stream int8",
+            Setting::Streaming(_) => "stream fp8",
+        }
+    }
+
+    /// The recipe keys it sets.
+    fn sets(self) -> Vec<String> {
+        match self {
+            Setting::Plain => Vec::new(),
+            Setting::Streaming(wire) => {
+                vec![
+                    format!("driver.wire={wire}"),
+                    "sync.streaming.fragments=2".into(),
+                    "sync.streaming.delay=2".into(),
+                ]
+            }
         }
     }
 }
@@ -84,12 +140,30 @@ enum Fault {
     None,
     /// `QSR_TEST_FAULT=<sig>:<rank>:<point>` (the point as the variable writes it).
     Worker { sig: Sig, rank: usize, point: String },
+    /// `QSR_TEST_FAULT=kill:<rank>:<step>:synced` for each of `ranks`, with a store that forms
+    /// generations of at least `min_workers`. Right after a global sync, which every rank completes
+    /// alike: at a plain step, a rank might learn of the others' loss (a streaming fragment's
+    /// average) before it reached the step, and live.
+    Several { ranks: Vec<usize>, step: u64, min_workers: usize },
     /// The store gets `sig` this long after training began.
     Store { sig: Sig, after: Duration },
+    /// A `--nproc` launcher gets `sig` while its rank 0 is stopped committing the checkpoint of `step`.
+    Launcher { sig: Sig, step: u64 },
 }
 
 /// The kinds of faults, each with its quota of jobs.
-const KINDS: [&str; 6] = ["kill worker", "stop worker", "kill rank 0", "stop rank 0", "kill store", "stop store"];
+const KINDS: [&str; 10] = [
+    "kill worker",
+    "stop worker",
+    "kill rank 0",
+    "stop rank 0",
+    "kill store",
+    "stop store",
+    "shrink to one",
+    "below min",
+    "SIGINT launcher",
+    "SIGTERM launcher",
+];
 
 impl Fault {
     fn kind(&self) -> &'static str {
@@ -98,9 +172,13 @@ impl Fault {
             Fault::Worker { sig: Sig::Kill, rank: 0, .. } => KINDS[2],
             Fault::Worker { sig: Sig::Stop, rank: 0, .. } => KINDS[3],
             Fault::Worker { sig: Sig::Kill, .. } => KINDS[0],
-            Fault::Worker { sig: Sig::Stop, .. } => KINDS[1],
+            Fault::Worker { .. } => KINDS[1],
             Fault::Store { sig: Sig::Kill, .. } => KINDS[4],
-            Fault::Store { sig: Sig::Stop, .. } => KINDS[5],
+            Fault::Store { .. } => KINDS[5],
+            Fault::Several { min_workers: 1, .. } => KINDS[6],
+            Fault::Several { .. } => KINDS[7],
+            Fault::Launcher { sig: Sig::Int, .. } => KINDS[8],
+            Fault::Launcher { .. } => KINDS[9],
         }
     }
 
@@ -111,6 +189,38 @@ impl Fault {
             Fault::Store { sig, after } => {
                 format!("{} the store {} ms after training began", sig.name(), after.as_millis())
             }
+            Fault::Several { ranks, step, min_workers } => {
+                format!("kill ranks {ranks:?} after the sync of step {step}, min-workers {min_workers}")
+            }
+            Fault::Launcher { sig, step } => format!("{} the launcher, rank 0 committing step {step}", sig.name()),
+        }
+    }
+
+    /// Each rank's `QSR_TEST_FAULT`.
+    fn spec(&self, rank: usize) -> Option<String> {
+        match self {
+            Fault::Worker { sig, rank: r, point } if *r == rank => Some(format!("{}:{rank}:{point}", sig.name())),
+            Fault::Several { ranks, step, .. } if ranks.contains(&rank) => Some(format!("kill:{rank}:{step}:synced")),
+            Fault::Launcher { step, .. } if rank == 0 => Some(format!("stop:0:{step}:commit")),
+            _ => None,
+        }
+    }
+
+    /// The fewest workers a generation of the job forms with.
+    fn min_workers(&self) -> usize {
+        match self {
+            Fault::Several { min_workers, .. } => *min_workers,
+            _ => 2,
+        }
+    }
+
+    /// The workers' rendezvous timeout: short where survivors are meant to give up waiting.
+    fn rendezvous_secs(&self) -> u64 {
+        match self {
+            Fault::Several { min_workers, ranks, .. } if *min_workers > 1 && ranks.len() > 1 => {
+                BELOW_MIN_RENDEZVOUS_SECS
+            }
+            _ => RENDEZVOUS_SECS,
         }
     }
 }
@@ -124,13 +234,25 @@ struct Points {
 /// Draws job `i`'s fault, of the kind its quota gives it.
 fn draw(kind: &str, rng: &mut ChaCha8Rng, k: usize, points: &Points) -> Fault {
     let sig = if kind.starts_with("kill") { Sig::Kill } else { Sig::Stop };
+    let inner = &points.syncs[2..points.syncs.len() - 2];
+    let checkpoint = |rng: &mut ChaCha8Rng| points.checkpoints[rng.random_range(0..points.checkpoints.len() - 1)];
+    match kind {
+        "shrink to one" | "below min" => {
+            let step = inner[rng.random_range(0..inner.len())];
+            let (ranks, min_workers) =
+                if kind == "shrink to one" { ((1..k).collect(), 1) } else { ((k - 2..k).collect(), k - 1) };
+            return Fault::Several { ranks, step, min_workers };
+        }
+        "SIGINT launcher" => return Fault::Launcher { sig: Sig::Int, step: checkpoint(rng) },
+        "SIGTERM launcher" => return Fault::Launcher { sig: Sig::Term, step: checkpoint(rng) },
+        _ => {}
+    }
     if kind.ends_with("store") {
         return Fault::Store { sig, after: Duration::from_millis(rng.random_range(200..1500)) };
     }
     let rank = if kind.ends_with("rank 0") { 0 } else { rng.random_range(1..k) };
-    let inner = &points.syncs[2..points.syncs.len() - 2];
     let point = match (rank, rng.random_range(0..3)) {
-        (0, 2) => format!("{}:commit", points.checkpoints[rng.random_range(0..points.checkpoints.len() - 1)]),
+        (0, 2) => format!("{}:commit", checkpoint(rng)),
         (_, 1) => format!("{}:synced", inner[rng.random_range(0..inner.len())]),
         _ => rng.random_range(inner[0]..inner[inner.len() - 1]).to_string(),
     };
@@ -139,6 +261,7 @@ fn draw(kind: &str, rng: &mut ChaCha8Rng, k: usize, points: &Points) -> Fault {
 
 /// What one job did, and what was wrong with it.
 struct JobResult {
+    setting: Setting,
     fault: Fault,
     seconds: f64,
     violations: Vec<String>,
@@ -160,18 +283,27 @@ pub fn run(args: &ChaosArgs, root: &Path, target: &Path) -> Result<()> {
     println!("chaos: seed {seed} (replay: cargo xtask chaos --jobs {} --seed {seed})", args.jobs);
     let scratch = target.join("chaos");
     let _ = std::fs::remove_dir_all(&scratch);
-    let points = clean_points(&Setup { qsr: &qsr, root, k: args.workers, dir: &scratch.join("clean") })?;
+    let started = Instant::now();
+    let mut points = Vec::new();
+    for setting in SETTINGS {
+        let dir = scratch.join(format!("clean-{}", setting.name().replace(' ', "-")));
+        points.push(clean_points(&Setup { qsr: &qsr, root, k: args.workers, dir: &dir, setting })?);
+    }
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut kinds: Vec<&str> = (0..args.jobs).map(|i| KINDS[i % KINDS.len()]).collect();
     kinds.shuffle(&mut rng);
-    let started = Instant::now();
     let mut results = Vec::new();
     for (i, kind) in kinds.iter().enumerate() {
-        let fault = draw(kind, &mut rng, args.workers, &points);
-        let setup = Setup { qsr: &qsr, root, k: args.workers, dir: &scratch.join(format!("job-{i}")) };
-        let r = run_job(&setup, fault, rng.random())?;
+        let s = rng.random_range(0..SETTINGS.len());
+        let (setting, fault) = (SETTINGS[s], draw(kind, &mut rng, args.workers, &points[s]));
+        let setup = Setup { qsr: &qsr, root, k: args.workers, dir: &scratch.join(format!("job-{i}")), setting };
+        let r = match fault {
+            Fault::Launcher { sig, step } => run_launcher_job(&setup, sig, step)?,
+            fault => run_job(&setup, fault, rng.random())?,
+        };
         let verdict = if r.violations.is_empty() { "ok".to_string() } else { r.violations.join("; ") };
-        println!("chaos: job {i:>3} {:<12} {:<48} {:>5.1} s  {verdict}", r.fault.kind(), r.fault.describe(), r.seconds);
+        let (kind, what) = (r.fault.kind(), r.fault.describe());
+        println!("chaos: job {i:>3} {kind:<16} {:<11} {what:<56} {:>5.1} s  {verdict}", setting.name(), r.seconds);
         if r.violations.is_empty() {
             let _ = std::fs::remove_dir_all(setup.dir);
         }
@@ -199,6 +331,7 @@ struct Setup<'a> {
     root: &'a Path,
     k: usize,
     dir: &'a Path,
+    setting: Setting,
 }
 
 impl Setup<'_> {
@@ -210,15 +343,25 @@ impl Setup<'_> {
     fn qsr(&self, token: &str) -> Command {
         let mut c = Command::new(self.qsr);
         c.current_dir(self.root).env("QSR_COMM_TIMEOUT_SECS", "2").env("QSR_JOB_TOKEN", token);
-        c.env("QSR_RENDEZVOUS_TIMEOUT_SECS", "60").env_remove("QSR_TEST_FAULT");
+        c.env("QSR_RENDEZVOUS_TIMEOUT_SECS", RENDEZVOUS_SECS.to_string()).env_remove("QSR_TEST_FAULT");
         c
     }
 
-    /// The store: its process and address.
-    fn store(&self, token: &str) -> Result<(Child, String)> {
+    /// `train` arguments of every worker of the job: the recipe, `steps`, K and the setting.
+    fn train_args(&self, steps: u64) -> Vec<String> {
+        let mut sets = vec![format!("schedule.total_steps={steps}"), format!("train.workers={}", self.k)];
+        sets.push("eval.every_epochs=1".into());
+        sets.extend(self.setting.sets());
+        let mut args: Vec<String> = ["train", "--recipe", RECIPE, "--quiet"].map(String::from).into();
+        args.extend(sets.into_iter().flat_map(|s| ["--set".to_string(), s]));
+        args
+    }
+
+    /// The store, forming generations of at least `min_workers`: its process and address.
+    fn store(&self, token: &str, min_workers: usize) -> Result<(Child, String)> {
         let mut c = self.qsr(token);
         c.args(["rendezvous", "--listen", "127.0.0.1:0", "--workers", &self.k.to_string()]);
-        c.args(["--min-workers", "2", "--settle-secs", "2"]);
+        c.args(["--min-workers", &min_workers.to_string(), "--settle-secs", "2"]);
         let err = std::fs::File::create(self.dir.join("store.err"))?;
         let mut child = c.stdout(Stdio::piped()).stderr(err).spawn().context("cannot start qsr rendezvous")?;
         let mut line = String::new();
@@ -229,15 +372,12 @@ impl Setup<'_> {
     }
 
     /// Worker `rank` of the job (launcher order `rank`), with the fault's variable.
-    fn worker(&self, token: &str, store: &str, rank: usize, steps: u64, fault: Option<&str>) -> Result<Child> {
+    fn worker(&self, token: &str, store: &str, rank: usize, steps: u64, fault: &Fault) -> Result<Child> {
         let mut c = self.qsr(token);
-        c.args(["train", "--recipe", RECIPE, "--quiet", "--comm", "tcp", "--elastic", "--rendezvous", store]);
+        c.args(self.train_args(steps)).args(["--comm", "tcp", "--elastic", "--rendezvous", store]);
         c.args(["--rank", &rank.to_string(), "--out"]).arg(self.run_dir());
-        for set in [format!("schedule.total_steps={steps}"), format!("train.workers={}", self.k)] {
-            c.args(["--set", &set]);
-        }
-        c.args(["--set", "eval.every_epochs=1"]);
-        if let Some(f) = fault {
+        c.env("QSR_RENDEZVOUS_TIMEOUT_SECS", fault.rendezvous_secs().to_string());
+        if let Some(f) = fault.spec(rank) {
             c.env("QSR_TEST_FAULT", f);
         }
         let err = std::fs::File::create(self.dir.join(format!("rank{rank}.err")))?;
@@ -249,7 +389,14 @@ impl Setup<'_> {
 fn clean_points(setup: &Setup<'_>) -> Result<Points> {
     let r = run_job(setup, Fault::None, 0)?;
     if !r.violations.is_empty() {
-        bail!("the clean job failed: {}", r.violations.join("; "));
+        bail!("the clean job ({}) failed: {}", setup.setting.name(), r.violations.join("; "));
+    }
+    let accuracy = read_json(&setup.run_dir().join("summary.json"))?["final_test_accuracy"].as_f64().unwrap_or(0.0);
+    if accuracy < CLEAN_ACCURACY {
+        bail!(
+            "the clean job ({}) reached {accuracy:.3}, under {CLEAN_ACCURACY}: the recipe does not train",
+            setup.setting.name()
+        );
     }
     let records = read_records(&setup.run_dir())?;
     let steps = |kind: &str| -> Vec<u64> {
@@ -268,14 +415,10 @@ fn run_job(setup: &Setup<'_>, fault: Fault, salt: u64) -> Result<JobResult> {
     let shm_before = shm_files();
     let token = format!("chaos-{salt:016x}");
     let t0 = Instant::now();
-    let (mut store, addr) = setup.store(&token)?;
+    let (mut store, addr) = setup.store(&token, fault.min_workers())?;
     let steps = if matches!(fault, Fault::Store { .. }) { STORE_JOB_STEPS } else { STEPS };
-    let spec = match &fault {
-        Fault::Worker { sig, rank, point } => Some(format!("{}:{rank}:{point}", sig.name())),
-        Fault::Store { .. } | Fault::None => None,
-    };
     let mut workers =
-        (0..setup.k).map(|r| setup.worker(&token, &addr, r, steps, spec.as_deref())).collect::<Result<Vec<Child>>>()?;
+        (0..setup.k).map(|r| setup.worker(&token, &addr, r, steps, &fault)).collect::<Result<Vec<Child>>>()?;
     let statuses = supervise(setup, &fault, &mut store, &mut workers, t0);
     let mut violations = Vec::new();
     let statuses = match statuses {
@@ -296,7 +439,7 @@ fn run_job(setup: &Setup<'_>, fault: Fault, salt: u64) -> Result<JobResult> {
     if !left.is_empty() {
         violations.push(format!("left in /dev/shm: {left:?}"));
     }
-    Ok(JobResult { fault, seconds: t0.elapsed().as_secs_f64(), violations })
+    Ok(JobResult { setting: setup.setting, fault, seconds: t0.elapsed().as_secs_f64(), violations })
 }
 
 /// How a worker ended: its exit code, or the signal that ended it, or `stopped` (the chaos victim
@@ -360,7 +503,10 @@ fn check(setup: &Setup<'_>, fault: &Fault, store: &str, ends: &[End]) -> Vec<Str
     let run = setup.run_dir();
     match fault {
         Fault::Worker { sig, rank, .. } => check_worker_fault(setup, *sig, *rank, ends, &mut v),
-        Fault::None => check_finished(setup, ends, None, &mut v),
+        Fault::None => check_finished(setup, ends, &[], &mut v),
+        Fault::Several { ranks, min_workers, .. } => check_several(setup, ranks, *min_workers, ends, &mut v),
+        // Checked by `run_launcher_job`.
+        Fault::Launcher { .. } => {}
         Fault::Store { .. } => {
             for (r, end) in ends.iter().enumerate() {
                 let err = std::fs::read_to_string(setup.dir.join(format!("rank{r}.err"))).unwrap_or_default();
@@ -381,13 +527,31 @@ fn check_worker_fault(setup: &Setup<'_>, sig: Sig, victim: usize, ends: &[End], 
     if ends[victim] != want {
         v.push(format!("the victim, rank {victim}, ended {:?}, not {want:?}", ends[victim]));
     }
-    check_finished(setup, ends, Some(victim), v);
+    check_finished(setup, ends, &[victim], v);
 }
 
-/// A finished job: every worker but the victim exited 0, the store reported the job finished, and
-/// the summary has the planned syncs, the world less the victim, and the victim as the lost rank.
-fn check_finished(setup: &Setup<'_>, ends: &[End], victim: Option<usize>, v: &mut Vec<String>) {
-    for (r, end) in ends.iter().enumerate().filter(|(r, _)| Some(*r) != victim) {
+/// Several workers killed at once: the job finishes with the survivors when they are at least
+/// `min_workers`; otherwise each survivor gives up at its rendezvous timeout, exiting 5.
+fn check_several(setup: &Setup<'_>, victims: &[usize], min_workers: usize, ends: &[End], v: &mut Vec<String>) {
+    for &r in victims.iter().filter(|&&r| ends[r] != End::Signal(libc::SIGKILL)) {
+        v.push(format!("the victim, rank {r}, ended {:?}, not killed", ends[r]));
+    }
+    if setup.k - victims.len() >= min_workers {
+        return check_finished(setup, ends, victims, v);
+    }
+    for (r, end) in ends.iter().enumerate().filter(|(r, _)| !victims.contains(r)) {
+        let err = std::fs::read_to_string(setup.dir.join(format!("rank{r}.err"))).unwrap_or_default();
+        if *end != End::Code(5) || !err.contains("no new worker came within the rendezvous timeout") {
+            v.push(format!("survivor rank {r} ended {end:?}, not giving up below min-workers: {}", last_line(&err)));
+        }
+    }
+}
+
+/// A finished job: every worker but the victims exited 0, the store reported the job finished, and
+/// the summary has the planned syncs, the world less the victims, the victims as the lost ranks and
+/// a model that is not at chance.
+fn check_finished(setup: &Setup<'_>, ends: &[End], victims: &[usize], v: &mut Vec<String>) {
+    for (r, end) in ends.iter().enumerate().filter(|(r, _)| !victims.contains(r)) {
         if *end != End::Code(0) {
             let err = std::fs::read_to_string(setup.dir.join(format!("rank{r}.err"))).unwrap_or_default();
             v.push(format!("rank {r} ended {end:?}: {}", last_line(&err)));
@@ -397,10 +561,8 @@ fn check_finished(setup: &Setup<'_>, ends: &[End], victim: Option<usize>, v: &mu
         Ok(s) => s,
         Err(e) => return v.push(format!("{e:#}")),
     };
-    if summary["syncs"] != summary["planned_syncs"] {
-        v.push(format!("{} syncs where the plan has {}", summary["syncs"], summary["planned_syncs"]));
-    }
-    let world = setup.k - usize::from(victim.is_some());
+    check_summary(&summary, v);
+    let world = setup.k - victims.len();
     if summary["world_size"].as_u64() != Some(world as u64) {
         v.push(format!("the job ended with {} workers, not {world}", summary["world_size"]));
     }
@@ -413,9 +575,101 @@ fn check_finished(setup: &Setup<'_>, ends: &[End], victim: Option<usize>, v: &mu
                 .collect()
         })
         .unwrap_or_default();
-    if lost != victim.map(|r| r as u64).into_iter().collect::<Vec<_>>() {
-        v.push(format!("the lost ranks were {lost:?}, the victim {victim:?}"));
+    let mut lost = lost;
+    lost.sort();
+    if lost != victims.iter().map(|&r| r as u64).collect::<Vec<_>>() {
+        v.push(format!("the lost ranks were {lost:?}, the victims {victims:?}"));
     }
+}
+
+/// A finished run's summary: the planned syncs, and a model above [`ACCURACY_FLOOR`].
+fn check_summary(summary: &Value, v: &mut Vec<String>) {
+    if summary["syncs"] != summary["planned_syncs"] {
+        v.push(format!("{} syncs where the plan has {}", summary["syncs"], summary["planned_syncs"]));
+    }
+    let accuracy = summary["final_test_accuracy"].as_f64().unwrap_or(0.0);
+    if accuracy <= ACCURACY_FLOOR {
+        v.push(format!("the final model reached {accuracy:.3}, not above {ACCURACY_FLOOR} (chance is 0.1)"));
+    }
+}
+
+/// A `qsr train --nproc K --elastic` launcher that gets `sig` while its rank 0 is stopped committing
+/// the checkpoint of `step`: it exits 128 + the signal leaving no unfinished checkpoint, and
+/// `--resume` finishes the run.
+fn run_launcher_job(setup: &Setup<'_>, sig: Sig, step: u64) -> Result<JobResult> {
+    std::fs::create_dir_all(setup.dir)?;
+    let shm_before = shm_files();
+    let fault = Fault::Launcher { sig, step };
+    let t0 = Instant::now();
+    let run = setup.run_dir();
+    let mut c = setup.qsr("launcher");
+    c.args(setup.train_args(STEPS)).args(["--nproc", &setup.k.to_string(), "--elastic", "--out"]).arg(&run);
+    c.env("QSR_TEST_FAULT", fault.spec(0).context("rank 0 has the fault")?);
+    let err = std::fs::File::create(setup.dir.join("launcher.err"))?;
+    let mut launcher = c.stdout(Stdio::null()).stderr(err).spawn().context("cannot start qsr train --nproc")?;
+    let mut violations = Vec::new();
+    let tmp = run.join(format!("ckpt/tmp-step-{step}/state.json"));
+    while !tmp.exists() && t0.elapsed() < JOB_LIMIT && launcher.try_wait()?.is_none() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if tmp.exists() {
+        signal(launcher.id(), sig.raw());
+    } else {
+        violations.push(format!("rank 0 never reached the commit of step {step}"));
+    }
+    let status = wait_within(&mut launcher, JOB_LIMIT.saturating_sub(t0.elapsed()))?;
+    let log = std::fs::read_to_string(setup.dir.join("launcher.err")).unwrap_or_default();
+    if violations.is_empty() && status != Some(128 + sig.raw()) {
+        violations.push(format!("the launcher ended {status:?}, not {}: {}", 128 + sig.raw(), last_line(&log)));
+    }
+    if let Err(e) = check_files(setup, &run) {
+        violations.push(format!("after the signal: {e:#}"));
+    }
+    if violations.is_empty() {
+        violations.extend(resume_to_the_end(setup, &run));
+    }
+    let left: Vec<String> = shm_files().difference(&shm_before).cloned().collect();
+    if !left.is_empty() {
+        violations.push(format!("left in /dev/shm: {left:?}"));
+    }
+    Ok(JobResult { setting: setup.setting, fault, seconds: t0.elapsed().as_secs_f64(), violations })
+}
+
+/// `qsr train --resume` of an interrupted run finishes it: the planned syncs, a model above the
+/// floor, and the files' invariants.
+fn resume_to_the_end(setup: &Setup<'_>, run: &Path) -> Vec<String> {
+    let mut v = Vec::new();
+    let mut c = setup.qsr("resume");
+    c.args(["train", "--resume"]).arg(run).args(["--nproc", &setup.k.to_string(), "--elastic", "--quiet"]);
+    let out = match c.output() {
+        Ok(o) => o,
+        Err(e) => return vec![format!("cannot resume: {e}")],
+    };
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return vec![format!("the resume ended {:?}: {}", out.status.code(), last_line(&err))];
+    }
+    match read_json(&run.join("summary.json")) {
+        Ok(summary) => check_summary(&summary, &mut v),
+        Err(e) => v.push(format!("{e:#}")),
+    }
+    if let Err(e) = check_files(setup, run) {
+        v.push(format!("after the resume: {e:#}"));
+    }
+    v
+}
+
+/// Waits up to `limit` for `child`, killing it after; its exit code (`None` when a signal ended it).
+fn wait_within(child: &mut Child, limit: Duration) -> Result<Option<i32>> {
+    let t0 = Instant::now();
+    while t0.elapsed() < limit {
+        if let Some(s) = child.try_wait()? {
+            return Ok(s.code());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    bail!("hung: still running after {} s", limit.as_secs())
 }
 
 /// Invariants of the run directory, whatever the fault.
@@ -522,18 +776,27 @@ fn summary(results: &[JobResult], seed: u64, args: &ChaosArgs, took: Duration) -
         results.len(),
         took.as_secs_f64()
     );
-    let _ = writeln!(o, "| fault | jobs | expected | held | invariants violated |");
-    let _ = writeln!(o, "|---|---|---|---|---|");
+    let _ = writeln!(o, "| fault | jobs | of them streaming (int8, fp8) | expected | held | invariants violated |");
+    let _ = writeln!(o, "|---|---|---|---|---|---|");
     for kind in KINDS {
         let of: Vec<&JobResult> = results.iter().filter(|r| r.fault.kind() == kind).collect();
         let held = of.iter().filter(|r| r.violations.is_empty()).count();
-        let expected = if kind.ends_with("store") {
-            "every worker exits 5 naming the store"
-        } else {
-            "finishes with the planned syncs, K - 1 workers, the victim named"
+        let wire = |w: &'static str| of.iter().filter(|r| r.setting == Setting::Streaming(w)).count();
+        let (int8, fp8) = (wire("int8"), wire("fp8"));
+        let expected = match kind {
+            "kill store" | "stop store" => "every worker exits 5 naming the store",
+            "shrink to one" => "finishes with the planned syncs, 1 worker, the victims named",
+            "below min" => "the survivors give up at their rendezvous timeout, exiting 5",
+            "SIGINT launcher" | "SIGTERM launcher" => "exits 128 + signal; `--resume` finishes the run",
+            _ => "finishes with the planned syncs, K - 1 workers, the victim named",
         };
-        let _ = writeln!(o, "| {kind} | {} | {expected} | {held} | {} |", of.len(), of.len() - held);
+        let n = of.len();
+        let _ = writeln!(o, "| {kind} | {n} | {} ({int8}, {fp8}) | {expected} | {held} | {} |", int8 + fp8, n - held);
     }
+    let _ = writeln!(
+        o,
+        "\nEvery finished run (and every resumed one) ended with test accuracy above {ACCURACY_FLOOR}; each setting's clean job first reached {CLEAN_ACCURACY}."
+    );
     let at = |p: &str| {
         results.iter().filter(|r| matches!(&r.fault, Fault::Worker { point, .. } if point.ends_with(p))).count()
     };

@@ -316,7 +316,10 @@ pub fn detect(explicit: &Explicit, env: &dyn Fn(&str) -> Option<String>) -> Resu
     if local_rank >= world_size {
         return Err(CommError::launch(&local_var, format!("{local_var} {local_rank} >= {size_var} {world_size}")));
     }
+    let addr_var = if explicit.master_addr.is_some() { "--master-addr" } else { "MASTER_ADDR" };
     let master_addr = explicit.master_addr.clone().or(f.master_addr).unwrap_or_else(|| DEFAULT_MASTER_ADDR.to_string());
+    // Refused at once: ranks would retry a name no resolver takes for the whole rendezvous timeout.
+    crate::wire::check_host(&master_addr).map_err(|why| CommError::launch(addr_var, format!("{addr_var} {why}")))?;
     let master_port = resolve_port(explicit, f.master_port, world_size)?;
     Ok(LaunchEnv { rank, world_size, local_rank, master_addr, master_port, source })
 }
@@ -428,6 +431,19 @@ mod tests {
                 source: Source::Single
             }
         );
+    }
+
+    /// D16: a `MASTER_ADDR` no host could have is refused at once, naming the variable and not the
+    /// whole value (ranks retried it for the rendezvous timeout, printing it each time).
+    #[test]
+    fn a_master_addr_no_host_could_have_is_refused_at_once_without_repeating_it() {
+        let long = "a".repeat(100_000);
+        let env = [("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", long.as_str()), ("MASTER_PORT", "1234")];
+        let e = err(&Explicit::default(), &env);
+        assert!(e.contains("MASTER_ADDR has 100000 bytes") && e.len() < 300, "{e}");
+        let explicit = Explicit { master_addr: Some("bad host".into()), ..Explicit::default() };
+        let e = err(&explicit, &env);
+        assert!(e.contains("--master-addr `bad host` has the character ' '"), "{e}");
     }
 
     #[test]

@@ -711,6 +711,19 @@ impl Reason {
     }
 }
 
+/// Refuses a host name or address others could not use: empty, longer than a DNS name may be, or
+/// with characters no host name or address has.
+pub(crate) fn check_host(host: &str) -> Result<(), String> {
+    if host.is_empty() || host.len() > MAX_HOST_LEN {
+        return Err(format!("has {} bytes: a host name or address has 1 to {}", host.len(), MAX_HOST_LEN));
+    }
+    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_' | ':' | '[' | ']' | '%');
+    if let Some(c) = host.chars().find(|c| !allowed(*c)) {
+        return Err(format!("`{host}` has the character {c:?}, which no host name or address has"));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

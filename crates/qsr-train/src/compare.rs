@@ -24,7 +24,8 @@ pub struct CompareArgs {
     /// colon, e.g. `constant:h=4,qsr:h_base=2;alpha=0.06,power:power=3`; a `+outer` suffix on the name
     /// (`qsr+outer`) adds the recipe's `[outer]` section, or when it has none DiLoCo's outer SGD
     /// with the momentum for short rounds (lr 0.7, Nesterov momentum 0.5: `OuterConfig::short_rounds`)
-    /// (default: dp,constant,qsr).
+    /// (default: dp,constant,qsr). `dp` runs without the recipe's `[sync.streaming]`: it
+    /// all-reduces gradients, so it is the baseline a streaming rule is compared with.
     #[arg(long, default_value = "dp,constant,qsr")]
     pub rules: String,
     /// Seeds 0..N for every rule.
@@ -176,6 +177,9 @@ pub fn rule_from_spec(spec: &str, base: &SyncRule) -> Result<SyncRule> {
 pub fn run(args: &CompareArgs) -> Result<Vec<Row>> {
     let (base, rules) = parse_args(args).map_err(crate::exit::bad_input)?;
     let out = args.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(format!("compare-{}", base.name)));
+    if out.exists() && !out.is_dir() {
+        return Err(crate::exit::bad_input(anyhow!("--out {}: exists and is not a directory", out.display())));
+    }
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
     let cmp = Compare { args, dev: device(&args.device).map_err(crate::exit::bad_input)?, base, out };
     let rows = rules.iter().map(|r| cmp.rule_row(r)).collect::<Result<Vec<_>>>()?;
@@ -196,8 +200,11 @@ pub fn run(args: &CompareArgs) -> Result<Vec<Row>> {
 /// `<rule>-seed<N>` directories).
 fn parse_args(args: &CompareArgs) -> Result<(TrainRecipe, Vec<RuleSpec>)> {
     let base = TrainRecipe::load(&args.recipe, &args.sets)?;
-    if args.seeds == 0 {
-        bail!("--seeds must be at least 1");
+    if !(1..=MAX_SEEDS).contains(&args.seeds) {
+        bail!("--seeds {}: must be 1..={MAX_SEEDS} (each seed trains every rule once)", args.seeds);
+    }
+    if args.workers == Some(0) {
+        bail!("--workers must be at least 1");
     }
     let rules: Vec<RuleSpec> = args
         .rules
@@ -212,8 +219,31 @@ fn parse_args(args: &CompareArgs) -> Result<(TrainRecipe, Vec<RuleSpec>)> {
         if rules[..i].iter().any(|o| o.label == r.label) {
             bail!("--rules names `{}` twice: its runs would share the directories {}-seed<N>", r.label, r.label);
         }
+        variant(&base, r, args.workers, 0).map_err(|e| anyhow!("--rules {}: {e:#}", r.label))?;
     }
     Ok((base, rules))
+}
+
+/// The most `--seeds`: each one trains every rule once.
+const MAX_SEEDS: u64 = 1000;
+
+/// The recipe that `rule` trains with `seed`: the base with the rule, its outer optimizer and
+/// `--workers`, checked. `dp` leaves out `[sync.streaming]`: it all-reduces gradients every step,
+/// so there is no average to stream, and it stays the baseline a streaming rule is compared with.
+fn variant(base: &TrainRecipe, rule: &RuleSpec, workers: Option<usize>, seed: u64) -> Result<TrainRecipe> {
+    let mut recipe = base.clone();
+    recipe.sync.rule = rule.rule.clone();
+    if recipe.sync.rule == SyncRule::Dp {
+        recipe.sync.streaming = None;
+    }
+    recipe.outer = rule.outer.then(|| base.outer.unwrap_or_else(OuterConfig::short_rounds));
+    recipe.seed = seed;
+    recipe.name = format!("{}-{}-seed{seed}", base.name, rule.label);
+    if let Some(k) = workers {
+        recipe.train.workers = k;
+    }
+    recipe.validate()?;
+    Ok(recipe)
 }
 
 /// One `qsr compare`: its arguments, the recipe every run starts from, the device and output directory.
@@ -231,7 +261,7 @@ impl Compare<'_> {
         let mut summaries: Vec<Summary> = Vec::new();
         let mut runs = Vec::new();
         for seed in 0..self.args.seeds {
-            let (s, run_dir) = self.run_seed(&spec.label, &spec.rule, outer, seed)?;
+            let (s, run_dir) = self.run_seed(spec, seed)?;
             summaries.push(s);
             runs.push(run_dir);
         }
@@ -263,23 +293,9 @@ impl Compare<'_> {
 
     /// Trains one rule and seed in its own run directory (recipe written first); returns rank 0's
     /// summary and the directory.
-    fn run_seed(
-        &self,
-        label: &str,
-        rule: &SyncRule,
-        outer: Option<OuterConfig>,
-        seed: u64,
-    ) -> Result<(Summary, PathBuf)> {
-        let base = &self.base;
-        let mut recipe = base.clone();
-        recipe.sync.rule = rule.clone();
-        recipe.outer = outer;
-        recipe.seed = seed;
-        recipe.name = format!("{}-{label}-seed{seed}", base.name);
-        if let Some(k) = self.args.workers {
-            recipe.train.workers = k;
-        }
-        recipe.validate()?;
+    fn run_seed(&self, spec: &RuleSpec, seed: u64) -> Result<(Summary, PathBuf)> {
+        let (label, rule) = (&spec.label, &spec.rule);
+        let recipe = variant(&self.base, spec, self.args.workers, seed)?;
         let run_dir = self.out.join(format!("{label}-seed{seed}"));
         replace_earlier_run(&run_dir)?;
         std::fs::create_dir_all(&run_dir)?;

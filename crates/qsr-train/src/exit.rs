@@ -68,7 +68,10 @@ pub struct Diverged {
 
 /// The `--nproc` launcher stopped its workers because it received a signal.
 #[derive(Debug, thiserror::Error)]
-#[error("interrupted by signal {signal} ({name}): stopped {stopped} running workers; continue with --resume")]
+#[error(
+    "interrupted by signal {signal} ({name}): stopped {stopped} running workers{}",
+    if *.resumable { "; continue with --resume" } else { "" }
+)]
 pub struct Interrupted {
     /// The signal's number.
     pub signal: i32,
@@ -76,6 +79,9 @@ pub struct Interrupted {
     pub name: &'static str,
     /// Workers that were still running.
     pub stopped: usize,
+    /// Whether they were qsr's training workers, whose run continues with `--resume` (not the
+    /// ranks of `qsr launch`'s program).
+    pub resumable: bool,
 }
 
 /// Workers of a `--nproc` launch failed: the launcher exits with the status of the one that failed
@@ -170,7 +176,7 @@ mod tests {
             (anyhow::Error::from(store), 5),
             (anyhow::Error::from(CommError::Expelled { generation: 0, current: 1 }), 5),
             (anyhow::Error::from(CommError::Mismatch { peer: "store".into(), detail: "`seed`".into() }), 2),
-            (anyhow::Error::new(Interrupted { signal: 2, name: "SIGINT", stopped: 4 }), 130),
+            (anyhow::Error::new(Interrupted { signal: 2, name: "SIGINT", stopped: 4, resumable: true }), 130),
             (anyhow::Error::new(WorkersFailed { status: 4, message: "rank 1 diverged".into() }), 4),
         ];
         for (e, code) in cases {

@@ -1,6 +1,7 @@
 //! Collectives through shared memory for ranks on one host, documented on [`ShmComm`].
 
 mod mapping;
+mod protocol;
 mod watch;
 
 use std::path::PathBuf;
@@ -263,18 +264,17 @@ impl ShmComm {
     }
 
     fn half(&self) -> usize {
-        (self.steps % 2) as usize
+        protocol::half(self.steps)
     }
 
     /// Publishes our next stage (with `head` for the half, when given) and waits for every member's.
     fn stage(&mut self, head: Option<&Head>) -> Result<(), Fail> {
         let me = self.map.ctrl(self.rank);
         if let Some(h) = head {
-            let slot = &me.call[self.half()];
-            h.words().iter().zip(slot).for_each(|(w, a)| a.store(*w, Ordering::Relaxed));
+            protocol::write_head(&me.call[self.half()], h.words());
         }
         self.phase += 1;
-        me.phase.store(self.phase, Ordering::Release);
+        protocol::publish(&me.phase, self.phase);
         self.wait_all(self.phase)?;
         match head {
             Some(h) => self.check_heads(h),
@@ -284,7 +284,7 @@ impl ShmComm {
 
     fn check_heads(&self, head: &Head) -> Result<(), Fail> {
         for q in (0..self.n).filter(|&q| q != self.rank) {
-            let theirs = self.map.ctrl(q).call[self.half()].each_ref().map(|a| a.load(Ordering::Relaxed));
+            let theirs = protocol::read_head(&self.map.ctrl(q).call[self.half()]);
             if let Some((field, ours, theirs)) = head.differs(theirs) {
                 return Err(Fail::Diverged { peer: q, field, ours, theirs });
             }
@@ -300,9 +300,7 @@ impl ShmComm {
         let mut beat = u64::MAX;
         loop {
             let before = next;
-            while next < self.n && (next == self.rank || self.map.ctrl(next).phase.load(Ordering::Acquire) >= target) {
-                next += 1;
-            }
+            next = protocol::first_behind(|q| &self.map.ctrl(q).phase, (self.n, self.rank), next, target);
             if next == self.n {
                 return Ok(());
             }
@@ -311,10 +309,10 @@ impl ShmComm {
                 std::hint::spin_loop();
                 continue;
             }
-            if let Some(f) = decode_abort(self.map.header().abort.load(Ordering::Acquire)) {
+            if let Some(f) = decode_abort(protocol::read_abort(&self.map.header().abort)) {
                 return Err(f);
             }
-            if self.map.ctrl(next).closed.load(Ordering::Acquire) != 0 {
+            if protocol::is_closed(&self.map.ctrl(next).closed) {
                 return Err(Fail::Peer(next, Cause::Closed));
             }
             let now = Instant::now();
@@ -435,7 +433,7 @@ impl ShmComm {
     /// member waiting now or calling later fails naming it, unless a failure was recorded first.
     pub(crate) fn abort(&mut self, culprit: usize, why: Cause) {
         let word = abort_word(culprit, why, self.names[self.rank]);
-        let _ = self.map.header().abort.compare_exchange(0, word, Ordering::AcqRel, Ordering::Acquire);
+        protocol::record_abort(&self.map.header().abort, word);
         self.failure.get_or_insert((culprit, why));
         self.broken.get_or_insert_with(|| format!("rank {culprit} failed ({})", why.text()));
     }
@@ -448,7 +446,7 @@ impl ShmComm {
     /// The job rank and reason of the failure that broke this communicator, if any, else of one
     /// another member recorded in the abort word (its call failed where ours got through).
     pub(crate) fn failure(&self) -> Option<(usize, Cause)> {
-        self.failure.or_else(|| match decode_abort(self.map.header().abort.load(Ordering::Acquire)) {
+        self.failure.or_else(|| match decode_abort(protocol::read_abort(&self.map.header().abort)) {
             Some(Fail::Aborted(c, why, _)) => Some((c, why)),
             _ => None,
         })
@@ -463,21 +461,21 @@ impl ShmComm {
         let f = match f {
             Fail::Peer(q, why) => {
                 let mine = abort_word(self.names[q], why, self.names[self.rank]);
-                match self.map.header().abort.compare_exchange(0, mine, Ordering::AcqRel, Ordering::Acquire) {
-                    Ok(_) => Fail::Peer(q, why),
-                    Err(first) => decode_abort(first).unwrap_or(Fail::Peer(q, why)),
+                match protocol::record_abort(&self.map.header().abort, mine) {
+                    first if first == mine => Fail::Peer(q, why),
+                    first => decode_abort(first).unwrap_or(Fail::Peer(q, why)),
                 }
             }
             Fail::Diverged { peer, .. } => {
                 // Every member sees a divergence and names the field itself; the abort word makes
                 // the culprit a layer above passes on the same on every member.
                 let word = abort_word(self.names[peer], Cause::Diverged, self.names[self.rank]);
-                let _ = self.map.header().abort.compare_exchange(0, word, Ordering::AcqRel, Ordering::Acquire);
+                protocol::record_abort(&self.map.header().abort, word);
                 f
             }
             other => other,
         };
-        let word = decode_abort(self.map.header().abort.load(Ordering::Acquire));
+        let word = decode_abort(protocol::read_abort(&self.map.header().abort));
         self.failure = match (&f, word.as_ref()) {
             (Fail::Peer(q, why), _) => Some((self.names[*q], *why)),
             (Fail::Aborted(c, why, _), _) | (_, Some(Fail::Aborted(c, why, _))) => Some((*c, *why)),
@@ -716,7 +714,7 @@ impl Collective for ShmComm {
 impl Drop for ShmComm {
     fn drop(&mut self) {
         // Members of this process (threads) see it at once; other processes see our pid exit.
-        self.map.ctrl(self.rank).closed.store(1, Ordering::Release);
+        protocol::close(&self.map.ctrl(self.rank).closed);
     }
 }
 

@@ -99,7 +99,7 @@ impl TcpConfig {
                 .map_err(|_| CommError::launch("QSR_BIND_ADDR", format!("QSR_BIND_ADDR={v} is not an IP address")))?;
         }
         if let Some(v) = env("QSR_ADVERTISE_HOST") {
-            check_host(&v)
+            wire::check_host(&v)
                 .map_err(|why| CommError::launch("QSR_ADVERTISE_HOST", format!("QSR_ADVERTISE_HOST {why}")))?;
             cfg.advertise_host = Some(v);
         }
@@ -116,19 +116,6 @@ pub fn seconds(key: &str, value: &str) -> Result<Duration, CommError> {
     secs.map(Duration::from_secs_f64).ok_or_else(|| {
         CommError::launch(key, format!("{key}={value} is not a number of seconds in (0, {MAX_TIMEOUT_SECS}] (a week)"))
     })
-}
-
-/// Refuses a host name or address others could not use: empty, longer than a DNS name may be, or
-/// with characters no host name or address has.
-fn check_host(host: &str) -> Result<(), String> {
-    if host.is_empty() || host.len() > wire::MAX_HOST_LEN {
-        return Err(format!("has {} bytes: a host name or address has 1 to {}", host.len(), wire::MAX_HOST_LEN));
-    }
-    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_' | ':' | '[' | ']' | '%');
-    if let Some(c) = host.chars().find(|c| !allowed(*c)) {
-        return Err(format!("`{host}` has the character {c:?}, which no host name or address has"));
-    }
-    Ok(())
 }
 
 /// Whether `host` (an address or a name) only reaches this machine.

@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::sync::Once;
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result, anyhow, bail};
 use plotters::coord::Shift;
 use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint};
 use plotters::coord::types::RangedCoordf64;
@@ -407,7 +407,7 @@ pub struct RunSeries {
 }
 
 impl RunSeries {
-    /// Reads `RUN_DIR/metrics.jsonl`; the run is named after its directory.
+    /// Reads `RUN_DIR/metrics.jsonl` (refused without a record); the run is named after its directory.
     pub fn load(run_dir: &Path) -> Result<Self> {
         let path = run_dir.join("metrics.jsonl");
         let text = crate::files::read_text(&path, crate::files::METRICS_BYTES, "metrics file")?;
@@ -417,6 +417,9 @@ impl RunSeries {
                 serde_json::from_str(line)
                     .with_context(|| format!("{}:{}: not a metrics record", path.display(), i + 1))?,
             );
+        }
+        if records.is_empty() {
+            bail!("{}: no metrics records (has the run logged its first step?)", path.display());
         }
         let name =
             run_dir.file_name().map_or_else(|| run_dir.display().to_string(), |n| n.to_string_lossy().into_owned());

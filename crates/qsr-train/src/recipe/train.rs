@@ -435,30 +435,60 @@ pub(crate) fn open_corpus(data: &DataConfig) -> Result<qsr_data::Corpus> {
     Ok(corpus)
 }
 
-/// Why a section does not deserialize, as `[section] message` (`[sync.local]` for the local level).
+/// Why a section does not deserialize: ``invalid `sync.streaming.fragments`: message`` where serde
+/// names the key, else `[section] message`; a section (or `sync.local`, `sync.streaming`) that is
+/// not a table is refused.
 fn section_error(section: &str, value: &Value) -> Option<String> {
-    fn check<T: serde::de::DeserializeOwned>(v: &Value) -> Option<String> {
-        v.clone().try_into::<T>().err().map(|e| e.message().trim().to_string())
+    // serde would read a struct from an array by position: `--set sync.streaming=[1,2]`.
+    let not_table = |at: &str, v: &Value| {
+        (!v.is_table()).then(|| format!("`{at}` must be a table ([{at}] and its keys), not {} `{v}`", v.type_str()))
+    };
+    if let Some(e) = not_table(section, value) {
+        return Some(e);
     }
     if section == "sync"
-        && let Some(msg) = value.get("local").and_then(check::<crate::recipe::LocalSync>)
+        && let Some(e) =
+            ["local", "streaming"].iter().find_map(|k| value.get(*k).and_then(|v| not_table(&format!("sync.{k}"), v)))
     {
-        return Some(format!("[sync.local] {msg}"));
+        return Some(e);
     }
-    let msg = match section {
+    if section == "sync" {
+        let sub = |key: &str, check: fn(&Value) -> Option<(String, String)>| {
+            value.get(key).and_then(check).map(|e| (format!("sync.{key}"), e))
+        };
+        let failed = sub("local", check::<crate::recipe::LocalSync>)
+            .or_else(|| sub("streaming", check::<crate::recipe::StreamingSync>))
+            .or_else(|| check::<SyncSection>(value).map(|e| (section.to_string(), e)));
+        return failed.map(|(at, e)| name_error(&at, e));
+    }
+    let failed = match section {
         "model" => check::<ModelConfig>(value),
         "data" => check::<DataConfig>(value),
         "train" => check::<TrainConfig>(value),
         "optimizer" => check::<OptimizerConfig>(value),
         "schedule" => check::<LrSchedule>(value),
-        "sync" => check::<SyncSection>(value),
         "driver" => check::<DriverConfig>(value),
         "eval" => check::<EvalConfig>(value),
         "checkpoint" => check::<CheckpointConfig>(value),
         "outer" => check::<OuterConfig>(value),
         _ => None,
     };
-    msg.map(|m| format!("[{section}] {m}"))
+    failed.map(|e| name_error(section, e))
+}
+
+/// Why `value` is not a `T`: the path of the key that failed inside it (empty when serde cannot say,
+/// as under a flattened field) and serde's message.
+fn check<T: serde::de::DeserializeOwned>(value: &Value) -> Option<(String, String)> {
+    let e = serde_path_to_error::deserialize::<_, T>(value.clone()).err()?;
+    let path = e.path().to_string();
+    let path = if path == "." { String::new() } else { path };
+    Some((path, e.into_inner().message().trim().to_string()))
+}
+
+/// A section's deserialization error naming its key when known: ``invalid `sync.streaming.fragments`:
+/// ...``, else `[section] ...`.
+fn name_error(section: &str, (path, message): (String, String)) -> String {
+    if path.is_empty() { format!("[{section}] {message}") } else { format!("invalid `{section}.{path}`: {message}") }
 }
 
 /// Opens the recipe's dataset split; errors name the setting and the path.

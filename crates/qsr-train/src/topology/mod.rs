@@ -14,6 +14,7 @@ use crate::worker::{RunSpec, preflight};
 pub use launcher::{ExecRankArgs, LaunchArgs, exec_rank, launch};
 use processes::ChildArgs;
 
+mod adopted;
 mod elastic;
 mod external;
 mod launcher;

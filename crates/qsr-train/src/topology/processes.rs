@@ -86,6 +86,7 @@ pub fn launch(
 pub fn launch_program(n: usize, command: impl Fn(usize) -> Result<Command>) -> Result<()> {
     let signal = Arc::new(AtomicUsize::new(0));
     let ids = register_signals(&signal)?;
+    super::adopted::become_subreaper()?;
     let result = supervise(n, &|rank, _| command(rank), &signal, None, None, Groups::Own);
     for id in ids {
         signal_hook::low_level::unregister(id);
@@ -172,7 +173,9 @@ impl Failure {
         }
     }
 
-    fn describe(&self) -> String {
+    /// What happened to the worker. `others_failed`: whether another rank failed with a cause of
+    /// its own, which an exit with [`EXIT_PEER_FAILED`] (lost a peer) then refers to.
+    fn describe(&self, others_failed: bool) -> String {
         use std::os::unix::process::ExitStatusExt;
         let Some(status) = self.status else {
             return format!(
@@ -182,9 +185,13 @@ impl Failure {
         };
         match (status.signal(), status.code()) {
             (Some(s), _) => format!("rank {} was killed by signal {s} ({})", self.rank, signal_name(s)),
-            (_, Some(c)) if c == i32::from(EXIT_PEER_FAILED) => {
+            (_, Some(c)) if c == i32::from(EXIT_PEER_FAILED) && others_failed => {
                 format!("rank {} stopped after losing a peer (exit status {c}; its error is printed above)", self.rank)
             }
+            (_, Some(c)) if c == i32::from(EXIT_PEER_FAILED) => format!(
+                "rank {} exited with status {c}, which says it lost a peer, but no other rank failed (its error is printed above)",
+                self.rank
+            ),
             (_, code) => {
                 format!("rank {} failed (exit status {}; its error is printed above)", self.rank, code.unwrap_or(-1))
             }
@@ -217,15 +224,23 @@ fn supervise(
     groups: Groups,
 ) -> Result<()> {
     let workers = start(n, command, signal, port_file, groups)?;
-    watch(n, workers, signal, store)
+    let result = watch(n, workers, signal, store);
+    if result.is_err() && groups == Groups::Own {
+        super::adopted::stop_adopted();
+    }
+    result
 }
 
 /// Waits for the started workers (see [`supervise`]).
 fn watch(n: usize, mut workers: Vec<Spawned>, signal: &AtomicUsize, store: Option<&qsr_elastic::Store>) -> Result<()> {
     let mut failures: Vec<Failure> = Vec::new();
     let mut finished_at: Option<Instant> = None;
+    let mut tail = Tail::default();
     while !workers.is_empty() {
         workers = reap(workers, &mut failures)?;
+        if store.is_none() {
+            tail.tell(n, &workers);
+        }
         if let Some(s) = store.filter(|s| s.finished()) {
             // Members exit on their own once the job finished; expelled ones (stopped, cut off) never will.
             let since = *finished_at.get_or_insert_with(|| {
@@ -238,9 +253,11 @@ fn watch(n: usize, mut workers: Vec<Spawned>, signal: &AtomicUsize, store: Optio
         }
         if let Some(sig) = received(signal) {
             let stopped = workers.len();
+            // qsr's own workers checkpoint; another program's ranks may not.
+            let resumable = workers.iter().all(|w| w.groups == Groups::Shared);
             stop(&mut workers, sig);
             let (signal, name) = (sig.as_raw(), signal_name(sig.as_raw()));
-            return Err(crate::exit::Interrupted { signal, name, stopped }.into());
+            return Err(crate::exit::Interrupted { signal, name, stopped, resumable }.into());
         }
         // Elastic jobs go on without a failed worker once they run; before, the others would wait for it.
         // ... unless nobody holds the training state any more (orphaned).
@@ -265,15 +282,44 @@ fn watch(n: usize, mut workers: Vec<Spawned>, signal: &AtomicUsize, store: Optio
             return Err(crate::exit::WorkersFailed { status: Exit::Diverged as u8, message }.into());
         }
         for f in &failures {
-            eprintln!("qsr: {}; the elastic job went on without it", f.describe());
+            eprintln!("qsr: {}; the elastic job went on without it", f.describe(true));
         }
         return Ok(());
     }
     if let Some(first) = failures.iter().min_by_key(|f| (f.precedence(), f.seen)) {
-        let message = format!("{} ({} of {n} workers failed)", first.describe(), failures.len());
+        let others_failed = failures.iter().any(|f| f.precedence() < 2);
+        let message = format!("{} ({} of {n} workers failed)", first.describe(others_failed), failures.len());
         return Err(crate::exit::WorkersFailed { status: first.launcher_status(), message }.into());
     }
     Ok(())
+}
+
+/// Says which ranks still run once others have finished: 5 s after the first finished, then every
+/// minute (N11: the launcher waited on silently).
+#[derive(Default)]
+struct Tail {
+    /// When the first rank finished, and when the next line is due.
+    since: Option<(Instant, Instant)>,
+}
+
+impl Tail {
+    fn tell(&mut self, n: usize, running: &[Spawned]) {
+        if running.len() == n {
+            return;
+        }
+        let now = Instant::now();
+        let (first, due) = self.since.get_or_insert((now, now + Duration::from_secs(5)));
+        if now < *due {
+            return;
+        }
+        *due = now + Duration::from_secs(60);
+        let left: Vec<usize> = running.iter().map(|w| w.rank).collect();
+        let done: Vec<usize> = (0..n).filter(|r| !left.contains(r)).collect();
+        eprintln!(
+            "qsr: rank(s) {done:?} finished {} s ago; waiting for rank(s) {left:?}, still running",
+            first.elapsed().as_secs()
+        );
+    }
 }
 
 /// Starts the `n` workers: rank 0 first, and with a `port_file` the others only once rank 0 wrote the

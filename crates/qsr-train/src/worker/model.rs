@@ -7,9 +7,10 @@ use burn::module::Module;
 use burn::tensor::{Device, Tensor};
 use qsr_data::Split;
 use qsr_models::{Gpt, GptConfig, InputSpec, Model};
-use qsr_optim::OptimizerKind;
+use qsr_optim::{OptimizerKind, ParamLayout};
 
 use super::task::{check_vocab, transform};
+use crate::exit::bad_input;
 use crate::recipe::{TrainRecipe, open_corpus, open_dataset};
 
 /// A recipe's network, built once and copied to every worker.
@@ -65,9 +66,17 @@ pub fn preflight(recipe: &TrainRecipe, k: usize, replicas: usize, gpu: bool) -> 
                 qsr_data::TextWindows::new(&corpus, (gpt.context, recipe.train.local_batch), recipe.seed, rank, k)?;
             }
             super::task::text_steps_per_epoch(recipe, &corpus, gpt.context, k)?;
+            if recipe.sync.streaming.is_some() {
+                let model = gpt.init(&Device::flex()).map_err(|e| anyhow!("invalid `model.{}`: {e}", e.field()))?;
+                check_fragments(recipe, &ParamLayout::of(&model))?;
+            }
             gpt_params(gpt)
         }
-        None => preflight_images(recipe, k)?,
+        None => {
+            let model = preflight_images(recipe, k)?;
+            check_fragments(recipe, &ParamLayout::of(&model))?;
+            model.num_params()
+        }
     };
     if !gpu {
         check_memory(recipe, params, replicas)?;
@@ -83,8 +92,9 @@ fn gpt_params(c: &GptConfig) -> usize {
     c.vocab_size * w + c.context * w + c.layers * block + (w + b * w)
 }
 
-/// The image checks of [`preflight`]; returns the model's parameter count.
-fn preflight_images(recipe: &TrainRecipe, k: usize) -> Result<usize> {
+/// The image checks of [`preflight`]; returns the model, built lazily on the host (its parameters
+/// have shapes, but no memory yet).
+fn preflight_images(recipe: &TrainRecipe, k: usize) -> Result<Model> {
     let train = open_dataset(&recipe.data, Split::Train)?;
     let test = open_dataset(&recipe.data, Split::Test)?;
     if test.is_empty() {
@@ -110,11 +120,10 @@ fn preflight_images(recipe: &TrainRecipe, k: usize) -> Result<usize> {
             train.classes()
         );
     }
-    let model = recipe
+    recipe
         .model
         .init(InputSpec::new(shape.0, shape.1, shape.2), train.classes(), &Device::flex())
-        .map_err(|e| anyhow!("invalid `model.{}`: {e}", e.field()))?;
-    Ok(model.num_params())
+        .map_err(|e| anyhow!("invalid `model.{}`: {e}", e.field()))
 }
 
 /// Refuses a model whose training state (`replicas` times: module, gradients, flat parameters and
@@ -153,19 +162,31 @@ fn mem_available() -> Option<u64> {
 /// Builds the model of a recipe on `device` (seeded, so every process builds the same one).
 pub fn build_model(recipe: &TrainRecipe, device: &Device) -> Result<TrainModel> {
     device.seed(recipe.seed);
-    let bad = |e: qsr_models::ModelError| anyhow!("invalid `model.{}`: {e}", e.field());
+    let bad = |e: qsr_models::ModelError| bad_input(anyhow!("invalid `model.{}`: {e}", e.field()));
     // Parameters are created lazily; one forward materializes them now, under this seed.
     if let Some(gpt) = recipe.model.as_gpt() {
         let model = gpt.init(device).map_err(bad)?;
         let probe = Tensor::<2, burn::tensor::Int>::zeros([1, 1], device);
         model.valid().forward(probe.inner()).map_err(bad)?;
+        check_fragments(recipe, &ParamLayout::of(&model))?;
         return Ok(TrainModel::Language(model));
     }
     let (input, classes) = input_spec(recipe)?;
     let model = recipe.model.init(input, classes, device).map_err(bad)?;
     let probe = Tensor::<4>::zeros([1, input.channels, input.height, input.width], device);
     let _ = model.valid().forward(probe.inner());
+    check_fragments(recipe, &ParamLayout::of(&model))?;
     Ok(TrainModel::Image(model))
+}
+
+/// Refuses more `sync.streaming.fragments` than the model has trainable tensors, as bad input: in
+/// [`preflight`], before any worker starts, and in [`build_model`] (the recipe alone does not know
+/// the model's tensors).
+fn check_fragments(recipe: &TrainRecipe, layout: &ParamLayout) -> Result<()> {
+    let Some(streaming) = &recipe.sync.streaming else { return Ok(()) };
+    let sizes: Vec<u64> = layout.trainable.iter().map(|e| e.range.len() as u64).collect();
+    qsr_sched::split_tensors(&sizes, streaming.fragments).map_err(|e| bad_input(anyhow!("{e}")))?;
+    Ok(())
 }
 
 #[cfg(test)]

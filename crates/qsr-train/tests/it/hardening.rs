@@ -1009,3 +1009,62 @@ fn an_interrupted_launcher_leaves_no_unfinished_checkpoint() {
         assert!(left.iter().all(|n| !n.starts_with("tmp-step-")), "{signal}: {left:?}");
     }
 }
+
+/// N7: bad input exits 2 before any worker starts (it exited 1, some of it after starting workers).
+#[test]
+fn bad_input_to_train_compare_and_rendezvous_exits_2_before_any_worker_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let out = out.to_str().unwrap();
+    // digits-mlp has 4 tensors: the recipe alone cannot know it, the launcher checks the model.
+    for launch in [["--workers", "2"], ["--nproc", "2"]] {
+        let mut args = vec!["train", "--recipe", RECIPE, "--quiet", "--out", out];
+        args.extend(launch);
+        args.extend(["--set", "sync.streaming.fragments=5"]);
+        let e = refused(&args);
+        assert!(e.contains("invalid `sync.streaming.fragments`: must be 1..=4"), "{e}");
+        assert!(!e.contains("worker 0") && !e.contains("rank 0"), "a worker started: {e}");
+    }
+    let compare = ["compare", "--recipe", RECIPE, "--out", out];
+    let e = refused(&[&compare[..], &["--workers", "0"]].concat());
+    assert!(e.contains("--workers must be at least 1"), "{e}");
+    let e = refused(&[&compare[..], &["--seeds", "4294967296"]].concat());
+    assert!(e.contains("--seeds 4294967296: must be 1..=1000"), "{e}");
+    let e = refused(&["compare", "--recipe", RECIPE, "--out", "/etc/hostname"]);
+    assert!(e.contains("--out /etc/hostname: exists and is not a directory"), "{e}");
+    let e = refused(&["rendezvous", "--listen", "999.1.1.1:1", "--workers", "2"]);
+    assert!(e.contains("--listen 999.1.1.1:1: not an address to listen on"), "{e}");
+}
+
+/// N7: `qsr compare` of a streaming recipe under the default rules (dp among them) ran into a
+/// refusal of `dp` with streaming; dp is now the baseline without `[sync.streaming]`.
+#[test]
+fn compare_runs_a_streaming_recipe_against_data_parallel_without_streaming() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("cmp");
+    let args = ["compare", "--recipe", RECIPE, "--rules", "dp,qsr", "--seeds", "1", "--out", out.to_str().unwrap()];
+    ok(&[&args[..], &["--set", "sync.streaming.fragments=2", "--set", "schedule.total_steps=60"]].concat());
+    let recipe = |rule: &str| std::fs::read_to_string(out.join(format!("{rule}-seed0/recipe.toml"))).unwrap();
+    assert!(!recipe("dp").contains("[sync.streaming]"), "{}", recipe("dp"));
+    assert!(recipe("qsr").contains("[sync.streaming]"), "{}", recipe("qsr"));
+}
+
+/// N10: recipe values are refused naming their key, a section given as an array is refused (it was
+/// read by position), and `qsr plot` of a run without records is refused (it drew empty charts).
+#[test]
+fn bad_values_name_their_key_and_empty_metrics_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let train = ["train", "--recipe", RECIPE, "--quiet", "--out", out.to_str().unwrap()];
+    let e = refused(&[&train[..], &["--set", "sync.streaming.fragments=-1"]].concat());
+    assert!(e.contains("invalid `sync.streaming.fragments`: invalid value: integer `-1`"), "{e}");
+    let e = refused(&[&train[..], &["--set", "sync.streaming=[1,2]"]].concat());
+    assert!(e.contains("`sync.streaming` must be a table"), "{e}");
+    let e = refused(&[&train[..], &["--set", "train=[1,2]"]].concat());
+    assert!(e.contains("`train` must be a table"), "{e}");
+    let run = dir.path().join("empty");
+    std::fs::create_dir_all(&run).unwrap();
+    std::fs::write(run.join("metrics.jsonl"), "").unwrap();
+    let e = refused(&["plot", run.to_str().unwrap()]);
+    assert!(e.contains("no metrics records"), "{e}");
+}

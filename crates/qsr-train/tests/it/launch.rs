@@ -127,3 +127,58 @@ fn a_rank_that_reads_stdin_gets_end_of_file_and_leads_its_own_session() {
         assert_eq!(f[1], f[2], "the rank does not lead its own session: {line}");
     }
 }
+
+/// N11: a process a rank started in a session of its own (`setsid`, out of reach of the rank's
+/// group) is stopped with the job when a rank fails; it outlived the launcher.
+#[test]
+fn what_a_rank_started_with_setsid_stops_with_a_failed_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let script =
+        r#"setsid sleep 300 & echo $! > "$0/escaped-$RANK"; [ "$RANK" = 1 ] && sleep 0.5 && exit 1; sleep 300"#;
+    let mut launcher = qsr_launch(2, script, dir.path()).stderr(Stdio::piped()).spawn().unwrap();
+    let escaped = wait_for_files(dir.path(), &names("escaped", 2));
+    let status = exit_within(&mut launcher, Duration::from_secs(30));
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut launcher.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("rank 1 failed (exit status 1"), "{stderr}");
+    assert!(stderr.contains("that a rank started and left running"), "{stderr}");
+    for pid in &escaped {
+        assert!(gone(pid), "process {pid} (setsid) outlived the job:\n{stderr}");
+    }
+}
+
+/// N11: once a rank finished, the launcher says which ranks it still waits for (it waited silently).
+#[test]
+fn the_launcher_names_the_ranks_it_waits_for_after_one_finished() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = qsr_launch(2, r#"[ "$RANK" = 0 ] && exit 0; sleep 6"#, dir.path()).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("rank(s) [0] finished 5 s ago; waiting for rank(s) [1], still running"), "{stderr}");
+}
+
+/// N10: a rank exiting 3 ("lost a peer") when no other rank failed is not said to have lost one;
+/// and an interrupted `qsr launch` does not point at `--resume`, which only `qsr train` has.
+#[test]
+fn a_lone_exit_3_is_not_blamed_on_a_peer_and_an_interrupt_names_no_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = qsr_launch(2, r#"[ "$RANK" = 1 ] && exit 3; sleep 2"#, dir.path()).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(
+        stderr.contains("rank 1 exited with status 3, which says it lost a peer, but no other rank failed"),
+        "{stderr}"
+    );
+    let mut launcher = qsr_launch(2, r#"echo $$ > "$0/pid-$RANK"; exec sleep 300"#, dir.path())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_files(dir.path(), &names("pid", 2));
+    assert!(Command::new("kill").args(["-INT", &launcher.id().to_string()]).status().unwrap().success());
+    let status = exit_within(&mut launcher, Duration::from_secs(30));
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut launcher.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("interrupted by signal 2 (SIGINT)") && !stderr.contains("--resume"), "{stderr}");
+}

@@ -1,0 +1,257 @@
+//! The synchronisation rules of a shared-memory group, apart from the memory they act on, so that
+//! the transport ([`super::ShmComm`], on atomics in a mapped file) and a loom model of it (below,
+//! on loom's atomics and cells) run the same code with the same memory orderings.
+//!
+//! The rules: a member writes its data half and the half's call header, then publishes its stage
+//! counter with Release; a member that reads a counter at or past a stage with Acquire sees
+//! everything the owner wrote before publishing it. Pipeline steps alternate between two halves,
+//! so a member writes a half again only after every member completed the stage at which the last
+//! reader of that half was done with it. The first failure any member sees is kept in the group's
+//! abort word (a compare-and-swap from 0), so every member names the same culprit.
+
+use std::sync::atomic::Ordering;
+
+/// The operations the protocol needs from a 64-bit atomic word.
+pub(crate) trait Word {
+    fn load(&self, order: Ordering) -> u64;
+    fn store(&self, value: u64, order: Ordering);
+    fn compare_exchange(&self, current: u64, new: u64, ok: Ordering, fail: Ordering) -> Result<u64, u64>;
+}
+
+impl Word for std::sync::atomic::AtomicU64 {
+    fn load(&self, order: Ordering) -> u64 {
+        self.load(order)
+    }
+    fn store(&self, value: u64, order: Ordering) {
+        self.store(value, order)
+    }
+    fn compare_exchange(&self, current: u64, new: u64, ok: Ordering, fail: Ordering) -> Result<u64, u64> {
+        self.compare_exchange(current, new, ok, fail)
+    }
+}
+
+/// The data half pipeline step `steps` uses.
+pub(crate) fn half(steps: u64) -> usize {
+    (steps % 2) as usize
+}
+
+/// Writes a half's call header; published by the next [`publish`].
+pub(crate) fn write_head<W: Word>(slot: &[W; 4], words: [u64; 4]) {
+    slot.iter().zip(words).for_each(|(a, w)| a.store(w, Ordering::Relaxed));
+}
+
+/// Reads a peer's call header of a half whose stage [`first_behind`] saw completed.
+pub(crate) fn read_head<W: Word>(slot: &[W; 4]) -> [u64; 4] {
+    slot.each_ref().map(|a| a.load(Ordering::Relaxed))
+}
+
+/// Publishes that this member completed stage `phase`: what it wrote before is visible to any
+/// member that sees the stage.
+pub(crate) fn publish<W: Word>(counter: &W, phase: u64) {
+    counter.store(phase, Ordering::Release);
+}
+
+/// The first member from `from` on (this one, `me`, skipped) that has not completed stage
+/// `target`, or `n` when every member has.
+pub(crate) fn first_behind<'a, W: Word + 'a>(
+    counter: impl Fn(usize) -> &'a W,
+    (n, me): (usize, usize),
+    from: usize,
+    target: u64,
+) -> usize {
+    (from..n).find(|&q| q != me && counter(q).load(Ordering::Acquire) < target).unwrap_or(n)
+}
+
+/// Whether a member has dropped its communicator.
+pub(crate) fn is_closed<W: Word>(flag: &W) -> bool {
+    flag.load(Ordering::Acquire) != 0
+}
+
+/// Marks this member's communicator dropped.
+pub(crate) fn close<W: Word>(flag: &W) {
+    flag.store(1, Ordering::Release);
+}
+
+/// Records `word` as the group's failure unless one was recorded first; returns the failure that
+/// holds.
+pub(crate) fn record_abort<W: Word>(abort: &W, word: u64) -> u64 {
+    match abort.compare_exchange(0, word, Ordering::AcqRel, Ordering::Acquire) {
+        Ok(_) => word,
+        Err(first) => first,
+    }
+}
+
+/// The group's failure word (0: none).
+pub(crate) fn read_abort<W: Word>(abort: &W) -> u64 {
+    abort.load(Ordering::Acquire)
+}
+
+/// A loom model of the group: members as loom threads, every control word a loom atomic, every
+/// data element a loom cell (whose accesses loom checks for races under the protocol's orderings).
+/// Each member runs the transport's two-stage all-reduce (write its half, stage, reduce its share
+/// in every member's half, stage, read its half back, next half) through the functions above.
+#[cfg(test)]
+mod model {
+    use loom::cell::UnsafeCell;
+    use loom::sync::Arc;
+    use loom::sync::atomic::AtomicU64;
+
+    use super::*;
+
+    impl Word for AtomicU64 {
+        fn load(&self, order: Ordering) -> u64 {
+            self.load(order)
+        }
+        fn store(&self, value: u64, order: Ordering) {
+            self.store(value, order)
+        }
+        fn compare_exchange(&self, current: u64, new: u64, ok: Ordering, fail: Ordering) -> Result<u64, u64> {
+            self.compare_exchange(current, new, ok, fail)
+        }
+    }
+
+    /// The mapping: the abort word, each member's control words, and each member's two halves of
+    /// `n` elements (one per member's share).
+    struct Group {
+        n: usize,
+        abort: AtomicU64,
+        phase: Vec<AtomicU64>,
+        closed: Vec<AtomicU64>,
+        call: Vec<[[AtomicU64; 4]; 2]>,
+        halves: Vec<[Vec<UnsafeCell<u64>>; 2]>,
+    }
+
+    impl Group {
+        fn new(n: usize) -> Arc<Group> {
+            let words = |_| AtomicU64::new(0);
+            let half = || (0..n).map(|_| UnsafeCell::new(0)).collect::<Vec<_>>();
+            Arc::new(Group {
+                n,
+                abort: AtomicU64::new(0),
+                phase: (0..n).map(words).collect(),
+                closed: (0..n).map(words).collect(),
+                call: (0..n).map(|_| std::array::from_fn(|_| std::array::from_fn(words))).collect(),
+                halves: (0..n).map(|_| [half(), half()]).collect(),
+            })
+        }
+    }
+
+    fn get(c: &UnsafeCell<u64>) -> u64 {
+        // SAFETY: loom checks this read against every other access of the cell.
+        c.with(|p| unsafe { *p })
+    }
+
+    fn set(c: &UnsafeCell<u64>, v: u64) {
+        // SAFETY: loom checks this write against every other access of the cell.
+        c.with_mut(|p| unsafe { *p = v })
+    }
+
+    /// One member: its rank, stages completed and pipeline steps taken.
+    struct Member {
+        g: Arc<Group>,
+        rank: usize,
+        phase: u64,
+        steps: u64,
+    }
+
+    impl Member {
+        fn new(g: &Arc<Group>, rank: usize) -> Member {
+            Member { g: g.clone(), rank, phase: 0, steps: 0 }
+        }
+
+        /// Publishes the next stage (with the call header `seq` when given) and waits for every
+        /// member's, or fails naming a closed member (recorded in the abort word) or the failure
+        /// already recorded there.
+        fn stage(&mut self, seq: Option<u64>) -> Result<(), u64> {
+            let (g, h) = (&self.g, half(self.steps));
+            if let Some(s) = seq {
+                write_head(&g.call[self.rank][h], [s, 1, 0, g.n as u64]);
+            }
+            self.phase += 1;
+            publish(&g.phase[self.rank], self.phase);
+            let mut next = 0;
+            loop {
+                next = first_behind(|q| &g.phase[q], (g.n, self.rank), next, self.phase);
+                if next == g.n {
+                    break;
+                }
+                let failed = read_abort(&g.abort);
+                if failed != 0 {
+                    return Err(failed);
+                }
+                if is_closed(&g.closed[next]) {
+                    return Err(record_abort(&g.abort, next as u64 + 1));
+                }
+                loom::thread::yield_now();
+            }
+            if let Some(s) = seq {
+                for q in 0..g.n {
+                    assert_eq!(read_head(&g.call[q][h])[0], s, "rank {} read a stale header of rank {q}", self.rank);
+                }
+            }
+            Ok(())
+        }
+
+        /// The two-stage all-reduce of `mine` (one value per element), call number `seq`.
+        fn all_reduce(&mut self, seq: u64, mine: u64) -> Result<Vec<u64>, u64> {
+            let (g, h) = (self.g.clone(), half(self.steps));
+            g.halves[self.rank][h].iter().for_each(|c| set(c, mine));
+            self.stage(Some(seq))?;
+            // Our share: element `rank` of every half, summed and written back into each.
+            let sum: u64 = (0..g.n).map(|q| get(&g.halves[q][h][self.rank])).sum();
+            (0..g.n).for_each(|q| set(&g.halves[q][h][self.rank], sum));
+            self.stage(None)?;
+            let out = g.halves[self.rank][h].iter().map(get).collect();
+            self.steps += 1;
+            Ok(out)
+        }
+    }
+
+    fn bounded(preemptions: usize) -> loom::model::Builder {
+        let mut b = loom::model::Builder::new();
+        b.preemption_bound = Some(preemptions);
+        // Waiting members yield in a loop: each yield is a branch.
+        b.max_branches = 100_000;
+        b
+    }
+
+    /// Members arriving in any order, three calls each: the third reuses the first call's half,
+    /// which no member may write while another still reads it (loom fails the model on a race).
+    #[test]
+    fn every_member_gets_the_sum_and_a_half_is_reused_only_after_its_readers() {
+        bounded(2).check(|| {
+            let g = Group::new(2);
+            let run = |rank: usize| {
+                let mut m = Member::new(&g, rank);
+                (0..3).map(|seq| m.all_reduce(seq, 10 * seq + rank as u64 + 1).unwrap()).collect::<Vec<_>>()
+            };
+            let other = loom::thread::spawn({
+                let g = g.clone();
+                move || {
+                    let mut m = Member::new(&g, 1);
+                    (0..3).map(|seq| m.all_reduce(seq, 10 * seq + 2).unwrap()).collect::<Vec<_>>()
+                }
+            });
+            let (ours, theirs) = (run(0), other.join().unwrap());
+            for (seq, r) in ours.iter().chain(&theirs).enumerate().map(|(i, r)| (i as u64 % 3, r)) {
+                assert_eq!(r, &vec![20 * seq + 3; 2], "call {seq}");
+            }
+        });
+    }
+
+    /// Two members recording different failures at once: both read the first one recorded.
+    #[test]
+    fn concurrent_failures_agree_on_the_first() {
+        loom::model(|| {
+            let g = Group::new(2);
+            let other = loom::thread::spawn({
+                let g = g.clone();
+                move || record_abort(&g.abort, 7)
+            });
+            let ours = record_abort(&g.abort, 5);
+            let theirs = other.join().unwrap();
+            assert_eq!(ours, theirs);
+            assert_eq!(read_abort(&g.abort), ours);
+        });
+    }
+}
