@@ -18,17 +18,24 @@ pub(crate) trait Word {
     fn compare_exchange(&self, current: u64, new: u64, ok: Ordering, fail: Ordering) -> Result<u64, u64>;
 }
 
-impl Word for std::sync::atomic::AtomicU64 {
-    fn load(&self, order: Ordering) -> u64 {
-        self.load(order)
-    }
-    fn store(&self, value: u64, order: Ordering) {
-        self.store(value, order)
-    }
-    fn compare_exchange(&self, current: u64, new: u64, ok: Ordering, fail: Ordering) -> Result<u64, u64> {
-        self.compare_exchange(current, new, ok, fail)
-    }
+/// [`Word`] for an atomic type with std's methods (std's for the transport, loom's for the model).
+macro_rules! word {
+    ($t:ty) => {
+        impl Word for $t {
+            fn load(&self, order: Ordering) -> u64 {
+                self.load(order)
+            }
+            fn store(&self, value: u64, order: Ordering) {
+                self.store(value, order)
+            }
+            fn compare_exchange(&self, current: u64, new: u64, ok: Ordering, fail: Ordering) -> Result<u64, u64> {
+                self.compare_exchange(current, new, ok, fail)
+            }
+        }
+    };
 }
+
+word!(std::sync::atomic::AtomicU64);
 
 /// The data half pipeline step `steps` uses.
 pub(crate) fn half(steps: u64) -> usize {
@@ -98,17 +105,7 @@ mod model {
 
     use super::*;
 
-    impl Word for AtomicU64 {
-        fn load(&self, order: Ordering) -> u64 {
-            self.load(order)
-        }
-        fn store(&self, value: u64, order: Ordering) {
-            self.store(value, order)
-        }
-        fn compare_exchange(&self, current: u64, new: u64, ok: Ordering, fail: Ordering) -> Result<u64, u64> {
-            self.compare_exchange(current, new, ok, fail)
-        }
-    }
+    word!(AtomicU64);
 
     /// The mapping: the abort word, each member's control words, and each member's two halves of
     /// `n` elements (one per member's share).
