@@ -145,7 +145,9 @@ fn a_worker_killed_mid_round_costs_one_round_and_the_same_failure_gives_the_same
 /// Streaming with int8 payloads: two fragments, one syncing after every step of the early 2-step
 /// rounds, each average applied a step later on the fragments' own group, so one is in flight when
 /// rank 2 dies at step 101. The survivors drop what was in flight, re-form both groups and finish
-/// every planned sync, as accurate as the plain run above.
+/// every planned sync, as accurate as the plain run above. Rank 2 may die after its share of the
+/// background all-reduce went out: then that average completes and the survivors lose no round, and
+/// find the loss at the next collective (the store's answer after the round's sync).
 #[test]
 fn a_worker_killed_with_a_fragment_in_flight_leaves_a_streaming_run_that_finishes() {
     let dir = tempfile::tempdir().unwrap();
@@ -156,7 +158,10 @@ fn a_worker_killed_with_a_fragment_in_flight_leaves_a_streaming_run_that_finishe
     assert_eq!(s["syncs"], s["planned_syncs"], "every planned round happened once");
     assert!(s["final_test_accuracy"].as_f64().unwrap() > 0.8, "{s}");
     let m = &s["membership"][0];
-    assert_eq!((m["lost"][0]["rank"].as_u64(), m["rounds_lost"].as_u64()), (Some(2), Some(1)), "{m}");
+    assert_eq!(m["lost"][0]["rank"], 2, "{m}");
+    let completed_in_flight = m["reason"].as_str().unwrap().contains("sharing the store's answer");
+    let lost = (m["rounds_lost"].as_u64(), m["steps_lost"].as_u64().unwrap() > 0);
+    assert_eq!(lost, if completed_in_flight { (Some(0), false) } else { (Some(1), true) }, "{m}");
     // The last checkpoint has the survivors' streaming state, and no rank 3.
     let latest = std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap();
     let step = run.join("ckpt").join(latest.trim());
