@@ -312,7 +312,7 @@ impl ShmComm {
             if let Some(f) = decode_abort(protocol::read_abort(&self.map.header().abort)) {
                 return Err(f);
             }
-            if protocol::is_closed(&self.map.ctrl(next).closed) {
+            if protocol::closed_behind(&self.map.ctrl(next).phase, &self.map.ctrl(next).closed, target) {
                 return Err(Fail::Peer(next, Cause::Closed));
             }
             let now = Instant::now();

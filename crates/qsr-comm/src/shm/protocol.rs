@@ -69,9 +69,11 @@ pub(crate) fn first_behind<'a, W: Word + 'a>(
     (from..n).find(|&q| q != me && counter(q).load(Ordering::Acquire) < target).unwrap_or(n)
 }
 
-/// Whether a member has dropped its communicator.
-pub(crate) fn is_closed<W: Word>(flag: &W) -> bool {
-    flag.load(Ordering::Acquire) != 0
+/// Whether a member dropped its communicator before completing stage `target`. The stage is read
+/// again after the flag: a member publishes its last stage before it closes, so one seen behind
+/// and then closed may have completed the stage in between (its job done, no failure).
+pub(crate) fn closed_behind<W: Word>(counter: &W, flag: &W, target: u64) -> bool {
+    flag.load(Ordering::Acquire) != 0 && counter.load(Ordering::Acquire) < target
 }
 
 /// Marks this member's communicator dropped.
@@ -176,7 +178,7 @@ mod model {
                 if failed != 0 {
                     return Err(failed);
                 }
-                if is_closed(&g.closed[next]) {
+                if closed_behind(&g.phase[next], &g.closed[next], self.phase) {
                     return Err(record_abort(&g.abort, next as u64 + 1));
                 }
                 loom::thread::yield_now();
@@ -233,6 +235,79 @@ mod model {
             for (seq, r) in ours.iter().chain(&theirs).enumerate().map(|(i, r)| (i as u64 % 3, r)) {
                 assert_eq!(r, &vec![20 * seq + 3; 2], "call {seq}");
             }
+        });
+    }
+
+    /// How far a dying member gets into its second call before it drops its communicator.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Death {
+        /// Before it writes anything.
+        AtEntry,
+        /// After publishing its data (stage 1), before reducing its share.
+        AfterData,
+        /// After reducing its share in every half, before publishing stage 2.
+        AfterReduce,
+        /// After the whole call: a member that leaves once done is not a failure of that call.
+        AfterCall,
+    }
+
+    /// Member 1 completes a first call, then dies at `death` in the second (closing its
+    /// communicator, as a member that unwinds does). Returns member 0's second call.
+    fn second_call_with_member_one_dying(death: Death) -> Result<Vec<u64>, u64> {
+        let g = Group::new(2);
+        let other = loom::thread::spawn({
+            let g = g.clone();
+            move || {
+                let mut m = Member::new(&g, 1);
+                assert_eq!(m.all_reduce(0, 2).unwrap(), vec![3, 3]);
+                let h = half(m.steps);
+                match death {
+                    Death::AtEntry => {}
+                    Death::AfterData | Death::AfterReduce => {
+                        g.halves[1][h].iter().for_each(|c| set(c, 12));
+                        write_head(&g.call[1][h], [1, 1, 0, 2]);
+                        m.phase += 1;
+                        publish(&g.phase[1], m.phase);
+                    }
+                    Death::AfterCall => {
+                        m.all_reduce(1, 12).unwrap();
+                    }
+                }
+                if death == Death::AfterReduce {
+                    // Its share needs member 0's data: wait for stage 1 like the transport does.
+                    while first_behind(|q| &g.phase[q], (2, 1), 0, m.phase) < 2 {
+                        loom::thread::yield_now();
+                    }
+                    let sum = get(&g.halves[0][h][1]) + get(&g.halves[1][h][1]);
+                    (0..2).for_each(|q| set(&g.halves[q][h][1], sum));
+                }
+                close(&g.closed[1]);
+            }
+        });
+        let mut m = Member::new(&g, 0);
+        assert_eq!(m.all_reduce(0, 1).unwrap(), vec![3, 3]);
+        let second = m.all_reduce(1, 11);
+        other.join().unwrap();
+        second
+    }
+
+    /// A member dying at any point of a call fails the survivor's call naming it (and recording it
+    /// as the group's failure), never hangs it and never hands it a partial sum.
+    #[test]
+    fn a_member_dying_mid_reduce_fails_the_call_naming_it_and_never_a_partial_sum() {
+        for death in [Death::AtEntry, Death::AfterData, Death::AfterReduce] {
+            bounded(2).check(move || {
+                assert_eq!(second_call_with_member_one_dying(death), Err(2), "{death:?}");
+            });
+        }
+    }
+
+    /// Regression: a waiter read a member's stage behind, then its closed flag set, and failed the
+    /// call, though the member had published the stage in between and closed with its job done.
+    #[test]
+    fn a_member_that_closes_right_after_its_last_stage_is_not_blamed() {
+        bounded(2).check(|| {
+            assert_eq!(second_call_with_member_one_dying(Death::AfterCall), Ok(vec![23, 23]));
         });
     }
 
