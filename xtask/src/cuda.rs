@@ -10,7 +10,9 @@
 //! 2. with `--check`, only type-checks (what CI runs; nothing is linked);
 //! 3. otherwise links the `qsr` binary, collecting the symbols the skipped LLVM set-up left
 //!    undefined from the linker's errors into a static archive of functions that abort, and links
-//!    again with it. Those stubs are unreachable with NVRTC; if one ever ran, it would abort loudly.
+//!    again with it. Those stubs are unreachable with NVRTC; if one ever ran, it would abort loudly;
+//! 4. with `--package`, also links `qsr-plain` (feature `cuda-plain`: burn's CUDA backend without
+//!    fusion and autotune) so that scripts/gpu-check.sh can attribute what those two give.
 //!
 //! Where LLVM can be downloaded, plain `cargo build --release --features cuda,nccl -p qsr-train`
 //! builds the same binary without any of this.
@@ -29,7 +31,8 @@ pub struct CudaArgs {
     /// Where to put the linked binary (and, with --package, the device-check bundle).
     #[arg(long, default_value = "dist/gpu")]
     out: PathBuf,
-    /// Also write qsr.xz and the Fashion-MNIST files scripts/gpu-check.sh needs into --out.
+    /// Also write qsr.xz, qsr-plain.xz (burn's CUDA backend without fusion and autotune, the "before"
+    /// build of the step comparison) and the Fashion-MNIST files scripts/gpu-check.sh needs into --out.
     #[arg(long)]
     package: bool,
 }
@@ -41,6 +44,8 @@ impl CudaArgs {
 }
 
 const FEATURES: &str = "cuda,nccl";
+/// The "before" build gpu-check times beside `FEATURES`' (docs/architecture/build.md).
+const PLAIN_FEATURES: &str = "cuda-plain";
 
 fn cuda_env(c: &mut Command) {
     c.env("DOCS_RS", "1");
@@ -56,28 +61,41 @@ pub fn run(args: &CudaArgs, root: &Path, target: &Path) -> Result<()> {
         c.args(["check", "--release", "--locked", "-p", "qsr-train", "--features", FEATURES, "--all-targets"]);
         return crate::run(c);
     }
+    let out_dir = root.join(&args.out);
+    std::fs::create_dir_all(&out_dir)?;
+    let dest = out_dir.join("qsr");
+    link(FEATURES, target, &dest)?;
+    if args.package {
+        let plain = out_dir.join("qsr-plain");
+        link(PLAIN_FEATURES, target, &plain)?;
+        package(&out_dir, &[&dest, &plain])?;
+    }
+    Ok(())
+}
+
+/// Links `qsr` with `features` (stubbing the LLVM symbols the skipped set-up left undefined) and
+/// writes it, stripped, to `dest`.
+fn link(features: &str, target: &Path, dest: &Path) -> Result<()> {
     let stub_dir = target.join("qsr-cuda-stub");
     std::fs::create_dir_all(&stub_dir)?;
     let symbols_file = stub_dir.join("symbols.txt");
     let mut symbols: BTreeSet<String> = std::fs::read_to_string(&symbols_file)
         .map(|s| s.lines().map(str::to_string).filter(|l| !l.is_empty()).collect())
         .unwrap_or_default();
-    let mut linked = false;
     const ATTEMPTS: usize = 10;
     for attempt in 0..ATTEMPTS {
         let archive = if symbols.is_empty() { None } else { Some(write_stub_archive(&stub_dir, &symbols)?) };
         let mut c = crate::cargo();
         cuda_env(&mut c);
-        c.args(["rustc", "--release", "--locked", "-p", "qsr-train", "--bin", "qsr", "--features", FEATURES]);
+        c.args(["rustc", "--release", "--locked", "-p", "qsr-train", "--bin", "qsr", "--features", features]);
         if let Some(a) = &archive {
             c.arg("--").arg(format!("-Clink-arg={}", a.display()));
         }
-        eprintln!("xtask cuda: link attempt {} with {} stubbed symbols", attempt + 1, symbols.len());
+        eprintln!("xtask cuda: {features}: link attempt {} with {} stubbed symbols", attempt + 1, symbols.len());
         let out = c.output().with_context(|| format!("cannot start {c:?}"))?;
         let stderr = String::from_utf8_lossy(&out.stderr);
         if out.status.success() {
-            linked = true;
-            break;
+            return install(&target.join("release/qsr"), dest, symbols.len());
         }
         // The linker lists only some unresolved references per run (rustc elides long output):
         // take every LLVM symbol the LLVM crates' objects leave undefined as well.
@@ -97,23 +115,18 @@ pub fn run(args: &CudaArgs, root: &Path, target: &Path) -> Result<()> {
         symbols.extend(new);
         std::fs::write(&symbols_file, symbols.iter().map(|s| format!("{s}\n")).collect::<String>())?;
     }
-    if !linked {
-        bail!("the CUDA build still had unresolved symbols after {ATTEMPTS} link attempts");
-    }
-    let bin = target.join("release/qsr");
-    let out_dir = root.join(&args.out);
-    std::fs::create_dir_all(&out_dir)?;
-    let dest = out_dir.join("qsr");
-    std::fs::copy(&bin, &dest).with_context(|| format!("cannot copy {} to {}", bin.display(), dest.display()))?;
+    bail!("the CUDA build ({features}) still had unresolved symbols after {ATTEMPTS} link attempts")
+}
+
+/// Copies the linked binary to `dest` and strips it.
+fn install(bin: &Path, dest: &Path, stubbed: usize) -> Result<()> {
+    std::fs::copy(bin, dest).with_context(|| format!("cannot copy {} to {}", bin.display(), dest.display()))?;
     crate::run({
         let mut s = Command::new("strip");
-        s.arg(&dest);
+        s.arg(dest);
         s
     })?;
-    eprintln!("xtask cuda: {} ({} stubbed LLVM symbols)", dest.display(), symbols.len());
-    if args.package {
-        package(&out_dir, &dest)?;
-    }
+    eprintln!("xtask cuda: {} ({stubbed} stubbed LLVM symbols)", dest.display());
     Ok(())
 }
 
@@ -188,11 +201,14 @@ fn write_stub_archive(dir: &Path, symbols: &BTreeSet<String>) -> Result<PathBuf>
     Ok(a)
 }
 
-/// qsr.xz plus the Fashion-MNIST IDX files (from Debian's dataset-fashion-mnist) for the device check.
-fn package(out_dir: &Path, bin: &Path) -> Result<()> {
-    let mut xz = Command::new("xz");
-    xz.args(["-6", "-T2", "-k", "-f"]).arg(bin);
-    crate::run(xz)?;
+/// Each binary as `<name>.xz`, plus the Fashion-MNIST IDX files (from Debian's dataset-fashion-mnist)
+/// for the device check.
+fn package(out_dir: &Path, bins: &[&Path]) -> Result<()> {
+    for bin in bins {
+        let mut xz = Command::new("xz");
+        xz.args(["-6", "-T2", "-k", "-f"]).arg(bin);
+        crate::run(xz)?;
+    }
     let data = Path::new("/usr/share/datasets/fashion-mnist");
     let dest = out_dir.join("fashion-mnist");
     std::fs::create_dir_all(&dest)?;
@@ -206,8 +222,13 @@ fn package(out_dir: &Path, bin: &Path) -> Result<()> {
             format!("cannot copy {} (apt-get install dataset-fashion-mnist)", data.join(f).display())
         })?;
     }
-    let _ = std::fs::remove_file(bin);
-    eprintln!("xtask cuda: packaged {} (qsr.xz + fashion-mnist/) for scripts/gpu-check.sh", out_dir.display());
+    for bin in bins {
+        let _ = std::fs::remove_file(bin);
+    }
+    eprintln!(
+        "xtask cuda: packaged {} (qsr.xz, qsr-plain.xz, fashion-mnist/) for scripts/gpu-check.sh",
+        out_dir.display()
+    );
     Ok(())
 }
 

@@ -5,6 +5,7 @@
 mod bench;
 mod chaos;
 mod cuda;
+mod gpu_features;
 mod layers;
 mod netem;
 mod qsr_diff;
@@ -230,6 +231,7 @@ fn tidy() -> Result<()> {
     crates.sort();
     layers::check(&crates)?;
     qsr_diff::check(&root())?;
+    gpu_features::check()?;
     let mut c = cargo();
     c.args(["clippy", "--release", "--locked", "--workspace", "--all-targets", "--", "-D", "warnings"]);
     run(c)?;
@@ -272,6 +274,12 @@ fn main() -> Result<()> {
             let mut k = cargo();
             k.args(["test", "--release", "--locked", "-p", "qsr-kernels", "--features", "wgpu"]);
             totals.add(run_tests(k)?);
+            // Device-resident training on burn's wgpu backend with fusion and autotune, as the GPU builds
+            // have them: the fused average through the fusion client, a medium GPT and a ResNet-20 step.
+            let mut w = cargo();
+            w.args(["test", "--release", "--locked", "-p", "qsr-optim", "--features", "wgpu", "--test", "it"]);
+            w.args(["--", "device_wgpu"]);
+            totals.add(run_tests(w)?);
             // The CUDA / NCCL code type-checks (CI has no GPU; the offline build route of `cargo xtask cuda`).
             cuda::run(&cuda::CudaArgs::check_only(), &root(), &target_dir())?;
             // The MPI backend under a real mpirun, where Open MPI is installed (.ci/run installs it and sets

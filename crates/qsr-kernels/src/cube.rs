@@ -460,3 +460,89 @@ pub fn mean_into_host(client: &Client, output: &mut [f32], inputs: &[&[f32]]) ->
     output.copy_from_slice(&read_f32(client, out)?);
     Ok(())
 }
+
+/// Counts the kernels cubecl launches in the whole process while it is alive, on any runtime and
+/// from any thread (burn's fusion launches from its own server thread), per kernel name.
+///
+/// Sync the device before starting and before reading, so that queued work lands on the right side.
+/// One count at a time: a second one replaces the first until dropped.
+pub struct LaunchCount {
+    tally: std::sync::Arc<Tally>,
+    _observation: cubecl::logging::LaunchObservation,
+}
+
+/// One kernel's launches in a [`LaunchCount`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct KernelTally {
+    /// The kernel's name, shortened as cubecl's profiling log shortens it.
+    pub name: String,
+    /// Launches counted.
+    pub launches: u64,
+    /// Seconds the kernels ran, summed ([`LaunchCount::start_timed`]; 0 otherwise).
+    pub seconds: f64,
+}
+
+#[derive(Default)]
+struct Tally {
+    timed: bool,
+    per_kernel: std::sync::Mutex<std::collections::HashMap<&'static str, (u64, f64)>>,
+}
+
+impl cubecl::logging::LaunchObserver for Tally {
+    fn launched(&self, kernel: &'static str) {
+        let mut per_kernel = self.per_kernel.lock().unwrap_or_else(|e| e.into_inner());
+        per_kernel.entry(kernel).or_default().0 += 1;
+    }
+
+    fn timing(&self) -> cubecl::logging::TimingRequest {
+        match self.timed {
+            true => cubecl::logging::TimingRequest::Resolved,
+            false => cubecl::logging::TimingRequest::None,
+        }
+    }
+
+    fn timed(&self, kernel: &'static str, duration: cubecl::logging::Duration, _: cubecl::logging::TimingMethod) {
+        let mut per_kernel = self.per_kernel.lock().unwrap_or_else(|e| e.into_inner());
+        per_kernel.entry(kernel).or_default().1 += duration.as_secs_f64();
+    }
+}
+
+impl LaunchCount {
+    /// Starts counting.
+    pub fn start() -> LaunchCount {
+        Self::install(Tally::default())
+    }
+
+    /// Starts counting and timing each kernel. Each launch then waits for its kernel, so kernels run
+    /// one at a time: right for where a step's device time goes, not for the step's time.
+    pub fn start_timed() -> LaunchCount {
+        Self::install(Tally { timed: true, ..Tally::default() })
+    }
+
+    fn install(tally: Tally) -> LaunchCount {
+        let tally = std::sync::Arc::new(tally);
+        let _observation = cubecl::logging::LaunchObservation::new(tally.clone());
+        LaunchCount { tally, _observation }
+    }
+
+    /// Kernels launched since the start.
+    pub fn launches(&self) -> u64 {
+        self.tally.per_kernel.lock().unwrap_or_else(|e| e.into_inner()).values().map(|v| v.0).sum()
+    }
+
+    /// Each kernel launched since the start, the longest-running (then the most launched) first.
+    pub fn kernels(&self) -> Vec<KernelTally> {
+        let short = cubecl::config::TypeNameFormatLevel::Short;
+        let per_kernel = self.tally.per_kernel.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all: Vec<KernelTally> = per_kernel
+            .iter()
+            .map(|(name, &(launches, seconds))| KernelTally {
+                name: cubecl::config::type_name_format(name, short),
+                launches,
+                seconds,
+            })
+            .collect();
+        all.sort_by(|a, b| b.seconds.total_cmp(&a.seconds).then(b.launches.cmp(&a.launches)));
+        all
+    }
+}

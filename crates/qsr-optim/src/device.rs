@@ -289,7 +289,7 @@ impl DeviceGroup {
         }
         let err = OptimError::DeviceGroup;
         // This rank's queued work on its tensors finishes before another thread reads them.
-        #[cfg(any(feature = "cuda", feature = "wgpu"))]
+        #[cfg(any(feature = "cuda-plain", feature = "wgpu-plain"))]
         fused::finish_own_work(&tensors).map_err(err)?;
         let mut round = self.shared.round.lock().map_err(|_| err("a worker panicked while averaging".into()))?;
         if let Some(why) = &round.failed {
@@ -360,10 +360,11 @@ fn average_deposits(deposits: Vec<Vec<Tensor<1>>>) -> Result<(Vec<Vec<Tensor<1>>
             return Err(format!("tensor {s}: rank {r} has {} elements, rank 0 {n}", deposits[r][s].dims()[0]));
         }
     }
-    #[cfg(any(feature = "cuda", feature = "wgpu"))]
-    if let Some(r) = fused::average_in_place(&deposits) {
-        r?;
-        return Ok((deposits, true));
+    #[cfg(any(feature = "cuda-plain", feature = "wgpu-plain"))]
+    match fused::average_in_place(&deposits)? {
+        fused::InPlace::Done => return Ok((deposits, true)),
+        fused::InPlace::NotCube => {}
+        fused::InPlace::Unfit(why) => warn_unfit_once(&why),
     }
     let mut per_rank: Vec<Vec<Tensor<1>>> = vec![Vec::with_capacity(slots); k];
     for s in 0..slots {
@@ -380,63 +381,117 @@ fn average_deposits(deposits: Vec<Vec<Tensor<1>>>) -> Result<(Vec<Vec<Tensor<1>>
     Ok((per_rank, false))
 }
 
+/// Says once per process why device averages run as burn operations instead of the fused kernel.
+#[cfg(any(feature = "cuda-plain", feature = "wgpu-plain"))]
+fn warn_unfit_once(why: &str) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!("device averages run as burn operations, not qsr's fused kernel: {why}");
+    });
+}
+
 /// The cubecl path: the K ranks' buffers averaged in place by one kernel launch per slot.
-#[cfg(any(feature = "cuda", feature = "wgpu"))]
+#[cfg(any(feature = "cuda-plain", feature = "wgpu-plain"))]
 mod fused {
-    use burn::backend::Cube;
     use burn::tensor::Tensor;
 
-    /// Waits for the calling thread's queued work on `tensors` (its own stream on CUDA).
-    pub fn finish_own_work(tensors: &[Tensor<1>]) -> Result<(), String> {
-        if let Some(t) = tensors.first()
-            && let Ok(prim) = t.clone().try_into_primitive::<Cube>()
-        {
-            qsr_kernels::cube::sync(&prim.client).map_err(|e| e.to_string())?;
+    #[cfg(feature = "fusion")]
+    use unfused::CubeBackend;
+    #[cfg(not(feature = "fusion"))]
+    type CubeBackend = burn::backend::Cube;
+    type CubeTensor = burn::backend::tensor::FloatTensor<CubeBackend>;
+
+    /// burn's fused backend over cubecl is `Fusion<CubeBackend>`; the kernel needs `CubeBackend`'s
+    /// buffers, which burn names only per runtime (`burn::backend::wgpu::CubeBackend`).
+    #[cfg(feature = "fusion")]
+    mod unfused {
+        use burn::backend::fusion::{Fusion, FusionBackend};
+
+        pub trait Unfused {
+            type Inner: FusionBackend;
         }
-        Ok(())
+
+        impl<B: FusionBackend> Unfused for Fusion<B> {
+            type Inner = B;
+        }
+
+        pub type CubeBackend = <burn::backend::Cube as Unfused>::Inner;
     }
 
-    /// The K ranks' deposits averaged in place, one launch per slot; `None` when the tensors are not
-    /// plain cubecl buffers of exactly their length (another backend, a view): the caller then uses
-    /// burn operations.
-    pub fn average_in_place(deposits: &[Vec<Tensor<1>>]) -> Option<Result<(), String>> {
-        let slots = deposits[0].len();
-        // Beyond what one launch handles, burn operations do it.
-        if deposits.len() > qsr_kernels::cube::MAX_BUFFERS {
-            return None;
+    /// `t`'s cubecl buffer, or `None` on another backend. Under fusion the operations queued on the
+    /// tensor's stream run first; a clone is resolved, so fusion keeps the buffer (and sees writes to it).
+    fn cube_tensor(t: &Tensor<1>) -> Option<CubeTensor> {
+        let prim = t.clone().try_into_primitive::<burn::backend::Cube>().ok()?;
+        #[cfg(feature = "fusion")]
+        let prim = prim.client.clone().resolve_tensor_float::<CubeBackend>(prim);
+        Some(prim)
+    }
+
+    /// Waits for the calling thread's queued work on `tensors` (fusion's queue, then its stream).
+    pub fn finish_own_work(tensors: &[Tensor<1>]) -> Result<(), String> {
+        match tensors.first() {
+            Some(t) if t.clone().try_into_primitive::<burn::backend::Cube>().is_ok() => {
+                t.device().sync().map_err(|e| format!("the device failed before averaging: {e:?}"))
+            }
+            _ => Ok(()),
         }
-        let mut plan = Vec::with_capacity(slots);
-        for s in 0..slots {
+    }
+
+    /// What [`average_in_place`] did.
+    pub enum InPlace {
+        /// Averaged by the kernel.
+        Done,
+        /// Not cubecl tensors (another backend): burn operations average them.
+        NotCube,
+        /// cubecl tensors the kernel cannot take, and why: burn operations average them.
+        Unfit(String),
+    }
+
+    /// The K ranks' deposits averaged in place, one launch per slot, when they are plain cubecl f32
+    /// buffers of exactly their length.
+    pub fn average_in_place(deposits: &[Vec<Tensor<1>>]) -> Result<InPlace, String> {
+        if deposits.len() > qsr_kernels::cube::MAX_BUFFERS {
+            let max = qsr_kernels::cube::MAX_BUFFERS;
+            return Ok(InPlace::Unfit(format!("{} ranks, beyond the kernel's {max} buffers", deposits.len())));
+        }
+        let mut plan = Vec::with_capacity(deposits[0].len());
+        for s in 0..deposits[0].len() {
+            let len = deposits[0][s].dims()[0];
             let mut handles = Vec::with_capacity(deposits.len());
             let mut client = None;
             for d in deposits {
-                let prim = d[s].clone().try_into_primitive::<Cube>().ok()?;
-                let len = d[s].dims()[0];
-                let fits = deposits.len().checked_mul(len).is_some_and(|n| n <= u32::MAX as usize);
-                if !fits
-                    || !prim.is_contiguous()
-                    || prim.handle.size_in_used() != (len * 4) as u64
-                    || prim.dtype != burn::tensor::DType::F32
-                {
-                    return None;
+                let Some(prim) = cube_tensor(&d[s]) else { return Ok(InPlace::NotCube) };
+                if let Some(why) = unfit(&prim, len, deposits.len()) {
+                    return Ok(InPlace::Unfit(format!("tensor {s}: {why}")));
                 }
                 client.get_or_insert(prim.client.clone());
                 handles.push(prim.handle.clone());
             }
-            plan.push((client?, handles, deposits[0][s].dims()[0]));
+            plan.push((client.expect("at least one rank"), handles, len));
         }
-        Some((|| {
-            // Every rank finished its own work before depositing (`finish_own_work`); the kernels
-            // finish before any rank reads the results on its own stream.
-            let mut last = None;
-            for (client, handles, len) in plan {
-                qsr_kernels::cube::average_and_broadcast_many(&client, &handles, len).map_err(|e| e.to_string())?;
-                last = Some(client);
-            }
-            if let Some(client) = last {
-                qsr_kernels::cube::sync(&client).map_err(|e| e.to_string())?;
-            }
-            Ok(())
-        })())
+        // Every rank finished its own work before depositing (`finish_own_work`); the kernels finish
+        // before any rank reads the results on its own stream.
+        let mut last = None;
+        for (client, handles, len) in plan {
+            qsr_kernels::cube::average_and_broadcast_many(&client, &handles, len).map_err(|e| e.to_string())?;
+            last = Some(client);
+        }
+        if let Some(client) = last {
+            qsr_kernels::cube::sync(&client).map_err(|e| e.to_string())?;
+        }
+        Ok(InPlace::Done)
+    }
+
+    /// Why the kernel cannot average `prim` of `len` values across `k` ranks, if it cannot.
+    fn unfit(prim: &CubeTensor, len: usize, k: usize) -> Option<String> {
+        if !k.checked_mul(len).is_some_and(|n| n <= u32::MAX as usize) {
+            Some(format!("{k} x {len} values exceed the kernel's u32 indices"))
+        } else if !prim.is_contiguous() || prim.handle.size_in_used() != (len * 4) as u64 {
+            Some("a view, not a whole contiguous buffer".into())
+        } else if prim.dtype != burn::tensor::DType::F32 {
+            Some(format!("{:?}, not f32", prim.dtype))
+        } else {
+            None
+        }
     }
 }

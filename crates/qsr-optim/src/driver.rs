@@ -538,12 +538,12 @@ fn resolve_residency<M: Module>(r: Residency, model: &M) -> Residency {
     }
 }
 
-#[cfg(any(feature = "cuda", feature = "wgpu"))]
+#[cfg(any(feature = "cuda-plain", feature = "wgpu-plain"))]
 fn is_cube_device(device: &Device) -> bool {
     Tensor::<1>::zeros([1], &device.clone().inner()).try_into_primitive::<burn::backend::Cube>().is_ok()
 }
 
-#[cfg(not(any(feature = "cuda", feature = "wgpu")))]
+#[cfg(not(any(feature = "cuda-plain", feature = "wgpu-plain")))]
 fn is_cube_device(_device: &Device) -> bool {
     false
 }

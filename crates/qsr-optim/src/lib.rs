@@ -22,6 +22,10 @@ mod snapshot;
 mod stream;
 mod sync;
 
+/// Whether burn's operation fusion and autotune are compiled in (features `cuda` and `wgpu`; the
+/// `-plain` features leave them out).
+pub const FUSION: bool = cfg!(feature = "fusion");
+
 pub use averager::{Averager, AveragerConfig, AveragerState, AveragerStats, seeded_init};
 pub use device::{DEFAULT_DEVICE_GROUP_TIMEOUT, DeviceGroup, DeviceOptimizer};
 pub use driver::Worker;

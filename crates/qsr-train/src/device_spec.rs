@@ -19,21 +19,25 @@ pub enum DeviceSpec {
     LibTorch,
     /// A CUDA GPU; `None` means "this process's local rank" (one GPU per process on a host).
     Cuda(Option<usize>),
+    /// burn's wgpu backend on the first Vulkan adapter (feature `wgpu`; Mesa lavapipe on a machine
+    /// without a GPU): the GPU code path where CI can run it.
+    Wgpu,
 }
 
 impl DeviceSpec {
-    /// Parses `cpu`, `flex`, `libtorch`, `cuda` or `cuda:N`.
+    /// Parses `cpu`, `flex`, `libtorch`, `wgpu`, `cuda` or `cuda:N`.
     pub fn parse(name: &str) -> Result<DeviceSpec> {
         match name {
             "cpu" | "flex" => Ok(DeviceSpec::Cpu),
             "libtorch" => Ok(DeviceSpec::LibTorch),
+            "wgpu" => Ok(DeviceSpec::Wgpu),
             "cuda" => Ok(DeviceSpec::Cuda(None)),
             other => match other.strip_prefix("cuda:") {
                 Some(n) => match n.parse::<usize>() {
                     Ok(i) => Ok(DeviceSpec::Cuda(Some(i))),
                     Err(_) => bail!("--device {other}: `{n}` is not a GPU index (expected cuda:0, cuda:1, ...)"),
                 },
-                None => bail!("--device {other}: unknown device (expected cpu, libtorch, cuda or cuda:N)"),
+                None => bail!("--device {other}: unknown device (expected cpu, libtorch, wgpu, cuda or cuda:N)"),
             },
         }
     }
@@ -41,7 +45,7 @@ impl DeviceSpec {
     /// The GPU ordinal for a process with this local rank, if this is a GPU device.
     pub fn ordinal(self, local_rank: usize) -> Option<usize> {
         match self {
-            DeviceSpec::Cpu | DeviceSpec::LibTorch => None,
+            DeviceSpec::Cpu | DeviceSpec::LibTorch | DeviceSpec::Wgpu => None,
             DeviceSpec::Cuda(i) => Some(i.unwrap_or(local_rank)),
         }
     }
@@ -56,6 +60,7 @@ impl DeviceSpec {
         match self {
             DeviceSpec::Cpu => Ok(Device::flex().autodiff()),
             DeviceSpec::LibTorch => open_libtorch(),
+            DeviceSpec::Wgpu => open_wgpu(),
             DeviceSpec::Cuda(i) => open_cuda(i.unwrap_or(local_rank)),
         }
     }
@@ -74,8 +79,18 @@ fn open_libtorch() -> Result<Device> {
     )
 }
 
+#[cfg(feature = "wgpu-plain")]
+fn open_wgpu() -> Result<Device> {
+    Ok(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice).autodiff())
+}
+
+#[cfg(not(feature = "wgpu-plain"))]
+fn open_wgpu() -> Result<Device> {
+    bail!("--device wgpu: this qsr binary was built without wgpu (feature `wgpu` of qsr-train)")
+}
+
 /// What `probe_cuda` (feature `cuda`) found.
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-plain")]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CudaProbe {
     /// Number of GPUs the CUDA driver reports.
@@ -86,7 +101,7 @@ pub struct CudaProbe {
 
 /// Checks that GPU `ordinal` can be used: libcuda loads, the driver initialises, the GPU exists,
 /// and NVRTC (which compiles the kernels at run time) loads.
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-plain")]
 fn probe_cuda(ordinal: usize) -> Result<CudaProbe> {
     use cudarc::driver::CudaContext;
     let hint = "is this a machine with an NVIDIA GPU and driver?";
@@ -106,7 +121,7 @@ fn probe_cuda(ordinal: usize) -> Result<CudaProbe> {
 }
 
 /// `ordinal` must name one of the `gpus` GPUs the driver reports.
-#[cfg(any(feature = "cuda", test))]
+#[cfg(any(feature = "cuda-plain", test))]
 fn check_ordinal(ordinal: usize, gpus: usize) -> Result<()> {
     if gpus == 0 {
         bail!("--device cuda:{ordinal}: the CUDA driver loaded but reports no GPU");
@@ -117,14 +132,14 @@ fn check_ordinal(ordinal: usize, gpus: usize) -> Result<()> {
     Ok(())
 }
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-plain")]
 fn open_cuda(ordinal: usize) -> Result<Device> {
     let probe = probe_cuda(ordinal)?;
     tracing::info!(gpu = ordinal, name = %probe.name, gpus = probe.gpus, "using CUDA");
     Ok(Device::cuda(ordinal).autodiff())
 }
 
-#[cfg(not(feature = "cuda"))]
+#[cfg(not(feature = "cuda-plain"))]
 fn open_cuda(ordinal: usize) -> Result<Device> {
     bail!(
         "--device cuda:{ordinal}: this qsr binary was built without CUDA support (build it with `cargo xtask cuda`, or `--features cuda` where burn's CUDA build can download its LLVM)"
@@ -149,7 +164,7 @@ pub struct DeviceCheckArgs {
 }
 
 /// Lengths for the correctness sweep: every line size (odd, 2 mod 4, multiple of 4), tiny to 4 M.
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-plain")]
 const CHECK_LENGTHS: [usize; 9] = [1, 2, 3, 4, 6, 1023, 1024, 1_000_003, 4 << 20];
 
 /// Runs the check; `Ok(true)` when every case matched and the bandwidth goal (0.85 of a copy) was met.
@@ -174,7 +189,7 @@ fn check_args(args: &DeviceCheckArgs) -> Result<usize> {
     Ok(ordinal)
 }
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-plain")]
 fn check_on_gpu(args: &DeviceCheckArgs, ordinal: usize, out: &mut dyn std::io::Write) -> Result<bool> {
     use qsr_kernels::{check_correctness, measure_bandwidth};
     let probe = probe_cuda(ordinal)?;
@@ -243,7 +258,7 @@ fn check_on_gpu(args: &DeviceCheckArgs, ordinal: usize, out: &mut dyn std::io::W
 }
 
 /// Median seconds of a driver device-to-device copy of `floats` f32 (the copy engine's reference).
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-plain")]
 fn memcpy_dtod_seconds(ordinal: usize, floats: usize, repeats: usize) -> Result<f64> {
     use cudarc::driver::CudaContext;
     let e = |what: &str, err: cudarc::driver::DriverError| anyhow::anyhow!("cuda:{ordinal}: {what}: {err:?}");
@@ -264,7 +279,7 @@ fn memcpy_dtod_seconds(ordinal: usize, floats: usize, repeats: usize) -> Result<
     Ok(times[times.len() / 2])
 }
 
-#[cfg(not(feature = "cuda"))]
+#[cfg(not(feature = "cuda-plain"))]
 fn check_on_gpu(_args: &DeviceCheckArgs, ordinal: usize, _out: &mut dyn std::io::Write) -> Result<bool> {
     // A build without CUDA is refused like a bad flag (exit status 2), as `qsr train` refuses it.
     open_cuda(ordinal).map(|_| false).map_err(crate::exit::bad_input)
@@ -284,6 +299,7 @@ mod tests {
         assert_eq!(DeviceSpec::parse("cpu").unwrap(), DeviceSpec::Cpu);
         assert_eq!(DeviceSpec::parse("flex").unwrap(), DeviceSpec::Cpu);
         assert_eq!(DeviceSpec::parse("libtorch").unwrap(), DeviceSpec::LibTorch);
+        assert_eq!(DeviceSpec::parse("wgpu").unwrap(), DeviceSpec::Wgpu);
         assert_eq!(DeviceSpec::parse("cuda").unwrap(), DeviceSpec::Cuda(None));
         assert_eq!(DeviceSpec::parse("cuda:3").unwrap(), DeviceSpec::Cuda(Some(3)));
     }
@@ -320,7 +336,7 @@ mod tests {
         assert!(check_ordinal(0, 0).unwrap_err().to_string().contains("reports no GPU"));
     }
 
-    #[cfg(not(feature = "cuda"))]
+    #[cfg(not(feature = "cuda-plain"))]
     #[test]
     fn a_cpu_build_refuses_cuda_with_the_fix() {
         let e = DeviceSpec::Cuda(Some(0)).open(0).unwrap_err().to_string();
@@ -328,7 +344,7 @@ mod tests {
     }
 
     /// This is the path a CUDA build takes on a machine without a driver (CI, this machine).
-    #[cfg(feature = "cuda")]
+    #[cfg(feature = "cuda-plain")]
     #[test]
     fn a_cuda_build_without_a_driver_says_so() {
         if qsr_comm::probe_library("cuda", &cudarc::get_lib_name_candidates("cuda")).is_ok() {

@@ -66,12 +66,16 @@ pub struct TimeStepArgs {
     #[arg(long)]
     pub threads: Option<usize>,
     /// `cpu` (burn's flex backend), `libtorch` (a build with feature `tch`; set `OMP_NUM_THREADS` for
-    /// its threads) or `cuda:N`.
+    /// its threads), `wgpu` (a build with feature `wgpu`) or `cuda:N`.
     #[arg(long, default_value = "cpu")]
     pub device: String,
     /// Also write the result as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// After the timed steps, run this many more with each kernel timed (one at a time) and print
+    /// where the device time goes, kernel by kernel (cubecl devices only).
+    #[arg(long, default_value_t = 0)]
+    pub profile: u64,
 }
 
 /// What `qsr time-step` measured.
@@ -92,6 +96,24 @@ pub struct StepTiming {
     /// Mean milliseconds per timed step in each phase of the round driver (`PhaseTimes` counts seconds;
     /// here each field is in milliseconds).
     pub phases_ms: PhaseTimes,
+    /// Kernels launched per timed step on a cubecl device (wgpu, CUDA); `None` on the CPU.
+    pub launches_per_step: Option<f64>,
+    /// Whether burn's operation fusion (and autotune) were compiled in: features `cuda` / `wgpu`,
+    /// against `cuda-plain` / `wgpu-plain`.
+    pub fusion: bool,
+    /// With `--profile`: the kernels of a profiled step, the longest-running first.
+    pub kernels: Vec<KernelTime>,
+}
+
+/// One kernel's share of a profiled step (`qsr time-step --profile`).
+#[derive(Debug, Clone, Serialize)]
+pub struct KernelTime {
+    /// The kernel's name as cubecl shortens it.
+    pub name: String,
+    /// Launches per step.
+    pub launches_per_step: f64,
+    /// Milliseconds per step, the kernels run one at a time.
+    pub ms_per_step: f64,
 }
 
 /// Times the step `args` describe; prints one line to `out` (and writes `--json`).
@@ -112,10 +134,14 @@ pub fn time_step(args: &TimeStepArgs, out: &mut dyn Write) -> Result<StepTiming>
         StepModel::Cnn | StepModel::Resnet20 => time_images(args, &device),
     })?;
     let p = &timing.phases_ms;
+    let launches = match timing.launches_per_step {
+        Some(n) => format!("; {n:.0} kernel launches per step, fusion {}", if timing.fusion { "on" } else { "off" }),
+        None => String::new(),
+    };
     writeln!(
         out,
         "{:?} batch {}: {:.0} {}/s ({:.2} ms per step, median of {}; forward {:.2}, backward {:.2}, gradients {:.2}, \
-         optimizer {:.2}, write-back {:.2} ms)",
+         optimizer {:.2}, write-back {:.2} ms{launches})",
         timing.model,
         timing.batch,
         timing.per_second,
@@ -128,6 +154,7 @@ pub fn time_step(args: &TimeStepArgs, out: &mut dyn Write) -> Result<StepTiming>
         p.optimizer,
         p.write_back
     )?;
+    print_kernels(&timing.kernels, out)?;
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&timing)?)
             .with_context(|| format!("cannot write {}", path.display()))?;
@@ -143,21 +170,63 @@ fn worker<M: Module>(model: M, optim: OptimizerConfig, total: u64) -> Result<Wor
     Ok(Worker::new(model, optim, comm, plan.cursor(), DriverConfig::default())?)
 }
 
-/// Runs `warmup + steps` steps with `step`, timing the last `steps`: the median step and the mean phases.
+/// The profile's table: the kernels taking 95% of the time, at most 20.
+fn print_kernels(kernels: &[KernelTime], out: &mut dyn Write) -> Result<()> {
+    if kernels.is_empty() {
+        return Ok(());
+    }
+    let total: f64 = kernels.iter().map(|k| k.ms_per_step).sum();
+    writeln!(out, "| kernel | launches per step | ms per step | share |")?;
+    writeln!(out, "|---|---|---|---|")?;
+    let mut shown = 0.0;
+    for k in kernels.iter().take(20) {
+        if shown >= 0.95 * total && total > 0.0 {
+            break;
+        }
+        shown += k.ms_per_step;
+        let share = if total > 0.0 { 100.0 * k.ms_per_step / total } else { 0.0 };
+        writeln!(out, "| {} | {:.1} | {:.3} | {share:.1}% |", k.name, k.launches_per_step, k.ms_per_step)?;
+    }
+    writeln!(out, "(all {} kernels: {total:.2} ms per step, each run alone)", kernels.len())?;
+    Ok(())
+}
+
+/// What [`run_timed`] measured: the median step in seconds, the mean phases, launches per step and
+/// the profile.
+struct Timed {
+    median: f64,
+    phases_ms: PhaseTimes,
+    launches_per_step: Option<f64>,
+    kernels: Vec<KernelTime>,
+}
+
+/// Runs `warmup + steps` steps with `step`, timing the last `steps`.
 fn run_timed<M: Module>(
     args: &TimeStepArgs,
+    device: &Device,
     worker: &mut Worker<M>,
     mut step: impl FnMut(&mut Worker<M>, u64) -> Result<()>,
-) -> Result<(f64, PhaseTimes)> {
+) -> Result<Timed> {
     for s in 0..args.warmup {
         step(worker, s)?;
     }
     worker.take_stats();
+    let launches = launches::Count::start(device)?;
     let mut times = Vec::with_capacity(args.steps as usize);
     for s in args.warmup..args.warmup + args.steps {
         let t = Instant::now();
         step(worker, s)?;
         times.push(t.elapsed().as_secs_f64());
+    }
+    let launches_per_step = launches.finish(device)?.map(|n| n as f64 / args.steps as f64);
+    let mut kernels = Vec::new();
+    if args.profile > 0 {
+        let profile = launches::Profile::start(device)?;
+        let first = args.warmup + args.steps;
+        for s in first..first + args.profile {
+            step(worker, s)?;
+        }
+        kernels = profile.finish(device, args.profile)?;
     }
     times.sort_by(f64::total_cmp);
     let p = worker.take_stats().phases;
@@ -169,7 +238,104 @@ fn run_timed<M: Module>(
         optimizer: p.optimizer * per_step,
         write_back: p.write_back * per_step,
     };
-    Ok((times[times.len() / 2], mean))
+    Ok(Timed { median: times[times.len() / 2], phases_ms: mean, launches_per_step, kernels })
+}
+
+/// Kernel launches on a cubecl device; nothing to count on the CPU.
+mod launches {
+    use anyhow::Result;
+    use burn::tensor::Device;
+
+    use super::KernelTime;
+
+    /// A count over the steps between [`Count::start`] and [`Count::finish`].
+    pub struct Count {
+        #[cfg(any(feature = "cuda-plain", feature = "wgpu-plain"))]
+        count: Option<qsr_kernels::cube::LaunchCount>,
+    }
+
+    impl Count {
+        /// Starts counting once the device's queued work has run.
+        #[cfg(any(feature = "cuda-plain", feature = "wgpu-plain"))]
+        pub fn start(device: &Device) -> Result<Count> {
+            if !is_cube(device) {
+                return Ok(Count { count: None });
+            }
+            sync(device)?;
+            Ok(Count { count: Some(qsr_kernels::cube::LaunchCount::start()) })
+        }
+
+        /// The launches since [`Count::start`], once the device has run them.
+        #[cfg(any(feature = "cuda-plain", feature = "wgpu-plain"))]
+        pub fn finish(self, device: &Device) -> Result<Option<u64>> {
+            let Some(count) = self.count else { return Ok(None) };
+            sync(device)?;
+            Ok(Some(count.launches()))
+        }
+
+        #[cfg(not(any(feature = "cuda-plain", feature = "wgpu-plain")))]
+        pub fn start(_device: &Device) -> Result<Count> {
+            Ok(Count {})
+        }
+
+        #[cfg(not(any(feature = "cuda-plain", feature = "wgpu-plain")))]
+        pub fn finish(self, _device: &Device) -> Result<Option<u64>> {
+            Ok(None)
+        }
+    }
+
+    /// Each kernel timed over the steps between [`Profile::start`] and [`Profile::finish`].
+    pub struct Profile(Count);
+
+    impl Profile {
+        /// Starts timing kernels once the device's queued work has run (CPU: nothing to time).
+        #[cfg(any(feature = "cuda-plain", feature = "wgpu-plain"))]
+        pub fn start(device: &Device) -> Result<Profile> {
+            if !is_cube(device) {
+                return Ok(Profile(Count { count: None }));
+            }
+            sync(device)?;
+            Ok(Profile(Count { count: Some(qsr_kernels::cube::LaunchCount::start_timed()) }))
+        }
+
+        #[cfg(not(any(feature = "cuda-plain", feature = "wgpu-plain")))]
+        pub fn start(_device: &Device) -> Result<Profile> {
+            Ok(Profile(Count {}))
+        }
+
+        /// The kernels of the `steps` profiled steps, per step, the longest-running first.
+        #[cfg(any(feature = "cuda-plain", feature = "wgpu-plain"))]
+        pub fn finish(self, device: &Device, steps: u64) -> Result<Vec<KernelTime>> {
+            let Some(count) = self.0.count else { return Ok(Vec::new()) };
+            sync(device)?;
+            let per_step = |x: f64| x / steps as f64;
+            Ok(count
+                .kernels()
+                .into_iter()
+                .map(|k| KernelTime {
+                    name: k.name,
+                    launches_per_step: per_step(k.launches as f64),
+                    ms_per_step: per_step(1e3 * k.seconds),
+                })
+                .collect())
+        }
+
+        #[cfg(not(any(feature = "cuda-plain", feature = "wgpu-plain")))]
+        pub fn finish(self, _device: &Device, _steps: u64) -> Result<Vec<KernelTime>> {
+            Ok(Vec::new())
+        }
+    }
+
+    #[cfg(any(feature = "cuda-plain", feature = "wgpu-plain"))]
+    fn is_cube(device: &Device) -> bool {
+        let probe = burn::tensor::Tensor::<1>::zeros([1], &device.clone().inner());
+        probe.try_into_primitive::<burn::backend::Cube>().is_ok()
+    }
+
+    #[cfg(any(feature = "cuda-plain", feature = "wgpu-plain"))]
+    fn sync(device: &Device) -> Result<()> {
+        device.sync().map_err(|e| anyhow::anyhow!("the device failed: {e:?}"))
+    }
 }
 
 fn time_gpt(args: &TimeStepArgs, device: &Device) -> Result<StepTiming> {
@@ -185,13 +351,13 @@ fn time_gpt(args: &TimeStepArgs, device: &Device) -> Result<StepTiming> {
         bias: true,
     };
     let optim = OptimizerConfig { clip_grad_norm: Some(1.0), ..OptimizerConfig::adamw(0.1) };
-    let mut worker = worker(config.init(device)?, optim, args.warmup + args.steps)?;
+    let mut worker = worker(config.init(device)?, optim, args.warmup + args.steps + args.profile)?;
     let windows = TextWindows::new(&corpus, (args.context, batch), 0, 0, 1)?;
     let ids = |t: &[u32]| {
         let v: Vec<i64> = t.iter().map(|&x| i64::from(x)).collect();
         Tensor::<2, Int>::from_data(TensorData::new(v, [batch, args.context]), device)
     };
-    let (median, phases_ms) = run_timed(args, &mut worker, |w, s| {
+    let timed = run_timed(args, device, &mut worker, |w, s| {
         let b = windows.batch(s);
         w.step(|m, _| {
             let logits = m.forward(ids(&b.inputs))?;
@@ -200,7 +366,7 @@ fn time_gpt(args: &TimeStepArgs, device: &Device) -> Result<StepTiming> {
         })?;
         Ok(())
     })?;
-    Ok(finish(args.model, batch, batch * args.context, "tokens", median, phases_ms))
+    Ok(finish(args.model, batch, batch * args.context, "tokens", timed))
 }
 
 fn time_images(args: &TimeStepArgs, device: &Device) -> Result<StepTiming> {
@@ -213,36 +379,35 @@ fn time_images(args: &TimeStepArgs, device: &Device) -> Result<StepTiming> {
         _ => (ModelConfig::Cnn(CnnConfig::default()), InputSpec::new(1, 8, 8), args.batch.unwrap_or(64)),
     };
     let classes = 10;
-    let mut worker =
-        worker(config.init(input, classes, device)?, OptimizerConfig::sgd(0.9, 5e-4), args.warmup + args.steps)?;
+    let mut worker = worker(
+        config.init(input, classes, device)?,
+        OptimizerConfig::sgd(0.9, 5e-4),
+        args.warmup + args.steps + args.profile,
+    )?;
     // Fixed, seeded inputs: the step's time does not depend on the pixel values.
     let images =
         Tensor::<4>::random([batch, input.channels, input.height, input.width], Distribution::Normal(0.0, 1.0), device);
     let labels: Vec<i64> = (0..batch as i64).map(|i| i % classes as i64).collect();
     let labels = Tensor::<1, Int>::from_data(TensorData::new(labels, [batch]), device);
     let ce = CrossEntropyLossConfig::new().init(device);
-    let (median, phases_ms) = run_timed(args, &mut worker, |w, _| {
+    let timed = run_timed(args, device, &mut worker, |w, _| {
         w.step(|m, _| Ok(ce.forward(m.forward(images.clone()), labels.clone())))?;
         Ok(())
     })?;
-    Ok(finish(args.model, batch, batch, "images", median, phases_ms))
+    Ok(finish(args.model, batch, batch, "images", timed))
 }
 
-fn finish(
-    model: StepModel,
-    batch: usize,
-    items: usize,
-    unit: &'static str,
-    median: f64,
-    phases_ms: PhaseTimes,
-) -> StepTiming {
+fn finish(model: StepModel, batch: usize, items: usize, unit: &'static str, timed: Timed) -> StepTiming {
     StepTiming {
         model,
         batch,
         items_per_step: items,
         unit,
-        per_second: items as f64 / median,
-        step_ms_median: 1e3 * median,
-        phases_ms,
+        per_second: items as f64 / timed.median,
+        step_ms_median: 1e3 * timed.median,
+        phases_ms: timed.phases_ms,
+        launches_per_step: timed.launches_per_step,
+        fusion: qsr_optim::FUSION,
+        kernels: timed.kernels,
     }
 }

@@ -11,7 +11,9 @@ use crate::common::{qsr, root};
 fn time_step_reports_the_rate_of_its_median_step_and_every_phase() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("cnn.json");
-    let out = qsr(&["time-step", "--model", "cnn", "--steps", "3", "--warmup", "1", "--json", json.to_str().unwrap()]);
+    // `--profile 1` runs a step past the timed ones (it failed with "the plan is finished").
+    let args = ["time-step", "--model", "cnn", "--steps", "3", "--warmup", "1", "--profile", "1"];
+    let out = qsr(&[&args[..], &["--json", json.to_str().unwrap()]].concat());
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let t: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     assert_eq!((t["model"].as_str(), t["unit"].as_str(), t["batch"].as_u64()), (Some("cnn"), Some("images"), Some(64)));
@@ -22,6 +24,9 @@ fn time_step_reports_the_rate_of_its_median_step_and_every_phase() {
         let ms = t["phases_ms"][phase].as_f64().unwrap();
         assert!(ms.is_finite() && ms > 0.0, "{phase}: {ms} ms");
     }
+    // The CPU backend launches no cubecl kernels: nothing counted, nothing profiled.
+    assert!(t["launches_per_step"].is_null() && t["kernels"] == serde_json::json!([]), "{t}");
+    assert_eq!(t["fusion"], false, "the CPU build has no burn fusion");
 }
 
 #[test]
@@ -50,7 +55,10 @@ fn gpu_check_dry_run_prints_the_step_ratios_against_the_peer() {
     let dir = tempfile::tempdir().unwrap();
     let work = dir.path().join("work");
     std::fs::create_dir_all(&work).unwrap();
-    std::fs::copy(env!("CARGO_BIN_EXE_qsr"), work.join("qsr")).unwrap();
+    // Both builds of the comparison: the same binary here.
+    for build in ["qsr", "qsr-plain"] {
+        std::fs::copy(env!("CARGO_BIN_EXE_qsr"), work.join(build)).unwrap();
+    }
     let peer = dir.path().join("peer");
     std::fs::write(&peer, FAKE_PEER).unwrap();
     std::fs::set_permissions(&peer, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -63,18 +71,28 @@ fn gpu_check_dry_run_prints_the_step_ratios_against_the_peer() {
         .env("SECTIONS", "steps")
         .env("STEP_STEPS", "1")
         .env("STEP_WARMUP", "0")
+        .env("GPT2", "--layers 12 --heads 2 --width 32 --context 16 --batch 1")
         .env("PYTHON", &peer)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    for (case, unit) in [("gpt-medium", "tokens/s"), ("resnet20", "images/s")] {
-        let timing: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(work.join(format!("steps/{case}-qsr.json"))).unwrap()).unwrap();
-        let ours = timing["per_second"].as_f64().unwrap();
-        let row = format!("| {case} | {ours:.0} {unit} | 100 {unit} | {:.2} |", ours / 100.0);
+    for (case, unit) in [("gpt-medium", "tokens/s"), ("gpt2-small", "tokens/s"), ("resnet20", "images/s")] {
+        let rate = |build: &str| {
+            let json = std::fs::read(work.join(format!("steps/{case}-{build}.json"))).unwrap();
+            serde_json::from_slice::<serde_json::Value>(&json).unwrap()["per_second"].as_f64().unwrap()
+        };
+        let (plain, fused) = (rate("qsr-plain"), rate("qsr"));
+        let row = format!(
+            "| {case} | 100 {unit} | {plain:.0} {unit} | {:.2} | {fused:.0} {unit} | {:.2} | - -> - |",
+            plain / 100.0,
+            fused / 100.0
+        );
         assert!(stdout.contains(&row), "no row `{row}` in:\n{stdout}");
     }
     let table = std::fs::read_to_string(dir.path().join("results/gpu-check.md")).unwrap();
-    assert!(table.contains("| one training step | qsr (burn) | PyTorch eager | ratio |"), "{table}");
+    assert!(
+        table.contains("| one training step | PyTorch eager | burn plain | ratio | burn fusion + autotune |"),
+        "{table}"
+    );
 }
