@@ -17,7 +17,9 @@
 #      (batch 128): `qsr time-step` of both builds (plain, then fusion + autotune) with kernel launches
 #      per step, against PyTorch eager on the same card (benches/peers/train_step.py with the image's
 #      python3); then a kernel profile of the fused build's ResNet-20 and GPT-2-small steps;
-# and prints short tables (also written to $RESULTS/gpu-check.md).
+# and prints short tables (also written to $RESULTS/gpu-check.md). Where one command may run at most
+# 10 minutes, run it as two: SECTIONS="kernels train" (about 5 min), then SECTIONS="steps profile"
+# (about 6 min, both builds' autotune warm-ups included).
 #
 # SECTIONS (default "kernels train steps profile") picks parts, STEP_STEPS / STEP_WARMUP size part 3,
 # GPT2 overrides the GPT-2-small case's arguments; PYTHON (default python3) runs the PyTorch peer, and a
