@@ -378,6 +378,10 @@ fn average_deposits(deposits: Vec<Vec<Tensor<1>>>) -> Result<(Vec<Vec<Tensor<1>>
             out.push(mean.clone());
         }
     }
+    // The means run on this thread's stream before other ranks read them on theirs: under burn's
+    // fusion a mean still queued here was read wrong from another stream.
+    #[cfg(any(feature = "cuda-plain", feature = "wgpu-plain"))]
+    fused::finish_own_work(&per_rank[0])?;
     Ok((per_rank, false))
 }
 
@@ -431,7 +435,7 @@ mod fused {
     pub fn finish_own_work(tensors: &[Tensor<1>]) -> Result<(), String> {
         match tensors.first() {
             Some(t) if t.clone().try_into_primitive::<burn::backend::Cube>().is_ok() => {
-                t.device().sync().map_err(|e| format!("the device failed before averaging: {e:?}"))
+                t.device().sync().map_err(|e| format!("the device failed while averaging: {e:?}"))
             }
             _ => Ok(()),
         }

@@ -211,3 +211,34 @@ fn one_step<M: Module>(model: M, optim: OptimizerConfig, loss: impl Fn(&M) -> Te
     assert!(after.iter().all(|v| v.is_finite()), "a parameter is not finite after the step");
     before.iter().zip(&after).any(|(a, b)| a != b)
 }
+
+/// More ranks than the kernel's buffers (K = 9 > 8): the group says the kernel did not run, burn
+/// operations average instead, and every rank gets the same mean.
+#[test]
+fn more_ranks_than_the_kernel_takes_are_averaged_by_burn_operations() {
+    let _gpu = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    let k = qsr_kernels::cube::MAX_BUFFERS + 1;
+    let out: Vec<(Vec<f32>, bool)> = thread::scope(|s| {
+        let hs: Vec<_> = DeviceGroup::new(k)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, group)| {
+                s.spawn(move || {
+                    let values: Vec<f32> = (0..33).map(|i| (i * k + rank) as f32 * 0.25).collect();
+                    let tensor = Tensor::<1>::from_data(TensorData::new(values, [33]), &wgpu());
+                    let (avg, fused) = group.average(vec![tensor]).unwrap();
+                    (avg[0].clone().into_data().try_to_vec::<f32>().unwrap(), fused)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, (mean, fused)) in out.iter().enumerate() {
+        assert!(!fused, "rank {rank}: {k} ranks cannot go through the kernel");
+        assert_eq!(mean, &out[0].0, "rank {rank} got another mean");
+    }
+    for (i, m) in out[0].0.iter().enumerate() {
+        let want = (0..k).map(|r| (i * k + r) as f32 * 0.25).sum::<f32>() / k as f32;
+        assert!((m - want).abs() <= 1e-5 * want.abs().max(1.0), "element {i}: {m} vs {want}");
+    }
+}
