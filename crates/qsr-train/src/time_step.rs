@@ -22,6 +22,8 @@ use crate::device_spec;
 
 /// Largest `--batch`: beyond it a typo would allocate without bound.
 const MAX_BATCH: usize = 1 << 16;
+/// The most steps `--steps`, `--warmup` or `--profile` may ask for (the timed steps' times are kept).
+const MAX_STEPS: u64 = 1_000_000;
 
 /// The models `qsr time-step` times, each as `cargo xtask bench train`'s PyTorch peer builds it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
@@ -118,8 +120,13 @@ pub struct KernelTime {
 
 /// Times the step `args` describe; prints one line to `out` (and writes `--json`).
 pub fn time_step(args: &TimeStepArgs, out: &mut dyn Write) -> Result<StepTiming> {
-    if args.steps == 0 {
-        return Err(crate::exit::bad_input(anyhow!("--steps must be at least 1")));
+    if !(1..=MAX_STEPS).contains(&args.steps) {
+        return Err(crate::exit::bad_input(anyhow!("--steps must be in 1..={MAX_STEPS}, got {}", args.steps)));
+    }
+    for (flag, n) in [("--warmup", args.warmup), ("--profile", args.profile)] {
+        if n > MAX_STEPS {
+            return Err(crate::exit::bad_input(anyhow!("{flag} must be at most {MAX_STEPS}, got {n}")));
+        }
     }
     if let Some(b) = args.batch.filter(|b| !(1..=MAX_BATCH).contains(b)) {
         return Err(crate::exit::bad_input(anyhow!("--batch must be in 1..={MAX_BATCH}, got {b}")));

@@ -30,9 +30,13 @@ fn time_step_reports_the_rate_of_its_median_step_and_every_phase() {
 }
 
 #[test]
-fn time_step_refuses_zero_steps_and_unbounded_batches() {
+fn time_step_refuses_zero_steps_and_unbounded_counts_and_batches() {
     for (args, message) in [
-        (["--steps", "0"], "--steps must be at least 1"),
+        (["--steps", "0"], "--steps must be in 1..=1000000, got 0"),
+        // Unbounded counts reserved memory for every step's time (and overflowed the plan's length).
+        (["--steps", "18446744073709551615"], "--steps must be in 1..=1000000, got 18446744073709551615"),
+        (["--warmup", "18446744073709551615"], "--warmup must be at most 1000000"),
+        (["--profile", "18446744073709551615"], "--profile must be at most 1000000"),
         (["--batch", "0"], "--batch must be in 1..=65536, got 0"),
         (["--batch", "100000000"], "--batch must be in 1..=65536, got 100000000"),
     ] {
