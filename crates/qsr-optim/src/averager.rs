@@ -57,14 +57,15 @@ use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::Device;
 use qsr_comm::{Collective, CommStats, ReduceOp};
-use qsr_sched::{MAX_FRAGMENTS, RoundStart, StepInfo, SyncMode, SyncRule};
+use qsr_sched::{RoundStart, StepInfo, SyncMode, SyncRule};
 use serde::{Deserialize, Serialize};
 
 use crate::error::OptimError;
 use crate::flat::ParamLayout;
-use crate::outer::{Outer, OuterConfig};
-use crate::stream::{Stream, StreamState, StreamingConfig, fragment_ranges, give_background};
-use crate::sync::{Wire, check_wire};
+use crate::outer::OuterConfig;
+use crate::stream::{StreamState, StreamingConfig};
+use crate::sync::{Level, Wire};
+use crate::synchronizer::{AVERAGER, StreamFit, Synchronizer, add};
 
 /// What an [`Averager`] averages and when.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -161,35 +162,6 @@ impl AveragerConfig {
     }
 }
 
-/// The streaming state `config` asks for (`streaming`, or an int8 / fp8 wire alone: one fragment
-/// applied at once), checked naming the field.
-fn streaming_of(config: &AveragerConfig, layout: &ParamLayout) -> Result<Option<Stream>, OptimError> {
-    let streaming = match (config.streaming, config.wire.codec()) {
-        (Some(s), _) => s,
-        (None, Some(_)) => StreamingConfig { fragments: 1, delay: 0, mix: 1.0 },
-        (None, None) => return Ok(None),
-    };
-    let refuse = |reason: String| Err(OptimError::Config { field: "streaming.fragments".into(), reason });
-    if config.streaming.is_some() {
-        // Named as the averager's fields, not the recipe's keys.
-        streaming.validate().map_err(|e| match e {
-            OptimError::Config { field, reason } => OptimError::Config { field: field.replace("sync.", ""), reason },
-            e => e,
-        })?;
-    }
-    if !(1..=MAX_FRAGMENTS).contains(&streaming.fragments) {
-        return refuse(format!("must be 1..={MAX_FRAGMENTS} (got {})", streaming.fragments));
-    }
-    if streaming.fragments > 1 && config.rule.syncs_gradients(0) {
-        return refuse(format!(
-            "needs a rule that averages parameters; `{}` all-reduces gradients",
-            config.rule.name()
-        ));
-    }
-    let ranges = fragment_ranges(layout, streaming.fragments)?;
-    Ok(Some(Stream::new(ranges, streaming, (config.wire, None), layout.len())))
-}
-
 /// The round under way: steps `start..end`, of length `h` unless cut at the run's end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 struct RoundSpan {
@@ -217,7 +189,8 @@ pub struct AveragerStats {
 /// deciding each round's length `H` from the learning rate the caller's own scheduler produced.
 pub struct Averager {
     config: AveragerConfig,
-    comm: Box<dyn Collective>,
+    /// The collective, wire, outer step and streaming: the sync engine the Worker shares.
+    sync: Synchronizer,
     layout: ParamLayout,
     round: Option<RoundSpan>,
     rounds_after_warmup: u64,
@@ -229,10 +202,6 @@ pub struct Averager {
     grads: Vec<f32>,
     /// The step whose gradients [`Averager::average_grads`] averaged last.
     grads_averaged: Option<u64>,
-    /// The outer optimizer's state, when the config asks for one (or streaming needs one).
-    outer: Option<Outer>,
-    /// Fragments, delayed application and quantized payloads, when the config asks for them.
-    stream: Option<Stream>,
     stats: AveragerStats,
     /// What the ranks agreed on at construction; a saved state must carry the same.
     settings: serde_json::Value,
@@ -319,53 +288,48 @@ impl Averager {
     pub fn new<M: Module>(
         model: M,
         config: AveragerConfig,
-        mut comm: Box<dyn Collective>,
+        comm: Box<dyn Collective>,
     ) -> Result<(Self, M), OptimError> {
         if let Some(outer) = &config.outer {
-            outer.validate()?;
-            if config.rule.syncs_gradients(u64::MAX) {
-                return Err(OptimError::Config {
-                    field: "outer".into(),
-                    reason: format!(
-                        "rule `{}` never averages parameters, so an outer optimizer never runs",
-                        config.rule.name()
-                    ),
-                });
-            }
+            outer.validate_for(&config.rule)?;
         }
-        check_wire(config.wire, comm.as_ref(), "wire")?;
+        let mut sync = Synchronizer::new(comm, (config.wire, None), AVERAGER)?;
         let layout = ParamLayout::of(&model);
-        let stream = streaming_of(&config, &layout)?;
+        let fit = StreamFit { rule: &config.rule, plan: None, host: true, averages_moments: false };
+        let stream = (config.streaming.is_some() || config.wire.codec().is_some())
+            .then(|| sync.prepare_streaming(config.streaming, &fit, &layout))
+            .transpose()?;
         let settings = serde_json::json!({
             "config": &config,
-            "world_size": comm.world_size(),
+            "world_size": sync.comm().world_size(),
             "model": { "parameters": layout.len(), "running_statistics": layout.running_len(), "tensors": layout.trainable.len() },
         });
-        qsr_comm::agree(comm.as_mut(), &settings).map_err(|source| OptimError::Setup { source })?;
+        qsr_comm::agree(sync.comm_mut(), &settings).map_err(|source| OptimError::Setup { source })?;
         let running_len = if config.average_bn { layout.running_len() } else { 0 };
         let mut avg = Self {
             params: vec![0.0; layout.len() + running_len],
             config,
-            comm,
+            sync,
             layout,
             round: None,
             rounds_after_warmup: 0,
             synced_at: 0,
             grads: Vec::new(),
             grads_averaged: None,
-            outer: None,
-            stream,
             stats: AveragerStats::default(),
             settings,
             abandoned: false,
         };
         let model = if avg.config.broadcast_initial { avg.broadcast_from_rank0(model)? } else { model };
-        // Streaming syncs pseudo-gradients: plain averaging is the outer step with lr 1.
-        let outer = avg.config.outer.or(avg.stream.as_ref().map(|_| OuterConfig::averaging()));
-        if let Some(config) = outer {
-            let n = avg.layout.len();
+        let n = avg.layout.len();
+        if let Some(config) = avg.config.outer {
             avg.layout.read_params(&model, &mut avg.params[..n])?;
-            avg.outer = Some(Outer::new(config, &avg.params[..n]));
+            avg.sync.set_outer(config, &avg.config.rule, &avg.params[..n])?;
+        }
+        if let Some(stream) = stream {
+            // Streaming syncs pseudo-gradients: plain averaging is the outer step with lr 1.
+            avg.layout.read_params(&model, &mut avg.params[..n])?;
+            avg.sync.start_streaming(stream, &avg.params[..n]);
         }
         Ok((avg, model))
     }
@@ -375,9 +339,7 @@ impl Averager {
     /// [`qsr_comm::InProcessGroup`], or [`qsr_comm::split`] of a ring), and every rank gives one
     /// before its first step. The results are the same bits as without it.
     pub fn set_streaming_comm(&mut self, comm: Box<dyn Collective>) -> Result<(), OptimError> {
-        check_wire(self.config.wire, comm.as_ref(), "wire")?;
-        let at = (self.rank(), self.world_size());
-        give_background(self.stream.as_mut(), comm, at, ("streaming", "averager"))
+        self.sync.set_streaming_comm(comm)
     }
 
     /// Call after each of the caller's optimizer steps with the learning rate that step used. At the
@@ -406,7 +368,7 @@ impl Averager {
             return Ok(model);
         }
         self.stats.steps += 1;
-        if self.stream.is_some() {
+        if self.sync.streams() {
             return self.stream_step(model, t, lr, round);
         }
         if self.stats.steps < round.end { Ok(model) } else { self.average_now(model) }
@@ -429,26 +391,22 @@ impl Averager {
         };
         let last = self.config.run_steps == Some(t + 1);
         self.stats.syncs += u64::from(sync_after);
-        let (Some(stream), Some(outer)) = (&mut self.stream, &mut self.outer) else {
-            return Ok(model);
-        };
         let bn = sync_after && self.config.average_bn && self.layout.running_len() > 0;
-        if !stream.acts_after(&info, last) && !bn {
+        if !self.sync.acts_after(&info, last) && !bn {
             return Ok(model);
         }
         let n = self.layout.len();
         self.layout.read_params(&model, &mut self.params[..n])?;
-        let applied = stream.applied();
-        let stepped =
-            stream.after_step(&mut self.params[..n], (&info, last), outer, self.comm.as_mut(), &mut self.stats.comm);
+        let applied = self.sync.applied();
+        let stepped = self.sync.after_step(&mut self.params[..n], (&info, last), &mut self.stats.comm);
         if let Err(e) = stepped {
             self.abandoned = true;
             return Err(e);
         }
-        let landed = stream.applied() > applied;
+        let landed = self.sync.applied() > applied;
         // One fragment replaced by its average (mix 1), nothing left in flight: every rank holds the
         // same model now, as after a plain average (an int8 wire without streaming, at each round's end).
-        if last || (landed && stream.leaves_ranks_equal()) {
+        if last || (landed && self.sync.leaves_ranks_equal()) {
             self.synced_at = t + 1;
         }
         self.stats.updates += u64::from(landed || last || bn);
@@ -460,12 +418,12 @@ impl Averager {
     fn average_running<M: Module>(&mut self, model: M, step: u64) -> Result<M, OptimError> {
         let n = self.layout.len();
         self.layout.read_running(&model, &mut self.params[n..])?;
-        let before = *self.comm.stats();
-        if let Err(source) = self.comm.all_reduce(&mut self.params[n..], ReduceOp::Mean) {
+        let before = *self.sync.comm().stats();
+        if let Err(e) = self.sync.all_reduce(&mut self.params[n..], step, Level::Global) {
             self.abandoned = true;
-            return Err(OptimError::Comm { step, source });
+            return Err(e);
         }
-        self.count(self.comm.stats().since(&before));
+        self.count(self.sync.comm().stats().since(&before));
         self.layout.write_running(model, &self.params[n..])
     }
 
@@ -486,7 +444,7 @@ impl Averager {
         let mut buf = std::mem::take(&mut self.grads);
         buf.resize(self.layout.len(), 0.0);
         self.layout.read_grads_params(model, &grads, &mut buf)?;
-        self.all_reduce_counted(&mut buf, step, Wire::F32)?;
+        self.synchronize(|sync| sync.all_reduce(&mut buf, step, Level::Global))?;
         self.layout.write_grads_params(model, &mut grads, &buf)?;
         self.grads = buf;
         self.grads_averaged = Some(step);
@@ -497,7 +455,7 @@ impl Averager {
     /// Averages now, whatever the round: at the end of training (a last round cut short) or before an
     /// evaluation. Every rank must call it at the same point.
     pub fn average_now<M: Module>(&mut self, model: M) -> Result<M, OptimError> {
-        if self.stream.is_some() {
+        if self.sync.streams() {
             return self.settle(model);
         }
         let step = self.stats.steps;
@@ -506,16 +464,10 @@ impl Averager {
         if self.config.average_bn {
             self.layout.read_running(&model, &mut self.params[n..])?;
         }
-        if let Some(outer) = &self.outer {
-            outer.pseudo_gradient(&mut self.params[..n]);
-        }
         let mut params = std::mem::take(&mut self.params);
-        let reduced = self.all_reduce_counted(&mut params, step, self.config.wire);
+        let reduced = self.synchronize(|sync| sync.average(&mut params, n, step, Level::Global));
         self.params = params;
         reduced?;
-        if let Some(outer) = &mut self.outer {
-            outer.step(&mut self.params[..n]);
-        }
         self.synced_at = step;
         self.stats.updates += 1;
         self.write(model)
@@ -525,16 +477,10 @@ impl Averager {
     /// every parameter (and with `average_bn` the statistics) in f32; a round cut short counts a sync.
     fn settle<M: Module>(&mut self, model: M) -> Result<M, OptimError> {
         let (step, n) = (self.stats.steps, self.layout.len());
-        let (Some(stream), Some(outer)) = (&mut self.stream, &mut self.outer) else {
-            return Ok(model);
-        };
         self.layout.read_params(&model, &mut self.params[..n])?;
-        match stream.settle(&mut self.params[..n], step, true, (outer, self.comm.as_mut())) {
-            Ok(traffic) => self.count(traffic.unwrap_or_default()),
-            Err(e) => {
-                self.abandoned = true;
-                return Err(e);
-            }
+        if let Err(e) = self.sync.settle(&mut self.params[..n], step, &mut self.stats.comm) {
+            self.abandoned = true;
+            return Err(e);
         }
         let model = self.layout.write_params(model, &self.params[..n])?;
         self.stats.syncs += u64::from(self.round.is_some_and(|r| step < r.end));
@@ -549,14 +495,14 @@ impl Averager {
 
     /// The outer optimizer's global parameters and momentum buffer (for a checkpoint), if it has one.
     pub fn outer_state(&self) -> Option<(&[f32], &[f32])> {
-        self.outer.as_ref().map(Outer::state)
+        self.sync.outer_state()
     }
 
     /// Where this averager stands, to save beside the model and the optimizer record. A streaming
     /// averager's state holds its averages in flight, waited for, and its residual: every rank
     /// calls it at the same step.
     pub fn state(&mut self) -> Result<AveragerState, OptimError> {
-        let stream = self.stream.as_mut().map(Stream::state).transpose()?;
+        let stream = self.sync.stream_state()?;
         Ok(AveragerState {
             settings: self.settings.clone(),
             steps: self.stats.steps,
@@ -564,10 +510,7 @@ impl Averager {
             synced_at: self.synced_at,
             rounds_after_warmup: self.rounds_after_warmup,
             round: self.round,
-            outer: self.outer.as_ref().map(|o| {
-                let (global, momentum) = o.state();
-                (global.to_vec(), momentum.to_vec())
-            }),
+            outer: self.sync.outer_state().map(|(global, momentum)| (global.to_vec(), momentum.to_vec())),
             stream,
         })
     }
@@ -585,7 +528,7 @@ impl Averager {
             "synced_at": state.synced_at,
             "saved_settings_fit": diffs.is_empty(),
         });
-        qsr_comm::agree(self.comm.as_mut(), &position).map_err(|source| OptimError::Setup { source })?;
+        qsr_comm::agree(self.sync.comm_mut(), &position).map_err(|source| OptimError::Setup { source })?;
         if !diffs.is_empty() {
             let list: Vec<String> =
                 diffs.iter().map(|d| format!("`{}`: now {}, saved {}", d.key, d.left, d.right)).collect();
@@ -594,9 +537,9 @@ impl Averager {
                 reason: format!("saved under other settings: {}", list.join("; ")),
             });
         }
-        match (&mut self.outer, &state.outer) {
-            (Some(outer), Some((global, momentum))) => outer.restore(global, momentum)?,
-            (None, None) => {}
+        match (self.sync.has_outer(), &state.outer) {
+            (true, Some((global, momentum))) => self.sync.restore_outer(global, momentum)?,
+            (false, None) => {}
             _ => {
                 return Err(OptimError::Config {
                     field: "state".into(),
@@ -604,9 +547,9 @@ impl Averager {
                 });
             }
         }
-        match (&mut self.stream, state.stream) {
-            (Some(stream), Some(saved)) => stream.restore(saved)?,
-            (None, None) => {}
+        match (self.sync.streams(), state.stream) {
+            (true, Some(saved)) => self.sync.restore_stream(saved)?,
+            (false, None) => {}
             _ => {
                 return Err(OptimError::Config {
                     field: "state".into(),
@@ -637,34 +580,28 @@ impl Averager {
 
     /// Restores the outer optimizer's state saved by [`Self::outer_state`].
     pub fn restore_outer_state(&mut self, global: &[f32], momentum: &[f32]) -> Result<(), OptimError> {
-        Outer::restore_into(self.outer.as_mut(), global, momentum, "averager")
+        self.sync.restore_outer(global, momentum)
     }
 
-    /// A synchronization: the mean of `buf` over the ranks, counted in the totals.
-    fn all_reduce_counted(&mut self, buf: &mut [f32], step: u64, wire: Wire) -> Result<(), OptimError> {
-        let before = *self.comm.stats();
-        let reduced = match wire {
-            Wire::Bf16 => self.comm.all_reduce_bf16(buf, ReduceOp::Mean),
-            // A quantized wire is refused when the averager is made.
-            _ => self.comm.all_reduce(buf, ReduceOp::Mean),
-        };
-        if let Err(source) = reduced {
+    /// A synchronization through the synchronizer (`run`), counted in the totals; a failure
+    /// abandons the averager.
+    fn synchronize(
+        &mut self,
+        run: impl FnOnce(&mut Synchronizer) -> Result<u64, OptimError>,
+    ) -> Result<(), OptimError> {
+        let before = *self.sync.comm().stats();
+        if let Err(e) = run(&mut self.sync) {
             self.abandoned = true;
-            return Err(OptimError::Comm { step, source });
+            return Err(e);
         }
         self.stats.syncs += 1;
-        self.count(self.comm.stats().since(&before));
+        self.count(self.sync.comm().stats().since(&before));
         Ok(())
     }
 
     /// `delta`'s traffic added to the totals.
     fn count(&mut self, delta: CommStats) {
-        self.stats.comm = CommStats {
-            calls: self.stats.comm.calls + delta.calls,
-            bytes_sent: self.stats.comm.bytes_sent + delta.bytes_sent,
-            bytes_received: self.stats.comm.bytes_received + delta.bytes_received,
-            seconds: self.stats.comm.seconds + delta.seconds,
-        };
+        self.stats.comm = add(self.stats.comm, delta);
     }
 
     /// Averages if some step since the last synchronization is not averaged yet: the end of a run whose
@@ -679,7 +616,7 @@ impl Averager {
     pub fn any(&mut self, flag: bool) -> Result<bool, OptimError> {
         let mut buf = [f32::from(u8::from(flag))];
         let step = self.stats.steps;
-        self.comm.all_reduce(&mut buf, ReduceOp::Sum).map_err(|source| OptimError::Comm { step, source })?;
+        self.sync.comm_mut().all_reduce(&mut buf, ReduceOp::Sum).map_err(|source| OptimError::Comm { step, source })?;
         Ok(buf[0] > 0.0)
     }
 
@@ -695,12 +632,12 @@ impl Averager {
 
     /// This worker's rank.
     pub fn rank(&self) -> usize {
-        self.comm.rank()
+        self.sync.comm().rank()
     }
 
     /// Number of workers.
     pub fn world_size(&self) -> usize {
-        self.comm.world_size()
+        self.sync.comm().world_size()
     }
 
     fn start_round(&mut self, t: u64, lr: f64) -> Result<RoundSpan, OptimError> {
@@ -715,7 +652,7 @@ impl Averager {
         if self.config.average_bn {
             self.layout.read_running(&model, &mut self.params[n..])?;
         }
-        self.comm.broadcast(&mut self.params, 0).map_err(|source| OptimError::Setup { source })?;
+        self.sync.comm_mut().broadcast(&mut self.params, 0).map_err(|source| OptimError::Setup { source })?;
         self.write(model)
     }
 
@@ -735,8 +672,8 @@ impl Drop for Averager {
         }
         let message = format!(
             "qsr Averager (rank {} of {}) dropped {pending} step(s) after its last synchronization: the workers' models differ; call `Averager::finish(model)` after the last step, or set `AveragerConfig::run_steps`",
-            self.comm.rank(),
-            self.comm.world_size()
+            self.sync.comm().rank(),
+            self.sync.comm().world_size()
         );
         if tracing::dispatcher::has_been_set() {
             tracing::warn!("{message}");

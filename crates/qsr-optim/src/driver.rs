@@ -19,18 +19,17 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
 use qsr_comm::Collective;
-use qsr_sched::{Cursor, FragmentPlan, StepInfo, SyncMode};
+use qsr_sched::{Cursor, StepInfo, SyncMode};
 
 use crate::device::DeviceGroup;
 use crate::error::{LossError, OptimError};
 use crate::flat::ParamLayout;
 use crate::optim::{OptimState, OptimizerConfig};
-use crate::outer::{Outer, OuterConfig};
+use crate::outer::OuterConfig;
 use crate::replica::{DeviceReplica, HostReplica, Replica};
-use crate::stream::{Stream, StreamState, StreamingConfig, fragment_ranges, give_background};
-use crate::sync::{
-    BnPolicy, DriverConfig, DriverStats, Level, Peers, Residency, StepReport, SyncReport, Wire, check_wire,
-};
+use crate::stream::{StreamState, StreamingConfig};
+use crate::sync::{BnPolicy, DriverConfig, DriverStats, Level, Residency, StepReport, SyncReport, Wire};
+use crate::synchronizer::{StreamFit, Synchronizer, WORKER};
 
 /// One worker: a model replica, its flat parameters, its optimizer state, its collective and cursor.
 pub struct Worker<M: Module> {
@@ -40,17 +39,11 @@ pub struct Worker<M: Module> {
     /// The flat state, host- or device-resident.
     replica: Replica,
     optimizer: OptimizerConfig,
-    comm: Box<dyn Collective>,
-    /// The node's collective, for the local averages of a two-level plan.
-    local: Option<Box<dyn Collective>>,
+    /// The collectives, wire, outer step and streaming: the sync engine the Averager shares.
+    sync: Synchronizer,
     cursor: Cursor,
     config: DriverConfig,
     stats: DriverStats,
-    /// DiLoCo's outer optimizer (see [`Worker::set_outer`]); plain averaging as an outer step for a
-    /// streaming or quantized sync without one.
-    outer: Option<Outer>,
-    /// Fragments, delayed application, quantized payloads ([`Worker::set_streaming`], `driver.wire`).
-    stream: Option<Stream>,
 }
 
 impl<M: Module> Worker<M> {
@@ -70,7 +63,6 @@ impl<M: Module> Worker<M> {
         if config.broadcast_initial && comm.world_size() > 1 {
             model = broadcast_initial(model, &layout, comm.as_mut(), cursor.step())?;
         }
-        check_wire(config.wire, comm.as_ref(), "driver.wire")?;
         let residency = resolve_residency(config.residency, &model);
         if config.wire != Wire::F32 && residency == Residency::Device {
             return Err(OptimError::Config {
@@ -88,29 +80,18 @@ impl<M: Module> Worker<M> {
             }
             _ => Replica::Host(HostReplica::new(&model, &layout, optimizer.clone())?),
         };
+        let sync = Synchronizer::new(comm, (config.wire, config.bucket_elems), WORKER)?;
         let stats = DriverStats::default();
-        let mut worker = Self {
-            model,
-            layout,
-            replica,
-            optimizer,
-            comm,
-            local: None,
-            cursor,
-            config,
-            stats,
-            outer: None,
-            stream: None,
-        };
+        let mut worker = Self { model, layout, replica, optimizer, sync, cursor, config, stats };
         if worker.config.wire.codec().is_some() {
             // A quantized wire sends pseudo-gradients with error feedback: one fragment, applied at once.
-            worker.start_stream(StreamingConfig { fragments: 1, delay: 0, mix: 1.0 }, "driver.wire")?;
+            worker.start_stream(None)?;
         }
         Ok(worker)
     }
 
     /// Makes parameter syncs streaming (`[sync.streaming]`): the parameters in `config.fragments`
-    /// contiguous groups of tensors, each averaged once per round on its own step ([`FragmentPlan`]),
+    /// contiguous groups of tensors, each averaged once per round on its own step ([`qsr_sched::FragmentPlan`]),
     /// the average applied `config.delay` steps later and blended with the local values by
     /// `config.mix`. Without [`Self::set_outer`] the average is plain (an outer step with lr 1). The
     /// all-reduces run between steps on the worker's collective unless [`Self::set_streaming_comm`]
@@ -118,28 +99,19 @@ impl<M: Module> Worker<M> {
     /// nodes average in f32 at their local rounds' ends. Refused (naming the key) for device-resident
     /// workers, optimizer-state averaging, and fragments the plan or model cannot have.
     pub fn set_streaming(&mut self, config: StreamingConfig) -> Result<(), OptimError> {
-        config.validate()?;
-        self.start_stream(config, "sync.streaming")
+        self.start_stream(Some(config))
     }
 
-    fn start_stream(&mut self, config: StreamingConfig, field: &str) -> Result<(), OptimError> {
-        let refuse = |reason: &str| Err(OptimError::Config { field: field.into(), reason: reason.into() });
-        let Replica::Host(h) = &self.replica else {
-            return refuse("streaming and quantized syncs run on host-resident workers (driver.residency = \"host\")");
-        };
+    fn start_stream(&mut self, config: Option<StreamingConfig>) -> Result<(), OptimError> {
         let state = self.config.state;
-        if state.average_first_moment || state.average_second_moment {
-            return refuse("streaming and quantized syncs do not average optimizer moments (`driver.state`)");
-        }
-        // Checks the fragment count against the plan's rounds.
-        FragmentPlan::new(self.cursor.plan().clone(), config.fragments)?;
-        let ranges = fragment_ranges(&self.layout, config.fragments)?;
-        let n = self.layout.len();
-        self.stream = Some(Stream::new(ranges, config, (self.config.wire, self.config.bucket_elems), n));
-        if self.outer.is_none() {
-            self.outer = Some(Outer::new(OuterConfig::averaging(), &h.params_snapshot()));
-        }
-        Ok(())
+        let fit = StreamFit {
+            rule: self.cursor.plan().sync(),
+            plan: Some(self.cursor.plan()),
+            host: matches!(self.replica, Replica::Host(_)),
+            averages_moments: state.average_first_moment || state.average_second_moment,
+        };
+        let params = self.replica.params()?;
+        self.sync.set_streaming(config, &fit, &self.layout, &params)
     }
 
     /// Runs the streaming fragments' all-reduces on `comm`, on a thread of their own, while the worker
@@ -149,35 +121,25 @@ impl<M: Module> Worker<M> {
     /// average is on its way (restored ones may wait to be applied), and for a collective that cannot
     /// carry the wire.
     pub fn set_streaming_comm(&mut self, comm: Box<dyn Collective>) -> Result<(), OptimError> {
-        check_wire(self.config.wire, comm.as_ref(), "driver.wire")?;
-        let at = (self.rank(), self.world_size());
-        give_background(self.stream.as_mut(), comm, at, ("sync.streaming", "worker"))
+        self.sync.set_streaming_comm(comm)
     }
 
     /// The streaming state (averages in flight, waiting for them; the error-feedback residual) for a
     /// checkpoint, if the worker streams. Every rank must call it at the same step.
     pub fn streaming_state(&mut self) -> Result<Option<StreamState>, OptimError> {
-        self.stream.as_mut().map(Stream::state).transpose()
+        self.sync.stream_state()
     }
 
     /// Drops a streaming worker's averages in flight and its error-feedback residual (going back to a
     /// snapshot, or taking another rank's state); every rank does it at the same step.
     pub(crate) fn forget_stream(&mut self) {
-        if let Some(stream) = &mut self.stream {
-            stream.forget();
-        }
+        self.sync.forget_stream();
     }
 
     /// Restores the state saved by [`Self::streaming_state`] (after [`Self::set_streaming`] and
     /// [`Self::restore`]).
     pub fn restore_streaming_state(&mut self, state: StreamState) -> Result<(), OptimError> {
-        match &mut self.stream {
-            Some(stream) => stream.restore(state),
-            None => Err(OptimError::Config {
-                field: "sync.streaming".into(),
-                reason: "this worker does not stream, so it has no streaming state".into(),
-            }),
-        }
+        self.sync.restore_stream(state)
     }
 
     /// Gives the worker its node's collective, through which the local averages of a two-level plan
@@ -191,14 +153,12 @@ impl<M: Module> Worker<M> {
                 reason: "the plan has no local level, so a node's collective would never be used".into(),
             });
         }
-        check_wire(self.config.wire.at(Level::Local), local.as_ref(), "driver.wire")?;
-        self.local = Some(local);
-        Ok(())
+        self.sync.set_local(local)
     }
 
     /// The node's collective of a two-level plan ([`Self::set_local`]).
     pub fn local_comm(&self) -> Option<&dyn Collective> {
-        self.local.as_deref()
+        self.sync.local()
     }
 
     /// Gives a device-resident worker the in-process group of its K simulated peers on the same
@@ -231,42 +191,24 @@ impl<M: Module> Worker<M> {
     /// before its switch) keep the global parameters equal to the synchronized ones. Refused for rules
     /// that never average parameters and for device-resident workers.
     pub fn set_outer(&mut self, config: OuterConfig) -> Result<(), OptimError> {
-        config.validate()?;
-        let rule = self.cursor.plan().sync();
-        if rule.syncs_gradients(u64::MAX) {
-            return Err(OptimError::Config {
-                field: "outer".into(),
-                reason: format!("rule `{}` never averages parameters, so an outer optimizer never runs", rule.name()),
-            });
-        }
-        let Replica::Host(_) = &self.replica else {
+        config.validate_for(self.cursor.plan().sync())?;
+        let Replica::Host(h) = &self.replica else {
             return Err(OptimError::Config {
                 field: "outer".into(),
                 reason: "the outer optimizer runs on host-resident workers (driver.residency = \"host\")".into(),
             });
         };
-        if let Some(stream) = &mut self.stream {
-            // The outer state of the fragments restarts from the parameters now, with nothing in flight.
-            stream.state().and_then(|s| {
-                if s.in_flight.is_empty() {
-                    Ok(())
-                } else {
-                    Err(OptimError::Config { field: "outer".into(), reason: "set it before the first step".into() })
-                }
-            })?;
-        }
-        self.outer = Some(Outer::new(config, &self.params()?));
-        Ok(())
+        self.sync.set_outer(config, self.cursor.plan().sync(), h.params())
     }
 
     /// The outer optimizer's global parameters and momentum buffer (for a checkpoint), if it has one.
     pub fn outer_state(&self) -> Option<(&[f32], &[f32])> {
-        self.outer.as_ref().map(Outer::state)
+        self.sync.outer_state()
     }
 
     /// Restores the outer state saved by [`Self::outer_state`] (after [`Self::set_outer`]).
     pub fn restore_outer_state(&mut self, global: &[f32], momentum: &[f32]) -> Result<(), OptimError> {
-        Outer::restore_into(self.outer.as_mut(), global, momentum, "worker")
+        self.sync.restore_outer(global, momentum)
     }
 
     /// Whether parameters and optimizer state live on the device.
@@ -323,12 +265,12 @@ impl<M: Module> Worker<M> {
     /// broadcast, [`Worker::average_running_stats`] and the trainer's own reductions, but not
     /// averages done by a [`DeviceGroup`]; [`DriverStats::comm`] counts the syncs only.
     pub fn comm(&self) -> &dyn Collective {
-        self.comm.as_ref()
+        self.sync.comm()
     }
     /// The collective, for the trainer's own reductions (evaluation counts); every rank must make the
     /// same calls.
     pub fn comm_mut(&mut self) -> &mut dyn Collective {
-        self.comm.as_mut()
+        self.sync.comm_mut()
     }
     /// Replaces the collective (an elastic job's next generation, [`qsr_comm::Elastic`]); returns the
     /// old one. Refused when the new one cannot carry the configured wire, and for workers of a
@@ -337,21 +279,11 @@ impl<M: Module> Worker<M> {
     /// fragments' all-reduces then run on the new collective until [`Self::set_streaming_comm`]
     /// gives them one of their own again.
     pub fn replace_comm(&mut self, comm: Box<dyn Collective>) -> Result<Box<dyn Collective>, OptimError> {
-        check_wire(self.config.wire, comm.as_ref(), "driver.wire")?;
-        if self.local.is_some() {
-            return Err(OptimError::Config {
-                field: "sync.local".into(),
-                reason: "a two-level worker's node group would still span the old membership".into(),
-            });
-        }
-        if matches!(&self.replica, Replica::Device(d) if d.has_group()) {
+        // A two-level worker is refused by the synchronizer first, naming `sync.local`.
+        if matches!(&self.replica, Replica::Device(d) if d.has_group()) && self.sync.local().is_none() {
             return Err(OptimError::DeviceGroup("a device group's members are fixed; it cannot change".into()));
         }
-        if let Some(stream) = &mut self.stream {
-            // Its collective spans the old membership: the new one's comes with set_streaming_comm.
-            stream.set_inline()?;
-        }
-        Ok(std::mem::replace(&mut self.comm, comm))
+        self.sync.replace_comm(comm)
     }
     /// Takes the totals so far, leaving zeros (a trainer that carries its own counters across a
     /// membership change).
@@ -360,11 +292,11 @@ impl<M: Module> Worker<M> {
     }
     /// This worker's rank in the collective, `0..world_size()`.
     pub fn rank(&self) -> usize {
-        self.comm.rank()
+        self.sync.comm().rank()
     }
     /// The number of workers (K) in the collective.
     pub fn world_size(&self) -> usize {
-        self.comm.world_size()
+        self.sync.comm().world_size()
     }
 
     /// Restores parameters, optimizer state and position (from a checkpoint taken at a sync point).
@@ -395,7 +327,7 @@ impl<M: Module> Worker<M> {
     where
         F: FnMut(&M, usize) -> Result<Tensor<1>, LossError>,
     {
-        if self.cursor.plan().local().is_some() && self.local.is_none() {
+        if self.cursor.plan().local().is_some() && self.sync.local().is_none() {
             return Err(OptimError::Config {
                 field: "sync.local".into(),
                 reason: "a two-level plan needs the node's collective (Worker::set_local)".into(),
@@ -403,29 +335,21 @@ impl<M: Module> Worker<M> {
         }
         let info = self.cursor.advance().ok_or(OptimError::Finished(self.cursor.step()))?;
         // A streaming worker's parameter syncs are its fragments', after the step.
-        let replica_info = StepInfo {
-            sync_after: info.sync_after && (self.stream.is_none() || info.mode == SyncMode::Gradients),
-            ..info
-        };
-        let mut peers = Peers {
-            comm: self.comm.as_mut(),
-            config: &self.config,
-            stats: &mut self.stats,
-            outer: self.outer.as_mut(),
-            level: Level::Global,
-        };
+        let streams = self.sync.streams();
+        let replica_info =
+            StepInfo { sync_after: info.sync_after && (!streams || info.mode == SyncMode::Gradients), ..info };
+        let mut peers = self.sync.peers(Level::Global, &self.config, &mut self.stats);
         let mut stepped = match &mut self.replica {
             Replica::Host(h) => h.step(&mut self.model, &self.layout, &mut peers, &replica_info, loss_fn)?,
             Replica::Device(d) => d.step(&mut self.model, &self.layout, &mut peers, &replica_info, loss_fn)?,
         };
-        if self.stream.is_some() {
+        if streams {
             let sent = self.stream_step(&info)?;
             stepped.sync = stepped.sync.or(sent);
         }
-        if let Some(local) = self.local.as_deref_mut().filter(|_| info.local_sync_after) {
+        if info.local_sync_after && self.sync.local().is_some() {
             // A plain average inside the node: the outer optimizer steps at global syncs only.
-            let mut peers =
-                Peers { comm: local, config: &self.config, stats: &mut self.stats, outer: None, level: Level::Local };
+            let mut peers = self.sync.peers(Level::Local, &self.config, &mut self.stats);
             let report = self.replica.sync_parameters(&mut self.model, &self.layout, &mut peers, info.step)?;
             // A global sync of the same step (a streaming fragment's) is the step's report.
             stepped.sync = Some(stepped.sync.filter(|s| s.level == Level::Global).unwrap_or(report));
@@ -436,7 +360,7 @@ impl<M: Module> Worker<M> {
         self.stats.steps += 1;
         if let Some(s) = stepped.sync.filter(|s| s.level == Level::Global) {
             // A streaming worker counts rounds, not the fragments' syncs inside them.
-            self.stats.syncs += u64::from(self.stream.is_none() || info.sync_after);
+            self.stats.syncs += u64::from(!streams || info.sync_after);
             if s.mode == SyncMode::Gradients {
                 self.stats.gradient_syncs += 1;
             }
@@ -448,15 +372,14 @@ impl<M: Module> Worker<M> {
     /// A streaming worker's syncs after step `info`: its fragments', and at a round's end the BatchNorm
     /// statistics (`driver.bn = "average"`), on their own, in f32 and at once.
     fn stream_step(&mut self, info: &StepInfo) -> Result<Option<SyncReport>, OptimError> {
-        let (Some(stream), Replica::Host(h), Some(outer)) = (&mut self.stream, &mut self.replica, &mut self.outer)
-        else {
+        let Replica::Host(h) = &mut self.replica else {
             return Ok(None);
         };
         let at = (info, self.cursor.is_done());
-        let mut sent = stream.after_step(h.params_mut(), at, outer, self.comm.as_mut(), &mut self.stats.comm)?;
+        let mut sent = self.sync.after_step(h.params_mut(), at, &mut self.stats.comm)?;
         let round_end = info.sync_after && info.mode == SyncMode::Parameters;
         if round_end && self.config.bn == BnPolicy::Average && self.layout.running_len() > 0 {
-            let mut peers = Peers::global(self.comm.as_mut(), &self.config, &mut self.stats);
+            let mut peers = self.sync.peers(Level::Global, &self.config, &mut self.stats);
             let bn = peers.average_running(&mut self.model, &self.layout, info.step)?;
             match &mut sent {
                 Some(s) => s.add(&bn),
@@ -473,7 +396,7 @@ impl<M: Module> Worker<M> {
             return Ok(());
         }
         let step = self.cursor.step();
-        let mut peers = Peers::global(self.comm.as_mut(), &self.config, &mut self.stats);
+        let mut peers = self.sync.peers(Level::Global, &self.config, &mut self.stats);
         peers.average_running_unaccounted(&mut self.model, &self.layout, step)?;
         Ok(())
     }

@@ -21,6 +21,7 @@ mod replica;
 mod snapshot;
 mod stream;
 mod sync;
+mod synchronizer;
 
 /// Whether burn's operation fusion and autotune are compiled in (features `cuda` and `wgpu`; the
 /// `-plain` features leave them out).

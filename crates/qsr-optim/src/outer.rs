@@ -2,6 +2,7 @@
 //! global parameters minus its own, the mean of those is one gradient step of an outer SGD with
 //! (Nesterov) momentum on the global parameters, and every worker continues from the result.
 
+use qsr_sched::SyncRule;
 use serde::{Deserialize, Serialize};
 
 use crate::error::OptimError;
@@ -51,6 +52,19 @@ impl OuterConfig {
             return Err(OptimError::Config {
                 field: "outer.momentum".into(),
                 reason: format!("must be in [0, 1), got {}", self.momentum),
+            });
+        }
+        Ok(())
+    }
+
+    /// [`Self::validate`], and refused (naming `outer`) under a rule that never averages parameters,
+    /// where an outer step would never run.
+    pub fn validate_for(&self, rule: &SyncRule) -> Result<(), OptimError> {
+        self.validate()?;
+        if rule.syncs_gradients(u64::MAX) {
+            return Err(OptimError::Config {
+                field: "outer".into(),
+                reason: format!("rule `{}` never averages parameters, so an outer optimizer never runs", rule.name()),
             });
         }
         Ok(())

@@ -13,7 +13,8 @@ use crate::device::{DeviceGroup, DeviceOptimizer, all_finite, to_host};
 use crate::error::{LossError, OptimError};
 use crate::flat::ParamLayout;
 use crate::optim::{OptimState, Optimizer, OptimizerConfig};
-use crate::sync::{BnPolicy, Level, Peers, PhaseTimes, SyncReport};
+use crate::sync::{BnPolicy, Level, PhaseTimes, SyncReport};
+use crate::synchronizer::Peers;
 
 /// What a replica's step did, for the worker's report.
 pub(crate) struct Stepped {
@@ -114,9 +115,9 @@ impl HostReplica {
         Ok(Self { params, grads: vec![0.0; n], grad_sum: Vec::new(), sync_buf: Vec::new(), optimizer })
     }
 
-    /// A copy of the flat parameters.
-    pub(crate) fn params_snapshot(&self) -> Vec<f32> {
-        self.params.clone()
+    /// The flat parameters.
+    pub(crate) fn params(&self) -> &[f32] {
+        &self.params
     }
 
     /// The flat parameters, for a sync that runs outside the step (streaming fragments).
@@ -154,11 +155,9 @@ impl HostReplica {
         } else {
             peers.stats.skipped_updates += 1;
         }
-        if info.mode == SyncMode::Gradients
-            && let Some(outer) = peers.outer.as_deref_mut()
-        {
+        if info.mode == SyncMode::Gradients {
             // Every worker took the same update: these are the global parameters.
-            outer.follow(&self.params);
+            peers.sync.follow(&self.params);
         }
         if info.sync_after && info.mode == SyncMode::Parameters {
             sync = Some(self.sync_parameters(model, layout, peers, info.step)?);
@@ -213,34 +212,13 @@ impl HostReplica {
         step: u64,
     ) -> Result<SyncReport, OptimError> {
         let (before, t) = peers.start();
-        if let Some(outer) = peers.outer.as_deref() {
-            outer.pseudo_gradient(&mut self.params);
-        }
-        let report = self.average_parameters(model, layout, peers, step, before, t)?;
-        if let Some(outer) = peers.outer.as_deref_mut() {
-            // The mean pseudo-gradient becomes the new global parameters, the same on every rank.
-            outer.step(&mut self.params);
-        }
-        Ok(report)
-    }
-
-    /// The all-reduce of [`Self::sync_parameters`]: parameters (or pseudo-gradients) with the state the
-    /// policies name appended, in one flat collective.
-    fn average_parameters<M: Module>(
-        &mut self,
-        model: &mut M,
-        layout: &ParamLayout,
-        peers: &mut Peers<'_>,
-        step: u64,
-        before: qsr_comm::CommStats,
-        t: Instant,
-    ) -> Result<SyncReport, OptimError> {
         let policy = peers.config.state;
         let avg_m = policy.average_first_moment && !self.optimizer.state().first_moment.is_empty();
         let avg_v = policy.average_second_moment && !self.optimizer.state().second_moment.is_empty();
         let avg_bn = peers.config.bn == BnPolicy::Average && layout.running_len() > 0;
         if !(avg_m || avg_v || avg_bn) {
-            let calls = peers.all_reduce_params(&mut self.params, step)?;
+            let n = self.params.len();
+            let calls = peers.average(&mut self.params, n, step)?;
             return Ok(peers.account(before, t, SyncMode::Parameters, self.params.len(), calls));
         }
         // Append the extra state to one buffer: still one collective per round.
@@ -258,8 +236,8 @@ impl HostReplica {
             buf.resize(running_at + layout.running_len(), 0.0);
             layout.read_running(model, &mut buf[running_at..])?;
         }
-        let calls = peers.all_reduce_params(&mut buf, step)?;
         let n = self.params.len();
+        let calls = peers.average(&mut buf, n, step)?;
         self.params.copy_from_slice(&buf[..n]);
         let mut at = n;
         let state = self.optimizer.state_mut();
@@ -429,7 +407,7 @@ impl DeviceReplica {
     ) -> Result<(Vec<Tensor<1>>, SyncReport), OptimError> {
         let t = Instant::now();
         let elements: usize = tensors.iter().map(|x| x.dims()[0]).sum();
-        let k = peers.comm.world_size();
+        let k = peers.world_size();
         let level = peers.level;
         match self.group.as_ref().filter(|_| level == Level::Global) {
             // Nothing to average with: no transfer.

@@ -1,17 +1,13 @@
-//! What a synchronization is and does, below the driver and the replicas: the driver's settings
-//! and policies, the reports and totals of steps and syncs, and [`Peers`], what a replica's step
-//! borrows to synchronize.
+//! The settings and reports of synchronizations, below the sync engine (`synchronizer.rs`) and its
+//! faces: the driver's settings and policies, the wire, the reports and totals of steps and syncs.
 
 use std::time::Instant;
 
-use burn::module::Module;
 use qsr_comm::{Codec, Collective, CommStats, ReduceOp};
 use qsr_sched::{StepInfo, SyncMode};
 use serde::{Deserialize, Serialize};
 
 use crate::error::OptimError;
-use crate::flat::ParamLayout;
-use crate::outer::Outer;
 
 /// Which optimizer state is averaged at a synchronization (the authors' `--avg-m` / `--avg-v`).
 /// Default: none, as in the paper.
@@ -271,114 +267,6 @@ impl PhaseTimes {
         let now = Instant::now();
         *phase(self) += now.duration_since(since).as_secs_f64();
         now
-    }
-}
-
-/// What a replica's step borrows from its [`Worker`](crate::Worker) beside the replica: the collective, the settings
-/// and the totals that syncs add to.
-pub(crate) struct Peers<'a> {
-    pub(crate) comm: &'a mut dyn Collective,
-    pub(crate) config: &'a DriverConfig,
-    pub(crate) stats: &'a mut DriverStats,
-    /// The outer optimizer, when parameter syncs are outer steps.
-    pub(crate) outer: Option<&'a mut Outer>,
-    /// Whether `comm` is every worker's collective or the node's; a device group serves the global
-    /// level only.
-    pub(crate) level: Level,
-}
-
-impl<'a> Peers<'a> {
-    /// Every worker's collective, for a sync without an outer step (BatchNorm statistics).
-    pub(crate) fn global(comm: &'a mut dyn Collective, config: &'a DriverConfig, stats: &'a mut DriverStats) -> Self {
-        Peers { comm, config, stats, outer: None, level: Level::Global }
-    }
-
-    /// The collective's counters and the clock at the start of a sync.
-    pub(crate) fn start(&self) -> (CommStats, Instant) {
-        (*self.comm.stats(), Instant::now())
-    }
-
-    /// Mean all-reduce of `buf` in the configured buckets, in f32; returns the calls made.
-    pub(crate) fn all_reduce(&mut self, buf: &mut [f32], step: u64) -> Result<u64, OptimError> {
-        all_reduce_bucketed(&mut *self.comm, buf, self.config.bucket_elems, Wire::F32)
-            .map_err(|source| OptimError::Comm { step, source })
-    }
-
-    /// [`Self::all_reduce`] of a parameter sync's payload, on the configured wire (`driver.wire`).
-    pub(crate) fn all_reduce_params(&mut self, buf: &mut [f32], step: u64) -> Result<u64, OptimError> {
-        all_reduce_bucketed(&mut *self.comm, buf, self.config.bucket_elems, self.config.wire.at(self.level))
-            .map_err(|source| OptimError::Comm { step, source })
-    }
-
-    /// A sync through the collective since `start`, added to the totals.
-    pub(crate) fn account(
-        &mut self,
-        before: CommStats,
-        t: Instant,
-        mode: SyncMode,
-        elements: usize,
-        calls: u64,
-    ) -> SyncReport {
-        let mut delta = self.comm.stats().since(&before);
-        delta.seconds = t.elapsed().as_secs_f64();
-        let totals = match self.level {
-            Level::Global => &mut self.stats.comm,
-            Level::Local => &mut self.stats.local.comm,
-        };
-        totals.calls += delta.calls;
-        totals.bytes_sent += delta.bytes_sent;
-        totals.bytes_received += delta.bytes_received;
-        totals.seconds += delta.seconds;
-        SyncReport { mode, level: self.level, elements, calls, bytes_sent: delta.bytes_sent, seconds: delta.seconds }
-    }
-
-    /// A sync through a [`DeviceGroup`](crate::DeviceGroup) since `t`, added to the totals as the bytes a ring all-reduce of
-    /// the same elements would move (as the in-process collective reports).
-    pub(crate) fn account_group(
-        &mut self,
-        t: Instant,
-        mode: SyncMode,
-        elements: usize,
-        calls: u64,
-        fused: bool,
-    ) -> SyncReport {
-        let k = self.comm.world_size() as u64;
-        let bytes = qsr_sched::ring_allreduce_bytes_per_rank(elements as u64, qsr_sched::Encoding::F32, k);
-        let seconds = t.elapsed().as_secs_f64();
-        self.stats.comm.calls += calls;
-        self.stats.comm.bytes_sent += bytes;
-        self.stats.comm.bytes_received += bytes;
-        self.stats.comm.seconds += seconds;
-        if fused {
-            self.stats.fused_syncs += 1;
-        }
-        SyncReport { mode, level: Level::Global, elements, calls, bytes_sent: bytes, seconds }
-    }
-
-    /// The model's BatchNorm running statistics averaged over the workers (not accounted).
-    pub(crate) fn average_running_unaccounted<M: Module>(
-        &mut self,
-        model: &mut M,
-        layout: &ParamLayout,
-        step: u64,
-    ) -> Result<(usize, u64), OptimError> {
-        let mut running = vec![0.0; layout.running_len()];
-        layout.read_running(model, &mut running)?;
-        let calls = self.all_reduce(&mut running, step)?;
-        *model = layout.write_running(model.clone(), &running)?;
-        Ok((running.len(), calls))
-    }
-
-    /// [`Self::average_running_unaccounted`] as part of a sync, accounted.
-    pub(crate) fn average_running<M: Module>(
-        &mut self,
-        model: &mut M,
-        layout: &ParamLayout,
-        step: u64,
-    ) -> Result<SyncReport, OptimError> {
-        let (before, t) = self.start();
-        let (elements, calls) = self.average_running_unaccounted(model, layout, step)?;
-        Ok(self.account(before, t, SyncMode::Parameters, elements, calls))
     }
 }
 

@@ -325,13 +325,7 @@ impl TrainRecipe {
             super::plan::fragment_plan(streaming, self.plan()?)?;
         }
         if let Some(outer) = &self.outer {
-            outer.validate()?;
-            if self.sync.rule.syncs_gradients(u64::MAX) {
-                bail!(
-                    "invalid `outer`: rule `{}` never averages parameters, so an outer optimizer never runs",
-                    self.sync.rule.name()
-                );
-            }
+            outer.validate_for(&self.sync.rule)?;
             if self.driver.residency == qsr_optim::Residency::Device {
                 bail!(
                     "invalid `outer`: the outer optimizer runs on host-resident workers, not driver.residency = \"device\""

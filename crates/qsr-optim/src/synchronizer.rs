@@ -1,0 +1,486 @@
+//! The sync engine under both faces: what a synchronization is, written once. A [`Synchronizer`] owns
+//! the collective (and a node's, for a two-level plan), the wire and its buckets, the outer step,
+//! the streaming state (fragments, delays, error feedback, averages in flight) and every check of
+//! those settings. The trainer's [`Worker`](crate::Worker) and the library's
+//! [`Averager`](crate::Averager) keep only what their callers need around it: the Worker its replica
+//! (qsr's optimizers over flat state) and the plan's cursor, the Averager the caller's burn model and
+//! the rounds it decides from the caller's lr. A sync feature added here reaches both.
+
+use std::time::Instant;
+
+use burn::module::Module;
+use qsr_comm::{Collective, CommStats};
+use qsr_sched::{FragmentPlan, MAX_FRAGMENTS, Plan, StepInfo, SyncMode, SyncRule};
+
+use crate::error::OptimError;
+use crate::flat::ParamLayout;
+use crate::outer::{Outer, OuterConfig};
+use crate::stream::{Stream, StreamState, StreamingConfig, fragment_ranges, give_background};
+use crate::sync::{DriverConfig, DriverStats, Level, SyncReport, Wire, all_reduce_bucketed, check_wire};
+
+/// How a face names the settings a [`Synchronizer`] checks, in its refusals: the trainer's Worker by
+/// recipe keys, the Averager by its config's fields.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Names {
+    /// The face, as a refusal calls it (`worker`, `averager`).
+    pub(crate) owner: &'static str,
+    /// The wire setting.
+    pub(crate) wire: &'static str,
+    /// The streaming section.
+    pub(crate) streaming: &'static str,
+}
+
+/// The Worker's names: recipe keys.
+pub(crate) const WORKER: Names = Names { owner: "worker", wire: "driver.wire", streaming: "sync.streaming" };
+/// The Averager's names: `AveragerConfig`'s fields.
+pub(crate) const AVERAGER: Names = Names { owner: "averager", wire: "wire", streaming: "streaming" };
+
+/// What the streaming settings are checked against.
+pub(crate) struct StreamFit<'a> {
+    /// The rule that decides the rounds.
+    pub(crate) rule: &'a SyncRule,
+    /// The plan the fragments follow, where the face has one (the Averager decides rounds as it goes).
+    pub(crate) plan: Option<&'a Plan>,
+    /// The flat state lives on the host (streaming's buffers are host buffers).
+    pub(crate) host: bool,
+    /// Optimizer moments are averaged at syncs (streaming sends pseudo-gradients of parameters only).
+    pub(crate) averages_moments: bool,
+}
+
+/// The sync engine: collectives, wire, outer step and streaming, with their checks.
+pub(crate) struct Synchronizer {
+    comm: Box<dyn Collective>,
+    /// The node's collective, for the local averages of a two-level plan.
+    local: Option<Box<dyn Collective>>,
+    wire: Wire,
+    bucket: Option<usize>,
+    names: Names,
+    /// DiLoCo's outer optimizer; plain averaging as an outer step for a streaming or quantized sync
+    /// without one.
+    outer: Option<Outer>,
+    /// Fragments, delayed application, quantized payloads.
+    stream: Option<Stream>,
+}
+
+impl Synchronizer {
+    /// Syncs over `comm` on `wire`, in buckets of at most `bucket` elements; refused when the
+    /// collective cannot carry the wire.
+    pub(crate) fn new(
+        comm: Box<dyn Collective>,
+        (wire, bucket): (Wire, Option<usize>),
+        names: Names,
+    ) -> Result<Self, OptimError> {
+        check_wire(wire, comm.as_ref(), names.wire)?;
+        Ok(Self { comm, local: None, wire, bucket, names, outer: None, stream: None })
+    }
+
+    /// The collective over every worker.
+    pub(crate) fn comm(&self) -> &dyn Collective {
+        self.comm.as_ref()
+    }
+
+    /// The collective over every worker, for calls outside a sync.
+    pub(crate) fn comm_mut(&mut self) -> &mut dyn Collective {
+        self.comm.as_mut()
+    }
+
+    /// The node's collective of a two-level plan.
+    pub(crate) fn local(&self) -> Option<&dyn Collective> {
+        self.local.as_deref()
+    }
+
+    /// Gives the node's collective; refused when it cannot carry the wire of a node's average.
+    pub(crate) fn set_local(&mut self, local: Box<dyn Collective>) -> Result<(), OptimError> {
+        check_wire(self.wire.at(Level::Local), local.as_ref(), self.names.wire)?;
+        self.local = Some(local);
+        Ok(())
+    }
+
+    /// Replaces the collective (an elastic job's next generation); returns the old one. Refused when
+    /// the new one cannot carry the wire, for a two-level synchronizer (its node group would still
+    /// span the old membership) and while averages are in flight.
+    pub(crate) fn replace_comm(&mut self, comm: Box<dyn Collective>) -> Result<Box<dyn Collective>, OptimError> {
+        check_wire(self.wire, comm.as_ref(), self.names.wire)?;
+        if self.local.is_some() {
+            return Err(OptimError::Config {
+                field: "sync.local".into(),
+                reason: "a two-level worker's node group would still span the old membership".into(),
+            });
+        }
+        if let Some(stream) = &mut self.stream {
+            // Its collective spans the old membership: the new one's comes with set_streaming_comm.
+            stream.set_inline()?;
+        }
+        Ok(std::mem::replace(&mut self.comm, comm))
+    }
+
+    /// Makes parameter syncs DiLoCo's outer step from the global parameters `params`. Refused for a
+    /// rule that never averages parameters and once averages are in flight.
+    pub(crate) fn set_outer(&mut self, config: OuterConfig, rule: &SyncRule, params: &[f32]) -> Result<(), OptimError> {
+        config.validate_for(rule)?;
+        if let Some(stream) = &mut self.stream {
+            // The outer state of the fragments restarts from the parameters now, with nothing in flight.
+            if !stream.state()?.in_flight.is_empty() {
+                return Err(OptimError::Config {
+                    field: "outer".into(),
+                    reason: "set it before the first step".into(),
+                });
+            }
+        }
+        self.outer = Some(Outer::new(config, params));
+        Ok(())
+    }
+
+    /// Makes parameter syncs streaming from the global parameters `params`: [`Self::prepare_streaming`]
+    /// and [`Self::start_streaming`] at once.
+    pub(crate) fn set_streaming(
+        &mut self,
+        config: Option<StreamingConfig>,
+        fit: &StreamFit<'_>,
+        layout: &ParamLayout,
+        params: &[f32],
+    ) -> Result<(), OptimError> {
+        let stream = self.prepare_streaming(config, fit, layout)?;
+        self.start_streaming(stream, params);
+        Ok(())
+    }
+
+    /// Streaming syncs of `config` (the face's streaming setting), or the one fragment, applied at once,
+    /// that a quantized wire needs without one, checked against `fit` (before any collective call).
+    pub(crate) fn prepare_streaming(
+        &self,
+        config: Option<StreamingConfig>,
+        fit: &StreamFit<'_>,
+        layout: &ParamLayout,
+    ) -> Result<Stream, OptimError> {
+        let field = if config.is_some() { self.names.streaming } else { self.names.wire };
+        let refuse = |field: &str, reason: String| Err(OptimError::Config { field: field.into(), reason });
+        let config = match config {
+            Some(c) => {
+                let prefix = self.names.streaming;
+                c.validate().map_err(|e| match e {
+                    OptimError::Config { field, reason } => {
+                        OptimError::Config { field: field.replacen("sync.streaming", prefix, 1), reason }
+                    }
+                    e => e,
+                })?;
+                c
+            }
+            None => StreamingConfig { fragments: 1, delay: 0, mix: 1.0 },
+        };
+        if !fit.host {
+            let reason = format!("streaming and quantized syncs run on host-resident {}s", self.names.owner);
+            return refuse(field, format!("{reason} (driver.residency = \"host\")"));
+        }
+        if fit.averages_moments {
+            return refuse(
+                field,
+                "streaming and quantized syncs do not average optimizer moments (`driver.state`)".into(),
+            );
+        }
+        let fragments_field = format!("{}.fragments", self.names.streaming);
+        match fit.plan {
+            // Checks the fragment count against the plan's rounds.
+            Some(plan) => drop(FragmentPlan::new(plan.clone(), config.fragments)?),
+            None if !(1..=MAX_FRAGMENTS).contains(&config.fragments) => {
+                return refuse(&fragments_field, format!("must be 1..={MAX_FRAGMENTS} (got {})", config.fragments));
+            }
+            None if config.fragments > 1 && fit.rule.syncs_gradients(0) => {
+                let rule = fit.rule.name();
+                return refuse(
+                    &fragments_field,
+                    format!("needs a rule that averages parameters; `{rule}` all-reduces gradients"),
+                );
+            }
+            None => {}
+        }
+        let ranges = fragment_ranges(layout, config.fragments)?;
+        Ok(Stream::new(ranges, config, (self.wire, self.bucket), layout.len()))
+    }
+
+    /// Syncs through `stream` from now on; without an outer optimizer plain averaging becomes one
+    /// (lr 1) from the global parameters `params`.
+    pub(crate) fn start_streaming(&mut self, stream: Stream, params: &[f32]) {
+        self.stream = Some(stream);
+        if self.outer.is_none() {
+            self.outer = Some(Outer::new(OuterConfig::averaging(), params));
+        }
+    }
+
+    /// Runs the streaming fragments' all-reduces on `comm`, on a thread, while the face steps.
+    pub(crate) fn set_streaming_comm(&mut self, comm: Box<dyn Collective>) -> Result<(), OptimError> {
+        check_wire(self.wire, comm.as_ref(), self.names.wire)?;
+        let at = (self.comm.rank(), self.comm.world_size());
+        give_background(self.stream.as_mut(), comm, at, (self.names.streaming, self.names.owner))
+    }
+
+    /// Whether parameter syncs stream (a streaming setting, or a quantized wire).
+    pub(crate) fn streams(&self) -> bool {
+        self.stream.is_some()
+    }
+
+    /// Whether parameter syncs are outer steps (DiLoCo's, or plain averaging written as one).
+    pub(crate) fn has_outer(&self) -> bool {
+        self.outer.is_some()
+    }
+
+    /// The outer optimizer's global parameters and momentum buffer.
+    pub(crate) fn outer_state(&self) -> Option<(&[f32], &[f32])> {
+        self.outer.as_ref().map(Outer::state)
+    }
+
+    /// Restores the outer state; refused naming `outer` without an outer optimizer.
+    pub(crate) fn restore_outer(&mut self, global: &[f32], momentum: &[f32]) -> Result<(), OptimError> {
+        Outer::restore_into(self.outer.as_mut(), global, momentum, self.names.owner)
+    }
+
+    /// The streaming state (averages in flight, waited for; the residual), if streaming.
+    pub(crate) fn stream_state(&mut self) -> Result<Option<StreamState>, OptimError> {
+        self.stream.as_mut().map(Stream::state).transpose()
+    }
+
+    /// Restores a streaming state; refused naming the streaming setting when not streaming.
+    pub(crate) fn restore_stream(&mut self, state: StreamState) -> Result<(), OptimError> {
+        match &mut self.stream {
+            Some(stream) => stream.restore(state),
+            None => Err(OptimError::Config {
+                field: self.names.streaming.into(),
+                reason: format!("this {} does not stream, so it has no streaming state", self.names.owner),
+            }),
+        }
+    }
+
+    /// Drops the averages in flight and zeroes the residual (every rank at the same step).
+    pub(crate) fn forget_stream(&mut self) {
+        if let Some(stream) = &mut self.stream {
+            stream.forget();
+        }
+    }
+
+    /// The global parameters follow `params`: every worker took the same (data-parallel) update.
+    pub(crate) fn follow(&mut self, params: &[f32]) {
+        if let Some(outer) = &mut self.outer {
+            outer.follow(params);
+        }
+    }
+
+    /// A parameter sync of `buf`, whose first `n` values are the parameters (the rest appended
+    /// state): at the global level with an outer optimizer the pseudo-gradients are averaged and the
+    /// outer step taken; on the wire at `level`. Returns the collective calls made.
+    pub(crate) fn average(&mut self, buf: &mut [f32], n: usize, step: u64, level: Level) -> Result<u64, OptimError> {
+        let outer = self.outer.as_mut().filter(|_| level == Level::Global);
+        if let Some(outer) = &outer {
+            outer.pseudo_gradient(&mut buf[..n]);
+        }
+        let comm = comm_at(&mut self.comm, &mut self.local, level)?;
+        let calls = all_reduce_bucketed(comm, buf, self.bucket, self.wire.at(level))
+            .map_err(|source| OptimError::Comm { step, source })?;
+        if let Some(outer) = outer {
+            // The mean pseudo-gradient becomes the new global parameters, the same on every rank.
+            outer.step(&mut buf[..n]);
+        }
+        Ok(calls)
+    }
+
+    /// Mean all-reduce of `buf` in f32 at `level` (gradients, BatchNorm statistics); returns the calls.
+    pub(crate) fn all_reduce(&mut self, buf: &mut [f32], step: u64, level: Level) -> Result<u64, OptimError> {
+        all_reduce_bucketed(comm_at(&mut self.comm, &mut self.local, level)?, buf, self.bucket, Wire::F32)
+            .map_err(|source| OptimError::Comm { step, source })
+    }
+
+    /// A streaming step's syncs after `info` (the run's last when `last`) over the flat parameters
+    /// `params`; traffic added to `totals`.
+    pub(crate) fn after_step(
+        &mut self,
+        params: &mut [f32],
+        at: (&StepInfo, bool),
+        totals: &mut CommStats,
+    ) -> Result<Option<SyncReport>, OptimError> {
+        let (Some(stream), Some(outer)) = (&mut self.stream, &mut self.outer) else {
+            return Ok(None);
+        };
+        stream.after_step(params, at, outer, self.comm.as_mut(), totals)
+    }
+
+    /// Whether [`Self::after_step`] has anything to do after `info`.
+    pub(crate) fn acts_after(&self, info: &StepInfo, last: bool) -> bool {
+        self.stream.as_ref().is_some_and(|s| s.acts_after(info, last))
+    }
+
+    /// Averages the stream applied so far.
+    pub(crate) fn applied(&self) -> u64 {
+        self.stream.as_ref().map_or(0, Stream::applied)
+    }
+
+    /// Whether the stream's landings leave every rank the same parameters.
+    pub(crate) fn leaves_ranks_equal(&self) -> bool {
+        self.stream.as_ref().is_some_and(Stream::leaves_ranks_equal)
+    }
+
+    /// Applies the averages in flight, then averages all parameters in f32; traffic added to `totals`.
+    pub(crate) fn settle(&mut self, params: &mut [f32], step: u64, totals: &mut CommStats) -> Result<(), OptimError> {
+        let (Some(stream), Some(outer)) = (&mut self.stream, &mut self.outer) else {
+            return Ok(());
+        };
+        let traffic = stream.settle(params, step, true, (outer, self.comm.as_mut()))?;
+        *totals = add(*totals, traffic.unwrap_or_default());
+        Ok(())
+    }
+
+    /// The counters of `level`'s collective and the clock, at the start of a sync.
+    pub(crate) fn start(&self, level: Level) -> (CommStats, Instant) {
+        let comm = match level {
+            Level::Local => self.local.as_deref().unwrap_or(self.comm.as_ref()),
+            Level::Global => self.comm.as_ref(),
+        };
+        (*comm.stats(), Instant::now())
+    }
+
+    /// A sync at `level` since `start`, added to `totals`.
+    pub(crate) fn account(
+        &self,
+        (level, before, t): (Level, CommStats, Instant),
+        (mode, elements, calls): (SyncMode, usize, u64),
+        totals: &mut CommStats,
+    ) -> SyncReport {
+        let (now, _) = self.start(level);
+        let mut delta = now.since(&before);
+        delta.seconds = t.elapsed().as_secs_f64();
+        *totals = add(*totals, delta);
+        SyncReport { mode, level, elements, calls, bytes_sent: delta.bytes_sent, seconds: delta.seconds }
+    }
+
+    /// What a Worker's replica borrows for one step's syncs at `level`.
+    pub(crate) fn peers<'a>(
+        &'a mut self,
+        level: Level,
+        config: &'a DriverConfig,
+        stats: &'a mut DriverStats,
+    ) -> Peers<'a> {
+        Peers { sync: self, config, stats, level }
+    }
+}
+
+/// The collective of `level`: every worker's, or the node's.
+fn comm_at<'a>(
+    comm: &'a mut Box<dyn Collective>,
+    local: &'a mut Option<Box<dyn Collective>>,
+    level: Level,
+) -> Result<&'a mut dyn Collective, OptimError> {
+    match level {
+        Level::Global => Ok(comm.as_mut()),
+        Level::Local => match local {
+            Some(local) => Ok(local.as_mut()),
+            None => Err(OptimError::Config {
+                field: "sync.local".into(),
+                reason: "a two-level plan needs the node's collective (Worker::set_local)".into(),
+            }),
+        },
+    }
+}
+
+/// `a + b`, counter by counter.
+pub(crate) fn add(a: CommStats, b: CommStats) -> CommStats {
+    CommStats {
+        calls: a.calls + b.calls,
+        bytes_sent: a.bytes_sent + b.bytes_sent,
+        bytes_received: a.bytes_received + b.bytes_received,
+        seconds: a.seconds + b.seconds,
+    }
+}
+
+/// What a replica's step borrows from its [`Worker`](crate::Worker) beside the replica: the
+/// synchronizer, the driver settings and the totals that syncs add to, at one level.
+pub(crate) struct Peers<'a> {
+    pub(crate) sync: &'a mut Synchronizer,
+    pub(crate) config: &'a DriverConfig,
+    pub(crate) stats: &'a mut DriverStats,
+    /// Every worker's syncs or the node's; a device group serves the global level only.
+    pub(crate) level: Level,
+}
+
+impl Peers<'_> {
+    /// The collective's counters and the clock at the start of a sync.
+    pub(crate) fn start(&self) -> (CommStats, Instant) {
+        self.sync.start(self.level)
+    }
+
+    /// Mean all-reduce of `buf` in f32; returns the calls made.
+    pub(crate) fn all_reduce(&mut self, buf: &mut [f32], step: u64) -> Result<u64, OptimError> {
+        self.sync.all_reduce(buf, step, self.level)
+    }
+
+    /// A parameter sync of `buf` (parameters first, `n` of them), with the outer step at the global level.
+    pub(crate) fn average(&mut self, buf: &mut [f32], n: usize, step: u64) -> Result<u64, OptimError> {
+        self.sync.average(buf, n, step, self.level)
+    }
+
+    /// Workers in the collective of this level.
+    pub(crate) fn world_size(&self) -> usize {
+        match self.level {
+            Level::Local => self.sync.local().map_or(1, |c| c.world_size()),
+            Level::Global => self.sync.comm().world_size(),
+        }
+    }
+
+    /// A sync through the collective since `start`, added to the totals.
+    pub(crate) fn account(
+        &mut self,
+        before: CommStats,
+        t: Instant,
+        mode: SyncMode,
+        elements: usize,
+        calls: u64,
+    ) -> SyncReport {
+        let totals = match self.level {
+            Level::Global => &mut self.stats.comm,
+            Level::Local => &mut self.stats.local.comm,
+        };
+        self.sync.account((self.level, before, t), (mode, elements, calls), totals)
+    }
+
+    /// A sync through a [`DeviceGroup`](crate::DeviceGroup) since `t`, added to the totals as the
+    /// bytes a ring all-reduce of the same elements would move (as the in-process collective reports).
+    pub(crate) fn account_group(
+        &mut self,
+        t: Instant,
+        mode: SyncMode,
+        elements: usize,
+        calls: u64,
+        fused: bool,
+    ) -> SyncReport {
+        let k = self.sync.comm().world_size() as u64;
+        let bytes = qsr_sched::ring_allreduce_bytes_per_rank(elements as u64, qsr_sched::Encoding::F32, k);
+        let seconds = t.elapsed().as_secs_f64();
+        let delta = CommStats { calls, bytes_sent: bytes, bytes_received: bytes, seconds };
+        self.stats.comm = add(self.stats.comm, delta);
+        self.stats.fused_syncs += u64::from(fused);
+        SyncReport { mode, level: Level::Global, elements, calls, bytes_sent: bytes, seconds }
+    }
+
+    /// The model's BatchNorm running statistics averaged over the workers (not accounted).
+    pub(crate) fn average_running_unaccounted<M: Module>(
+        &mut self,
+        model: &mut M,
+        layout: &ParamLayout,
+        step: u64,
+    ) -> Result<(usize, u64), OptimError> {
+        let mut running = vec![0.0; layout.running_len()];
+        layout.read_running(model, &mut running)?;
+        let calls = self.all_reduce(&mut running, step)?;
+        *model = layout.write_running(model.clone(), &running)?;
+        Ok((running.len(), calls))
+    }
+
+    /// [`Self::average_running_unaccounted`] as part of a sync, accounted.
+    pub(crate) fn average_running<M: Module>(
+        &mut self,
+        model: &mut M,
+        layout: &ParamLayout,
+        step: u64,
+    ) -> Result<SyncReport, OptimError> {
+        let (before, t) = self.start();
+        let (elements, calls) = self.average_running_unaccounted(model, layout, step)?;
+        Ok(self.account(before, t, SyncMode::Parameters, elements, calls))
+    }
+}
