@@ -37,7 +37,7 @@ fn qsr_through_the_learner_syncs_as_planned_and_learns_digits() {
 fn streaming_int8_through_the_learner_syncs_as_planned_and_learns_digits() {
     let _turn = serial();
     let mut config = qsr_optim::AveragerConfig::new(SyncRule::Qsr { h_base: 2, alpha: 0.06 }, 0);
-    config.streaming = Some(qsr_optim::StreamingConfig { fragments: 2, delay: 1, mix: 1.0 });
+    config.streaming = Some(qsr_sched::StreamingConfig { fragments: 2, delay: 1, mix: 1.0 });
     config.wire = qsr_optim::Wire::Int8;
     let out = example::run_config(&example::Task::digits(), threads(2), 2, config.clone()).unwrap();
     assert_eq!(out.syncs, out.planned);

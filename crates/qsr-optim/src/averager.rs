@@ -57,13 +57,13 @@ use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::Device;
 use qsr_comm::{Collective, CommStats, ReduceOp};
-use qsr_sched::{RoundStart, StepInfo, SyncMode, SyncRule};
+use qsr_sched::{RoundStart, StepInfo, StreamingConfig, SyncMode, SyncRule};
 use serde::{Deserialize, Serialize};
 
 use crate::error::OptimError;
 use crate::flat::ParamLayout;
 use crate::outer::OuterConfig;
-use crate::stream::{StreamState, StreamingConfig};
+use crate::stream::StreamState;
 use crate::sync::{Level, Wire};
 use crate::synchronizer::{AVERAGER, StreamFit, Synchronizer, add};
 

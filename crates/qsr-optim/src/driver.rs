@@ -19,7 +19,7 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
 use qsr_comm::Collective;
-use qsr_sched::{Cursor, StepInfo, SyncMode};
+use qsr_sched::{Cursor, StepInfo, StreamingConfig, SyncMode};
 
 use crate::device::DeviceGroup;
 use crate::error::{LossError, OptimError};
@@ -27,7 +27,7 @@ use crate::flat::ParamLayout;
 use crate::optim::{OptimState, OptimizerConfig};
 use crate::outer::OuterConfig;
 use crate::replica::{DeviceReplica, HostReplica, Replica};
-use crate::stream::{StreamState, StreamingConfig};
+use crate::stream::StreamState;
 use crate::sync::{BnPolicy, DriverConfig, DriverStats, Level, Residency, StepReport, SyncReport, Wire};
 use crate::synchronizer::{StreamFit, Synchronizer, WORKER};
 

@@ -37,7 +37,7 @@ pub use optim::{
 };
 pub use outer::OuterConfig;
 pub use snapshot::Snapshot;
-pub use stream::{InFlight, StreamState, StreamingConfig};
+pub use stream::{InFlight, StreamState};
 pub use sync::{
     BnPolicy, DriverConfig, DriverStats, Level, LocalStats, PhaseTimes, Residency, StatePolicy, StepReport, SyncReport,
     Wire,

@@ -30,68 +30,13 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use qsr_comm::{Collective, CommError, CommStats};
-use qsr_sched::{StepInfo, SyncMode, fragments_syncing_after, split_tensors};
+use qsr_sched::{StepInfo, StreamingConfig, SyncMode, fragments_syncing_after, split_tensors};
 use serde::{Deserialize, Serialize};
 
 use crate::error::OptimError;
 use crate::flat::ParamLayout;
 use crate::outer::Outer;
 use crate::sync::{Level, SyncReport, Wire, all_reduce_bucketed};
-
-/// Streaming synchronization's settings: a recipe's `[sync.streaming]` (keys `sync.streaming.<field>`).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct StreamingConfig {
-    /// Fragments the parameters are averaged in (`sync.streaming.fragments`).
-    pub fragments: u32,
-    /// Steps a fragment's average runs behind the inner steps before it is applied
-    /// (`sync.streaming.delay`, at least 1).
-    #[serde(default = "one_step")]
-    pub delay: u64,
-    /// Weight of the landed average (corrected by the local steps taken since it was sent) against
-    /// the local fragment (`sync.streaming.mix`, in (0, 1]; 1 takes the corrected average).
-    #[serde(default = "full_mix")]
-    pub mix: f64,
-}
-
-fn one_step() -> u64 {
-    1
-}
-
-fn full_mix() -> f64 {
-    1.0
-}
-
-impl StreamingConfig {
-    /// `fragments` fragments, each average landing one step after its sync, with mix 1.
-    pub fn new(fragments: u32) -> Self {
-        Self { fragments, delay: 1, mix: 1.0 }
-    }
-
-    /// Whether a run under these settings ends with an f32 average of all parameters: the ranks differ
-    /// at its end unless one fragment lands in the step that sent it (delay 0: an int8 / fp8 wire
-    /// without streaming), replacing the local values.
-    pub fn ends_with_average(&self) -> bool {
-        self.fragments > 1 || self.mix < 1.0 || self.delay > 0
-    }
-
-    /// Checks `delay` and `mix`, naming the key (the fragment count is checked by [`qsr_sched::FragmentPlan::new`]).
-    pub fn validate(&self) -> Result<(), OptimError> {
-        if self.delay == 0 {
-            return Err(OptimError::Config {
-                field: "sync.streaming.delay".into(),
-                reason: "must be at least 1 (got 0)".into(),
-            });
-        }
-        if !(self.mix > 0.0 && self.mix <= 1.0) {
-            return Err(OptimError::Config {
-                field: "sync.streaming.mix".into(),
-                reason: format!("must be in (0, 1] (got {})", self.mix),
-            });
-        }
-        Ok(())
-    }
-}
 
 /// A fragment's average that has not been applied yet, as a checkpoint holds it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

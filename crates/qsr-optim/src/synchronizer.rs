@@ -10,12 +10,12 @@ use std::time::Instant;
 
 use burn::module::Module;
 use qsr_comm::{Collective, CommStats};
-use qsr_sched::{FragmentPlan, MAX_FRAGMENTS, Plan, StepInfo, SyncMode, SyncRule};
+use qsr_sched::{FragmentPlan, MAX_FRAGMENTS, Plan, StepInfo, StreamingConfig, SyncMode, SyncRule};
 
 use crate::error::OptimError;
 use crate::flat::ParamLayout;
 use crate::outer::{Outer, OuterConfig};
-use crate::stream::{Stream, StreamState, StreamingConfig, fragment_ranges, give_background};
+use crate::stream::{Stream, StreamState, fragment_ranges, give_background};
 use crate::sync::{DriverConfig, DriverStats, Level, SyncReport, Wire, all_reduce_bucketed, check_wire};
 
 /// How a face names the settings a [`Synchronizer`] checks, in its refusals: the trainer's Worker by
@@ -158,11 +158,9 @@ impl Synchronizer {
         let config = match config {
             Some(c) => {
                 let prefix = self.names.streaming;
-                c.validate().map_err(|e| match e {
-                    OptimError::Config { field, reason } => {
-                        OptimError::Config { field: field.replacen("sync.streaming", prefix, 1), reason }
-                    }
-                    e => e,
+                c.validate().map_err(|e| OptimError::Config {
+                    field: e.field.replacen("sync.streaming", prefix, 1),
+                    reason: e.reason,
                 })?;
                 c
             }

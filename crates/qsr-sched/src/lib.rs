@@ -28,6 +28,7 @@ mod plan;
 mod round;
 mod rule;
 mod schedule;
+mod section;
 
 pub use comm::{CommVolume, Encoding, ring_allreduce_bytes_per_rank};
 pub use error::ConfigError;
@@ -39,6 +40,7 @@ pub use plan::{Cursor, Plan, PlanSummary, Rounds, StepInfo};
 pub use round::{Round, SyncMode};
 pub use rule::{RoundStart, SyncRule};
 pub use schedule::{LrSchedule, ScheduleKind};
+pub use section::{LocalSync, StreamingConfig, SyncSection};
 
 /// Largest `total_steps` / run length a plan accepts (10^9 steps). Planning is O(rounds), so this
 /// bounds the worst case (data parallel, a round per step) to seconds (measurements:

@@ -9,7 +9,7 @@ use qsr_optim::{Level, Wire};
 use qsr_sched::{Encoding, FragmentSummary, Plan, PlanSummary, ring_allreduce_bytes_per_rank, split_elements};
 use serde::Serialize;
 
-use crate::recipe::{PlanOverrides, PlanRecipe, StreamingSync, load_plan};
+use crate::recipe::{PlanOverrides, PlanRecipe, load_plan};
 
 /// Output format of `qsr plan` (`--format`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -88,13 +88,13 @@ pub struct PlanReport {
 #[derive(Debug, Serialize)]
 pub struct StreamingReport {
     /// The section's settings (fragments, delay, mix).
-    pub settings: StreamingSync,
+    pub settings: qsr_sched::StreamingConfig,
     /// Syncs per fragment, most fragments on one step, fewest steps between syncs.
     pub summary: FragmentSummary,
     /// Fragment syncs that come fewer than `delay` steps after the fragment's previous one, so that
     /// its previous average lands early, at this sync: rounds too short for the delay.
     pub syncs_within_delay: u64,
-    /// What the settings do differently than they say (`recipe::streaming_warnings`), one line each.
+    /// What the settings do differently than they say ([`qsr_sched::StreamingConfig::warnings`]), one line each.
     pub warnings: Vec<String>,
     /// The most bytes one rank sends after one step (ring all-reduce of the fragments syncing then,
     /// the parameters split evenly); only with `--params`.
@@ -174,7 +174,7 @@ fn report(r: &PlanRecipe, args: &PlanArgs) -> PlanReport {
             settings: *settings,
             summary: fragments.summary(),
             syncs_within_delay: fragments.syncs_within(settings.delay),
-            warnings: crate::recipe::streaming_warnings(settings, fragments),
+            warnings: settings.warnings(fragments),
             peak_bytes_per_step: args.params.map(peak),
             plain_peak_bytes_per_step: args.params.map(ring),
         }

@@ -5,7 +5,8 @@
 use burn::optim::{GradientsParams, SgdConfig};
 use burn::tensor::Device;
 use qsr_comm::{Collective, InProcessGroup};
-use qsr_optim::{Averager, AveragerConfig, AveragerState, OptimError, ParamLayout, StreamingConfig, Wire};
+use qsr_optim::{Averager, AveragerConfig, AveragerState, OptimError, ParamLayout, Wire};
+use qsr_sched::StreamingConfig;
 use qsr_sched::{Plan, SyncRule};
 
 use crate::averager::{STEPS, batch, schedule, seeded};

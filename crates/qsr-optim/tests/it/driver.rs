@@ -414,7 +414,7 @@ fn batchnorm_statistics_are_averaged_only_under_the_average_policy() {
 /// "average"`), as plain ones do with their parameters.
 #[test]
 fn streaming_workers_average_batchnorm_statistics_at_round_ends() {
-    let streaming = Some(qsr_optim::StreamingConfig { fragments: 2, delay: 1, mix: 1.0 });
+    let streaming = Some(qsr_sched::StreamingConfig { fragments: 2, delay: 1, mix: 1.0 });
     bn_policies_hold(|bn| run_bn(bn, streaming, (SyncRule::Constant { h: 3 }, Wire::F32)));
 }
 
@@ -445,7 +445,7 @@ fn bn_policies_hold(run: impl Fn(BnPolicy) -> Vec<(Vec<f32>, Vec<f32>)>) {
 /// before and after an explicit average.
 fn run_bn(
     bn: BnPolicy,
-    streaming: Option<qsr_optim::StreamingConfig>,
+    streaming: Option<qsr_sched::StreamingConfig>,
     (rule, wire): (SyncRule, Wire),
 ) -> Vec<(Vec<f32>, Vec<f32>)> {
     let device = device();

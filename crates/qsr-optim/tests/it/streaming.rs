@@ -5,10 +5,9 @@ use std::thread;
 
 use qsr_comm::{Collective, InProcessComm, InProcessGroup};
 use qsr_optim::{
-    DriverConfig, Level, OptimError, OptimState, OuterConfig, Residency, StepReport, StreamState, StreamingConfig,
-    Wire, Worker,
+    DriverConfig, Level, OptimError, OptimState, OuterConfig, Residency, StepReport, StreamState, Wire, Worker,
 };
-use qsr_sched::{Cursor, Plan, SyncRule};
+use qsr_sched::{Cursor, Plan, StreamingConfig, SyncRule};
 
 use crate::common::Mlp;
 use crate::driver::{BATCH, IN, OUT, Task, assert_close, bit_identical, device, init, mse, plan, sgd};

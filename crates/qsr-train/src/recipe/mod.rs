@@ -3,11 +3,10 @@
 //! `qsr plan`.
 
 mod plan;
+mod sets;
 mod train;
 
 pub(crate) use plan::read_table;
-pub use plan::{
-    LocalSync, PlanOverrides, PlanRecipe, StreamingSync, SyncSection, fragment_plan, load_plan, streaming_warnings,
-};
+pub use plan::{PlanOverrides, PlanRecipe, load_plan};
 pub use train::{CheckpointConfig, DataConfig, EvalConfig, TrainConfig, TrainRecipe};
 pub(crate) use train::{open_corpus, open_dataset};

@@ -3,137 +3,8 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
-use qsr_sched::{ConfigError, FragmentPlan, LrSchedule, Plan, SyncRule};
-use serde::{Deserialize, Serialize};
+use qsr_sched::{FragmentPlan, LocalSync, LrSchedule, Plan, StreamingConfig, SyncSection};
 use toml::{Table, Value};
-
-/// A recipe's `[sync]` section: the sync rule (`sync.rule` and its settings) and, for a two-level
-/// run, the local level `[sync.local]`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct SyncSection {
-    /// The global rule: how often every worker averages.
-    #[serde(flatten)]
-    pub rule: SyncRule,
-    /// Averaging inside each node between the global syncs (`[sync.local]`); none by default.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub local: Option<LocalSync>,
-    /// The parameters averaged in fragments on staggered steps (`[sync.streaming]`); none by default.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub streaming: Option<StreamingSync>,
-}
-
-/// `[sync.streaming]`: the parameters averaged in fragments, each once per round on its own step
-/// ([`FragmentPlan`]), applied `delay` steps later and blended by `mix` (the driver's settings).
-pub use qsr_optim::StreamingConfig as StreamingSync;
-
-/// Of the workers' differences, the most that may be left after a run's syncs under `mix`: less
-/// than three halvings' worth (e^-3) means the final average mixes models that never came together.
-const MIX_LEFT_REFUSED: f64 = 0.05;
-
-/// The fragment schedule of `streaming` over `plan`, each refusal naming its key. A `mix` under which
-/// the run's syncs leave more than 5 % of the workers' differences is refused (N8): each sync keeps
-/// `1 - mix` of them.
-pub fn fragment_plan(streaming: &StreamingSync, plan: Plan) -> Result<FragmentPlan> {
-    streaming.validate()?;
-    let fragments = FragmentPlan::new(plan, streaming.fragments)?;
-    let syncs = fragments.summary().syncs_per_fragment;
-    let left = (1.0 - streaming.mix).powf(syncs as f64);
-    if syncs > 0 && left > MIX_LEFT_REFUSED {
-        let least = 1.0 - MIX_LEFT_REFUSED.powf(1.0 / syncs as f64);
-        bail!(
-            "sync.streaming.mix = {} cannot bring the workers together: each of the run's {syncs} syncs per \
-             fragment keeps 1 - mix of their differences, {:.0}% after them all, and the run ends averaging \
-             models that never agreed; use mix >= {least:.4} (mix 0.5 is Streaming DiLoCo's)",
-            streaming.mix,
-            100.0 * left
-        );
-    }
-    Ok(fragments)
-}
-
-/// What a runnable `[sync.streaming]` does differently from its settings over `fragments`, one line
-/// each, as `qsr plan`, `qsr train` and `qsr simulate` warn: averages that land early, before their
-/// delay, because their fragment syncs again first (rounds shorter than the delay); a `mix` that
-/// takes more than a tenth of the run's syncs to halve the workers' differences.
-pub fn streaming_warnings(set: &StreamingSync, fragments: &FragmentPlan) -> Vec<String> {
-    let mut warnings = Vec::new();
-    let early = fragments.syncs_within(set.delay);
-    if early > 0 {
-        let shortest = fragments.plan().rounds().map(|r| r.len).min().unwrap_or(0);
-        warnings.push(format!(
-            "{early} fragment syncs come fewer than sync.streaming.delay = {} steps after their fragment's \
-             previous one (shortest round: {shortest} steps): those averages land early, at the next sync, a \
-             round after they were sent",
-            set.delay
-        ));
-    }
-    let syncs = fragments.summary().syncs_per_fragment as f64;
-    let half_life = std::f64::consts::LN_2 / -(1.0 - set.mix).ln();
-    if syncs > 0.0 && set.mix < 1.0 && half_life > syncs / 10.0 {
-        let least = 1.0 - 0.5f64.powf(10.0 / syncs);
-        warnings.push(format!(
-            "sync.streaming.mix = {} halves the workers' differences only every {half_life:.0} syncs of the \
-             run's {syncs}: they drift apart for much of the run (mix >= {least:.3} halves them within a tenth)",
-            set.mix
-        ));
-    }
-    warnings
-}
-
-/// `[sync.local]`: the local level of a two-level run (see [`Plan::with_local`]).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct LocalSync {
-    /// The local rule (`sync.local.rule` and its settings, e.g. `rule = "constant"`, `h = 1`); it
-    /// averages parameters, so `dp` is refused.
-    #[serde(flatten)]
-    pub rule: SyncRule,
-    /// Workers per node (`sync.local.workers_per_node`): ranks `0..n` form the first node, `n..2n`
-    /// the next. Default: the ranks of one host form a node (all simulated workers are one host).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub workers_per_node: Option<usize>,
-}
-
-impl SyncSection {
-    /// A flat section: `rule` alone.
-    pub fn flat(rule: SyncRule) -> Self {
-        SyncSection { rule, local: None, streaming: None }
-    }
-
-    /// The plan of this section under `schedule` for a run of `run_steps` (default the horizon).
-    pub fn plan(&self, schedule: LrSchedule, run_steps: Option<u64>) -> Result<Plan, ConfigError> {
-        let plan = Plan::from_parts(schedule, self.rule.clone(), run_steps)?;
-        match &self.local {
-            Some(l) => plan.with_local(l.rule.clone()),
-            None => Ok(plan),
-        }
-    }
-}
-
-/// Keys each sync rule accepts, so switching the rule from the command line keeps what still applies.
-fn rule_keys(rule: &str) -> &'static [&'static str] {
-    match rule {
-        "constant" => &["h"],
-        "post-local" => &["switch_step", "h"],
-        "power" => &["h_base", "alpha", "power"],
-        "qsr" => &["h_base", "alpha"],
-        "exponential" => &["h_base", "scaler", "h_max"],
-        _ => &[],
-    }
-}
-
-/// Makes `rule` the `[sync]` table's rule, dropping the settings of the old rule that the new one does
-/// not take (`--sync` and `--set sync.rule=...`: a qsr recipe switched to dp keeps no `alpha`).
-pub(super) fn switch_rule(sync: &mut Table, rule: &str) {
-    let old = sync.get("rule").and_then(Value::as_str).map(str::to_string);
-    if old.as_deref() != Some(rule) {
-        let keep = rule_keys(rule);
-        sync.retain(|k, _| keep.contains(&k) || k == "local" || k == "streaming");
-        if rule == "power" && !sync.contains_key("power") && old.as_deref() == Some("qsr") {
-            sync.insert("power".into(), Value::Float(2.0));
-        }
-    }
-    sync.insert("rule".into(), Value::String(rule.to_string()));
-}
 
 /// Where each setting can come from, for error messages.
 fn flag_for(key: &str) -> Option<&'static str> {
@@ -208,6 +79,10 @@ pub struct PlanOverrides {
     /// Steps the run performs, if not the whole horizon.
     #[arg(long)]
     pub run_steps: Option<u64>,
+    /// Override a recipe key, e.g. `--set sync.streaming.fragments=4` (repeatable; applied before
+    /// the flags above).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
 }
 
 /// A recipe's schedule and sync rule after overrides, validated.
@@ -220,7 +95,7 @@ pub struct PlanRecipe {
     /// The validated round plan: schedule, sync rule and run length.
     pub plan: Plan,
     /// `[sync.streaming]`'s settings and fragment schedule over `plan`, where the recipe has them.
-    pub streaming: Option<(StreamingSync, FragmentPlan)>,
+    pub streaming: Option<(StreamingConfig, FragmentPlan)>,
 }
 
 /// Reads a recipe file as a TOML table, naming the file in every error.
@@ -237,6 +112,7 @@ fn section<'a>(root: &'a mut Table, name: &str) -> Result<&'a mut Table> {
 impl PlanOverrides {
     /// Applies the flags to a recipe table in place.
     pub fn apply(&self, root: &mut Table) -> Result<()> {
+        super::sets::apply_sets(root, &self.sets)?;
         let sched = section(root, "schedule")?;
         let set = |t: &mut Table, k: &str, v: Option<Value>| {
             if let Some(v) = v {
@@ -263,7 +139,7 @@ impl PlanOverrides {
 
         let sync = section(root, "sync")?;
         if let Some(rule) = &self.rule {
-            switch_rule(sync, rule);
+            super::sets::switch_rule(sync, rule);
         }
         set(sync, "h_base", int(self.h_base));
         set(sync, "alpha", float(self.alpha));
@@ -294,7 +170,7 @@ fn parse_section<T: serde::de::DeserializeOwned>(root: &Table, name: &str, origi
         && let Some(streaming) = table.get("streaming")
     {
         let table = Table::from_iter([("sync.streaming".to_string(), streaming.clone())]);
-        parse_section::<StreamingSync>(&table, "sync.streaming", origin)?;
+        parse_section::<StreamingConfig>(&table, "sync.streaming", origin)?;
     }
     table.try_into::<T>().map_err(|e| {
         let msg = e.message().trim().to_string();
@@ -309,7 +185,7 @@ fn parse_section<T: serde::de::DeserializeOwned>(root: &Table, name: &str, origi
 }
 
 /// Builds the plan of a recipe table (already overridden), with its `[sync.streaming]` schedule.
-type PlanParts = (Plan, Option<(StreamingSync, FragmentPlan)>);
+type PlanParts = (Plan, Option<(StreamingConfig, FragmentPlan)>);
 
 fn plan_from_table(root: &Table, run_steps: Option<u64>, origin: &str) -> Result<PlanParts> {
     let schedule: LrSchedule = parse_section(root, "schedule", origin)?;
@@ -317,7 +193,7 @@ fn plan_from_table(root: &Table, run_steps: Option<u64>, origin: &str) -> Result
     let plan = sync.plan(schedule, run_steps).map_err(|e| anyhow!("{origin}: {e}"))?;
     let streaming = match sync.streaming {
         Some(settings) => {
-            let fragments = fragment_plan(&settings, plan.clone()).map_err(|e| anyhow!("{origin}: {e}"))?;
+            let fragments = settings.fragment_plan(plan.clone()).map_err(|e| anyhow!("{origin}: {e}"))?;
             Some((settings, fragments))
         }
         None => None,

@@ -10,7 +10,7 @@ use qsr_sched::{LrSchedule, Plan};
 
 use serde::{Deserialize, Serialize};
 
-use super::plan::SyncSection;
+use qsr_sched::SyncSection;
 use toml::{Table, Value};
 
 /// Which dataset, and where.
@@ -189,51 +189,11 @@ pub(crate) const MAX_PREFETCH: usize = 64;
 const SECTIONS: [&str; 10] =
     ["model", "data", "train", "optimizer", "schedule", "sync", "driver", "eval", "checkpoint", "outer"];
 
-/// Applies `key=value` overrides (dotted keys, TOML values; a bare word is a string).
-pub(crate) fn apply_sets(root: &mut Table, sets: &[String]) -> Result<()> {
-    for set in sets {
-        let (key, raw) = set.split_once('=').ok_or_else(|| anyhow!("--set {set}: expected key=value"))?;
-        let key = key.trim();
-        let value = parse_value(raw.trim()).map_err(|why| anyhow!("--set {set}: {why}"))?;
-        let parts: Vec<&str> = key.split('.').collect();
-        if parts.iter().any(|p| p.is_empty()) {
-            bail!("--set {set}: `{key}` is not a dotted key");
-        }
-        let mut table = &mut *root;
-        for (i, part) in parts[..parts.len() - 1].iter().enumerate() {
-            let entry = table.entry(part.to_string()).or_insert_with(|| Value::Table(Table::new()));
-            table = entry
-                .as_table_mut()
-                .ok_or_else(|| anyhow!("--set {set}: `{}` is not a table", parts[..=i].join(".")))?;
-        }
-        match (key, value.as_str()) {
-            // Switching the rule drops the old rule's settings, as `--sync` does.
-            ("sync.rule", Some(rule)) => super::plan::switch_rule(table, rule),
-            _ => {
-                table.insert(parts[parts.len() - 1].to_string(), value);
-            }
-        }
-    }
-    Ok(())
-}
-
-/// A TOML value, or a bare word as a string (`--set data.path=/data/x`). Text that starts like a TOML
-/// string, array or table must parse as one: `name="abc` is an error, not the literal `"abc`.
-fn parse_value(raw: &str) -> Result<Value, String> {
-    match format!("v = {raw}").parse::<Table>() {
-        Ok(mut t) => t.remove("v").ok_or_else(|| format!("`{raw}` is not a single value")),
-        Err(e) if raw.starts_with(['"', '\'', '[', '{']) => {
-            Err(format!("`{raw}` is not a valid TOML value: {}", e.message().trim()))
-        }
-        Err(_) => Ok(Value::String(raw.to_string())),
-    }
-}
-
 impl TrainRecipe {
     /// Reads a recipe file, applies overrides, validates every part; errors name the file and key.
     pub fn load(path: &Path, sets: &[String]) -> Result<Self> {
         let mut root = crate::recipe::read_table(path)?;
-        apply_sets(&mut root, sets)?;
+        super::sets::apply_sets(&mut root, sets)?;
         Self::from_table(root, &format!("recipe {}", path.display()))
     }
 
@@ -322,7 +282,7 @@ impl TrainRecipe {
             bail!("invalid `sync.local.workers_per_node`: must be at least 1");
         }
         if let Some(streaming) = &self.sync.streaming {
-            super::plan::fragment_plan(streaming, self.plan()?)?;
+            streaming.fragment_plan(self.plan()?)?;
         }
         if let Some(outer) = &self.outer {
             outer.validate_for(&self.sync.rule)?;
@@ -450,8 +410,8 @@ fn section_error(section: &str, value: &Value) -> Option<String> {
         let sub = |key: &str, check: fn(&Value) -> Option<(String, String)>| {
             value.get(key).and_then(check).map(|e| (format!("sync.{key}"), e))
         };
-        let failed = sub("local", check::<crate::recipe::LocalSync>)
-            .or_else(|| sub("streaming", check::<crate::recipe::StreamingSync>))
+        let failed = sub("local", check::<qsr_sched::LocalSync>)
+            .or_else(|| sub("streaming", check::<qsr_sched::StreamingConfig>))
             .or_else(|| check::<SyncSection>(value).map(|e| (section.to_string(), e)));
         return failed.map(|(at, e)| name_error(&at, e));
     }

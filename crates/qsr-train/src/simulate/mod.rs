@@ -592,9 +592,9 @@ pub fn simulate(args: &SimulateArgs) -> Result<Report> {
         }
         let prediction = match &item.recipe.sync.streaming {
             Some(st) => {
-                let fragments = crate::recipe::fragment_plan(st, plan.clone())?;
+                let fragments = st.fragment_plan(plan.clone())?;
                 let name = &item.recipe.name;
-                for w in crate::recipe::streaming_warnings(st, &fragments) {
+                for w in st.warnings(&fragments) {
                     eprintln!("qsr: warning: `{name}`: {w}");
                 }
                 streaming::predict_streaming(name, (&fragments, st), step_seconds, &payload, world, (cluster, spe))

@@ -1,6 +1,6 @@
 //! The prediction of a streaming recipe (`[sync.streaming]`): fragments' all-reduces overlap the steps.
 
-use qsr_optim::StreamingConfig;
+use qsr_sched::StreamingConfig;
 use qsr_sched::{FragmentPlan, StepInfo, SyncMode, split_elements};
 
 use super::{Cluster, Counted, Prediction, SyncPayload};

@@ -203,7 +203,7 @@ fn streaming_predictions_count_node_averages_in_f32() {
         local_encoding: int8.local_encoding,
         ..SyncPayload::params(1_000_000)
     };
-    let st = qsr_optim::StreamingConfig { fragments: 2, delay: 1, mix: 1.0 };
+    let st = qsr_sched::StreamingConfig { fragments: 2, delay: 1, mix: 1.0 };
     let fragments = qsr_sched::FragmentPlan::new(p.clone(), 2).unwrap();
     let (inter, intra) = (Network::new(1e10, 0.0).unwrap(), Network::new(1e9, 0.0).unwrap());
     let cluster = Cluster { inter, nodes: Some(Nodes { size: 2, intra }) };
@@ -222,7 +222,7 @@ fn streaming_predictions_count_node_averages_in_f32() {
 fn streaming_predictions_hide_what_arrives_in_time() {
     let p = plan(SyncRule::Constant { h: 8 }, 64);
     let payload = SyncPayload::params(1_000_000);
-    let st = qsr_optim::StreamingConfig { fragments: 4, delay: 2, mix: 1.0 };
+    let st = qsr_sched::StreamingConfig { fragments: 4, delay: 2, mix: 1.0 };
     let fragments = qsr_sched::FragmentPlan::new(p.clone(), 4).unwrap();
     let step = 0.1;
     // 1M f32 over K = 4 at 10 Gbit/s: 4.8 ms for the whole model, 1.2 ms a fragment: all hidden.

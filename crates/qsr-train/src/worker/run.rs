@@ -102,8 +102,8 @@ pub(crate) fn set_up_syncs<M: Module>(
     warn: bool,
 ) -> Result<()> {
     if let Some(streaming) = recipe.sync.streaming {
-        let fragments = crate::recipe::fragment_plan(&streaming, plan.clone())?;
-        for w in crate::recipe::streaming_warnings(&streaming, &fragments).iter().filter(|_| warn) {
+        let fragments = streaming.fragment_plan(plan.clone())?;
+        for w in streaming.warnings(&fragments).iter().filter(|_| warn) {
             eprintln!("qsr: warning: {w}");
         }
         worker.set_streaming(streaming)?;

@@ -287,6 +287,26 @@ fn plan_shows_streaming_fragments_and_their_peak_bytes() {
     assert!(v.get("streaming").is_none());
 }
 
+/// `--set` reads like the recipe key it names, as `qsr train` and `qsr simulate` take it: the streaming
+/// section given on the command line equals the same section in the recipe, and a bad value is
+/// refused naming the key.
+#[test]
+fn plan_takes_set_overrides_of_recipe_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let in_file = plan_json(&["--recipe", &streaming_recipe(dir.path(), "fragments = 4\ndelay = 2")]);
+    let recipe = "recipes/imagenet-vit-b-qsr-hbase4.toml";
+    let set = ["--set", "sync.streaming.fragments=4", "--set", "sync.streaming.delay=2"];
+    let base = plan_json(&["--recipe", recipe]);
+    let by_set = plan_json(&[&["--recipe", recipe][..], &set].concat());
+    assert_eq!(by_set["streaming"]["settings"], in_file["streaming"]["settings"]);
+    assert_eq!(by_set["streaming"]["summary"]["syncs_per_fragment"], base["rounds"]);
+    // A rule switched by --set drops the old rule's keys, as --sync does.
+    assert_eq!(plan_json(&["--recipe", recipe, "--set", "sync.rule=dp"])["rounds"], base["total_steps"]);
+    let bad = ["--set", "sync.streaming.fragments=2", "--set", "sync.streaming.delay=0"];
+    let err = plan_refused(&[&["--recipe", recipe][..], &bad].concat());
+    assert!(err.contains("sync.streaming.delay"), "{err}");
+}
+
 /// `--wire int8` counts a byte per value and a scale per 64 (whole blocks, as the ring moves them):
 /// 68 / 256 of the f32 volume, in the plan's volume and the streaming peak alike.
 #[test]
