@@ -2,9 +2,11 @@
 //! as layers, none using another that uses it back, directly or around a circle.
 //!
 //! A file's module path comes from its place under `src/` (`lib.rs`, `main.rs` and `mod.rs` name
-//! their folder). A `crate::a::b::Name` or `super::x` path (read as text, `use` groups expanded) is
-//! an edge to the deepest module it names; the crate root, a module's own descendants (a parent
-//! using its child files) and `#[cfg(test)]` code are left out. Any cycle among the rest fails.
+//! their folder). A `crate::a::b::Name` or `super::x` path (read as text, `use` groups expanded), or
+//! `child::Name` for a `mod child;` the file declares, is an edge to the deepest module it names; the
+//! crate root and `#[cfg(test)]` code are left out. A circle made only of a module and its own
+//! descendants (a parent using its child files, the children using `super::`) is the usual Rust
+//! layering; any other circle fails, one through a parent and a file outside it too.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -44,17 +46,47 @@ fn crate_cycles(src: &Path) -> Result<Vec<Vec<String>>> {
     let mut edges: BTreeMap<Module, BTreeSet<Module>> = BTreeMap::new();
     for (m, path) in &files {
         let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let children = declared_children(&text).into_iter().map(|c| [m.clone(), vec![c]].concat());
         let targets = references(&text)
             .into_iter()
             .filter_map(|(sup, segs)| target(m, sup, &segs, &modules))
-            .filter(|t| !t.is_empty() && t != m && !t.starts_with(m));
+            .chain(children.filter(|c| modules.contains(c)))
+            .filter(|t| !t.is_empty() && t != m);
         edges.entry(m.clone()).or_default().extend(targets);
     }
     Ok(strongly_connected(&edges)
         .into_iter()
-        .filter(|c| c.len() > 1)
+        .filter(|c| c.len() > 1 && !within_one_subtree(c))
         .map(|c| c.into_iter().map(|m| display(&m)).collect())
         .collect())
+}
+
+/// Whether every module of `circle` lies in the subtree of one of them: a parent and its own files.
+fn within_one_subtree(circle: &[Module]) -> bool {
+    circle.iter().any(|root| circle.iter().all(|m| m.starts_with(root)))
+}
+
+/// The child modules a file declares (`mod child;`) and names in its code (`child::Name`).
+fn declared_children(text: &str) -> Vec<String> {
+    let code = text.find("#[cfg(test)]").map_or(text, |i| &text[..i]);
+    code.lines()
+        .filter_map(|line| {
+            let decl = line.trim_start();
+            let decl = decl.strip_prefix("pub(crate) ").or_else(|| decl.strip_prefix("pub ")).unwrap_or(decl);
+            let name = decl.strip_prefix("mod ")?.strip_suffix(';')?.trim();
+            name.chars().all(|c| c.is_alphanumeric() || c == '_').then(|| name.to_string())
+        })
+        .filter(|name| names_path(code, name))
+        .collect()
+}
+
+/// Whether `code` has a path starting with `name::` (not as the tail of a longer path or identifier).
+fn names_path(code: &str, name: &str) -> bool {
+    let pat = format!("{name}::");
+    code.match_indices(&pat).any(|(i, _)| {
+        let before = code[..i].chars().next_back();
+        !before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == ':')
+    })
 }
 
 fn display(m: &Module) -> String {
@@ -213,6 +245,36 @@ mod tests {
         );
         check(std::slice::from_ref(&parent)).unwrap();
         for root in [sibs, parent] {
+            let _ = std::fs::remove_dir_all(root);
+        }
+    }
+
+    #[test]
+    fn a_circle_through_a_parent_and_a_file_outside_it_fails() {
+        // qsr-comm's old circle: hier -> tcp (a parent) -> tcp::doubling (its child) -> hier.
+        let through = tree(
+            "through",
+            &[
+                ("lib.rs", "mod hier; mod tcp;"),
+                ("hier.rs", "use crate::tcp::Ring;"),
+                ("tcp/mod.rs", "mod doubling;\npub struct Ring;\nfn f() { doubling::halve(); }"),
+                ("tcp/doubling.rs", "use crate::hier::status_word;"),
+            ],
+        );
+        let err = check(std::slice::from_ref(&through)).unwrap_err().to_string();
+        assert!(err.contains("hier <-> tcp <-> tcp::doubling"), "{err}");
+        // The same parent using its child, and the child its parent, alone: allowed.
+        let own = tree(
+            "own",
+            &[
+                ("lib.rs", "mod hier; mod tcp;"),
+                ("hier.rs", "use crate::tcp::Ring;"),
+                ("tcp/mod.rs", "mod doubling;\npub struct Ring;\nfn f() { doubling::halve(); }"),
+                ("tcp/doubling.rs", "use super::Ring;"),
+            ],
+        );
+        check(std::slice::from_ref(&own)).unwrap();
+        for root in [through, own] {
             let _ = std::fs::remove_dir_all(root);
         }
     }

@@ -28,3 +28,10 @@ pub fn notice(warning: bool, msg: &str) {
         eprintln!("qsr-comm: {msg}");
     }
 }
+
+/// The bytes of `f`, to send or receive in place (the TCP ring and shared memory alike).
+pub(crate) fn f32_bytes_mut(f: &mut [f32]) -> &mut [u8] {
+    // SAFETY: f32 has no padding and every bit pattern is a valid f32 and a valid [u8; 4]; the
+    // returned slice covers exactly the same memory and borrows `f` mutably.
+    unsafe { std::slice::from_raw_parts_mut(f.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(f)) }
+}

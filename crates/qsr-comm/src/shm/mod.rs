@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::inproc::{Rounding, check_root, op_name};
-use crate::tcp::engine::f32_bytes_mut;
+use crate::util::f32_bytes_mut;
 use crate::{CallKind, Codec, Collective, CommError, CommStats, ReduceOp, bf16_round, split_range};
 use qsr_kernels::WIRE_BLOCK;
 

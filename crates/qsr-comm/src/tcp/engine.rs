@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use qsr_kernels::{Codec, WIRE_BLOCK, WIRE_BLOCK_BYTES};
 
 use crate::CommError;
+use crate::util::f32_bytes_mut;
 use crate::wire::{self, Back, CallHeader, Frame, Reason};
 
 use super::Ring;
@@ -159,12 +160,6 @@ pub(crate) fn bf16_at(b: &[u8]) -> f32 {
 /// Writes `x` rounded to bf16 into two little-endian wire bytes.
 pub(crate) fn put_bf16(x: f32, out: &mut [u8]) {
     out.copy_from_slice(&half::bf16::from_f32(x).to_bits().to_le_bytes());
-}
-
-pub(crate) fn f32_bytes_mut(f: &mut [f32]) -> &mut [u8] {
-    // SAFETY: f32 has no padding and every bit pattern is a valid f32 and a valid [u8; 4]; the
-    // returned slice covers exactly the same memory and borrows `f` mutably.
-    unsafe { std::slice::from_raw_parts_mut(f.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(f)) }
 }
 
 pub(crate) struct Call<'a> {

@@ -668,7 +668,7 @@ impl Collective for TcpComm {
 
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
         crate::inproc::check_root(root, self.n)?;
-        self.broadcast_raw(wire::KIND_BROADCAST, engine::f32_bytes_mut(buf), root)
+        self.broadcast_raw(wire::KIND_BROADCAST, crate::util::f32_bytes_mut(buf), root)
     }
 
     fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
