@@ -35,14 +35,12 @@
 mod agree;
 mod bootstrap;
 mod connect;
-mod elastic;
 mod error;
 mod hier;
 mod inproc;
 mod launch_env;
 mod shm;
 mod status;
-pub mod store_protocol;
 mod tcp;
 mod util;
 mod wire;
@@ -55,16 +53,17 @@ mod nccl;
 pub use agree::{KeyDiff, agree, differing_keys};
 pub use bootstrap::{probe_library, share_unique_id};
 pub use connect::{Transport, connect, host_id, over_ring, split, split_by_host};
-pub use elastic::{Elastic, ElasticConfig, Membership, Pair, Poll};
 pub use error::CommError;
 pub use inproc::{DEFAULT_TIMEOUT, InProcessComm, InProcessGroup};
 pub use launch_env::{
     DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, Explicit, LaunchEnv, Source, detect, detect_from_process_env, first_host,
 };
 pub use shm::{ShmComm, ShmConfig};
-pub use store_protocol::{Lost, MAX_SYNC_PAYLOAD, SyncState};
-pub use tcp::{MAX_TIMEOUT_SECS, MasterListener, TcpComm, TcpConfig, random_token, resolve, seconds};
+pub use tcp::{
+    MAX_TIMEOUT_SECS, MasterListener, RingSeat, TcpComm, TcpConfig, Waiting, random_token, resolve, seconds,
+};
 pub use util::notice;
+pub use wire::MAX_HOST_LEN;
 
 #[cfg(feature = "mpi")]
 pub use mpi_backend::MpiComm;

@@ -1,9 +1,8 @@
-//! The control plane of qsr's elastic jobs: the [`Store`], a server that outlives any worker and
-//! settles each generation's membership (`qsr rendezvous`, or a thread of `qsr train --nproc N
-//! --elastic`).
-//!
-//! The workers' side, [`qsr_comm::Elastic`], stays beside the collectives it forms each generation
-//! over; the two speak [`qsr_comm::store_protocol`]. A store for 2 workers and one worker of it:
+//! Elastic jobs, in one crate over qsr-comm's collectives: the [`Store`], a server that outlives any
+//! worker and settles each generation's membership (`qsr rendezvous`, or a thread of `qsr train
+//! --nproc N --elastic`), the workers' side [`Elastic`], which joins each generation at the store and
+//! forms its collective, and the line protocol the two speak (private; its shared types are
+//! [`SyncState`] and [`Lost`]). A store for 2 workers:
 //!
 //! ```no_run
 //! # fn main() -> Result<(), qsr_comm::CommError> {
@@ -16,10 +15,14 @@
 //! # }
 //! ```
 //!
-//! The protocol and its invariants are on [`qsr_comm::Elastic`] and in docs/architecture/elastic.md.
+//! The protocol and its invariants are on [`Elastic`] and in docs/architecture/elastic.md.
 
 #![forbid(unsafe_code)]
 
+mod client;
+mod protocol;
 mod store;
 
+pub use client::{Elastic, ElasticConfig, Membership, Pair, Poll};
+pub use protocol::{Lost, MAX_SYNC_PAYLOAD, SyncState};
 pub use store::{Store, StoreConfig};

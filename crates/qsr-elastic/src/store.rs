@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use qsr_comm::store_protocol::{
-    KEEPALIVE, Lost, MAX_HOST_LEN, MAX_SYNC_PAYLOAD, Request, Response, SyncState, recv, same_token, send,
-};
-use qsr_comm::{CommError, notice};
+use qsr_comm::{CommError, MAX_HOST_LEN, notice};
+use subtle::ConstantTimeEq;
+
+use crate::protocol::{KEEPALIVE, Lost, MAX_SYNC_PAYLOAD, Request, Response, SyncState, recv, send};
 
 /// How often threads look at the stop flag.
 const TICK: Duration = Duration::from_millis(50);
@@ -322,7 +322,7 @@ fn hello(r: &mut BufReader<TcpStream>, shared: &Shared) -> Result<u64, Box<Respo
     let Some(Request::Hello { token, settings, order }) = req else {
         return Err(Box::new(refused("the first request must be a hello".into())));
     };
-    if !same_token(token.as_bytes(), shared.cfg.token.as_bytes()) {
+    if !bool::from(token.as_bytes().ct_eq(shared.cfg.token.as_bytes())) {
         return Err(Box::new(mismatch("job token differs (is this worker from another job?)".into())));
     }
     let mut st = shared.lock();

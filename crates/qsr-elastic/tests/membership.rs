@@ -3,11 +3,8 @@
 
 use std::time::Duration;
 
-use qsr_comm::{
-    Collective, CommError, Elastic, ElasticConfig, MAX_SYNC_PAYLOAD, Poll, ReduceOp, ShmConfig, SyncState, TcpConfig,
-    Transport,
-};
-use qsr_elastic::{Store, StoreConfig};
+use qsr_comm::{Collective, CommError, ReduceOp, ShmConfig, TcpConfig, Transport};
+use qsr_elastic::{Elastic, ElasticConfig, MAX_SYNC_PAYLOAD, Poll, Store, StoreConfig, SyncState};
 
 fn store(workers: usize) -> Store {
     let cfg = StoreConfig { settle: Duration::from_secs(1), token: "elastic-test".into(), ..StoreConfig::new(workers) };
@@ -92,7 +89,7 @@ fn survivors_of_a_lost_worker_form_the_next_generation_with_the_newest_sync() {
 fn a_generation_formed_as_a_pair_reduces_on_both_groups_at_once_and_reforms_both() {
     let store = store(3);
     let sizes = each_worker(&store, 3, |_, mut job| {
-        let qsr_comm::Pair { mut comm, mut side, membership: m } = job.form_pair(None, "start").unwrap();
+        let qsr_elastic::Pair { mut comm, mut side, membership: m } = job.form_pair(None, "start").unwrap();
         assert_eq!((side.rank(), side.world_size()), (m.rank, 3));
         let beside = std::thread::spawn(move || (total(side.as_mut(), 2.0), side));
         assert_eq!(total(comm.as_mut(), 1.0).unwrap(), 3.0);
@@ -102,7 +99,7 @@ fn a_generation_formed_as_a_pair_reduces_on_both_groups_at_once_and_reforms_both
             return None;
         }
         assert!(total(side.as_mut(), 1.0).is_err(), "rank {}'s side group did not see the loss", m.rank);
-        let qsr_comm::Pair { mut comm, mut side, membership: m2 } = job.form_pair(state(4), "lost a peer").unwrap();
+        let qsr_elastic::Pair { mut comm, mut side, membership: m2 } = job.form_pair(state(4), "lost a peer").unwrap();
         assert_eq!((total(comm.as_mut(), 1.0).unwrap(), total(side.as_mut(), 3.0).unwrap()), (2.0, 6.0));
         job.finish().unwrap();
         Some(m2.world_size)

@@ -272,7 +272,7 @@ impl<M: Module> Worker<M> {
     pub fn comm_mut(&mut self) -> &mut dyn Collective {
         self.sync.comm_mut()
     }
-    /// Replaces the collective (an elastic job's next generation, [`qsr_comm::Elastic`]); returns the
+    /// Replaces the collective (an elastic job's next generation: qsr-elastic's `Elastic`); returns the
     /// old one. Refused when the new one cannot carry the configured wire, and for workers of a
     /// two-level plan or a device group, whose other groups would still span the old membership. A
     /// streaming worker must have nothing in flight ([`Self::restore_snapshot`] drops it); its

@@ -1,5 +1,5 @@
 //! A worker's state at a synchronization, kept to abandon a round, and the hand-over of the newest
-//! one to a new membership: what an elastic job ([`qsr_comm::Elastic`]) needs from the driver.
+//! one to a new membership: what an elastic job (qsr-elastic's `Elastic`) needs from the driver.
 
 use burn::module::Module;
 use qsr_sched::Cursor;

@@ -57,7 +57,7 @@ pub struct MembershipChange {
     /// Workers in it.
     pub world_size: usize,
     /// Workers of the previous generation left out, by their rank there, with the store's reason.
-    pub lost: Vec<qsr_comm::Lost>,
+    pub lost: Vec<qsr_elastic::Lost>,
     /// Ranks of the workers that joined.
     pub joined: Vec<usize>,
     /// What the survivors saw: the failure that ended the round, or the admission of new workers.

@@ -16,6 +16,7 @@ use crate::{Codec, Collective, CommError, CommStats, ReduceOp};
 use qsr_kernels::{WIRE_BLOCK, WIRE_BLOCK_BYTES};
 
 use engine::{Buf, Call};
+pub use rendezvous::Waiting;
 
 /// Settings of the TCP backend. `Default` is safe for one host: loopback only, 30 s timeout.
 #[derive(Debug, Clone)]
@@ -50,7 +51,7 @@ pub struct TcpConfig {
     /// "All-reduce defaults"); 0 keeps every call on the ring. All ranks must use the same value: it
     /// is compared when the pairs form.
     pub doubling_bytes: usize,
-    /// The membership generation of an elastic job ([`crate::Elastic`] sets it for every ring it forms;
+    /// The membership generation of an elastic job (qsr-elastic's `Elastic` sets it for every ring it forms;
     /// 0 otherwise): a hello of another generation is refused, naming both.
     pub generation: u64,
     /// Protocol version sent in handshakes; only tests change it, to check refusals.
@@ -288,6 +289,40 @@ fn validate(rank: usize, n: usize, cfg: &TcpConfig) -> Result<(), CommError> {
         return Err(CommError::InvalidArgument("timeout must be positive".into()));
     }
     Ok(())
+}
+
+/// A rank's seat in a ring formed by an outside rendezvous (an elastic store): its ring listener,
+/// bound first, whose host and port the rendezvous hands to the other ranks, then the ring formed
+/// from the address table every rank received.
+pub struct RingSeat {
+    listener: TcpListener,
+    port: u16,
+    host: Option<String>,
+}
+
+impl RingSeat {
+    /// A fresh listener on `cfg.bind_ip`.
+    pub fn open(cfg: &TcpConfig) -> Result<RingSeat, CommError> {
+        let (listener, port) = ring_listener(cfg)?;
+        Ok(RingSeat { listener, port, host: rendezvous::advertised_host(cfg) })
+    }
+
+    /// The port the other ranks connect to.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The host the other ranks connect to: `cfg.advertise_host`, else the bind address; `None` for
+    /// an unspecified bind address (the rendezvous then uses the address it sees this rank from).
+    pub fn host(&self) -> Option<&str> {
+        self.host.as_deref()
+    }
+
+    /// Forms the ring as rank `rank` of `table.len()`, from the `(host, port)` of every rank, this
+    /// seat's at `rank`.
+    pub fn form(self, rank: usize, cfg: TcpConfig, table: Vec<(String, u16)>) -> Result<TcpComm, CommError> {
+        TcpComm::from_table(rank, table.len(), cfg, &self.listener, table)
+    }
 }
 
 /// A fresh ring listener on `cfg.bind_ip` and its port.

@@ -22,6 +22,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use subtle::ConstantTimeEq;
+
 use crate::CommError;
 use crate::wire::{self, Field, Hello, PREFIX_LEN, PROTOCOL_VERSION, Purpose, Reply};
 
@@ -43,8 +45,9 @@ fn secs(d: Duration) -> String {
     if d < Duration::from_secs(10) { format!("{:.1} s", d.as_secs_f64()) } else { format!("{} s", d.as_secs()) }
 }
 
-/// Progress lines of one wait, so that a long rendezvous is never silent.
-pub(crate) struct Waiting {
+/// Progress lines of one wait (through [`crate::notice`]), so that a long rendezvous is never silent:
+/// the ring's own, and an elastic store's clients.
+pub struct Waiting {
     start: Instant,
     /// The longest the wait may last (`None`: as long as it takes).
     total: Option<Duration>,
@@ -54,7 +57,7 @@ pub(crate) struct Waiting {
 
 impl Waiting {
     /// A wait of at most `total`: a line every 10 s (a quarter of `total` when that is shorter).
-    pub(crate) fn new(total: Duration) -> Waiting {
+    pub fn new(total: Duration) -> Waiting {
         Waiting::of(Some(total))
     }
 
@@ -66,7 +69,7 @@ impl Waiting {
 
     /// A wait of at most `total` (`None`: no limit), its first line due after `first` (a wait that
     /// is already unusual).
-    pub(crate) fn first_after(total: Option<Duration>, first: Duration) -> Waiting {
+    pub fn first_after(total: Option<Duration>, first: Duration) -> Waiting {
         let w = Waiting::of(total);
         Waiting { due: w.start + first.min(w.every), ..w }
     }
@@ -77,7 +80,7 @@ impl Waiting {
     }
 
     /// Prints `what (elapsed of total): detail` if a line is due.
-    pub(crate) fn tick(&mut self, what: &str, detail: &str) {
+    pub fn tick(&mut self, what: &str, detail: &str) {
         let now = Instant::now();
         if now < self.due {
             return;
@@ -129,7 +132,7 @@ fn check_hello(h: &Hello, purpose: Purpose, cfg: &TcpConfig, n: usize) -> Result
     if h.purpose != purpose {
         return Err((Field::Other, format!("expected a {:?} hello, got {:?}", purpose, h.purpose)));
     }
-    if !crate::store_protocol::same_token(&h.token, cfg.token.as_bytes()) {
+    if !bool::from(h.token.as_slice().ct_eq(cfg.token.as_bytes())) {
         return Err((Field::Token, "job token differs (is this rank from another job or launch?)".into()));
     }
     if h.generation != cfg.generation {
@@ -728,10 +731,11 @@ mod tests {
 
     #[test]
     fn token_comparison() {
-        assert!(crate::store_protocol::same_token(b"abc", b"abc"));
-        assert!(!crate::store_protocol::same_token(b"abc", b"abd"));
-        assert!(!crate::store_protocol::same_token(b"abc", b"abcd"));
-        assert!(crate::store_protocol::same_token(b"", b""));
+        let same = |a: &[u8], b: &[u8]| bool::from(a.ct_eq(b));
+        assert!(same(b"abc", b"abc"));
+        assert!(!same(b"abc", b"abd"));
+        assert!(!same(b"abc", b"abcd"));
+        assert!(same(b"", b""));
     }
 
     #[test]

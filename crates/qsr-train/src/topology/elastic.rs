@@ -2,7 +2,7 @@
 //!
 //! Every worker keeps a [`Snapshot`] of the last completed global sync (after its evaluation and
 //! checkpoint). When a collective fails because a peer was lost or stalled, the worker goes back to
-//! it and joins the next generation at the store ([`qsr_comm::Elastic`]); the new generation takes
+//! it and joins the next generation at the store ([`qsr_elastic::Elastic`]); the new generation takes
 //! the newest sync any survivor holds from that rank ([`Worker::adopt`]), continues the plan from its
 //! step (the plan and the lr schedule never change), and each rank trains on the shard of its new rank
 //! and world size (the data is a pure function of seed, rank, world size and step). New workers wait
@@ -16,7 +16,8 @@
 //! source shares them with every rank of the next generation.
 
 use anyhow::{Context, Result, anyhow, bail};
-use qsr_comm::{Collective, CommError, Elastic, ElasticConfig, Membership, Poll, SyncState, TcpConfig};
+use qsr_comm::{Collective, CommError, TcpConfig};
+use qsr_elastic::{Elastic, ElasticConfig, Membership, Poll, SyncState};
 use qsr_elastic::{Store, StoreConfig};
 use qsr_optim::{Level, Snapshot, StreamState, Worker};
 use serde::{Deserialize, Serialize};
@@ -388,7 +389,7 @@ fn resized(spec: &RunSpec, m: &Membership) -> Option<MembershipChange> {
     (was != now).then(|| MembershipChange {
         generation: m.generation,
         world_size: now,
-        lost: (now..was).map(|rank| qsr_comm::Lost { rank, reason: reason.clone() }).collect(),
+        lost: (now..was).map(|rank| qsr_elastic::Lost { rank, reason: reason.clone() }).collect(),
         joined: (was..now).collect(),
         reason: format!("resumed from the checkpoint at step {} written by {was} workers", state.step),
         rounds_lost: 0,

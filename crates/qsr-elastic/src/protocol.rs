@@ -1,5 +1,5 @@
-//! The protocol between an elastic job's workers ([`crate::Elastic`]) and its store (the
-//! `qsr-elastic` crate): one JSON object per line, at most [`MAX_LINE`] bytes, each way, and the
+//! The protocol between an elastic job's workers ([`crate::Elastic`]) and its store
+//! ([`crate::Store`]): one JSON object per line, at most [`MAX_LINE`] bytes, each way, and the
 //! types both sides share.
 
 use std::io::{BufRead, Write};
@@ -7,20 +7,20 @@ use std::io::{BufRead, Write};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
 /// The longest line either side reads: the settings (a resolved recipe) and a state payload fit.
-pub const MAX_LINE: u64 = 1 << 20;
+pub(crate) const MAX_LINE: u64 = 1 << 20;
 
 /// How often a waiting join hears from the store. A worker gives up on a silent store after its
 /// comm timeout, but never sooner than [`MIN_STORE_TIMEOUT`].
-pub const KEEPALIVE: std::time::Duration = std::time::Duration::from_millis(500);
+pub(crate) const KEEPALIVE: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// The shortest a worker waits for an answer of its store (four keepalives).
-pub const MIN_STORE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+pub(crate) const MIN_STORE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A worker's request.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 #[allow(missing_docs)] // the fields are the variant's words
-pub enum Request {
+pub(crate) enum Request {
     /// The first request on a connection: the job token, the settings every worker must share, and
     /// the launcher's rank, which orders the first generation.
     Hello { token: String, settings: serde_json::Value, order: Option<u64> },
@@ -37,7 +37,7 @@ pub enum Request {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 #[allow(missing_docs)] // the fields are the variant's words
-pub enum Response {
+pub(crate) enum Response {
     /// The hello was accepted: the worker's id, and the job's (one per store, random), which names
     /// the job in its run directory's lock.
     Welcome { id: u64, job: String },
@@ -82,7 +82,7 @@ pub enum Response {
 }
 
 /// Writes one message as a line.
-pub fn send(w: &mut impl Write, msg: &impl Serialize) -> std::io::Result<()> {
+pub(crate) fn send(w: &mut impl Write, msg: &impl Serialize) -> std::io::Result<()> {
     let mut line = serde_json::to_vec(msg).map_err(std::io::Error::other)?;
     line.push(b'\n');
     w.write_all(&line)?;
@@ -90,7 +90,7 @@ pub fn send(w: &mut impl Write, msg: &impl Serialize) -> std::io::Result<()> {
 }
 
 /// Reads one line (`None` at end of stream) and decodes it; a line over [`MAX_LINE`] is an error.
-pub fn recv<T: DeserializeOwned>(r: &mut impl BufRead) -> std::io::Result<Option<T>> {
+pub(crate) fn recv<T: DeserializeOwned>(r: &mut impl BufRead) -> std::io::Result<Option<T>> {
     let mut line = Vec::new();
     let n = std::io::Read::take(&mut *r, MAX_LINE + 1).read_until(b'\n', &mut line)?;
     if n == 0 {
@@ -123,12 +123,4 @@ pub struct Lost {
     pub rank: usize,
     /// Why the store dropped it (exited, or did not report within the settle time).
     pub reason: String,
-}
-
-/// The longest host name or address a join may carry.
-pub const MAX_HOST_LEN: usize = crate::wire::MAX_HOST_LEN;
-
-/// Byte-wise comparison whose time does not depend on where the tokens differ.
-pub fn same_token(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }

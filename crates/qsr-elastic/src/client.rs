@@ -2,12 +2,12 @@
 //! any of them.
 //!
 //! The protocol (docs/architecture/elastic.md states its invariants):
-//! - every worker keeps one connection to the store (`qsr_elastic::Store`) for its life, opened with the job token and
+//! - every worker keeps one connection to the store ([`crate::Store`]) for its life, opened with the job token and
 //!   the settings every worker must share (a worker with other settings is refused, naming the keys);
 //!   a closed connection is a lost worker;
 //! - the store forms generation 0 when `StoreConfig::workers` workers have joined, ranked by their
 //!   launcher order; each generation is a ring formed from the store's table with fresh listeners
-//!   and its number in every hello ([`crate::TcpConfig::generation`]), so no rank of an older
+//!   and its number in every hello ([`qsr_comm::TcpConfig::generation`]), so no rank of an older
 //!   generation can enter it;
 //! - a worker whose collective fails joins again, naming the generation it saw; the first such join
 //!   (or a member's closed connection) ends the generation; the store then waits until every member
@@ -25,10 +25,9 @@ use std::io::{BufReader, ErrorKind};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use crate::store_protocol::{Lost, MIN_STORE_TIMEOUT, Request, Response, SyncState, recv, send};
-use crate::tcp::rendezvous::{Waiting, advertised_host};
-use crate::tcp::{TcpComm, TcpConfig, ring_listener};
-use crate::{Collective, CommError, ShmConfig, Transport, over_ring};
+use qsr_comm::{Collective, CommError, RingSeat, ShmConfig, TcpComm, TcpConfig, Transport, Waiting, over_ring};
+
+use crate::protocol::{Lost, MIN_STORE_TIMEOUT, Request, Response, SyncState, recv, send};
 
 /// A generation as one worker sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,7 +61,7 @@ pub struct Pair {
 }
 
 /// How a worker reaches its elastic job: the store's address, and how it forms each generation's
-/// collective (the same transports as [`crate::connect`]).
+/// collective (the same transports as [`qsr_comm::connect`]).
 #[derive(Debug, Clone)]
 pub struct ElasticConfig {
     /// The store's `host:port`.
@@ -73,7 +72,7 @@ pub struct ElasticConfig {
     pub transport: Transport,
     /// Shared-memory settings.
     pub shm: ShmConfig,
-    /// This worker's host ([`crate::host_id`]).
+    /// This worker's host ([`qsr_comm::host_id`]).
     pub host: String,
     /// The launcher's rank for this worker, which orders the first generation (`None`: arrival).
     pub order: Option<u64>,
@@ -93,11 +92,12 @@ pub enum Poll {
     Over,
 }
 
-/// A worker's connection to its elastic job's store (`qsr_elastic::Store`).
+/// A worker's connection to its elastic job's store ([`Store`](crate::Store)).
 ///
 /// ```no_run
 /// # fn main() -> Result<(), qsr_comm::CommError> {
-/// use qsr_comm::{Elastic, ElasticConfig, ShmConfig, TcpConfig, Transport};
+/// use qsr_comm::{ShmConfig, TcpConfig, Transport};
+/// use qsr_elastic::{Elastic, ElasticConfig};
 ///
 /// let cfg = ElasticConfig {
 ///     store: "10.0.0.1:29400".into(),
@@ -130,7 +130,7 @@ impl Elastic {
     pub fn connect(cfg: ElasticConfig) -> Result<Elastic, CommError> {
         let stream = connect_store(&cfg.store, cfg.tcp.rendezvous_timeout)?;
         let _ = stream.set_nodelay(true);
-        let writer = stream.try_clone().map_err(|e| CommError::io("store connection", e))?;
+        let writer = stream.try_clone().map_err(|e| CommError::Io { context: "store connection".into(), error: e })?;
         let mut job = Elastic { reader: BufReader::new(stream), writer, cfg, generation: None, job: String::new() };
         let hello = Request::Hello {
             token: job.cfg.tcp.token.clone(),
@@ -151,7 +151,7 @@ impl Elastic {
         self.generation
     }
 
-    /// The job's id, the same for every worker of this store (`qsr_elastic::Store::job_id`).
+    /// The job's id, the same for every worker of this store ([`Store::job_id`](crate::Store::job_id)).
     pub fn job_id(&self) -> &str {
         &self.job
     }
@@ -176,20 +176,20 @@ impl Elastic {
     }
 
     /// [`Self::form`], and a second group of the same ranks split from the generation's ring
-    /// ([`crate::split`]), for collectives that run beside the first (a streaming worker's
+    /// ([`qsr_comm::split`]), for collectives that run beside the first (a streaming worker's
     /// fragments on a thread). Every member of a generation must call the same one.
     pub fn form_pair(&mut self, state: Option<SyncState>, reason: &str) -> Result<Pair, CommError> {
         let (mut ring, membership) = self.join(state, reason)?;
         let (transport, host, shm) = (self.cfg.transport, &self.cfg.host, &self.cfg.shm);
-        let side = crate::split(&mut ring, 0, membership.rank as u32, transport, host, shm.clone())?;
+        let side = qsr_comm::split(&mut ring, 0, membership.rank as u32, transport, host, shm.clone())?;
         let comm = over_ring(ring, transport, host, shm.clone())?;
         Ok(Pair { comm, side, membership })
     }
 
     /// Joins the next generation at the store and forms its ring.
     fn join(&mut self, state: Option<SyncState>, reason: &str) -> Result<(TcpComm, Membership), CommError> {
-        let (listener, port) = ring_listener(&self.cfg.tcp)?;
-        let host = advertised_host(&self.cfg.tcp).unwrap_or_default();
+        let seat = RingSeat::open(&self.cfg.tcp)?;
+        let (host, port) = (seat.host().unwrap_or_default().to_string(), seat.port());
         let join = Request::Join { seen: self.generation, host, port, state, reason: reason.into() };
         let reply = self.ask_until(&join, Some(self.cfg.tcp.rendezvous_timeout))?;
         let Response::Formed { generation, rank, previous_rank, table, source, state, lost, joined } = reply else {
@@ -199,7 +199,7 @@ impl Elastic {
         let n = table.len();
         let membership = Membership { generation, rank, world_size: n, previous_rank, source, state, lost, joined };
         let tcp = TcpConfig { generation, ..self.cfg.tcp.clone() };
-        let ring = TcpComm::from_table(rank, n, tcp, &listener, table)?;
+        let ring = seat.form(rank, tcp, table)?;
         Ok((ring, membership))
     }
 
