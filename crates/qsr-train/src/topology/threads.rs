@@ -53,6 +53,11 @@ pub(crate) fn run(spec: &RunSpec) -> Result<Option<Summary>> {
             Err(e) => errors.push((rank, e)),
         }
     }
+    if !errors.is_empty() {
+        // Every worker has stopped: a checkpoint left unfinished (a full disk) is garbage (N5), and
+        // rank 0's own removal may have raced another rank still writing into it.
+        let _ = crate::checkpoint::sweep(&spec.run_dir);
+    }
     // Report the failure that came first, not a rank that saw it happen.
     if let Some((rank, e)) = root_cause(errors) {
         return Err(e.context(format!("worker {rank} failed")));

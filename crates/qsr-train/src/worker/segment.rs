@@ -387,14 +387,12 @@ fn counters(base: &Counters, st: &qsr_optim::DriverStats, t0: Instant) -> Counte
     })
 }
 
-/// Writes the checkpoint of `step` (every rank its files, rank 0 the rest and the commit); a rank
-/// that fails removes the unfinished one (a full disk leaves no `tmp-step-<N>`, N5). Any rank, not
-/// rank 0 alone: the job may end on the first rank's error before rank 0 has seen its own; once
-/// removed, the directory is not made again (files are created in it, and rank 0 made it before
-/// the ranks' barrier), and no commit follows a rank's failure.
+/// Writes the checkpoint of `step` (every rank its files, rank 0 the rest and the commit); a rank 0
+/// that fails removes the unfinished one (a full disk leaves no `tmp-step-<N>`, N5). Other ranks may
+/// still be writing into it then, so the launchers sweep once every worker has stopped.
 fn save_checkpoint<M: Module>(worker: &mut Worker<M>, spec: &RunSpec, step: u64, counters: Counters) -> Result<()> {
     let saved = write_checkpoint(worker, spec, step, counters);
-    if saved.is_err() {
+    if saved.is_err() && worker.rank() == 0 {
         let _ = std::fs::remove_dir_all(checkpoint::tmp_dir(&spec.run_dir, step));
     }
     saved
