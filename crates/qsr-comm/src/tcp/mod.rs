@@ -870,3 +870,7 @@ mod tests {
         assert!(c.broadcast(&mut [0.0], 1).is_err());
     }
 }
+
+// The ring against a peer that speaks the wire by hand (`fake_peer.rs`).
+#[cfg(test)]
+mod fake_peer;

@@ -806,3 +806,7 @@ mod tests {
         assert_eq!(Reason::from_code(99), Reason::Other);
     }
 }
+
+// Property tests of the decoders (`fuzz.rs`).
+#[cfg(test)]
+mod fuzz;
