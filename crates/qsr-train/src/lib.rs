@@ -3,13 +3,11 @@
 //! `qsr device-check` and `qsr rendezvous`. This crate owns no method logic: it composes qsr-sched,
 //! qsr-comm, qsr-elastic, qsr-optim, qsr-models and qsr-data.
 //!
-//! Every command of the `qsr` binary is one function here, taking its parsed arguments: [`run_plan`]
-//! ([`PlanArgs`]), [`run_train`] ([`TrainArgs`], returning rank 0's [`Summary`]), [`run_compare`]
-//! ([`CompareArgs`]), [`plot()`] ([`PlotArgs`]), [`run_simulate`] ([`SimulateArgs`]), [`device_check`]
-//! ([`DeviceCheckArgs`]), [`rendezvous`] ([`RendezvousArgs`], the store of `qsr train --elastic`) and
-//! [`launch`] ([`LaunchArgs`]: N ranks of any program, torchrun's face; each rank through [`exec_rank`]).
-//! An error's exit status is [`exit_code`] ([`Exit`]). Recipes are in [`recipe`], the files of a
-//! run directory's checkpoints in [`checkpoint`].
+//! Its public face is small: the `qsr` binary's [`Cli`] and [`run`] (every command is a crate-private
+//! function taking its parsed arguments: `run_plan`, `run_train`, `run_compare`, `plot`,
+//! `run_simulate`, `device_check`, `time_step`, `rendezvous`, `launch` and `exec_rank`; an error's
+//! exit status is `exit_code`), and [`recipe`] for programs that read recipes ([`recipe::TrainRecipe`],
+//! [`recipe::load_plan`]).
 //!
 //! `qsr train` is a pipeline, each stage a module that calls only the stages below it: the arguments
 //! (`args`) → the resolved recipe and run directory (`recipe`, `run_dir`, `run_lock`) → the topology
@@ -23,8 +21,8 @@
 // `run` (the `qsr plan` / `train` / `compare` / `simulate` entry points), so those re-exports are renamed
 // after their command.
 mod args;
-// Public for the reading side of a run's checkpoints; the writing protocol is crate-private.
-pub mod checkpoint;
+mod checkpoint;
+mod cli;
 mod compare;
 mod device_spec;
 mod exit;
@@ -35,7 +33,7 @@ mod plan_cmd;
 mod plot;
 pub mod recipe;
 mod records;
-mod rendezvous;
+mod rendezvous_cmd;
 mod run_dir;
 mod run_lock;
 mod simulate;
@@ -43,14 +41,15 @@ mod time_step;
 mod topology;
 mod worker;
 
-pub use args::TrainArgs;
-pub use compare::{CompareArgs, Row as CompareRow, run as run_compare};
-pub use device_spec::{DeviceCheckArgs, device_check};
-pub use exit::{Exit, exit_code};
-pub use plan_cmd::{PlanArgs, run as run_plan};
-pub use plot::{PlotArgs, plot};
-pub use records::{LocalLevel, MembershipChange, Summary};
-pub use rendezvous::{RendezvousArgs, rendezvous};
-pub use simulate::{SimulateArgs, run as run_simulate};
-pub use time_step::{StepModel, StepTiming, TimeStepArgs, time_step};
-pub use topology::{ExecRankArgs, LaunchArgs, exec_rank, launch, run as run_train};
+pub use cli::{Cli, run};
+
+pub(crate) use args::TrainArgs;
+pub(crate) use compare::{CompareArgs, run as run_compare};
+pub(crate) use device_spec::{DeviceCheckArgs, device_check};
+pub(crate) use exit::{Exit, exit_code};
+pub(crate) use plan_cmd::{PlanArgs, run as run_plan};
+pub(crate) use plot::{PlotArgs, plot};
+pub(crate) use rendezvous_cmd::{RendezvousArgs, rendezvous};
+pub(crate) use simulate::{SimulateArgs, run as run_simulate};
+pub(crate) use time_step::{TimeStepArgs, time_step};
+pub(crate) use topology::{ExecRankArgs, LaunchArgs, exec_rank, launch, run as run_train};
