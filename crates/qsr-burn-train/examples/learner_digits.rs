@@ -12,6 +12,9 @@
 //!   cargo run --release -p qsr-burn-train --example learner_digits & done; wait
 //! ```
 
+// tests/learner.rs runs this program's parts, reaching them as `pub` items.
+#![allow(unreachable_pub)]
+
 use std::sync::Arc;
 
 use burn::data::dataloader::DataLoaderBuilder;

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 /// The collective of an external or `--nproc` launch (`--comm`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum CommKind {
+pub(crate) enum CommKind {
     /// Our collectives: rendezvous and the TCP ring at MASTER_ADDR:MASTER_PORT, then shared memory
     /// when every rank runs on one host (`QSR_TRANSPORT=tcp` keeps the ring, see `qsr_comm::Transport`).
     Tcp,
@@ -26,7 +26,7 @@ impl CommKind {
 
 /// Arguments of `qsr train`.
 #[derive(Debug, Clone, clap::Args)]
-pub struct TrainArgs {
+pub(crate) struct TrainArgs {
     /// TOML recipe (not needed with --resume, which uses the run's saved recipe).
     #[arg(long)]
     pub recipe: Option<PathBuf>,
@@ -90,10 +90,10 @@ pub struct TrainArgs {
 
 /// The most processes `--nproc` starts on this host (`qsr train`, `qsr launch`): more than a host
 /// runs as ranks, and far fewer than would exhaust its process table (issue 43, N6).
-pub const MAX_NPROC: usize = 1024;
+pub(crate) const MAX_NPROC: usize = 1024;
 
 /// Refuses an `--nproc` of 0 or over [`MAX_NPROC`] as bad input, before anything starts.
-pub fn check_nproc(n: usize) -> anyhow::Result<()> {
+pub(crate) fn check_nproc(n: usize) -> anyhow::Result<()> {
     if !(1..=MAX_NPROC).contains(&n) {
         return Err(crate::exit::bad_input(anyhow::anyhow!(
             "--nproc {n}: must be in 1..={MAX_NPROC} processes on this host (a job of more ranks spans \

@@ -35,7 +35,7 @@ use sha2::{Digest, Sha256};
 
 /// What `state.json` holds.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct CheckpointState {
+pub(crate) struct CheckpointState {
     /// Version of the checkpoint layout ([`FORMAT`]); a checkpoint of another version is refused.
     pub format: u32,
     /// Steps completed when the checkpoint was taken.
@@ -53,7 +53,7 @@ pub struct CheckpointState {
 
 /// Cumulative counters of a run (rank 0's view), carried across resumes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-pub struct Counters {
+pub(crate) struct Counters {
     /// Synchronizations completed.
     pub syncs: u64,
     /// Bytes this rank sent for synchronizations.
@@ -77,7 +77,7 @@ pub struct Counters {
 
 impl Counters {
     /// These counters followed by a later segment's.
-    pub fn then(&self, later: &Counters) -> Counters {
+    pub(crate) fn then(&self, later: &Counters) -> Counters {
         Counters {
             syncs: self.syncs + later.syncs,
             bytes: self.bytes + later.bytes,
@@ -93,7 +93,7 @@ impl Counters {
 
 /// The checkpoint layout version this build writes (`state.json`'s `format`). Version 2 added the
 /// streaming workers' `stream-rank<r>.safetensors`; version 1 checkpoints (without them) still load.
-pub const FORMAT: u32 = 2;
+pub(crate) const FORMAT: u32 = 2;
 
 /// The oldest layout version this build reads.
 const OLDEST_FORMAT: u32 = 1;
@@ -176,7 +176,7 @@ pub(crate) fn outer_bytes(global: &[f32], momentum: &[f32], step: u64) -> Result
 }
 
 /// Loads `outer.safetensors` for a model of `len` parameters: (global parameters, momentum).
-pub fn load_outer(file: &Path, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+pub(crate) fn load_outer(file: &Path, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
     let bytes = fs::read(file).with_context(|| {
         format!(
             "cannot read {} (the recipe has an [outer] section: was the checkpoint written without it?)",
@@ -223,7 +223,7 @@ pub(crate) fn stream_bytes(params: &[f32], state: &StreamState) -> Result<Vec<u8
 
 /// Loads a streaming worker's `stream-rank<r>.safetensors`: its parameters and streaming state (the
 /// worker checks the fragments' sizes when it restores them).
-pub fn load_stream(file: &Path, layout: &ParamLayout) -> Result<(Vec<f32>, StreamState)> {
+pub(crate) fn load_stream(file: &Path, layout: &ParamLayout) -> Result<(Vec<f32>, StreamState)> {
     let bytes = fs::read(file).with_context(|| {
         format!(
             "cannot read {} (the recipe streams or quantizes its syncs: was the checkpoint written without?)",
@@ -255,7 +255,7 @@ pub fn load_stream(file: &Path, layout: &ParamLayout) -> Result<(Vec<f32>, Strea
 }
 
 /// Loads `model.safetensors` against the layout of the model being resumed.
-pub fn load_model(file: &Path, layout: &ParamLayout) -> Result<(Vec<f32>, Vec<f32>)> {
+pub(crate) fn load_model(file: &Path, layout: &ParamLayout) -> Result<(Vec<f32>, Vec<f32>)> {
     let bytes = fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
     let st =
         SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{} is not a safetensors file: {e}", file.display()))?;
@@ -271,7 +271,7 @@ pub fn load_model(file: &Path, layout: &ParamLayout) -> Result<(Vec<f32>, Vec<f3
 }
 
 /// Loads one rank's optimizer state; `template` gives the moment sizes this optimizer needs.
-pub fn load_optim(file: &Path, template: &OptimState) -> Result<OptimState> {
+pub(crate) fn load_optim(file: &Path, template: &OptimState) -> Result<OptimState> {
     let bytes = fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
     let st =
         SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{} is not a safetensors file: {e}", file.display()))?;
@@ -378,7 +378,7 @@ fn prune(run_dir: &Path, keep: usize) -> Result<()> {
 }
 
 /// The newest complete checkpoint of a run, verified against its manifest.
-pub fn latest(run_dir: &Path) -> Result<(PathBuf, CheckpointState)> {
+pub(crate) fn latest(run_dir: &Path) -> Result<(PathBuf, CheckpointState)> {
     let latest = ckpt_root(run_dir).join("LATEST");
     let meta = fs::symlink_metadata(&latest)
         .with_context(|| format!("{} has no checkpoint ({} is missing)", run_dir.display(), latest.display()))?;
@@ -434,7 +434,7 @@ fn kind(m: &fs::Metadata) -> &'static str {
 }
 
 /// Checks every file of a checkpoint against `manifest.json`.
-pub fn verify(dir: &Path) -> Result<()> {
+pub(crate) fn verify(dir: &Path) -> Result<()> {
     let manifest = dir.join("manifest.json");
     let sums: BTreeMap<String, String> = serde_json::from_slice(
         &fs::read(&manifest).with_context(|| format!("checkpoint {} is incomplete: no manifest", dir.display()))?,

@@ -16,7 +16,7 @@ use crate::worker::RunSpec;
 
 /// Arguments of `qsr compare`.
 #[derive(Debug, Clone, clap::Args)]
-pub struct CompareArgs {
+pub(crate) struct CompareArgs {
     /// TOML recipe to train under every rule and seed.
     #[arg(long)]
     pub recipe: PathBuf,
@@ -47,7 +47,7 @@ pub struct CompareArgs {
 
 /// One row of the table.
 #[derive(Debug, Clone, Serialize)]
-pub struct Row {
+pub(crate) struct Row {
     /// The rule as given in `--rules`, also the run directories' prefix (`power-power=3-h_base=2`).
     pub rule: String,
     /// The rule with its parameters.
@@ -86,7 +86,7 @@ pub struct Row {
 }
 
 /// Student's t quantile for a two-sided 95% interval with `df` degrees of freedom.
-pub fn t95(df: usize) -> f64 {
+pub(crate) fn t95(df: usize) -> f64 {
     const T: [f64; 30] = [
         12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
@@ -95,7 +95,7 @@ pub fn t95(df: usize) -> f64 {
 }
 
 /// Mean and 95% half-width of `xs` (half-width 0 for a single value).
-pub fn mean_ci(xs: &[f64]) -> (f64, f64) {
+pub(crate) fn mean_ci(xs: &[f64]) -> (f64, f64) {
     let n = xs.len();
     if n == 0 {
         return (f64::NAN, f64::NAN);
@@ -130,7 +130,7 @@ impl RuleSpec {
 }
 
 /// Parses one rule spec against the recipe's own rule (the source of defaults).
-pub fn rule_from_spec(spec: &str, base: &SyncRule) -> Result<SyncRule> {
+pub(crate) fn rule_from_spec(spec: &str, base: &SyncRule) -> Result<SyncRule> {
     let (name, params) = spec.split_once(':').unwrap_or((spec, ""));
     let mut table = toml::Table::new();
     table.insert("rule".into(), toml::Value::String(name.trim().to_string()));
@@ -174,7 +174,7 @@ pub fn rule_from_spec(spec: &str, base: &SyncRule) -> Result<SyncRule> {
 ///
 /// One recipe under several sync rules and seeds, K simulated workers each, with a table
 /// of test accuracy (mean and 95% interval over seeds), synchronizations, communication and wall time.
-pub fn run(args: &CompareArgs) -> Result<Vec<Row>> {
+pub(crate) fn run(args: &CompareArgs) -> Result<Vec<Row>> {
     let (base, rules) = parse_args(args).map_err(crate::exit::bad_input)?;
     let out = args.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(format!("compare-{}", base.name)));
     if out.exists() && !out.is_dir() {

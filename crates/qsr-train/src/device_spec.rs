@@ -11,7 +11,7 @@ use burn::tensor::Device;
 /// device thread; we probe libcuda, the GPU count and NVRTC first so the user gets one line naming
 /// what is missing. The parsing and probing logic is plain code, tested without a GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeviceSpec {
+pub(crate) enum DeviceSpec {
     /// burn's flex backend on the CPU.
     Cpu,
     /// burn's LibTorch backend on the CPU (feature `tch`, for `cargo xtask bench train`'s backend table):
@@ -26,7 +26,7 @@ pub enum DeviceSpec {
 
 impl DeviceSpec {
     /// Parses `cpu`, `flex`, `libtorch`, `wgpu`, `cuda` or `cuda:N`.
-    pub fn parse(name: &str) -> Result<DeviceSpec> {
+    pub(crate) fn parse(name: &str) -> Result<DeviceSpec> {
         match name {
             "cpu" | "flex" => Ok(DeviceSpec::Cpu),
             "libtorch" => Ok(DeviceSpec::LibTorch),
@@ -43,7 +43,7 @@ impl DeviceSpec {
     }
 
     /// The GPU ordinal for a process with this local rank, if this is a GPU device.
-    pub fn ordinal(self, local_rank: usize) -> Option<usize> {
+    pub(crate) fn ordinal(self, local_rank: usize) -> Option<usize> {
         match self {
             DeviceSpec::Cpu | DeviceSpec::LibTorch | DeviceSpec::Wgpu => None,
             DeviceSpec::Cuda(i) => Some(i.unwrap_or(local_rank)),
@@ -51,12 +51,12 @@ impl DeviceSpec {
     }
 
     /// True for a CUDA device.
-    pub fn is_gpu(self) -> bool {
+    pub(crate) fn is_gpu(self) -> bool {
         matches!(self, DeviceSpec::Cuda(_))
     }
 
     /// Opens the (autodiff) device for a process with `local_rank`.
-    pub fn open(self, local_rank: usize) -> Result<Device> {
+    pub(crate) fn open(self, local_rank: usize) -> Result<Device> {
         match self {
             DeviceSpec::Cpu => Ok(Device::flex().autodiff()),
             DeviceSpec::LibTorch => open_libtorch(),
@@ -148,7 +148,7 @@ fn open_cuda(ordinal: usize) -> Result<Device> {
 
 /// `qsr device-check`: the fused-averaging kernels on a GPU, against the host path and a copy.
 #[derive(Debug, Clone, clap::Args)]
-pub struct DeviceCheckArgs {
+pub(crate) struct DeviceCheckArgs {
     /// The GPU (cuda:N).
     #[arg(long, default_value = "cuda:0")]
     pub device: String,
@@ -168,7 +168,7 @@ pub struct DeviceCheckArgs {
 const CHECK_LENGTHS: [usize; 9] = [1, 2, 3, 4, 6, 1023, 1024, 1_000_003, 4 << 20];
 
 /// Runs the check; `Ok(true)` when every case matched and the bandwidth goal (0.85 of a copy) was met.
-pub fn device_check(args: &DeviceCheckArgs, out: &mut dyn std::io::Write) -> Result<bool> {
+pub(crate) fn device_check(args: &DeviceCheckArgs, out: &mut dyn std::io::Write) -> Result<bool> {
     let ordinal = check_args(args).map_err(crate::exit::bad_input)?;
     check_on_gpu(args, ordinal, out)
 }

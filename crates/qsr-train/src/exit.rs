@@ -17,7 +17,7 @@ use qsr_comm::CommError;
 /// A `--nproc` launcher whose workers failed exits with the status of the one that failed first, or
 /// 3 when that one was killed by a signal or stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Exit {
+pub(crate) enum Exit {
     /// 0.
     Success = 0,
     /// 1.
@@ -39,7 +39,7 @@ pub(crate) const EXIT_PEER_FAILED: u8 = Exit::PeerFailed as u8;
 /// An error of the input a run was given (see [`Exit::BadInput`]): its message is the wrapped
 /// error's, whole.
 #[derive(Debug)]
-pub struct BadInput(anyhow::Error);
+pub(crate) struct BadInput(anyhow::Error);
 
 impl std::fmt::Display for BadInput {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -50,7 +50,7 @@ impl std::fmt::Display for BadInput {
 impl std::error::Error for BadInput {}
 
 /// Marks `e` as bad input: `qsr` exits with [`Exit::BadInput`].
-pub fn bad_input(e: impl Into<anyhow::Error>) -> anyhow::Error {
+pub(crate) fn bad_input(e: impl Into<anyhow::Error>) -> anyhow::Error {
     let e = e.into();
     if e.chain().any(|c| c.is::<BadInput>()) { e } else { anyhow::Error::new(BadInput(e)) }
 }
@@ -59,7 +59,7 @@ pub fn bad_input(e: impl Into<anyhow::Error>) -> anyhow::Error {
 /// loss of a model that learned nothing, or the last training loss was not finite.
 #[derive(Debug, thiserror::Error)]
 #[error("training diverged{}: {why}", .step.map_or(String::new(), |s| format!(" at step {s}")))]
-pub struct Diverged {
+pub(crate) struct Diverged {
     /// Steps completed when it was seen (`None`: several runs, as `qsr compare` reports them).
     pub step: Option<u64>,
     /// What was seen, with the numbers.
@@ -72,7 +72,7 @@ pub struct Diverged {
     "interrupted by signal {signal} ({name}): stopped {stopped} running workers{}",
     if *.resumable { "; continue with --resume" } else { "" }
 )]
-pub struct Interrupted {
+pub(crate) struct Interrupted {
     /// The signal's number.
     pub signal: i32,
     /// Its name.
@@ -88,7 +88,7 @@ pub struct Interrupted {
 /// first ([`EXIT_PEER_FAILED`] when it was killed or stopped).
 #[derive(Debug, thiserror::Error)]
 #[error("{message}")]
-pub struct WorkersFailed {
+pub(crate) struct WorkersFailed {
     /// The exit status the launcher takes.
     pub status: u8,
     /// Which rank failed first, and how.
@@ -96,7 +96,7 @@ pub struct WorkersFailed {
 }
 
 /// Whether an error is the consequence of another rank's failure (lost, stalled, aborted, gone).
-pub fn is_peer_failure(e: &anyhow::Error) -> bool {
+pub(crate) fn is_peer_failure(e: &anyhow::Error) -> bool {
     comm_errors(e).any(|c| {
         matches!(
             c,
@@ -114,7 +114,7 @@ fn comm_errors(e: &anyhow::Error) -> impl Iterator<Item = &CommError> {
 }
 
 /// The process exit status for an error (the table on [`Exit`]).
-pub fn exit_code(e: &anyhow::Error) -> u8 {
+pub(crate) fn exit_code(e: &anyhow::Error) -> u8 {
     if let Some(i) = e.chain().find_map(|c| c.downcast_ref::<Interrupted>()) {
         return (128 + i.signal).clamp(129, 255) as u8;
     }

@@ -8,7 +8,7 @@ use crate::recipe::TrainRecipe;
 
 /// What one rank was launched with.
 #[derive(Debug, Clone, PartialEq)]
-pub struct LaunchFacts {
+pub(crate) struct LaunchFacts {
     /// The `qsr` version (`CARGO_PKG_VERSION`).
     pub version: String,
     /// The resolved recipe (every key, after `--set` and launch overrides).
@@ -21,7 +21,7 @@ pub struct LaunchFacts {
 
 impl LaunchFacts {
     /// The facts of this process for `recipe`.
-    pub fn new(recipe: &TrainRecipe, resume_step: Option<u64>) -> Self {
+    pub(crate) fn new(recipe: &TrainRecipe, resume_step: Option<u64>) -> Self {
         Self { version: env!("CARGO_PKG_VERSION").to_string(), recipe: recipe.clone(), resume_step, refusal: None }
     }
 
@@ -47,7 +47,7 @@ impl LaunchFacts {
 /// first broadcasts its refusal, if it has one (the run directory is locked, its inputs are unusable),
 /// then every rank checks its [`LaunchFacts`] against rank 0's with [`qsr_comm::agree()`], which names the
 /// differing keys on every rank.
-pub fn agree(comm: &mut dyn Collective, mine: &LaunchFacts) -> Result<()> {
+pub(crate) fn agree(comm: &mut dyn Collective, mine: &LaunchFacts) -> Result<()> {
     let during = "while the ranks compared their launch settings";
     let mut refusal = if comm.rank() == 0 { mine.refusal.clone().unwrap_or_default().into_bytes() } else { Vec::new() };
     comm.broadcast_bytes(&mut refusal, 0).context(during)?;

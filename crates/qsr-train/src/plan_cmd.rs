@@ -13,7 +13,7 @@ use crate::recipe::{PlanOverrides, PlanRecipe, load_plan};
 
 /// Output format of `qsr plan` (`--format`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Format {
+pub(crate) enum Format {
     /// A readable summary (a table when several recipes are given)
     Human,
     /// One JSON plan report, or an array of them for several recipes
@@ -24,7 +24,7 @@ pub enum Format {
 
 /// Arguments of `qsr plan`.
 #[derive(Debug, clap::Args)]
-pub struct PlanArgs {
+pub(crate) struct PlanArgs {
     /// TOML recipe(s); flags override their `[schedule]` and `[sync]` settings. Several recipes are compared
     /// side by side.
     #[arg(long)]
@@ -59,7 +59,7 @@ pub struct PlanArgs {
 
 /// The JSON record of one plan.
 #[derive(Debug, Serialize)]
-pub struct PlanReport {
+pub(crate) struct PlanReport {
     /// The recipe's name (see [`PlanRecipe::name`]).
     pub name: String,
     /// The sync rule with its parameters (its name is the summary's `rule`).
@@ -86,7 +86,7 @@ pub struct PlanReport {
 
 /// The fragment schedule of a recipe's `[sync.streaming]`.
 #[derive(Debug, Serialize)]
-pub struct StreamingReport {
+pub(crate) struct StreamingReport {
     /// The section's settings (fragments, delay, mix).
     pub settings: qsr_sched::StreamingConfig,
     /// Syncs per fragment, most fragments on one step, fewest steps between syncs.
@@ -109,7 +109,7 @@ pub struct StreamingReport {
 /// and draws the PNG if `--plot` is given.
 ///
 /// The output: the round plan of a recipe as a human summary, JSON or CSV, and an lr/H picture.
-pub fn run(args: &PlanArgs, out: &mut dyn Write) -> Result<()> {
+pub(crate) fn run(args: &PlanArgs, out: &mut dyn Write) -> Result<()> {
     let recipes = load(args).map_err(crate::exit::bad_input)?;
     let reports: Vec<PlanReport> = recipes.iter().map(|r| report(r, args)).collect();
     match args.format {
@@ -192,7 +192,7 @@ fn report(r: &PlanRecipe, args: &PlanArgs) -> PlanReport {
 }
 
 /// One row per round: `index,start,len,lr_start`.
-pub fn write_csv(plan: &Plan, out: &mut dyn Write) -> Result<()> {
+pub(crate) fn write_csv(plan: &Plan, out: &mut dyn Write) -> Result<()> {
     let mut w = std::io::BufWriter::new(out);
     writeln!(w, "index,start,len,lr_start")?;
     for r in plan.rounds() {

@@ -11,7 +11,7 @@ use crate::checkpoint::{self, Counters};
 
 /// One line of `metrics.jsonl`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct Record {
+pub(crate) struct Record {
     /// `sync`, `eval`, or `membership` (an elastic run's change of workers, at the step it continues from).
     pub kind: String,
     /// Steps completed.
@@ -51,7 +51,7 @@ pub struct Record {
 /// A change of an elastic run's workers (`qsr train --elastic`): a `membership` record of
 /// `metrics.jsonl` and an entry of `summary.json`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct MembershipChange {
+pub(crate) struct MembershipChange {
     /// The generation that formed (0 is the first; one more per change).
     pub generation: u64,
     /// Workers in it.
@@ -79,7 +79,7 @@ fn is_zero(n: &u64) -> bool {
 
 /// The local level of a two-level run in `summary.json`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct LocalLevel {
+pub(crate) struct LocalLevel {
     /// The local rule's name.
     pub rule: String,
     /// Workers in rank 0's node.
@@ -96,7 +96,7 @@ pub struct LocalLevel {
 
 /// `summary.json`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct Summary {
+pub(crate) struct Summary {
     /// The recipe's `name`.
     pub name: String,
     /// The sync rule's name (`dp`, `constant`, `qsr`, ...).

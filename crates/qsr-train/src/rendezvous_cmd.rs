@@ -12,7 +12,7 @@ use crate::exit::bad_input;
 
 /// Arguments of `qsr rendezvous`.
 #[derive(Debug, Clone, clap::Args)]
-pub struct RendezvousArgs {
+pub(crate) struct RendezvousArgs {
     /// Address to listen on (`host:port`; port 0 picks one, printed on the first line).
     #[arg(long, default_value = "127.0.0.1:29400")]
     pub listen: String,
@@ -31,7 +31,7 @@ pub struct RendezvousArgs {
 /// Runs `qsr rendezvous`: serves the elastic job's store until every worker of its last generation
 /// finished, or until `QSR_RENDEZVOUS_TIMEOUT_SECS` passed without a first generation. The job token
 /// is `QSR_JOB_TOKEN`, as for the workers.
-pub fn rendezvous(args: &RendezvousArgs, out: &mut dyn Write) -> Result<()> {
+pub(crate) fn rendezvous(args: &RendezvousArgs, out: &mut dyn Write) -> Result<()> {
     let secs = args.settle_secs;
     if !(secs.is_finite() && secs > 0.0 && secs <= qsr_comm::MAX_TIMEOUT_SECS) {
         let max = qsr_comm::MAX_TIMEOUT_SECS;

@@ -17,10 +17,10 @@ fn default_run_dir(name: &str) -> PathBuf {
 }
 
 /// The checkpoint a run resumes from (its directory and state), if it resumes.
-pub type Resume = Option<(PathBuf, checkpoint::CheckpointState)>;
+pub(crate) type Resume = Option<(PathBuf, checkpoint::CheckpointState)>;
 
 /// The recipe, run directory and checkpoint a `qsr train` invocation works on.
-pub fn resolve(args: &TrainArgs) -> Result<(TrainRecipe, PathBuf, Resume)> {
+pub(crate) fn resolve(args: &TrainArgs) -> Result<(TrainRecipe, PathBuf, Resume)> {
     let path = match (&args.recipe, &args.resume) {
         (Some(p), _) => p.clone(),
         (None, Some(run_dir)) => run_dir.join("recipe.toml"),

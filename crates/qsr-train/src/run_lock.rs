@@ -8,7 +8,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use anyhow::{Context, Result};
 
 /// Name of the lock file inside a run directory.
-pub const LOCK_FILE: &str = "lock";
+pub(crate) const LOCK_FILE: &str = "lock";
 
 /// An exclusive lock on a run directory, released on drop (or when the process dies).
 ///
@@ -24,14 +24,14 @@ pub const LOCK_FILE: &str = "lock";
 /// changes with the membership): each holds a shared lock for its job ([`RunLock::share`]), whose
 /// line names the job, so a second job or any other run is refused while one of them lives.
 #[derive(Debug)]
-pub struct RunLock {
+pub(crate) struct RunLock {
     _file: File,
 }
 
 impl RunLock {
     /// Creates `run_dir` if needed and locks it; refuses, naming the holder, when another live process
     /// holds the lock.
-    pub fn acquire(run_dir: &Path) -> Result<Self> {
+    pub(crate) fn acquire(run_dir: &Path) -> Result<Self> {
         let (mut file, path) = open(run_dir)?;
         match file.try_lock() {
             Ok(()) => {}
@@ -50,7 +50,7 @@ impl RunLock {
     /// worker holds a shared lock and checks that the line names its job, by id (workers may spell
     /// the store's address differently). Refuses, naming the holder, while another job or run holds
     /// the directory.
-    pub fn share(run_dir: &Path, job: &str, store: &str) -> Result<Self> {
+    pub(crate) fn share(run_dir: &Path, job: &str, store: &str) -> Result<Self> {
         let (mut file, path) = open(run_dir)?;
         let ours = format!("elastic job {job} ");
         let mine = format!("{ours}(store {store})");

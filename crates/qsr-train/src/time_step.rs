@@ -28,7 +28,7 @@ const MAX_STEPS: u64 = 1_000_000;
 /// The models `qsr time-step` times, each as `cargo xtask bench train`'s PyTorch peer builds it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "kebab-case")]
-pub enum StepModel {
+pub(crate) enum StepModel {
     /// The GPT of `qsr_models::Gpt` on Shakespeare's characters (AdamW, clipping at 1; sizes from the flags).
     Gpt,
     /// The small CNN with BatchNorm on 1 x 8 x 8 images, 10 classes (the digits recipes; SGD).
@@ -39,7 +39,7 @@ pub enum StepModel {
 
 /// `qsr time-step`: the median time of one training step of a model on one worker.
 #[derive(Debug, clap::Args)]
-pub struct TimeStepArgs {
+pub(crate) struct TimeStepArgs {
     /// The model.
     #[arg(long, value_enum, default_value = "gpt")]
     pub model: StepModel,
@@ -82,7 +82,7 @@ pub struct TimeStepArgs {
 
 /// What `qsr time-step` measured.
 #[derive(Debug, Clone, Serialize)]
-pub struct StepTiming {
+pub(crate) struct StepTiming {
     /// The model timed.
     pub model: StepModel,
     /// Examples per step.
@@ -109,7 +109,7 @@ pub struct StepTiming {
 
 /// One kernel's share of a profiled step (`qsr time-step --profile`).
 #[derive(Debug, Clone, Serialize)]
-pub struct KernelTime {
+pub(crate) struct KernelTime {
     /// The kernel's name as cubecl shortens it.
     pub name: String,
     /// Launches per step.
@@ -119,7 +119,7 @@ pub struct KernelTime {
 }
 
 /// Times the step `args` describe; prints one line to `out` (and writes `--json`).
-pub fn time_step(args: &TimeStepArgs, out: &mut dyn Write) -> Result<StepTiming> {
+pub(crate) fn time_step(args: &TimeStepArgs, out: &mut dyn Write) -> Result<StepTiming> {
     if !(1..=MAX_STEPS).contains(&args.steps) {
         return Err(crate::exit::bad_input(anyhow!("--steps must be in 1..={MAX_STEPS}, got {}", args.steps)));
     }
@@ -256,7 +256,7 @@ mod launches {
     use super::KernelTime;
 
     /// A count over the steps between [`Count::start`] and [`Count::finish`].
-    pub struct Count {
+    pub(super) struct Count {
         #[cfg(any(feature = "cuda-plain", feature = "wgpu-plain"))]
         count: Option<qsr_kernels::cube::LaunchCount>,
     }
@@ -281,18 +281,18 @@ mod launches {
         }
 
         #[cfg(not(any(feature = "cuda-plain", feature = "wgpu-plain")))]
-        pub fn start(_device: &Device) -> Result<Count> {
+        pub(super) fn start(_device: &Device) -> Result<Count> {
             Ok(Count {})
         }
 
         #[cfg(not(any(feature = "cuda-plain", feature = "wgpu-plain")))]
-        pub fn finish(self, _device: &Device) -> Result<Option<u64>> {
+        pub(super) fn finish(self, _device: &Device) -> Result<Option<u64>> {
             Ok(None)
         }
     }
 
     /// Each kernel timed over the steps between [`Profile::start`] and [`Profile::finish`].
-    pub struct Profile(Count);
+    pub(super) struct Profile(Count);
 
     impl Profile {
         /// Starts timing kernels once the device's queued work has run (CPU: nothing to time).
@@ -306,7 +306,7 @@ mod launches {
         }
 
         #[cfg(not(any(feature = "cuda-plain", feature = "wgpu-plain")))]
-        pub fn start(_device: &Device) -> Result<Profile> {
+        pub(super) fn start(_device: &Device) -> Result<Profile> {
             Ok(Profile(Count {}))
         }
 
@@ -328,7 +328,7 @@ mod launches {
         }
 
         #[cfg(not(any(feature = "cuda-plain", feature = "wgpu-plain")))]
-        pub fn finish(self, _device: &Device, _steps: u64) -> Result<Vec<KernelTime>> {
+        pub(super) fn finish(self, _device: &Device, _steps: u64) -> Result<Vec<KernelTime>> {
             Ok(Vec::new())
         }
     }

@@ -46,45 +46,45 @@
 use std::fmt;
 
 /// Bumped whenever any layout in this module changes.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub(crate) const PROTOCOL_VERSION: u32 = 2;
 
 /// First 8 bytes of every hello.
-pub const HELLO_MAGIC: [u8; 8] = *b"QSRHELLO";
+pub(crate) const HELLO_MAGIC: [u8; 8] = *b"QSRHELLO";
 /// First 8 bytes of every reply.
-pub const REPLY_MAGIC: [u8; 8] = *b"QSRREPLY";
+pub(crate) const REPLY_MAGIC: [u8; 8] = *b"QSRREPLY";
 /// magic + version + body_len.
-pub const PREFIX_LEN: usize = 16;
+pub(crate) const PREFIX_LEN: usize = 16;
 /// Longest job token a hello may carry, in bytes.
-pub const MAX_TOKEN_LEN: usize = 1024;
+pub(crate) const MAX_TOKEN_LEN: usize = 1024;
 /// Longest host name a hello or an address table entry may carry, in bytes.
 pub const MAX_HOST_LEN: usize = 255;
 /// Longest refusal message a reply carries, in bytes (longer messages are cut at a character boundary).
-pub const MAX_MESSAGE_LEN: usize = 1024;
+pub(crate) const MAX_MESSAGE_LEN: usize = 1024;
 /// Largest hello body: purpose, world, rank, token, host, port.
-pub const MAX_HELLO_BODY: usize = 1 + 4 + 4 + 2 + MAX_TOKEN_LEN + 2 + MAX_HOST_LEN + 2;
+pub(crate) const MAX_HELLO_BODY: usize = 1 + 4 + 4 + 2 + MAX_TOKEN_LEN + 2 + MAX_HOST_LEN + 2;
 /// Largest world size the TCP backend accepts (bounds the address table a client will read).
-pub const MAX_WORLD_SIZE: usize = 1 << 16;
+pub(crate) const MAX_WORLD_SIZE: usize = 1 << 16;
 
 /// First 4 bytes of every [`CallHeader`].
-pub const CALL_MAGIC: [u8; 4] = *b"QSRH";
+pub(crate) const CALL_MAGIC: [u8; 4] = *b"QSRH";
 /// Encoded size of a [`CallHeader`], in bytes.
-pub const CALL_HEADER_LEN: usize = 32;
+pub(crate) const CALL_HEADER_LEN: usize = 32;
 /// Tag of a [`Frame::Data`].
-pub const TAG_DATA: [u8; 4] = *b"QSRD";
+pub(crate) const TAG_DATA: [u8; 4] = *b"QSRD";
 /// Tag of a [`Frame::KeepAlive`].
-pub const TAG_KEEPALIVE: [u8; 4] = *b"QSRK";
+pub(crate) const TAG_KEEPALIVE: [u8; 4] = *b"QSRK";
 /// Tag of a [`Frame::Abort`].
-pub const TAG_ABORT: [u8; 4] = *b"QSRA";
+pub(crate) const TAG_ABORT: [u8; 4] = *b"QSRA";
 /// Encoded size of a [`Frame`] (its header; a data frame's payload follows), in bytes.
-pub const FRAME_LEN: usize = 16;
+pub(crate) const FRAME_LEN: usize = 16;
 /// First 4 bytes of every reverse-direction message ([`Back`]).
-pub const BACK_MAGIC: [u8; 4] = *b"QSRB";
+pub(crate) const BACK_MAGIC: [u8; 4] = *b"QSRB";
 /// Encoded size of a [`Back`] message, in bytes.
-pub const BACK_LEN: usize = 16;
+pub(crate) const BACK_LEN: usize = 16;
 
 /// What went wrong while decoding; turned into [`crate::CommError::Protocol`] with the peer's name.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum WireError {
+pub(crate) enum WireError {
     /// The bytes do not start with the expected magic (the peer is not a qsr rank, or the stream is out of
     /// step).
     BadMagic {
@@ -210,7 +210,7 @@ fn put_bytes16(out: &mut Vec<u8>, b: &[u8]) {
 
 /// The fixed prefix of a hello or a reply: magic, protocol version, body length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Prefix {
+pub(crate) struct Prefix {
     /// The sender's protocol version (compare with [`PROTOCOL_VERSION`]).
     pub version: u32,
     /// Length of the body that follows the prefix, in bytes, already checked against the caller's bound.
@@ -219,7 +219,7 @@ pub struct Prefix {
 
 /// Decodes a 16-byte prefix, checking the magic and bounding the body length by `max_body`.
 /// The version is returned, not checked: the caller refuses a different version by name.
-pub fn decode_prefix(bytes: &[u8], magic: &[u8; 8], max_body: usize) -> Result<Prefix, WireError> {
+pub(crate) fn decode_prefix(bytes: &[u8], magic: &[u8; 8], max_body: usize) -> Result<Prefix, WireError> {
     let what = if magic == &HELLO_MAGIC { "hello" } else { "reply" };
     let mut c = Cursor::new(bytes, what);
     if c.take(8)? != magic {
@@ -244,7 +244,7 @@ fn encode_with_prefix(magic: &[u8; 8], version: u32, body: &[u8]) -> Vec<u8> {
 
 /// Why a client connects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Purpose {
+pub(crate) enum Purpose {
     /// Register with rank 0 at rendezvous.
     Register = 1,
     /// Open the ring connection to the right neighbour.
@@ -253,7 +253,7 @@ pub enum Purpose {
 
 /// The handshake a rank sends: who it is, which job, and where its ring listener is.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Hello {
+pub(crate) struct Hello {
     /// Protocol version the sender speaks ([`PROTOCOL_VERSION`]).
     pub version: u32,
     /// Registration at rank 0 or a ring connection.
@@ -276,7 +276,7 @@ pub struct Hello {
 
 impl Hello {
     /// The complete message: prefix ([`HELLO_MAGIC`], version, body length) and body.
-    pub fn encode(&self) -> Vec<u8> {
+    pub(crate) fn encode(&self) -> Vec<u8> {
         let mut body = Vec::with_capacity(32 + self.token.len() + self.host.len());
         body.push(self.purpose as u8);
         body.extend_from_slice(&self.world_size.to_le_bytes());
@@ -289,7 +289,7 @@ impl Hello {
     }
 
     /// Decodes a hello body (after [`decode_prefix`] accepted the prefix and the version).
-    pub fn decode_body(version: u32, body: &[u8]) -> Result<Hello, WireError> {
+    pub(crate) fn decode_body(version: u32, body: &[u8]) -> Result<Hello, WireError> {
         let mut c = Cursor::new(body, "hello");
         let purpose = match c.u8()? {
             1 => Purpose::Register,
@@ -310,7 +310,7 @@ impl Hello {
 
     /// Decodes a complete hello (prefix and body) from one buffer; convenience for tests/fuzzing.
     #[cfg(test)]
-    pub fn decode(bytes: &[u8]) -> Result<Hello, WireError> {
+    pub(crate) fn decode(bytes: &[u8]) -> Result<Hello, WireError> {
         let prefix = decode_prefix(bytes, &HELLO_MAGIC, MAX_HELLO_BODY)?;
         let body = bytes.get(PREFIX_LEN..).ok_or(WireError::Truncated { what: "hello" })?;
         if body.len() < prefix.body_len {
@@ -325,7 +325,7 @@ impl Hello {
 
 /// Which handshake field a refusal is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Field {
+pub(crate) enum Field {
     /// The job token differs.
     Token = 1,
     /// The protocol version differs.
@@ -343,7 +343,7 @@ pub enum Field {
 impl Field {
     /// The field's name as error messages show it: `job token`, `protocol version`, `world size`, `rank`
     /// or `request`.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Field::Token => "job token",
             Field::Version => "protocol version",
@@ -370,7 +370,7 @@ impl Field {
 
 /// The server's answer to a hello.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Reply {
+pub(crate) enum Reply {
     /// Accepted; for a registration, the ring listener address of every rank (index = rank).
     Accepted {
         /// `(host, port)` of every rank's ring listener, index = rank; empty for a ring connection.
@@ -387,7 +387,7 @@ pub enum Reply {
 
 impl Reply {
     /// The complete message: prefix ([`REPLY_MAGIC`], [`PROTOCOL_VERSION`], body length) and body.
-    pub fn encode(&self) -> Vec<u8> {
+    pub(crate) fn encode(&self) -> Vec<u8> {
         let mut body = Vec::new();
         match self {
             Reply::Accepted { table } => {
@@ -416,12 +416,12 @@ impl Reply {
     }
 
     /// Largest reply body a client expecting `world_size` table entries will read.
-    pub fn max_body(world_size: usize) -> usize {
+    pub(crate) fn max_body(world_size: usize) -> usize {
         (1 + 4 + world_size.min(MAX_WORLD_SIZE) * (2 + MAX_HOST_LEN + 2)).max(1 + 1 + 2 + MAX_MESSAGE_LEN)
     }
 
     /// Decodes a reply body; an accepted table longer than `max_entries` is an error.
-    pub fn decode_body(body: &[u8], max_entries: usize) -> Result<Reply, WireError> {
+    pub(crate) fn decode_body(body: &[u8], max_entries: usize) -> Result<Reply, WireError> {
         let mut c = Cursor::new(body, "reply");
         let reply = match c.u8()? {
             0 => {
@@ -452,7 +452,7 @@ impl Reply {
 
     /// Decodes a complete reply (prefix and body) from one buffer; for tests/fuzzing.
     #[cfg(test)]
-    pub fn decode(bytes: &[u8], max_entries: usize) -> Result<Reply, WireError> {
+    pub(crate) fn decode(bytes: &[u8], max_entries: usize) -> Result<Reply, WireError> {
         let prefix = decode_prefix(bytes, &REPLY_MAGIC, Reply::max_body(max_entries))?;
         let body = bytes.get(PREFIX_LEN..).ok_or(WireError::Truncated { what: "reply" })?;
         if body.len() != prefix.body_len {
@@ -464,7 +464,7 @@ impl Reply {
 
 /// First bytes of every collective call on the forward stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CallHeader {
+pub(crate) struct CallHeader {
     /// Which collective: one of the `KIND_*` constants.
     pub kind: u8,
     /// Reduction: 0 sum (also a barrier's), 1 mean, [`OP_SUM_BF16`] / [`OP_MEAN_BF16`] with a bf16
@@ -483,38 +483,38 @@ pub struct CallHeader {
 }
 
 /// [`CallHeader::kind`] of an all-reduce.
-pub const KIND_ALL_REDUCE: u8 = 1;
+pub(crate) const KIND_ALL_REDUCE: u8 = 1;
 /// [`CallHeader::kind`] of an `f32` broadcast.
-pub const KIND_BROADCAST: u8 = 2;
+pub(crate) const KIND_BROADCAST: u8 = 2;
 /// [`CallHeader::kind`] of a barrier.
-pub const KIND_BARRIER: u8 = 3;
+pub(crate) const KIND_BARRIER: u8 = 3;
 /// [`CallHeader::kind`] of a byte broadcast's payload.
-pub const KIND_BROADCAST_BYTES: u8 = 4;
+pub(crate) const KIND_BROADCAST_BYTES: u8 = 4;
 /// The length announcement that precedes a `broadcast_bytes` payload.
-pub const KIND_BROADCAST_LEN: u8 = 5;
+pub(crate) const KIND_BROADCAST_LEN: u8 = 5;
 /// `op` value of calls without a reduction.
-pub const OP_NONE: u8 = 0xff;
+pub(crate) const OP_NONE: u8 = 0xff;
 
 /// `op` value of a sum whose payload travels as bf16.
-pub const OP_SUM_BF16: u8 = 2;
+pub(crate) const OP_SUM_BF16: u8 = 2;
 
 /// `op` value of a mean whose payload travels as bf16.
-pub const OP_MEAN_BF16: u8 = 3;
+pub(crate) const OP_MEAN_BF16: u8 = 3;
 
 /// `op` value of a sum whose payload travels as int8 with block scales.
-pub const OP_SUM_INT8: u8 = 4;
+pub(crate) const OP_SUM_INT8: u8 = 4;
 
 /// `op` value of a mean whose payload travels as int8 with block scales.
-pub const OP_MEAN_INT8: u8 = 5;
+pub(crate) const OP_MEAN_INT8: u8 = 5;
 
 /// `op` value of a sum whose payload travels as fp8 e4m3 with block scales.
-pub const OP_SUM_FP8: u8 = 6;
+pub(crate) const OP_SUM_FP8: u8 = 6;
 
 /// `op` value of a mean whose payload travels as fp8 e4m3 with block scales.
-pub const OP_MEAN_FP8: u8 = 7;
+pub(crate) const OP_MEAN_FP8: u8 = 7;
 
 /// A reduction's name in messages, from its `op` value: `sum`, `mean (int8 payload)`, `none`.
-pub fn op_label(op: u8) -> String {
+pub(crate) fn op_label(op: u8) -> String {
     let name = if op.is_multiple_of(2) { "sum" } else { "mean" };
     let payload = match op {
         0 | 1 => "",
@@ -528,7 +528,7 @@ pub fn op_label(op: u8) -> String {
 
 impl CallHeader {
     /// The 32-byte header, starting with [`CALL_MAGIC`].
-    pub fn encode(&self) -> [u8; CALL_HEADER_LEN] {
+    pub(crate) fn encode(&self) -> [u8; CALL_HEADER_LEN] {
         let mut out = [0u8; CALL_HEADER_LEN];
         out[0..4].copy_from_slice(&CALL_MAGIC);
         out[4] = self.kind;
@@ -542,7 +542,7 @@ impl CallHeader {
     }
 
     /// Decodes exactly [`CALL_HEADER_LEN`] bytes, checking the magic, the kind, the op and a non-zero `chunk`.
-    pub fn decode(bytes: &[u8]) -> Result<CallHeader, WireError> {
+    pub(crate) fn decode(bytes: &[u8]) -> Result<CallHeader, WireError> {
         let mut c = Cursor::new(bytes, "call header");
         if c.take(4)? != CALL_MAGIC {
             return Err(WireError::BadMagic { what: "call header" });
@@ -570,7 +570,7 @@ impl CallHeader {
 
 /// One frame of the forward stream after the call header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Frame {
+pub(crate) enum Frame {
     /// A block of payload, `len` bytes, follows.
     Data {
         /// Payload bytes that follow; must equal the block length both ranks derive from the header.
@@ -591,7 +591,7 @@ pub enum Frame {
 
 impl Frame {
     /// The 16-byte frame header.
-    pub fn encode(&self) -> [u8; FRAME_LEN] {
+    pub(crate) fn encode(&self) -> [u8; FRAME_LEN] {
         let (tag, a, b) = match *self {
             Frame::Data { len, block } => (TAG_DATA, len, block),
             Frame::KeepAlive => (TAG_KEEPALIVE, 0, 0),
@@ -605,7 +605,7 @@ impl Frame {
     }
 
     /// Decodes exactly [`FRAME_LEN`] bytes; an unknown tag or a keepalive with non-zero fields is an error.
-    pub fn decode(bytes: &[u8]) -> Result<Frame, WireError> {
+    pub(crate) fn decode(bytes: &[u8]) -> Result<Frame, WireError> {
         let mut c = Cursor::new(bytes, "frame");
         let tag = c.take(4)?;
         let a = c.u32()?;
@@ -628,7 +628,7 @@ impl Frame {
 
 /// A message on the reverse direction of a ring connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Back {
+pub(crate) enum Back {
     /// The receiver is alive (sent while the sender waits on it).
     Heartbeat,
     /// A failure notice travelling backwards around the ring, so every rank names the same peer.
@@ -642,7 +642,7 @@ pub enum Back {
 
 impl Back {
     /// The 16-byte message, starting with [`BACK_MAGIC`].
-    pub fn encode(&self) -> [u8; BACK_LEN] {
+    pub(crate) fn encode(&self) -> [u8; BACK_LEN] {
         let (ty, culprit, reason) = match *self {
             Back::Heartbeat => (1u32, 0u32, 0u32),
             Back::Abort { culprit, reason } => (2, culprit, reason),
@@ -656,7 +656,7 @@ impl Back {
     }
 
     /// Decodes exactly [`BACK_LEN`] bytes; an unknown type is an error.
-    pub fn decode(bytes: &[u8]) -> Result<Back, WireError> {
+    pub(crate) fn decode(bytes: &[u8]) -> Result<Back, WireError> {
         let mut c = Cursor::new(bytes, "reverse message");
         if c.take(4)? != BACK_MAGIC {
             return Err(WireError::BadMagic { what: "reverse message" });
@@ -675,7 +675,7 @@ impl Back {
 
 /// Why a rank aborted, carried in abort frames so every rank can say what happened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reason {
+pub(crate) enum Reason {
     /// The culprit's connection closed or failed.
     Lost = 1,
     /// The culprit made no progress within the timeout.
@@ -690,7 +690,7 @@ pub enum Reason {
 
 impl Reason {
     /// The reason of a wire code (1 to 4; anything else is [`Reason::Other`]).
-    pub fn from_code(v: u64) -> Reason {
+    pub(crate) fn from_code(v: u64) -> Reason {
         match v {
             1 => Reason::Lost,
             2 => Reason::Timeout,
@@ -700,7 +700,7 @@ impl Reason {
         }
     }
     /// Short description for error messages, e.g. `connection lost`.
-    pub fn describe(self) -> &'static str {
+    pub(crate) fn describe(self) -> &'static str {
         match self {
             Reason::Lost => "connection lost",
             Reason::Timeout => "no progress within the timeout",

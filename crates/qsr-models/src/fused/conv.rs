@@ -37,7 +37,7 @@ pub(crate) struct ConvShape {
 
 impl ConvShape {
     /// Output height and width (at least one kernel position must fit: checked by the caller).
-    pub fn out_hw(&self) -> [usize; 2] {
+    pub(super) fn out_hw(&self) -> [usize; 2] {
         let [top, left, bottom, right] = self.padding;
         let ho = (self.h + top + bottom - self.kernel[0]) / self.stride[0] + 1;
         let wo = (self.w + left + right - self.kernel[1]) / self.stride[1] + 1;

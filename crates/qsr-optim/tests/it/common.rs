@@ -6,14 +6,14 @@ use burn::tensor::{Device, Tensor};
 
 /// `inputs` -> 16 (ReLU) -> `outputs`.
 #[derive(Module, Debug)]
-pub struct Mlp {
+pub(crate) struct Mlp {
     fc1: Linear,
     act: Relu,
     fc2: Linear,
 }
 
 impl Mlp {
-    pub fn new(device: &Device, inputs: usize, outputs: usize) -> Self {
+    pub(crate) fn new(device: &Device, inputs: usize, outputs: usize) -> Self {
         Self {
             fc1: LinearConfig::new(inputs, 16).init(device),
             act: Relu::new(),
@@ -21,7 +21,7 @@ impl Mlp {
         }
     }
 
-    pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+    pub(crate) fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         self.fc2.forward(self.act.forward(self.fc1.forward(x)))
     }
 }

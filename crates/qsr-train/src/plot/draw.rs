@@ -26,7 +26,7 @@ fn register_font() {
 }
 
 /// Series colours, distinguishable in print; series past the palette repeat it dashed.
-pub const PALETTE: [RGBColor; 10] = [
+pub(crate) const PALETTE: [RGBColor; 10] = [
     RGBColor(31, 119, 180),
     RGBColor(214, 39, 40),
     RGBColor(44, 160, 44),
@@ -327,7 +327,7 @@ fn samples(plan: &Plan, bins: u64) -> Vec<(u64, f64, u64)> {
 
 /// lr (left axis) and H (right axis, log scale) against step, one colour per plan: the picture of the H
 /// schedule that reviewers of the paper asked for.
-pub fn plan_png(path: &Path, plans: &[(&str, &Plan)]) -> Result<()> {
+pub(crate) fn plan_png(path: &Path, plans: &[(&str, &Plan)]) -> Result<()> {
     register_font();
     let (width, height) = (1200u32, 700u32);
     let mut legend = Vec::new();
@@ -399,7 +399,7 @@ pub fn plan_png(path: &Path, plans: &[(&str, &Plan)]) -> Result<()> {
 }
 
 /// One run's records, read from `metrics.jsonl`.
-pub struct RunSeries {
+pub(crate) struct RunSeries {
     /// The run's label in legends: the run directory's name unless the caller renames it.
     pub name: String,
     /// The records of `metrics.jsonl`, in file order.
@@ -408,7 +408,7 @@ pub struct RunSeries {
 
 impl RunSeries {
     /// Reads `RUN_DIR/metrics.jsonl` (refused without a record); the run is named after its directory.
-    pub fn load(run_dir: &Path) -> Result<Self> {
+    pub(crate) fn load(run_dir: &Path) -> Result<Self> {
         let path = run_dir.join("metrics.jsonl");
         let text = crate::files::read_text(&path, crate::files::METRICS_BYTES, "metrics file")?;
         let mut records = Vec::new();
@@ -522,7 +522,7 @@ fn lines(
 /// against bytes sent), `loss.png` (train loss against step and bytes), `eval-loss.png` (the held-out
 /// loss: test loss, or a language model's validation loss, against step and bytes), `wall-clock.png`
 /// (test accuracy and train loss against wall-clock seconds), overlaying the runs.
-pub fn runs_png(runs: &[RunSeries], out_dir: &Path) -> Result<Vec<std::path::PathBuf>> {
+pub(crate) fn runs_png(runs: &[RunSeries], out_dir: &Path) -> Result<Vec<std::path::PathBuf>> {
     register_font();
     std::fs::create_dir_all(out_dir).with_context(|| format!("cannot create {}", out_dir.display()))?;
     let series =

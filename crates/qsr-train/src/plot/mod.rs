@@ -11,7 +11,7 @@ pub(crate) mod draw;
 
 /// `qsr plot RUN_DIR... [--out DIR]`.
 #[derive(Debug, Clone, clap::Args)]
-pub struct PlotArgs {
+pub(crate) struct PlotArgs {
     /// Run directories (each with a metrics.jsonl).
     #[arg(required = true)]
     pub runs: Vec<PathBuf>,
@@ -21,7 +21,7 @@ pub struct PlotArgs {
 }
 
 /// Runs `qsr plot`: draws the runs' metrics into PNGs and returns their paths.
-pub fn plot(args: &PlotArgs) -> Result<Vec<PathBuf>> {
+pub(crate) fn plot(args: &PlotArgs) -> Result<Vec<PathBuf>> {
     let series: Vec<draw::RunSeries> =
         args.runs.iter().map(|d| draw::RunSeries::load(d)).collect::<Result<_>>().map_err(bad_input)?;
     let out = args.out.clone().unwrap_or_else(|| args.runs[0].clone());

@@ -14,7 +14,7 @@ use crate::records::Summary;
 
 /// A network: per-link bandwidth and one-way latency.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct Network {
+pub(crate) struct Network {
     /// Bits per second, each direction of each link.
     pub bandwidth_bits_per_second: f64,
     /// One-way latency of a message between ring neighbours, in seconds.
@@ -24,7 +24,7 @@ pub struct Network {
 impl Network {
     /// A network with this bandwidth (bits per second, finite and > 0) and latency (seconds, finite and
     /// >= 0); errors name the invalid value.
-    pub fn new(bandwidth_bits_per_second: f64, latency_seconds: f64) -> Result<Self> {
+    pub(crate) fn new(bandwidth_bits_per_second: f64, latency_seconds: f64) -> Result<Self> {
         if !(bandwidth_bits_per_second.is_finite() && bandwidth_bits_per_second > 0.0) {
             bail!("invalid bandwidth {bandwidth_bits_per_second}: must be a positive number of bits per second");
         }
@@ -36,7 +36,7 @@ impl Network {
 
     /// Seconds of one ring all-reduce of `bytes` across `world_size` ranks in `calls` collective calls:
     /// `calls * 2 (K-1) * latency + 2 (K-1)/K * bytes * 8 / bandwidth`; zero for one rank.
-    pub fn allreduce_seconds(&self, bytes: f64, world_size: usize, calls: u64) -> f64 {
+    pub(crate) fn allreduce_seconds(&self, bytes: f64, world_size: usize, calls: u64) -> f64 {
         if world_size <= 1 {
             return 0.0;
         }
@@ -49,7 +49,7 @@ impl Network {
 /// Where the workers sit: one network between all of them, or nodes of `size` workers on a faster
 /// network of their own, the nodes joined by `inter`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct Cluster {
+pub(crate) struct Cluster {
     /// The network between nodes (between all workers when there are no nodes).
     pub inter: Network,
     /// Nodes of several workers, if any.
@@ -59,7 +59,7 @@ pub struct Cluster {
 
 /// Nodes of a [`Cluster`].
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct Nodes {
+pub(crate) struct Nodes {
     /// Workers per node.
     pub size: usize,
     /// The network inside a node.
@@ -95,7 +95,7 @@ impl Cluster {
 
 /// Parses a rate as `tc` writes it: `1gbit`, `10Gbit/s`, `25gbps` (bits), `100mbit`, `512kbit`, `1e9`
 /// (bits per second); `GB/s`/`MB/s` with a capital `B` are bytes.
-pub fn parse_bandwidth(text: &str) -> Result<f64> {
+pub(crate) fn parse_bandwidth(text: &str) -> Result<f64> {
     let s = text.trim();
     let split = s.find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E').unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
@@ -123,7 +123,7 @@ pub fn parse_bandwidth(text: &str) -> Result<f64> {
 }
 
 /// Parses a duration: `0.2ms`, `200us`, `1.5s`, `50ns`, or a bare number of seconds.
-pub fn parse_duration(text: &str) -> Result<f64> {
+pub(crate) fn parse_duration(text: &str) -> Result<f64> {
     let s = text.trim();
     let split = s.find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E').unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
@@ -145,7 +145,7 @@ pub fn parse_duration(text: &str) -> Result<f64> {
 
 /// What one synchronization moves.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct SyncPayload {
+pub(crate) struct SyncPayload {
     /// Elements of a data-parallel (gradient) all-reduce.
     pub gradient_elements: u64,
     /// Elements of a local-round (parameter) all-reduce, with averaged moments and BN statistics.
@@ -184,7 +184,7 @@ impl SyncPayload {
     }
 
     /// Seconds of one synchronization of `mode`.
-    pub fn seconds(&self, mode: SyncMode, world_size: usize, net: &Network) -> f64 {
+    pub(crate) fn seconds(&self, mode: SyncMode, world_size: usize, net: &Network) -> f64 {
         let n = self.elements(mode);
         let calls = self.bucket_elements.filter(|&b| b > 0).map_or(1, |b| n.div_ceil(b).max(1));
         let bytes = match mode {
@@ -197,7 +197,7 @@ impl SyncPayload {
 
 /// The predicted wall-clock of one plan.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Prediction {
+pub(crate) struct Prediction {
     /// The recipe's name.
     pub name: String,
     /// The sync rule's name (`dp`, `constant`, `qsr`, ...).
@@ -235,7 +235,7 @@ pub struct Prediction {
 
 impl Prediction {
     /// Mean time of a full epoch (total over epochs run).
-    pub fn mean_epoch_seconds(&self) -> Option<f64> {
+    pub(crate) fn mean_epoch_seconds(&self) -> Option<f64> {
         self.steps_per_epoch.filter(|&s| s > 0).map(|s| self.total_seconds * s as f64 / self.steps as f64)
     }
 }
@@ -243,7 +243,7 @@ impl Prediction {
 /// Predicts the wall-clock of `plan`: `steps * step_seconds` plus the cost of every round's sync on
 /// `net` (a [`Network`] between all workers, or a [`Cluster`] of nodes), and of every local average
 /// of a two-level plan inside a node.
-pub fn predict(
+pub(crate) fn predict(
     name: &str,
     plan: &Plan,
     step_seconds: f64,
@@ -355,7 +355,7 @@ fn local_averages(
 
 /// Compute seconds per step implied by a measured wall time of `plan` (normally data parallel): the
 /// total minus the modelled communication, over the steps. Errors if communication alone exceeds it.
-pub fn step_seconds_from_wall(
+pub(crate) fn step_seconds_from_wall(
     plan: &Plan,
     wall_seconds: f64,
     payload: &SyncPayload,
@@ -376,7 +376,7 @@ pub fn step_seconds_from_wall(
 }
 
 /// The payload a recipe moves, given its trainable parameter count and BN running-statistic count.
-pub fn recipe_payload(recipe: &TrainRecipe, params: u64, running: u64) -> SyncPayload {
+pub(crate) fn recipe_payload(recipe: &TrainRecipe, params: u64, running: u64) -> SyncPayload {
     let state = recipe.driver.state;
     let adam = recipe.optimizer.kind == OptimizerKind::Adamw;
     let has_momentum = adam || recipe.optimizer.momentum.is_some_and(|m| m != 0.0);
@@ -413,7 +413,7 @@ fn tokens_per_sample(model: &ModelConfig) -> u64 {
 /// `qsr simulate` arguments.
 #[derive(Debug, Clone, clap::Args)]
 #[command(group(clap::ArgGroup::new("compute").required(true).args(["step_seconds", "step_seconds_from", "flop_rate", "dp_hours"])))]
-pub struct SimulateArgs {
+pub(crate) struct SimulateArgs {
     /// Recipe to predict (repeatable).
     #[arg(long = "recipe")]
     pub recipes: Vec<PathBuf>,
@@ -474,7 +474,7 @@ pub struct SimulateArgs {
 
 /// One line of the output: a prediction, with a measurement or reference where there is one.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Row {
+pub(crate) struct Row {
     /// The predicted wall-clock of the recipe's plan.
     pub prediction: Prediction,
     /// Trainable parameters of the model.
@@ -491,7 +491,7 @@ pub struct Row {
 
 /// The full report of `qsr simulate`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Report {
+pub(crate) struct Report {
     /// The network the predictions assume (`--bandwidth`, `--latency`), between nodes when there
     /// are nodes.
     pub network: Network,
@@ -559,7 +559,7 @@ fn steps_per_epoch(recipe: &TrainRecipe, world: usize) -> Option<u64> {
 /// (`--flop-rate`: `local_batch * flops_per_sample / rate`, with `6 * params * tokens` FLOPs per sample
 /// by default), or a data-parallel wall time (`--dp-hours`: the total minus the modelled
 /// data-parallel communication, divided by its steps), as done for the paper's 26.7 h.
-pub fn simulate(args: &SimulateArgs) -> Result<Report> {
+pub(crate) fn simulate(args: &SimulateArgs) -> Result<Report> {
     if args.recipes.is_empty() && args.runs.is_empty() {
         bail!("give at least one --recipe or --run");
     }
@@ -767,7 +767,7 @@ fn fmt_time(s: f64) -> String {
 }
 
 /// The report as a text table.
-pub fn render(report: &Report) -> String {
+pub(crate) fn render(report: &Report) -> String {
     let mut out = String::new();
     let net = &report.network;
     let _ = writeln!(
@@ -840,7 +840,7 @@ pub fn render(report: &Report) -> String {
 }
 
 /// `qsr simulate`: prints the table (or JSON).
-pub fn run(args: &SimulateArgs, out: &mut dyn std::io::Write) -> Result<()> {
+pub(crate) fn run(args: &SimulateArgs, out: &mut dyn std::io::Write) -> Result<()> {
     // A prediction is arithmetic on its inputs: whatever fails is what it was given.
     let report = simulate(args).map_err(crate::exit::bad_input)?;
     if args.json {

@@ -25,7 +25,7 @@ use crate::worker::intra_op_threads;
 /// exists. The launcher exits 0 when every rank did, else with the status of the rank that failed
 /// first (3 for one killed by a signal), or 128 + N when it was interrupted by signal N.
 #[derive(Debug, Args)]
-pub struct LaunchArgs {
+pub(crate) struct LaunchArgs {
     /// Number of ranks to start.
     #[arg(long)]
     pub nproc: usize,
@@ -38,7 +38,7 @@ pub struct LaunchArgs {
 }
 
 /// Runs `qsr launch`.
-pub fn launch(args: &LaunchArgs) -> Result<()> {
+pub(crate) fn launch(args: &LaunchArgs) -> Result<()> {
     crate::args::check_nproc(args.nproc)?;
     let port = match args.master_port {
         Some(p) => p,
@@ -74,14 +74,14 @@ fn free_port() -> Result<u16> {
 /// `qsr exec-rank -- PROGRAM [ARGS...]`, what `qsr launch` runs as each rank: asks to die with the
 /// launcher, starts a session of its own, then becomes PROGRAM (same process, so both hold for it).
 #[derive(Debug, Args)]
-pub struct ExecRankArgs {
+pub(crate) struct ExecRankArgs {
     /// The program and its arguments, after `--`.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "PROGRAM")]
     pub command: Vec<OsString>,
 }
 
 /// Runs `qsr exec-rank`: returns only when PROGRAM could not be started.
-pub fn exec_rank(args: &ExecRankArgs) -> Result<()> {
+pub(crate) fn exec_rank(args: &ExecRankArgs) -> Result<()> {
     use std::os::unix::process::CommandExt;
     processes::die_with_launcher()?;
     // A session of its own: a process group the launcher stops whole, and no controlling terminal

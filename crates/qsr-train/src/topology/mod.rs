@@ -11,7 +11,7 @@ use crate::records::Summary;
 use crate::run_dir::{check_world, prepare_run_dir, resolve};
 use crate::run_lock::RunLock;
 use crate::worker::{RunSpec, preflight};
-pub use launcher::{ExecRankArgs, LaunchArgs, exec_rank, launch};
+pub(crate) use launcher::{ExecRankArgs, LaunchArgs, exec_rank, launch};
 use processes::ChildArgs;
 
 mod adopted;
@@ -27,7 +27,7 @@ pub(crate) mod threads;
 /// that share the training code: K threads in this process (in-process collective), `--nproc N` local
 /// child processes (TCP ring), or one worker of an externally launched job (torchrun-style env, mpirun,
 /// srun; `--comm tcp|mpi`).
-pub fn run(args: &TrainArgs) -> Result<Option<Summary>> {
+pub(crate) fn run(args: &TrainArgs) -> Result<Option<Summary>> {
     if args.spawned {
         // Before anything else: a worker must not outlive the `--nproc` launcher that started it.
         processes::die_with_launcher()?;

@@ -37,7 +37,7 @@ const POLL: Duration = Duration::from_millis(50);
 pub(super) const PORT_FILE: &str = ".rendezvous-port";
 
 /// In a worker: die with the launcher (SIGKILL on its death), and refuse to start if it is already gone.
-pub fn die_with_launcher() -> Result<()> {
+pub(super) fn die_with_launcher() -> Result<()> {
     let Some(launcher) = std::env::var(LAUNCHER_PID).ok().and_then(|p| p.parse::<i32>().ok()) else {
         bail!("this is for the processes `qsr train --nproc` and `qsr launch` start ({LAUNCHER_PID} is not set)");
     };
@@ -55,7 +55,7 @@ pub fn die_with_launcher() -> Result<()> {
 /// others start with it (`port` is `None` for rank 0 and in elastic jobs). With an elastic `store`, a
 /// failed worker does not stop the others: the run succeeds when the store says every worker of its
 /// last generation finished.
-pub fn launch(
+pub(super) fn launch(
     n: usize,
     command: impl Fn(usize, Option<u16>) -> Result<Command>,
     run_dir: &Path,
@@ -83,7 +83,7 @@ pub fn launch(
 /// Starts `n` processes of a program that is not qsr's (`command(rank)`), each in a process group of its
 /// own, so that stopping a rank stops whatever it started too; waits for them like [`launch`]: the
 /// first failure stops the rest and is named, signals are forwarded.
-pub fn launch_program(n: usize, command: impl Fn(usize) -> Result<Command>) -> Result<()> {
+pub(super) fn launch_program(n: usize, command: impl Fn(usize) -> Result<Command>) -> Result<()> {
     let signal = Arc::new(AtomicUsize::new(0));
     let ids = register_signals(&signal)?;
     super::adopted::become_subreaper()?;

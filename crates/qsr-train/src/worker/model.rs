@@ -16,7 +16,7 @@ use crate::recipe::{TrainRecipe, open_corpus, open_dataset};
 /// A recipe's network, built once and copied to every worker.
 // Built once per worker and moved into it at once: boxing would save nothing worth an indirection.
 #[allow(clippy::large_enum_variant)]
-pub enum TrainModel {
+pub(crate) enum TrainModel {
     /// An image classifier (`model.kind` resnet, cifar-resnet, vit, cnn, mlp).
     Image(Model),
     /// A language model (`model.kind = "gpt"`).
@@ -25,7 +25,7 @@ pub enum TrainModel {
 
 impl TrainModel {
     /// A copy for one more worker (image models get their own BatchNorm state).
-    pub fn replica(&self) -> Self {
+    pub(crate) fn replica(&self) -> Self {
         match self {
             TrainModel::Image(m) => TrainModel::Image(m.deep_clone()),
             TrainModel::Language(m) => TrainModel::Language(m.clone()),
@@ -33,7 +33,7 @@ impl TrainModel {
     }
 
     /// Trainable parameters (BN running statistics excluded).
-    pub fn trainable_params(&self) -> usize {
+    pub(crate) fn trainable_params(&self) -> usize {
         match self {
             TrainModel::Image(m) => qsr_models::param_count(m),
             TrainModel::Language(m) => qsr_models::param_count(m),
@@ -41,7 +41,7 @@ impl TrainModel {
     }
 
     /// All float values of the module (parameters and BN running statistics).
-    pub fn num_params(&self) -> usize {
+    pub(crate) fn num_params(&self) -> usize {
         match self {
             TrainModel::Image(m) => m.num_params(),
             TrainModel::Language(m) => m.num_params(),
@@ -50,14 +50,14 @@ impl TrainModel {
 }
 
 /// Input shape and class count an image recipe's model is built for; an error for a language model.
-pub fn input_spec(recipe: &TrainRecipe) -> Result<(InputSpec, usize)> {
+pub(super) fn input_spec(recipe: &TrainRecipe) -> Result<(InputSpec, usize)> {
     super::task::image_input(recipe)
 }
 
 /// Checks a run's inputs before anything large is built: the batch fits the training data for `k`
 /// workers, the held-out split fits the model, and `replicas` copies of the model's training state fit
 /// in this machine's memory (CPU runs).
-pub fn preflight(recipe: &TrainRecipe, k: usize, replicas: usize, gpu: bool) -> Result<()> {
+pub(crate) fn preflight(recipe: &TrainRecipe, k: usize, replicas: usize, gpu: bool) -> Result<()> {
     let params = match recipe.model.as_gpt() {
         Some(gpt) => {
             let corpus = open_corpus(&recipe.data)?;
@@ -160,7 +160,7 @@ fn mem_available() -> Option<u64> {
 }
 
 /// Builds the model of a recipe on `device` (seeded, so every process builds the same one).
-pub fn build_model(recipe: &TrainRecipe, device: &Device) -> Result<TrainModel> {
+pub(crate) fn build_model(recipe: &TrainRecipe, device: &Device) -> Result<TrainModel> {
     device.seed(recipe.seed);
     let bad = |e: qsr_models::ModelError| bad_input(anyhow!("invalid `model.{}`: {e}", e.field()));
     // Parameters are created lazily; one forward materializes them now, under this seed.

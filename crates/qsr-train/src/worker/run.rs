@@ -22,7 +22,7 @@ use crate::records::Summary;
 /// This is the training loop: the same code for every worker, whatever carries its collective (threads in one
 /// process, local processes over the TCP ring, MPI, an externally launched job), and for every task (images:
 /// test accuracy; text: validation loss of next-token prediction).
-pub fn run_worker(
+pub(crate) fn run_worker(
     spec: &RunSpec,
     comms: Comms,
     model: TrainModel,

@@ -10,7 +10,7 @@ use crate::recipe::TrainRecipe;
 
 /// Everything a worker needs besides its collective and its model replica.
 #[derive(Clone)]
-pub struct RunSpec {
+pub(crate) struct RunSpec {
     /// The resolved recipe every worker trains.
     pub recipe: TrainRecipe,
     /// The device this worker computes on.
@@ -27,7 +27,7 @@ pub struct RunSpec {
 }
 
 /// A worker's collectives: every worker's, and for a two-level run (`[sync.local]`) its node's.
-pub struct Comms {
+pub(crate) struct Comms {
     /// All workers: global syncs, the initial broadcast, evaluation and checkpoint barriers.
     pub world: Box<dyn Collective>,
     /// The worker's node, for the local averages of a two-level run.
@@ -39,7 +39,7 @@ pub struct Comms {
 
 impl Comms {
     /// The collective of a flat run.
-    pub fn flat(world: Box<dyn Collective>) -> Self {
+    pub(crate) fn flat(world: Box<dyn Collective>) -> Self {
         Comms { world, node: None, stream: None }
     }
 }

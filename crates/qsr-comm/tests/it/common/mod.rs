@@ -9,21 +9,21 @@ use rand_chacha::ChaCha8Rng;
 
 /// Buffer lengths every backend is tested with for world size `n`: empty, one element, fewer
 /// elements than ranks, not divisible by the world size, and several MiB.
-pub fn lengths(n: usize) -> Vec<usize> {
+pub(crate) fn lengths(n: usize) -> Vec<usize> {
     let mut v = vec![0, 1, n.saturating_sub(1), 1000 * n + 3, (3 << 20) / 4 + 2 * n + 1];
     v.dedup();
     v
 }
 
 /// Rank `rank`'s input: seeded, values of mixed sign and magnitude.
-pub fn input(seed: u64, rank: usize, len: usize) -> Vec<f32> {
+pub(crate) fn input(seed: u64, rank: usize, len: usize) -> Vec<f32> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ ((rank as u64 + 1) << 32));
     (0..len).map(|_| rng.random_range(-1.0f32..1.0) * if rng.random_bool(0.1) { 1000.0 } else { 1.0 }).collect()
 }
 
 /// Checks `got` (the result on every rank) against an f64 reference of the inputs, bit-identity
 /// across ranks, and (for mean) `mean == sum / K` against the sum results.
-pub fn check(inputs: &[Vec<f32>], got: &[Vec<f32>], op: ReduceOp, what: &str) {
+pub(crate) fn check(inputs: &[Vec<f32>], got: &[Vec<f32>], op: ReduceOp, what: &str) {
     let k = inputs.len();
     let len = inputs[0].len();
     for (r, g) in got.iter().enumerate() {
@@ -44,7 +44,7 @@ pub fn check(inputs: &[Vec<f32>], got: &[Vec<f32>], op: ReduceOp, what: &str) {
 }
 
 /// Runs `f` on every communicator in its own thread and returns the results in rank order.
-pub fn on_threads<C, T, F>(comms: Vec<C>, f: F) -> Vec<T>
+pub(crate) fn on_threads<C, T, F>(comms: Vec<C>, f: F) -> Vec<T>
 where
     C: Send + 'static,
     T: Send + 'static,
@@ -61,7 +61,7 @@ where
     handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
 }
 
-pub fn test_config() -> TcpConfig {
+pub(crate) fn test_config() -> TcpConfig {
     TcpConfig {
         timeout: Duration::from_secs(10),
         rendezvous_timeout: Duration::from_secs(20),
@@ -72,7 +72,7 @@ pub fn test_config() -> TcpConfig {
 }
 
 /// A TCP ring of `n` ranks over loopback, set up from threads of this process.
-pub fn tcp_group(n: usize, cfg: TcpConfig) -> Vec<TcpComm> {
+pub(crate) fn tcp_group(n: usize, cfg: TcpConfig) -> Vec<TcpComm> {
     let listener = MasterListener::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr").to_string();
     let workers: Vec<_> = (1..n)
@@ -90,7 +90,7 @@ pub fn tcp_group(n: usize, cfg: TcpConfig) -> Vec<TcpComm> {
 }
 
 /// A group of `n` boxed handles: a TCP ring over loopback, or the in-process group.
-pub fn boxed_group(n: usize, tcp: bool) -> Vec<Box<dyn Collective>> {
+pub(crate) fn boxed_group(n: usize, tcp: bool) -> Vec<Box<dyn Collective>> {
     if tcp {
         tcp_group(n, test_config()).into_iter().map(|c| Box::new(c) as Box<dyn Collective>).collect()
     } else {
@@ -99,7 +99,7 @@ pub fn boxed_group(n: usize, tcp: bool) -> Vec<Box<dyn Collective>> {
 }
 
 /// The full correctness matrix for one group (called with the group's handles).
-pub fn matrix<C: Collective + 'static>(make: impl Fn(usize) -> Vec<C>, sizes: &[usize]) {
+pub(crate) fn matrix<C: Collective + 'static>(make: impl Fn(usize) -> Vec<C>, sizes: &[usize]) {
     for &n in sizes {
         let comms = make(n);
         let results = on_threads(comms, move |mut c| -> Result<Vec<(String, Vec<f32>)>, CommError> {
@@ -159,7 +159,7 @@ pub fn matrix<C: Collective + 'static>(make: impl Fn(usize) -> Vec<C>, sizes: &[
 /// A phrase a message states twice ("job token differs (job token differs ..."), if any: a
 /// repeated pair of words of three or more letters each (so that "rank 1 ... rank 1" in a message
 /// naming two ranks, or "block 0 with ..., expected block 0 with", does not count).
-pub fn repeated_phrase(msg: &str) -> Option<String> {
+pub(crate) fn repeated_phrase(msg: &str) -> Option<String> {
     let words: Vec<String> = msg
         .split_whitespace()
         .map(|w| w.trim_matches(|c: char| "()[]{}:;,.?!'\"".contains(c)).to_lowercase())

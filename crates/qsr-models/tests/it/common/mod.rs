@@ -4,10 +4,10 @@
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
 /// SplitMix64-style generator: deterministic test data, independent of burn's global RNG.
-pub struct Lcg(pub u64);
+pub(crate) struct Lcg(pub u64);
 
 impl Lcg {
-    pub fn next_f32(&mut self) -> f32 {
+    pub(crate) fn next_f32(&mut self) -> f32 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -18,14 +18,14 @@ impl Lcg {
 }
 
 /// Images `[n, c, h, w]` with values in [-1, 1).
-pub fn images(n: usize, c: usize, h: usize, w: usize, seed: u64, device: &Device) -> Tensor<4> {
+pub(crate) fn images(n: usize, c: usize, h: usize, w: usize, seed: u64, device: &Device) -> Tensor<4> {
     let mut g = Lcg(seed);
     let v: Vec<f32> = (0..n * c * h * w).map(|_| g.next_f32()).collect();
     Tensor::from_data(TensorData::new(v, [n, c, h, w]), device)
 }
 
 /// A learnable batch: `n` images, labels `i % classes`, each image = its class prototype + noise.
-pub fn class_batch(
+pub(crate) fn class_batch(
     n: usize,
     c: usize,
     h: usize,
@@ -50,6 +50,6 @@ pub fn class_batch(
     )
 }
 
-pub fn all_finite(t: Tensor<2>) -> bool {
+pub(crate) fn all_finite(t: Tensor<2>) -> bool {
     t.into_data().try_to_vec::<f32>().map(|v| v.iter().all(|x| x.is_finite())).unwrap_or(false)
 }

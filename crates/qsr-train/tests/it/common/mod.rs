@@ -6,12 +6,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 /// The small recipe most trainer tests run: an MLP on digits under QSR.
-pub const RECIPE: &str = "recipes/digits-mlp-qsr.toml";
+pub(crate) const RECIPE: &str = "recipes/digits-mlp-qsr.toml";
 
 /// The repository root (recipes are named relative to it). `cargo test` sets CARGO_MANIFEST_DIR at run
 /// time too: preferred, since a target dir shared by two checkouts may hand this one the other's
 /// fresh-looking binary, whose compile-time path points into the other checkout.
-pub fn root() -> PathBuf {
+pub(crate) fn root() -> PathBuf {
     let manifest =
         std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| env!("CARGO_MANIFEST_DIR").into(), PathBuf::from);
     manifest.join("../..")
@@ -19,7 +19,7 @@ pub fn root() -> PathBuf {
 
 /// `qsr args` in the repository root, without the job token or a launcher's variables of the
 /// environment the tests run in.
-pub fn qsr_cmd(args: &[&str]) -> Command {
+pub(crate) fn qsr_cmd(args: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_qsr"));
     c.args(args).current_dir(root()).env_remove("QSR_JOB_TOKEN");
     for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"] {
@@ -29,12 +29,12 @@ pub fn qsr_cmd(args: &[&str]) -> Command {
 }
 
 /// Runs `qsr args` ([`qsr_cmd`]).
-pub fn qsr(args: &[&str]) -> Output {
+pub(crate) fn qsr(args: &[&str]) -> Output {
     qsr_cmd(args).output().expect("run qsr")
 }
 
 /// Runs `qsr args`, asserts success, returns stdout.
-pub fn ok(args: &[&str]) -> String {
+pub(crate) fn ok(args: &[&str]) -> String {
     let out = qsr(args);
     assert!(out.status.success(), "qsr {args:?} failed:\n{}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).into_owned()
@@ -42,7 +42,7 @@ pub fn ok(args: &[&str]) -> String {
 
 /// Runs a command that must be refused as bad input (exit status 2, not a panic or an abort);
 /// returns stderr.
-pub fn refused(args: &[&str]) -> String {
+pub(crate) fn refused(args: &[&str]) -> String {
     let out = qsr(args);
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert_eq!(out.status.code(), Some(2), "qsr {args:?} should fail with status 2, got {:?}: {err}", out.status);
@@ -51,6 +51,6 @@ pub fn refused(args: &[&str]) -> String {
 }
 
 /// A JSON file's contents.
-pub fn json(path: &Path) -> serde_json::Value {
+pub(crate) fn json(path: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
 }
