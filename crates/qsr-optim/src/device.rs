@@ -411,7 +411,7 @@ mod fused {
     mod unfused {
         use burn::backend::fusion::{Fusion, FusionBackend};
 
-        pub trait Unfused {
+        pub(crate) trait Unfused {
             type Inner: FusionBackend;
         }
 
@@ -419,7 +419,7 @@ mod fused {
             type Inner = B;
         }
 
-        pub type CubeBackend = <burn::backend::Cube as Unfused>::Inner;
+        pub(crate) type CubeBackend = <burn::backend::Cube as Unfused>::Inner;
     }
 
     /// `t`'s cubecl buffer, or `None` on another backend. Under fusion the operations queued on the
@@ -432,7 +432,7 @@ mod fused {
     }
 
     /// Waits for the calling thread's queued work on `tensors` (fusion's queue, then its stream).
-    pub fn finish_own_work(tensors: &[Tensor<1>]) -> Result<(), String> {
+    pub(crate) fn finish_own_work(tensors: &[Tensor<1>]) -> Result<(), String> {
         match tensors.first() {
             Some(t) if t.clone().try_into_primitive::<burn::backend::Cube>().is_ok() => {
                 t.device().sync().map_err(|e| format!("the device failed while averaging: {e:?}"))
@@ -442,7 +442,7 @@ mod fused {
     }
 
     /// What [`average_in_place`] did.
-    pub enum InPlace {
+    pub(crate) enum InPlace {
         /// Averaged by the kernel.
         Done,
         /// Not cubecl tensors (another backend): burn operations average them.
@@ -453,7 +453,7 @@ mod fused {
 
     /// The K ranks' deposits averaged in place, one launch per slot, when they are plain cubecl f32
     /// buffers of exactly their length.
-    pub fn average_in_place(deposits: &[Vec<Tensor<1>>]) -> Result<InPlace, String> {
+    pub(crate) fn average_in_place(deposits: &[Vec<Tensor<1>>]) -> Result<InPlace, String> {
         if deposits.len() > qsr_kernels::cube::MAX_BUFFERS {
             let max = qsr_kernels::cube::MAX_BUFFERS;
             return Ok(InPlace::Unfit(format!("{} ranks, beyond the kernel's {max} buffers", deposits.len())));

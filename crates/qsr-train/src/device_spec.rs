@@ -92,7 +92,7 @@ fn open_wgpu() -> Result<Device> {
 /// What `probe_cuda` (feature `cuda`) found.
 #[cfg(feature = "cuda-plain")]
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CudaProbe {
+pub(crate) struct CudaProbe {
     /// Number of GPUs the CUDA driver reports.
     pub gpus: usize,
     /// The probed GPU's name as the driver reports it (`unknown GPU` if it cannot say).

@@ -264,7 +264,7 @@ mod launches {
     impl Count {
         /// Starts counting once the device's queued work has run.
         #[cfg(any(feature = "cuda-plain", feature = "wgpu-plain"))]
-        pub fn start(device: &Device) -> Result<Count> {
+        pub(crate) fn start(device: &Device) -> Result<Count> {
             if !is_cube(device) {
                 return Ok(Count { count: None });
             }
@@ -274,7 +274,7 @@ mod launches {
 
         /// The launches since [`Count::start`], once the device has run them.
         #[cfg(any(feature = "cuda-plain", feature = "wgpu-plain"))]
-        pub fn finish(self, device: &Device) -> Result<Option<u64>> {
+        pub(crate) fn finish(self, device: &Device) -> Result<Option<u64>> {
             let Some(count) = self.count else { return Ok(None) };
             sync(device)?;
             Ok(Some(count.launches()))
@@ -297,7 +297,7 @@ mod launches {
     impl Profile {
         /// Starts timing kernels once the device's queued work has run (CPU: nothing to time).
         #[cfg(any(feature = "cuda-plain", feature = "wgpu-plain"))]
-        pub fn start(device: &Device) -> Result<Profile> {
+        pub(crate) fn start(device: &Device) -> Result<Profile> {
             if !is_cube(device) {
                 return Ok(Profile(Count { count: None }));
             }
@@ -312,7 +312,7 @@ mod launches {
 
         /// The kernels of the `steps` profiled steps, per step, the longest-running first.
         #[cfg(any(feature = "cuda-plain", feature = "wgpu-plain"))]
-        pub fn finish(self, device: &Device, steps: u64) -> Result<Vec<KernelTime>> {
+        pub(crate) fn finish(self, device: &Device, steps: u64) -> Result<Vec<KernelTime>> {
             let Some(count) = self.0.count else { return Ok(Vec::new()) };
             sync(device)?;
             let per_step = |x: f64| x / steps as f64;
