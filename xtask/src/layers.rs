@@ -54,11 +54,14 @@ fn crate_cycles(src: &Path) -> Result<Vec<Vec<String>>> {
             .filter(|t| !t.is_empty() && t != m);
         edges.entry(m.clone()).or_default().extend(targets);
     }
-    Ok(strongly_connected(&edges)
-        .into_iter()
-        .filter(|c| c.len() > 1 && !within_one_subtree(c))
-        .map(|c| c.into_iter().map(|m| display(&m)).collect())
-        .collect())
+    // Circles without a parent's edges to its own files (siblings using each other, even under one
+    // parent), and circles with them that leave the parent's subtree.
+    let own_files: BTreeMap<Module, BTreeSet<Module>> =
+        edges.iter().map(|(m, ts)| (m.clone(), ts.iter().filter(|t| !t.starts_with(m)).cloned().collect())).collect();
+    let siblings = strongly_connected(&own_files).into_iter().filter(|c| c.len() > 1);
+    let through_parent = strongly_connected(&edges).into_iter().filter(|c| c.len() > 1 && !within_one_subtree(c));
+    let found: BTreeSet<Vec<Module>> = siblings.chain(through_parent).collect();
+    Ok(found.into_iter().map(|c| c.into_iter().map(|m| display(&m)).collect()).collect())
 }
 
 /// Whether every module of `circle` lies in the subtree of one of them: a parent and its own files.
@@ -72,7 +75,12 @@ fn declared_children(text: &str) -> Vec<String> {
     code.lines()
         .filter_map(|line| {
             let decl = line.trim_start();
-            let decl = decl.strip_prefix("pub(crate) ").or_else(|| decl.strip_prefix("pub ")).unwrap_or(decl);
+            // Any visibility: `pub`, `pub(crate)`, `pub(super)`, `pub(in path)`.
+            let decl = match decl.strip_prefix("pub") {
+                Some(rest) if rest.starts_with('(') => rest.split_once(')').map_or(rest, |(_, r)| r).trim_start(),
+                Some(rest) => rest.trim_start(),
+                None => decl,
+            };
             let name = decl.strip_prefix("mod ")?.strip_suffix(';')?.trim();
             name.chars().all(|c| c.is_alphanumeric() || c == '_').then(|| name.to_string())
         })
@@ -269,7 +277,19 @@ mod tests {
         assert!(err.contains("hier <-> tcp <-> tcp::doubling"), "{err}");
         let own = crate_with("own", "use super::Ring;");
         check(std::slice::from_ref(&own)).unwrap();
-        for root in [through, own] {
+        // Two files of one parent using each other stay a circle when the parent joins it.
+        let siblings = tree(
+            "siblings-under-parent",
+            &[
+                ("lib.rs", "mod m;"),
+                ("m/mod.rs", "pub(super) mod a;\nmod b;\npub struct P;\nfn f() { a::x(); b::y(); }"),
+                ("m/a.rs", "use super::b::Y; use super::P;"),
+                ("m/b.rs", "use super::a::X;"),
+            ],
+        );
+        let err = check(std::slice::from_ref(&siblings)).unwrap_err().to_string();
+        assert!(err.contains("m::a <-> m::b"), "{err}");
+        for root in [through, own, siblings] {
             let _ = std::fs::remove_dir_all(root);
         }
     }

@@ -63,6 +63,7 @@ impl<M: Module> Worker<M> {
         if config.broadcast_initial && comm.world_size() > 1 {
             model = broadcast_initial(model, &layout, comm.as_mut(), cursor.step())?;
         }
+        let sync = Synchronizer::new(comm, (config.wire, config.bucket_elems), WORKER)?;
         let residency = resolve_residency(config.residency, &model);
         if config.wire != Wire::F32 && residency == Residency::Device {
             return Err(OptimError::Config {
@@ -80,7 +81,6 @@ impl<M: Module> Worker<M> {
             }
             _ => Replica::Host(HostReplica::new(&model, &layout, optimizer.clone())?),
         };
-        let sync = Synchronizer::new(comm, (config.wire, config.bucket_elems), WORKER)?;
         let stats = DriverStats::default();
         let mut worker = Self { model, layout, replica, optimizer, sync, cursor, config, stats };
         if worker.config.wire.codec().is_some() {
@@ -110,8 +110,11 @@ impl<M: Module> Worker<M> {
             host: matches!(self.replica, Replica::Host(_)),
             averages_moments: state.average_first_moment || state.average_second_moment,
         };
+        let stream = self.sync.prepare_streaming(config, &fit, &self.layout)?;
+        // Read only once the settings are known to fit: a device replica would download them.
         let params = self.replica.params()?;
-        self.sync.set_streaming(config, &fit, &self.layout, &params)
+        self.sync.start_streaming(stream, &params);
+        Ok(())
     }
 
     /// Runs the streaming fragments' all-reduces on `comm`, on a thread of their own, while the worker

@@ -131,20 +131,6 @@ impl Synchronizer {
         Ok(())
     }
 
-    /// Makes parameter syncs streaming from the global parameters `params`: [`Self::prepare_streaming`]
-    /// and [`Self::start_streaming`] at once.
-    pub(crate) fn set_streaming(
-        &mut self,
-        config: Option<StreamingConfig>,
-        fit: &StreamFit<'_>,
-        layout: &ParamLayout,
-        params: &[f32],
-    ) -> Result<(), OptimError> {
-        let stream = self.prepare_streaming(config, fit, layout)?;
-        self.start_streaming(stream, params);
-        Ok(())
-    }
-
     /// Streaming syncs of `config` (the face's streaming setting), or the one fragment, applied at once,
     /// that a quantized wire needs without one, checked against `fit` (before any collective call).
     pub(crate) fn prepare_streaming(
