@@ -20,6 +20,7 @@
 
 #![forbid(unsafe_code)]
 
+mod budget;
 mod comm;
 mod error;
 mod fragment;
@@ -30,6 +31,7 @@ mod rule;
 mod schedule;
 mod section;
 
+pub use budget::alpha_for_budget;
 pub use comm::{CommVolume, Encoding, ring_allreduce_bytes_per_rank};
 pub use error::ConfigError;
 pub use fragment::{

@@ -79,6 +79,10 @@ pub struct PlanOverrides {
     /// Steps the run performs, if not the whole horizon.
     #[arg(long)]
     pub run_steps: Option<u64>,
+    /// QSR's alpha from a budget: the share of data parallel's syncs the run may make, in (0, 1]
+    /// (e.g. 0.1); sets `sync.alpha` of a `qsr` rule to the smallest alpha within it.
+    #[arg(long)]
+    pub budget: Option<f64>,
     /// Override a recipe key, e.g. `--set sync.streaming.fragments=4` (repeatable; applied before
     /// the flags above).
     #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -184,6 +188,23 @@ fn parse_section<T: serde::de::DeserializeOwned>(root: &Table, name: &str, origi
     })
 }
 
+/// `--budget`: the alpha of the table's QSR rule that meets `budget` over its schedule (the smallest:
+/// the most syncs the budget buys), written into `[sync]` before the plan is built.
+fn apply_budget(root: &mut Table, budget: f64, run_steps: Option<u64>, origin: &str) -> Result<()> {
+    let schedule: LrSchedule = parse_section(root, "schedule", origin)?;
+    let sync = section(root, "sync")?;
+    if sync.get("rule").and_then(Value::as_str) != Some("qsr") {
+        bail!("{origin}: --budget sets the alpha of `sync.rule = \"qsr\"` (add --sync qsr)");
+    }
+    let h_base = sync.get("h_base").and_then(Value::as_integer).filter(|h| *h > 0);
+    let h_base =
+        h_base.ok_or_else(|| anyhow!("{origin}: --budget needs `sync.h_base` (set it in [sync] or with --h-base)"))?;
+    let alpha = qsr_sched::alpha_for_budget(&schedule, h_base as u64, budget, run_steps)
+        .map_err(|e| anyhow!("{origin}: {e} (--budget)"))?;
+    sync.insert("alpha".into(), Value::Float(alpha));
+    Ok(())
+}
+
 /// Builds the plan of a recipe table (already overridden), with its `[sync.streaming]` schedule.
 type PlanParts = (Plan, Option<(StreamingConfig, FragmentPlan)>);
 
@@ -223,7 +244,11 @@ pub fn load_plan(path: Option<&Path>, overrides: &PlanOverrides) -> Result<PlanR
                 .ok_or_else(|| anyhow!("{origin}: `train.steps` must be a positive integer"))
         })
         .transpose()?;
-    let (plan, streaming) = plan_from_table(&root, overrides.run_steps.or(recipe_steps), &origin)?;
+    let run_steps = overrides.run_steps.or(recipe_steps);
+    if let Some(budget) = overrides.budget {
+        apply_budget(&mut root, budget, run_steps, &origin)?;
+    }
+    let (plan, streaming) = plan_from_table(&root, run_steps, &origin)?;
     let name = match root.get("name") {
         Some(Value::String(s)) => s.clone(),
         Some(_) => bail!("{origin}: `name` must be a string"),

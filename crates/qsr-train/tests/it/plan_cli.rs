@@ -307,6 +307,23 @@ fn plan_takes_set_overrides_of_recipe_keys() {
     assert!(err.contains("sync.streaming.delay"), "{err}");
 }
 
+/// `--budget` picks QSR's alpha for the recipe's schedule: the plan spends at most that share of data
+/// parallel's syncs and nearly all of it; a rule other than qsr, or a budget h_base alone meets, is
+/// refused naming the flag.
+#[test]
+fn plan_budget_sets_alpha_within_the_share_of_data_parallels_syncs() {
+    let recipe = "recipes/imagenet-vit-b-qsr-hbase4.toml";
+    for budget in ["0.2", "0.104", "0.05"] {
+        let v = plan_json(&["--recipe", recipe, "--budget", budget]);
+        let (share, budget) = (v["comm_percent"].as_f64().unwrap() / 100.0, budget.parse::<f64>().unwrap());
+        assert!(share <= budget && share > 0.95 * budget, "{budget}: {share}");
+    }
+    let err = plan_refused(&["--recipe", "recipes/imagenet-vit-b-h4.toml", "--budget", "0.1"]);
+    assert!(err.contains("--budget") && err.contains("qsr"), "{err}");
+    let err = plan_refused(&["--recipe", recipe, "--budget", "0.5"]);
+    assert!(err.contains("budget") && err.contains("lower h_base"), "{err}");
+}
+
 /// `--wire int8` counts a byte per value and a scale per 64 (whole blocks, as the ring moves them):
 /// 68 / 256 of the f32 volume, in the plan's volume and the streaming peak alike.
 #[test]

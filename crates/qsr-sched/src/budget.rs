@@ -1,0 +1,115 @@
+//! QSR's `alpha` from a communication budget: the share of data parallel's synchronizations a run can
+//! afford, turned into the rule's scale for a given schedule.
+
+use crate::error::ConfigError;
+use crate::plan::Plan;
+use crate::rule::SyncRule;
+use crate::schedule::LrSchedule;
+
+/// Bisection steps: alpha to about 2^-40 of its bracket, far below what changes a round.
+const STEPS: u32 = 40;
+
+/// The smallest QSR `alpha` whose plan over `schedule` (for `run_steps`, default the horizon) syncs
+/// at most `budget` times as often as data parallel (rounds over steps, as
+/// [`PlanSummary::comm_percent`](crate::PlanSummary::comm_percent) / 100): the most synchronizations the
+/// budget buys, so the most averaging. Refused, naming `budget`, outside (0, 1]; when `h_base`
+/// alone already syncs that seldom (QSR then only lengthens rounds the budget does not need
+/// lengthened: lower `h_base`); and when no `alpha` gets below it (the warmup's rounds, at `h_base`,
+/// already cost more).
+///
+/// ```
+/// use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncRule, alpha_for_budget};
+/// let schedule = LrSchedule::new(ScheduleKind::Cosine, 10_000, 500, 0.1, 0.0);
+/// let alpha = alpha_for_budget(&schedule, 2, 0.1, None).unwrap();
+/// let plan = Plan::new(schedule, SyncRule::Qsr { h_base: 2, alpha }).unwrap();
+/// let share = plan.summary().comm_percent / 100.0;
+/// assert!(share <= 0.1 && share > 0.09, "{share}");
+/// ```
+pub fn alpha_for_budget(
+    schedule: &LrSchedule,
+    h_base: u64,
+    budget: f64,
+    run_steps: Option<u64>,
+) -> Result<f64, ConfigError> {
+    let refuse = |reason: String| Err(ConfigError::new("budget", reason));
+    if !(budget > 0.0 && budget <= 1.0) {
+        return refuse(format!("must be in (0, 1] (got {budget})"));
+    }
+    schedule.validate()?;
+    let share = |alpha: f64| -> Result<f64, ConfigError> {
+        let plan = Plan::from_parts(schedule.clone(), SyncRule::Qsr { h_base, alpha }, run_steps)?;
+        Ok(plan.summary().comm_percent / 100.0)
+    };
+    // Below the smallest lr of the run: H is h_base on every round.
+    let floor = schedule.lr_max.min(schedule.lr_min).max(f64::MIN_POSITIVE) * 1e-6;
+    let at_h_base = share(floor)?;
+    if at_h_base <= budget {
+        return refuse(format!(
+            "h_base = {h_base} alone syncs {:.2} % of data parallel's steps, within the budget of {:.2} %: lower h_base so QSR spends it",
+            100.0 * at_h_base,
+            100.0 * budget
+        ));
+    }
+    // Grow the bracket until the budget is met: past a point every round after warmup spans the run.
+    let mut hi = schedule.lr_max.max(f64::MIN_POSITIVE);
+    let mut least = share(hi)?;
+    while least > budget {
+        if hi > schedule.lr_max * 1e9 {
+            return refuse(format!(
+                "no alpha syncs that seldom: at least {:.2} % of data parallel's steps (the warmup's rounds at h_base = {h_base}, one round after it)",
+                100.0 * least
+            ));
+        }
+        hi *= 4.0;
+        least = share(hi)?;
+    }
+    let mut lo = floor;
+    for _ in 0..STEPS {
+        let mid = (lo * hi).sqrt();
+        if share(mid)? <= budget {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    Ok(hi)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ScheduleKind;
+
+    fn share(schedule: &LrSchedule, h_base: u64, alpha: f64) -> f64 {
+        Plan::new(schedule.clone(), SyncRule::Qsr { h_base, alpha }).unwrap().summary().comm_percent / 100.0
+    }
+
+    #[test]
+    fn the_alpha_found_meets_the_budget_and_a_smaller_one_does_not() {
+        // ViT-B's schedule (the paper's 10.4 % at h_base 4, alpha 0.0175).
+        let vit = LrSchedule::new(ScheduleKind::Cosine, 93_600, 10_000, 0.008, 1e-6);
+        for (h_base, budget) in [(4, 0.104), (4, 0.2), (8, 0.069), (2, 0.3)] {
+            let alpha = alpha_for_budget(&vit, h_base, budget, None).unwrap();
+            assert!(share(&vit, h_base, alpha) <= budget, "{h_base} {budget}: {alpha}");
+            assert!(share(&vit, h_base, alpha * 0.99) > budget, "{h_base} {budget}: {alpha} is not the least");
+        }
+        // The paper's own setting comes back near its alpha.
+        let alpha = alpha_for_budget(&vit, 4, 0.104, None).unwrap();
+        assert!((alpha - 0.0175).abs() < 0.0175 * 0.05, "{alpha}");
+    }
+
+    #[test]
+    fn budgets_h_base_meets_alone_or_no_alpha_meets_are_refused_naming_the_key() {
+        let s = LrSchedule::new(ScheduleKind::Cosine, 1_000, 100, 0.1, 0.0);
+        for (h_base, budget, says) in [
+            (4, 0.5, "lower h_base"),
+            (2, 0.0, "must be in (0, 1]"),
+            (2, 1.5, "must be in (0, 1]"),
+            (2, 0.01, "no alpha syncs that seldom"),
+        ] {
+            let e = alpha_for_budget(&s, h_base, budget, None).unwrap_err();
+            assert_eq!(e.field, "budget");
+            assert!(e.reason.contains(says), "{h_base} {budget}: {e}");
+        }
+    }
+}
