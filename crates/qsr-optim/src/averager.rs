@@ -117,6 +117,32 @@ impl AveragerConfig {
         Self::new(SyncRule::Qsr { h_base, alpha }, 0)
     }
 
+    /// QSR whose `alpha` spends at most `budget` of data parallel's synchronizations (a share in
+    /// (0, 1]: 0.1 syncs a tenth as often) over a run whose steps use `lrs`, the first `warmup_steps`
+    /// of them warmup: the smallest such `alpha`, so the most averaging the budget buys. `lrs` is your
+    /// own schedule sampled step by step, as for [`Self::round_lengths`]. Refused, naming `budget`, for
+    /// a share `h_base` alone already meets (lower `h_base`: QSR then lengthens rounds the budget does
+    /// not ask for) or one below the warmup's rounds.
+    ///
+    /// ```
+    /// use burn::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
+    /// let mut sched = CosineAnnealingLrSchedulerConfig::new(0.1, 1000).init().unwrap();
+    /// let lrs: Vec<f64> = (0..1000).map(|_| sched.step().base()).collect();
+    /// let config = qsr_optim::AveragerConfig::qsr_for_budget(2, 0.1, 0, &lrs).unwrap();
+    /// let syncs = config.round_lengths(lrs.iter().copied()).unwrap().len();
+    /// assert!(syncs <= 100 && syncs > 90, "{syncs} syncs for a budget of 100");
+    /// ```
+    pub fn qsr_for_budget(h_base: u64, budget: f64, warmup_steps: u64, lrs: &[f64]) -> Result<Self, OptimError> {
+        let config = |alpha| Self::new(SyncRule::Qsr { h_base, alpha }, warmup_steps);
+        let finite = lrs.iter().copied().filter(|lr| lr.is_finite() && *lr > 0.0);
+        let range = finite.fold((f64::INFINITY, 0.0f64), |(lo, hi), lr| (lo.min(lr), hi.max(lr)));
+        if range.1 == 0.0 {
+            return Err(OptimError::Config { field: "lr".into(), reason: "no finite positive learning rate".into() });
+        }
+        let share = |alpha| config(alpha).round_lengths(lrs.iter().copied()).map(|r| r.len() as f64 / lrs.len() as f64);
+        Ok(config(qsr_sched::least_alpha_within(budget, h_base, range, share)?))
+    }
+
     /// The length of each round an [`Averager`] with this config makes over a run whose steps use
     /// `lrs` (one per step, in order; the last round cut at the run's end): the plan of your own
     /// schedule, e.g. a clone of your burn `LrScheduler` sampled step by step. Its `len()` is the

@@ -31,17 +31,30 @@ pub fn alpha_for_budget(
     budget: f64,
     run_steps: Option<u64>,
 ) -> Result<f64, ConfigError> {
-    let refuse = |reason: String| Err(ConfigError::new("budget", reason));
-    if !(budget > 0.0 && budget <= 1.0) {
-        return refuse(format!("must be in (0, 1] (got {budget})"));
-    }
     schedule.validate()?;
     let share = |alpha: f64| -> Result<f64, ConfigError> {
         let plan = Plan::from_parts(schedule.clone(), SyncRule::Qsr { h_base, alpha }, run_steps)?;
         Ok(plan.summary().comm_percent / 100.0)
     };
+    least_alpha_within(budget, h_base, (schedule.lr_min, schedule.lr_max), share)
+}
+
+/// [`alpha_for_budget`] for any run: `share(alpha)` is the share of data parallel's syncs a run under
+/// QSR with `h_base` and `alpha` makes (rounds over steps), `lrs` the smallest and largest lr of the
+/// run: the planner's budget and qsr-optim's `AveragerConfig::qsr_for_budget` (rounds from the
+/// caller's own lrs) use it alike.
+pub fn least_alpha_within<E: From<ConfigError>>(
+    budget: f64,
+    h_base: u64,
+    (lr_min, lr_max): (f64, f64),
+    mut share: impl FnMut(f64) -> Result<f64, E>,
+) -> Result<f64, E> {
+    let refuse = |reason: String| Err(E::from(ConfigError::new("budget", reason)));
+    if !(budget > 0.0 && budget <= 1.0) {
+        return refuse(format!("must be in (0, 1] (got {budget})"));
+    }
     // Below the smallest lr of the run: H is h_base on every round.
-    let floor = schedule.lr_max.min(schedule.lr_min).max(f64::MIN_POSITIVE) * 1e-6;
+    let floor = lr_max.min(lr_min).max(f64::MIN_POSITIVE) * 1e-6;
     let at_h_base = share(floor)?;
     if at_h_base <= budget {
         return refuse(format!(
@@ -51,10 +64,11 @@ pub fn alpha_for_budget(
         ));
     }
     // Grow the bracket until the budget is met: past a point every round after warmup spans the run.
-    let mut hi = schedule.lr_max.max(f64::MIN_POSITIVE);
+    let top = lr_max.max(f64::MIN_POSITIVE);
+    let mut hi = top;
     let mut least = share(hi)?;
     while least > budget {
-        if hi > schedule.lr_max * 1e9 {
+        if hi > top * 1e9 {
             return refuse(format!(
                 "no alpha syncs that seldom: at least {:.2} % of data parallel's steps (the warmup's rounds at h_base = {h_base}, one round after it)",
                 100.0 * least

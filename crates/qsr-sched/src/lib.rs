@@ -31,7 +31,7 @@ mod rule;
 mod schedule;
 mod section;
 
-pub use budget::alpha_for_budget;
+pub use budget::{alpha_for_budget, least_alpha_within};
 pub use comm::{CommVolume, Encoding, ring_allreduce_bytes_per_rank};
 pub use error::ConfigError;
 pub use fragment::{

@@ -509,3 +509,21 @@ fn an_averager_dropped_after_average_grads_or_abandoned_does_not_warn() {
     drop(model);
     assert_eq!(String::from_utf8(out.0.lock().unwrap().clone()).unwrap(), "");
 }
+
+/// A budget gives the Averager the alpha the planner finds for the same schedule (the rounds of the
+/// caller's lrs are the plan's), and its rounds spend at most the budget.
+#[test]
+fn a_budget_gives_the_alpha_the_planner_finds_and_its_rounds_stay_within_it() {
+    let schedule = LrSchedule::new(ScheduleKind::Cosine, 3_000, 300, 0.2, 0.0);
+    let lrs: Vec<f64> = (0..3_000).map(|t| schedule.lr(t)).collect();
+    for (h_base, budget) in [(2, 0.1), (4, 0.05), (2, 0.3)] {
+        let config = AveragerConfig::qsr_for_budget(h_base, budget, 300, &lrs).unwrap();
+        let SyncRule::Qsr { alpha, .. } = config.rule else { panic!("{:?}", config.rule) };
+        let planned = qsr_sched::alpha_for_budget(&schedule, h_base, budget, None).unwrap();
+        assert!((alpha - planned).abs() <= 1e-6 * planned, "h_base {h_base}, {budget}: {alpha} vs {planned}");
+        let syncs = config.round_lengths(lrs.iter().copied()).unwrap().len() as f64;
+        assert!(syncs <= budget * 3_000.0, "{syncs}");
+    }
+    let err = AveragerConfig::qsr_for_budget(4, 0.5, 300, &lrs).unwrap_err().to_string();
+    assert!(err.contains("`budget`") && err.contains("lower h_base"), "{err}");
+}
