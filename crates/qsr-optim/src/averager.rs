@@ -117,6 +117,18 @@ impl AveragerConfig {
         Self::new(SyncRule::Qsr { h_base, alpha }, 0)
     }
 
+    /// Data parallel: gradients averaged every step ([`Averager::average_grads`] before each
+    /// optimizer step), the baseline a local method is compared with.
+    ///
+    /// ```
+    /// let config = qsr_optim::AveragerConfig::dp();
+    /// assert_eq!(config.rule, qsr_optim::SyncRule::Dp);
+    /// assert_eq!(config.round_lengths([0.1; 5]).unwrap(), [1, 1, 1, 1, 1]);
+    /// ```
+    pub fn dp() -> Self {
+        Self::new(SyncRule::Dp, 0)
+    }
+
     /// QSR whose `alpha` spends at most `budget` of data parallel's synchronizations (a share in
     /// (0, 1]: 0.1 syncs a tenth as often) over a run whose steps use `lrs`, the first `warmup_steps`
     /// of them warmup: the smallest such `alpha`, so the most averaging the budget buys. `lrs` is your
