@@ -188,19 +188,37 @@ fn parse_section<T: serde::de::DeserializeOwned>(root: &Table, name: &str, origi
     })
 }
 
-/// `--budget`: the alpha of the table's QSR rule that meets `budget` over its schedule (the smallest:
-/// the most syncs the budget buys), written into `[sync]` before the plan is built.
-fn apply_budget(root: &mut Table, budget: f64, run_steps: Option<u64>, origin: &str) -> Result<()> {
+/// QSR's alpha from a budget, the flag's (`--budget`, `flag`) or else the recipe's `[sync] budget`
+/// (taken out of the table): the alpha of the table's QSR rule that meets the budget over its
+/// schedule (the smallest: the most syncs the budget buys), written into `[sync]` before the plan
+/// is built, so the resolved recipe records the alpha the run uses. The recipe key beside
+/// `sync.alpha` is refused (which one would win is not obvious); the flag overrides both.
+pub(crate) fn apply_budget(root: &mut Table, flag: Option<f64>, run_steps: Option<u64>, origin: &str) -> Result<()> {
+    let key = root.get_mut("sync").and_then(Value::as_table_mut).and_then(|s| s.remove("budget"));
+    let recipe = key
+        .map(|v| {
+            let number = v.as_float().or_else(|| v.as_integer().map(|i| i as f64));
+            number.ok_or_else(|| anyhow!("{origin}: `sync.budget` must be a number in (0, 1] (got {v})"))
+        })
+        .transpose()?;
+    let (budget, name) = match (flag, recipe) {
+        (Some(b), _) => (b, "--budget"),
+        (None, Some(b)) => (b, "`sync.budget`"),
+        (None, None) => return Ok(()),
+    };
     let schedule: LrSchedule = parse_section(root, "schedule", origin)?;
     let sync = section(root, "sync")?;
+    if flag.is_none() && sync.contains_key("alpha") {
+        bail!("{origin}: set `sync.budget` or `sync.alpha`, not both (the budget chooses alpha)");
+    }
     if sync.get("rule").and_then(Value::as_str) != Some("qsr") {
-        bail!("{origin}: --budget sets the alpha of `sync.rule = \"qsr\"` (add --sync qsr)");
+        bail!("{origin}: {name} sets the alpha of `sync.rule = \"qsr\"` (add --sync qsr)");
     }
     let h_base = sync.get("h_base").and_then(Value::as_integer).filter(|h| *h > 0);
     let h_base =
-        h_base.ok_or_else(|| anyhow!("{origin}: --budget needs `sync.h_base` (set it in [sync] or with --h-base)"))?;
+        h_base.ok_or_else(|| anyhow!("{origin}: {name} needs `sync.h_base` (set it in [sync] or with --h-base)"))?;
     let alpha = qsr_sched::alpha_for_budget(&schedule, h_base as u64, budget, run_steps)
-        .map_err(|e| anyhow!("{origin}: {e} (--budget)"))?;
+        .map_err(|e| anyhow!("{origin}: {e} ({name})"))?;
     sync.insert("alpha".into(), Value::Float(alpha));
     Ok(())
 }
@@ -245,9 +263,7 @@ pub fn load_plan(path: Option<&Path>, overrides: &PlanOverrides) -> Result<PlanR
         })
         .transpose()?;
     let run_steps = overrides.run_steps.or(recipe_steps);
-    if let Some(budget) = overrides.budget {
-        apply_budget(&mut root, budget, run_steps, &origin)?;
-    }
+    apply_budget(&mut root, overrides.budget, run_steps, &origin)?;
     let (plan, streaming) = plan_from_table(&root, run_steps, &origin)?;
     let name = match root.get("name") {
         Some(Value::String(s)) => s.clone(),

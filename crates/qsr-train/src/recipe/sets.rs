@@ -24,6 +24,11 @@ pub(crate) fn apply_sets(root: &mut Table, sets: &[String]) -> Result<()> {
         match (key, value.as_str()) {
             // Switching the rule drops the old rule's settings, as `--sync` does.
             ("sync.rule", Some(rule)) => switch_rule(table, rule),
+            // A budget chooses alpha: the recipe's alpha gives way to it (and the reverse).
+            ("sync.budget" | "sync.alpha", _) => {
+                table.remove(if key == "sync.budget" { "alpha" } else { "budget" });
+                table.insert(parts[parts.len() - 1].to_string(), value);
+            }
             _ => {
                 table.insert(parts[parts.len() - 1].to_string(), value);
             }
@@ -50,7 +55,7 @@ fn rule_keys(rule: &str) -> &'static [&'static str] {
         "constant" => &["h"],
         "post-local" => &["switch_step", "h"],
         "power" => &["h_base", "alpha", "power"],
-        "qsr" => &["h_base", "alpha"],
+        "qsr" => &["h_base", "alpha", "budget"],
         "exponential" => &["h_base", "scaler", "h_max"],
         _ => &[],
     }

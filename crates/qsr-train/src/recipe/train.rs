@@ -210,6 +210,9 @@ impl TrainRecipe {
             }
         }
         fill_vocab_size(&mut root).with_context(|| origin.to_string())?;
+        let run_steps = root.get("train").and_then(|t| t.get("steps")).and_then(Value::as_integer);
+        let run_steps = run_steps.filter(|n| *n > 0).map(|n| n as u64);
+        super::plan::apply_budget(&mut root, None, run_steps, origin)?;
         // Deserialize section by section first, so an error names its section.
         for section in SECTIONS {
             if let Some(msg) = root.get(section).and_then(|v| section_error(section, v)) {

@@ -36,3 +36,26 @@ fn set_sync_rule_switches_the_rule_and_drops_the_old_rules_settings() {
     let qsr = TrainRecipe::load(&gpu, &["sync.rule=qsr".to_string()]).unwrap();
     assert_eq!(qsr.plan().unwrap(), TrainRecipe::load(&gpu, &[]).unwrap().plan().unwrap());
 }
+
+/// Issue 46: `[sync] budget` chooses QSR's alpha as `qsr plan --budget` does (the smallest alpha whose
+/// plan stays within the share of data parallel's syncs); `--set sync.budget=...` replaces a
+/// recipe's alpha, and a recipe that sets both is refused naming both keys.
+#[test]
+fn a_sync_budget_chooses_alpha_as_the_planners_flag_does() {
+    let path = crate::common::root().join("recipes/digits-qsr.toml");
+    let recipe = TrainRecipe::load(&path, &["sync.budget=0.2".to_string()]).unwrap();
+    let qsr_sched::SyncRule::Qsr { h_base, alpha } = recipe.sync.rule.clone() else { panic!("{:?}", recipe.sync.rule) };
+    let expected = qsr_sched::alpha_for_budget(&recipe.schedule, h_base, 0.2, recipe.train.steps).unwrap();
+    assert_eq!(alpha, expected);
+    let share = recipe.plan().unwrap().summary().comm_percent / 100.0;
+    assert!(share <= 0.2, "{share}");
+    let flags = qsr_train::recipe::PlanOverrides { budget: Some(0.2), ..Default::default() };
+    assert_eq!(recipe.plan().unwrap(), qsr_train::recipe::load_plan(Some(&path), &flags).unwrap().plan);
+    // Both keys in one recipe: refused.
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(&path).unwrap().replace("[sync]", "[sync]\nbudget = 0.2");
+    let both = dir.path().join("both.toml");
+    std::fs::write(&both, text).unwrap();
+    let e = format!("{:#}", TrainRecipe::load(&both, &[]).unwrap_err());
+    assert!(e.contains("set `sync.budget` or `sync.alpha`, not both"), "{e}");
+}
