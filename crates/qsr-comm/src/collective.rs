@@ -33,6 +33,41 @@ pub fn codec_name(codec: Codec) -> &'static str {
     }
 }
 
+/// Which synchronization of a training run a collective call belongs to: set with
+/// [`Collective::set_tag`], carried in the call's header and compared across ranks like its length,
+/// so ranks at different syncs (a rank whose `H` came from another lr) fail at that call instead of
+/// averaging one step's parameters with another's.
+///
+/// ```
+/// use qsr_comm::SyncTag;
+/// let tag = SyncTag { steps: 10, h: 10, fragment: 0 };
+/// assert_eq!(tag.to_string(), "the sync after step 10 (a round of H = 10)");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub struct SyncTag {
+    /// Optimizer steps taken when the sync runs (the sync follows step `steps`, counted from 1).
+    pub steps: u64,
+    /// The length `H` of the round it ends (1 for data parallel's gradient all-reduce).
+    pub h: u64,
+    /// The streaming fragment it carries, from 1; 0 for a sync of the whole model.
+    pub fragment: u32,
+}
+
+impl std::fmt::Display for SyncTag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the sync after step {} (a round of H = {}", self.steps, self.h)?;
+        match self.fragment {
+            0 => write!(f, ")"),
+            p => write!(f, ", fragment {p})"),
+        }
+    }
+}
+
+/// A call's tag in messages: the tag, or `no sync` for an untagged call.
+pub(crate) fn tag_name(tag: Option<SyncTag>) -> String {
+    tag.map_or_else(|| "no sync (an untagged call)".into(), |t| t.to_string())
+}
+
 /// Which collective a call is; carried in frames and compared across ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum CallKind {
@@ -140,6 +175,14 @@ pub trait Collective: Send {
     fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>, root: usize) -> Result<(), CommError>;
     /// Returns once every rank has entered the barrier.
     fn barrier(&mut self) -> Result<(), CommError>;
+    /// Tags the calls that follow with the sync they belong to (`None`: untagged) until the next
+    /// `set_tag`. Backends that carry a call header (in-process, shm, TCP, NCCL) compare tags across
+    /// ranks with the rest of the header, at no extra round trip except NCCL's header all-reduce,
+    /// and fail with [`CommError::Diverged`] (field `sync`) when they differ. MPI carries no header;
+    /// its calls are not compared (the default does nothing).
+    fn set_tag(&mut self, tag: Option<SyncTag>) {
+        let _ = tag;
+    }
     /// Cumulative traffic and time.
     fn stats(&self) -> &CommStats;
     /// Short backend name for logs ("inproc", "shm", "tcp", "shm+tcp", "mpi", "nccl").
@@ -177,6 +220,9 @@ impl<C: Collective + ?Sized> Collective for Box<C> {
     }
     fn barrier(&mut self) -> Result<(), CommError> {
         (**self).barrier()
+    }
+    fn set_tag(&mut self, tag: Option<SyncTag>) {
+        (**self).set_tag(tag)
     }
     fn stats(&self) -> &CommStats {
         (**self).stats()

@@ -211,6 +211,9 @@ impl Collective for Split {
         let r = self.inner.barrier();
         self.named(r)
     }
+    fn set_tag(&mut self, tag: Option<crate::SyncTag>) {
+        self.inner.set_tag(tag)
+    }
     fn stats(&self) -> &crate::CommStats {
         self.inner.stats()
     }

@@ -310,6 +310,13 @@ impl Collective for HostsComm {
         Ok(())
     }
 
+    fn set_tag(&mut self, tag: Option<crate::SyncTag>) {
+        self.local.set_tag(tag);
+        if let Some((ring, _)) = &mut self.leaders {
+            ring.set_tag(tag);
+        }
+    }
+
     fn stats(&self) -> &CommStats {
         &self.stats
     }

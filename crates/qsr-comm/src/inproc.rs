@@ -22,7 +22,8 @@ use std::time::{Duration, Instant};
 
 use qsr_kernels::{Codec, WIRE_BLOCK, WIRE_BLOCK_BYTES};
 
-use crate::{CallKind, Collective, CommError, CommStats, ReduceOp, bf16_round, split_range};
+use crate::collective::tag_name;
+use crate::{CallKind, Collective, CommError, CommStats, ReduceOp, SyncTag, bf16_round, split_range};
 
 /// How an all-reduce's payload travels (in a ring; here: how it is rounded).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,7 +84,14 @@ impl InProcessGroup {
             cv: Condvar::new(),
         });
         (0..k)
-            .map(|rank| InProcessComm { rank, k, shared: Arc::clone(&shared), seq: 0, stats: CommStats::default() })
+            .map(|rank| InProcessComm {
+                rank,
+                k,
+                shared: Arc::clone(&shared),
+                seq: 0,
+                tag: None,
+                stats: CommStats::default(),
+            })
             .collect()
     }
 }
@@ -136,6 +144,8 @@ struct Slot {
     root: usize,
     addr: usize,
     len: usize,
+    /// The sync the call belongs to ([`Collective::set_tag`]).
+    tag: Option<SyncTag>,
 }
 
 fn lock(shared: &Shared) -> MutexGuard<'_, State> {
@@ -150,6 +160,7 @@ pub struct InProcessComm {
     k: usize,
     shared: Arc<Shared>,
     seq: u64,
+    tag: Option<SyncTag>,
     stats: CommStats,
 }
 
@@ -243,7 +254,7 @@ impl InProcessComm {
         let start = Instant::now();
         let seq = self.seq;
         self.seq += 1;
-        let slot = Slot { seq, kind, op, root, addr, len };
+        let slot = Slot { seq, kind, op, root, addr, len, tag: self.tag };
         let result = self.gather(slot).map(|slots| {
             work(&slots);
             self.release();
@@ -283,6 +294,10 @@ fn validate(slots: &[Option<Slot>]) -> Option<Failure> {
             theirs: b,
             during: during.clone(),
         };
+        // First: ranks at different syncs usually differ in nothing else, and this names the cause.
+        if s.tag != first.tag {
+            return Some(diff("sync", tag_name(first.tag), tag_name(s.tag)));
+        }
         if s.seq != first.seq {
             return Some(diff("sequence number", first.seq.to_string(), s.seq.to_string()));
         }
@@ -449,7 +464,7 @@ impl Collective for InProcessComm {
         let start = Instant::now();
         let seq = self.seq;
         self.seq += 1;
-        let slot = Slot { seq, kind: CallKind::BroadcastBytes, op: None, root, addr, len };
+        let slot = Slot { seq, kind: CallKind::BroadcastBytes, op: None, root, addr, len, tag: self.tag };
         let result = self.gather(slot).map(|slots| {
             if rank != root {
                 let s = slots[root];
@@ -468,6 +483,10 @@ impl Collective for InProcessComm {
 
     fn barrier(&mut self) -> Result<(), CommError> {
         self.run(CallKind::Barrier, None, 0, 0, 0, |_| {})
+    }
+
+    fn set_tag(&mut self, tag: Option<SyncTag>) {
+        self.tag = tag;
     }
 
     fn stats(&self) -> &CommStats {
@@ -515,6 +534,7 @@ mod tests {
             root: 0,
             addr: 0,
             len: 10,
+            tag: None,
         };
         let mut other = s;
         other.len = 11;
@@ -530,6 +550,21 @@ mod tests {
             validate(&[Some(s), Some(other)]),
             Some(Failure::Diverged { peer: 1, field: "reduce op", .. })
         ));
+        assert!(validate(&[Some(s), Some(s)]).is_none());
+    }
+
+    #[test]
+    fn validate_names_the_syncs_of_ranks_at_different_rounds() {
+        let tag = |steps, h| Some(SyncTag { steps, h, fragment: 0 });
+        let s = Slot { seq: 3, kind: CallKind::AllReduce, op: None, root: 0, addr: 0, len: 10, tag: tag(10, 10) };
+        let other = Slot { tag: tag(12, 12), ..s };
+        match validate(&[Some(s), Some(other)]) {
+            Some(Failure::Diverged { peer: 1, field: "sync", rank0, theirs, .. }) => {
+                assert_eq!(rank0, "the sync after step 10 (a round of H = 10)");
+                assert_eq!(theirs, "the sync after step 12 (a round of H = 12)");
+            }
+            _ => panic!("different syncs not detected"),
+        }
         assert!(validate(&[Some(s), Some(s)]).is_none());
     }
 }

@@ -54,7 +54,7 @@ mod nccl;
 pub use agree::{KeyDiff, agree, differing_keys};
 pub use bootstrap::{probe_library, share_unique_id};
 pub(crate) use collective::CallKind;
-pub use collective::{Collective, CommStats, ReduceOp, codec_name};
+pub use collective::{Collective, CommStats, ReduceOp, SyncTag, codec_name};
 pub use connect::{Transport, connect, host_id, over_ring, split, split_by_host};
 pub use error::CommError;
 pub use inproc::{DEFAULT_TIMEOUT, InProcessComm, InProcessGroup};

@@ -7,7 +7,8 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use cudarc::nccl::{Comm, Id, ReduceOp as NcclOp};
 
 use crate::bootstrap::{probe_library, share_unique_id};
-use crate::{CallKind, Collective, CommError, CommStats, MAX_BROADCAST_BYTES, ReduceOp};
+use crate::collective::tag_name;
+use crate::{CallKind, Collective, CommError, CommStats, MAX_BROADCAST_BYTES, ReduceOp, SyncTag};
 
 /// One rank of an NCCL communicator on one GPU (cargo feature `nccl`): one process per GPU,
 /// collectives on device buffers.
@@ -39,6 +40,8 @@ pub struct NcclComm {
     rank: usize,
     n: usize,
     seq: u64,
+    /// The sync the next calls belong to ([`Collective::set_tag`]).
+    tag: Option<SyncTag>,
     stats: CommStats,
     broken: Option<String>,
     scratch: Option<CudaSlice<f32>>,
@@ -93,7 +96,17 @@ impl NcclComm {
         let stream = ctx.default_stream();
         let comm = Comm::from_rank(stream.clone(), rank, n, Id::uninit(id.map(|b| b as core::ffi::c_char)))
             .map_err(|e| device_err("ncclCommInitRank", e.0))?;
-        Ok(NcclComm { comm, stream, rank, n, seq: 0, stats: CommStats::default(), broken: None, scratch: None })
+        Ok(NcclComm {
+            comm,
+            stream,
+            rank,
+            n,
+            seq: 0,
+            tag: None,
+            stats: CommStats::default(),
+            broken: None,
+            scratch: None,
+        })
     }
 
     /// The stream NCCL runs on (device buffers passed in must be ready on it).
@@ -132,7 +145,10 @@ impl NcclComm {
     /// Compares this call's header with every rank's (max of values and of their negations).
     fn check_call(&mut self, kind: CallKind, len: usize, op: u8, root: usize) -> Result<(), CommError> {
         self.seq += 1;
-        let ours = [self.seq as i64, kind as i64, len as i64, i64::from(op), root as i64];
+        let tag = self.tag.unwrap_or_default();
+        let call = [self.seq as i64, kind as i64, len as i64, i64::from(op), root as i64];
+        let sync = [i64::from(self.tag.is_some()), tag.steps as i64, tag.h as i64, i64::from(tag.fragment)];
+        let ours: Vec<i64> = sync.iter().chain(&call).copied().collect();
         let mut buf: Vec<i64> = ours.iter().copied().chain(ours.iter().map(|v| -v)).collect();
         let mut dev = self.stream.clone_htod(&buf).map_err(|e| device_err("copying the call header", e))?;
         self.comm.all_reduce_in_place(&mut dev, &NcclOp::Max).map_err(|e| device_err("ncclAllReduce (header)", e.0))?;
@@ -140,19 +156,26 @@ impl NcclComm {
             .memcpy_dtoh(&dev, &mut buf)
             .and_then(|()| self.stream.synchronize())
             .map_err(|e| device_err("reading the call header", e))?;
+        let w = ours.len();
+        let differs = |i: usize| buf[i] != -buf[i + w];
+        let diverged = |field, ours: String, theirs: String| CommError::Diverged {
+            me: self.rank,
+            peer: usize::MAX,
+            field,
+            ours,
+            theirs,
+            during: kind.name().to_string(),
+        };
+        if (0..sync.len()).any(differs) {
+            return Err(diverged("sync", tag_name(self.tag), "another on some rank".into()));
+        }
         const FIELDS: [&str; 5] = ["sequence number", "call kind", "length", "op", "root"];
         for (i, field) in FIELDS.iter().enumerate() {
-            let (max, min) = (buf[i], -buf[i + 5]);
-            if max != min {
-                let theirs = if ours[i] == max { min } else { max };
-                return Err(CommError::Diverged {
-                    me: self.rank,
-                    peer: usize::MAX,
-                    field,
-                    ours: ours[i].to_string(),
-                    theirs: format!("{theirs} on some rank"),
-                    during: kind.name().to_string(),
-                });
+            let at = sync.len() + i;
+            if differs(at) {
+                let (max, min) = (buf[at], -buf[at + w]);
+                let theirs = if ours[at] == max { min } else { max };
+                return Err(diverged(field, ours[at].to_string(), format!("{theirs} on some rank")));
             }
         }
         Ok(())
@@ -273,6 +296,10 @@ impl Collective for NcclComm {
         let n = bytes.len() as u64;
         self.finish(r, n, t)
     }
+    fn set_tag(&mut self, tag: Option<SyncTag>) {
+        self.tag = tag;
+    }
+
     fn barrier(&mut self) -> Result<(), CommError> {
         self.usable()?;
         let t = Instant::now();

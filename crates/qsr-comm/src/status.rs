@@ -25,6 +25,18 @@ pub(crate) fn rename(e: CommError, names: &[usize]) -> CommError {
     }
 }
 
+impl CommError {
+    /// Whether the ranks made different calls: [`CommError::Diverged`] where it was found, or the
+    /// abort that told the other ranks of it.
+    pub fn is_divergence(&self) -> bool {
+        match self {
+            CommError::Diverged { .. } => true,
+            CommError::Aborted { .. } => reason_of(self) == Cause::Diverged,
+            _ => false,
+        }
+    }
+}
+
 /// The reason for the local abort word of an error from the leaders' ring (an abort notice
 /// carries its reason as the text of the ring's or of the shared memory's reasons).
 pub(crate) fn reason_of(e: &CommError) -> Cause {

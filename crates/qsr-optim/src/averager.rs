@@ -56,7 +56,7 @@ use std::path::Path;
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::Device;
-use qsr_comm::{Collective, CommStats, ReduceOp};
+use qsr_comm::{Collective, CommStats, ReduceOp, SyncTag};
 use qsr_sched::{RoundStart, StepInfo, StreamingConfig, SyncMode, SyncRule};
 use serde::{Deserialize, Serialize};
 
@@ -65,7 +65,7 @@ use crate::flat::ParamLayout;
 use crate::outer::OuterConfig;
 use crate::stream::StreamState;
 use crate::sync::{Level, Wire};
-use crate::synchronizer::{AVERAGER, StreamFit, Synchronizer, add};
+use crate::synchronizer::{AVERAGER, At, StreamFit, Synchronizer, add};
 
 /// What an [`Averager`] averages and when.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -449,15 +449,15 @@ impl Averager {
         }
         self.stats.updates += u64::from(landed || last || bn);
         let model = self.layout.write_params(model, &self.params[..n])?;
-        if bn { self.average_running(model, t) } else { Ok(model) }
+        if bn { self.average_running(model, (t, self.tag(t + 1))) } else { Ok(model) }
     }
 
     /// BatchNorm running statistics averaged in f32, on their own (a streaming round's end).
-    fn average_running<M: Module>(&mut self, model: M, step: u64) -> Result<M, OptimError> {
+    fn average_running<M: Module>(&mut self, model: M, at: At) -> Result<M, OptimError> {
         let n = self.layout.len();
         self.layout.read_running(&model, &mut self.params[n..])?;
         let before = *self.sync.comm().stats();
-        if let Err(e) = self.sync.all_reduce(&mut self.params[n..], step, Level::Global) {
+        if let Err(e) = self.sync.all_reduce(&mut self.params[n..], at, Level::Global) {
             self.abandoned = true;
             return Err(e);
         }
@@ -482,7 +482,8 @@ impl Averager {
         let mut buf = std::mem::take(&mut self.grads);
         buf.resize(self.layout.len(), 0.0);
         self.layout.read_grads_params(model, &grads, &mut buf)?;
-        self.synchronize(|sync| sync.all_reduce(&mut buf, step, Level::Global))?;
+        let tag = SyncTag { steps: step + 1, h: 1, fragment: 0 };
+        self.synchronize(|sync| sync.all_reduce(&mut buf, (step, Some(tag)), Level::Global))?;
         self.layout.write_grads_params(model, &mut grads, &buf)?;
         self.grads = buf;
         self.grads_averaged = Some(step);
@@ -503,7 +504,8 @@ impl Averager {
             self.layout.read_running(&model, &mut self.params[n..])?;
         }
         let mut params = std::mem::take(&mut self.params);
-        let reduced = self.synchronize(|sync| sync.average(&mut params, n, step, Level::Global));
+        let at = (step, self.tag(step));
+        let reduced = self.synchronize(|sync| sync.average(&mut params, n, at, Level::Global));
         self.params = params;
         reduced?;
         self.synced_at = step;
@@ -525,7 +527,7 @@ impl Averager {
         self.stats.updates += 1;
         self.synced_at = step;
         if self.config.average_bn && self.layout.running_len() > 0 {
-            self.average_running(model, step)
+            self.average_running(model, (step, self.tag(step)))
         } else {
             Ok(model)
         }
@@ -635,6 +637,12 @@ impl Averager {
         self.stats.syncs += 1;
         self.count(self.sync.comm().stats().since(&before));
         Ok(())
+    }
+
+    /// The tag of a sync after `steps` steps, in the current round (`H` 0 before the first).
+    fn tag(&self, steps: u64) -> Option<SyncTag> {
+        let h = self.round.map_or(0, |r| r.end.saturating_sub(r.start));
+        Some(SyncTag { steps, h, fragment: 0 })
     }
 
     /// `delta`'s traffic added to the totals.

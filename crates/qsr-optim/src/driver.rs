@@ -341,7 +341,7 @@ impl<M: Module> Worker<M> {
         let streams = self.sync.streams();
         let replica_info =
             StepInfo { sync_after: info.sync_after && (!streams || info.mode == SyncMode::Gradients), ..info };
-        let mut peers = self.sync.peers(Level::Global, &self.config, &mut self.stats);
+        let mut peers = self.sync.peers((Level::Global, Some(info.h)), &self.config, &mut self.stats);
         let mut stepped = match &mut self.replica {
             Replica::Host(h) => h.step(&mut self.model, &self.layout, &mut peers, &replica_info, loss_fn)?,
             Replica::Device(d) => d.step(&mut self.model, &self.layout, &mut peers, &replica_info, loss_fn)?,
@@ -352,7 +352,7 @@ impl<M: Module> Worker<M> {
         }
         if info.local_sync_after && self.sync.local().is_some() {
             // A plain average inside the node: the outer optimizer steps at global syncs only.
-            let mut peers = self.sync.peers(Level::Local, &self.config, &mut self.stats);
+            let mut peers = self.sync.peers((Level::Local, Some(info.h)), &self.config, &mut self.stats);
             let report = self.replica.sync_parameters(&mut self.model, &self.layout, &mut peers, info.step)?;
             // A global sync of the same step (a streaming fragment's) is the step's report.
             stepped.sync = Some(stepped.sync.filter(|s| s.level == Level::Global).unwrap_or(report));
@@ -382,7 +382,7 @@ impl<M: Module> Worker<M> {
         let mut sent = self.sync.after_step(h.params_mut(), at, &mut self.stats.comm)?;
         let round_end = info.sync_after && info.mode == SyncMode::Parameters;
         if round_end && self.config.bn == BnPolicy::Average && self.layout.running_len() > 0 {
-            let mut peers = self.sync.peers(Level::Global, &self.config, &mut self.stats);
+            let mut peers = self.sync.peers((Level::Global, Some(info.h)), &self.config, &mut self.stats);
             let bn = peers.average_running(&mut self.model, &self.layout, info.step)?;
             match &mut sent {
                 Some(s) => s.add(&bn),
@@ -399,7 +399,7 @@ impl<M: Module> Worker<M> {
             return Ok(());
         }
         let step = self.cursor.step();
-        let mut peers = self.sync.peers(Level::Global, &self.config, &mut self.stats);
+        let mut peers = self.sync.peers((Level::Global, None), &self.config, &mut self.stats);
         peers.average_running_unaccounted(&mut self.model, &self.layout, step)?;
         Ok(())
     }

@@ -33,6 +33,20 @@ pub enum OptimError {
         #[source]
         source: qsr_comm::CommError,
     },
+    /// The ranks reached different synchronizations: each sync's tag (its step, the round's `H` and
+    /// fragment) travels with its collective call and differed between ranks, so they decided
+    /// different rounds. Nothing was averaged across the two syncs. The source names both ranks'
+    /// syncs (on a rank that only received the abort: the ranks that found it).
+    #[error(
+        "the ranks are at different synchronizations (this rank is at {tag}): every rank must compute the same H from the same lr at the same step; give every rank the same lr schedule, warmup and run_steps"
+    )]
+    Diverged {
+        /// This rank's sync.
+        tag: qsr_comm::SyncTag,
+        /// The collective's error naming the ranks and their syncs.
+        #[source]
+        source: qsr_comm::CommError,
+    },
     /// The ranks could not set up averaging together: they disagree on the settings (named in the
     /// source) or a collective failed.
     #[error("the ranks could not set up averaging")]
@@ -70,5 +84,16 @@ impl From<qsr_sched::ConfigError> for OptimError {
     /// A schedule setting the driver cannot run (a fragment count, a rule), under its recipe key.
     fn from(e: qsr_sched::ConfigError) -> Self {
         OptimError::Config { field: e.field, reason: e.reason }
+    }
+}
+
+impl OptimError {
+    /// A sync's failure at `step` (as the face counts it): [`OptimError::Diverged`] when the ranks
+    /// made different calls in a tagged sync, else [`OptimError::Comm`].
+    pub(crate) fn sync(step: u64, tag: Option<qsr_comm::SyncTag>, source: qsr_comm::CommError) -> Self {
+        match tag {
+            Some(tag) if source.is_divergence() => OptimError::Diverged { tag, source },
+            _ => OptimError::Comm { step, source },
+        }
     }
 }

@@ -29,7 +29,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use qsr_comm::{Collective, CommError, CommStats};
+use qsr_comm::{Collective, CommError, CommStats, SyncTag};
 use qsr_sched::{StepInfo, StreamingConfig, SyncMode, fragments_syncing_after, split_tensors};
 use serde::{Deserialize, Serialize};
 
@@ -81,6 +81,7 @@ struct Sent {
 struct Job {
     payload: Vec<f32>,
     step: u64,
+    tag: SyncTag,
 }
 
 /// A finished job: the mean.
@@ -181,9 +182,9 @@ impl Stream {
             .name("qsr-stream".into())
             .spawn(move || {
                 for mut job in inbox {
-                    let res = all_reduce_bucketed(comm.as_mut(), &mut job.payload, bucket, wire)
+                    let res = all_reduce_bucketed(comm.as_mut(), &mut job.payload, (bucket, wire), Some(job.tag))
                         .map(|_| job.payload)
-                        .map_err(|source| OptimError::Comm { step: job.step, source });
+                        .map_err(|source| OptimError::sync(job.step, Some(job.tag), source));
                     let failed = res.is_err();
                     if outbox.send(res).is_err() || failed {
                         return;
@@ -252,7 +253,7 @@ impl Stream {
                         self.apply_front(params, outer)?;
                     }
                 }
-                traffic = add(traffic, self.send(fragment, params, info.step, outer, comm)?);
+                traffic = add(traffic, self.send(fragment, params, info, outer, comm)?);
                 sent.push(self.ranges[fragment as usize].len());
             }
         }
@@ -313,15 +314,17 @@ impl Stream {
         last || applies || fragments_syncing_after(self.ranges.len() as u32, info).next().is_some()
     }
 
-    /// Sends `fragment`'s pseudo-gradient (with error feedback on a quantized wire).
+    /// Sends `fragment`'s pseudo-gradient after step `info` (with error feedback on a quantized wire).
     fn send(
         &mut self,
         fragment: u32,
         params: &[f32],
-        step: u64,
+        info: &StepInfo,
         outer: &Outer,
         comm: &mut dyn Collective,
     ) -> Result<CommStats, OptimError> {
+        let step = info.step;
+        let tag = SyncTag { steps: step + 1, h: info.h, fragment: fragment + 1 };
         let range = self.ranges[fragment as usize].clone();
         let mut payload = vec![0.0; range.len()];
         outer.pseudo_gradient_of(range.start, params, &mut payload);
@@ -342,13 +345,13 @@ impl Stream {
         let traffic = match &mut self.lane {
             Lane::Inline => {
                 let before = *comm.stats();
-                all_reduce_bucketed(comm, &mut payload, self.bucket, self.wire)
-                    .map_err(|source| OptimError::Comm { step, source })?;
+                all_reduce_bucketed(comm, &mut payload, (self.bucket, self.wire), Some(tag))
+                    .map_err(|source| OptimError::sync(step, Some(tag), source))?;
                 entry.mean = Some(payload);
                 comm.stats().since(&before)
             }
             Lane::Background { jobs, .. } => {
-                let sent = jobs.as_ref().is_some_and(|j| j.send(Job { payload, step }).is_ok());
+                let sent = jobs.as_ref().is_some_and(|j| j.send(Job { payload, step, tag }).is_ok());
                 if !sent {
                     return Err(lane_failed(step));
                 }
@@ -419,7 +422,7 @@ impl Stream {
         comm: &mut dyn Collective,
     ) -> Result<CommStats, OptimError> {
         let before = *comm.stats();
-        all_reduce_bucketed(comm, params, self.bucket, Wire::F32)
+        all_reduce_bucketed(comm, params, (self.bucket, Wire::F32), None)
             .map_err(|source| OptimError::Comm { step, source })?;
         outer.follow(params);
         Ok(comm.stats().since(&before))

@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use qsr_comm::{Codec, Collective, CommStats, ReduceOp};
+use qsr_comm::{Codec, Collective, CommStats, ReduceOp, SyncTag};
 use qsr_sched::{StepInfo, SyncMode};
 use serde::{Deserialize, Serialize};
 
@@ -302,8 +302,21 @@ pub(crate) fn check_wire(wire: Wire, comm: &dyn Collective, field: &str) -> Resu
     Ok(())
 }
 
-/// Mean all-reduce of `buf`, in buckets of at most `bucket` elements; returns the calls made.
+/// Mean all-reduce of `buf`, in buckets of at most `bucket` elements, every call tagged with `tag`
+/// (compared across ranks); returns the calls made.
 pub(crate) fn all_reduce_bucketed(
+    comm: &mut dyn Collective,
+    buf: &mut [f32],
+    (bucket, wire): (Option<usize>, Wire),
+    tag: Option<SyncTag>,
+) -> Result<u64, qsr_comm::CommError> {
+    comm.set_tag(tag);
+    let calls = all_reduce_untagged(comm, buf, bucket, wire);
+    comm.set_tag(None);
+    calls
+}
+
+fn all_reduce_untagged(
     comm: &mut dyn Collective,
     buf: &mut [f32],
     bucket: Option<usize>,

@@ -9,7 +9,7 @@
 use std::time::Instant;
 
 use burn::module::Module;
-use qsr_comm::{Collective, CommStats};
+use qsr_comm::{Collective, CommStats, SyncTag};
 use qsr_sched::{FragmentPlan, MAX_FRAGMENTS, Plan, StepInfo, StreamingConfig, SyncMode, SyncRule};
 
 use crate::error::OptimError;
@@ -250,15 +250,17 @@ impl Synchronizer {
 
     /// A parameter sync of `buf`, whose first `n` values are the parameters (the rest appended
     /// state): at the global level with an outer optimizer the pseudo-gradients are averaged and the
-    /// outer step taken; on the wire at `level`. Returns the collective calls made.
-    pub(crate) fn average(&mut self, buf: &mut [f32], n: usize, step: u64, level: Level) -> Result<u64, OptimError> {
+    /// outer step taken; on the wire at `level`. `at`: the step as the face reports it, and the
+    /// sync's tag, compared across ranks. Returns the collective calls made.
+    pub(crate) fn average(&mut self, buf: &mut [f32], n: usize, at: At, level: Level) -> Result<u64, OptimError> {
         let outer = self.outer.as_mut().filter(|_| level == Level::Global);
         if let Some(outer) = &outer {
             outer.pseudo_gradient(&mut buf[..n]);
         }
         let comm = comm_at(&mut self.comm, &mut self.local, level)?;
-        let calls = all_reduce_bucketed(comm, buf, self.bucket, self.wire.at(level))
-            .map_err(|source| OptimError::Comm { step, source })?;
+        let (step, tag) = at;
+        let calls = all_reduce_bucketed(comm, buf, (self.bucket, self.wire.at(level)), tag)
+            .map_err(|source| OptimError::sync(step, tag, source))?;
         if let Some(outer) = outer {
             // The mean pseudo-gradient becomes the new global parameters, the same on every rank.
             outer.step(&mut buf[..n]);
@@ -267,9 +269,9 @@ impl Synchronizer {
     }
 
     /// Mean all-reduce of `buf` in f32 at `level` (gradients, BatchNorm statistics); returns the calls.
-    pub(crate) fn all_reduce(&mut self, buf: &mut [f32], step: u64, level: Level) -> Result<u64, OptimError> {
-        all_reduce_bucketed(comm_at(&mut self.comm, &mut self.local, level)?, buf, self.bucket, Wire::F32)
-            .map_err(|source| OptimError::Comm { step, source })
+    pub(crate) fn all_reduce(&mut self, buf: &mut [f32], (step, tag): At, level: Level) -> Result<u64, OptimError> {
+        all_reduce_bucketed(comm_at(&mut self.comm, &mut self.local, level)?, buf, (self.bucket, Wire::F32), tag)
+            .map_err(|source| OptimError::sync(step, tag, source))
     }
 
     /// A streaming step's syncs after `info` (the run's last when `last`) over the flat parameters
@@ -334,16 +336,21 @@ impl Synchronizer {
         SyncReport { mode, level, elements, calls, bytes_sent: delta.bytes_sent, seconds: delta.seconds }
     }
 
-    /// What a Worker's replica borrows for one step's syncs at `level`.
+    /// What a Worker's replica borrows for one step's syncs at `level`, in a round of `h` steps
+    /// (`None`: calls outside the plan's syncs, untagged).
     pub(crate) fn peers<'a>(
         &'a mut self,
-        level: Level,
+        (level, h): (Level, Option<u64>),
         config: &'a DriverConfig,
         stats: &'a mut DriverStats,
     ) -> Peers<'a> {
-        Peers { sync: self, config, stats, level }
+        Peers { sync: self, config, stats, level, h }
     }
 }
+
+/// Where a sync runs: the step as its face reports errors, and the tag compared across ranks
+/// (`None` for calls outside the plan's syncs, such as statistics averaged before an evaluation).
+pub(crate) type At = (u64, Option<SyncTag>);
 
 /// The collective of `level`: every worker's, or the node's.
 fn comm_at<'a>(
@@ -381,6 +388,8 @@ pub(crate) struct Peers<'a> {
     pub(crate) stats: &'a mut DriverStats,
     /// Every worker's syncs or the node's; a device group serves the global level only.
     pub(crate) level: Level,
+    /// The round's `H`, for the tags of its syncs; `None` for calls outside the plan's syncs.
+    h: Option<u64>,
 }
 
 impl Peers<'_> {
@@ -389,14 +398,22 @@ impl Peers<'_> {
         self.sync.start(self.level)
     }
 
-    /// Mean all-reduce of `buf` in f32; returns the calls made.
+    /// Mean all-reduce of `buf` in f32 after the 0-based step `step`; returns the calls made.
     pub(crate) fn all_reduce(&mut self, buf: &mut [f32], step: u64) -> Result<u64, OptimError> {
-        self.sync.all_reduce(buf, step, self.level)
+        let at = self.at(step);
+        self.sync.all_reduce(buf, at, self.level)
     }
 
-    /// A parameter sync of `buf` (parameters first, `n` of them), with the outer step at the global level.
+    /// A parameter sync of `buf` (parameters first, `n` of them) after the 0-based step `step`,
+    /// with the outer step at the global level.
     pub(crate) fn average(&mut self, buf: &mut [f32], n: usize, step: u64) -> Result<u64, OptimError> {
-        self.sync.average(buf, n, step, self.level)
+        let at = self.at(step);
+        self.sync.average(buf, n, at, self.level)
+    }
+
+    /// The step and tag of a sync after the 0-based step `step`.
+    fn at(&self, step: u64) -> At {
+        (step, self.h.map(|h| SyncTag { steps: step + 1, h, fragment: 0 }))
     }
 
     /// Workers in the collective of this level.

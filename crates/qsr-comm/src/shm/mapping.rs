@@ -27,7 +27,7 @@ pub(crate) fn pid_ns() -> u64 {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino())
 }
-const MAGIC: u64 = u64::from_le_bytes(*b"QSRSHM01");
+const MAGIC: u64 = u64::from_le_bytes(*b"QSRSHM02");
 const HEADER: usize = 128;
 const CTRL: usize = 256;
 const PAGE: usize = 4096;
@@ -55,8 +55,9 @@ pub(crate) struct Ctrl {
     /// hosts), so that members waiting for it count that as progress.
     pub beat: AtomicU64,
     _pad: [u64; 12],
-    /// The call header of each data half: sequence number, kind|op<<8, root, length in bytes.
-    pub call: [[AtomicU64; 4]; 2],
+    /// The call header of each data half: sequence number, kind|op<<8|path<<16|tagged<<24|fragment<<32,
+    /// root, length in bytes, the sync tag's steps and H.
+    pub call: [[AtomicU64; super::HEAD_WORDS]; 2],
 }
 
 const _: () = assert!(std::mem::size_of::<Header>() <= HEADER && std::mem::size_of::<Ctrl>() <= CTRL);

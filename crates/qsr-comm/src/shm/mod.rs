@@ -8,9 +8,10 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use crate::collective::tag_name;
 use crate::inproc::{Rounding, check_root, op_name};
 use crate::util::f32_bytes_mut;
-use crate::{CallKind, Codec, Collective, CommError, CommStats, ReduceOp, bf16_round, split_range};
+use crate::{CallKind, Codec, Collective, CommError, CommStats, ReduceOp, SyncTag, bf16_round, split_range};
 use qsr_kernels::WIRE_BLOCK;
 
 use mapping::Mapping;
@@ -74,10 +75,15 @@ struct Head {
     /// Whether an all-reduce takes the one-stage path (compared like the rest: ranks configured
     /// with different [`ShmConfig::one_stage_bytes`] fail instead of deadlocking).
     one_stage: bool,
+    /// The sync the call belongs to ([`Collective::set_tag`]).
+    tag: Option<SyncTag>,
 }
 
-/// A header's defaults; `ShmComm::call` fills in the sequence number.
-const BLANK: Head = Head { seq: 0, kind: CallKind::Barrier, op: None, root: 0, len: 0, one_stage: false };
+/// Words of a published [`Head`].
+pub(crate) const HEAD_WORDS: usize = 6;
+
+/// A header's defaults; `ShmComm::call` fills in the sequence number and the tag.
+const BLANK: Head = Head { seq: 0, kind: CallKind::Barrier, op: None, root: 0, len: 0, one_stage: false, tag: None };
 
 fn kind_code(k: CallKind) -> u64 {
     match k {
@@ -103,9 +109,17 @@ fn op_code(op: Option<(ReduceOp, Rounding)>) -> u64 {
 }
 
 impl Head {
-    fn words(&self) -> [u64; 4] {
+    fn words(&self) -> [u64; HEAD_WORDS] {
         let call = kind_code(self.kind) | op_code(self.op) << 8 | u64::from(self.one_stage) << 16;
-        [self.seq, call, self.root as u64, self.len]
+        let tag = self.tag.unwrap_or_default();
+        let tagged = u64::from(self.tag.is_some()) << 24 | u64::from(tag.fragment) << 32;
+        [self.seq, call | tagged, self.root as u64, self.len, tag.steps, tag.h]
+    }
+
+    /// The tag of published words.
+    fn tag_of(w: [u64; HEAD_WORDS]) -> Option<SyncTag> {
+        let fragment = (w[1] >> 32) as u32;
+        ((w[1] >> 24) & 1 == 1).then_some(SyncTag { steps: w[4], h: w[5], fragment })
     }
 
     fn during(&self) -> String {
@@ -113,8 +127,12 @@ impl Head {
     }
 
     /// The first field in which a peer's published words differ from ours, as (field, ours, theirs).
-    fn differs(&self, theirs: [u64; 4]) -> Option<(&'static str, String, String)> {
+    fn differs(&self, theirs: [u64; HEAD_WORDS]) -> Option<(&'static str, String, String)> {
         let ours = self.words();
+        // First: ranks at different syncs usually differ in nothing else; this names the cause.
+        if Head::tag_of(theirs) != self.tag {
+            return Some(("sync", tag_name(self.tag), tag_name(Head::tag_of(theirs))));
+        }
         let names = ["sequence number", "call", "root", "length (bytes)"];
         let i = (0..4).find(|&i| ours[i] != theirs[i])?;
         let field = |w: u64, at: u32| (w >> at) & 0xff;
@@ -140,7 +158,7 @@ impl Head {
             4 => "broadcast_bytes".into(),
             c => format!("unknown call {c}"),
         };
-        let show = |w: [u64; 4]| if i == 1 { kind(w[1]) } else { w[i].to_string() };
+        let show = |w: [u64; HEAD_WORDS]| if i == 1 { kind(w[1]) } else { w[i].to_string() };
         Some((names[i], show(ours), show(theirs)))
     }
 }
@@ -244,6 +262,8 @@ pub struct ShmComm {
     /// Pipeline steps completed; the parity picks the half.
     steps: u64,
     seq: u64,
+    /// The sync the next calls belong to ([`Collective::set_tag`]).
+    tag: Option<SyncTag>,
     stats: CommStats,
     broken: Option<String>,
     /// The job rank and reason behind our failure, for a layer above that passes it on.
@@ -416,7 +436,7 @@ impl ShmComm {
         if let Some(b) = &self.broken {
             return Err(CommError::Broken(b.clone()));
         }
-        let head = Head { seq: self.seq, ..head };
+        let head = Head { seq: self.seq, tag: self.tag, ..head };
         self.seq += 1;
         let start = Instant::now();
         let res = if self.n == 1 { Ok(()) } else { body(self, &head) };
@@ -693,6 +713,10 @@ impl Collective for ShmComm {
         res
     }
 
+    fn set_tag(&mut self, tag: Option<SyncTag>) {
+        self.tag = tag;
+    }
+
     fn barrier(&mut self) -> Result<(), CommError> {
         let head = Head { kind: CallKind::Barrier, ..BLANK };
         self.call(head, (0, 0), |me, head| {
@@ -759,6 +783,7 @@ pub(crate) fn join(boot: &mut dyn Collective, groups: &[Vec<usize>], cfg: ShmCon
         phase: 0,
         steps: 0,
         seq: 0,
+        tag: None,
         stats: CommStats::default(),
         broken: None,
         failure: None,
@@ -836,6 +861,11 @@ mod tests {
         assert_eq!(h.differs(b.words()).unwrap().0, "call");
         assert_eq!(h.differs(Head { len: 4, ..h }.words()).unwrap(), ("length (bytes)", "8".into(), "4".into()));
         assert_eq!(h.differs(Head { seq: 4, ..h }.words()).unwrap().0, "sequence number");
+        let tagged = Head { tag: Some(SyncTag { steps: 12, h: 6, fragment: 2 }), ..h };
+        assert_eq!(Head::tag_of(tagged.words()), tagged.tag);
+        let (field, ours, theirs) = tagged.differs(h.words()).unwrap();
+        assert_eq!((field, theirs.as_str()), ("sync", "no sync (an untagged call)"));
+        assert_eq!(ours, "the sync after step 12 (a round of H = 6, fragment 2)");
         let one = Head { one_stage: true, ..h };
         assert_eq!(
             h.differs(one.words()).unwrap(),

@@ -43,12 +43,12 @@ pub(crate) fn half(steps: u64) -> usize {
 }
 
 /// Writes a half's call header; published by the next [`publish`].
-pub(crate) fn write_head<W: Word>(slot: &[W; 4], words: [u64; 4]) {
+pub(crate) fn write_head<W: Word, const N: usize>(slot: &[W; N], words: [u64; N]) {
     slot.iter().zip(words).for_each(|(a, w)| a.store(w, Ordering::Relaxed));
 }
 
 /// Reads a peer's call header of a half whose stage [`first_behind`] saw completed.
-pub(crate) fn read_head<W: Word>(slot: &[W; 4]) -> [u64; 4] {
+pub(crate) fn read_head<W: Word, const N: usize>(slot: &[W; N]) -> [u64; N] {
     slot.each_ref().map(|a| a.load(Ordering::Relaxed))
 }
 

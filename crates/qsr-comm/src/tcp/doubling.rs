@@ -101,6 +101,11 @@ impl Doubling {
         self.fold.iter_mut().chain(&mut self.levels).for_each(|p| p.comm.progress = Some(f.clone()));
     }
 
+    /// Tags every pair's calls with the ring's tag.
+    pub(crate) fn set_tag(&mut self, tag: Option<crate::SyncTag>) {
+        self.fold.iter_mut().chain(&mut self.levels).for_each(|p| p.comm.tag = tag);
+    }
+
     /// The sum (or mean) of `buf` over all ranks, into `buf` on every rank.
     pub(crate) fn all_reduce(&mut self, buf: &mut [f32], mean: bool) -> Result<(), CommError> {
         let (len, me) = (buf.len(), self.rank);

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use qsr_kernels::{Codec, WIRE_BLOCK, WIRE_BLOCK_BYTES};
 
 use crate::CommError;
+use crate::collective::tag_name;
 use crate::util::f32_bytes_mut;
 use crate::wire::{self, Back, CallHeader, Frame, Reason};
 
@@ -664,6 +665,9 @@ impl<'a> Call<'a> {
         let op_name = wire::op_label;
         let diff: Option<(&'static str, String, String)> = if theirs.sender as usize != left {
             Some(("sender rank", left.to_string(), theirs.sender.to_string()))
+        } else if theirs.tag != ours.tag {
+            // Ranks at different syncs usually differ in nothing else; this names the cause.
+            Some(("sync", tag_name(ours.tag), tag_name(theirs.tag)))
         } else if theirs.seq != ours.seq {
             Some(("sequence number", ours.seq.to_string(), theirs.seq.to_string()))
         } else if theirs.kind != ours.kind {

@@ -172,6 +172,7 @@ fn header(len: u64) -> CallHeader {
         seq: 0,
         len,
         sender: 1,
+        tag: None,
     }
 }
 

@@ -244,6 +244,8 @@ pub struct TcpComm {
     cfg: TcpConfig,
     ring: Option<Ring>,
     seq: u64,
+    /// The sync the next calls belong to ([`Collective::set_tag`]).
+    tag: Option<crate::SyncTag>,
     stats: CommStats,
     broken: Option<String>,
     scratch: Vec<f32>,
@@ -414,6 +416,7 @@ impl TcpComm {
             cfg,
             ring: None,
             seq: 0,
+            tag: None,
             stats: CommStats::default(),
             broken: None,
             scratch: Vec::new(),
@@ -473,6 +476,7 @@ impl TcpComm {
             cfg,
             ring: Some(ring),
             seq: 0,
+            tag: None,
             stats: CommStats::default(),
             broken: None,
             scratch: Vec::new(),
@@ -528,6 +532,7 @@ impl TcpComm {
             }
         };
         let start = Instant::now();
+        d.set_tag(self.tag);
         let res = d.all_reduce(buf, op == ReduceOp::Mean);
         // Accounted as every backend accounts an all-reduce: the ring's bytes, as the plans count them.
         let bytes = crate::ring_allreduce_bytes(buf.len(), 4, self.n);
@@ -584,6 +589,7 @@ impl TcpComm {
             seq,
             len: len_bytes as u64,
             sender: self.rank as u32,
+            tag: self.tag,
         };
         let during = format!("{name} seq {seq} ({len_bytes} bytes)");
         let mut call =
@@ -718,6 +724,10 @@ impl Collective for TcpComm {
             self.broken.get_or_insert_with(|| e.to_string());
         }
         res
+    }
+
+    fn set_tag(&mut self, tag: Option<crate::SyncTag>) {
+        self.tag = tag;
     }
 
     fn barrier(&mut self) -> Result<(), CommError> {

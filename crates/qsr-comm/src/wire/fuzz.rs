@@ -51,8 +51,9 @@ proptest! {
     }
 
     #[test]
-    fn call_header_and_frames_roundtrip(kind in 1u8..=5, op in prop_oneof![Just(0u8), Just(1), Just(0xff)], chunk in 1u16.., root: u32, seq: u64, len: u64, sender: u32, a: u32, b: u64) {
-        let h = CallHeader { kind, op, chunk, root, seq, len, sender };
+    fn call_header_and_frames_roundtrip(kind in 1u8..=5, op in prop_oneof![Just(0u8), Just(1), Just(0xff)], chunk in 1u16.., root: u32, seq: u64, len: u64, sender: u32, a: u32, b: u64, tag: Option<(u64, u64, u32)>) {
+        let tag = tag.map(|(steps, h, fragment)| crate::SyncTag { steps, h, fragment });
+        let h = CallHeader { kind, op, chunk, root, seq, len, sender, tag };
         prop_assert_eq!(CallHeader::decode(&h.encode()), Ok(h));
         for f in [Frame::Data { len: a, block: b }, Frame::Abort { culprit: a, reason: b }] {
             prop_assert_eq!(Frame::decode(&f.encode()), Ok(f));

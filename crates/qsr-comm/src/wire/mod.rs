@@ -24,13 +24,15 @@
 //! # Collective stream (forward direction of each ring connection, rank r -> rank r+1)
 //!
 //! ```text
-//! CallHeader = "QSRH" kind:u8 op:u8 chunk:u16 root:u32 seq:u64 len:u64 sender:u32 (32 bytes)
+//! CallHeader = "QSRH" kind:u8 op:u8 chunk:u16 root:u32 seq:u64 len:u64 sender:u32
+//!              tagged:u32 (0 or 1) steps:u64 h:u64 fragment:u32                     (56 bytes)
 //! Frame      = tag:u32 a:u32 b:u64                                                 (16 bytes)
 //!   "QSRD" data:      a = payload bytes, b = block index; payload follows
 //!   "QSRK" keepalive: a = 0, b = 0 (sent while waiting, so a live-but-idle peer is not blamed)
 //!   "QSRA" abort:     a = culprit rank, b = reason code
 //! ```
-//! Each call starts with a header; the receiver compares kind, op, root, seq, len and the block
+//! Each call starts with a header; the receiver compares the sync tag (`tagged`, `steps`, `h`,
+//! `fragment`: [`crate::SyncTag`]), kind, op, root, seq, len and the block
 //! size (`chunk`, in 4 KiB units; both sides split the buffer with it) with its own call and
 //! refuses any difference. A data frame's length must equal the block length both sides
 //! derive from the header, so a corrupt length is an error, never an allocation.
@@ -45,8 +47,10 @@
 
 use std::fmt;
 
+use crate::SyncTag;
+
 /// Bumped whenever any layout in this module changes.
-pub(crate) const PROTOCOL_VERSION: u32 = 2;
+pub(crate) const PROTOCOL_VERSION: u32 = 3;
 
 /// First 8 bytes of every hello.
 pub(crate) const HELLO_MAGIC: [u8; 8] = *b"QSRHELLO";
@@ -68,7 +72,7 @@ pub(crate) const MAX_WORLD_SIZE: usize = 1 << 16;
 /// First 4 bytes of every [`CallHeader`].
 pub(crate) const CALL_MAGIC: [u8; 4] = *b"QSRH";
 /// Encoded size of a [`CallHeader`], in bytes.
-pub(crate) const CALL_HEADER_LEN: usize = 32;
+pub(crate) const CALL_HEADER_LEN: usize = 56;
 /// Tag of a [`Frame::Data`].
 pub(crate) const TAG_DATA: [u8; 4] = *b"QSRD";
 /// Tag of a [`Frame::KeepAlive`].
@@ -480,6 +484,8 @@ pub(crate) struct CallHeader {
     pub len: u64,
     /// Rank that sent the header (the receiver's left neighbour).
     pub sender: u32,
+    /// The sync the call belongs to ([`crate::Collective::set_tag`]).
+    pub tag: Option<SyncTag>,
 }
 
 /// [`CallHeader::kind`] of an all-reduce.
@@ -527,7 +533,7 @@ pub(crate) fn op_label(op: u8) -> String {
 }
 
 impl CallHeader {
-    /// The 32-byte header, starting with [`CALL_MAGIC`].
+    /// The 56-byte header, starting with [`CALL_MAGIC`].
     pub(crate) fn encode(&self) -> [u8; CALL_HEADER_LEN] {
         let mut out = [0u8; CALL_HEADER_LEN];
         out[0..4].copy_from_slice(&CALL_MAGIC);
@@ -538,6 +544,11 @@ impl CallHeader {
         out[12..20].copy_from_slice(&self.seq.to_le_bytes());
         out[20..28].copy_from_slice(&self.len.to_le_bytes());
         out[28..32].copy_from_slice(&self.sender.to_le_bytes());
+        let tag = self.tag.unwrap_or_default();
+        out[32..36].copy_from_slice(&u32::from(self.tag.is_some()).to_le_bytes());
+        out[36..44].copy_from_slice(&tag.steps.to_le_bytes());
+        out[44..52].copy_from_slice(&tag.h.to_le_bytes());
+        out[52..56].copy_from_slice(&tag.fragment.to_le_bytes());
         out
     }
 
@@ -563,8 +574,15 @@ impl CallHeader {
         let seq = c.u64()?;
         let len = c.u64()?;
         let sender = c.u32()?;
+        let tagged = c.u32()?;
+        let tag = SyncTag { steps: c.u64()?, h: c.u64()?, fragment: c.u32()? };
         c.finish()?;
-        Ok(CallHeader { kind, op, chunk, root, seq, len, sender })
+        let tag = match tagged {
+            0 => None,
+            1 => Some(tag),
+            v => return Err(WireError::BadValue { what: "sync tag flag", value: u64::from(v) }),
+        };
+        Ok(CallHeader { kind, op, chunk, root, seq, len, sender, tag })
     }
 }
 
@@ -783,15 +801,21 @@ mod tests {
 
     #[test]
     fn call_header_roundtrip_and_validation() {
-        let h = CallHeader { kind: KIND_ALL_REDUCE, op: 1, chunk: 128, root: 0, seq: 77, len: 4096, sender: 2 };
+        let tag = Some(SyncTag { steps: 12, h: 6, fragment: 2 });
+        let h = CallHeader { kind: KIND_ALL_REDUCE, op: 1, chunk: 128, root: 0, seq: 77, len: 4096, sender: 2, tag };
         assert_eq!(CallHeader::decode(&h.encode()), Ok(h));
+        let untagged = CallHeader { tag: None, ..h };
+        assert_eq!(CallHeader::decode(&untagged.encode()), Ok(untagged));
+        let mut b = h.encode();
+        b[32] = 2;
+        assert_eq!(CallHeader::decode(&b), Err(WireError::BadValue { what: "sync tag flag", value: 2 }));
         let mut b = h.encode();
         b[4] = 9;
         assert_eq!(CallHeader::decode(&b), Err(WireError::BadValue { what: "call kind", value: 9 }));
         let mut b = h.encode();
         b[0] = b'X';
         assert_eq!(CallHeader::decode(&b), Err(WireError::BadMagic { what: "call header" }));
-        assert_eq!(CallHeader::decode(&h.encode()[..31]), Err(WireError::Truncated { what: "call header" }));
+        assert_eq!(CallHeader::decode(&h.encode()[..55]), Err(WireError::Truncated { what: "call header" }));
     }
 
     #[test]

@@ -527,3 +527,50 @@ fn a_budget_gives_the_alpha_the_planner_finds_and_its_rounds_stay_within_it() {
     let err = AveragerConfig::qsr_for_budget(4, 0.5, 300, &lrs).unwrap_err().to_string();
     assert!(err.contains("`budget`") && err.contains("lower h_base"), "{err}");
 }
+
+/// Issue 46: ranks whose lrs differ decide different rounds (here H = 4 on rank 0, H = 2 on rank 1).
+/// Each sync carries its tag in the call, so the first sync fails on every rank naming both syncs,
+/// and no rank averages one step's parameters with another's.
+#[test]
+fn ranks_with_different_lrs_fail_at_the_first_sync_naming_both_syncs() {
+    let outcomes: Vec<(String, u64)> = std::thread::scope(|s| {
+        let joins: Vec<_> = InProcessGroup::new(2)
+            .into_iter()
+            .map(|comm| {
+                s.spawn(move || {
+                    let device = Device::flex().autodiff();
+                    let rank = comm.rank();
+                    let model = seeded(Mlp::new(&device, 4, 1));
+                    let lr = if rank == 0 { 0.05 } else { 0.1 }; // H = max(2, (0.1 / lr)^2): 4 and 2
+                    let (mut avg, mut model) =
+                        Averager::new(model, AveragerConfig::qsr(2, 0.1), Box::new(comm)).unwrap();
+                    let mut optim = SgdConfig::new().init();
+                    for step in 0..8 {
+                        let (x, y) = batch(rank, step, &device);
+                        let loss = (model.forward(x) - y).powi_scalar(2).mean();
+                        let grads = GradientsParams::from_grads(loss.backward(), &model);
+                        model = optim.step(lr, model, grads);
+                        match avg.step(model, lr) {
+                            Ok(m) => model = m,
+                            Err(e) => {
+                                assert!(matches!(e, OptimError::Diverged { .. }), "{e:?}");
+                                return (format!("{:#}", anyhow::Error::from(e)), avg.stats().syncs);
+                            }
+                        }
+                    }
+                    panic!("rank {rank} never failed");
+                })
+            })
+            .collect();
+        joins.into_iter().map(|j| j.join().unwrap()).collect()
+    });
+    let (rank0, rank1) = ("the sync after step 4 (a round of H = 4)", "the sync after step 2 (a round of H = 2)");
+    for (rank, (message, syncs)) in outcomes.iter().enumerate() {
+        assert_eq!(*syncs, 0, "rank {rank} counted a sync: {message}");
+        let mine = if rank == 0 { rank0 } else { rank1 };
+        assert!(message.contains(&format!("this rank is at {mine}")), "rank {rank}: {message}");
+        assert!(message.contains("same lr schedule, warmup and run_steps"), "rank {rank}: {message}");
+        // The group's report compares rank 1 with rank 0: both syncs, both ranks.
+        assert!(message.contains(&format!("rank 1 has {rank1}, rank 0 has {rank0}")), "rank {rank}: {message}");
+    }
+}
