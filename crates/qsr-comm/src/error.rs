@@ -228,6 +228,23 @@ impl CommError {
     }
 }
 
+impl CommError {
+    /// Whether this error is the consequence of another rank's failure (it was lost, stalled, or
+    /// aborted the call; the communicator broke earlier; an in-process group member failed): a rank
+    /// that stops for it exits with [`crate::EXIT_PEER_FAILED`], so that a launcher names the rank
+    /// that failed first.
+    pub fn peer_failed(&self) -> bool {
+        matches!(
+            self,
+            CommError::PeerLost { .. }
+                | CommError::PeerTimeout { .. }
+                | CommError::Aborted { .. }
+                | CommError::Broken(_)
+                | CommError::Group { .. }
+        )
+    }
+}
+
 /// "rank 1 differs from rank 0" / "ranks 1, 3 differ from rank 0".
 fn differing(ranks: &[usize]) -> String {
     let list = ranks.iter().map(usize::to_string).collect::<Vec<_>>().join(", ");

@@ -37,6 +37,7 @@ mod bootstrap;
 mod collective;
 mod connect;
 mod error;
+mod exit;
 mod hier;
 mod inproc;
 mod launch_env;
@@ -57,6 +58,7 @@ pub(crate) use collective::CallKind;
 pub use collective::{Collective, CommStats, ReduceOp, SyncTag, codec_name};
 pub use connect::{Transport, connect, host_id, over_ring, split, split_by_host};
 pub use error::CommError;
+pub use exit::{EXIT_PEER_FAILED, exit_code, exit_status};
 pub use inproc::{DEFAULT_TIMEOUT, InProcessComm, InProcessGroup};
 pub use launch_env::{
     DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, Explicit, LaunchEnv, Source, detect, detect_from_process_env, first_host,
@@ -75,12 +77,6 @@ pub use mpi_backend::MpiComm;
 pub use nccl::{NcclComm, probe_libraries};
 
 pub use qsr_kernels::Codec;
-
-/// The exit status with which a rank says it stopped only because another rank failed (a peer died,
-/// stalled or aborted): launchers (`qsr launch`, `qsr train --nproc`) then name the rank that failed
-/// first instead of this one. qsr's trainer exits with it; a program run under `qsr launch` should too
-/// when a [`CommError`] tells it a peer failed (nothing here exits for it).
-pub const EXIT_PEER_FAILED: u8 = 3;
 
 /// The collective of this process's launch, for library users: our collectives ([`connect`]: shared
 /// memory among ranks of one host, the TCP ring between hosts, as `QSR_TRANSPORT` says) when a

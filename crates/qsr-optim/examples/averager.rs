@@ -88,7 +88,7 @@ fn worker(comm: Box<dyn Collective>, rule: SyncRule) -> anyhow::Result<(usize, u
     Ok((rank, avg.stats().syncs, correct as f64 / test.len() as f64))
 }
 
-fn main() -> anyhow::Result<()> {
+fn run() -> anyhow::Result<()> {
     let rule = SyncRule::Qsr { h_base: 2, alpha: 0.06 };
     // The rounds qsr-sched plans for burn's cosine schedule (burn's starts at step 0 with the peak lr).
     let plan = Plan::from_parts(LrSchedule::new(ScheduleKind::Cosine, STEPS as u64, 0, LR, 0.0), rule.clone(), None)?;
@@ -110,4 +110,10 @@ fn main() -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Under a launcher, a rank stopped only by another rank's failure exits with
+/// `qsr_comm::EXIT_PEER_FAILED`, so that `qsr launch` names the rank that failed first.
+fn main() -> std::process::ExitCode {
+    qsr_comm::exit_code(run())
 }

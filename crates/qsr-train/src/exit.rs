@@ -97,16 +97,7 @@ pub(crate) struct WorkersFailed {
 
 /// Whether an error is the consequence of another rank's failure (lost, stalled, aborted, gone).
 pub(crate) fn is_peer_failure(e: &anyhow::Error) -> bool {
-    comm_errors(e).any(|c| {
-        matches!(
-            c,
-            CommError::PeerLost { .. }
-                | CommError::PeerTimeout { .. }
-                | CommError::Aborted { .. }
-                | CommError::Broken(_)
-                | CommError::Group { .. }
-        )
-    })
+    comm_errors(e).any(CommError::peer_failed)
 }
 
 fn comm_errors(e: &anyhow::Error) -> impl Iterator<Item = &CommError> {

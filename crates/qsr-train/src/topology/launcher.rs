@@ -8,6 +8,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 
 use super::processes;
+use super::relay::Relay;
 use crate::exit::bad_input;
 use crate::worker::intra_op_threads;
 
@@ -22,8 +23,13 @@ use crate::worker::intra_op_threads;
 /// SIGTERM and SIGHUP are forwarded to every rank; when one rank fails, the others are stopped, with
 /// whatever they started, and the rank that failed first is named. A rank that exits with
 /// `qsr_comm::EXIT_PEER_FAILED` (3) says it only lost a peer, and is not blamed while another cause
-/// exists. The launcher exits 0 when every rank did, else with the status of the rank that failed
-/// first (3 for one killed by a signal), or 128 + N when it was interrupted by signal N.
+/// exists (a program ends `main` with `qsr_comm::exit_code` to say so). The launcher exits 0 when
+/// every rank did, else with the status of the rank that failed first (3 for one killed by a
+/// signal), or 128 + N when it was interrupted by signal N.
+///
+/// Every line a rank writes is shown prefixed with its rank (`[rank 1] ...`), on the launcher's
+/// stdout or stderr as the rank wrote it; `--log-dir DIR` also keeps each rank's output as written,
+/// in `DIR/rank-R.stdout.log` and `DIR/rank-R.stderr.log`.
 #[derive(Debug, Args)]
 pub(crate) struct LaunchArgs {
     /// Number of ranks to start.
@@ -32,6 +38,10 @@ pub(crate) struct LaunchArgs {
     /// Port of rank 0's rendezvous (default: a port free when the launcher looked).
     #[arg(long)]
     pub master_port: Option<u16>,
+    /// Also write each rank's output, unprefixed, to `rank-R.stdout.log` / `rank-R.stderr.log` in
+    /// this directory (created if missing; files of an earlier launch are replaced).
+    #[arg(long, value_name = "DIR")]
+    pub log_dir: Option<std::path::PathBuf>,
     /// The program and its arguments, after `--`.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "PROGRAM")]
     pub command: Vec<OsString>,
@@ -48,21 +58,26 @@ pub(crate) fn launch(args: &LaunchArgs) -> Result<()> {
     let shim = std::env::current_exe().context("cannot locate the qsr executable")?;
     let threads = std::env::var_os("RAYON_NUM_THREADS").is_none().then(|| intra_op_threads(args.nproc));
     let n = args.nproc;
-    processes::launch_program(n, |rank| {
-        let mut c = Command::new(&shim);
-        c.arg("exec-rank").arg("--").args(&args.command);
-        c.env("RANK", rank.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("WORLD_SIZE", n.to_string())
-            .env("LOCAL_WORLD_SIZE", n.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .env("QSR_JOB_TOKEN", &token);
-        if let Some(t) = threads {
-            c.env("RAYON_NUM_THREADS", t.to_string());
-        }
-        Ok(c)
-    })
+    let relay = Relay::new(args.log_dir.as_deref()).map_err(bad_input)?;
+    processes::launch_program(
+        n,
+        |rank| {
+            let mut c = Command::new(&shim);
+            c.arg("exec-rank").arg("--").args(&args.command);
+            c.env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("LOCAL_WORLD_SIZE", n.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("QSR_JOB_TOKEN", &token);
+            if let Some(t) = threads {
+                c.env("RAYON_NUM_THREADS", t.to_string());
+            }
+            Ok(c)
+        },
+        &relay,
+    )
 }
 
 /// A port nobody listened on a moment ago (rank 0 binds it; torchrun picks its port the same way).

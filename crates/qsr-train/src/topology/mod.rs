@@ -19,6 +19,7 @@ mod elastic;
 mod external;
 mod launcher;
 mod processes;
+mod relay;
 pub(crate) mod threads;
 
 /// Runs `qsr train`; returns rank 0's summary where this process has it.

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use rustix::process::{Pid, Signal};
 
+use super::relay::Relay;
 use crate::args::{CommKind, TrainArgs};
 use crate::exit::{EXIT_PEER_FAILED, Exit};
 use crate::records::Summary;
@@ -32,6 +33,9 @@ const STOP_GRACE: Duration = Duration::from_secs(10);
 const FAILURE_WINDOW: Duration = Duration::from_millis(500);
 
 const POLL: Duration = Duration::from_millis(50);
+
+/// How long a launcher waits for its ranks' last output lines once they have exited.
+const RELAY_DRAIN: Duration = Duration::from_secs(2);
 /// Where rank 0 of a `--nproc` launch writes its rendezvous port, in the run directory (removed once
 /// read).
 pub(super) const PORT_FILE: &str = ".rendezvous-port";
@@ -64,7 +68,7 @@ pub(super) fn launch(
     let signal = Arc::new(AtomicUsize::new(0));
     let ids = register_signals(&signal)?;
     let port_file = (store.is_none() && n > 1).then(|| run_dir.join(PORT_FILE));
-    let result = supervise(n, &command, &signal, store, port_file.as_deref(), Groups::Shared);
+    let result = supervise(n, &command, &signal, (store, port_file.as_deref()), Groups::Shared, None);
     for id in ids {
         signal_hook::low_level::unregister(id);
     }
@@ -83,14 +87,17 @@ pub(super) fn launch(
 /// Starts `n` processes of a program that is not qsr's (`command(rank)`), each in a process group of its
 /// own, so that stopping a rank stops whatever it started too; waits for them like [`launch`]: the
 /// first failure stops the rest and is named, signals are forwarded.
-pub(super) fn launch_program(n: usize, command: impl Fn(usize) -> Result<Command>) -> Result<()> {
+/// Their output goes through `relay`.
+pub(super) fn launch_program(n: usize, command: impl Fn(usize) -> Result<Command>, relay: &Relay) -> Result<()> {
     let signal = Arc::new(AtomicUsize::new(0));
     let ids = register_signals(&signal)?;
     super::adopted::become_subreaper()?;
-    let result = supervise(n, &|rank, _| command(rank), &signal, None, None, Groups::Own);
+    let result = supervise(n, &|rank, _| command(rank), &signal, (None, None), Groups::Own, Some(relay));
     for id in ids {
         signal_hook::low_level::unregister(id);
     }
+    // The ranks' last lines before the launcher's verdict.
+    relay.drain(RELAY_DRAIN);
     result
 }
 
@@ -219,11 +226,11 @@ fn supervise(
     n: usize,
     command: &impl Fn(usize, Option<u16>) -> Result<Command>,
     signal: &AtomicUsize,
-    store: Option<&qsr_elastic::Store>,
-    port_file: Option<&Path>,
+    (store, port_file): (Option<&qsr_elastic::Store>, Option<&Path>),
     groups: Groups,
+    relay: Option<&Relay>,
 ) -> Result<()> {
-    let workers = start(n, command, signal, port_file, groups)?;
+    let workers = start(n, command, signal, port_file, (groups, relay))?;
     let result = watch(n, workers, signal, store);
     if result.is_err() && groups == Groups::Own {
         super::adopted::stop_adopted();
@@ -287,8 +294,14 @@ fn watch(n: usize, mut workers: Vec<Spawned>, signal: &AtomicUsize, store: Optio
         return Ok(());
     }
     if let Some(first) = failures.iter().min_by_key(|f| (f.precedence(), f.seen)) {
-        let others_failed = failures.iter().any(|f| f.precedence() < 2);
-        let message = format!("{} ({} of {n} workers failed)", first.describe(others_failed), failures.len());
+        let own = failures.iter().filter(|f| f.precedence() < 2).count();
+        let lost = failures.len() - own;
+        let tally = match (own, lost) {
+            (_, 0) => format!("{own} of {n} workers failed"),
+            (0, _) => format!("{lost} of {n} workers stopped after losing a peer"),
+            _ => format!("{own} of {n} workers failed, {lost} stopped because of it"),
+        };
+        let message = format!("{} ({tally})", first.describe(own > 0));
         return Err(crate::exit::WorkersFailed { status: first.launcher_status(), message }.into());
     }
     Ok(())
@@ -329,7 +342,7 @@ fn start(
     command: &impl Fn(usize, Option<u16>) -> Result<Command>,
     signal: &AtomicUsize,
     port_file: Option<&Path>,
-    groups: Groups,
+    (groups, relay): (Groups, Option<&Relay>),
 ) -> Result<Vec<Spawned>> {
     let mut workers: Vec<Spawned> = Vec::new();
     let mut port = None;
@@ -347,7 +360,7 @@ fn start(
                 }
             }
         }
-        if let Err(e) = spawn(&mut workers, rank, command(rank, port), groups) {
+        if let Err(e) = spawn(&mut workers, rank, command(rank, port), (groups, relay)) {
             stop(&mut workers, Signal::TERM);
             return Err(e);
         }
@@ -356,16 +369,25 @@ fn start(
 }
 
 /// Starts worker `rank` from its command line.
-fn spawn(workers: &mut Vec<Spawned>, rank: usize, command: Result<Command>, groups: Groups) -> Result<()> {
+fn spawn(
+    workers: &mut Vec<Spawned>,
+    rank: usize,
+    command: Result<Command>,
+    (groups, relay): (Groups, Option<&Relay>),
+) -> Result<()> {
     let mut c = command?;
     c.env(LAUNCHER_PID, std::process::id().to_string());
     if groups == Groups::Own {
         // Until `qsr exec-rank` makes it a session (and group) of its own, it is in ours.
         c.stdin(std::process::Stdio::null());
     }
-    let child = c.spawn().with_context(|| format!("cannot start worker process {rank}"))?;
+    if let Some(r) = relay {
+        r.prepare(&mut c);
+    }
+    let mut child = c.spawn().with_context(|| format!("cannot start worker process {rank}"))?;
+    let attached = relay.map_or(Ok(()), |r| r.attach(rank, &mut child));
     workers.push(Spawned { rank, child, groups });
-    Ok(())
+    attached
 }
 
 /// Waits for rank 0 to write the port it bound for the rendezvous to `path`, and removes the file.

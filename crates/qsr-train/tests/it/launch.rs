@@ -182,3 +182,98 @@ fn a_lone_exit_3_is_not_blamed_on_a_peer_and_an_interrupt_names_no_resume() {
     assert_eq!(status.code(), Some(130), "{stderr}");
     assert!(stderr.contains("interrupted by signal 2 (SIGINT)") && !stderr.contains("--resume"), "{stderr}");
 }
+
+/// A rank of the launched jobs below, run by them under `qsr launch`: a linear model, burn's SGD and
+/// an Averager (QSR, h_base 2, alpha 0.1), ending `main`-like with `qsr_comm::exit_code`.
+/// `QSR_TEST_SCENARIO=lrs`: the lr depends on the rank (H = 4 on rank 0, H = 2 on rank 1);
+/// `panic`: rank 1 panics at its third step.
+#[test]
+#[ignore = "a rank of a launched job; the launch tests below run it"]
+fn launched_rank() {
+    let Ok(scenario) = std::env::var("QSR_TEST_SCENARIO") else {
+        return;
+    };
+    let code = qsr_comm::exit_code(launched_rank_run(&scenario));
+    std::process::exit(if code == std::process::ExitCode::SUCCESS { 0 } else { rank_status(code) });
+}
+
+/// The status an `ExitCode` stands for (it has no accessor): 1 or `EXIT_PEER_FAILED`.
+fn rank_status(code: std::process::ExitCode) -> i32 {
+    let peer = std::process::ExitCode::from(qsr_comm::EXIT_PEER_FAILED);
+    if code == peer { i32::from(qsr_comm::EXIT_PEER_FAILED) } else { 1 }
+}
+
+fn launched_rank_run(scenario: &str) -> anyhow::Result<()> {
+    use burn::optim::{GradientsParams, SgdConfig};
+    use burn::tensor::{Device, Tensor};
+    let comm = qsr_comm::from_env()?;
+    let rank = comm.rank();
+    let device = Device::flex().autodiff();
+    let model = burn::nn::LinearConfig::new(4, 1).init(&device);
+    let lr = if scenario == "lrs" && rank == 0 { 0.05 } else { 0.1 }; // H = max(2, (0.1 / lr)^2)
+    let (mut avg, mut model) = qsr_optim::Averager::new(model, qsr_optim::AveragerConfig::qsr(2, 0.1), comm)?;
+    let mut optim = SgdConfig::new().init();
+    for step in 0..8 {
+        assert!(!(scenario == "panic" && rank == 1 && step == 2), "rank 1 fails for a reason of its own");
+        let loss = model.forward(Tensor::<2>::ones([8, 4], &device)).powi_scalar(2).mean();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(lr, model, grads);
+        let stepped = avg.step(model, lr).map_err(anyhow::Error::from);
+        model = stepped.inspect_err(|e| eprintln!("rank {rank} stopped: {e:#}"))?;
+    }
+    eprintln!("rank {rank} never failed");
+    Ok(())
+}
+
+fn launch_rank_job(scenario: &str, extra: &[&str]) -> (std::process::Output, String) {
+    let exe = std::env::current_exe().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_qsr"))
+        .args(["launch", "--nproc", "2"])
+        .args(extra)
+        .arg("--")
+        .arg(exe)
+        .args(["--exact", "launch::launched_rank", "--ignored", "--nocapture", "--test-threads", "1"])
+        .env("QSR_TEST_SCENARIO", scenario)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    (out, text)
+}
+
+/// Issue 46: under `qsr launch`, ranks whose lrs differ stop at their first sync, each naming its
+/// own sync (step and H) and the likely cause; the ranks' report names both.
+#[test]
+fn ranks_with_different_lrs_fail_at_the_first_sync_under_launch() {
+    let (out, text) = launch_rank_job("lrs", &[]);
+    assert!(!out.status.success(), "{text}");
+    let (h4, h2) = ("the sync after step 4 (a round of H = 4)", "the sync after step 2 (a round of H = 2)");
+    for (rank, mine) in [(0, h4), (1, h2)] {
+        let start = format!("[rank {rank}] rank {rank} stopped: ");
+        let line = text.lines().find(|l| l.starts_with(&start)).unwrap_or_else(|| {
+            panic!("rank {rank} printed no error:\n{text}");
+        });
+        assert!(line.contains(&format!("this rank is at {mine}")), "{line}");
+        assert!(line.contains("same lr schedule, warmup and run_steps"), "{line}");
+        assert!(line.contains(h4) && line.contains(h2), "rank {rank} does not name both syncs: {line}");
+    }
+    assert!(!text.contains("never failed"), "{text}");
+}
+
+/// Issue 46: a rank that fails for a reason of its own (a panic) is the one the launcher blames; the
+/// rank that only lost it exits with EXIT_PEER_FAILED through `qsr_comm::exit_code` and is counted as
+/// stopped. Each rank's lines carry its rank, and `--log-dir` keeps each rank's output as written.
+#[test]
+fn the_launcher_blames_the_rank_that_failed_not_the_one_that_lost_it() {
+    let logs = tempfile::tempdir().unwrap();
+    let (out, text) = launch_rank_job("panic", &["--log-dir", logs.path().to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(101), "{text}");
+    assert!(text.contains("rank 1 failed (exit status 101"), "{text}");
+    assert!(text.contains("(1 of 2 workers failed, 1 stopped because of it)"), "{text}");
+    assert!(text.contains("[rank 1] thread '") && text.contains("rank 1 fails for a reason of its own"), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("[rank 0] rank 0 stopped: ")), "{text}");
+    let rank1 = std::fs::read_to_string(logs.path().join("rank-1.stderr.log")).unwrap();
+    assert!(rank1.contains("rank 1 fails for a reason of its own") && !rank1.contains("[rank 1]"), "{rank1}");
+    let rank0 = std::fs::read_to_string(logs.path().join("rank-0.stderr.log")).unwrap();
+    assert!(rank0.contains("rank 0 stopped: "), "{rank0}");
+    assert!(logs.path().join("rank-0.stdout.log").exists());
+}

@@ -1,0 +1,79 @@
+//! How a rank's process ends: the exit status that tells a launcher whether this rank failed for a
+//! reason of its own or only because another rank failed.
+
+use std::error::Error;
+use std::process::ExitCode;
+
+use crate::CommError;
+
+/// The exit status with which a rank says it stopped only because another rank failed (a peer died,
+/// stalled or aborted): launchers (`qsr launch`, `qsr train --nproc`) then name the rank that failed
+/// first instead of this one. qsr's trainer exits with it, and so does a program whose `main` ends
+/// with [`exit_code`].
+pub const EXIT_PEER_FAILED: u8 = 3;
+
+/// The exit status for a rank that ends with `error`: [`EXIT_PEER_FAILED`] when a [`CommError`] in
+/// its chain of sources says another rank failed first ([`CommError::peer_failed`]), else 1.
+///
+/// ```
+/// use qsr_comm::{CommError, EXIT_PEER_FAILED, exit_status};
+/// let lost = CommError::PeerLost { rank: 1, addr: "10.0.0.2:29500".into(), during: "all_reduce".into(), detail: "reset".into() };
+/// assert_eq!(exit_status(&lost), EXIT_PEER_FAILED);
+/// assert_eq!(exit_status(&CommError::InvalidArgument("root 9".into())), 1);
+/// ```
+pub fn exit_status(error: &(dyn Error + 'static)) -> u8 {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if e.downcast_ref::<CommError>().is_some_and(CommError::peer_failed) {
+            return EXIT_PEER_FAILED;
+        }
+        next = e.source();
+    }
+    1
+}
+
+/// What a rank's `main` returns: success, or `Error: ` and the error's chain of sources on stderr with
+/// the status of [`exit_status`], so that `qsr launch` (and `qsr train --nproc`) blame the rank that
+/// failed first and count the others as stopped. Takes `anyhow::Result<()>` and
+/// `Result<(), Box<dyn Error + Send + Sync>>`.
+///
+/// ```no_run
+/// fn run() -> anyhow::Result<()> {
+///     let results = qsr_comm::run_workers(4, |comm| -> anyhow::Result<()> { Ok(()) })?;
+///     results.into_iter().collect()
+/// }
+///
+/// fn main() -> std::process::ExitCode {
+///     qsr_comm::exit_code(run())
+/// }
+/// ```
+pub fn exit_code<E: AsRef<dyn Error + Send + Sync + 'static>>(result: Result<(), E>) -> ExitCode {
+    let Err(e) = result else {
+        return ExitCode::SUCCESS;
+    };
+    let e: &(dyn Error + 'static) = e.as_ref();
+    let mut message = format!("Error: {e}");
+    let mut next = e.source();
+    while let Some(cause) = next {
+        message += &format!(": {cause}");
+        next = cause.source();
+    }
+    eprintln!("{message}");
+    ExitCode::from(exit_status(e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peers_failure_under_anyhow_context_exits_with_exit_peer_failed() {
+        let aborted = CommError::Aborted { culprit: 1, reason: "r".into(), reporter: 2, during: "d".into() };
+        let e = anyhow::Error::from(aborted).context("synchronization at step 3 failed");
+        assert_eq!(exit_status(AsRef::<dyn Error + Send + Sync>::as_ref(&e)), EXIT_PEER_FAILED);
+        assert_eq!(exit_code(Err::<(), _>(e)), ExitCode::from(EXIT_PEER_FAILED));
+        let own = anyhow::anyhow!("the model did not learn");
+        assert_eq!(exit_code(Err::<(), _>(own)), ExitCode::from(1));
+        assert_eq!(exit_code(Ok::<(), anyhow::Error>(())), ExitCode::SUCCESS);
+    }
+}
