@@ -1,5 +1,6 @@
 //! One rank's shard of any burn [`Dataset`](burn::data::dataset::Dataset), in the trainer's data order.
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 
 use burn::data::dataset::Dataset;
@@ -44,6 +45,12 @@ pub struct ShardedDataset<D> {
     sampler: ShardedSampler,
     /// The epoch whose order `indices` holds.
     order: RwLock<(u64, Arc<Vec<usize>>)>,
+    /// Items read since the last `set_epoch`: more than the shard holds means a second pass.
+    reads: AtomicUsize,
+    /// Whether the second pass was warned of (once per dataset).
+    warned: AtomicBool,
+    /// This shard's rank and the world size, for the warning.
+    member: (usize, usize),
 }
 
 impl<D> ShardedDataset<D> {
@@ -64,7 +71,8 @@ impl<D> ShardedDataset<D> {
         }
         let sampler = ShardedSampler::simple(len, world_size, rank, 1, seed)?;
         let order = RwLock::new((0, Arc::new(sampler.shard(0))));
-        Ok(Self { inner: dataset, sampler, order })
+        let (reads, warned) = (AtomicUsize::new(0), AtomicBool::new(false));
+        Ok(Self { inner: dataset, sampler, order, reads, warned, member: (rank, world_size) })
     }
 
     /// Switches to `epoch`'s order (every rank at the same epoch, before iterating it).
@@ -72,6 +80,24 @@ impl<D> ShardedDataset<D> {
         let shard = Arc::new(self.sampler.shard(epoch));
         let mut order = self.order.write().unwrap_or_else(std::sync::PoisonError::into_inner);
         *order = (epoch, shard);
+        self.reads.store(0, Ordering::Relaxed);
+    }
+
+    /// Counts a read; the first read of a second pass over one epoch's shard warns, once: a loop
+    /// that forgets `set_epoch` repeats epoch 0's order (and shard) in every epoch.
+    fn count_read(&self) {
+        let len = self.sampler.shard_len();
+        if self.reads.fetch_add(1, Ordering::Relaxed) == len && !self.warned.swap(true, Ordering::Relaxed) {
+            let ((rank, k), epoch) = (self.member, self.epoch());
+            let message = format!(
+                "ShardedDataset (rank {rank} of {k}): epoch {epoch}'s shard of {len} items is read a second time without `set_epoch`; call `set_epoch(epoch)` before each epoch, or every epoch repeats this order (a second pass on purpose, such as an evaluation on training data, is fine)"
+            );
+            if tracing::dispatcher::has_been_set() {
+                tracing::warn!("{message}");
+            } else {
+                eprintln!("warning: {message}");
+            }
+        }
     }
 
     /// The epoch whose order the shard holds.
@@ -91,6 +117,7 @@ impl<D> ShardedDataset<D> {
 
 impl<D: Dataset<I>, I> Dataset<I> for ShardedDataset<D> {
     fn get(&self, index: usize) -> std::result::Result<I, burn::data::dataset::DatasetError> {
+        self.count_read();
         let indices = self.indices();
         match indices.get(index) {
             Some(&i) => self.inner.get(i),
@@ -103,5 +130,30 @@ impl<D: Dataset<I>, I> Dataset<I> for ShardedDataset<D> {
 
     fn len(&self) -> usize {
         self.sampler.shard_len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::data::dataset::{Dataset, InMemDataset};
+
+    use super::ShardedDataset;
+
+    fn pass(shard: &ShardedDataset<InMemDataset<u32>>) {
+        shard.iter().for_each(|item| assert!(item.is_ok()));
+    }
+
+    /// Issue 46: a loop that forgets `set_epoch` reads epoch 0's shard again in its second epoch,
+    /// which warns once; one that calls it never warns.
+    #[test]
+    fn a_second_pass_without_set_epoch_warns_once() {
+        let shard = ShardedDataset::new(InMemDataset::new((0..20).collect()), 1, 2, 7).unwrap();
+        for epoch in 0..3 {
+            shard.set_epoch(epoch);
+            pass(&shard);
+        }
+        assert!(!shard.warned.load(std::sync::atomic::Ordering::Relaxed));
+        pass(&shard);
+        assert!(shard.warned.load(std::sync::atomic::Ordering::Relaxed), "the second pass of epoch 2 warns");
     }
 }

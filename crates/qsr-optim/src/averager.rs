@@ -62,6 +62,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::OptimError;
 use crate::flat::ParamLayout;
+use crate::lr_watch::{self, LrWatch};
 use crate::outer::OuterConfig;
 use crate::stream::StreamState;
 use crate::sync::{Level, Wire};
@@ -245,6 +246,8 @@ pub struct Averager {
     settings: serde_json::Value,
     /// A collective failed, or the caller gave up ([`Averager::abandon`]): no warning at drop.
     abandoned: bool,
+    /// The lrs so far, for the warnings of plans that go wrong silently.
+    lr_watch: LrWatch,
 }
 
 /// Where an [`Averager`] stands: its step, rounds and outer state, saved beside the model and the
@@ -357,6 +360,7 @@ impl Averager {
             stats: AveragerStats::default(),
             settings,
             abandoned: false,
+            lr_watch: LrWatch::default(),
         };
         let model = if avg.config.broadcast_initial { avg.broadcast_from_rank0(model)? } else { model };
         let n = avg.layout.len();
@@ -388,6 +392,15 @@ impl Averager {
     /// optimizer step; the parameters then need no averaging.
     pub fn step<M: Module>(&mut self, model: M, lr: f64) -> Result<M, OptimError> {
         let t = self.stats.steps;
+        let lr_driven = self.config.rule.power().is_some();
+        if let Some(w) = self.lr_watch.observe(t, lr, self.config.run_steps, lr_driven) {
+            self.warn(&w);
+        }
+        if self.config.run_steps == Some(t + 1)
+            && let Some(w) = self.lr_watch.at_end()
+        {
+            self.warn(&w);
+        }
         let round = match self.round {
             Some(r) if t < r.end => r,
             _ => self.start_round(t, lr)?,
@@ -654,6 +667,9 @@ impl Averager {
     /// length [`AveragerConfig::run_steps`] did not give (the last round cut short, as the planner cuts
     /// it). Every rank must call it at the same point.
     pub fn finish<M: Module>(&mut self, model: M) -> Result<M, OptimError> {
+        if let Some(w) = self.lr_watch.at_end() {
+            self.warn(&w);
+        }
         if self.unsynced_steps() > 0 { self.average_now(model) } else { Ok(model) }
     }
 
@@ -702,6 +718,12 @@ impl Averager {
         self.write(model)
     }
 
+    /// A warning about this averager, naming its rank.
+    fn warn(&self, message: &str) {
+        let (rank, k) = (self.sync.comm().rank(), self.sync.comm().world_size());
+        lr_watch::warn(&format!("qsr Averager (rank {rank} of {k}): {message}"));
+    }
+
     fn write<M: Module>(&self, model: M) -> Result<M, OptimError> {
         let n = self.layout.len();
         let model = self.layout.write_params(model, &self.params[..n])?;
@@ -716,15 +738,8 @@ impl Drop for Averager {
         if pending == 0 || self.abandoned || std::thread::panicking() {
             return;
         }
-        let message = format!(
-            "qsr Averager (rank {} of {}) dropped {pending} step(s) after its last synchronization: the workers' models differ; call `Averager::finish(model)` after the last step, or set `AveragerConfig::run_steps`",
-            self.sync.comm().rank(),
-            self.sync.comm().world_size()
-        );
-        if tracing::dispatcher::has_been_set() {
-            tracing::warn!("{message}");
-        } else {
-            eprintln!("warning: {message}");
-        }
+        self.warn(&format!(
+            "dropped {pending} step(s) after its last synchronization: the workers' models differ; call `Averager::finish(model)` after the last step, or set `AveragerConfig::run_steps`"
+        ));
     }
 }

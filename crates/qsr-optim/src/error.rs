@@ -41,8 +41,8 @@ pub enum OptimError {
         "the ranks are at different synchronizations (this rank is at {tag}): every rank must compute the same H from the same lr at the same step; give every rank the same lr schedule, warmup and run_steps"
     )]
     Diverged {
-        /// This rank's sync.
-        tag: qsr_comm::SyncTag,
+        /// This rank's sync (boxed: it keeps the error small).
+        tag: Box<qsr_comm::SyncTag>,
         /// The collective's error naming the ranks and their syncs.
         #[source]
         source: qsr_comm::CommError,
@@ -92,7 +92,7 @@ impl OptimError {
     /// made different calls in a tagged sync, else [`OptimError::Comm`].
     pub(crate) fn sync(step: u64, tag: Option<qsr_comm::SyncTag>, source: qsr_comm::CommError) -> Self {
         match tag {
-            Some(tag) if source.is_divergence() => OptimError::Diverged { tag, source },
+            Some(tag) if source.is_divergence() => OptimError::Diverged { tag: Box::new(tag), source },
             _ => OptimError::Comm { step, source },
         }
     }

@@ -15,6 +15,7 @@ mod device;
 mod driver;
 mod error;
 mod flat;
+mod lr_watch;
 mod optim;
 mod outer;
 mod replica;

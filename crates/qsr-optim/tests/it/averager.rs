@@ -574,3 +574,36 @@ fn ranks_with_different_lrs_fail_at_the_first_sync_naming_both_syncs() {
         assert!(message.contains(&format!("rank 1 has {rank1}, rank 0 has {rank0}")), "rank {rank}: {message}");
     }
 }
+
+/// Issue 46: plans that go wrong without an error are warned once, naming the numbers: here a loop of
+/// 8 steps with `run_steps = 4` (every later step would average), and a scheduler sized for 4 times
+/// the steps the loop takes (its lr ends high).
+#[test]
+fn wrong_plans_are_warned_once_naming_the_numbers() {
+    let warnings = |rule: SyncRule, run_steps: Option<u64>, horizon: f64| {
+        let device = Device::flex();
+        let comm = InProcessGroup::new(1).remove(0);
+        let mut config = AveragerConfig::new(rule, 0);
+        config.run_steps = run_steps;
+        let (mut avg, mut model) = Averager::new(Mlp::new(&device, 4, 1), config, Box::new(comm)).unwrap();
+        let out = Captured::default();
+        let writer = out.clone();
+        let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
+        tracing::subscriber::with_default(subscriber, || {
+            for t in 0..8 {
+                let lr = 0.05 * (1.0 + (std::f64::consts::PI * t as f64 / horizon).cos());
+                model = avg.step(model.clone(), lr).unwrap();
+            }
+            model = avg.finish(model.clone()).unwrap();
+        });
+        String::from_utf8(out.0.lock().unwrap().clone()).unwrap()
+    };
+    let qsr = SyncRule::Qsr { h_base: 2, alpha: 0.05 };
+    let past = warnings(SyncRule::Constant { h: 2 }, Some(4), 8.0);
+    assert_eq!(past.matches("WARN").count(), 1, "{past}");
+    assert!(past.contains("qsr Averager (rank 0 of 1): step 5 is past `run_steps` = 4"), "{past}");
+    let high = warnings(qsr.clone(), None, 32.0);
+    assert_eq!(high.matches("WARN").count(), 1, "{high}");
+    assert!(high.contains("% of its peak 0.1: a scheduler sized for more steps"), "{high}");
+    assert_eq!(warnings(qsr, Some(8), 8.0), "", "a cosine sized for the loop warns of nothing");
+}
