@@ -7,6 +7,7 @@
 //! others and names the rank that failed first by its cause: a worker that only saw another rank fail
 //! exits with [`EXIT_PEER_FAILED`] and is not blamed while a rank with its own cause exists.
 
+use std::ops::Range;
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus};
 use std::sync::Arc;
@@ -68,7 +69,7 @@ pub(super) fn launch(
     let signal = Arc::new(AtomicUsize::new(0));
     let ids = register_signals(&signal)?;
     let port_file = (store.is_none() && n > 1).then(|| run_dir.join(PORT_FILE));
-    let result = supervise(n, &command, &signal, (store, port_file.as_deref()), Groups::Shared, None);
+    let result = supervise(0..n, &command, &signal, (store, port_file.as_deref()), Groups::Shared, None);
     for id in ids {
         signal_hook::low_level::unregister(id);
     }
@@ -84,15 +85,20 @@ pub(super) fn launch(
     Ok(summary)
 }
 
-/// Starts `n` processes of a program that is not qsr's (`command(rank)`), each in a process group of its
+/// Starts the ranks `ranks` of a program that is not qsr's (`command(rank)`; all of a job's ranks, or
+/// one node's of a job over several), each in a process group of its
 /// own, so that stopping a rank stops whatever it started too; waits for them like [`launch`]: the
 /// first failure stops the rest and is named, signals are forwarded.
 /// Their output goes through `relay`.
-pub(super) fn launch_program(n: usize, command: impl Fn(usize) -> Result<Command>, relay: &Relay) -> Result<()> {
+pub(super) fn launch_program(
+    ranks: Range<usize>,
+    command: impl Fn(usize) -> Result<Command>,
+    relay: &Relay,
+) -> Result<()> {
     let signal = Arc::new(AtomicUsize::new(0));
     let ids = register_signals(&signal)?;
     super::adopted::become_subreaper()?;
-    let result = supervise(n, &|rank, _| command(rank), &signal, (None, None), Groups::Own, Some(relay));
+    let result = supervise(ranks, &|rank, _| command(rank), &signal, (None, None), Groups::Own, Some(relay));
     for id in ids {
         signal_hook::low_level::unregister(id);
     }
@@ -223,15 +229,15 @@ fn signal_name(s: i32) -> &'static str {
 }
 
 fn supervise(
-    n: usize,
+    ranks: Range<usize>,
     command: &impl Fn(usize, Option<u16>) -> Result<Command>,
     signal: &AtomicUsize,
     (store, port_file): (Option<&qsr_elastic::Store>, Option<&Path>),
     groups: Groups,
     relay: Option<&Relay>,
 ) -> Result<()> {
-    let workers = start(n, command, signal, port_file, (groups, relay))?;
-    let result = watch(n, workers, signal, store);
+    let workers = start(ranks.clone(), command, signal, port_file, (groups, relay))?;
+    let result = watch(ranks, workers, signal, store);
     if result.is_err() && groups == Groups::Own {
         super::adopted::stop_adopted();
     }
@@ -239,14 +245,20 @@ fn supervise(
 }
 
 /// Waits for the started workers (see [`supervise`]).
-fn watch(n: usize, mut workers: Vec<Spawned>, signal: &AtomicUsize, store: Option<&qsr_elastic::Store>) -> Result<()> {
+fn watch(
+    ranks: Range<usize>,
+    mut workers: Vec<Spawned>,
+    signal: &AtomicUsize,
+    store: Option<&qsr_elastic::Store>,
+) -> Result<()> {
+    let n = ranks.len();
     let mut failures: Vec<Failure> = Vec::new();
     let mut finished_at: Option<Instant> = None;
     let mut tail = Tail::default();
     while !workers.is_empty() {
         workers = reap(workers, &mut failures)?;
         if store.is_none() {
-            tail.tell(n, &workers);
+            tail.tell(ranks.clone(), &workers);
         }
         if let Some(s) = store.filter(|s| s.finished()) {
             // Members exit on their own once the job finished; expelled ones (stopped, cut off) never will.
@@ -316,8 +328,8 @@ struct Tail {
 }
 
 impl Tail {
-    fn tell(&mut self, n: usize, running: &[Spawned]) {
-        if running.len() == n {
+    fn tell(&mut self, ranks: Range<usize>, running: &[Spawned]) {
+        if running.len() == ranks.len() {
             return;
         }
         let now = Instant::now();
@@ -327,7 +339,7 @@ impl Tail {
         }
         *due = now + Duration::from_secs(60);
         let left: Vec<usize> = running.iter().map(|w| w.rank).collect();
-        let done: Vec<usize> = (0..n).filter(|r| !left.contains(r)).collect();
+        let done: Vec<usize> = ranks.filter(|r| !left.contains(r)).collect();
         eprintln!(
             "qsr: rank(s) {done:?} finished {} s ago; waiting for rank(s) {left:?}, still running",
             first.elapsed().as_secs()
@@ -335,10 +347,10 @@ impl Tail {
     }
 }
 
-/// Starts the `n` workers: rank 0 first, and with a `port_file` the others only once rank 0 wrote the
+/// Starts the workers of `ranks`: the first first, and with a `port_file` the others only once rank 0 wrote the
 /// port it bound. When rank 0 fails first or a signal comes, only rank 0 runs; the supervisor reports it.
 fn start(
-    n: usize,
+    ranks: Range<usize>,
     command: &impl Fn(usize, Option<u16>) -> Result<Command>,
     signal: &AtomicUsize,
     port_file: Option<&Path>,
@@ -346,7 +358,8 @@ fn start(
 ) -> Result<Vec<Spawned>> {
     let mut workers: Vec<Spawned> = Vec::new();
     let mut port = None;
-    for rank in 0..n {
+    for rank in ranks {
+        // Rank 0 chose the port (a `--nproc` launch, whose ranks start at 0).
         if rank == 1
             && let Some(path) = port_file
         {

@@ -186,7 +186,7 @@ fn a_lone_exit_3_is_not_blamed_on_a_peer_and_an_interrupt_names_no_resume() {
 /// A rank of the launched jobs below, run by them under `qsr launch`: a linear model, burn's SGD and
 /// an Averager (QSR, h_base 2, alpha 0.1), ending `main`-like with `qsr_comm::exit_code`.
 /// `QSR_TEST_SCENARIO=lrs`: the lr depends on the rank (H = 4 on rank 0, H = 2 on rank 1);
-/// `panic`: rank 1 panics at its third step.
+/// `panic`: rank 1 panics at its third step; `sum`: one all-reduce of `rank + 1`, printed.
 #[test]
 #[ignore = "a rank of a launched job; the launch tests below run it"]
 fn launched_rank() {
@@ -206,8 +206,14 @@ fn rank_status(code: std::process::ExitCode) -> i32 {
 fn launched_rank_run(scenario: &str) -> anyhow::Result<()> {
     use burn::optim::{GradientsParams, SgdConfig};
     use burn::tensor::{Device, Tensor};
-    let comm = qsr_comm::from_env()?;
+    let mut comm = qsr_comm::from_env()?;
     let rank = comm.rank();
+    if scenario == "sum" {
+        let mut x = [rank as f32 + 1.0];
+        comm.all_reduce(&mut x, qsr_comm::ReduceOp::Sum)?;
+        println!("rank {rank} of {}: sum {} over {}", comm.world_size(), x[0], comm.backend());
+        return Ok(());
+    }
     let device = Device::flex().autodiff();
     let model = burn::nn::LinearConfig::new(4, 1).init(&device);
     let lr = if scenario == "lrs" && rank == 0 { 0.05 } else { 0.1 }; // H = max(2, (0.1 / lr)^2)
@@ -276,4 +282,136 @@ fn the_launcher_blames_the_rank_that_failed_not_the_one_that_lost_it() {
     let rank0 = std::fs::read_to_string(logs.path().join("rank-0.stderr.log")).unwrap();
     assert!(rank0.contains("rank 0 stopped: "), "{rank0}");
     assert!(logs.path().join("rank-0.stdout.log").exists());
+}
+
+/// Two "hosts": network namespaces joined by a veth pair, removed on drop.
+struct TwoHosts {
+    names: [String; 2],
+}
+
+impl TwoHosts {
+    const ADDRS: [&str; 2] = ["10.200.46.1", "10.200.46.2"];
+
+    /// `None` when this machine cannot make them (not root, no `ip`).
+    fn new() -> Option<TwoHosts> {
+        let id = std::process::id();
+        let hosts = TwoHosts { names: [format!("qsr46a-{id}"), format!("qsr46b-{id}")] };
+        let [a, b] = &hosts.names;
+        let (va, vb) = (format!("q46a{}", id % 100_000), format!("q46b{}", id % 100_000));
+        let steps: Vec<Vec<String>> = vec![
+            vec!["netns".into(), "add".into(), a.clone()],
+            vec!["netns".into(), "add".into(), b.clone()],
+            vec![
+                "link".into(),
+                "add".into(),
+                va.clone(),
+                "type".into(),
+                "veth".into(),
+                "peer".into(),
+                "name".into(),
+                vb.clone(),
+            ],
+            vec!["link".into(), "set".into(), va.clone(), "netns".into(), a.clone()],
+            vec!["link".into(), "set".into(), vb.clone(), "netns".into(), b.clone()],
+        ];
+        let mut steps = steps;
+        for ((ns, dev), addr) in [(a, &va), (b, &vb)].into_iter().zip(Self::ADDRS) {
+            steps.push(vec![
+                "-n".into(),
+                ns.clone(),
+                "addr".into(),
+                "add".into(),
+                format!("{addr}/24"),
+                "dev".into(),
+                dev.clone(),
+            ]);
+            steps.push(vec!["-n".into(), ns.clone(), "link".into(), "set".into(), dev.clone(), "up".into()]);
+            steps.push(vec!["-n".into(), ns.clone(), "link".into(), "set".into(), "lo".into(), "up".into()]);
+        }
+        for step in steps {
+            let ok = Command::new("ip").args(&step).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
+            if !ok {
+                return None;
+            }
+        }
+        Some(hosts)
+    }
+
+    /// `qsr launch` of host `node` of the job, running `launched_rank` with `scenario`.
+    fn launch(&self, node: usize, scenario: &str) -> Child {
+        let exe = std::env::current_exe().unwrap();
+        Command::new("ip")
+            .args(["netns", "exec", &self.names[node], env!("CARGO_BIN_EXE_qsr"), "launch", "--nnodes", "2"])
+            .args(["--node-rank", &node.to_string(), "--nproc", "2", "--master-addr", Self::ADDRS[0], "--"])
+            .arg(exe)
+            .args(["--exact", "launch::launched_rank", "--ignored", "--nocapture", "--test-threads", "1"])
+            .env("QSR_TEST_SCENARIO", scenario)
+            .env("QSR_HOST_ID", format!("host-{node}"))
+            .env("QSR_JOB_TOKEN", "issue-46-two-hosts")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+}
+
+impl Drop for TwoHosts {
+    fn drop(&mut self) {
+        for ns in &self.names {
+            let _ = Command::new("ip").args(["netns", "delete", ns]).status();
+        }
+    }
+}
+
+/// Issue 46: `qsr launch --nnodes 2 --node-rank R --master-addr H` on two hosts of two ranks each (two
+/// network namespaces, each host its own QSR_HOST_ID) forms one job of 4 ranks, torchrun's numbering:
+/// shared memory inside each host and the ring between them. Needs root (`QSR_REQUIRE_NETNS=1` in CI
+/// makes a machine without it fail instead of skip).
+#[test]
+fn a_job_over_two_hosts_of_two_ranks_each() {
+    let Some(hosts) = TwoHosts::new() else {
+        assert!(
+            std::env::var_os("QSR_REQUIRE_NETNS").is_none(),
+            "cannot make network namespaces (root and `ip` needed)"
+        );
+        eprintln!("skipped: cannot make network namespaces (root and `ip` needed)");
+        return;
+    };
+    let launchers = [hosts.launch(0, "sum"), hosts.launch(1, "sum")];
+    let mut text = String::new();
+    for mut launcher in launchers {
+        let status = exit_within(&mut launcher, Duration::from_secs(120));
+        let out = launcher.wait_with_output().unwrap();
+        let host = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+        assert!(status.success(), "{host}");
+        text += &host;
+    }
+    for rank in 0..4 {
+        let (prefix, line) = (format!("[rank {rank}] "), format!("rank {rank} of 4: sum 10 over shm+tcp"));
+        let found = text.lines().any(|l| l.starts_with(&prefix) && l.ends_with(&line));
+        assert!(found, "no `{prefix}...{line}` in:\n{text}");
+    }
+}
+
+/// Issue 46: what a job over several hosts cannot do is refused before anything starts, naming the flag.
+#[test]
+fn launch_flags_that_cannot_work_are_refused_naming_them() {
+    let refused = |args: &[&str], token: Option<&str>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_qsr"));
+        c.arg("launch").args(args).args(["--", "/bin/true"]).env_remove("QSR_JOB_TOKEN");
+        if let Some(t) = token {
+            c.env("QSR_JOB_TOKEN", t);
+        }
+        let out = c.output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let e = refused(&["--nproc", "2", "--max-restarts", "3"], None);
+    assert!(e.contains("--max-restarts 3: qsr launch restarts no ranks"), "{e}");
+    let e = refused(&["--nproc", "2", "--nnodes", "2", "--node-rank", "2", "--master-addr", "10.0.0.1"], Some("t"));
+    assert!(e.contains("--node-rank 2: must be in 0..--nnodes 2"), "{e}");
+    let e = refused(&["--nproc", "2", "--nnodes", "2", "--node-rank", "1"], Some("t"));
+    assert!(e.contains("--nnodes 2: give --master-addr"), "{e}");
+    let e = refused(&["--nproc", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1"], None);
+    assert!(e.contains("export the same QSR_JOB_TOKEN on every host"), "{e}");
 }
