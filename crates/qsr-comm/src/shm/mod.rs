@@ -934,8 +934,13 @@ mod tests {
         let results = crate::run_threads(3, |mut boot| {
             let mut c = ShmComm::from_bootstrap(&mut boot, cfg.clone()).unwrap();
             match c.rank() {
-                0 => c.watch[1] = Watch::Proc(dead),
-                2 => std::thread::sleep(Duration::from_millis(100)),
+                // Rank 0 enters after rank 1 published (a thread of a loaded machine may wait its
+                // turn for milliseconds, and an unpublished dead peer is rightly blamed), rank 2 later.
+                0 => {
+                    c.watch[1] = Watch::Proc(dead);
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                2 => std::thread::sleep(Duration::from_millis(300)),
                 _ => {}
             }
             c.barrier().map_err(|e| e.to_string())
