@@ -109,7 +109,9 @@ impl ImageFolder {
     }
 }
 
-/// Decodes a PNG/JPEG file (format guessed from content) to 3-channel CHW `u8`.
+/// Decodes a PNG/JPEG file (format guessed from content) to 3-channel CHW `u8`. Without the crate's
+/// `images` feature it refuses every file, naming the feature.
+#[cfg(feature = "images")]
 pub fn decode_rgb(path: &Path) -> Result<Image> {
     let bad = |reason: String| DataError::UnreadableImage { path: path.to_path_buf(), reason };
     let reader = image::ImageReader::open(path)
@@ -130,6 +132,14 @@ pub fn decode_rgb(path: &Path) -> Result<Image> {
         data[2 * plane + p] = px[2];
     }
     Ok(Image { data, channels: 3, height: h, width: w })
+}
+
+/// Decodes a PNG/JPEG file (format guessed from content) to 3-channel CHW `u8`. Without the crate's
+/// `images` feature it refuses every file, naming the feature.
+#[cfg(not(feature = "images"))]
+pub fn decode_rgb(path: &Path) -> Result<Image> {
+    let reason = "qsr-data was built without its `images` feature (PNG / JPEG decoding); turn it on".into();
+    Err(DataError::UnreadableImage { path: path.to_path_buf(), reason })
 }
 
 impl Dataset for ImageFolder {

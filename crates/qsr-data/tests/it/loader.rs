@@ -125,6 +125,7 @@ fn prefetcher_shuts_down_on_drop() {
 }
 
 #[test]
+#[cfg_attr(not(feature = "images"), ignore = "decodes PNG / JPEG: needs the images feature")]
 fn prefetcher_delivers_errors_in_order_then_stops() {
     let d = tempfile::tempdir().unwrap();
     for i in 0..4 {

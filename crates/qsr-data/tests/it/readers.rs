@@ -239,6 +239,7 @@ fn png(path: &Path, w: u32, h: u32, f: impl Fn(u32, u32) -> [u8; 3]) {
 }
 
 #[test]
+#[cfg_attr(not(feature = "images"), ignore = "decodes PNG / JPEG: needs the images feature")]
 fn image_folder_png_and_jpeg() {
     let d = tempfile::tempdir().unwrap();
     let r = d.path();
@@ -314,6 +315,7 @@ fn image_folder_missing_dir() {
 }
 
 #[test]
+#[cfg_attr(not(feature = "images"), ignore = "decodes PNG / JPEG: needs the images feature")]
 fn image_folder_unreadable_image() {
     let d = tempfile::tempdir().unwrap();
     png(&d.path().join("cat/good.png"), 2, 2, |_, _| [0, 0, 0]);
