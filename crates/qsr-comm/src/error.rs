@@ -230,18 +230,21 @@ impl CommError {
 
 impl CommError {
     /// Whether this error is the consequence of another rank's failure (it was lost, stalled, or
-    /// aborted the call; the communicator broke earlier; an in-process group member failed): a rank
+    /// aborted the call for a reason other than diverging calls; the communicator broke earlier; an
+    /// in-process group member failed): a rank
     /// that stops for it exits with [`crate::EXIT_PEER_FAILED`], so that a launcher names the rank
     /// that failed first.
     pub fn peer_failed(&self) -> bool {
-        matches!(
-            self,
-            CommError::PeerLost { .. }
-                | CommError::PeerTimeout { .. }
-                | CommError::Aborted { .. }
-                | CommError::Broken(_)
-                | CommError::Group { .. }
-        )
+        // Diverging calls are the job's cause, not a peer's failure: every rank reports them.
+        let aborted = matches!(self, CommError::Aborted { .. }) && !self.is_divergence();
+        aborted
+            || matches!(
+                self,
+                CommError::PeerLost { .. }
+                    | CommError::PeerTimeout { .. }
+                    | CommError::Broken(_)
+                    | CommError::Group { .. }
+            )
     }
 }
 

@@ -72,6 +72,14 @@ mod tests {
         let e = anyhow::Error::from(aborted).context("synchronization at step 3 failed");
         assert_eq!(exit_status(AsRef::<dyn Error + Send + Sync>::as_ref(&e)), EXIT_PEER_FAILED);
         assert_eq!(exit_code(Err::<(), _>(e)), ExitCode::from(EXIT_PEER_FAILED));
+        // Diverging calls are every rank's cause, not a lost peer: the ranks told of them exit 1 too.
+        let told = CommError::Aborted {
+            culprit: 1,
+            reason: crate::shm::Cause::Diverged.text().into(),
+            reporter: 2,
+            during: "d".into(),
+        };
+        assert_eq!(exit_status(&told), 1);
         let own = anyhow::anyhow!("the model did not learn");
         assert_eq!(exit_code(Err::<(), _>(own)), ExitCode::from(1));
         assert_eq!(exit_code(Ok::<(), anyhow::Error>(())), ExitCode::SUCCESS);

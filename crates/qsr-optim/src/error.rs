@@ -92,8 +92,41 @@ impl OptimError {
     /// made different calls in a tagged sync, else [`OptimError::Comm`].
     pub(crate) fn sync(step: u64, tag: Option<qsr_comm::SyncTag>, source: qsr_comm::CommError) -> Self {
         match tag {
-            Some(tag) if source.is_divergence() => OptimError::Diverged { tag: Box::new(tag), source },
+            Some(tag) if at_other_syncs(&source) => OptimError::Diverged { tag: Box::new(tag), source },
             _ => OptimError::Comm { step, source },
         }
+    }
+}
+
+/// Whether `e` says the ranks are at different syncs: found here (field `sync`), or an abort for
+/// diverging calls (which, in a tagged sync, the tag differs in first).
+fn at_other_syncs(e: &qsr_comm::CommError) -> bool {
+    match e {
+        qsr_comm::CommError::Diverged { field, .. } => *field == "sync",
+        other => other.is_divergence(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use qsr_comm::{CommError, SyncTag};
+
+    /// Review: a length mismatch between ranks at the same sync was reported as ranks at different
+    /// syncs, with the lr advice; only a differing tag (or its abort) is.
+    #[test]
+    fn only_a_differing_tag_is_reported_as_ranks_at_different_syncs() {
+        let tag = Some(SyncTag { steps: 4, h: 4, fragment: 0 });
+        let diverged = |field| CommError::Diverged {
+            me: 0,
+            peer: 1,
+            field,
+            ours: "a".into(),
+            theirs: "b".into(),
+            during: "all_reduce seq 3".into(),
+        };
+        assert!(matches!(OptimError::sync(3, tag, diverged("sync")), OptimError::Diverged { .. }));
+        assert!(matches!(OptimError::sync(3, tag, diverged("length (bytes)")), OptimError::Comm { step: 3, .. }));
+        assert!(matches!(OptimError::sync(3, None, diverged("sync")), OptimError::Comm { .. }));
     }
 }

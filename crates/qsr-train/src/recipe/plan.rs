@@ -146,6 +146,10 @@ impl PlanOverrides {
             super::sets::switch_rule(sync, rule);
         }
         set(sync, "h_base", int(self.h_base));
+        if self.alpha.is_some() {
+            // The flag's alpha replaces the recipe's budget, which would choose another.
+            sync.remove("budget");
+        }
         set(sync, "alpha", float(self.alpha));
         set(sync, "power", float(self.power));
         set(sync, "switch_step", int(self.switch_step));

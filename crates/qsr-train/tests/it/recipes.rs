@@ -58,4 +58,11 @@ fn a_sync_budget_chooses_alpha_as_the_planners_flag_does() {
     std::fs::write(&both, text).unwrap();
     let e = format!("{:#}", TrainRecipe::load(&both, &[]).unwrap_err());
     assert!(e.contains("set `sync.budget` or `sync.alpha`, not both"), "{e}");
+    // Review: `qsr plan --alpha` on a recipe with a budget takes the flag's alpha.
+    let budget_only = dir.path().join("budget.toml");
+    let text = std::fs::read_to_string(&path).unwrap().replace("alpha = 0.06", "budget = 0.2");
+    std::fs::write(&budget_only, text).unwrap();
+    let flag = qsr_train::recipe::PlanOverrides { alpha: Some(0.03), ..Default::default() };
+    let plan = qsr_train::recipe::load_plan(Some(&budget_only), &flag).unwrap().plan;
+    assert_eq!(plan.sync(), &qsr_sched::SyncRule::Qsr { h_base, alpha: 0.03 });
 }
