@@ -159,18 +159,14 @@ struct Failure {
     /// Its exit status; `None`: it was found stopped (SIGSTOP, a debugger) while the others failed.
     status: Option<ExitStatus>,
     seen: Instant,
-    /// It was still running when the launcher stopped the job: the launcher's signal ended it.
-    by_launcher: bool,
 }
 
 impl Failure {
     /// Lower is more likely the first cause: killed by a signal or stopped, then a failure of its
-    /// own, then a worker that only saw another rank fail, then one the launcher stopped.
+    /// own, then a worker that only saw another rank fail. (Workers the launcher stops are reaped by
+    /// `stop` and are never failures.)
     fn precedence(&self) -> u8 {
         use std::os::unix::process::ExitStatusExt;
-        if self.by_launcher {
-            return 3;
-        }
         let Some(status) = self.status else {
             return 0;
         };
@@ -195,9 +191,6 @@ impl Failure {
     /// its own, which an exit with [`EXIT_PEER_FAILED`] (lost a peer) then refers to.
     fn describe(&self, others_failed: bool) -> String {
         use std::os::unix::process::ExitStatusExt;
-        if self.by_launcher {
-            return format!("rank {} was stopped by the launcher", self.rank);
-        }
         let Some(status) = self.status else {
             return format!(
                 "rank {} was stopped (SIGSTOP or a debugger) and made no progress; the others gave up waiting for it",
@@ -292,17 +285,15 @@ fn watch(
         if fatal && failures.first().is_some_and(|f| f.seen.elapsed() >= FAILURE_WINDOW) {
             // A stopped worker is the cause the others saw: they timed out waiting for it.
             for w in workers.iter().filter(|w| is_stopped(&w.child)) {
-                failures.push(Failure { rank: w.rank, status: None, seen: failures[0].seen, by_launcher: false });
+                failures.push(Failure { rank: w.rank, status: None, seen: failures[0].seen });
             }
             break;
         }
         std::thread::sleep(POLL);
     }
-    let before = failures.len();
     stop(&mut workers, Signal::TERM);
     workers = reap(workers, &mut failures)?;
     debug_assert!(workers.is_empty());
-    failures[before..].iter_mut().for_each(|f| f.by_launcher = true);
     if store.is_some_and(qsr_elastic::Store::finished) {
         // Workers that diverged finished the plan: the job's outcome is theirs.
         let diverged = failures.iter().find(|f| f.status.and_then(|s| s.code()) == Some(Exit::Diverged as i32));
@@ -472,7 +463,7 @@ fn reap(workers: Vec<Spawned>, failures: &mut Vec<Failure>) -> Result<Vec<Spawne
         match exited {
             Some(_) if failures.iter().any(|f| f.rank == w.rank) => {}
             Some(status) if !status.success() => {
-                failures.push(Failure { rank: w.rank, status: Some(status), seen: Instant::now(), by_launcher: false });
+                failures.push(Failure { rank: w.rank, status: Some(status), seen: Instant::now() });
             }
             Some(_) => {}
             None => running.push(w),
@@ -526,7 +517,7 @@ fn stop_expelled(workers: &mut Vec<Spawned>, expelled: &[u64], failures: &mut Ve
         );
         let _ = w.child.kill();
         if let Ok(status) = w.child.wait() {
-            failures.push(Failure { rank: w.rank, status: Some(status), seen: Instant::now(), by_launcher: false });
+            failures.push(Failure { rank: w.rank, status: Some(status), seen: Instant::now() });
         }
     }
     let killed: Vec<usize> = failures.iter().map(|f| f.rank).collect();

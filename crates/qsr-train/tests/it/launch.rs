@@ -415,3 +415,19 @@ fn launch_flags_that_cannot_work_are_refused_naming_them() {
     let e = refused(&["--nproc", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1"], None);
     assert!(e.contains("export the same QSR_JOB_TOKEN on every host"), "{e}");
 }
+
+/// Pins what a review suspected could break: a rank still computing when the failure window closes
+/// is stopped by the launcher and is neither blamed (as "killed by signal 15") nor counted as failed.
+#[test]
+fn a_rank_the_launcher_stopped_is_not_blamed_for_the_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = r#"[ "$RANK" = 1 ] && exit 7; sleep 300"#;
+    let mut launcher = qsr_launch(2, script, dir.path()).stderr(Stdio::piped()).spawn().unwrap();
+    let status = exit_within(&mut launcher, Duration::from_secs(30));
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut launcher.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(7), "{stderr}");
+    assert!(stderr.contains("rank 1 failed (exit status 7"), "{stderr}");
+    assert!(stderr.contains("(1 of 2 workers failed)"), "{stderr}");
+    assert!(!stderr.contains("rank 0 was killed"), "{stderr}");
+}
