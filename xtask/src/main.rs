@@ -9,6 +9,7 @@ mod gpu_features;
 mod layers;
 mod netem;
 mod qsr_diff;
+mod resume_check;
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -30,6 +31,9 @@ enum Cmd {
     /// Rewrites README.md's diff between the plain burn example and its QSR version (the tidy step
     /// checks it).
     QsrDiff,
+    /// The resume check of `cargo xtask ci` alone, on the examples and `qsr` already built: each burn
+    /// example stopped after an epoch and resumed ends with the whole run's bits.
+    ResumeCheck,
     /// The paper's communication plans (and their lr/H picture), then the README's main job.
     Demo {
         /// Where to write the picture.
@@ -259,6 +263,8 @@ fn main() -> Result<()> {
             // The crates' examples, each run as its users would run it.
             totals.add(run_examples(&workspace, &CI_EXAMPLES)?);
             totals.add(run_launched_examples(&LAUNCHED_EXAMPLES)?);
+            // Whole resume: the burn examples stopped after an epoch and resumed end with the whole run's bits.
+            totals.add(resume_check::run()?);
             // The fault campaign, one job per fault kind (docs/RELIABILITY.md); a job is a test.
             // The test step built `qsr` for the integration tests; `cargo build --bin qsr` alone would resolve
             // burn's dependencies without the dev-dependencies' features and compile burn again (7 min).
@@ -309,6 +315,7 @@ fn main() -> Result<()> {
             println!("{} passed, {} failed, {} ignored", totals.passed, totals.failed, totals.ignored);
             Ok(())
         }
+        Cmd::ResumeCheck => resume_check::run().map(drop),
         Cmd::Demo { plot } => {
             // The paper's communication plans, then the README's main job.
             if let Some(dir) = plot.parent() {

@@ -1,20 +1,27 @@
 //! A plain burn training program, with no qsr in it: an MLP, burn's AdamW and step lr scheduler, a
-//! DataLoader over a class-ordered dataset. `burn_qsr.rs` is the same program with QSR added; CI
-//! checks that the two differ by at most 10 lines (the tidy step of `cargo xtask ci`).
+//! DataLoader over a class-ordered dataset, saving after each epoch and resuming from its latest save.
+//! `burn_qsr.rs` is the same program with QSR added; CI checks that the two differ by at most 12 lines
+//! (the tidy step of `cargo xtask ci`).
 //!
 //! ```sh
-//! cargo run --release -p qsr-optim --example burn_plain
+//! cargo run --release -p qsr-optim --example burn_plain            # no checkpoints
+//! cargo run --release -p qsr-optim --example burn_plain -- ckpt    # saves into and resumes from ckpt/
 //! ```
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+use anyhow::Context;
 
 use burn::data::dataloader::{DataLoaderBuilder, batcher::Batcher};
 use burn::data::dataset::{Dataset, InMemDataset};
+use burn::lr_scheduler::LrSchedulerRecord;
+use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::lr_scheduler::step::StepLrSchedulerConfig;
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, Relu};
-use burn::optim::{AdamWConfig, GradientsParams};
+use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 
@@ -73,23 +80,95 @@ impl Batcher<Point, (Tensor<2>, Tensor<1, Int>)> for PointBatcher {
     }
 }
 
-/// Trains and returns the test accuracy.
+/// The directory the run saves into after each epoch (`DIR/epoch-E`) and resumes from: the program's
+/// first argument, if any.
+fn checkpoint_dir() -> Option<PathBuf> {
+    std::env::args_os().nth(1).map(PathBuf::from)
+}
+
+/// The latest epoch saved whole under `dir`, and its directory.
+fn latest(dir: &Path) -> anyhow::Result<Option<(u64, PathBuf)>> {
+    let entries = match std::fs::read_dir(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        entries => entries.with_context(|| format!("cannot read {}", dir.display()))?,
+    };
+    let mut last = None;
+    for entry in entries {
+        let name = entry.with_context(|| format!("cannot read {}", dir.display()))?.file_name();
+        let epoch = name.to_str().and_then(|n| n.strip_prefix("epoch-")?.parse::<u64>().ok());
+        last = last.max(epoch);
+    }
+    Ok(last.map(|e| (e, dir.join(format!("epoch-{e}")))))
+}
+
+/// An empty directory to write epoch `epoch`'s checkpoint into; [`commit`] makes it `epoch-E`, so a run
+/// stopped while saving resumes from the epoch before.
+fn staging(dir: &Path, epoch: u64) -> anyhow::Result<PathBuf> {
+    let to = dir.join(format!("epoch-{epoch}.partial"));
+    if to.exists() {
+        std::fs::remove_dir_all(&to).with_context(|| format!("cannot remove {}", to.display()))?;
+    }
+    std::fs::create_dir_all(&to).with_context(|| format!("cannot create {}", to.display()))?;
+    Ok(to)
+}
+
+fn commit(staged: &Path) -> anyhow::Result<()> {
+    let done = staged.with_extension("");
+    std::fs::rename(staged, &done).with_context(|| format!("cannot rename {} to {}", staged.display(), done.display()))
+}
+
+/// Saves what decides the next step besides the data order (which depends on the epoch alone): the
+/// model, the optimizer's state and the lr scheduler's.
+fn save(to: &Path, model: &Mlp, optim: &ModuleOptimizer, sched: &ModuleLrScheduler) -> anyhow::Result<()> {
+    let (m, o, s) = (to.join("model.bpk"), to.join("optim.bpk"), to.join("sched.bpk"));
+    model.clone().save_file(&m).with_context(|| format!("cannot save {}", m.display()))?;
+    optim.save(&o).with_context(|| format!("cannot save {}", o.display()))?;
+    sched.to_record().save(&s).with_context(|| format!("cannot save {}", s.display()))
+}
+
+/// A model with its optimizer and lr scheduler, as [`save`] writes them.
+type Saved = (Mlp, ModuleOptimizer, ModuleLrScheduler);
+
+/// Loads what [`save`] wrote into `from`.
+fn load(from: &Path, model: Mlp, optim: ModuleOptimizer, sched: ModuleLrScheduler) -> anyhow::Result<Saved> {
+    let (m, o, s) = (from.join("model.bpk"), from.join("optim.bpk"), from.join("sched.bpk"));
+    let model = model.try_load_file(&m).with_context(|| format!("cannot load {}", m.display()))?;
+    let optim = optim.load(&o).with_context(|| format!("cannot load {}", o.display()))?;
+    let record = LrSchedulerRecord::load(&s).with_context(|| format!("cannot load {}", s.display()))?;
+    Ok((model, optim, sched.load_record(record)))
+}
+
+/// Trains, saving after each epoch when given a directory and resuming from its latest save, and
+/// returns the test accuracy.
 fn train() -> anyhow::Result<f64> {
     let device = Device::flex().autodiff();
     device.seed(SEED);
     let mut model = Mlp::new(&device);
     let train = Arc::new(blobs(1000, SEED));
-    let loader = DataLoaderBuilder::new(PointBatcher).batch_size(BATCH).shuffle(SEED).build(Arc::clone(&train));
+    let ckpt = checkpoint_dir();
     let mut optim = AdamWConfig::new().init();
     let mut sched = StepLrSchedulerConfig::new(0.01, 60).init().map_err(anyhow::Error::msg)?;
+    let mut start = 0;
+    if let Some((epoch, from)) = ckpt.as_deref().map(latest).transpose()?.flatten() {
+        println!("resuming after epoch {epoch} from {}", from.display());
+        (model, optim, sched) = load(&from, model, optim, sched)?;
+        start = epoch;
+    }
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
-    for _epoch in 0..EPOCHS {
-        for batch in loader.iter() {
+    for epoch in start..EPOCHS {
+        // Each epoch's order from a seed of its own: a resumed run sees the order the whole run saw.
+        let loader = DataLoaderBuilder::new(PointBatcher).batch_size(BATCH).shuffle(SEED + epoch);
+        for batch in loader.build(Arc::clone(&train)).iter() {
             let (x, y) = batch?;
             let lr = sched.step();
             let loss = loss_fn.forward(model.forward(x), y);
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             model = optim.step(lr, model, grads);
+        }
+        if let Some(dir) = &ckpt {
+            let to = staging(dir, epoch + 1)?;
+            save(&to, &model, &optim, &sched)?;
+            commit(&to)?;
         }
     }
     let test = blobs(250, SEED + 1);

@@ -1,21 +1,28 @@
 //! `burn_plain.rs` with QSR added (the lines marked `QSR`): 4 workers as threads, or one rank per process
-//! under `qsr launch` (or torchrun, mpirun, srun), each on its own shard of the data.
+//! under `qsr launch` (or torchrun, mpirun, srun), each on its own shard of the data, saving after each epoch
+//! when given a directory and resuming from its latest save.
 //!
 //! ```sh
 //! cargo run --release -p qsr-optim --example burn_qsr                      # 4 threads
 //! cargo build --release -p qsr-optim --example burn_qsr && cargo build --release --bin qsr
 //! target/release/qsr launch --nproc 2 -- target/release/examples/burn_qsr  # 2 processes
+//! target/release/qsr launch --nproc 2 -- target/release/examples/burn_qsr ckpt  # saving into ckpt/rank-R
 //! ```
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+use anyhow::Context;
 
 use burn::data::dataloader::{DataLoaderBuilder, batcher::Batcher};
 use burn::data::dataset::{Dataset, InMemDataset};
+use burn::lr_scheduler::LrSchedulerRecord;
+use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::lr_scheduler::step::StepLrSchedulerConfig;
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, Relu};
-use burn::optim::{AdamWConfig, GradientsParams};
+use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 
@@ -74,25 +81,99 @@ impl Batcher<Point, (Tensor<2>, Tensor<1, Int>)> for PointBatcher {
     }
 }
 
-/// Trains and returns the test accuracy.
+/// The directory the run saves into after each epoch (`DIR/epoch-E`) and resumes from: the program's
+/// first argument, if any.
+fn checkpoint_dir() -> Option<PathBuf> {
+    std::env::args_os().nth(1).map(PathBuf::from)
+}
+
+/// The latest epoch saved whole under `dir`, and its directory.
+fn latest(dir: &Path) -> anyhow::Result<Option<(u64, PathBuf)>> {
+    let entries = match std::fs::read_dir(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        entries => entries.with_context(|| format!("cannot read {}", dir.display()))?,
+    };
+    let mut last = None;
+    for entry in entries {
+        let name = entry.with_context(|| format!("cannot read {}", dir.display()))?.file_name();
+        let epoch = name.to_str().and_then(|n| n.strip_prefix("epoch-")?.parse::<u64>().ok());
+        last = last.max(epoch);
+    }
+    Ok(last.map(|e| (e, dir.join(format!("epoch-{e}")))))
+}
+
+/// An empty directory to write epoch `epoch`'s checkpoint into; [`commit`] makes it `epoch-E`, so a run
+/// stopped while saving resumes from the epoch before.
+fn staging(dir: &Path, epoch: u64) -> anyhow::Result<PathBuf> {
+    let to = dir.join(format!("epoch-{epoch}.partial"));
+    if to.exists() {
+        std::fs::remove_dir_all(&to).with_context(|| format!("cannot remove {}", to.display()))?;
+    }
+    std::fs::create_dir_all(&to).with_context(|| format!("cannot create {}", to.display()))?;
+    Ok(to)
+}
+
+fn commit(staged: &Path) -> anyhow::Result<()> {
+    let done = staged.with_extension("");
+    std::fs::rename(staged, &done).with_context(|| format!("cannot rename {} to {}", staged.display(), done.display()))
+}
+
+/// Saves what decides the next step besides the data order (which depends on the epoch alone): the
+/// model, the optimizer's state and the lr scheduler's.
+fn save(to: &Path, model: &Mlp, optim: &ModuleOptimizer, sched: &ModuleLrScheduler) -> anyhow::Result<()> {
+    let (m, o, s) = (to.join("model.bpk"), to.join("optim.bpk"), to.join("sched.bpk"));
+    model.clone().save_file(&m).with_context(|| format!("cannot save {}", m.display()))?;
+    optim.save(&o).with_context(|| format!("cannot save {}", o.display()))?;
+    sched.to_record().save(&s).with_context(|| format!("cannot save {}", s.display()))
+}
+
+/// A model with its optimizer and lr scheduler, as [`save`] writes them.
+type Saved = (Mlp, ModuleOptimizer, ModuleLrScheduler);
+
+/// Loads what [`save`] wrote into `from`.
+fn load(from: &Path, model: Mlp, optim: ModuleOptimizer, sched: ModuleLrScheduler) -> anyhow::Result<Saved> {
+    let (m, o, s) = (from.join("model.bpk"), from.join("optim.bpk"), from.join("sched.bpk"));
+    let model = model.try_load_file(&m).with_context(|| format!("cannot load {}", m.display()))?;
+    let optim = optim.load(&o).with_context(|| format!("cannot load {}", o.display()))?;
+    let record = LrSchedulerRecord::load(&s).with_context(|| format!("cannot load {}", s.display()))?;
+    Ok((model, optim, sched.load_record(record)))
+}
+
+/// Trains, saving after each epoch when given a directory and resuming from its latest save, and
+/// returns the test accuracy.
 fn train(comm: Box<dyn qsr_comm::Collective>) -> anyhow::Result<f64> {
     let device = Device::flex().autodiff();
     let model = qsr_optim::seeded_init(&device, SEED, || Mlp::new(&device)); // QSR: threads share burn's RNG
     let train = Arc::new(qsr_data::ShardedDataset::new(blobs(1000, SEED), comm.rank(), comm.world_size(), SEED)?);
+    let ckpt = checkpoint_dir().map(|dir| dir.join(format!("rank-{}", comm.rank()))); // QSR: each rank its own
     let (mut avg, mut model) = qsr_optim::Averager::new(model, qsr_optim::AveragerConfig::qsr(2, 0.0025), comm)?;
-    let loader = DataLoaderBuilder::new(PointBatcher).batch_size(BATCH).shuffle(SEED).build(Arc::clone(&train));
     let mut optim = AdamWConfig::new().init();
     let mut sched = StepLrSchedulerConfig::new(0.01, 60).init().map_err(anyhow::Error::msg)?;
+    let mut start = 0;
+    if let Some((epoch, from)) = ckpt.as_deref().map(latest).transpose()?.flatten() {
+        println!("resuming after epoch {epoch} from {}", from.display());
+        avg.restore(qsr_optim::AveragerState::load(&from.join("averager.json"))?)?; // QSR: where its rounds stood
+        (model, optim, sched) = load(&from, model, optim, sched)?;
+        start = epoch;
+    }
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
-    for epoch in 0..EPOCHS {
+    for epoch in start..EPOCHS {
         train.set_epoch(epoch); // QSR: this epoch's shard
-        for batch in loader.iter() {
+        // Each epoch's order from a seed of its own: a resumed run sees the order the whole run saw.
+        let loader = DataLoaderBuilder::new(PointBatcher).batch_size(BATCH).shuffle(SEED + epoch);
+        for batch in loader.build(Arc::clone(&train)).iter() {
             let (x, y) = batch?;
             let lr = sched.step();
             let loss = loss_fn.forward(model.forward(x), y);
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             model = optim.step(lr.clone(), model, grads);
             model = avg.step(model, lr.base())?; // QSR: averages when a round ends
+        }
+        if let Some(dir) = &ckpt {
+            let to = staging(dir, epoch + 1)?;
+            save(&to, &model, &optim, &sched)?;
+            avg.state()?.save(&to.join("averager.json"))?; // QSR: where its rounds stand
+            commit(&to)?;
         }
     }
     let model = avg.finish(model)?; // QSR: the last round

@@ -267,6 +267,9 @@ pub struct AveragerState {
     /// Streaming: the averages in flight and the error-feedback residual.
     #[serde(default)]
     stream: Option<StreamState>,
+    /// The lrs' course, so that the warnings of wrong plans judge the whole run.
+    #[serde(default)]
+    lr_watch: LrWatch,
 }
 
 impl AveragerState {
@@ -565,6 +568,7 @@ impl Averager {
             round: self.round,
             outer: self.sync.outer_state().map(|(global, momentum)| (global.to_vec(), momentum.to_vec())),
             stream,
+            lr_watch: self.lr_watch.clone(),
         })
     }
 
@@ -615,6 +619,7 @@ impl Averager {
         self.synced_at = state.synced_at;
         self.rounds_after_warmup = state.rounds_after_warmup;
         self.round = state.round;
+        self.lr_watch = state.lr_watch;
         Ok(())
     }
 

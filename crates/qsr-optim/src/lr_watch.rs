@@ -3,8 +3,9 @@
 //! that rises again after decaying, a scheduler sized for more steps than the loop takes, a
 //! constant lr), each warned once with its numbers.
 
-/// The lr's course so far, and the warnings already given.
-#[derive(Debug, Clone, Default)]
+/// The lr's course so far, and the warnings already given (saved in an
+/// [`AveragerState`](crate::AveragerState), so a resumed run judges the whole course).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct LrWatch {
     /// The highest lr seen.
     peak: f64,

@@ -607,3 +607,35 @@ fn wrong_plans_are_warned_once_naming_the_numbers() {
     assert!(high.contains("% of its peak 0.1: a scheduler sized for more steps"), "{high}");
     assert_eq!(warnings(qsr, Some(8), 8.0), "", "a cosine sized for the loop warns of nothing");
 }
+
+/// Issue 46: the lr warnings judge the whole run across a resume. A cosine sized for its 8 steps,
+/// interrupted after 6: alone, the last two lrs (0.0146, then 0.0038, 26% of it) look like a run that
+/// ended high; with the course saved in the state, the resumed averager warns of nothing.
+#[test]
+fn a_resumed_averager_judges_the_whole_lr_course() {
+    let device = Device::flex();
+    let lr = |t: u64| 0.05 * (1.0 + (std::f64::consts::PI * t as f64 / 8.0).cos());
+    let averager = || {
+        let comm = Box::new(InProcessGroup::new(1).remove(0));
+        Averager::new(Mlp::new(&device, 4, 1), AveragerConfig::qsr(2, 0.05), comm).unwrap()
+    };
+    let (mut first, mut model) = averager();
+    for t in 0..6 {
+        model = first.step(model, lr(t)).unwrap();
+    }
+    let state = first.state().unwrap();
+    first.abandon();
+    let (mut resumed, mut model) = averager();
+    resumed.restore(state).unwrap();
+    let out = Captured::default();
+    let writer = out.clone();
+    let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
+    tracing::subscriber::with_default(subscriber, || {
+        for t in 6..8 {
+            model = resumed.step(model.clone(), lr(t)).unwrap();
+        }
+        resumed.finish(model.clone()).unwrap();
+    });
+    let warnings = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+    assert_eq!(warnings, "", "a cosine sized for the run, resumed, warns of nothing");
+}
