@@ -63,7 +63,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::OptimError;
 use crate::flat::ParamLayout;
 use crate::lr_watch::{self, LrWatch};
-use crate::outer::OuterConfig;
+use crate::outer::{InnerRound, OuterConfig};
 use crate::stream::StreamState;
 use crate::sync::{Level, Wire};
 use crate::synchronizer::{AVERAGER, At, StreamFit, Synchronizer, add};
@@ -270,6 +270,9 @@ pub struct AveragerState {
     /// The lrs' course, so that the warnings of wrong plans judge the whole run.
     #[serde(default)]
     lr_watch: LrWatch,
+    /// The steps and their summed lr since the last sync, for an outer step per inner step.
+    #[serde(default)]
+    inner_round: InnerRound,
 }
 
 impl AveragerState {
@@ -374,7 +377,7 @@ impl Averager {
         if let Some(stream) = stream {
             // Streaming syncs pseudo-gradients: plain averaging is the outer step with lr 1.
             avg.layout.read_params(&model, &mut avg.params[..n])?;
-            avg.sync.start_streaming(stream, &avg.params[..n]);
+            avg.sync.start_streaming(stream, &avg.params[..n])?;
         }
         Ok((avg, model))
     }
@@ -419,8 +422,15 @@ impl Averager {
                 });
             }
             self.stats.steps += 1;
+            if self.sync.has_outer() {
+                // Every rank took the same update: the outer step's global parameters follow it.
+                let n = self.layout.len();
+                self.layout.read_params(&model, &mut self.params[..n])?;
+                self.sync.follow(&self.params[..n]);
+            }
             return Ok(model);
         }
+        self.sync.observe_step(lr);
         self.stats.steps += 1;
         if self.sync.streams() {
             return self.stream_step(model, t, lr, round);
@@ -569,6 +579,7 @@ impl Averager {
             outer: self.sync.outer_state().map(|(global, momentum)| (global.to_vec(), momentum.to_vec())),
             stream,
             lr_watch: self.lr_watch.clone(),
+            inner_round: self.sync.inner_round(),
         })
     }
 
@@ -620,6 +631,7 @@ impl Averager {
         self.rounds_after_warmup = state.rounds_after_warmup;
         self.round = state.round;
         self.lr_watch = state.lr_watch;
+        self.sync.set_inner_round(state.inner_round);
         Ok(())
     }
 

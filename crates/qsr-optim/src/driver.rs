@@ -25,7 +25,7 @@ use crate::device::DeviceGroup;
 use crate::error::{LossError, OptimError};
 use crate::flat::ParamLayout;
 use crate::optim::{OptimState, OptimizerConfig};
-use crate::outer::OuterConfig;
+use crate::outer::{InnerRound, OuterConfig};
 use crate::replica::{DeviceReplica, HostReplica, Replica};
 use crate::stream::StreamState;
 use crate::sync::{BnPolicy, DriverConfig, DriverStats, Level, Residency, StepReport, SyncReport, Wire};
@@ -113,7 +113,7 @@ impl<M: Module> Worker<M> {
         let stream = self.sync.prepare_streaming(config, &fit, &self.layout)?;
         // Read only once the settings are known to fit: a device replica would download them.
         let params = self.replica.params()?;
-        self.sync.start_streaming(stream, &params);
+        self.sync.start_streaming(stream, &params)?;
         Ok(())
     }
 
@@ -312,6 +312,11 @@ impl<M: Module> Worker<M> {
             )));
         }
         self.replica.restore(params, state)?;
+        // A cursor inside a round: the round's steps so far, for an outer step per inner step.
+        let (round, plan) = (cursor.round(), cursor.plan());
+        let done = if round.mode == SyncMode::Parameters { round.start..cursor.step() } else { 0..0 };
+        let lr_sum = done.clone().map(|t| plan.lr(t)).sum();
+        self.sync.set_inner_round(InnerRound { steps: done.end - done.start, lr_sum });
         self.cursor = cursor;
         self.write_back()
     }
@@ -341,6 +346,9 @@ impl<M: Module> Worker<M> {
         let streams = self.sync.streams();
         let replica_info =
             StepInfo { sync_after: info.sync_after && (!streams || info.mode == SyncMode::Gradients), ..info };
+        if info.mode == SyncMode::Parameters {
+            self.sync.observe_step(info.lr);
+        }
         let mut peers = self.sync.peers((Level::Global, Some(info.h)), &self.config, &mut self.stats);
         let mut stepped = match &mut self.replica {
             Replica::Host(h) => h.step(&mut self.model, &self.layout, &mut peers, &replica_info, loss_fn)?,

@@ -36,7 +36,7 @@ pub use flat::{ParamEntry, ParamLayout, ParamRole};
 pub use optim::{
     DecaySegment, OptimState, Optimizer, OptimizerConfig, OptimizerKind, clip_grad_norm, clip_grad_norm_per_tensor,
 };
-pub use outer::OuterConfig;
+pub use outer::{OuterConfig, OuterUnit};
 /// The rules an [`AveragerConfig`] takes, so a burn user needs no qsr-sched dependency to pick one.
 pub use qsr_sched::SyncRule;
 pub use snapshot::Snapshot;

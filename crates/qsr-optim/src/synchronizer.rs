@@ -14,7 +14,7 @@ use qsr_sched::{FragmentPlan, MAX_FRAGMENTS, Plan, StepInfo, StreamingConfig, Sy
 
 use crate::error::OptimError;
 use crate::flat::ParamLayout;
-use crate::outer::{Outer, OuterConfig};
+use crate::outer::{InnerRound, Outer, OuterConfig, OuterUnit};
 use crate::stream::{Stream, StreamState, fragment_ranges, give_background};
 use crate::sync::{DriverConfig, DriverStats, Level, SyncReport, Wire, all_reduce_bucketed, check_wire};
 
@@ -60,6 +60,8 @@ pub(crate) struct Synchronizer {
     outer: Option<Outer>,
     /// Fragments, delayed application, quantized payloads.
     stream: Option<Stream>,
+    /// The steps since the last global parameter sync and their summed lr.
+    inner_round: InnerRound,
 }
 
 impl Synchronizer {
@@ -71,7 +73,16 @@ impl Synchronizer {
         names: Names,
     ) -> Result<Self, OptimError> {
         check_wire(wire, comm.as_ref(), names.wire)?;
-        Ok(Self { comm, local: None, wire, bucket, names, outer: None, stream: None })
+        Ok(Self {
+            comm,
+            local: None,
+            wire,
+            bucket,
+            names,
+            outer: None,
+            stream: None,
+            inner_round: InnerRound::default(),
+        })
     }
 
     /// The collective over every worker.
@@ -118,6 +129,9 @@ impl Synchronizer {
     /// rule that never averages parameters and once averages are in flight.
     pub(crate) fn set_outer(&mut self, config: OuterConfig, rule: &SyncRule, params: &[f32]) -> Result<(), OptimError> {
         config.validate_for(rule)?;
+        if self.stream.is_some() && config.unit != OuterUnit::Round {
+            return Err(per_step_streaming());
+        }
         if let Some(stream) = &mut self.stream {
             // The outer state of the fragments restarts from the parameters now, with nothing in flight.
             if !stream.state()?.in_flight.is_empty() {
@@ -184,11 +198,16 @@ impl Synchronizer {
 
     /// Syncs through `stream` from now on; without an outer optimizer plain averaging becomes one
     /// (lr 1) from the global parameters `params`.
-    pub(crate) fn start_streaming(&mut self, stream: Stream, params: &[f32]) {
+    /// Refused with an outer step per inner step, which fragments' syncs cannot take.
+    pub(crate) fn start_streaming(&mut self, stream: Stream, params: &[f32]) -> Result<(), OptimError> {
+        if self.outer.as_ref().is_some_and(|o| o.unit() != OuterUnit::Round) {
+            return Err(per_step_streaming());
+        }
         self.stream = Some(stream);
         if self.outer.is_none() {
             self.outer = Some(Outer::new(OuterConfig::averaging(), params));
         }
+        Ok(())
     }
 
     /// Runs the streaming fragments' all-reduces on `comm`, on a thread, while the face steps.
@@ -196,6 +215,23 @@ impl Synchronizer {
         check_wire(self.wire, comm.as_ref(), self.names.wire)?;
         let at = (self.comm.rank(), self.comm.world_size());
         give_background(self.stream.as_mut(), comm, at, (self.names.streaming, self.names.owner))
+    }
+
+    /// A step of a round that averages parameters, taken at `lr`: the per-step outer units count
+    /// the round's steps and sum their lrs until the next global parameter sync.
+    pub(crate) fn observe_step(&mut self, lr: f64) {
+        self.inner_round.steps += 1;
+        self.inner_round.lr_sum += lr;
+    }
+
+    /// The steps since the last global parameter sync and their summed lr (for a checkpoint).
+    pub(crate) fn inner_round(&self) -> InnerRound {
+        self.inner_round
+    }
+
+    /// Restores [`Self::inner_round`] (a checkpoint's).
+    pub(crate) fn set_inner_round(&mut self, round: InnerRound) {
+        self.inner_round = round;
     }
 
     /// Whether parameter syncs stream (a streaming setting, or a quantized wire).
@@ -243,6 +279,7 @@ impl Synchronizer {
 
     /// The global parameters follow `params`: every worker took the same (data-parallel) update.
     pub(crate) fn follow(&mut self, params: &[f32]) {
+        self.inner_round = InnerRound::default();
         if let Some(outer) = &mut self.outer {
             outer.follow(params);
         }
@@ -263,7 +300,10 @@ impl Synchronizer {
             .map_err(|source| OptimError::sync(step, tag, source))?;
         if let Some(outer) = outer {
             // The mean pseudo-gradient becomes the new global parameters, the same on every rank.
-            outer.step(&mut buf[..n]);
+            outer.step(&mut buf[..n], self.inner_round);
+        }
+        if level == Level::Global {
+            self.inner_round = InnerRound::default();
         }
         Ok(calls)
     }
@@ -483,5 +523,13 @@ impl Peers<'_> {
         let (before, t) = self.start();
         let (elements, calls) = self.average_running_unaccounted(model, layout, step)?;
         Ok(self.account(before, t, SyncMode::Parameters, elements, calls))
+    }
+}
+
+/// The refusal of a per-step outer unit with fragments, whose syncs are not rounds.
+fn per_step_streaming() -> OptimError {
+    OptimError::Config {
+        field: "outer.unit".into(),
+        reason: "streaming and quantized syncs take DiLoCo's outer step per sync (`outer.unit = \"round\"`): a fragment's sync ends no round".into(),
     }
 }

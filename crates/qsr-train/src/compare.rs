@@ -4,7 +4,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
-use qsr_optim::OuterConfig;
+use qsr_optim::{OuterConfig, OuterUnit};
 use qsr_sched::SyncRule;
 use serde::Serialize;
 
@@ -23,7 +23,8 @@ pub(crate) struct CompareArgs {
     /// Comma-separated rules: dp, constant, qsr, post-local, power, exponential; parameters after a
     /// colon, e.g. `constant:h=4,qsr:h_base=2;alpha=0.06,power:power=3`; a `+outer` suffix on the name
     /// (`qsr+outer`) adds the recipe's `[outer]` section, or when it has none DiLoCo's outer SGD
-    /// with the momentum for short rounds (lr 0.7, Nesterov momentum 0.5: `OuterConfig::short_rounds`)
+    /// with the momentum for short rounds (lr 0.7, Nesterov momentum 0.5: `OuterConfig::short_rounds`),
+    /// whose keys `outer.KEY=VALUE` parameters set (`qsr+outer:outer.unit=lr;outer.momentum=0.9`)
     /// (default: dp,constant,qsr). `dp` runs without the recipe's `[sync.streaming]`: it
     /// all-reduces gradients, so it is the baseline a streaming rule is compared with.
     #[arg(long, default_value = "dp,constant,qsr")]
@@ -108,25 +109,58 @@ pub(crate) fn mean_ci(xs: &[f64]) -> (f64, f64) {
     (mean, t95(n - 1) * (var / n as f64).sqrt())
 }
 
-/// One `--rules` entry: its label, the rule, and whether it adds the outer optimizer.
+/// One `--rules` entry: its label, the rule, and the outer optimizer it adds, if any.
 struct RuleSpec {
     label: String,
     rule: SyncRule,
-    outer: bool,
+    outer: Option<OuterConfig>,
 }
 
 impl RuleSpec {
-    fn parse(spec: &str, base: &SyncRule) -> Result<Self> {
+    /// Parses `spec` against the recipe `base` (the source of the rule's and the outer step's defaults).
+    fn parse(spec: &str, base: &TrainRecipe) -> Result<Self> {
         let spec = spec.trim();
         let (name, params) = spec.split_once(':').unwrap_or((spec, ""));
         let (name, outer) = match name.strip_suffix("+outer") {
             Some(n) => (n, true),
             None => (name, false),
         };
-        let rule = rule_from_spec(&format!("{name}:{params}"), base).map_err(|e| anyhow!("--rules {spec}: {e:#}"))?;
+        let (outer_keys, rule_keys): (Vec<&str>, Vec<&str>) =
+            params.split(';').filter(|kv| !kv.trim().is_empty()).partition(|kv| kv.trim().starts_with("outer."));
+        if let (false, Some(kv)) = (outer, outer_keys.first()) {
+            bail!("--rules {spec}: `{kv}` sets the outer optimizer: add `+outer` to the rule's name");
+        }
+        let rule = rule_from_spec(&format!("{name}:{}", rule_keys.join(";")), &base.sync.rule)
+            .map_err(|e| anyhow!("--rules {spec}: {e:#}"))?;
+        let outer = outer
+            .then(|| outer_from_spec(base.outer.unwrap_or_else(OuterConfig::short_rounds), &outer_keys))
+            .transpose()
+            .map_err(|e| anyhow!("--rules {spec}: {e:#}"))?;
         let label = spec.replace(['+'], "-").replace([':', ';', ','], "-");
         Ok(Self { label, rule, outer })
     }
+}
+
+/// `start` with the `outer.KEY=VALUE` settings of a `--rules` entry, checked.
+fn outer_from_spec(start: OuterConfig, settings: &[&str]) -> Result<OuterConfig> {
+    let mut table = toml::Table::try_from(start)?;
+    for kv in settings {
+        let (k, v) = kv.split_once('=').ok_or_else(|| anyhow!("`{kv}` is not key=value"))?;
+        let key = k.trim().trim_start_matches("outer.");
+        table.insert(key.to_string(), toml_value(v).ok_or_else(|| anyhow!("bad value in `{kv}`"))?);
+    }
+    let config: OuterConfig =
+        toml::Value::Table(table).try_into().map_err(|e: toml::de::Error| anyhow!("outer: {}", e.message().trim()))?;
+    config.validate()?;
+    Ok(config)
+}
+
+/// The value of a `--rules` `key=value`, as TOML (a bare word as a string: `outer.unit=lr`).
+fn toml_value(v: &str) -> Option<toml::Value> {
+    let v = v.trim();
+    let word = !v.is_empty() && v.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    let parsed = format!("v = {v}").parse::<toml::Table>().ok().and_then(|mut t| t.remove("v"));
+    parsed.or_else(|| word.then(|| toml::Value::String(v.to_string())))
 }
 
 /// Parses one rule spec against the recipe's own rule (the source of defaults).
@@ -163,8 +197,8 @@ pub(crate) fn rule_from_spec(spec: &str, base: &SyncRule) -> Result<SyncRule> {
     }
     for kv in params.split(';').filter(|s| !s.trim().is_empty()) {
         let (k, v) = kv.split_once('=').ok_or_else(|| anyhow!("--rules {spec}: `{kv}` is not key=value"))?;
-        let value = format!("v = {}", v.trim()).parse::<toml::Table>().ok().and_then(|mut t| t.remove("v"));
-        table.insert(k.trim().to_string(), value.ok_or_else(|| anyhow!("--rules {spec}: bad value in `{kv}`"))?);
+        let value = toml_value(v).ok_or_else(|| anyhow!("--rules {spec}: bad value in `{kv}`"))?;
+        table.insert(k.trim().to_string(), value);
     }
     toml::Value::Table(table).try_into::<SyncRule>().map_err(|e| anyhow!("--rules {spec}: {}", e.message().trim()))
 }
@@ -210,7 +244,7 @@ fn parse_args(args: &CompareArgs) -> Result<(TrainRecipe, Vec<RuleSpec>)> {
         .rules
         .split(',')
         .filter(|s| !s.trim().is_empty())
-        .map(|s| RuleSpec::parse(s, &base.sync.rule))
+        .map(|s| RuleSpec::parse(s, &base))
         .collect::<Result<_>>()?;
     if rules.is_empty() {
         bail!("--rules `{}` names no rule: give at least one, e.g. --rules dp,qsr", args.rules);
@@ -236,7 +270,7 @@ fn variant(base: &TrainRecipe, rule: &RuleSpec, workers: Option<usize>, seed: u6
     if recipe.sync.rule == SyncRule::Dp {
         recipe.sync.streaming = None;
     }
-    recipe.outer = rule.outer.then(|| base.outer.unwrap_or_else(OuterConfig::short_rounds));
+    recipe.outer = rule.outer;
     recipe.seed = seed;
     recipe.name = format!("{}-{}-seed{seed}", base.name, rule.label);
     if let Some(k) = workers {
@@ -257,7 +291,7 @@ struct Compare<'a> {
 impl Compare<'_> {
     /// Trains `rule` under every seed and sums the runs up in one row.
     fn rule_row(&self, spec: &RuleSpec) -> Result<Row> {
-        let outer = spec.outer.then(|| self.base.outer.unwrap_or_else(OuterConfig::short_rounds));
+        let outer = spec.outer;
         let mut summaries: Vec<Summary> = Vec::new();
         let mut runs = Vec::new();
         for seed in 0..self.args.seeds {
@@ -367,7 +401,14 @@ fn markdown(recipe: &TrainRecipe, rows: &[Row], seeds: u64) -> Result<String> {
     writeln!(o, "| rule | {loss} | {acc} | syncs | comm % | MiB sent / rank | comm s | wall s |")?;
     writeln!(o, "|---|---|---|---|---|---|---|---|")?;
     for r in rows {
-        let outer = r.outer.map_or(String::new(), |c| format!(" + outer (lr {}, momentum {})", c.lr, c.momentum));
+        let outer = r.outer.map_or(String::new(), |c| {
+            let per = match c.unit {
+                OuterUnit::Round => "",
+                OuterUnit::Step => " per step",
+                OuterUnit::Lr => " per lr-weighted step",
+            };
+            format!(" + outer (lr {}, momentum {}{per})", c.lr, c.momentum)
+        });
         let diverged = if r.diverged > 0 {
             format!(" **diverged in {} of {} seeds**", r.diverged, r.seeds)
         } else {

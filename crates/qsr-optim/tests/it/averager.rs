@@ -6,7 +6,7 @@ use burn::module::Module;
 use burn::optim::{GradientsParams, SgdConfig, momentum::MomentumConfig};
 use burn::tensor::{Device, Tensor, TensorData};
 use qsr_comm::{Collective, InProcessGroup};
-use qsr_optim::{Averager, AveragerConfig, OptimError, OuterConfig, ParamLayout, Wire};
+use qsr_optim::{Averager, AveragerConfig, OptimError, OuterConfig, OuterUnit, ParamLayout, Wire};
 use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncRule};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -203,8 +203,7 @@ fn averaged_rounds(outer: Option<OuterConfig>, wire: Wire, rounds: usize) -> Vec
 
 #[test]
 fn outer_lr_one_without_momentum_is_plain_averaging_within_f32_rounding() {
-    let (outer, plain) =
-        (outer_rounds(Some(OuterConfig { lr: 1.0, momentum: 0.0, nesterov: false }), 3), outer_rounds(None, 3));
+    let (outer, plain) = (outer_rounds(Some(OuterConfig::averaging()), 3), outer_rounds(None, 3));
     for (o, p) in outer.iter().flatten().zip(plain.iter().flatten()) {
         assert!((o - p).abs() <= 1e-6, "outer {o} vs plain {p}");
     }
@@ -638,4 +637,125 @@ fn a_resumed_averager_judges_the_whole_lr_course() {
     });
     let warnings = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
     assert_eq!(warnings, "", "a cosine sized for the run, resumed, warns of nothing");
+}
+
+/// Two ranks step averagers with `outer` through rounds of H = 3, at lr `0.1 / (1 + t)` for step `t`,
+/// rank `r` holding `local_value(r, t, ..)` after step `t`, over steps `from`; returns each rank's
+/// parameters after the last step and its state.
+fn outer_steps(
+    outer: OuterConfig,
+    from: (std::ops::Range<u64>, Vec<Option<qsr_optim::AveragerState>>),
+) -> Vec<(Vec<Vec<f32>>, qsr_optim::AveragerState)> {
+    let (steps, states) = from;
+    std::thread::scope(|s| {
+        let joins: Vec<_> = InProcessGroup::new(2)
+            .into_iter()
+            .zip(states)
+            .map(|(c, state)| {
+                let steps = steps.clone();
+                s.spawn(move || {
+                    let rank = c.rank();
+                    let mut config = AveragerConfig::new(SyncRule::Constant { h: 3 }, 0);
+                    config.outer = Some(outer);
+                    let (mut avg, mut model) =
+                        Averager::new(seeded(Mlp::new(&Device::flex(), 4, 1)), config, Box::new(c)).unwrap();
+                    if let Some(state) = state {
+                        avg.restore(state).unwrap();
+                    }
+                    let layout = ParamLayout::of(&model);
+                    let mut synced = Vec::new();
+                    for t in steps {
+                        let local: Vec<f32> = (0..layout.len()).map(|i| local_value(rank, t as usize, i)).collect();
+                        model = avg.step(layout.write_params(model, &local).unwrap(), 0.1 / (1.0 + t as f64)).unwrap();
+                        if (t + 1) % 3 == 0 {
+                            let mut flat = vec![0.0; layout.len()];
+                            layout.read_params(&model, &mut flat).unwrap();
+                            synced.push(flat);
+                        }
+                    }
+                    (synced, avg.state().unwrap())
+                })
+            })
+            .collect();
+        joins.into_iter().map(|j| j.join().unwrap()).collect()
+    })
+}
+
+/// Issue 47: under `unit = "lr"` each sync is the outer step of its round's 3 steps and their summed lr
+/// (the f64 reference of `outer.rs`'s formula), and a run resumed mid-round from its `AveragerState`
+/// continues bit for bit (the state carries the round's steps and lrs so far).
+#[test]
+fn an_lr_unit_outer_step_takes_each_rounds_steps_and_lrs_and_resumes_mid_round() {
+    let outer = OuterConfig { lr: 0.7, momentum: 0.9, nesterov: true, unit: OuterUnit::Lr };
+    let whole = outer_steps(outer, (0..9, vec![None, None]));
+    assert_eq!(whole[0].0, whole[1].0, "ranks differ after an outer step");
+    let layout = ParamLayout::of(&Mlp::new(&Device::flex(), 4, 1));
+    let mut start = vec![0.0f32; layout.len()];
+    layout.read_params(&seeded(Mlp::new(&Device::flex(), 4, 1)), &mut start).unwrap();
+    let mut global: Vec<f64> = start.iter().map(|&x| f64::from(x)).collect();
+    let mut buf = vec![0.0f64; global.len()];
+    let p = 0.9f64.powi(3);
+    for (round, got) in whole[0].0.iter().enumerate() {
+        let last = 3 * round + 2;
+        let lr_sum: f64 = (3 * round..=last).map(|t| 0.1 / (1.0 + t as f64)).sum();
+        for i in 0..global.len() {
+            let delta = (0..2).map(|r| global[i] - f64::from(local_value(r, last, i))).sum::<f64>() / 2.0;
+            let d = delta / lr_sum;
+            buf[i] = p * buf[i] + d;
+            global[i] -= 0.7 * lr_sum * (d + p * buf[i]);
+            assert!(
+                (f64::from(got[i]) - global[i]).abs() <= 1e-5,
+                "round {round} parameter {i}: {} vs {}",
+                got[i],
+                global[i]
+            );
+        }
+    }
+    // Interrupted after step 4, inside the second round.
+    let first = outer_steps(outer, (0..4, vec![None, None]));
+    let resumed = outer_steps(outer, (4..9, first.into_iter().map(|(_, s)| Some(s)).collect()));
+    for (w, r) in whole.iter().zip(&resumed) {
+        assert_eq!(w.0[1..], r.0[..], "the resumed run's syncs differ");
+        assert_eq!(w.1, r.1, "the resumed averager's state differs");
+    }
+}
+
+/// Regression (issue 47): under post-local with an outer optimizer the Averager's global parameters
+/// stayed at the initial weights through the data-parallel phase, so the first outer step pulled every
+/// rank back toward them; they now follow every data-parallel step.
+#[test]
+fn the_outer_steps_global_parameters_follow_post_locals_data_parallel_steps() {
+    let device = Device::flex().autodiff();
+    let mut config = AveragerConfig::new(SyncRule::PostLocal { switch_step: 5, h: 2 }, 0);
+    config.outer = Some(OuterConfig::diloco());
+    let comm = Box::new(InProcessGroup::new(1).remove(0));
+    let (mut avg, mut model) = Averager::new(seeded(Mlp::new(&device, 4, 1)), config, comm).unwrap();
+    let mut optim = SgdConfig::new().init();
+    for step in 0..5 {
+        let (x, y) = batch(0, step, &device);
+        let loss = (model.forward(x) - y).powi_scalar(2).mean();
+        let grads = avg.average_grads(&model, GradientsParams::from_grads(loss.backward(), &model)).unwrap();
+        model = avg.step(optim.step(0.1, model, grads), 0.1).unwrap();
+    }
+    let layout = ParamLayout::of(&model);
+    let mut flat = vec![0.0; layout.len()];
+    layout.read_params(&model, &mut flat).unwrap();
+    assert_eq!(avg.outer_state().unwrap().0, &flat[..], "the global parameters stayed behind");
+}
+
+/// Issue 47: fragments' syncs end no round, so the per-step outer units refuse streaming and quantized
+/// wires, naming `outer.unit`.
+#[test]
+fn a_per_step_outer_unit_with_streaming_is_refused_naming_the_key() {
+    for wire in [Wire::Int8, Wire::F32] {
+        let mut config = AveragerConfig::new(SyncRule::Constant { h: 4 }, 0);
+        config.outer = Some(OuterConfig { unit: OuterUnit::Step, ..OuterConfig::diloco() });
+        config.wire = wire;
+        if wire == Wire::F32 {
+            config.streaming = Some(qsr_sched::StreamingConfig { fragments: 2, delay: 1, mix: 1.0 });
+        }
+        let comm = Box::new(InProcessGroup::new(1).remove(0));
+        let Err(e) = Averager::new(Mlp::new(&Device::flex(), 4, 1), config, comm) else { panic!("{wire:?} accepted") };
+        assert!(e.to_string().contains("`outer.unit`"), "{e}");
+    }
 }

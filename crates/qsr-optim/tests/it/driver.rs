@@ -704,7 +704,7 @@ fn worker_outer_step_with_lr_one_is_plain_averaging_and_ranks_stay_identical() {
     let k = 3;
     for rule in [SyncRule::Constant { h: 4 }, SyncRule::PostLocal { h: 4, switch_step: 20 }] {
         let p = plan(60, rule.clone());
-        let unit = OuterConfig { lr: 1.0, momentum: 0.0, nesterov: false };
+        let unit = OuterConfig::averaging();
         let plain = run_mlp(k, &p, sgd(), DriverConfig::default(), None);
         let outer = run_mlp_outer(k, &p, (sgd(), Some(unit)), DriverConfig::default(), None);
         for (o, q) in outer.after_sync[0].iter().zip(&plain.after_sync[0]) {

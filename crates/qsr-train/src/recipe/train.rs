@@ -175,7 +175,8 @@ pub struct TrainRecipe {
     #[serde(default)]
     pub checkpoint: CheckpointConfig,
     /// DiLoCo's outer optimizer at every parameter synchronization (`[outer]`: `lr`, `momentum`,
-    /// `nesterov`; DiLoCo uses 0.7, 0.9, true); none by default (a sync is a plain average).
+    /// `nesterov`, `unit`; DiLoCo uses 0.7, 0.9, true, one outer step per round); none by default (a
+    /// sync is a plain average).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outer: Option<OuterConfig>,
 }

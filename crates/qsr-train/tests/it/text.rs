@@ -50,12 +50,14 @@ fn char_gpt_learns_below_the_unigram_entropy_and_syncs_as_planned() {
 
 /// A text run stopped at a checkpoint and resumed ends bit-identical to a straight run; with DiLoCo's
 /// outer optimizer too, whose state (global parameters, momentum) is checkpointed and restored, and
-/// whose step changed the run.
+/// whose step changed the run; and with its momentum per inner step (`outer.unit = "lr"`, issue 47).
 #[test]
 fn text_resume_continues_exactly_with_and_without_the_outer_optimizer() {
     let diloco = ["--set", "outer.lr=0.7", "--set", "outer.momentum=0.9", "--set", "outer.nesterov=true"];
     let (plain, outer) = (resume_continues_exactly_with(&[]), resume_continues_exactly_with(&diloco));
     assert_ne!(plain, outer, "the outer optimizer did not change the run");
+    let per_step = resume_continues_exactly_with(&[&diloco[..], &["--set", "outer.unit=lr"]].concat());
+    assert_ne!(per_step, outer, "`outer.unit = \"lr\"` did not change the run");
 }
 
 /// Trains straight and with a halt plus resume; asserts they end bit-identical; returns the parameters.
@@ -153,7 +155,7 @@ fn compare_on_text_reports_validation_loss_per_rule_and_outer_variant() {
         "--workers",
         "2",
         "--rules",
-        "dp,power:power=1;h_base=2,qsr+outer",
+        "dp,power:power=1;h_base=2,qsr+outer,qsr+outer:outer.unit=lr;outer.momentum=0.9",
         "--out",
         out.to_str().unwrap(),
         "--set",
@@ -170,8 +172,13 @@ fn compare_on_text_reports_validation_loss_per_rule_and_outer_variant() {
     assert!(stdout.contains("validation loss (nats)") && stdout.contains("+ outer (lr 0.7, momentum 0.5)"), "{stdout}");
     let rows = json(&out.join("compare.json"));
     let labels: Vec<&str> = rows.as_array().unwrap().iter().map(|r| r["rule"].as_str().unwrap()).collect();
-    assert_eq!(labels, ["dp", "power-power=1-h_base=2", "qsr-outer"]);
+    assert_eq!(labels, ["dp", "power-power=1-h_base=2", "qsr-outer", "qsr-outer-outer.unit=lr-outer.momentum=0.9"]);
     assert!(rows[0]["outer"].is_null() && rows[2]["outer"]["lr"] == 0.7);
+    assert_eq!(
+        (&rows[3]["outer"]["unit"], &rows[3]["outer"]["momentum"]),
+        (&serde_json::json!("lr"), &serde_json::json!(0.9))
+    );
+    assert!(stdout.contains("+ outer (lr 0.7, momentum 0.9 per lr-weighted step)"), "{stdout}");
     assert_eq!(rows[1]["sync"]["power"], 1.0);
     for r in rows.as_array().unwrap() {
         assert!(r["loss_mean"].as_f64().unwrap() < 4.2, "{r}");
@@ -182,4 +189,16 @@ fn compare_on_text_reports_validation_loss_per_rule_and_outer_variant() {
         assert!(evals >= 2, "{r}: {evals} evaluations");
     }
     assert!(out.join("eval-loss.png").exists());
+    let bare = refused(&["compare", "--recipe", QSR, "--rules", "qsr:outer.unit=lr", "--out", out.to_str().unwrap()]);
+    assert!(bare.contains("add `+outer`"), "{bare}");
+    let bad = refused(&[
+        "compare",
+        "--recipe",
+        QSR,
+        "--rules",
+        "qsr+outer:outer.unit=hourly",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(bad.contains("unit"), "{bad}");
 }
