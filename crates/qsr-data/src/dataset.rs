@@ -211,3 +211,58 @@ impl<D: Dataset + ?Sized> Dataset for std::sync::Arc<D> {
         (**self).load(index)
     }
 }
+
+/// `n` samples of a dataset spread evenly over it (sample `i * len / n` for `i < n`): a smaller
+/// training set that keeps the class mix of a shuffled one, or the training images a train-accuracy
+/// evaluation reads.
+pub struct Spread {
+    inner: std::sync::Arc<dyn Dataset>,
+    indices: Vec<usize>,
+    info: DatasetInfo,
+}
+
+impl Spread {
+    /// `n` samples of `inner`; refused for `n = 0` or more than it has.
+    pub fn new(inner: std::sync::Arc<dyn Dataset>, n: usize) -> Result<Self> {
+        let len = inner.len();
+        if n == 0 || n > len {
+            return Err(DataError::Config(format!("{}: cannot take {n} of its {len} samples", inner.info().name)));
+        }
+        let indices = (0..n).map(|i| i * len / n).collect();
+        let info = DatasetInfo { len: n, ..inner.info().clone() };
+        Ok(Self { inner, indices, info })
+    }
+}
+
+impl Dataset for Spread {
+    fn info(&self) -> &DatasetInfo {
+        &self.info
+    }
+    fn label(&self, index: usize) -> u16 {
+        self.inner.label(self.indices[index])
+    }
+    fn load(&self, index: usize) -> Result<(Image, u16)> {
+        let at = *self.indices.get(index).ok_or_else(|| {
+            DataError::Config(format!("{}: sample {index} of {}", self.info.name, self.indices.len()))
+        })?;
+        self.inner.load(at)
+    }
+}
+
+#[cfg(test)]
+mod spread_tests {
+    use super::*;
+
+    #[test]
+    fn a_spread_takes_evenly_spaced_samples_and_refuses_more_than_there_are() {
+        let set: std::sync::Arc<dyn Dataset> = std::sync::Arc::new(crate::digits(Split::Train));
+        let spread = Spread::new(set.clone(), 100).unwrap();
+        assert_eq!(spread.len(), 100);
+        assert_eq!(spread.label(1), set.label(set.len() / 100));
+        assert_eq!(spread.load(99).unwrap(), set.load(99 * set.len() / 100).unwrap());
+        assert!(spread.load(100).is_err());
+        assert!(Spread::new(set.clone(), 0).is_err());
+        let too_many = Spread::new(set.clone(), set.len() + 1).err().unwrap().to_string();
+        assert!(too_many.contains(&format!("cannot take {} of its {}", set.len() + 1, set.len())), "{too_many}");
+    }
+}

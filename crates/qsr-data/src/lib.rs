@@ -42,7 +42,7 @@ mod text;
 pub use augment::{Crop, Normalize, SampleKey, Transform, random_resized_crop_params, resample, resize_shorter};
 pub use burn_shard::ShardedDataset;
 pub use cifar::{Cifar100Label, cifar10, cifar100, cifar100_with, read_cifar_files};
-pub use dataset::{Dataset, DatasetInfo, Image, ImageSet, Split};
+pub use dataset::{Dataset, DatasetInfo, Image, ImageSet, Split, Spread};
 pub use digits::{DIGITS_TEST, DIGITS_TOTAL, DIGITS_TRAIN, digits, digits_all};
 pub use error::{DataError, Result};
 pub use folder::{IMAGE_EXTENSIONS, ImageFolder, decode_rgb};

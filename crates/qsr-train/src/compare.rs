@@ -69,6 +69,10 @@ pub(crate) struct Row {
     pub loss_ci95: f64,
     /// Final held-out loss of each seed, in seed order.
     pub losses: Vec<f64>,
+    /// Final train accuracy (`eval.train_items`) over the seeds, with its 95% half-width: the
+    /// generalization gap beside the test accuracy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub train_accuracy: Option<MeanCi>,
     /// Synchronizations of seed 0's run.
     pub syncs: u64,
     /// The plan's communication share of seed 0's run (`100 * rounds / steps`; data parallel is 100).
@@ -84,6 +88,13 @@ pub(crate) struct Row {
     /// Seeds whose run diverged (stopped at the evaluation that saw it; its numbers are that one's).
     #[serde(default)]
     pub diverged: usize,
+}
+
+/// A mean over seeds and the half-width of its 95% confidence interval (Student's t).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub(crate) struct MeanCi {
+    pub mean: f64,
+    pub ci95: f64,
 }
 
 /// Student's t quantile for a two-sided 95% interval with `df` degrees of freedom.
@@ -302,6 +313,8 @@ impl Compare<'_> {
         let accs: Vec<f64> = summaries.iter().map(|s| s.final_test_accuracy).collect();
         let losses: Vec<f64> = summaries.iter().map(|s| s.final_test_loss).collect();
         let ((mean, ci), (loss_mean, loss_ci95)) = (mean_ci(&accs), mean_ci(&losses));
+        let train: Option<Vec<f64>> = summaries.iter().map(|s| s.final_train.map(|t| t.accuracy)).collect();
+        let train_accuracy = train.map(|t| mean_ci(&t)).map(|(mean, ci95)| MeanCi { mean, ci95 });
         let s0 = &summaries[0];
         let avg = |f: fn(&Summary) -> f64| summaries.iter().map(f).sum::<f64>() / summaries.len() as f64;
         Ok(Row {
@@ -315,6 +328,7 @@ impl Compare<'_> {
             loss_mean,
             loss_ci95,
             losses,
+            train_accuracy,
             syncs: s0.syncs,
             comm_percent: s0.comm_percent,
             bytes_per_rank: s0.bytes_per_rank,
@@ -398,8 +412,10 @@ fn markdown(recipe: &TrainRecipe, rows: &[Row], seeds: u64) -> Result<String> {
         recipe.plan().map_or(0, |p| p.end_step()),
         seeds
     )?;
-    writeln!(o, "| rule | {loss} | {acc} | syncs | comm % | MiB sent / rank | comm s | wall s |")?;
-    writeln!(o, "|---|---|---|---|---|---|---|---|")?;
+    let with_train = rows.iter().any(|r| r.train_accuracy.is_some());
+    let (train_head, train_rule) = if with_train { (" train accuracy (%) |", "---|") } else { ("", "") };
+    writeln!(o, "| rule | {loss} | {acc} |{train_head} syncs | comm % | MiB sent / rank | comm s | wall s |")?;
+    writeln!(o, "|---|---|---|{train_rule}---|---|---|---|---|")?;
     for r in rows {
         let outer = r.outer.map_or(String::new(), |c| {
             let per = match c.unit {
@@ -414,9 +430,14 @@ fn markdown(recipe: &TrainRecipe, rows: &[Row], seeds: u64) -> Result<String> {
         } else {
             String::new()
         };
+        let train = match (with_train, r.train_accuracy) {
+            (true, Some(t)) => format!(" {:.2} ± {:.2} |", 100.0 * t.mean, 100.0 * t.ci95),
+            (true, None) => " - |".to_string(),
+            (false, _) => String::new(),
+        };
         writeln!(
             o,
-            "| {}{outer}{diverged} | {:.4} ± {:.4} | {:.2} ± {:.2} | {} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            "| {}{outer}{diverged} | {:.4} ± {:.4} | {:.2} ± {:.2} |{train} {} | {:.1} | {:.1} | {:.1} | {:.1} |",
             r.sync.describe(),
             r.loss_mean,
             r.loss_ci95,

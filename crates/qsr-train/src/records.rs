@@ -29,6 +29,10 @@ pub(crate) struct Record {
     /// Top-1 test accuracy as a fraction in `[0, 1]` (eval records only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub accuracy: Option<f64>,
+    /// Top-1 accuracy and mean loss on the `eval.train_items` training images (eval records of runs
+    /// that set it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train: Option<TrainFit>,
     /// Synchronizations so far (counted across resumes).
     pub syncs: u64,
     /// Bytes rank 0 sent for synchronizations so far.
@@ -94,6 +98,16 @@ pub(crate) struct LocalLevel {
     pub comm_seconds: f64,
 }
 
+/// Top-1 accuracy and mean loss on training images (`eval.train_items`), beside the test's.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+pub(crate) struct TrainFit {
+    /// Top-1 accuracy as a fraction in `[0, 1]`.
+    pub accuracy: f64,
+    /// Mean loss (`null` in the file when it is not finite).
+    #[serde(deserialize_with = "nan_if_null")]
+    pub loss: f64,
+}
+
 /// `summary.json`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub(crate) struct Summary {
@@ -118,6 +132,9 @@ pub(crate) struct Summary {
     /// (`null` in the file when it is not finite: a diverged run's).
     #[serde(deserialize_with = "nan_if_null")]
     pub final_test_loss: f64,
+    /// The final evaluation on the `eval.train_items` training images, where the recipe sets it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_train: Option<TrainFit>,
     /// Global synchronizations performed (counted across resumes).
     pub syncs: u64,
     /// Global synchronizations in the plan (its rounds).
@@ -161,6 +178,7 @@ impl Record {
             h,
             loss: None,
             accuracy: None,
+            train: None,
             syncs: c.syncs,
             bytes: c.bytes,
             comm_seconds: c.comm_seconds,

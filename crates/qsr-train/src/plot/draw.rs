@@ -747,6 +747,7 @@ mod tests {
             h,
             loss: Some(2.0 / (1.0 + step as f64)),
             accuracy: (kind == "eval").then_some(0.5 + step as f64 / 2000.0),
+            train: None,
             syncs: step / h,
             bytes: step * 50_000,
             comm_seconds: 0.0,

@@ -31,6 +31,10 @@ pub struct DataConfig {
     /// Prefetched batches per worker.
     #[serde(default = "three")]
     pub prefetch: usize,
+    /// Train on this many training images spread evenly over the training split (every `len / N`-th),
+    /// e.g. a long study of many epochs on a small set; default all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_items: Option<usize>,
 }
 
 /// Batch sizes, run length, loss.
@@ -74,6 +78,11 @@ pub struct EvalConfig {
     /// windows of `model.context + 1` tokens from the start of the validation split); default all.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_items: Option<usize>,
+    /// Also evaluate on this many training images (spread evenly over the training set, without
+    /// augmentation) at every evaluation: the train accuracy and loss beside the test's, the
+    /// generalization gap; default none (images only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_items: Option<usize>,
     /// The run stops as diverged (exit status 4) at an evaluation whose loss is not finite or above
     /// this many times the loss at the start, `ln(classes)` (a model that predicts every class alike,
     /// where a fresh classifier starts; `ln(vocab_size)` for a language model). Default 3; `inf`
@@ -90,6 +99,7 @@ impl Default for EvalConfig {
             every_steps: None,
             bn_images: bn_images(),
             max_items: None,
+            train_items: None,
             divergence_factor: divergence_factor(),
         }
     }
@@ -262,7 +272,18 @@ impl TrainRecipe {
         if self.eval.max_items == Some(0) {
             bail!("invalid `eval.max_items`: must be at least 1 (leave it out to evaluate on the whole split)");
         }
+        for (key, n) in [("data.train_items", self.data.train_items), ("eval.train_items", self.eval.train_items)] {
+            if n == Some(0) {
+                bail!("invalid `{key}`: must be at least 1 (leave it out for all training images)");
+            }
+        }
         let text = TEXT_DATASETS.contains(&self.data.dataset.as_str());
+        if text && (self.data.train_items.is_some() || self.eval.train_items.is_some()) {
+            bail!(
+                "invalid `data.train_items` / `eval.train_items`: they count images; dataset `{}` is text",
+                self.data.dataset
+            );
+        }
         match (self.model.as_gpt().is_some(), text) {
             (true, false) => bail!(
                 "invalid `data.dataset`: model.kind = \"gpt\" trains on text ({}), not `{}`",
@@ -470,5 +491,10 @@ pub(crate) fn open_dataset(data: &DataConfig, split: Split) -> Result<std::sync:
             TEXT_DATASETS.join(", ")
         ),
     };
-    Ok(set)
+    match (split, data.train_items) {
+        (Split::Train, Some(n)) => {
+            Ok(Arc::new(qsr_data::Spread::new(set, n).map_err(|e| anyhow!("invalid `data.train_items`: {e}"))?))
+        }
+        _ => Ok(set),
+    }
 }

@@ -104,6 +104,9 @@ fn preflight_images(recipe: &TrainRecipe, k: usize) -> Result<Model> {
         );
     }
     super::task::sampler(recipe, train.len(), k, 0)?;
+    if let Some(n) = recipe.eval.train_items.filter(|&n| n > train.len()) {
+        bail!("invalid `eval.train_items`: {n}, more than the {} training images", train.len());
+    }
     let shape = transform(recipe, train.info(), true).output_shape(train.info())?;
     let test_shape = transform(recipe, test.info(), false).output_shape(test.info())?;
     if shape != test_shape {

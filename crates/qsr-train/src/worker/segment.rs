@@ -234,7 +234,8 @@ impl Segment {
         }
         task.prepare_eval(worker, done_steps)?;
         let ev = task.evaluate(worker)?;
-        self.write(worker, |c| record("eval", report, pace, ev.loss, Some(ev.accuracy), c))?;
+        let train = ev.train;
+        self.write(worker, |c| Record { train, ..record("eval", report, pace, ev.loss, Some(ev.accuracy), c) })?;
         if let Some(bar) = &self.bar {
             bar.println(format!("step {done_steps:>7}  epoch {:>6.2}  {}", pace.epoch(done_steps), task.describe(&ev)));
         }
@@ -298,6 +299,7 @@ impl Segment {
             steps_per_epoch: pace.spe,
             final_test_accuracy: ev.accuracy,
             final_test_loss: ev.loss,
+            final_train: ev.train,
             syncs: c.syncs,
             planned_syncs: planned.rounds,
             local: recipe.sync.local.as_ref().zip(planned.local).map(|(l, p)| LocalLevel {

@@ -16,11 +16,14 @@ use qsr_models::{Gpt, GptConfig, InputSpec, Model, fused};
 use qsr_optim::{BnPolicy, StepReport, Worker};
 
 use crate::recipe::{TrainRecipe, open_corpus, open_dataset};
+use crate::records::TrainFit;
 
-/// A held-out evaluation: top-1 accuracy (of the class, or of the next token) and mean loss.
+/// A held-out evaluation: top-1 accuracy (of the class, or of the next token) and mean loss; with
+/// `eval.train_items` the same over training images.
 pub(crate) struct Eval {
     pub(crate) accuracy: f64,
     pub(crate) loss: f64,
+    pub(crate) train: Option<TrainFit>,
 }
 
 /// One kind of training data with its loss and evaluation.
@@ -55,6 +58,8 @@ pub(crate) struct ImageTask {
     device: Device,
     loader: TrainLoader,
     eval_loader: EvalLoader,
+    /// This rank's shard of the `eval.train_items` training images, without augmentation.
+    train_eval_loader: Option<EvalLoader>,
     spe: usize,
     has_bn: bool,
     /// The momentum the model's BatchNorm layers train with, restored after a re-estimation.
@@ -104,9 +109,18 @@ impl ImageTask {
         let info = train_set.info().clone();
         let sampler = sampler(recipe, train_set.len(), k, rank)?;
         let spe = sampler.steps_per_epoch();
+        let eval_loader = |set| -> Result<EvalLoader> {
+            Ok(EvalLoader::new(set, transform(recipe, &info, false), recipe.eval.batch_size)?.shard(rank, k)?)
+        };
+        let train_eval_loader = match recipe.eval.train_items {
+            Some(n) => Some(eval_loader(Arc::new(
+                qsr_data::Spread::new(Arc::clone(&train_set), n)
+                    .map_err(|e| anyhow!("invalid `eval.train_items`: {e}"))?,
+            ))?),
+            None => None,
+        };
+        let eval_loader = eval_loader(test_set)?;
         let loader = TrainLoader::new(train_set, sampler, transform(recipe, &info, true))?;
-        let eval_loader =
-            EvalLoader::new(test_set, transform(recipe, &info, false), recipe.eval.batch_size)?.shard(rank, k)?;
         let mut bn_momentum = 0.1;
         model.for_each_batch_norm(|bn| bn_momentum = bn.momentum);
         Ok(Self {
@@ -114,12 +128,37 @@ impl ImageTask {
             device: device.clone(),
             loader,
             eval_loader,
+            train_eval_loader,
             spe,
             has_bn: model.has_batch_norm(),
             bn_momentum,
             ce: cross_entropy(recipe, device),
             classes: info.classes,
         })
+    }
+
+    /// `[correct, loss sum, count]` of this rank's shard of `loader`, at most `limit` items (rounded up
+    /// to a whole batch).
+    fn score(&self, loader: &EvalLoader, worker: &Worker<Model>, limit: usize) -> Result<[f32; 3]> {
+        let model = worker.model().valid();
+        let inner = self.device.clone().inner();
+        let ce = CrossEntropyLossConfig::new().init(&inner);
+        let mut acc = [0.0f32; 3]; // correct, loss sum, count
+        for host in loader.iter() {
+            if acc[2] as usize >= limit {
+                break;
+            }
+            let host = host?;
+            let n = host.len();
+            let b = host.into_batch(&inner);
+            let logits = model.forward(b.images);
+            let loss: f32 = ce.forward(logits.clone(), b.labels.clone()).into_scalar();
+            let correct: i64 = logits.argmax(1).squeeze_dim::<1>(1).equal(b.labels).int().sum().into_scalar();
+            acc[0] += correct as f32;
+            acc[1] += loss * n as f32;
+            acc[2] += n as f32;
+        }
+        Ok(acc)
     }
 
     /// The paper's BatchNorm re-estimation: reset the statistics, run `bn_images / K` training images per
@@ -181,30 +220,20 @@ impl Task for ImageTask {
     }
 
     fn evaluate(&self, worker: &mut Worker<Model>) -> Result<Eval> {
-        let model = worker.model().valid();
-        let inner = self.device.clone().inner();
-        let ce = CrossEntropyLossConfig::new().init(&inner);
         let limit = self.recipe.eval.max_items.map_or(usize::MAX, |m| m.div_ceil(worker.world_size()));
-        let mut acc = [0.0f32; 3]; // correct, loss sum, count
-        for host in self.eval_loader.iter() {
-            if acc[2] as usize >= limit {
-                break;
-            }
-            let host = host?;
-            let n = host.len();
-            let b = host.into_batch(&inner);
-            let logits = model.forward(b.images);
-            let loss: f32 = ce.forward(logits.clone(), b.labels.clone()).into_scalar();
-            let correct: i64 = logits.argmax(1).squeeze_dim::<1>(1).equal(b.labels).int().sum().into_scalar();
-            acc[0] += correct as f32;
-            acc[1] += loss * n as f32;
-            acc[2] += n as f32;
+        let mut ev = reduce_eval(worker, self.score(&self.eval_loader, worker, limit)?)?;
+        if let Some(loader) = &self.train_eval_loader {
+            let train = reduce_eval(worker, self.score(loader, worker, usize::MAX)?)?;
+            ev.train = Some(TrainFit { accuracy: train.accuracy, loss: train.loss });
         }
-        reduce_eval(worker, acc)
+        Ok(ev)
     }
 
     fn describe(&self, ev: &Eval) -> String {
-        format!("test accuracy {:.2}%  test loss {:.4}", 100.0 * ev.accuracy, ev.loss)
+        let train = ev.train.map_or(String::new(), |t| {
+            format!("  train accuracy {:.2}%  train loss {:.4}", 100.0 * t.accuracy, t.loss)
+        });
+        format!("test accuracy {:.2}%  test loss {:.4}{train}", 100.0 * ev.accuracy, ev.loss)
     }
 
     fn unigram_entropy(&self) -> Option<f64> {
@@ -221,7 +250,7 @@ fn reduce_eval<M: Module>(worker: &mut Worker<M>, mut acc: [f32; 3]) -> Result<E
     let step = worker.cursor().step();
     worker.comm_mut().all_reduce(&mut acc, ReduceOp::Sum).with_context(|| format!("evaluation at step {step}"))?;
     let n = f64::from(acc[2].max(1.0));
-    Ok(Eval { accuracy: f64::from(acc[0]) / n, loss: f64::from(acc[1]) / n })
+    Ok(Eval { accuracy: f64::from(acc[0]) / n, loss: f64::from(acc[1]) / n, train: None })
 }
 
 /// Next-token prediction on a character corpus: windows of `context + 1` tokens from the rank's shard,

@@ -50,6 +50,36 @@ fn digits_with_two_simulated_workers_learns_and_syncs_as_planned() {
     assert!(saved.contains("total_steps = 400") && saved.contains("workers = 2"), "{saved}");
 }
 
+/// Issue 47's long study: `data.train_items` trains on a spread subset (its steps per epoch), and
+/// `eval.train_items` reports the train accuracy beside the test's, in metrics.jsonl, summary.json
+/// and `qsr compare`'s table and JSON.
+#[test]
+fn a_training_subset_and_the_train_accuracy_reach_the_summary_and_compare() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("cmp");
+    let subset = ["--set", "data.train_items=256", "--set", "eval.train_items=128", "--set", "eval.every_epochs=1"];
+    let stdout = ok(&[
+        &["compare", "--recipe", RECIPE, "--rules", "constant,qsr", "--seeds", "1", "--workers", "2"][..],
+        &["--out", out.to_str().unwrap(), "--set", "schedule.total_steps=40", "--set", "schedule.warmup_steps=4"],
+        &subset,
+    ]
+    .concat());
+    assert!(stdout.contains("| train accuracy (%) |"), "{stdout}");
+    let rows = json(&out.join("compare.json"));
+    for r in rows.as_array().unwrap() {
+        let train = r["train_accuracy"]["mean"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&train), "{r}");
+        let run = Path::new(r["runs"][0].as_str().unwrap());
+        let s = json(&run.join("summary.json"));
+        // 256 images / (2 workers x 16) = 8 steps per epoch.
+        assert_eq!(s["steps_per_epoch"], 8, "{s}");
+        assert_eq!(s["final_train"]["accuracy"].as_f64().unwrap(), train, "{s}");
+        let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+        let evals = metrics.lines().filter(|l| l.contains("\"eval\"")).count();
+        assert!(evals >= 2 && metrics.matches("\"train\":{\"accuracy\"").count() == evals, "{metrics}");
+    }
+}
+
 /// Runs `qsr args` with `QSR_TRANSPORT=transport`, asserts success.
 fn ok_over(transport: &str, args: &[&str]) {
     let out = Command::new(env!("CARGO_BIN_EXE_qsr"))
@@ -181,6 +211,9 @@ fn bad_input_is_refused_with_a_clear_error() {
         (vec!["--set", "schedule.warmup_steps=100000"], "schedule.warmup_steps"),
         (vec!["--set", "bogus=1"], "bogus"),
         (vec!["--set", "novalue"], "key=value"),
+        (vec!["--set", "data.train_items=0"], "data.train_items"),
+        (vec!["--set", "data.train_items=100000"], "data.train_items"),
+        (vec!["--set", "eval.train_items=100000"], "eval.train_items"),
     ] {
         let err = refused(&[&["train", "--recipe", RECIPE, "--out", o, "--quiet"][..], &args].concat());
         assert!(err.contains(needle), "{args:?}: expected `{needle}` in: {err}");
