@@ -375,7 +375,8 @@ impl Compare<'_> {
     /// Prints the table and writes `compare.md`, `compare.json` and the plots.
     fn write_outputs(&self, rows: &[Row]) -> Result<()> {
         let out = &self.out;
-        let table = markdown(&self.base, rows, self.args.seeds)?;
+        let workers = self.args.workers.unwrap_or(self.base.train.workers);
+        let table = markdown(&self.base, workers, rows, self.args.seeds)?;
         print!("{table}");
         write_atomic(&out.join("compare.md"), table.as_bytes())?;
         write_atomic(&out.join("compare.json"), serde_json::to_string_pretty(rows)?.as_bytes())?;
@@ -399,7 +400,8 @@ impl Compare<'_> {
     }
 }
 
-fn markdown(recipe: &TrainRecipe, rows: &[Row], seeds: u64) -> Result<String> {
+/// The table of `rows`, trained from `recipe` with `workers` workers.
+fn markdown(recipe: &TrainRecipe, workers: usize, rows: &[Row], seeds: u64) -> Result<String> {
     let text = recipe.model.as_gpt().is_some();
     let (loss, acc) =
         if text { ("validation loss (nats)", "next-token accuracy (%)") } else { ("test loss", "test accuracy (%)") };
@@ -408,7 +410,7 @@ fn markdown(recipe: &TrainRecipe, rows: &[Row], seeds: u64) -> Result<String> {
         o,
         "\n{}: K = {} workers, {} steps, {} seeds (mean ± 95% CI over seeds)\n",
         recipe.name,
-        recipe.train.workers,
+        workers,
         recipe.plan().map_or(0, |p| p.end_step()),
         seeds
     )?;

@@ -170,6 +170,8 @@ fn compare_on_text_reports_validation_loss_per_rule_and_outer_variant() {
         "eval.max_items=32",
     ]);
     assert!(stdout.contains("validation loss (nats)") && stdout.contains("+ outer (lr 0.7, momentum 0.5)"), "{stdout}");
+    // Regression: the table's title gave the recipe's K = 4, not the --workers 2 the runs had.
+    assert!(stdout.contains("K = 2 workers, 40 steps, 1 seeds"), "{stdout}");
     let rows = json(&out.join("compare.json"));
     let labels: Vec<&str> = rows.as_array().unwrap().iter().map(|r| r["rule"].as_str().unwrap()).collect();
     assert_eq!(labels, ["dp", "power-power=1-h_base=2", "qsr-outer", "qsr-outer-outer.unit=lr-outer.momentum=0.9"]);
