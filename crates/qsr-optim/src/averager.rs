@@ -64,9 +64,10 @@ use crate::error::OptimError;
 use crate::flat::ParamLayout;
 use crate::lr_watch::{self, LrWatch};
 use crate::outer::{InnerRound, OuterConfig};
+use crate::settings::{Face, SyncSettings, check_sync};
 use crate::stream::StreamState;
 use crate::sync::{Level, Wire};
-use crate::synchronizer::{AVERAGER, At, StreamFit, Synchronizer, add};
+use crate::synchronizer::{At, Synchronizer, add};
 
 /// What an [`Averager`] averages and when.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -135,7 +136,8 @@ impl AveragerConfig {
     /// of them warmup: the smallest such `alpha`, so the most averaging the budget buys. `lrs` is your
     /// own schedule sampled step by step, as for [`Self::round_lengths`]. Refused, naming `budget`, for
     /// a share `h_base` alone already meets (lower `h_base`: QSR then lengthens rounds the budget does
-    /// not ask for) or one below the warmup's rounds.
+    /// not ask for), and for one that only rounds keeping the workers apart while the lr is high meet
+    /// ([`Self::first_apart`]; the refusal offers the least budget that trains).
     ///
     /// ```
     /// use burn::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
@@ -153,7 +155,36 @@ impl AveragerConfig {
             return Err(OptimError::Config { field: "lr".into(), reason: "no finite positive learning rate".into() });
         }
         let share = |alpha| config(alpha).round_lengths(lrs.iter().copied()).map(|r| r.len() as f64 / lrs.len() as f64);
-        Ok(config(qsr_sched::least_alpha_within(budget, h_base, range, share)?))
+        let trains = |alpha| config(alpha).first_apart(lrs).map(|a| a.is_none());
+        Ok(config(qsr_sched::least_alpha_within(budget, h_base, range, share, trains)?))
+    }
+
+    /// The first round an [`Averager`] with this config makes over `lrs` (as [`Self::round_lengths`])
+    /// that keeps the workers apart too long while the lr is high, judged as the planner judges its
+    /// rounds ([`qsr_sched::round_apart`]: its drift in steps at the peak of `lrs`).
+    pub fn first_apart(&self, lrs: &[f64]) -> Result<Option<qsr_sched::Apart>, OptimError> {
+        let peak = lrs.iter().copied().filter(|lr| lr.is_finite()).fold(0.0, f64::max);
+        let mut start = 0;
+        for len in self.round_lengths(lrs.iter().copied())? {
+            let steps = &lrs[start as usize..(start + len) as usize];
+            let lr = steps.iter().copied().filter(|lr| lr.is_finite()).fold(0.0, f64::max);
+            if let Some(apart) = qsr_sched::round_apart(start, len, lr, peak, lrs.len() as u64) {
+                return Ok(Some(apart));
+            }
+            start += len;
+        }
+        Ok(None)
+    }
+
+    /// The sync settings of this config, as [`check_sync`](crate::check_sync) judges them (host-resident,
+    /// no plan: the rounds come from the caller's lrs).
+    pub fn sync_settings(&self) -> SyncSettings {
+        SyncSettings {
+            outer: self.outer,
+            streaming: self.streaming,
+            wire: self.wire,
+            ..SyncSettings::new(self.rule.clone())
+        }
     }
 
     /// The length of each round an [`Averager`] with this config makes over a run whose steps use
@@ -337,14 +368,11 @@ impl Averager {
         config: AveragerConfig,
         comm: Box<dyn Collective>,
     ) -> Result<(Self, M), OptimError> {
-        if let Some(outer) = &config.outer {
-            outer.validate_for(&config.rule)?;
-        }
-        let mut sync = Synchronizer::new(comm, (config.wire, None), AVERAGER)?;
+        check_sync(&config.sync_settings(), Face::Averager).into_result()?;
+        let mut sync = Synchronizer::new(comm, (config.wire, None), Face::Averager)?;
         let layout = ParamLayout::of(&model);
-        let fit = StreamFit { rule: &config.rule, plan: None, host: true, averages_moments: false };
         let stream = (config.streaming.is_some() || config.wire.codec().is_some())
-            .then(|| sync.prepare_streaming(config.streaming, &fit, &layout))
+            .then(|| sync.prepare_streaming(config.streaming, &layout))
             .transpose()?;
         let settings = serde_json::json!({
             "config": &config,
@@ -372,12 +400,12 @@ impl Averager {
         let n = avg.layout.len();
         if let Some(config) = avg.config.outer {
             avg.layout.read_params(&model, &mut avg.params[..n])?;
-            avg.sync.set_outer(config, &avg.config.rule, &avg.params[..n])?;
+            avg.sync.set_outer(config, &avg.params[..n])?;
         }
         if let Some(stream) = stream {
             // Streaming syncs pseudo-gradients: plain averaging is the outer step with lr 1.
             avg.layout.read_params(&model, &mut avg.params[..n])?;
-            avg.sync.start_streaming(stream, &avg.params[..n])?;
+            avg.sync.start_streaming(stream, &avg.params[..n]);
         }
         Ok((avg, model))
     }

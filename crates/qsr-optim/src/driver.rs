@@ -27,9 +27,10 @@ use crate::flat::ParamLayout;
 use crate::optim::{OptimState, OptimizerConfig};
 use crate::outer::{InnerRound, OuterConfig};
 use crate::replica::{DeviceReplica, HostReplica, Replica};
+use crate::settings::{Face, SyncSettings, check_sync};
 use crate::stream::StreamState;
-use crate::sync::{BnPolicy, DriverConfig, DriverStats, Level, Residency, StepReport, SyncReport, Wire};
-use crate::synchronizer::{StreamFit, Synchronizer, WORKER};
+use crate::sync::{BnPolicy, DriverConfig, DriverStats, Level, Residency, StepReport, SyncReport};
+use crate::synchronizer::Synchronizer;
 
 /// One worker: a model replica, its flat parameters, its optimizer state, its collective and cursor.
 pub struct Worker<M: Module> {
@@ -43,6 +44,9 @@ pub struct Worker<M: Module> {
     sync: Synchronizer,
     cursor: Cursor,
     config: DriverConfig,
+    /// The sync settings given so far (rule and plan, wire, residency, state; outer and streaming
+    /// once set), each addition checked with the rest.
+    settings: SyncSettings,
     stats: DriverStats,
 }
 
@@ -59,21 +63,20 @@ impl<M: Module> Worker<M> {
         // burn shares BatchNorm running state between clones of a module; `valid().train()` gives this
         // worker its own, so simulated workers keep local statistics as the paper's workers do.
         let mut model = model.valid().train();
+        let residency = resolve_residency(config.residency, &model);
+        let settings = SyncSettings {
+            plan: Some(cursor.plan().clone()),
+            wire: config.wire,
+            residency,
+            state: config.state,
+            ..SyncSettings::new(cursor.plan().sync().clone())
+        };
+        check_sync(&settings, Face::Recipe).into_result()?;
         let layout = ParamLayout::of(&model);
         if config.broadcast_initial && comm.world_size() > 1 {
             model = broadcast_initial(model, &layout, comm.as_mut(), cursor.step())?;
         }
-        let sync = Synchronizer::new(comm, (config.wire, config.bucket_elems), WORKER)?;
-        let residency = resolve_residency(config.residency, &model);
-        if config.wire != Wire::F32 && residency == Residency::Device {
-            return Err(OptimError::Config {
-                field: "driver.wire".into(),
-                reason: format!(
-                    "{} syncs run on host-resident workers (driver.residency = \"host\")",
-                    config.wire.encoding_name()
-                ),
-            });
-        }
+        let sync = Synchronizer::new(comm, (config.wire, config.bucket_elems), Face::Recipe)?;
         let replica = match residency {
             Residency::Device => {
                 let device = model_device(&model).inner();
@@ -82,7 +85,7 @@ impl<M: Module> Worker<M> {
             _ => Replica::Host(HostReplica::new(&model, &layout, optimizer.clone())?),
         };
         let stats = DriverStats::default();
-        let mut worker = Self { model, layout, replica, optimizer, sync, cursor, config, stats };
+        let mut worker = Self { model, layout, replica, optimizer, sync, cursor, config, settings, stats };
         if worker.config.wire.codec().is_some() {
             // A quantized wire sends pseudo-gradients with error feedback: one fragment, applied at once.
             worker.start_stream(None)?;
@@ -103,17 +106,13 @@ impl<M: Module> Worker<M> {
     }
 
     fn start_stream(&mut self, config: Option<StreamingConfig>) -> Result<(), OptimError> {
-        let state = self.config.state;
-        let fit = StreamFit {
-            rule: self.cursor.plan().sync(),
-            plan: Some(self.cursor.plan()),
-            host: matches!(self.replica, Replica::Host(_)),
-            averages_moments: state.average_first_moment || state.average_second_moment,
-        };
-        let stream = self.sync.prepare_streaming(config, &fit, &self.layout)?;
+        let settings = SyncSettings { streaming: config.or(self.settings.streaming), ..self.settings.clone() };
+        check_sync(&settings, Face::Recipe).into_result()?;
+        let stream = self.sync.prepare_streaming(config, &self.layout)?;
         // Read only once the settings are known to fit: a device replica would download them.
         let params = self.replica.params()?;
-        self.sync.start_streaming(stream, &params)?;
+        self.sync.start_streaming(stream, &params);
+        self.settings = settings;
         Ok(())
     }
 
@@ -194,14 +193,12 @@ impl<M: Module> Worker<M> {
     /// before its switch) keep the global parameters equal to the synchronized ones. Refused for rules
     /// that never average parameters and for device-resident workers.
     pub fn set_outer(&mut self, config: OuterConfig) -> Result<(), OptimError> {
-        config.validate_for(self.cursor.plan().sync())?;
-        let Replica::Host(h) = &self.replica else {
-            return Err(OptimError::Config {
-                field: "outer".into(),
-                reason: "the outer optimizer runs on host-resident workers (driver.residency = \"host\")".into(),
-            });
-        };
-        self.sync.set_outer(config, self.cursor.plan().sync(), h.params())
+        let settings = SyncSettings { outer: Some(config), ..self.settings.clone() };
+        check_sync(&settings, Face::Recipe).into_result()?;
+        let params = self.replica.params()?;
+        self.sync.set_outer(config, &params)?;
+        self.settings = settings;
+        Ok(())
     }
 
     /// The outer optimizer's global parameters and momentum buffer (for a checkpoint), if it has one.

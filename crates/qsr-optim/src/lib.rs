@@ -19,6 +19,7 @@ mod lr_watch;
 mod optim;
 mod outer;
 mod replica;
+mod settings;
 mod snapshot;
 mod stream;
 mod sync;
@@ -39,6 +40,7 @@ pub use optim::{
 pub use outer::{OuterConfig, OuterUnit};
 /// The rules an [`AveragerConfig`] takes, so a burn user needs no qsr-sched dependency to pick one.
 pub use qsr_sched::SyncRule;
+pub use settings::{Face, Refusal, SyncSettings, SyncVerdict, check_sync};
 pub use snapshot::Snapshot;
 pub use stream::{InFlight, StreamState};
 pub use sync::{

@@ -169,11 +169,6 @@ impl Outer {
         Self { config, global: global.to_vec(), momentum: vec![0.0; global.len()] }
     }
 
-    /// What one outer step stands for.
-    pub(crate) fn unit(&self) -> OuterUnit {
-        self.config.unit
-    }
-
     /// The global parameters and the momentum buffer.
     pub(crate) fn state(&self) -> (&[f32], &[f32]) {
         (&self.global, &self.momentum)

@@ -115,11 +115,6 @@ impl HostReplica {
         Ok(Self { params, grads: vec![0.0; n], grad_sum: Vec::new(), sync_buf: Vec::new(), optimizer })
     }
 
-    /// The flat parameters.
-    pub(crate) fn params(&self) -> &[f32] {
-        &self.params
-    }
-
     /// The flat parameters, for a sync that runs outside the step (streaming fragments).
     pub(crate) fn params_mut(&mut self) -> &mut [f32] {
         &mut self.params

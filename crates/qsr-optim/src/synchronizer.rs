@@ -1,7 +1,7 @@
 //! The sync engine under both faces: what a synchronization is, written once. A [`Synchronizer`] owns
 //! the collective (and a node's, for a two-level plan), the wire and its buckets, the outer step,
 //! the streaming state (fragments, delays, error feedback, averages in flight) and every check of
-//! those settings. The trainer's [`Worker`](crate::Worker) and the library's
+//! the checks of what its collectives can carry (the settings themselves are `settings.rs`'s). The trainer's [`Worker`](crate::Worker) and the library's
 //! [`Averager`](crate::Averager) keep only what their callers need around it: the Worker its replica
 //! (qsr's optimizers over flat state) and the plan's cursor, the Averager the caller's burn model and
 //! the rounds it decides from the caller's lr. A sync feature added here reaches both.
@@ -10,42 +10,14 @@ use std::time::Instant;
 
 use burn::module::Module;
 use qsr_comm::{Collective, CommStats, SyncTag};
-use qsr_sched::{FragmentPlan, MAX_FRAGMENTS, Plan, StepInfo, StreamingConfig, SyncMode, SyncRule};
+use qsr_sched::{StepInfo, StreamingConfig, SyncMode};
 
 use crate::error::OptimError;
 use crate::flat::ParamLayout;
-use crate::outer::{InnerRound, Outer, OuterConfig, OuterUnit};
+use crate::outer::{InnerRound, Outer, OuterConfig};
+use crate::settings::Face;
 use crate::stream::{Stream, StreamState, fragment_ranges, give_background};
 use crate::sync::{DriverConfig, DriverStats, Level, SyncReport, Wire, all_reduce_bucketed, check_wire};
-
-/// How a face names the settings a [`Synchronizer`] checks, in its refusals: the trainer's Worker by
-/// recipe keys, the Averager by its config's fields.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Names {
-    /// The face, as a refusal calls it (`worker`, `averager`).
-    pub(crate) owner: &'static str,
-    /// The wire setting.
-    pub(crate) wire: &'static str,
-    /// The streaming section.
-    pub(crate) streaming: &'static str,
-}
-
-/// The Worker's names: recipe keys.
-pub(crate) const WORKER: Names = Names { owner: "worker", wire: "driver.wire", streaming: "sync.streaming" };
-/// The Averager's names: `AveragerConfig`'s fields.
-pub(crate) const AVERAGER: Names = Names { owner: "averager", wire: "wire", streaming: "streaming" };
-
-/// What the streaming settings are checked against.
-pub(crate) struct StreamFit<'a> {
-    /// The rule that decides the rounds.
-    pub(crate) rule: &'a SyncRule,
-    /// The plan the fragments follow, where the face has one (the Averager decides rounds as it goes).
-    pub(crate) plan: Option<&'a Plan>,
-    /// The flat state lives on the host (streaming's buffers are host buffers).
-    pub(crate) host: bool,
-    /// Optimizer moments are averaged at syncs (streaming sends pseudo-gradients of parameters only).
-    pub(crate) averages_moments: bool,
-}
 
 /// The sync engine: collectives, wire, outer step and streaming, with their checks.
 pub(crate) struct Synchronizer {
@@ -54,7 +26,7 @@ pub(crate) struct Synchronizer {
     local: Option<Box<dyn Collective>>,
     wire: Wire,
     bucket: Option<usize>,
-    names: Names,
+    face: Face,
     /// DiLoCo's outer optimizer; plain averaging as an outer step for a streaming or quantized sync
     /// without one.
     outer: Option<Outer>,
@@ -70,15 +42,15 @@ impl Synchronizer {
     pub(crate) fn new(
         comm: Box<dyn Collective>,
         (wire, bucket): (Wire, Option<usize>),
-        names: Names,
+        face: Face,
     ) -> Result<Self, OptimError> {
-        check_wire(wire, comm.as_ref(), names.wire)?;
+        check_wire(wire, comm.as_ref(), face.wire())?;
         Ok(Self {
             comm,
             local: None,
             wire,
             bucket,
-            names,
+            face,
             outer: None,
             stream: None,
             inner_round: InnerRound::default(),
@@ -102,7 +74,7 @@ impl Synchronizer {
 
     /// Gives the node's collective; refused when it cannot carry the wire of a node's average.
     pub(crate) fn set_local(&mut self, local: Box<dyn Collective>) -> Result<(), OptimError> {
-        check_wire(self.wire.at(Level::Local), local.as_ref(), self.names.wire)?;
+        check_wire(self.wire.at(Level::Local), local.as_ref(), self.face.wire())?;
         self.local = Some(local);
         Ok(())
     }
@@ -111,7 +83,7 @@ impl Synchronizer {
     /// the new one cannot carry the wire, for a two-level synchronizer (its node group would still
     /// span the old membership) and while averages are in flight.
     pub(crate) fn replace_comm(&mut self, comm: Box<dyn Collective>) -> Result<Box<dyn Collective>, OptimError> {
-        check_wire(self.wire, comm.as_ref(), self.names.wire)?;
+        check_wire(self.wire, comm.as_ref(), self.face.wire())?;
         if self.local.is_some() {
             return Err(OptimError::Config {
                 field: "sync.local".into(),
@@ -125,13 +97,9 @@ impl Synchronizer {
         Ok(std::mem::replace(&mut self.comm, comm))
     }
 
-    /// Makes parameter syncs DiLoCo's outer step from the global parameters `params`. Refused for a
-    /// rule that never averages parameters and once averages are in flight.
-    pub(crate) fn set_outer(&mut self, config: OuterConfig, rule: &SyncRule, params: &[f32]) -> Result<(), OptimError> {
-        config.validate_for(rule)?;
-        if self.stream.is_some() && config.unit != OuterUnit::Round {
-            return Err(per_step_streaming());
-        }
+    /// Makes parameter syncs DiLoCo's outer step from the global parameters `params` (settings checked
+    /// by [`check_sync`](crate::check_sync)). Refused once averages are in flight.
+    pub(crate) fn set_outer(&mut self, config: OuterConfig, params: &[f32]) -> Result<(), OptimError> {
         if let Some(stream) = &mut self.stream {
             // The outer state of the fragments restarts from the parameters now, with nothing in flight.
             if !stream.state()?.in_flight.is_empty() {
@@ -145,76 +113,33 @@ impl Synchronizer {
         Ok(())
     }
 
-    /// Streaming syncs of `config` (the face's streaming setting), or the one fragment, applied at once,
-    /// that a quantized wire needs without one, checked against `fit` (before any collective call).
+    /// The streaming syncs of `config` (the face's streaming setting, checked by
+    /// [`check_sync`](crate::check_sync)), or the one fragment, applied at once, that a quantized wire
+    /// needs without one; refused when the model has fewer tensors than fragments.
     pub(crate) fn prepare_streaming(
         &self,
         config: Option<StreamingConfig>,
-        fit: &StreamFit<'_>,
         layout: &ParamLayout,
     ) -> Result<Stream, OptimError> {
-        let field = if config.is_some() { self.names.streaming } else { self.names.wire };
-        let refuse = |field: &str, reason: String| Err(OptimError::Config { field: field.into(), reason });
-        let config = match config {
-            Some(c) => {
-                let prefix = self.names.streaming;
-                c.validate().map_err(|e| OptimError::Config {
-                    field: e.field.replacen("sync.streaming", prefix, 1),
-                    reason: e.reason,
-                })?;
-                c
-            }
-            None => StreamingConfig { fragments: 1, delay: 0, mix: 1.0 },
-        };
-        if !fit.host {
-            let reason = format!("streaming and quantized syncs run on host-resident {}s", self.names.owner);
-            return refuse(field, format!("{reason} (driver.residency = \"host\")"));
-        }
-        if fit.averages_moments {
-            return refuse(
-                field,
-                "streaming and quantized syncs do not average optimizer moments (`driver.state`)".into(),
-            );
-        }
-        let fragments_field = format!("{}.fragments", self.names.streaming);
-        match fit.plan {
-            // Checks the fragment count against the plan's rounds.
-            Some(plan) => drop(FragmentPlan::new(plan.clone(), config.fragments)?),
-            None if !(1..=MAX_FRAGMENTS).contains(&config.fragments) => {
-                return refuse(&fragments_field, format!("must be 1..={MAX_FRAGMENTS} (got {})", config.fragments));
-            }
-            None if config.fragments > 1 && fit.rule.syncs_gradients(0) => {
-                let rule = fit.rule.name();
-                return refuse(
-                    &fragments_field,
-                    format!("needs a rule that averages parameters; `{rule}` all-reduces gradients"),
-                );
-            }
-            None => {}
-        }
+        let config = config.unwrap_or(StreamingConfig { fragments: 1, delay: 0, mix: 1.0 });
         let ranges = fragment_ranges(layout, config.fragments)?;
         Ok(Stream::new(ranges, config, (self.wire, self.bucket), layout.len()))
     }
 
     /// Syncs through `stream` from now on; without an outer optimizer plain averaging becomes one
     /// (lr 1) from the global parameters `params`.
-    /// Refused with an outer step per inner step, which fragments' syncs cannot take.
-    pub(crate) fn start_streaming(&mut self, stream: Stream, params: &[f32]) -> Result<(), OptimError> {
-        if self.outer.as_ref().is_some_and(|o| o.unit() != OuterUnit::Round) {
-            return Err(per_step_streaming());
-        }
+    pub(crate) fn start_streaming(&mut self, stream: Stream, params: &[f32]) {
         self.stream = Some(stream);
         if self.outer.is_none() {
             self.outer = Some(Outer::new(OuterConfig::averaging(), params));
         }
-        Ok(())
     }
 
     /// Runs the streaming fragments' all-reduces on `comm`, on a thread, while the face steps.
     pub(crate) fn set_streaming_comm(&mut self, comm: Box<dyn Collective>) -> Result<(), OptimError> {
-        check_wire(self.wire, comm.as_ref(), self.names.wire)?;
+        check_wire(self.wire, comm.as_ref(), self.face.wire())?;
         let at = (self.comm.rank(), self.comm.world_size());
-        give_background(self.stream.as_mut(), comm, at, (self.names.streaming, self.names.owner))
+        give_background(self.stream.as_mut(), comm, at, (self.face.streaming(), self.face.owner()))
     }
 
     /// A step of a round that averages parameters, taken at `lr`: the per-step outer units count
@@ -251,7 +176,7 @@ impl Synchronizer {
 
     /// Restores the outer state; refused naming `outer` without an outer optimizer.
     pub(crate) fn restore_outer(&mut self, global: &[f32], momentum: &[f32]) -> Result<(), OptimError> {
-        Outer::restore_into(self.outer.as_mut(), global, momentum, self.names.owner)
+        Outer::restore_into(self.outer.as_mut(), global, momentum, self.face.owner())
     }
 
     /// The streaming state (averages in flight, waited for; the residual), if streaming.
@@ -264,8 +189,8 @@ impl Synchronizer {
         match &mut self.stream {
             Some(stream) => stream.restore(state),
             None => Err(OptimError::Config {
-                field: self.names.streaming.into(),
-                reason: format!("this {} does not stream, so it has no streaming state", self.names.owner),
+                field: self.face.streaming().into(),
+                reason: format!("this {} does not stream, so it has no streaming state", self.face.owner()),
             }),
         }
     }
@@ -523,13 +448,5 @@ impl Peers<'_> {
         let (before, t) = self.start();
         let (elements, calls) = self.average_running_unaccounted(model, layout, step)?;
         Ok(self.account(before, t, SyncMode::Parameters, elements, calls))
-    }
-}
-
-/// The refusal of a per-step outer unit with fragments, whose syncs are not rounds.
-fn per_step_streaming() -> OptimError {
-    OptimError::Config {
-        field: "outer.unit".into(),
-        reason: "streaming and quantized syncs take DiLoCo's outer step per sync (`outer.unit = \"round\"`): a fragment's sync ends no round".into(),
     }
 }

@@ -32,22 +32,25 @@ pub fn alpha_for_budget(
     run_steps: Option<u64>,
 ) -> Result<f64, ConfigError> {
     schedule.validate()?;
-    let share = |alpha: f64| -> Result<f64, ConfigError> {
-        let plan = Plan::from_parts(schedule.clone(), SyncRule::Qsr { h_base, alpha }, run_steps)?;
-        Ok(plan.summary().comm_percent / 100.0)
-    };
-    least_alpha_within(budget, h_base, (schedule.lr_min, schedule.lr_max), share)
+    let plan = |alpha: f64| Plan::from_parts(schedule.clone(), SyncRule::Qsr { h_base, alpha }, run_steps);
+    let share = |alpha: f64| -> Result<f64, ConfigError> { Ok(plan(alpha)?.summary().comm_percent / 100.0) };
+    let trains = |alpha: f64| -> Result<bool, ConfigError> { Ok(plan(alpha)?.first_apart().is_none()) };
+    least_alpha_within(budget, h_base, (schedule.lr_min, schedule.lr_max), share, trains)
 }
 
 /// [`alpha_for_budget`] for any run: `share(alpha)` is the share of data parallel's syncs a run under
-/// QSR with `h_base` and `alpha` makes (rounds over steps), `lrs` the smallest and largest lr of the
-/// run: the planner's budget and qsr-optim's `AveragerConfig::qsr_for_budget` (rounds from the
-/// caller's own lrs) use it alike.
+/// QSR with `h_base` and `alpha` makes (rounds over steps), `trains(alpha)` whether its workers meet
+/// while the lr is high ([`Plan::first_apart`]; [`round_apart`](crate::round_apart) for rounds from
+/// other lrs), `lrs` the smallest and largest lr of the run: the planner's budget and qsr-optim's
+/// `AveragerConfig::qsr_for_budget` (rounds from the caller's own lrs) use it alike. Refused, naming
+/// `budget`, outside (0, 1], when `h_base` alone meets it or keeps the workers apart, and when only
+/// rounds that keep them apart meet it: then the least budget that trains is offered.
 pub fn least_alpha_within<E: From<ConfigError>>(
     budget: f64,
     h_base: u64,
     (lr_min, lr_max): (f64, f64),
     mut share: impl FnMut(f64) -> Result<f64, E>,
+    mut trains: impl FnMut(f64) -> Result<bool, E>,
 ) -> Result<f64, E> {
     let refuse = |reason: String| Err(E::from(ConfigError::new("budget", reason)));
     if !(budget > 0.0 && budget <= 1.0) {
@@ -63,30 +66,45 @@ pub fn least_alpha_within<E: From<ConfigError>>(
             100.0 * budget
         ));
     }
+    if !trains(floor)? {
+        return refuse(format!("h_base = {h_base} alone keeps the workers apart while the lr is high: lower h_base"));
+    }
     // Grow the bracket until the budget is met: past a point every round after warmup spans the run.
     let top = lr_max.max(f64::MIN_POSITIVE);
     let mut hi = top;
-    let mut least = share(hi)?;
-    while least > budget {
-        if hi > top * 1e9 {
-            return refuse(format!(
-                "no alpha syncs that seldom: at least {:.2} % of data parallel's steps (the warmup's rounds at h_base = {h_base}, one round after it)",
-                100.0 * least
-            ));
-        }
+    while share(hi)? > budget && hi <= top * 1e9 {
         hi *= 4.0;
-        least = share(hi)?;
     }
-    let mut lo = floor;
+    let found = if share(hi)? <= budget { Some(bisect(floor, hi, |a| share(a).map(|s| s <= budget))?.1) } else { None };
+    if let Some(alpha) = found
+        && trains(alpha)?
+    {
+        return Ok(alpha);
+    }
+    // Only rounds that keep the workers apart meet the budget: offer the share of the largest alpha
+    // that trains.
+    let largest = if trains(hi)? { hi } else { bisect(floor, hi, |a| trains(a).map(|t| !t))?.0 };
+    let least = share(largest)?;
+    refuse(format!(
+        "{:.2} % of data parallel's syncs is too few: the rounds it allows keep the workers apart while the lr is \
+         high and their average is no model (docs/architecture/sched.md); at least {:.2} % trains here",
+        100.0 * budget,
+        100.0 * least
+    ))
+}
+
+/// Geometric bisection of `(lo, hi)` where `above` is false at `lo` and true at `hi`: the bracket
+/// `(last false, first true)` it ends with, about 2^-40 of its width apart.
+fn bisect<E>(mut lo: f64, mut hi: f64, mut above: impl FnMut(f64) -> Result<bool, E>) -> Result<(f64, f64), E> {
     for _ in 0..STEPS {
         let mid = (lo * hi).sqrt();
-        if share(mid)? <= budget {
+        if above(mid)? {
             hi = mid;
         } else {
             lo = mid;
         }
     }
-    Ok(hi)
+    Ok((lo, hi))
 }
 
 #[cfg(test)]
@@ -119,11 +137,26 @@ mod tests {
             (4, 0.5, "lower h_base"),
             (2, 0.0, "must be in (0, 1]"),
             (2, 1.5, "must be in (0, 1]"),
-            (2, 0.01, "no alpha syncs that seldom"),
+            (2, 0.01, "too few"),
+            // The issue's repro: the digits MLP's schedule, where 2.7 % leaves one round after warmup.
+            (2, 0.027, "too few"),
         ] {
             let e = alpha_for_budget(&s, h_base, budget, None).unwrap_err();
             assert_eq!(e.field, "budget");
             assert!(e.reason.contains(says), "{h_base} {budget}: {e}");
         }
+    }
+
+    #[test]
+    fn the_least_budget_offered_trains() {
+        // The digits MLP recipe's schedule: 2.7 % buys alpha 5.78, one round of 836 steps after warmup.
+        let digits = LrSchedule::new(ScheduleKind::Cosine, 880, 44, 0.2, 1e-6);
+        let e = alpha_for_budget(&digits, 2, 0.027, None).unwrap_err();
+        assert_eq!(e.field, "budget");
+        let least: f64 = e.reason.split("at least ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+        let offered = (least / 100.0 * 1e4).ceil() / 1e4;
+        let alpha = alpha_for_budget(&digits, 2, offered, None).unwrap();
+        let plan = Plan::new(digits, SyncRule::Qsr { h_base: 2, alpha }).unwrap();
+        assert!(plan.check_meets().is_ok(), "{offered}: {alpha}");
     }
 }

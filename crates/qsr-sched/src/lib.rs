@@ -25,6 +25,7 @@ mod comm;
 mod error;
 mod fragment;
 mod local;
+mod meet;
 mod plan;
 mod round;
 mod rule;
@@ -38,6 +39,7 @@ pub use fragment::{
     FragmentPlan, FragmentSummary, FragmentSync, MAX_FRAGMENTS, fragments_syncing_after, split_elements, split_tensors,
 };
 pub use local::LocalSummary;
+pub use meet::{APART_FLOOR, APART_SHARE, Apart, round_apart};
 pub use plan::{Cursor, Plan, PlanSummary, Rounds, StepInfo};
 pub use round::{Round, SyncMode};
 pub use rule::{RoundStart, SyncRule};

@@ -30,7 +30,7 @@ pub(crate) struct TrainArgs {
     /// TOML recipe (not needed with --resume, which uses the run's saved recipe).
     #[arg(long)]
     pub recipe: Option<PathBuf>,
-    /// Override a recipe key, e.g. `--set sync.h_base=4` (repeatable).
+    /// Override a recipe key, e.g. `--set sync.h_base=4` (repeatable); `--set KEY=` drops it.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,
     /// Run directory (default `runs/<recipe name>-<unix time>`).

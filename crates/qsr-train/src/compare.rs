@@ -21,10 +21,11 @@ pub(crate) struct CompareArgs {
     #[arg(long)]
     pub recipe: PathBuf,
     /// Comma-separated rules: dp, constant, qsr, post-local, power, exponential; parameters after a
-    /// colon, e.g. `constant:h=4,qsr:h_base=2;alpha=0.06,power:power=3`; a `+outer` suffix on the name
+    /// colon, e.g. `constant:h=4,qsr:h_base=2;alpha=0.06,power:power=3` (`qsr:budget=0.3` chooses
+    /// alpha from a share of data parallel's syncs); a `+outer` suffix on the name
     /// (`qsr+outer`) adds the recipe's `[outer]` section, or when it has none DiLoCo's outer SGD
     /// with the momentum for short rounds (lr 0.7, Nesterov momentum 0.5: `OuterConfig::short_rounds`),
-    /// whose keys `outer.KEY=VALUE` parameters set (`qsr+outer:outer.unit=lr;outer.momentum=0.9`)
+    /// whose keys `outer.KEY=VALUE` parameters set (`qsr+outer:outer.unit=lr`)
     /// (default: dp,constant,qsr). `dp` runs without the recipe's `[sync.streaming]`: it
     /// all-reduces gradients, so it is the baseline a streaming rule is compared with.
     #[arg(long, default_value = "dp,constant,qsr")]
@@ -32,7 +33,7 @@ pub(crate) struct CompareArgs {
     /// Seeds 0..N for every rule.
     #[arg(long, default_value_t = 3)]
     pub seeds: u64,
-    /// Override a recipe key, e.g. `--set train.steps=200` (repeatable).
+    /// Override a recipe key, e.g. `--set train.steps=200` (repeatable); `--set KEY=` drops it.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,
     /// Simulated workers (default: the recipe's train.workers).
@@ -88,6 +89,9 @@ pub(crate) struct Row {
     /// Seeds whose run diverged (stopped at the evaluation that saw it; its numbers are that one's).
     #[serde(default)]
     pub diverged: usize,
+    /// Seeds whose run did not train (a final evaluation no better than chance).
+    #[serde(default)]
+    pub not_trained: usize,
 }
 
 /// A mean over seeds and the half-width of its 95% confidence interval (Student's t).
@@ -124,6 +128,8 @@ pub(crate) fn mean_ci(xs: &[f64]) -> (f64, f64) {
 struct RuleSpec {
     label: String,
     rule: SyncRule,
+    /// The budget its alpha was chosen from (`qsr:budget=0.3`), recorded in its runs' recipes.
+    budget: Option<f64>,
     outer: Option<OuterConfig>,
 }
 
@@ -141,15 +147,39 @@ impl RuleSpec {
         if let (false, Some(kv)) = (outer, outer_keys.first()) {
             bail!("--rules {spec}: `{kv}` sets the outer optimizer: add `+outer` to the rule's name");
         }
-        let rule = rule_from_spec(&format!("{name}:{}", rule_keys.join(";")), &base.sync.rule)
+        let (budget, rule_keys): (Vec<&str>, Vec<&str>) =
+            rule_keys.into_iter().partition(|kv| kv.trim().starts_with("budget="));
+        let mut rule = rule_from_spec(&format!("{name}:{}", rule_keys.join(";")), &base.sync.rule)
             .map_err(|e| anyhow!("--rules {spec}: {e:#}"))?;
+        let mut budget_share = None;
+        if let Some(kv) = budget.first() {
+            let alpha_given = rule_keys.iter().any(|kv| kv.trim().starts_with("alpha="));
+            let (r, b) = with_budget(rule, kv, alpha_given, base).map_err(|e| anyhow!("--rules {spec}: {e:#}"))?;
+            (rule, budget_share) = (r, Some(b));
+        }
         let outer = outer
             .then(|| outer_from_spec(base.outer.unwrap_or_else(OuterConfig::short_rounds), &outer_keys))
             .transpose()
             .map_err(|e| anyhow!("--rules {spec}: {e:#}"))?;
         let label = spec.replace(['+'], "-").replace([':', ';', ','], "-");
-        Ok(Self { label, rule, outer })
+        Ok(Self { label, rule, budget: budget_share, outer })
     }
+}
+
+/// A `qsr` rule whose alpha a `budget=SHARE` parameter chooses over the recipe's schedule (as
+/// `sync.budget` does); refused beside `alpha=` (one knob) and for other rules.
+fn with_budget(rule: SyncRule, kv: &str, alpha_given: bool, base: &TrainRecipe) -> Result<(SyncRule, f64)> {
+    let value = kv.split_once('=').map_or("", |(_, v)| v.trim());
+    let budget: f64 = value.parse().map_err(|_| anyhow!("invalid `budget`: `{value}` is not a number in (0, 1]"))?;
+    if alpha_given {
+        bail!("invalid `alpha`: `budget` and `alpha` are one knob (the budget chooses alpha): give one");
+    }
+    let SyncRule::Qsr { h_base, .. } = rule else {
+        bail!("invalid `budget`: it chooses the alpha of `qsr`, and `{}` has none", rule.name());
+    };
+    let alpha = qsr_sched::alpha_for_budget(&base.schedule, h_base, budget, base.train.steps)
+        .map_err(|e| anyhow!("invalid `budget`: {}", e.reason))?;
+    Ok((SyncRule::Qsr { h_base, alpha }, budget))
 }
 
 /// `start` with the `outer.KEY=VALUE` settings of a `--rules` entry, checked.
@@ -160,10 +190,8 @@ fn outer_from_spec(start: OuterConfig, settings: &[&str]) -> Result<OuterConfig>
         let key = k.trim().trim_start_matches("outer.");
         table.insert(key.to_string(), toml_value(v).ok_or_else(|| anyhow!("bad value in `{kv}`"))?);
     }
-    let config: OuterConfig =
-        toml::Value::Table(table).try_into().map_err(|e: toml::de::Error| anyhow!("outer: {}", e.message().trim()))?;
-    config.validate()?;
-    Ok(config)
+    // Its values are checked with the rest of the sync settings, in the row's recipe.
+    toml::Value::Table(table).try_into().map_err(|e: toml::de::Error| anyhow!("outer: {}", e.message().trim()))
 }
 
 /// The value of a `--rules` `key=value`, as TOML (a bare word as a string: `outer.unit=lr`).
@@ -229,14 +257,19 @@ pub(crate) fn run(args: &CompareArgs) -> Result<Vec<Row>> {
     let cmp = Compare { args, dev: device(&args.device).map_err(crate::exit::bad_input)?, base, out };
     let rows = rules.iter().map(|r| cmp.rule_row(r)).collect::<Result<Vec<_>>>()?;
     cmp.write_outputs(&rows)?;
-    let diverged: Vec<String> = rows
-        .iter()
-        .filter(|r| r.diverged > 0)
-        .map(|r| format!("{} ({} of {} seeds)", r.rule, r.diverged, r.seeds))
-        .collect();
+    let failed = |count: fn(&Row) -> usize| -> Vec<String> {
+        let rows = rows.iter().filter(|r| count(r) > 0);
+        rows.map(|r| format!("{} ({} of {} seeds)", r.rule, count(r), r.seeds)).collect()
+    };
+    let diverged = failed(|r| r.diverged);
     if !diverged.is_empty() {
         let why = format!("runs of {} diverged; the table shows them as they stopped", diverged.join(", "));
         return Err(crate::exit::Diverged { step: None, why }.into());
+    }
+    let not_trained = failed(|r| r.not_trained);
+    if !not_trained.is_empty() {
+        let why = format!("runs of {} ended no better than chance; the table marks them", not_trained.join(", "));
+        return Err(crate::exit::NotTrained { why }.into());
     }
     Ok(rows)
 }
@@ -278,6 +311,8 @@ const MAX_SEEDS: u64 = 1000;
 fn variant(base: &TrainRecipe, rule: &RuleSpec, workers: Option<usize>, seed: u64) -> Result<TrainRecipe> {
     let mut recipe = base.clone();
     recipe.sync.rule = rule.rule.clone();
+    // The row's rule replaces the recipe's, and with it the budget the recipe's alpha came from.
+    recipe.sync.budget = rule.budget;
     if recipe.sync.rule == SyncRule::Dp {
         recipe.sync.streaming = None;
     }
@@ -336,6 +371,7 @@ impl Compare<'_> {
             wall_seconds_mean: avg(|s| s.wall_seconds),
             runs,
             diverged: summaries.iter().filter(|s| s.diverged.is_some()).count(),
+            not_trained: summaries.iter().filter(|s| s.not_trained.is_some()).count(),
         })
     }
 
@@ -359,8 +395,8 @@ impl Compare<'_> {
         };
         let s = match crate::topology::threads::run(&spec) {
             Ok(summary) => summary,
-            // A diverged run is a result of the comparison: its summary says so.
-            Err(e) if e.chain().any(|c| c.is::<crate::exit::Diverged>()) => {
+            // A run that diverged or did not train is a result of the comparison: its summary says so.
+            Err(e) if e.chain().any(|c| c.is::<crate::exit::Diverged>() || c.is::<crate::exit::NotTrained>()) => {
                 eprintln!("compare: {label} seed {seed}: {e:#}");
                 crate::files::read_regular(&run_dir.join("summary.json"), crate::files::SUMMARY_BYTES, "run summary")
                     .ok()
@@ -427,11 +463,12 @@ fn markdown(recipe: &TrainRecipe, workers: usize, rows: &[Row], seeds: u64) -> R
             };
             format!(" + outer (lr {}, momentum {}{per})", c.lr, c.momentum)
         });
-        let diverged = if r.diverged > 0 {
-            format!(" **diverged in {} of {} seeds**", r.diverged, r.seeds)
-        } else {
-            String::new()
-        };
+        let mut diverged = String::new();
+        for (n, what) in [(r.diverged, "diverged"), (r.not_trained, "did not train")] {
+            if n > 0 {
+                write!(diverged, " **{what} in {n} of {} seeds**", r.seeds)?;
+            }
+        }
         let train = match (with_train, r.train_accuracy) {
             (true, Some(t)) => format!(" {:.2} ± {:.2} |", 100.0 * t.mean, 100.0 * t.ci95),
             (true, None) => " - |".to_string(),

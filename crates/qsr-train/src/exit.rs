@@ -12,6 +12,7 @@ use qsr_comm::CommError;
 /// | 3 | another rank failed (lost, stalled or aborted) and this one stopped because of it |
 /// | 4 | training diverged (a loss not finite, or above the divergence limit twice): the run stopped, its last good checkpoint is kept |
 /// | 5 | the elastic job's store failed (unreachable, stopped, closed) or expelled this worker |
+/// | 6 | the run did not train: its final evaluation is no better than chance (a loss not below the loss of predicting every class alike, or a classifier's accuracy within 2 points of chance) |
 /// | 128 + N | the `--nproc` launcher was interrupted by signal N (130 for SIGINT, 143 for SIGTERM) |
 ///
 /// A `--nproc` launcher whose workers failed exits with the status of the one that failed first, or
@@ -30,6 +31,8 @@ pub(crate) enum Exit {
     Diverged = 4,
     /// 5.
     Store = 5,
+    /// 6.
+    NotTrained = 6,
 }
 
 /// Exit status of a worker that failed only because another rank failed first (it lost a peer or was
@@ -63,6 +66,15 @@ pub(crate) struct Diverged {
     /// Steps completed when it was seen (`None`: several runs, as `qsr compare` reports them).
     pub step: Option<u64>,
     /// What was seen, with the numbers.
+    pub why: String,
+}
+
+/// The run finished but did not train ([`Exit::NotTrained`]): its final evaluation is no better than
+/// a model that predicts every class alike.
+#[derive(Debug, thiserror::Error)]
+#[error("the run did not train: {why}")]
+pub(crate) struct NotTrained {
+    /// What the final evaluation saw, with the numbers and the settings to look at.
     pub why: String,
 }
 
@@ -114,6 +126,8 @@ pub(crate) fn exit_code(e: &anyhow::Error) -> u8 {
     }
     let status = if e.chain().any(|c| c.is::<Diverged>()) {
         Exit::Diverged
+    } else if e.chain().any(|c| c.is::<NotTrained>()) {
+        Exit::NotTrained
     } else if e.chain().any(|c| c.is::<BadInput>())
         || comm_errors(e).any(|c| {
             matches!(
@@ -165,6 +179,7 @@ mod tests {
             (anyhow::Error::from(peer).context("rank 2 of 4"), 3),
             (anyhow::Error::new(Diverged { step: Some(4), why: "loss NaN".into() }), 4),
             (anyhow::Error::from(store), 5),
+            (anyhow::Error::new(NotTrained { why: "accuracy 9.17 %".into() }).context("rank 0"), 6),
             (anyhow::Error::from(CommError::Expelled { generation: 0, current: 1 }), 5),
             (anyhow::Error::from(CommError::Mismatch { peer: "store".into(), detail: "`seed`".into() }), 2),
             (anyhow::Error::new(Interrupted { signal: 2, name: "SIGINT", stopped: 4, resumable: true }), 130),

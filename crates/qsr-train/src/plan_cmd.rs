@@ -112,6 +112,13 @@ pub(crate) struct StreamingReport {
 pub(crate) fn run(args: &PlanArgs, out: &mut dyn Write) -> Result<()> {
     let recipes = load(args).map_err(crate::exit::bad_input)?;
     let reports: Vec<PlanReport> = recipes.iter().map(|r| report(r, args)).collect();
+    for (recipe, report) in recipes.iter().zip(&reports) {
+        // Streaming's own warnings are part of its report.
+        let shown = report.streaming.as_ref().map_or(&[][..], |s| &s.warnings[..]);
+        for w in recipe.warnings.iter().filter(|w| !shown.contains(w)) {
+            eprintln!("qsr: warning: {}: {w}", recipe.name);
+        }
+    }
     match args.format {
         Format::Json if reports.len() == 1 => writeln!(out, "{}", serde_json::to_string_pretty(&reports[0])?)?,
         Format::Json => writeln!(out, "{}", serde_json::to_string_pretty(&reports)?)?,

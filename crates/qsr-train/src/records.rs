@@ -165,6 +165,10 @@ pub(crate) struct Summary {
     /// the one that saw it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub diverged: Option<String>,
+    /// Why the run did not train, when its final evaluation was no better than chance (`qsr` then
+    /// exits with status 6).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_trained: Option<String>,
 }
 
 impl Record {

@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
+use qsr_optim::{DriverConfig, Face, OuterConfig, SyncSettings, check_sync};
 use qsr_sched::{FragmentPlan, LocalSync, LrSchedule, Plan, StreamingConfig, SyncSection};
 use toml::{Table, Value};
 
@@ -84,7 +85,7 @@ pub struct PlanOverrides {
     #[arg(long)]
     pub budget: Option<f64>,
     /// Override a recipe key, e.g. `--set sync.streaming.fragments=4` (repeatable; applied before
-    /// the flags above).
+    /// the flags above); `--set KEY=` drops the key.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,
 }
@@ -100,6 +101,8 @@ pub struct PlanRecipe {
     pub plan: Plan,
     /// `[sync.streaming]`'s settings and fragment schedule over `plan`, where the recipe has them.
     pub streaming: Option<(StreamingConfig, FragmentPlan)>,
+    /// What the sync settings do differently from what they say ([`check_sync`]'s warnings).
+    pub warnings: Vec<String>,
 }
 
 /// Reads a recipe file as a TOML table, naming the file in every error.
@@ -146,11 +149,8 @@ impl PlanOverrides {
             super::sets::switch_rule(sync, rule);
         }
         set(sync, "h_base", int(self.h_base));
-        if self.alpha.is_some() {
-            // The flag's alpha replaces the recipe's budget, which would choose another.
-            sync.remove("budget");
-        }
         set(sync, "alpha", float(self.alpha));
+        set(sync, "budget", float(self.budget));
         set(sync, "power", float(self.power));
         set(sync, "switch_step", int(self.switch_step));
         set(sync, "h", int(self.h));
@@ -192,48 +192,66 @@ fn parse_section<T: serde::de::DeserializeOwned>(root: &Table, name: &str, origi
     })
 }
 
-/// QSR's alpha from a budget, the flag's (`--budget`, `flag`) or else the recipe's `[sync] budget`
-/// (taken out of the table): the alpha of the table's QSR rule that meets the budget over its
-/// schedule (the smallest: the most syncs the budget buys), written into `[sync]` before the plan
-/// is built, so the resolved recipe records the alpha the run uses. The recipe key beside
-/// `sync.alpha` is refused (which one would win is not obvious); the flag overrides both.
-pub(crate) fn apply_budget(root: &mut Table, flag: Option<f64>, run_steps: Option<u64>, origin: &str) -> Result<()> {
-    let key = root.get_mut("sync").and_then(Value::as_table_mut).and_then(|s| s.remove("budget"));
-    let recipe = key
-        .map(|v| {
-            let number = v.as_float().or_else(|| v.as_integer().map(|i| i as f64));
-            number.ok_or_else(|| anyhow!("{origin}: `sync.budget` must be a number in (0, 1] (got {v})"))
-        })
-        .transpose()?;
-    let (budget, name) = match (flag, recipe) {
-        (Some(b), _) => (b, "--budget"),
-        (None, Some(b)) => (b, "`sync.budget`"),
-        (None, None) => return Ok(()),
+/// QSR's alpha from `[sync] budget` (the recipe's, `--set sync.budget=` or `--budget`): the alpha of
+/// the table's QSR rule that meets the budget over its schedule (the smallest: the most syncs the
+/// budget buys), written into `[sync]` beside the budget before the plan is built, so the resolved
+/// recipe records both. Budget and alpha are one knob: a budget beside an alpha that is not the one
+/// it resolves to (from any source), or under a rule other than QSR, is refused naming both keys.
+pub(crate) fn apply_budget(root: &mut Table, run_steps: Option<u64>, origin: &str) -> Result<()> {
+    let Some(value) = root.get("sync").and_then(|s| s.get("budget")).cloned() else {
+        return Ok(());
     };
+    let number = value.as_float().or_else(|| value.as_integer().map(|i| i as f64));
+    let budget =
+        number.ok_or_else(|| anyhow!("{origin}: invalid `sync.budget`: must be a number in (0, 1] (got {value})"))?;
     let schedule: LrSchedule = parse_section(root, "schedule", origin)?;
     let sync = section(root, "sync")?;
-    if flag.is_none() && sync.contains_key("alpha") {
-        bail!("{origin}: set `sync.budget` or `sync.alpha`, not both (the budget chooses alpha)");
-    }
-    if sync.get("rule").and_then(Value::as_str) != Some("qsr") {
-        bail!("{origin}: {name} sets the alpha of `sync.rule = \"qsr\"` (add --sync qsr)");
+    let rule = sync.get("rule").and_then(Value::as_str).unwrap_or("(none)").to_string();
+    if rule != "qsr" {
+        bail!(
+            "{origin}: invalid `sync.budget`: it chooses the alpha of `sync.rule = \"qsr\"`, and `sync.rule = \"{rule}\"` has none: set `sync.budget` or `sync.rule`, not both"
+        );
     }
     let h_base = sync.get("h_base").and_then(Value::as_integer).filter(|h| *h > 0);
-    let h_base =
-        h_base.ok_or_else(|| anyhow!("{origin}: {name} needs `sync.h_base` (set it in [sync] or with --h-base)"))?;
+    let h_base = h_base
+        .ok_or_else(|| anyhow!("{origin}: `sync.budget` needs `sync.h_base` (set it in [sync] or with --h-base)"))?;
     let alpha = qsr_sched::alpha_for_budget(&schedule, h_base as u64, budget, run_steps)
-        .map_err(|e| anyhow!("{origin}: {e} ({name})"))?;
+        .map_err(|e| anyhow!("{origin}: invalid `sync.budget`: {}", e.reason))?;
+    // A resolved recipe (a run's recipe.toml) holds both, the alpha the budget chose.
+    let given = sync.get("alpha").map(|v| v.as_float().or_else(|| v.as_integer().map(|i| i as f64)));
+    if let Some(given) = given.filter(|a| *a != Some(alpha)) {
+        let given = given.map_or_else(|| "not a number".to_string(), |a| a.to_string());
+        bail!(
+            "{origin}: invalid `sync.alpha`: `sync.budget` = {budget} and `sync.alpha` = {given} are one knob (the budget chooses alpha = {alpha:.6}): set `sync.budget` or `sync.alpha`, not both"
+        );
+    }
     sync.insert("alpha".into(), Value::Float(alpha));
     Ok(())
 }
 
 /// Builds the plan of a recipe table (already overridden), with its `[sync.streaming]` schedule.
-type PlanParts = (Plan, Option<(StreamingConfig, FragmentPlan)>);
+type PlanParts = (Plan, Option<(StreamingConfig, FragmentPlan)>, Vec<String>);
 
 fn plan_from_table(root: &Table, run_steps: Option<u64>, origin: &str) -> Result<PlanParts> {
     let schedule: LrSchedule = parse_section(root, "schedule", origin)?;
     let sync: SyncSection = parse_section(root, "sync", origin)?;
     let plan = sync.plan(schedule, run_steps).map_err(|e| anyhow!("{origin}: {e}"))?;
+    // The settings `qsr train` checks with the plan: the same check, the same verdict.
+    let driver: DriverConfig = parse_section(root, "driver", origin)?;
+    let outer: Option<OuterConfig> = root.get("outer").map(|_| parse_section(root, "outer", origin)).transpose()?;
+    let settings = SyncSettings {
+        plan: Some(plan.clone()),
+        outer,
+        streaming: sync.streaming,
+        wire: driver.wire,
+        residency: driver.residency,
+        state: driver.state,
+        ..SyncSettings::new(sync.rule.clone())
+    };
+    let verdict = check_sync(&settings, Face::Recipe);
+    if let Some(refusal) = verdict.refusals.first() {
+        bail!("{origin}: {refusal}");
+    }
     let streaming = match sync.streaming {
         Some(settings) => {
             let fragments = settings.fragment_plan(plan.clone()).map_err(|e| anyhow!("{origin}: {e}"))?;
@@ -241,7 +259,7 @@ fn plan_from_table(root: &Table, run_steps: Option<u64>, origin: &str) -> Result
         }
         None => None,
     };
-    Ok((plan, streaming))
+    Ok((plan, streaming, verdict.warnings))
 }
 
 /// Loads a recipe (or none: flags only), applies the overrides and validates.
@@ -267,8 +285,8 @@ pub fn load_plan(path: Option<&Path>, overrides: &PlanOverrides) -> Result<PlanR
         })
         .transpose()?;
     let run_steps = overrides.run_steps.or(recipe_steps);
-    apply_budget(&mut root, overrides.budget, run_steps, &origin)?;
-    let (plan, streaming) = plan_from_table(&root, run_steps, &origin)?;
+    apply_budget(&mut root, run_steps, &origin)?;
+    let (plan, streaming, warnings) = plan_from_table(&root, run_steps, &origin)?;
     let name = match root.get("name") {
         Some(Value::String(s)) => s.clone(),
         Some(_) => bail!("{origin}: `name` must be a string"),
@@ -276,5 +294,5 @@ pub fn load_plan(path: Option<&Path>, overrides: &PlanOverrides) -> Result<PlanR
             path.and_then(|p| p.file_stem()).map_or_else(|| "flags".to_string(), |s| s.to_string_lossy().into_owned())
         }
     };
-    Ok(PlanRecipe { name, source: path.map(Path::to_path_buf), plan, streaming })
+    Ok(PlanRecipe { name, source: path.map(Path::to_path_buf), plan, streaming, warnings })
 }

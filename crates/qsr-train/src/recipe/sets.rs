@@ -4,11 +4,17 @@
 use anyhow::{Result, anyhow, bail};
 use toml::{Table, Value};
 
-/// Applies `key=value` overrides (dotted keys, TOML values; a bare word is a string).
+/// Applies `key=value` overrides (dotted keys, TOML values; a bare word is a string); `key=` with no
+/// value drops the recipe's key (`--set sync.alpha= --set sync.budget=0.1`: budget and alpha are one
+/// knob, and a recipe holding one refuses the other beside it).
 pub(crate) fn apply_sets(root: &mut Table, sets: &[String]) -> Result<()> {
     for set in sets {
         let (key, raw) = set.split_once('=').ok_or_else(|| anyhow!("--set {set}: expected key=value"))?;
         let key = key.trim();
+        if raw.trim().is_empty() {
+            remove_key(root, key);
+            continue;
+        }
         let value = parse_value(raw.trim()).map_err(|why| anyhow!("--set {set}: {why}"))?;
         let parts: Vec<&str> = key.split('.').collect();
         if parts.iter().any(|p| p.is_empty()) {
@@ -24,17 +30,25 @@ pub(crate) fn apply_sets(root: &mut Table, sets: &[String]) -> Result<()> {
         match (key, value.as_str()) {
             // Switching the rule drops the old rule's settings, as `--sync` does.
             ("sync.rule", Some(rule)) => switch_rule(table, rule),
-            // A budget chooses alpha: the recipe's alpha gives way to it (and the reverse).
-            ("sync.budget" | "sync.alpha", _) => {
-                table.remove(if key == "sync.budget" { "alpha" } else { "budget" });
-                table.insert(parts[parts.len() - 1].to_string(), value);
-            }
             _ => {
                 table.insert(parts[parts.len() - 1].to_string(), value);
             }
         }
     }
     Ok(())
+}
+
+/// Removes the dotted `key` from `root`, if it is there.
+fn remove_key(root: &mut Table, key: &str) {
+    let (path, last) = key.rsplit_once('.').unwrap_or(("", key));
+    let mut table = root;
+    for part in path.split('.').filter(|p| !p.is_empty()) {
+        match table.get_mut(part).and_then(Value::as_table_mut) {
+            Some(t) => table = t,
+            None => return,
+        }
+    }
+    table.remove(last);
 }
 
 /// A TOML value, or a bare word as a string (`--set data.path=/data/x`). Text that starts like a TOML
@@ -55,19 +69,20 @@ fn rule_keys(rule: &str) -> &'static [&'static str] {
         "constant" => &["h"],
         "post-local" => &["switch_step", "h"],
         "power" => &["h_base", "alpha", "power"],
-        "qsr" => &["h_base", "alpha", "budget"],
+        "qsr" => &["h_base", "alpha"],
         "exponential" => &["h_base", "scaler", "h_max"],
         _ => &[],
     }
 }
 
 /// Makes `rule` the `[sync]` table's rule, dropping the settings of the old rule that the new one does
-/// not take (`--sync` and `--set sync.rule=...`: a qsr recipe switched to dp keeps no `alpha`).
+/// not take (`--sync` and `--set sync.rule=...`: a qsr recipe switched to dp keeps no `alpha`). A
+/// budget stays: under another rule it is refused, naming both keys, not dropped.
 pub(super) fn switch_rule(sync: &mut Table, rule: &str) {
     let old = sync.get("rule").and_then(Value::as_str).map(str::to_string);
     if old.as_deref() != Some(rule) {
         let keep = rule_keys(rule);
-        sync.retain(|k, _| keep.contains(&k) || k == "local" || k == "streaming");
+        sync.retain(|k, _| keep.contains(&k) || k == "local" || k == "streaming" || k == "budget");
         if rule == "power" && !sync.contains_key("power") && old.as_deref() == Some("qsr") {
             sync.insert("power".into(), Value::Float(2.0));
         }

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, anyhow, bail};
 use qsr_data::Split;
 use qsr_models::ModelConfig;
-use qsr_optim::{DriverConfig, OptimizerConfig, OuterConfig};
+use qsr_optim::{DriverConfig, Face, OptimizerConfig, OuterConfig, SyncSettings, check_sync};
 use qsr_sched::{LrSchedule, Plan};
 
 use serde::{Deserialize, Serialize};
@@ -223,7 +223,7 @@ impl TrainRecipe {
         fill_vocab_size(&mut root).with_context(|| origin.to_string())?;
         let run_steps = root.get("train").and_then(|t| t.get("steps")).and_then(Value::as_integer);
         let run_steps = run_steps.filter(|n| *n > 0).map(|n| n as u64);
-        super::plan::apply_budget(&mut root, None, run_steps, origin)?;
+        super::plan::apply_budget(&mut root, run_steps, origin)?;
         // Deserialize section by section first, so an error names its section.
         for section in SECTIONS {
             if let Some(msg) = root.get(section).and_then(|v| section_error(section, v)) {
@@ -306,19 +306,24 @@ impl TrainRecipe {
         if self.sync.local.as_ref().and_then(|l| l.workers_per_node) == Some(0) {
             bail!("invalid `sync.local.workers_per_node`: must be at least 1");
         }
-        if let Some(streaming) = &self.sync.streaming {
-            streaming.fragment_plan(self.plan()?)?;
+        if let Some(refusal) = check_sync(&self.sync_settings()?, Face::Recipe).refusals.into_iter().next() {
+            bail!("{refusal}");
         }
-        if let Some(outer) = &self.outer {
-            outer.validate_for(&self.sync.rule)?;
-            if self.driver.residency == qsr_optim::Residency::Device {
-                bail!(
-                    "invalid `outer`: the outer optimizer runs on host-resident workers, not driver.residency = \"device\""
-                );
-            }
-        }
-        self.plan()?;
         Ok(())
+    }
+
+    /// Everything that shapes the syncs, as [`check_sync`] judges it (`driver.residency = "auto"` as
+    /// host: the Worker judges the residency it resolves again).
+    pub fn sync_settings(&self) -> Result<SyncSettings> {
+        Ok(SyncSettings {
+            plan: Some(self.plan()?),
+            outer: self.outer,
+            streaming: self.sync.streaming,
+            wire: self.driver.wire,
+            residency: self.driver.residency,
+            state: self.driver.state,
+            ..SyncSettings::new(self.sync.rule.clone())
+        })
     }
 
     /// Checks that nodes of `sync.local.workers_per_node` ranks tile a world of `world` workers (the

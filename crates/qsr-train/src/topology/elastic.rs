@@ -220,7 +220,7 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
         let mut driver = recipe.driver_config();
         driver.broadcast_initial &= !joining;
         let mut worker = Worker::new(model, recipe.optimizer.clone(), comm, pace.plan.cursor(), driver)?;
-        crate::worker::set_up_syncs(&mut worker, recipe, &pace.plan, side, m.rank == 0 && !joining)?;
+        crate::worker::set_up_syncs(&mut worker, recipe, side, m.rank == 0 && !joining)?;
         let (records, base) =
             if joining { (None, Counters::default()) } else { crate::worker::resume(spec, &pace.plan, &mut worker)? };
         let (end, step) = (pace.plan.end_step(), worker.cursor().step());

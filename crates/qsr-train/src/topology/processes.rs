@@ -295,11 +295,15 @@ fn watch(
     workers = reap(workers, &mut failures)?;
     debug_assert!(workers.is_empty());
     if store.is_some_and(qsr_elastic::Store::finished) {
-        // Workers that diverged finished the plan: the job's outcome is theirs.
-        let diverged = failures.iter().find(|f| f.status.and_then(|s| s.code()) == Some(Exit::Diverged as i32));
-        if let Some(d) = diverged {
-            let message = format!("rank {} diverged (its error is printed above)", d.rank);
-            return Err(crate::exit::WorkersFailed { status: Exit::Diverged as u8, message }.into());
+        // Workers that diverged or did not train finished the plan: the job's outcome is theirs.
+        let outcome = |f: &Failure| match f.status.and_then(|s| s.code()) {
+            Some(c) if c == Exit::Diverged as i32 => Some((Exit::Diverged, "diverged")),
+            Some(c) if c == Exit::NotTrained as i32 => Some((Exit::NotTrained, "did not train")),
+            _ => None,
+        };
+        if let Some((f, (status, what))) = failures.iter().find_map(|f| outcome(f).map(|o| (f, o))) {
+            let message = format!("rank {} {what} (its error is printed above)", f.rank);
+            return Err(crate::exit::WorkersFailed { status: status as u8, message }.into());
         }
         for f in &failures {
             eprintln!("qsr: {}; the elastic job went on without it", f.describe(true));

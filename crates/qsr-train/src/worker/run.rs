@@ -65,7 +65,7 @@ fn run<T: Task>(
     {
         worker.set_device_group(g)?;
     }
-    set_up_syncs(&mut worker, recipe, &pace.plan, comms.stream, rank == 0)?;
+    set_up_syncs(&mut worker, recipe, comms.stream, rank == 0)?;
     let (start_records, base) = resume(spec, &pace.plan, &mut worker)?;
     let end = pace.plan.end_step();
     let first_step = worker.cursor().step();
@@ -97,15 +97,14 @@ fn run<T: Task>(
 pub(crate) fn set_up_syncs<M: Module>(
     worker: &mut Worker<M>,
     recipe: &TrainRecipe,
-    plan: &Plan,
     stream: Option<Box<dyn Collective>>,
     warn: bool,
 ) -> Result<()> {
+    let verdict = qsr_optim::check_sync(&recipe.sync_settings()?, qsr_optim::Face::Recipe);
+    for w in verdict.warnings.iter().filter(|_| warn) {
+        eprintln!("qsr: warning: {w}");
+    }
     if let Some(streaming) = recipe.sync.streaming {
-        let fragments = streaming.fragment_plan(plan.clone())?;
-        for w in streaming.warnings(&fragments).iter().filter(|_| warn) {
-            eprintln!("qsr: warning: {w}");
-        }
         worker.set_streaming(streaming)?;
         if let Some(comm) = stream {
             worker.set_streaming_comm(comm)?;

@@ -57,6 +57,8 @@ pub(crate) struct Segment {
     above_limit: bool,
     /// Why the run diverged, once it did.
     diverged: Option<crate::exit::Diverged>,
+    /// Why the run did not train, when its final evaluation was no better than chance.
+    not_trained: Option<crate::exit::NotTrained>,
 }
 
 /// The training losses of the steps since a sync: a non-finite loss (an update skipped for it) is
@@ -115,6 +117,7 @@ impl Segment {
             last_interval: Interval::default(),
             above_limit: false,
             diverged: None,
+            not_trained: None,
         })
     }
 
@@ -162,8 +165,11 @@ impl Segment {
     /// The run's divergence, if this rank saw one (every rank at an evaluation; rank 0 for its
     /// training loss), as the error the run ends with.
     pub(crate) fn check_diverged(&mut self, rank: usize) -> Result<()> {
-        match self.diverged.take() {
-            Some(d) => Err(anyhow::Error::new(d).context(format!("rank {rank}"))),
+        if let Some(d) = self.diverged.take() {
+            return Err(anyhow::Error::new(d).context(format!("rank {rank}")));
+        }
+        match self.not_trained.take() {
+            Some(n) => Err(anyhow::Error::new(n).context(format!("rank {rank}"))),
             None => Ok(()),
         }
     }
@@ -241,6 +247,9 @@ impl Segment {
         }
         let limit = recipe.eval.divergence_factor * task.chance_loss();
         self.diverged = judge(&mut self.above_limit, ev.loss, limit, done_steps, is_end);
+        if is_end && self.diverged.is_none() {
+            self.not_trained = untrained(&ev, task.chance_loss(), task.chance_accuracy());
+        }
         self.last_eval = Some(ev);
         if self.diverged.is_some() {
             return Ok(AfterSync::Diverged);
@@ -319,6 +328,7 @@ impl Segment {
             unigram_entropy: task.unigram_entropy(),
             membership: membership_changes(&spec.run_dir),
             diverged: self.diverged.as_ref().map(ToString::to_string),
+            not_trained: self.not_trained.as_ref().map(|n| n.why.clone()),
         };
         checkpoint::write_atomic(&spec.run_dir.join("summary.json"), serde_json::to_string_pretty(&s)?.as_bytes())?;
         Ok(Some(s))
@@ -348,6 +358,33 @@ fn judge(
         "the evaluation's loss is {seen} {limit:.4}, the divergence limit (eval.divergence_factor x the loss at the start, of a model that predicts every class alike){twice}; the last checkpoint before it is kept (lower the learning rate, or the outer optimizer's momentum)"
     );
     Some(crate::exit::Diverged { step: Some(done_steps), why })
+}
+
+/// A classifier's final accuracy at most this far above chance is no model.
+const CHANCE_MARGIN: f64 = 0.02;
+
+/// Whether the final evaluation `ev` says the run did not train: its loss not below `chance_loss`
+/// (every class, or token, predicted alike), or a classifier's accuracy within [`CHANCE_MARGIN`] of
+/// `chance_accuracy`.
+fn untrained(ev: &Eval, chance_loss: f64, chance_accuracy: Option<f64>) -> Option<crate::exit::NotTrained> {
+    let hint = "the workers' average is no model: shorten the rounds (sync.h, sync.alpha, a larger sync.budget), \
+                raise sync.streaming.mix, or lower the outer optimizer's lr or momentum";
+    if ev.loss >= chance_loss {
+        let why = format!(
+            "the final test loss {:.4} is not below {chance_loss:.4}, the loss of predicting every class alike; {hint}",
+            ev.loss
+        );
+        return Some(crate::exit::NotTrained { why });
+    }
+    let chance = chance_accuracy?;
+    (ev.accuracy <= chance + CHANCE_MARGIN).then(|| crate::exit::NotTrained {
+        why: format!(
+            "the final test accuracy {:.2}% is within {:.0} points of chance ({:.2}%); {hint}",
+            100.0 * ev.accuracy,
+            100.0 * CHANCE_MARGIN,
+            100.0 * chance
+        ),
+    })
 }
 
 /// One record shape for syncs and evaluations, at the step `report` completed.

@@ -50,6 +50,8 @@ pub(crate) trait Task {
     /// The loss of a model that predicts every class (or token) alike, `ln(classes)`: where a freshly
     /// initialised model starts, and what divergence is measured against.
     fn chance_loss(&self) -> f64;
+    /// A classifier's accuracy at chance, `1 / classes`; `None` for a language model (judged by its loss).
+    fn chance_accuracy(&self) -> Option<f64>;
 }
 
 /// Image classification: the authors' sharded sampler, augmentation, BN re-estimation, test accuracy.
@@ -243,6 +245,10 @@ impl Task for ImageTask {
     fn chance_loss(&self) -> f64 {
         (self.classes.max(1) as f64).ln()
     }
+
+    fn chance_accuracy(&self) -> Option<f64> {
+        Some(1.0 / self.classes.max(1) as f64)
+    }
 }
 
 /// Sums `[correct, loss sum, count]` over the ranks into an [`Eval`].
@@ -421,6 +427,10 @@ impl Task for TextTask {
 
     fn unigram_entropy(&self) -> Option<f64> {
         Some(self.corpus.unigram_entropy())
+    }
+
+    fn chance_accuracy(&self) -> Option<f64> {
+        None
     }
 
     fn chance_loss(&self) -> f64 {

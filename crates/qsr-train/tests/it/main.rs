@@ -9,6 +9,7 @@ mod plan_cli;
 mod recipes;
 mod simulate;
 mod srun;
+mod sync_check;
 mod text;
 mod time_step;
 mod train_cli;

@@ -309,18 +309,18 @@ fn plan_takes_set_overrides_of_recipe_keys() {
 
 /// `--budget` picks QSR's alpha for the recipe's schedule: the plan spends at most that share of data
 /// parallel's syncs and nearly all of it; a rule other than qsr, or a budget h_base alone meets, is
-/// refused naming the flag.
+/// refused naming the key.
 #[test]
 fn plan_budget_sets_alpha_within_the_share_of_data_parallels_syncs() {
     let recipe = "recipes/imagenet-vit-b-qsr-hbase4.toml";
     for budget in ["0.2", "0.104", "0.05"] {
-        let v = plan_json(&["--recipe", recipe, "--budget", budget]);
+        let v = plan_json(&["--recipe", recipe, "--set", "sync.alpha=", "--budget", budget]);
         let (share, budget) = (v["comm_percent"].as_f64().unwrap() / 100.0, budget.parse::<f64>().unwrap());
         assert!(share <= budget && share > 0.95 * budget, "{budget}: {share}");
     }
     let err = plan_refused(&["--recipe", "recipes/imagenet-vit-b-h4.toml", "--budget", "0.1"]);
-    assert!(err.contains("--budget") && err.contains("qsr"), "{err}");
-    let err = plan_refused(&["--recipe", recipe, "--budget", "0.5"]);
+    assert!(err.contains("`sync.budget`") && err.contains("`sync.rule = \"constant\"`"), "{err}");
+    let err = plan_refused(&["--recipe", recipe, "--set", "sync.alpha=", "--budget", "0.5"]);
     assert!(err.contains("budget") && err.contains("lower h_base"), "{err}");
 }
 
@@ -361,9 +361,10 @@ fn bad_streaming_settings_are_refused_naming_the_key() {
 }
 
 /// N8: `mix = 0.001` trained workers that never came together (their models 80 %, the final average
-/// 12.8 %, exit 0). A mix whose 346 syncs leave more than 5 % of the workers' differences is refused
-/// by `qsr plan`, `qsr train` and `qsr simulate` alike, naming the key and the least mix that does; a
-/// mix slow to halve them is warned about.
+/// 12.8 %, exit 0). Issue 54: mix 0.014, accepted then, trained to 64 %. A mix under which the
+/// workers' differences take more than a fiftieth of the run's 346 syncs per fragment to halve is
+/// refused by `qsr plan`, `qsr train` and `qsr simulate` alike, naming the key and the least mix that
+/// passes.
 #[test]
 fn a_mix_that_cannot_bring_the_workers_together_is_refused_by_plan_train_and_simulate() {
     use crate::common::{refused, root};
@@ -374,16 +375,20 @@ fn a_mix_that_cannot_bring_the_workers_together_is_refused_by_plan_train_and_sim
         std::fs::write(&path, format!("{base}\n[sync.streaming]\nfragments = 4\nmix = {mix}\n")).unwrap();
         path.to_str().unwrap().to_string()
     };
-    let bad = recipe("0.003");
-    let simulate = ["simulate", "--recipe", &bad, "--bandwidth", "1gbit", "--step-seconds", "0.1"];
-    let out = dir.path().join("run");
-    let train = ["train", "--recipe", &bad, "--workers", "2", "--quiet", "--out", out.to_str().unwrap()];
-    for args in [&["plan", "--recipe", &bad][..], &simulate, &train] {
-        let e = refused(args);
-        assert!(e.contains("sync.streaming.mix = 0.003 cannot bring the workers together"), "{args:?}: {e}");
-        assert!(e.contains("use mix >= 0.0086"), "{args:?}: {e}");
+    for mix in ["0.003", "0.01"] {
+        let bad = recipe(mix);
+        let simulate = ["simulate", "--recipe", &bad, "--bandwidth", "1gbit", "--step-seconds", "0.1"];
+        let out = dir.path().join("run");
+        let train = ["train", "--recipe", &bad, "--workers", "2", "--quiet", "--out", out.to_str().unwrap()];
+        for args in [&["plan", "--recipe", &bad][..], &simulate, &train] {
+            let e = refused(args);
+            assert!(
+                e.contains(&format!("sync.streaming.mix = {mix} halves the workers' differences only")),
+                "{args:?}: {e}"
+            );
+            assert!(e.contains("use mix >= 0.0954"), "{args:?}: {e}");
+        }
+        assert!(!out.exists(), "a refused run wrote its directory");
     }
-    assert!(!out.join("summary.json").exists(), "a refused run trained");
-    let text = String::from_utf8(qsr(&["plan", "--recipe", &recipe("0.01")]).stdout).unwrap();
-    assert!(text.contains("warning: sync.streaming.mix = 0.01 halves the workers' differences only"), "{text}");
+    assert!(qsr(&["plan", "--recipe", &recipe("0.0954")]).status.success());
 }

@@ -38,31 +38,49 @@ fn set_sync_rule_switches_the_rule_and_drops_the_old_rules_settings() {
 }
 
 /// Issue 46: `[sync] budget` chooses QSR's alpha as `qsr plan --budget` does (the smallest alpha whose
-/// plan stays within the share of data parallel's syncs); `--set sync.budget=...` replaces a
-/// recipe's alpha, and a recipe that sets both is refused naming both keys.
+/// plan stays within the share of data parallel's syncs). Issue 54: budget and alpha are one knob:
+/// both, from any source (one recipe, a recipe and `--set`, a recipe and a flag), are refused naming
+/// both keys; `--set sync.alpha=` drops a recipe's alpha; the resolved recipe records both and loads.
 #[test]
 fn a_sync_budget_chooses_alpha_as_the_planners_flag_does() {
     let path = crate::common::root().join("recipes/digits-qsr.toml");
-    let recipe = TrainRecipe::load(&path, &["sync.budget=0.2".to_string()]).unwrap();
+    let sets = ["sync.alpha=".to_string(), "sync.budget=0.2".to_string()];
+    let recipe = TrainRecipe::load(&path, &sets).unwrap();
     let qsr_sched::SyncRule::Qsr { h_base, alpha } = recipe.sync.rule.clone() else { panic!("{:?}", recipe.sync.rule) };
     let expected = qsr_sched::alpha_for_budget(&recipe.schedule, h_base, 0.2, recipe.train.steps).unwrap();
     assert_eq!(alpha, expected);
+    assert_eq!(recipe.sync.budget, Some(0.2), "the resolved recipe records the budget");
     let share = recipe.plan().unwrap().summary().comm_percent / 100.0;
     assert!(share <= 0.2, "{share}");
-    let flags = qsr_train::recipe::PlanOverrides { budget: Some(0.2), ..Default::default() };
+    let flags =
+        qsr_train::recipe::PlanOverrides { budget: Some(0.2), sets: vec!["sync.alpha=".into()], ..Default::default() };
     assert_eq!(recipe.plan().unwrap(), qsr_train::recipe::load_plan(Some(&path), &flags).unwrap().plan);
-    // Both keys in one recipe: refused.
+    // The resolved recipe (budget and the alpha it chose) loads as it was written.
     let dir = tempfile::tempdir().unwrap();
+    let resolved = dir.path().join("resolved.toml");
+    std::fs::write(&resolved, recipe.to_toml().unwrap()).unwrap();
+    assert_eq!(TrainRecipe::load(&resolved, &[]).unwrap().sync, recipe.sync);
+    // Both keys, from any source and in any order: refused naming both.
     let text = std::fs::read_to_string(&path).unwrap().replace("[sync]", "[sync]\nbudget = 0.2");
     let both = dir.path().join("both.toml");
     std::fs::write(&both, text).unwrap();
-    let e = format!("{:#}", TrainRecipe::load(&both, &[]).unwrap_err());
-    assert!(e.contains("set `sync.budget` or `sync.alpha`, not both"), "{e}");
-    // Review: `qsr plan --alpha` on a recipe with a budget takes the flag's alpha.
     let budget_only = dir.path().join("budget.toml");
     let text = std::fs::read_to_string(&path).unwrap().replace("alpha = 0.06", "budget = 0.2");
     std::fs::write(&budget_only, text).unwrap();
+    let set = |s: &[&str]| s.iter().map(ToString::to_string).collect::<Vec<_>>();
+    let refusals = [
+        format!("{:#}", TrainRecipe::load(&both, &[]).unwrap_err()),
+        format!("{:#}", TrainRecipe::load(&path, &set(&["sync.budget=0.2"])).unwrap_err()),
+        format!("{:#}", TrainRecipe::load(&budget_only, &set(&["sync.alpha=0.03"])).unwrap_err()),
+        format!("{:#}", TrainRecipe::load(&budget_only, &set(&["sync.alpha=0.03", "sync.budget=0.2"])).unwrap_err()),
+        format!("{:#}", TrainRecipe::load(&budget_only, &set(&["sync.budget=0.2", "sync.alpha=0.03"])).unwrap_err()),
+    ];
     let flag = qsr_train::recipe::PlanOverrides { alpha: Some(0.03), ..Default::default() };
-    let plan = qsr_train::recipe::load_plan(Some(&budget_only), &flag).unwrap().plan;
-    assert_eq!(plan.sync(), &qsr_sched::SyncRule::Qsr { h_base, alpha: 0.03 });
+    let from_flag = format!("{:#}", qsr_train::recipe::load_plan(Some(&budget_only), &flag).unwrap_err());
+    for e in refusals.iter().chain([&from_flag]) {
+        assert!(e.contains("`sync.budget`") && e.contains("`sync.alpha`") && e.contains("not both"), "{e}");
+    }
+    // A budget under another rule, from a switch of the rule: refused naming both keys, not dropped.
+    let e = format!("{:#}", TrainRecipe::load(&budget_only, &set(&["sync.rule=constant", "sync.h=2"])).unwrap_err());
+    assert!(e.contains("`sync.budget`") && e.contains("`sync.rule"), "{e}");
 }

@@ -1,0 +1,262 @@
+//! The one check of the sync settings: everything that shapes the syncs (rule and plan, outer step and
+//! its unit, streaming, wire, residency, state policy, local level), checked together from the
+//! settings alone, with no collective and no model, so a combination is judged once and alike by
+//! `qsr plan`, `train`, `compare`, `simulate`, the [`Worker`](crate::Worker) and the
+//! [`Averager`](crate::Averager). No other code refuses a sync setting; what the collective can carry
+//! (a bf16 wire over MPI) is the collective's to say, when it exists.
+
+use std::fmt;
+
+use qsr_sched::{ConfigError, MAX_FRAGMENTS, Plan, StreamingConfig, SyncRule};
+
+use crate::error::OptimError;
+use crate::outer::{OuterConfig, OuterUnit};
+use crate::sync::{Residency, StatePolicy, Wire};
+
+/// Everything that shapes the syncs of a run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SyncSettings {
+    /// When rounds end.
+    pub rule: SyncRule,
+    /// The run's plan under `rule` (with its local level), where the face has one: the trainer's
+    /// Worker does, an [`Averager`](crate::Averager) decides rounds from the caller's lrs as it goes.
+    pub plan: Option<Plan>,
+    /// The outer optimizer at parameter syncs.
+    pub outer: Option<OuterConfig>,
+    /// Streaming syncs.
+    pub streaming: Option<StreamingConfig>,
+    /// The parameter syncs' wire.
+    pub wire: Wire,
+    /// Where the flat state lives; `Auto` is judged as host (a CPU backend), and a Worker judges its
+    /// resolved residency again.
+    pub residency: Residency,
+    /// Which optimizer moments are averaged at syncs.
+    pub state: StatePolicy,
+}
+
+impl SyncSettings {
+    /// `rule` alone: plain f32 averages of host-resident state, no plan.
+    pub fn new(rule: SyncRule) -> Self {
+        Self {
+            rule,
+            plan: None,
+            outer: None,
+            streaming: None,
+            wire: Wire::F32,
+            residency: Residency::Host,
+            state: StatePolicy::default(),
+        }
+    }
+
+    /// Whether parameter syncs stream: a streaming section, or a quantized wire (one fragment).
+    pub fn streams(&self) -> bool {
+        self.streaming.is_some() || self.wire.codec().is_some()
+    }
+}
+
+/// How a face spells the settings in its refusals: a recipe's keys, or an `AveragerConfig`'s fields.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Face {
+    /// `qsr`'s recipes and the trainer's Worker: `sync.*`, `outer.*`, `driver.*`.
+    Recipe,
+    /// An [`AveragerConfig`](crate::AveragerConfig): `rule.*`, `outer.*`, `streaming.*`, `wire`.
+    Averager,
+}
+
+impl Face {
+    /// The face, as a refusal calls its owner.
+    pub(crate) fn owner(self) -> &'static str {
+        match self {
+            Face::Recipe => "worker",
+            Face::Averager => "averager",
+        }
+    }
+
+    /// The key of the wire setting.
+    pub(crate) fn wire(self) -> &'static str {
+        match self {
+            Face::Recipe => "driver.wire",
+            Face::Averager => "wire",
+        }
+    }
+
+    /// The key of the streaming section.
+    pub(crate) fn streaming(self) -> &'static str {
+        match self {
+            Face::Recipe => "sync.streaming",
+            Face::Averager => "streaming",
+        }
+    }
+
+    /// A recipe key (`sync.alpha`, `sync.streaming.mix`) as this face spells it.
+    fn key(self, recipe_key: &str) -> String {
+        match self {
+            Face::Recipe => recipe_key.to_string(),
+            Face::Averager => match recipe_key.strip_prefix("sync.streaming") {
+                Some(rest) => format!("streaming{rest}"),
+                None => recipe_key.replacen("sync.", "rule.", 1),
+            },
+        }
+    }
+}
+
+/// A setting refused: its key as the face spells it, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// The key (`sync.alpha`, `outer.unit`, `driver.wire`; `wire`, `streaming.mix` for an Averager).
+    pub field: String,
+    /// Why, with the numbers and what would work.
+    pub reason: String,
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid `{}`: {}", self.field, self.reason)
+    }
+}
+
+impl From<Refusal> for OptimError {
+    fn from(r: Refusal) -> Self {
+        OptimError::Config { field: r.field, reason: r.reason }
+    }
+}
+
+/// What [`check_sync`] says of a set of settings: refusals (any one refuses the run) and warnings.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SyncVerdict {
+    /// Settings the run cannot train with, in the order checked.
+    pub refusals: Vec<Refusal>,
+    /// What the settings do differently from what they say, one line each.
+    pub warnings: Vec<String>,
+}
+
+impl SyncVerdict {
+    /// The warnings, or the first refusal as an error.
+    pub fn into_result(self) -> Result<Vec<String>, OptimError> {
+        match self.refusals.into_iter().next() {
+            Some(r) => Err(r.into()),
+            None => Ok(self.warnings),
+        }
+    }
+}
+
+/// Checks `settings` as `face` spells them: every refusal and warning of the sync settings.
+///
+/// ```
+/// use qsr_optim::{Face, OuterConfig, OuterUnit, SyncSettings, Wire, check_sync};
+/// let mut settings = SyncSettings::new(qsr_optim::SyncRule::Qsr { h_base: 2, alpha: 0.06 });
+/// settings.outer = Some(OuterConfig { unit: OuterUnit::Lr, ..OuterConfig::short_rounds() });
+/// settings.wire = Wire::Int8;
+/// let verdict = check_sync(&settings, Face::Recipe);
+/// assert_eq!(verdict.refusals[0].field, "outer.unit");
+/// ```
+pub fn check_sync(settings: &SyncSettings, face: Face) -> SyncVerdict {
+    let mut v = SyncVerdict::default();
+    let mut refuse = |field: &str, reason: String| v.refusals.push(Refusal { field: field.into(), reason });
+    let sched = |e: ConfigError| Refusal { field: face.key(&e.field), reason: e.reason };
+    if let Some(plan) = &settings.plan
+        && let Err(e) = plan.check_meets()
+    {
+        let r = sched(e);
+        refuse(&r.field, r.reason);
+    }
+    let host = settings.residency != Residency::Device;
+    if let Some(outer) = &settings.outer {
+        if let Err(OptimError::Config { field, reason }) = outer.validate_for(&settings.rule) {
+            refuse(&field, reason);
+        }
+        if !host {
+            refuse(
+                "outer",
+                format!("the outer optimizer runs on host-resident {}s (driver.residency = \"host\")", face.owner()),
+            );
+        }
+        if settings.streams() && outer.unit != OuterUnit::Round {
+            refuse(
+                "outer.unit",
+                "streaming and quantized syncs take DiLoCo's outer step per sync (`outer.unit = \"round\"`): a \
+                 fragment's sync ends no round"
+                    .into(),
+            );
+        }
+    }
+    if settings.wire != Wire::F32 && !host {
+        let wire = settings.wire.encoding_name();
+        refuse(
+            face.wire(),
+            format!("{wire} syncs run on host-resident {}s (driver.residency = \"host\")", face.owner()),
+        );
+    }
+    if settings.streams() {
+        let field = if settings.streaming.is_some() { face.streaming() } else { face.wire() };
+        if !host {
+            let owner = face.owner();
+            refuse(
+                field,
+                format!("streaming and quantized syncs run on host-resident {owner}s (driver.residency = \"host\")"),
+            );
+        }
+        if settings.state.average_first_moment || settings.state.average_second_moment {
+            refuse(field, "streaming and quantized syncs do not average optimizer moments (`driver.state`)".into());
+        }
+    }
+    if let (Some(outer), Some(plan)) = (&settings.outer, &settings.plan) {
+        v.warnings.extend(outer_gain_warning(outer, plan));
+    }
+    if let Some(streaming) = &settings.streaming {
+        match check_streaming(streaming, settings, face) {
+            Ok(warnings) => v.warnings.extend(warnings),
+            Err(r) => v.refusals.push(r),
+        }
+    }
+    v
+}
+
+/// At steady state an outer step with per-step momentum `mu` moves `outer_lr / (1 - mu^n)` times the
+/// workers' mean displacement over rounds of `n` steps: past this, say so.
+const OUTER_GAIN_WARNED: f64 = 2.0;
+
+/// A per-step outer unit whose momentum, taken over the plan's shortest parameter round, amplifies the
+/// average's displacement more than [`OUTER_GAIN_WARNED`] times (on the digits MLP's 2-step QSR rounds
+/// momentum 0.9 per step, a gain of 3.7, ended at 44-54 % where 0.5, a gain of 0.93, held 94 %).
+fn outer_gain_warning(outer: &OuterConfig, plan: &Plan) -> Option<String> {
+    if outer.unit == OuterUnit::Round || outer.momentum == 0.0 {
+        return None;
+    }
+    let n = plan.rounds().filter(|r| r.mode == qsr_sched::SyncMode::Parameters).map(|r| r.len).min()?;
+    let kept = outer.momentum.powf(n as f64);
+    let gain = outer.lr / (1.0 - kept);
+    (gain > OUTER_GAIN_WARNED).then(|| {
+        format!(
+            "outer.momentum = {} per inner step (`outer.unit = \"{}\"`) keeps {:.0}% of its buffer across the plan's \
+             {n}-step rounds: at steady state an outer step moves {gain:.1} times the workers' mean displacement; \
+             DiLoCo's momentum m per round of H steps is m^(1/H) per step (lower outer.momentum or outer.lr)",
+            outer.momentum,
+            outer.unit.name(),
+            100.0 * kept
+        )
+    })
+}
+
+/// The streaming section against the rule and plan: its own settings, the fragment count, and a
+/// `mix` that brings the workers together (its warnings when it passes).
+fn check_streaming(streaming: &StreamingConfig, s: &SyncSettings, face: Face) -> Result<Vec<String>, Refusal> {
+    let sched = |e: ConfigError| Refusal { field: face.key(&e.field), reason: e.reason };
+    streaming.validate().map_err(sched)?;
+    let fragments_key = face.key("sync.streaming.fragments");
+    match &s.plan {
+        Some(plan) => {
+            let fragments = streaming.fragment_plan(plan.clone()).map_err(sched)?;
+            Ok(streaming.warnings(&fragments))
+        }
+        None if !(1..=MAX_FRAGMENTS).contains(&streaming.fragments) => Err(Refusal {
+            field: fragments_key,
+            reason: format!("must be 1..={MAX_FRAGMENTS} (got {})", streaming.fragments),
+        }),
+        None if streaming.fragments > 1 && s.rule.syncs_gradients(0) => Err(Refusal {
+            field: fragments_key,
+            reason: format!("needs a rule that averages parameters; `{}` all-reduces gradients", s.rule.name()),
+        }),
+        None => Ok(Vec::new()),
+    }
+}
