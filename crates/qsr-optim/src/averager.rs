@@ -176,14 +176,14 @@ impl AveragerConfig {
         Ok(None)
     }
 
-    /// The sync settings of this config, as [`check_sync`](crate::check_sync) judges them (host-resident,
-    /// no plan: the rounds come from the caller's lrs).
-    pub fn sync_settings(&self) -> SyncSettings {
+    /// The sync settings of this config over `workers` workers, as [`check_sync`](crate::check_sync)
+    /// judges them (host-resident, no plan: the rounds come from the caller's lrs).
+    pub fn sync_settings(&self, workers: usize) -> SyncSettings {
         SyncSettings {
             outer: self.outer,
             streaming: self.streaming,
             wire: self.wire,
-            ..SyncSettings::new(self.rule.clone())
+            ..SyncSettings::new(self.rule.clone(), workers)
         }
     }
 
@@ -368,7 +368,7 @@ impl Averager {
         config: AveragerConfig,
         comm: Box<dyn Collective>,
     ) -> Result<(Self, M), OptimError> {
-        check_sync(&config.sync_settings(), Face::Averager).into_result()?;
+        check_sync(&config.sync_settings(comm.world_size()), Face::Averager).into_result()?;
         let mut sync = Synchronizer::new(comm, (config.wire, None), Face::Averager)?;
         let layout = ParamLayout::of(&model);
         let stream = (config.streaming.is_some() || config.wire.codec().is_some())
@@ -749,6 +749,13 @@ impl Averager {
 
     fn start_round(&mut self, t: u64, lr: f64) -> Result<RoundSpan, OptimError> {
         let round = self.config.round_at(t, lr, &mut self.rounds_after_warmup)?;
+        // Judged after warmup (the peak is not known before it) and within the run.
+        let judged = !self.config.rule.syncs_gradients(t) && t >= self.config.warmup_steps;
+        if let Some(run) = self.config.run_steps.filter(|&run| judged && t < run)
+            && let Some(w) = self.lr_watch.round(t, round.end.saturating_sub(round.start), lr, run)
+        {
+            self.warn(&w);
+        }
         self.round = Some(round);
         Ok(round)
     }

@@ -69,7 +69,7 @@ impl<M: Module> Worker<M> {
             wire: config.wire,
             residency,
             state: config.state,
-            ..SyncSettings::new(cursor.plan().sync().clone())
+            ..SyncSettings::new(cursor.plan().sync().clone(), comm.world_size())
         };
         check_sync(&settings, Face::Recipe).into_result()?;
         let layout = ParamLayout::of(&model);

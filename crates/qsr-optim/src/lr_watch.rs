@@ -18,6 +18,9 @@ pub(crate) struct LrWatch {
     warned_past: bool,
     warned_rise: bool,
     ended: bool,
+    /// Whether a round that keeps the workers apart was warned about.
+    #[serde(default)]
+    warned_apart: bool,
 }
 
 /// An lr below this share of its peak has decayed; one that climbs this share of the peak above its
@@ -29,6 +32,20 @@ const RISE: f64 = 0.25;
 const ENDED_HIGH: f64 = 0.25;
 
 impl LrWatch {
+    /// A round of `len` steps from step `start` at `lr` (observed first) in a run of `run_steps`: warned
+    /// once when it keeps the workers apart while the lr is high, as the planner refuses such rounds
+    /// (`qsr_sched::round_apart`, judged against the peak lr seen so far).
+    pub(crate) fn round(&mut self, start: u64, len: u64, lr: f64, run_steps: u64) -> Option<String> {
+        let apart = qsr_sched::round_apart(start, len, lr, self.peak, run_steps).filter(|_| !self.warned_apart)?;
+        self.warned_apart = true;
+        Some(format!(
+            "the round from step {start} keeps the workers apart for {len} steps at lr {lr} ({:.0} steps at the peak lr \
+             {}, above {:.0}, a sixteenth of the run's {run_steps}): their average will be no model; shorten the \
+             rounds (a smaller alpha or h, a larger budget)",
+            apart.drift, self.peak, apart.limit
+        ))
+    }
+
     /// Step `t`'s lr (0-based), under a rule that decides `H` from the lr when `lr_driven`; returns
     /// the warning this step gives, if any.
     pub(crate) fn observe(&mut self, t: u64, lr: f64, run_steps: Option<u64>, lr_driven: bool) -> Option<String> {
@@ -129,5 +146,16 @@ mod tests {
         assert!(high[0].starts_with("the lr ended at 0.066") && high[0].contains("67% of its peak 0.1:"), "{high:?}");
         let constant = warnings(&[0.1; 20], None);
         assert!(constant[0].starts_with("every step passed the same lr 0.1"), "{constant:?}");
+    }
+
+    #[test]
+    fn a_round_that_keeps_the_workers_apart_is_warned_once() {
+        let mut w = LrWatch::default();
+        assert_eq!(w.observe(0, 0.2, Some(880), true), None);
+        assert_eq!(w.round(0, 16, 0.2, 880), None, "a round of 16 steps always passes");
+        assert_eq!(w.round(16, 55, 0.2, 880), None, "a sixteenth of the run passes");
+        let warning = w.round(71, 800, 0.2, 880).expect("800 steps at the peak lr");
+        assert!(warning.contains("keeps the workers apart for 800 steps"), "{warning}");
+        assert_eq!(w.round(871, 800, 0.2, 880), None, "once");
     }
 }

@@ -18,6 +18,9 @@ use crate::sync::{Residency, StatePolicy, Wire};
 pub struct SyncSettings {
     /// When rounds end.
     pub rule: SyncRule,
+    /// How many workers average: a plan whose workers never meet is refused only when there are
+    /// several (one worker trains alone whatever its rounds).
+    pub workers: usize,
     /// The run's plan under `rule` (with its local level), where the face has one: the trainer's
     /// Worker does, an [`Averager`](crate::Averager) decides rounds from the caller's lrs as it goes.
     pub plan: Option<Plan>,
@@ -35,10 +38,11 @@ pub struct SyncSettings {
 }
 
 impl SyncSettings {
-    /// `rule` alone: plain f32 averages of host-resident state, no plan.
-    pub fn new(rule: SyncRule) -> Self {
+    /// `rule` over `workers` workers alone: plain f32 averages of host-resident state, no plan.
+    pub fn new(rule: SyncRule, workers: usize) -> Self {
         Self {
             rule,
+            workers,
             plan: None,
             outer: None,
             streaming: None,
@@ -144,7 +148,7 @@ impl SyncVerdict {
 ///
 /// ```
 /// use qsr_optim::{Face, OuterConfig, OuterUnit, SyncSettings, Wire, check_sync};
-/// let mut settings = SyncSettings::new(qsr_optim::SyncRule::Qsr { h_base: 2, alpha: 0.06 });
+/// let mut settings = SyncSettings::new(qsr_optim::SyncRule::Qsr { h_base: 2, alpha: 0.06 }, 4);
 /// settings.outer = Some(OuterConfig { unit: OuterUnit::Lr, ..OuterConfig::short_rounds() });
 /// settings.wire = Wire::Int8;
 /// let verdict = check_sync(&settings, Face::Recipe);
@@ -154,7 +158,7 @@ pub fn check_sync(settings: &SyncSettings, face: Face) -> SyncVerdict {
     let mut v = SyncVerdict::default();
     let mut refuse = |field: &str, reason: String| v.refusals.push(Refusal { field: field.into(), reason });
     let sched = |e: ConfigError| Refusal { field: face.key(&e.field), reason: e.reason };
-    if let Some(plan) = &settings.plan
+    if let Some(plan) = settings.plan.as_ref().filter(|_| settings.workers > 1)
         && let Err(e) = plan.check_meets()
     {
         let r = sched(e);

@@ -1,7 +1,8 @@
 //! The sync engine under both faces: what a synchronization is, written once. A [`Synchronizer`] owns
 //! the collective (and a node's, for a two-level plan), the wire and its buckets, the outer step,
-//! the streaming state (fragments, delays, error feedback, averages in flight) and every check of
-//! the checks of what its collectives can carry (the settings themselves are `settings.rs`'s). The trainer's [`Worker`](crate::Worker) and the library's
+//! the streaming state (fragments, delays, error feedback, averages in flight) and the check of what
+//! its collectives can carry (the settings themselves are judged by `settings.rs`'s `check_sync`). The
+//! trainer's [`Worker`](crate::Worker) and the library's
 //! [`Averager`](crate::Averager) keep only what their callers need around it: the Worker its replica
 //! (qsr's optimizers over flat state) and the plan's cursor, the Averager the caller's burn model and
 //! the rounds it decides from the caller's lr. A sync feature added here reaches both.

@@ -14,8 +14,9 @@ const STEPS: u32 = 40;
 /// [`PlanSummary::comm_percent`](crate::PlanSummary::comm_percent) / 100): the most synchronizations the
 /// budget buys, so the most averaging. Refused, naming `budget`, outside (0, 1]; when `h_base`
 /// alone already syncs that seldom (QSR then only lengthens rounds the budget does not need
-/// lengthened: lower `h_base`); and when no `alpha` gets below it (the warmup's rounds, at `h_base`,
-/// already cost more).
+/// lengthened: lower `h_base`); when no `alpha` gets below it (the warmup's rounds, at `h_base`,
+/// already cost more); and when only rounds that keep the workers apart while the lr is high get
+/// below it ([`Plan::first_apart`]). The last two offer the least budget that works, rounded up.
 ///
 /// ```
 /// use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncRule, alpha_for_budget};
@@ -81,15 +82,22 @@ pub fn least_alpha_within<E: From<ConfigError>>(
     {
         return Ok(alpha);
     }
-    // Only rounds that keep the workers apart meet the budget: offer the share of the largest alpha
-    // that trains.
-    let largest = if trains(hi)? { hi } else { bisect(floor, hi, |a| trains(a).map(|t| !t))?.0 };
-    let least = share(largest)?;
+    // No alpha meets the budget (the warmup's rounds cost more), or only rounds that keep the workers
+    // apart do: offer the least budget that trains, rounded up so that it does.
+    let up = |share: f64| (share * 1e4).ceil() / 1e2;
+    if found.is_none() && trains(hi)? {
+        return refuse(format!(
+            "no alpha syncs that seldom: at least {:.2} % of data parallel's steps (the warmup's rounds at h_base = \
+             {h_base}, one round after it)",
+            up(share(hi)?)
+        ));
+    }
+    let largest = bisect(floor, hi, |a| trains(a).map(|t| !t))?.0;
     refuse(format!(
         "{:.2} % of data parallel's syncs is too few: the rounds it allows keep the workers apart while the lr is \
          high and their average is no model (docs/architecture/sched.md); at least {:.2} % trains here",
         100.0 * budget,
-        100.0 * least
+        up(share(largest)?)
     ))
 }
 
@@ -154,7 +162,8 @@ mod tests {
         let e = alpha_for_budget(&digits, 2, 0.027, None).unwrap_err();
         assert_eq!(e.field, "budget");
         let least: f64 = e.reason.split("at least ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
-        let offered = (least / 100.0 * 1e4).ceil() / 1e4;
+        // The value printed, as printed (a percentage with 2 decimals, rounded up).
+        let offered = least / 100.0;
         let alpha = alpha_for_budget(&digits, 2, offered, None).unwrap();
         let plan = Plan::new(digits, SyncRule::Qsr { h_base: 2, alpha }).unwrap();
         assert!(plan.check_meets().is_ok(), "{offered}: {alpha}");

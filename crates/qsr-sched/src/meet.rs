@@ -100,7 +100,7 @@ fn largest_trainable(plan: &Plan) -> (&'static str, String) {
     let passes = |rule: SyncRule| {
         Plan::from_parts(plan.schedule().clone(), rule, Some(plan.end_step())).is_ok_and(|p| p.first_apart().is_none())
     };
-    let h_limit = |make: &dyn Fn(u64) -> SyncRule, from: u64| largest_u64(from, |h| passes(make(h)));
+    let h_limit = |make: &dyn Fn(u64) -> SyncRule, from: u64| largest_u64(1, from, |h| passes(make(h)));
     match *plan.sync() {
         SyncRule::Dp => ("h", "1".into()),
         SyncRule::Constant { h } => ("h", h_limit(&|h| SyncRule::Constant { h }, h).to_string()),
@@ -110,10 +110,11 @@ fn largest_trainable(plan: &Plan) -> (&'static str, String) {
         SyncRule::Exponential { h_base, scaler, h_max } => {
             let rule = |h_max| SyncRule::Exponential { h_base, scaler, h_max };
             if passes(rule(h_base)) {
-                ("h_max", largest_u64(h_max, |h| h >= h_base && passes(rule(h))).to_string())
+                ("h_max", largest_u64(h_base, h_max, |h| passes(rule(h))).to_string())
             } else {
                 let rule = |h| SyncRule::Exponential { h_base: h, scaler, h_max: h };
-                ("h_base", h_limit(&rule, h_base).to_string())
+                let h = h_limit(&rule, h_base);
+                ("h_base", format!("{h} (with sync.h_max = {h})"))
             }
         }
         SyncRule::Qsr { h_base, alpha } => {
@@ -134,7 +135,7 @@ fn power_limit(
 ) -> (&'static str, String) {
     match largest_alpha(alpha, |a| passes(rule(h_base, a))) {
         Some(alpha) => ("alpha", format!("{}", round_down(alpha))),
-        None => ("h_base", largest_u64(h_base, |h| passes(rule(h, alpha * 1e-9))).to_string()),
+        None => ("h_base", largest_u64(1, h_base, |h| passes(rule(h, alpha * 1e-9))).to_string()),
     }
 }
 
@@ -161,9 +162,10 @@ fn round_down(x: f64) -> f64 {
     (x * scale).floor() / scale
 }
 
-/// The largest `h` in `1..=from` with `passes(h)` (1 when none does: a round of one step always meets).
-fn largest_u64(from: u64, passes: impl Fn(u64) -> bool) -> u64 {
-    let (mut lo, mut hi) = (1, from);
+/// The largest `h` in `lo..=hi` with `passes(h)`, where `passes(lo)` holds (a round of one step always
+/// meets; an exponential rule at `h_max = h_base` passed before this is asked).
+fn largest_u64(lo: u64, hi: u64, passes: impl Fn(u64) -> bool) -> u64 {
+    let (mut lo, mut hi) = (lo, hi.max(lo));
     while lo < hi {
         let mid = lo + (hi - lo).div_ceil(2);
         if passes(mid) { lo = mid } else { hi = mid - 1 }
@@ -240,6 +242,16 @@ mod tests {
         );
         let longest = vit.unwrap().summary().max_h;
         assert!(longest > 100 * APART_FLOOR, "QSR's long late round ({longest} steps) passes");
+    }
+
+    #[test]
+    fn the_h_max_offered_to_an_exponential_rule_is_at_least_its_h_base() {
+        let e = refusal(SyncRule::Exponential { h_base: 40, scaler: 1, h_max: 1000 });
+        assert_eq!(e.field, "sync.h_max", "{e}");
+        let offered: u64 = e.reason.rsplit(": ").next().unwrap().parse().unwrap();
+        assert!(offered >= 40, "{e}");
+        let fixed = SyncRule::Exponential { h_base: 40, scaler: 1, h_max: offered };
+        assert!(Plan::new(digits(), fixed).unwrap().check_meets().is_ok());
     }
 
     #[test]

@@ -17,10 +17,11 @@ pub struct SyncSection {
     /// The global rule: how often every worker averages.
     #[serde(flatten)]
     pub rule: SyncRule,
-    /// The communication budget QSR's `alpha` was chosen from (`sync.budget`: a share of data
-    /// parallel's syncs, [`alpha_for_budget`](crate::alpha_for_budget)), recorded beside the alpha it
-    /// resolved to; none when `alpha` was given.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// The communication budget QSR's `alpha` was chosen from (a recipe's `sync.budget`, a share of
+    /// data parallel's syncs: [`alpha_for_budget`](crate::alpha_for_budget)), recorded in the resolved
+    /// recipe as `sync.from_budget` beside the alpha it chose, which a resumed run keeps; none when
+    /// `alpha` was given. A record, not a setting: the budget itself is read as `sync.budget`.
+    #[serde(rename = "from_budget", default, skip_serializing_if = "Option::is_none")]
     pub budget: Option<f64>,
     /// Averaging inside each node between the global syncs (`[sync.local]`); none by default.
     #[serde(default, skip_serializing_if = "Option::is_none")]

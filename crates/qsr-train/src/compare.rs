@@ -147,13 +147,17 @@ impl RuleSpec {
         if let (false, Some(kv)) = (outer, outer_keys.first()) {
             bail!("--rules {spec}: `{kv}` sets the outer optimizer: add `+outer` to the rule's name");
         }
-        let (budget, rule_keys): (Vec<&str>, Vec<&str>) =
-            rule_keys.into_iter().partition(|kv| kv.trim().starts_with("budget="));
+        let (budget, mut rule_keys): (Vec<&str>, Vec<&str>) =
+            rule_keys.into_iter().partition(|kv| kv.trim().starts_with("budget"));
+        let alpha_given = rule_keys.iter().any(|kv| kv.trim().starts_with("alpha"));
+        if !budget.is_empty() && !alpha_given {
+            // The budget chooses it below; a recipe of another rule has none to default to.
+            rule_keys.push("alpha=1");
+        }
         let mut rule = rule_from_spec(&format!("{name}:{}", rule_keys.join(";")), &base.sync.rule)
             .map_err(|e| anyhow!("--rules {spec}: {e:#}"))?;
         let mut budget_share = None;
         if let Some(kv) = budget.first() {
-            let alpha_given = rule_keys.iter().any(|kv| kv.trim().starts_with("alpha="));
             let (r, b) = with_budget(rule, kv, alpha_given, base).map_err(|e| anyhow!("--rules {spec}: {e:#}"))?;
             (rule, budget_share) = (r, Some(b));
         }
@@ -170,6 +174,9 @@ impl RuleSpec {
 /// `sync.budget` does); refused beside `alpha=` (one knob) and for other rules.
 fn with_budget(rule: SyncRule, kv: &str, alpha_given: bool, base: &TrainRecipe) -> Result<(SyncRule, f64)> {
     let value = kv.split_once('=').map_or("", |(_, v)| v.trim());
+    if kv.split_once('=').is_none_or(|(k, _)| k.trim() != "budget") {
+        bail!("`{kv}` is not budget=SHARE");
+    }
     let budget: f64 = value.parse().map_err(|_| anyhow!("invalid `budget`: `{value}` is not a number in (0, 1]"))?;
     if alpha_given {
         bail!("invalid `alpha`: `budget` and `alpha` are one knob (the budget chooses alpha): give one");
@@ -297,7 +304,10 @@ fn parse_args(args: &CompareArgs) -> Result<(TrainRecipe, Vec<RuleSpec>)> {
         if rules[..i].iter().any(|o| o.label == r.label) {
             bail!("--rules names `{}` twice: its runs would share the directories {}-seed<N>", r.label, r.label);
         }
-        variant(&base, r, args.workers, 0).map_err(|e| anyhow!("--rules {}: {e:#}", r.label))?;
+        let recipe = variant(&base, r, args.workers, 0).map_err(|e| anyhow!("--rules {}: {e:#}", r.label))?;
+        let spec = crate::device_spec::DeviceSpec::parse(&args.device)?;
+        crate::topology::check_residency(&recipe, &spec)
+            .map_err(|e| anyhow!("--rules {} on --device {}: {e:#}", r.label, args.device))?;
     }
     Ok((base, rules))
 }

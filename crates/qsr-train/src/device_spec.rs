@@ -55,6 +55,11 @@ impl DeviceSpec {
         matches!(self, DeviceSpec::Cuda(_))
     }
 
+    /// True for a cubecl device (CUDA, wgpu), where `driver.residency = "auto"` keeps the state.
+    pub(crate) fn is_cube(self) -> bool {
+        matches!(self, DeviceSpec::Cuda(_) | DeviceSpec::Wgpu)
+    }
+
     /// Opens the (autodiff) device for a process with `local_rank`.
     pub(crate) fn open(self, local_rank: usize) -> Result<Device> {
         match self {

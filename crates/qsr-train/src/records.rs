@@ -32,7 +32,7 @@ pub(crate) struct Record {
     /// Top-1 accuracy and mean loss on the `eval.train_items` training images (eval records of runs
     /// that set it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub train: Option<TrainFit>,
+    pub train: Option<Fit>,
     /// Synchronizations so far (counted across resumes).
     pub syncs: u64,
     /// Bytes rank 0 sent for synchronizations so far.
@@ -98,9 +98,10 @@ pub(crate) struct LocalLevel {
     pub comm_seconds: f64,
 }
 
-/// Top-1 accuracy and mean loss on training images (`eval.train_items`), beside the test's.
+/// Top-1 accuracy and mean loss of one evaluation (the training images of `eval.train_items`, the
+/// workers' own models before the last average).
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
-pub(crate) struct TrainFit {
+pub(crate) struct Fit {
     /// Top-1 accuracy as a fraction in `[0, 1]`.
     pub accuracy: f64,
     /// Mean loss (`null` in the file when it is not finite).
@@ -134,7 +135,7 @@ pub(crate) struct Summary {
     pub final_test_loss: f64,
     /// The final evaluation on the `eval.train_items` training images, where the recipe sets it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub final_train: Option<TrainFit>,
+    pub final_train: Option<Fit>,
     /// Global synchronizations performed (counted across resumes).
     pub syncs: u64,
     /// Global synchronizations in the plan (its rounds).
@@ -169,6 +170,11 @@ pub(crate) struct Summary {
     /// exits with status 6).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub not_trained: Option<String>,
+    /// The workers' own models, evaluated as the final model is one step before the run's last
+    /// average (when that step ends a round of local steps): beside `final_test_accuracy`, what the
+    /// last average cost; `qsr` warns when it lost more than 5 points (0.1 nats for text).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workers_before_last_average: Option<Fit>,
 }
 
 impl Record {

@@ -37,6 +37,8 @@ pub(crate) fn resolve(args: &TrainArgs) -> Result<(TrainRecipe, PathBuf, Resume)
             None => {}
         }
     }
+    // The sync settings judged again for the workers the flags give (one worker trains alone).
+    recipe.validate().with_context(|| format!("recipe {}", path.display()))?;
     recipe.check_nodes(recipe.train.workers).with_context(|| format!("recipe {}", path.display()))?;
     if let Some(run_dir) = &args.resume {
         let (dir, state) = checkpoint::latest(run_dir)?;

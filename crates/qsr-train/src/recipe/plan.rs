@@ -81,7 +81,8 @@ pub struct PlanOverrides {
     #[arg(long)]
     pub run_steps: Option<u64>,
     /// QSR's alpha from a budget: the share of data parallel's syncs the run may make, in (0, 1]
-    /// (e.g. 0.1); sets `sync.alpha` of a `qsr` rule to the smallest alpha within it.
+    /// (e.g. 0.1); sets `sync.alpha` of a `qsr` rule to the smallest alpha within it. Budget and alpha
+    /// are one knob: with a recipe that sets `alpha`, drop it (`--set sync.alpha=`).
     #[arg(long)]
     pub budget: Option<f64>,
     /// Override a recipe key, e.g. `--set sync.streaming.fragments=4` (repeatable; applied before
@@ -149,6 +150,10 @@ impl PlanOverrides {
             super::sets::switch_rule(sync, rule);
         }
         set(sync, "h_base", int(self.h_base));
+        if self.alpha.is_some() {
+            // A new alpha was not chosen from the budget a resolved recipe records.
+            sync.remove("from_budget");
+        }
         set(sync, "alpha", float(self.alpha));
         set(sync, "budget", float(self.budget));
         set(sync, "power", float(self.power));
@@ -194,9 +199,10 @@ fn parse_section<T: serde::de::DeserializeOwned>(root: &Table, name: &str, origi
 
 /// QSR's alpha from `[sync] budget` (the recipe's, `--set sync.budget=` or `--budget`): the alpha of
 /// the table's QSR rule that meets the budget over its schedule (the smallest: the most syncs the
-/// budget buys), written into `[sync]` beside the budget before the plan is built, so the resolved
-/// recipe records both. Budget and alpha are one knob: a budget beside an alpha that is not the one
-/// it resolves to (from any source), or under a rule other than QSR, is refused naming both keys.
+/// budget buys), written into `[sync]` before the plan is built, with the budget as
+/// `sync.from_budget`, so the resolved recipe records both and a resumed run keeps the alpha. Budget
+/// and alpha are one knob: a budget beside an alpha (from any source), or under a rule other than QSR,
+/// is refused naming both keys.
 pub(crate) fn apply_budget(root: &mut Table, run_steps: Option<u64>, origin: &str) -> Result<()> {
     let Some(value) = root.get("sync").and_then(|s| s.get("budget")).cloned() else {
         return Ok(());
@@ -212,20 +218,19 @@ pub(crate) fn apply_budget(root: &mut Table, run_steps: Option<u64>, origin: &st
             "{origin}: invalid `sync.budget`: it chooses the alpha of `sync.rule = \"qsr\"`, and `sync.rule = \"{rule}\"` has none: set `sync.budget` or `sync.rule`, not both"
         );
     }
+    if let Some(given) = sync.get("alpha") {
+        bail!(
+            "{origin}: invalid `sync.alpha`: `sync.budget` = {budget} and `sync.alpha` = {given} are one knob (the budget chooses alpha): set `sync.budget` or `sync.alpha`, not both (`--set sync.alpha=` drops a recipe's alpha)"
+        );
+    }
     let h_base = sync.get("h_base").and_then(Value::as_integer).filter(|h| *h > 0);
     let h_base = h_base
         .ok_or_else(|| anyhow!("{origin}: `sync.budget` needs `sync.h_base` (set it in [sync] or with --h-base)"))?;
     let alpha = qsr_sched::alpha_for_budget(&schedule, h_base as u64, budget, run_steps)
         .map_err(|e| anyhow!("{origin}: invalid `sync.budget`: {}", e.reason))?;
-    // A resolved recipe (a run's recipe.toml) holds both, the alpha the budget chose.
-    let given = sync.get("alpha").map(|v| v.as_float().or_else(|| v.as_integer().map(|i| i as f64)));
-    if let Some(given) = given.filter(|a| *a != Some(alpha)) {
-        let given = given.map_or_else(|| "not a number".to_string(), |a| a.to_string());
-        bail!(
-            "{origin}: invalid `sync.alpha`: `sync.budget` = {budget} and `sync.alpha` = {given} are one knob (the budget chooses alpha = {alpha:.6}): set `sync.budget` or `sync.alpha`, not both"
-        );
-    }
+    sync.remove("budget");
     sync.insert("alpha".into(), Value::Float(alpha));
+    sync.insert("from_budget".into(), Value::Float(budget));
     Ok(())
 }
 
@@ -239,6 +244,9 @@ fn plan_from_table(root: &Table, run_steps: Option<u64>, origin: &str) -> Result
     // The settings `qsr train` checks with the plan: the same check, the same verdict.
     let driver: DriverConfig = parse_section(root, "driver", origin)?;
     let outer: Option<OuterConfig> = root.get("outer").map(|_| parse_section(root, "outer", origin)).transpose()?;
+    // The recipe's workers, as `qsr train` judges them; a plan from flags alone is for several.
+    let workers = root.get("train").and_then(|t| t.get("workers")).and_then(Value::as_integer);
+    let workers = workers.map_or(2, |k| usize::try_from(k).unwrap_or(0));
     let settings = SyncSettings {
         plan: Some(plan.clone()),
         outer,
@@ -246,7 +254,7 @@ fn plan_from_table(root: &Table, run_steps: Option<u64>, origin: &str) -> Result
         wire: driver.wire,
         residency: driver.residency,
         state: driver.state,
-        ..SyncSettings::new(sync.rule.clone())
+        ..SyncSettings::new(sync.rule.clone(), workers)
     };
     let verdict = check_sync(&settings, Face::Recipe);
     if let Some(refusal) = verdict.refusals.first() {

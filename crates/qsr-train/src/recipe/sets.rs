@@ -30,6 +30,11 @@ pub(crate) fn apply_sets(root: &mut Table, sets: &[String]) -> Result<()> {
         match (key, value.as_str()) {
             // Switching the rule drops the old rule's settings, as `--sync` does.
             ("sync.rule", Some(rule)) => switch_rule(table, rule),
+            // A new alpha was not chosen from the budget a resolved recipe records.
+            ("sync.alpha", _) => {
+                table.remove("from_budget");
+                table.insert("alpha".into(), value);
+            }
             _ => {
                 table.insert(parts[parts.len() - 1].to_string(), value);
             }
@@ -69,7 +74,7 @@ fn rule_keys(rule: &str) -> &'static [&'static str] {
         "constant" => &["h"],
         "post-local" => &["switch_step", "h"],
         "power" => &["h_base", "alpha", "power"],
-        "qsr" => &["h_base", "alpha"],
+        "qsr" => &["h_base", "alpha", "from_budget"],
         "exponential" => &["h_base", "scaler", "h_max"],
         _ => &[],
     }

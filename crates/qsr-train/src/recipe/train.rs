@@ -322,7 +322,7 @@ impl TrainRecipe {
             wire: self.driver.wire,
             residency: self.driver.residency,
             state: self.driver.state,
-            ..SyncSettings::new(self.sync.rule.clone())
+            ..SyncSettings::new(self.sync.rule.clone(), self.train.workers)
         })
     }
 

@@ -89,8 +89,11 @@ pub(crate) fn train(
     let resume = if first { resume } else { None };
     let spec = RunSpec { recipe, device, run_dir, resume, progress, halt_after: None };
     let summary = run_member(&spec, &mut job, (comm, side, m), model);
-    // A diverged run ended its plan too: the store's job is finished, the exit status says how.
-    if summary.as_ref().is_err_and(|e| e.chain().any(|c| c.is::<crate::exit::Diverged>())) {
+    // A run that diverged or did not train ended its plan too: the store's job is finished, the exit
+    // status says how.
+    let outcome =
+        |c: &(dyn std::error::Error + 'static)| c.is::<crate::exit::Diverged>() || c.is::<crate::exit::NotTrained>();
+    if summary.as_ref().is_err_and(|e| e.chain().any(outcome)) {
         let _ = job.finish();
     }
     let summary = summary?;

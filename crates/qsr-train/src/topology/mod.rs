@@ -1,7 +1,8 @@
 //! `qsr train`'s topology stage (documented on [`run`]).
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use qsr_comm::TcpConfig;
+use qsr_optim::{Face, Residency, SyncSettings, check_sync};
 
 use crate::args::{CommKind, TrainArgs};
 use crate::device_spec::DeviceSpec;
@@ -76,6 +77,20 @@ pub(crate) fn run(args: &TrainArgs) -> Result<Option<Summary>> {
     threads::run(&spec)
 }
 
+/// Judges the sync settings again with the residency `driver.residency = "auto"` takes on `spec`
+/// (device-resident on a GPU or wgpu), so a setting only host-resident workers can run is refused
+/// before anything starts, as the recipe's own check refuses it on the CPU.
+pub(crate) fn check_residency(recipe: &TrainRecipe, spec: &DeviceSpec) -> Result<()> {
+    if recipe.driver.residency != Residency::Auto || !spec.is_cube() {
+        return Ok(());
+    }
+    let settings = SyncSettings { residency: Residency::Device, ..recipe.sync_settings()? };
+    match check_sync(&settings, Face::Recipe).refusals.into_iter().next() {
+        Some(r) => bail!("{r} (driver.residency = \"auto\" keeps the state on this device)"),
+        None => Ok(()),
+    }
+}
+
 /// Refuses flags that do not go together, naming them, and a launcher's environment that the flags
 /// would ignore.
 fn check_flags(
@@ -87,6 +102,7 @@ fn check_flags(
     if args.elastic {
         check_elastic(args, recipe)?;
     }
+    check_residency(recipe, spec).with_context(|| format!("--device {}", args.device))?;
     if args.comm == Some(CommKind::Nccl) && !spec.is_gpu() {
         bail!("--comm nccl needs a GPU device (--device cuda or cuda:N), not --device {}", args.device);
     }
@@ -136,4 +152,29 @@ fn check_elastic(args: &TrainArgs, recipe: &TrainRecipe) -> Result<()> {
         bail!("--halt-after is not supported with --elastic");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn digits(sets: &[&str]) -> TrainRecipe {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../recipes/digits-mlp-qsr.toml");
+        TrainRecipe::load(&path, &sets.iter().map(ToString::to_string).collect::<Vec<_>>()).unwrap()
+    }
+
+    #[test]
+    fn a_setting_that_auto_residency_cannot_run_on_a_gpu_is_refused_before_start() {
+        // Accepted on the CPU, where `auto` is host-resident; refused for a cube device, naming the key.
+        let streaming = digits(&["sync.streaming.fragments=2"]);
+        assert!(check_residency(&streaming, &DeviceSpec::Cpu).is_ok());
+        for spec in [DeviceSpec::Wgpu, DeviceSpec::Cuda(Some(0))] {
+            let e = format!("{:#}", check_residency(&streaming, &spec).unwrap_err());
+            assert!(e.contains("invalid `sync.streaming`") && e.contains("\"auto\""), "{e}");
+        }
+        // Pinned to the host, the same settings run anywhere.
+        let host = digits(&["sync.streaming.fragments=2", "driver.residency=host"]);
+        assert!(check_residency(&host, &DeviceSpec::Wgpu).is_ok());
+        assert!(check_residency(&digits(&[]), &DeviceSpec::Wgpu).is_ok());
+    }
 }

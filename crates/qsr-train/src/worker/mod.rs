@@ -2,10 +2,11 @@
 //! same code runs under every topology (threads, processes, an external launch, an elastic member).
 //!
 //! Layers, top down: `run` (the loop) → `segment` (records, evaluations, checkpoints around the
-//! steps) → `task` (images or text: data, steps, evaluation) and `model` (building the network) →
-//! `spec` (what a worker is given and returns).
+//! steps) → `outcome` (a run that did not train, an average that lost) → `task` (images or text: data,
+//! steps, evaluation) and `model` (building the network) → `spec` (what a worker is given and returns).
 
 mod model;
+mod outcome;
 mod pool;
 mod run;
 pub(crate) mod segment;

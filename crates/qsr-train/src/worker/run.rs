@@ -74,6 +74,7 @@ fn run<T: Task>(
     let mut finished = true;
     while !worker.cursor().is_done() {
         crate::fault::at(rank, crate::fault::Point::Step(worker.cursor().step()));
+        segment.before_last_average(task, &mut worker)?;
         let report = task.train_step(&mut worker, &mut stream)?;
         segment.stepped(&worker, &report, &pace);
         // A round's end (streaming fragments sync inside rounds; their records are the round's).

@@ -5,12 +5,13 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use burn::module::Module;
 use qsr_optim::{StepReport, Worker};
-use qsr_sched::{Cursor, Plan};
+use qsr_sched::{Cursor, Plan, SyncMode};
 
+use super::outcome::{averaging_lost, untrained};
 use super::spec::RunSpec;
 use super::task::{Eval, Task};
 use crate::checkpoint::{self, CheckpointState, Counters};
-use crate::records::{LocalLevel, Metrics, Record, Summary, membership_changes};
+use crate::records::{Fit, LocalLevel, Metrics, Record, Summary, membership_changes};
 
 /// The plan and the length of an epoch: what records and evaluation cadence are reckoned in.
 pub(crate) struct Pace {
@@ -59,6 +60,8 @@ pub(crate) struct Segment {
     diverged: Option<crate::exit::Diverged>,
     /// Why the run did not train, when its final evaluation was no better than chance.
     not_trained: Option<crate::exit::NotTrained>,
+    /// The workers' own models evaluated one step before the run's last average.
+    workers_before: Option<Eval>,
 }
 
 /// The training losses of the steps since a sync: a non-finite loss (an update skipped for it) is
@@ -118,6 +121,7 @@ impl Segment {
             above_limit: false,
             diverged: None,
             not_trained: None,
+            workers_before: None,
         })
     }
 
@@ -172,6 +176,17 @@ impl Segment {
             Some(n) => Err(anyhow::Error::new(n).context(format!("rank {rank}"))),
             None => Ok(()),
         }
+    }
+
+    /// Before the run's last step, when it ends a round of local steps: evaluates the workers' own
+    /// models (every rank its shard, as the final evaluation), to be set beside their average's.
+    pub(crate) fn before_last_average<T: Task>(&mut self, task: &T, worker: &mut Worker<T::Module>) -> Result<()> {
+        let round = worker.cursor().round();
+        let last = worker.cursor().step() + 1 == worker.cursor().plan().end_step();
+        if last && round.mode == SyncMode::Parameters && round.len > 1 && worker.world_size() > 1 {
+            self.workers_before = Some(task.evaluate(worker)?);
+        }
+        Ok(())
     }
 
     /// The run's counters now.
@@ -249,6 +264,10 @@ impl Segment {
         self.diverged = judge(&mut self.above_limit, ev.loss, limit, done_steps, is_end);
         if is_end && self.diverged.is_none() {
             self.not_trained = untrained(&ev, task.chance_loss(), task.chance_accuracy());
+            let lost = self.workers_before.as_ref().and_then(|b| averaging_lost(b, &ev, task.chance_accuracy()));
+            if let (Some(w), 0) = (lost, worker.rank()) {
+                eprintln!("qsr: warning: {w}");
+            }
         }
         self.last_eval = Some(ev);
         if self.diverged.is_some() {
@@ -329,6 +348,10 @@ impl Segment {
             membership: membership_changes(&spec.run_dir),
             diverged: self.diverged.as_ref().map(ToString::to_string),
             not_trained: self.not_trained.as_ref().map(|n| n.why.clone()),
+            workers_before_last_average: self
+                .workers_before
+                .as_ref()
+                .map(|e| Fit { accuracy: e.accuracy, loss: e.loss }),
         };
         checkpoint::write_atomic(&spec.run_dir.join("summary.json"), serde_json::to_string_pretty(&s)?.as_bytes())?;
         Ok(Some(s))
@@ -358,33 +381,6 @@ fn judge(
         "the evaluation's loss is {seen} {limit:.4}, the divergence limit (eval.divergence_factor x the loss at the start, of a model that predicts every class alike){twice}; the last checkpoint before it is kept (lower the learning rate, or the outer optimizer's momentum)"
     );
     Some(crate::exit::Diverged { step: Some(done_steps), why })
-}
-
-/// A classifier's final accuracy at most this far above chance is no model.
-const CHANCE_MARGIN: f64 = 0.02;
-
-/// Whether the final evaluation `ev` says the run did not train: its loss not below `chance_loss`
-/// (every class, or token, predicted alike), or a classifier's accuracy within [`CHANCE_MARGIN`] of
-/// `chance_accuracy`.
-fn untrained(ev: &Eval, chance_loss: f64, chance_accuracy: Option<f64>) -> Option<crate::exit::NotTrained> {
-    let hint = "the workers' average is no model: shorten the rounds (sync.h, sync.alpha, a larger sync.budget), \
-                raise sync.streaming.mix, or lower the outer optimizer's lr or momentum";
-    if ev.loss >= chance_loss {
-        let why = format!(
-            "the final test loss {:.4} is not below {chance_loss:.4}, the loss of predicting every class alike; {hint}",
-            ev.loss
-        );
-        return Some(crate::exit::NotTrained { why });
-    }
-    let chance = chance_accuracy?;
-    (ev.accuracy <= chance + CHANCE_MARGIN).then(|| crate::exit::NotTrained {
-        why: format!(
-            "the final test accuracy {:.2}% is within {:.0} points of chance ({:.2}%); {hint}",
-            100.0 * ev.accuracy,
-            100.0 * CHANCE_MARGIN,
-            100.0 * chance
-        ),
-    })
 }
 
 /// One record shape for syncs and evaluations, at the step `report` completed.

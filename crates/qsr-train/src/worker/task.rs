@@ -16,14 +16,14 @@ use qsr_models::{Gpt, GptConfig, InputSpec, Model, fused};
 use qsr_optim::{BnPolicy, StepReport, Worker};
 
 use crate::recipe::{TrainRecipe, open_corpus, open_dataset};
-use crate::records::TrainFit;
+use crate::records::Fit;
 
 /// A held-out evaluation: top-1 accuracy (of the class, or of the next token) and mean loss; with
 /// `eval.train_items` the same over training images.
 pub(crate) struct Eval {
     pub(crate) accuracy: f64,
     pub(crate) loss: f64,
-    pub(crate) train: Option<TrainFit>,
+    pub(crate) train: Option<Fit>,
 }
 
 /// One kind of training data with its loss and evaluation.
@@ -226,7 +226,7 @@ impl Task for ImageTask {
         let mut ev = reduce_eval(worker, self.score(&self.eval_loader, worker, limit)?)?;
         if let Some(loader) = &self.train_eval_loader {
             let train = reduce_eval(worker, self.score(loader, worker, usize::MAX)?)?;
-            ev.train = Some(TrainFit { accuracy: train.accuracy, loss: train.loss });
+            ev.train = Some(Fit { accuracy: train.accuracy, loss: train.loss });
         }
         Ok(ev)
     }

@@ -1,0 +1,94 @@
+//! How a finished run is judged beyond divergence: a final evaluation no better than chance (the run
+//! did not train, exit status 6), and a last average that lost much of what the workers' own models
+//! had (a warning naming both numbers).
+
+use super::task::Eval;
+
+/// A classifier's final accuracy at most this far above chance is no model.
+const CHANCE_MARGIN: f64 = 0.02;
+
+/// The workers' own models above their average by more than this (accuracy points of a classifier) is
+/// an average worth a warning.
+const AVERAGING_LOSS: f64 = 0.05;
+
+/// The same for a language model, in nats of validation loss.
+const AVERAGING_LOSS_NATS: f64 = 0.1;
+
+/// What to lower when the workers' average is worse than they are.
+const HINT: &str = "shorten the rounds (sync.h, sync.alpha, a larger sync.budget), raise sync.streaming.mix, or lower \
+                    the outer optimizer's lr or momentum";
+
+/// Whether the final evaluation `ev` says the run did not train: its loss not below `chance_loss`
+/// (every class, or token, predicted alike), or a classifier's accuracy within [`CHANCE_MARGIN`] of
+/// `chance_accuracy`.
+pub(crate) fn untrained(ev: &Eval, chance_loss: f64, chance_accuracy: Option<f64>) -> Option<crate::exit::NotTrained> {
+    if ev.loss >= chance_loss {
+        let why = format!(
+            "the final test loss {:.4} is not below {chance_loss:.4}, the loss of predicting every class alike; the \
+             workers' average is no model: {HINT}",
+            ev.loss
+        );
+        return Some(crate::exit::NotTrained { why });
+    }
+    let chance = chance_accuracy?;
+    (ev.accuracy <= chance + CHANCE_MARGIN).then(|| crate::exit::NotTrained {
+        why: format!(
+            "the final test accuracy {:.2}% is within {:.0} points of chance ({:.2}%); the workers' average is no \
+             model: {HINT}",
+            100.0 * ev.accuracy,
+            100.0 * CHANCE_MARGIN,
+            100.0 * chance
+        ),
+    })
+}
+
+/// Whether the run's last average lost more than [`AVERAGING_LOSS`] (a classifier's accuracy) or
+/// [`AVERAGING_LOSS_NATS`] (a language model's loss) of what the workers' own models had one step
+/// before it (`before`), against the average's final evaluation `after`; the warning names both.
+pub(crate) fn averaging_lost(before: &Eval, after: &Eval, chance_accuracy: Option<f64>) -> Option<String> {
+    let lost = match chance_accuracy {
+        Some(_) if before.accuracy - after.accuracy > AVERAGING_LOSS => format!(
+            "accuracy {:.2}% one step before the last average, their average {:.2}%",
+            100.0 * before.accuracy,
+            100.0 * after.accuracy
+        ),
+        None if after.loss - before.loss > AVERAGING_LOSS_NATS => format!(
+            "validation loss {:.4} one step before the last average, their average {:.4}",
+            before.loss, after.loss
+        ),
+        _ => return None,
+    };
+    Some(format!("averaging lost what the workers had learned apart: their own models' {lost}; {HINT}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn eval(accuracy: f64, loss: f64) -> Eval {
+        Eval { accuracy, loss, train: None }
+    }
+
+    #[test]
+    fn a_final_evaluation_at_chance_did_not_train() {
+        let chance = (10f64).ln();
+        // The issue's repro: 9.17 % and loss 2.85, below 3 ln 10 but above ln 10.
+        assert!(untrained(&eval(0.0917, 2.85), chance, Some(0.1)).is_some());
+        // Loss below chance but accuracy within 2 points of it.
+        assert!(untrained(&eval(0.115, 2.2), chance, Some(0.1)).is_some());
+        assert!(untrained(&eval(0.44, 1.6), chance, Some(0.1)).is_none());
+        // A language model is judged by its loss alone.
+        assert!(untrained(&eval(0.01, 4.0), (65f64).ln(), None).is_none());
+        assert!(untrained(&eval(0.3, 4.2), (65f64).ln(), None).is_some());
+    }
+
+    #[test]
+    fn an_average_far_below_the_workers_own_models_is_named_with_both_numbers() {
+        let w = averaging_lost(&eval(0.93, 0.3), &eval(0.64, 1.1), Some(0.1)).unwrap();
+        assert!(w.contains("93.00%") && w.contains("64.00%") && w.contains("sync.alpha"), "{w}");
+        assert_eq!(averaging_lost(&eval(0.93, 0.3), &eval(0.91, 0.32), Some(0.1)), None);
+        let w = averaging_lost(&eval(0.4, 1.9), &eval(0.38, 2.2), None).unwrap();
+        assert!(w.contains("1.9000") && w.contains("2.2000"), "{w}");
+        assert_eq!(averaging_lost(&eval(0.4, 1.9), &eval(0.4, 1.95), None), None);
+    }
+}
