@@ -9,7 +9,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-pub const GROUPS: [&str; 7] = ["sched", "kernels", "optim", "comm", "comm-quantized", "data", "train"];
+pub(crate) const GROUPS: [&str; 7] = ["sched", "kernels", "optim", "comm", "comm-quantized", "data", "train"];
 
 fn cargo(root: &Path) -> Command {
     let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
@@ -27,7 +27,7 @@ fn output(mut c: Command) -> Result<String> {
 }
 
 /// Median times in milliseconds by benchmark id, from criterion's text output.
-pub fn criterion_medians(text: &str) -> Vec<(String, f64)> {
+pub(crate) fn criterion_medians(text: &str) -> Vec<(String, f64)> {
     let mut out = Vec::new();
     let mut last_id = String::new();
     for line in text.lines() {
@@ -657,7 +657,7 @@ pub(crate) fn machine() -> String {
 }
 
 /// Replaces (or appends) the section `name` of the benchmarks document.
-pub fn replace_section(doc: &str, name: &str, body: &str) -> String {
+pub(crate) fn replace_section(doc: &str, name: &str, body: &str) -> String {
     let (open, close) = (format!("<!-- bench:{name} -->"), format!("<!-- /bench:{name} -->"));
     let block = format!("{open}\n{body}{close}");
     match (doc.find(&open), doc.find(&close)) {
@@ -666,7 +666,7 @@ pub fn replace_section(doc: &str, name: &str, body: &str) -> String {
     }
 }
 
-pub fn run(which: &str, root: &Path, target: &Path) -> Result<()> {
+pub(crate) fn run(which: &str, root: &Path, target: &Path) -> Result<()> {
     let groups: Vec<&str> = match which {
         "all" => GROUPS.to_vec(),
         g if GROUPS.contains(&g) => vec![g],

@@ -50,7 +50,7 @@ const CLEAN_ACCURACY: f64 = 0.8;
 
 /// Arguments of `cargo xtask chaos`.
 #[derive(Debug, Clone, clap::Args)]
-pub struct ChaosArgs {
+pub(crate) struct ChaosArgs {
     /// Jobs to run (the fault kinds share them equally).
     #[arg(long, default_value_t = 50)]
     pub jobs: usize,
@@ -269,7 +269,7 @@ struct JobResult {
 
 /// Runs the campaign (after building `qsr`); returns an error when a job broke an expectation or an
 /// invariant.
-pub fn run(args: &ChaosArgs, root: &Path, target: &Path) -> Result<()> {
+pub(crate) fn run(args: &ChaosArgs, root: &Path, target: &Path) -> Result<()> {
     if args.workers < 3 || args.jobs == 0 {
         bail!("--workers must be at least 3 (a fault leaves two to go on) and --jobs at least 1");
     }

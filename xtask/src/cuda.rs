@@ -24,7 +24,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 #[derive(Debug, clap::Args)]
-pub struct CudaArgs {
+pub(crate) struct CudaArgs {
     /// Type-check the CUDA and NCCL code only (no link).
     #[arg(long)]
     check: bool,
@@ -38,7 +38,7 @@ pub struct CudaArgs {
 }
 
 impl CudaArgs {
-    pub fn check_only() -> Self {
+    pub(crate) fn check_only() -> Self {
         CudaArgs { check: true, out: PathBuf::from("dist/gpu"), package: false }
     }
 }
@@ -54,7 +54,7 @@ fn cuda_env(c: &mut Command) {
     }
 }
 
-pub fn run(args: &CudaArgs, root: &Path, target: &Path) -> Result<()> {
+pub(crate) fn run(args: &CudaArgs, root: &Path, target: &Path) -> Result<()> {
     if args.check {
         let mut c = crate::cargo();
         cuda_env(&mut c);
@@ -131,7 +131,7 @@ fn install(bin: &Path, dest: &Path, stubbed: usize) -> Result<()> {
 }
 
 /// Names from GNU ld's / lld's "undefined reference to `sym'" / "undefined symbol: sym" lines.
-pub fn undefined_symbols(linker_output: &str) -> BTreeSet<String> {
+pub(crate) fn undefined_symbols(linker_output: &str) -> BTreeSet<String> {
     let mut out = BTreeSet::new();
     for line in linker_output.lines() {
         if let Some(i) = line.find("undefined reference to `") {
@@ -172,7 +172,7 @@ fn llvm_symbols_in_rlibs(deps: &Path) -> BTreeSet<String> {
 
 /// Only the LLVM C API and cubecl's C++ shims around it may be stubbed; anything else unresolved is
 /// a real build problem.
-pub fn is_llvm_symbol(s: &str) -> bool {
+pub(crate) fn is_llvm_symbol(s: &str) -> bool {
     (s.starts_with("LLVM") || s.starts_with("cubecl_") || s.starts_with("lld"))
         && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
 }

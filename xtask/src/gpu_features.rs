@@ -21,7 +21,7 @@ const GPU_BUILDS: [(&str, &str); 5] = [
 /// burn-cubecl features each GPU build must have.
 const REQUIRED: [&str; 2] = ["fusion", "autotune"];
 
-pub fn check() -> Result<()> {
+pub(crate) fn check() -> Result<()> {
     for (package, features) in GPU_BUILDS {
         let have = burn_cubecl_features(package, features)?;
         let missing: Vec<&str> = REQUIRED.into_iter().filter(|f| !have.iter().any(|h| h == f)).collect();

@@ -17,7 +17,7 @@ use anyhow::{Context, Result, bail};
 type Module = Vec<String>;
 
 /// Fails naming every cycle between the modules of the crates under `roots` (each a crate folder).
-pub fn check(roots: &[PathBuf]) -> Result<()> {
+pub(crate) fn check(roots: &[PathBuf]) -> Result<()> {
     let mut cycles = Vec::new();
     for root in roots {
         let src = root.join("src");

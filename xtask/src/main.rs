@@ -5,6 +5,7 @@
 mod bench;
 mod chaos;
 mod cuda;
+mod file_docs;
 mod gpu_features;
 mod layers;
 mod netem;
@@ -234,6 +235,8 @@ fn tidy() -> Result<()> {
     crates.extend([root().join("xtask"), root().join("benches")]);
     crates.sort();
     layers::check(&crates)?;
+    // Every source file says what it is for (its first line a `//!` comment).
+    file_docs::check(&crates)?;
     qsr_diff::check(&root())?;
     gpu_features::check()?;
     let mut c = cargo();

@@ -25,11 +25,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 
 /// Name prefix of everything `cargo xtask netem` creates.
-pub const PREFIX: &str = "qsrnet-";
+pub(crate) const PREFIX: &str = "qsrnet-";
 
 /// Arguments of `cargo xtask netem`.
 #[derive(Debug, Clone, clap::Args)]
-pub struct NetemArgs {
+pub(crate) struct NetemArgs {
     /// K: worker namespaces, one `qsr train` process each.
     #[arg(long, default_value_t = 4)]
     pub workers: usize,
@@ -104,21 +104,21 @@ pub struct NetemArgs {
 /// A link shape: rate (tc units, e.g. `1gbit`) and one-way delay (tc units, e.g. `0.2ms`; `None`: the
 /// veth's own, for kernels built without netem).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Shape {
+pub(crate) struct Shape {
     pub rate: String,
     pub delay: Option<String>,
 }
 
 /// `tbf` arguments for `rate`: a bucket of 1 ms at that rate (at least 128 KiB, so that a 64 KiB GSO
 /// packet fits) and a 20 ms queue.
-pub fn tbf_args(rate: &str) -> Result<Vec<String>> {
+pub(crate) fn tbf_args(rate: &str) -> Result<Vec<String>> {
     let bits = rate_bits(rate)?;
     let burst = ((bits / 8.0 * 1e-3) as u64).max(128 << 10);
     Ok(["tbf", "rate", rate, "burst", &burst.to_string(), "latency", "20ms"].iter().map(|s| s.to_string()).collect())
 }
 
 /// Whether the kernel has the netem qdisc (many VM kernels are built without it).
-pub fn netem_available(t: &Topology) -> bool {
+pub(crate) fn netem_available(t: &Topology) -> bool {
     let ns = t.bridge_ns();
     let ok = sh("tc", &["-n", &ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"]).is_ok();
     let _ = sh("tc", &["-n", &ns, "qdisc", "del", "dev", "lo", "root"]);
@@ -142,7 +142,7 @@ fn ip(args: &[&str]) -> Result<String> {
 }
 
 /// Why this machine cannot run netem, if it cannot: not root, `ip`/`tc` missing, namespaces refused.
-pub fn unavailable() -> Option<String> {
+pub(crate) fn unavailable() -> Option<String> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         return Some("not root (network namespaces and tc need CAP_NET_ADMIN)".into());
@@ -171,7 +171,7 @@ pub fn unavailable() -> Option<String> {
 }
 
 /// Namespaces whose name starts with `prefix`.
-pub fn namespaces_with_prefix(prefix: &str) -> Result<Vec<String>> {
+pub(crate) fn namespaces_with_prefix(prefix: &str) -> Result<Vec<String>> {
     Ok(ip(&["netns", "list"])?
         .lines()
         .filter_map(|l| l.split_whitespace().next())
@@ -182,7 +182,7 @@ pub fn namespaces_with_prefix(prefix: &str) -> Result<Vec<String>> {
 
 /// Deletes namespaces named `prefix*` (leftovers of an interrupted run), first stopping the processes
 /// still inside them (by pid: only ours run there). Deleting a namespace deletes its veths and qdiscs.
-pub fn cleanup_prefix(prefix: &str) -> Result<usize> {
+pub(crate) fn cleanup_prefix(prefix: &str) -> Result<usize> {
     let names = namespaces_with_prefix(prefix)?;
     for ns in &names {
         if let Ok(pids) = ip(&["netns", "pids", ns]) {
@@ -199,7 +199,7 @@ pub fn cleanup_prefix(prefix: &str) -> Result<usize> {
 }
 
 /// K worker namespaces on one bridge; removed on drop.
-pub struct Topology {
+pub(crate) struct Topology {
     prefix: String,
     workers: usize,
     created: Vec<String>,
@@ -207,7 +207,7 @@ pub struct Topology {
 
 impl Topology {
     /// Builds `{prefix}br` (the bridge) and `{prefix}w0..w{K-1}`, worker `i` at 10.77.0.(i+1)/24.
-    pub fn create(prefix: &str, workers: usize) -> Result<Topology> {
+    pub(crate) fn create(prefix: &str, workers: usize) -> Result<Topology> {
         if workers == 0 || workers > 200 {
             bail!("--workers {workers}: must be 1..=200");
         }
@@ -234,27 +234,27 @@ impl Topology {
         Ok(t)
     }
 
-    pub fn bridge_ns(&self) -> String {
+    pub(crate) fn bridge_ns(&self) -> String {
         format!("{}br", self.prefix)
     }
 
-    pub fn worker_ns(&self, i: usize) -> String {
+    pub(crate) fn worker_ns(&self, i: usize) -> String {
         format!("{}w{i}", self.prefix)
     }
 
-    pub fn workers(&self) -> usize {
+    pub(crate) fn workers(&self) -> usize {
         self.workers
     }
 
     /// Address of worker `i`.
-    pub fn addr(i: usize) -> String {
+    pub(crate) fn addr(i: usize) -> String {
         format!("10.77.0.{}", i + 1)
     }
 
     /// Shapes every link (`None`: removes the shaping). Rate: `tbf` on the worker side (upload) and on
     /// the bridge side (download). Delay: a `netem delay D` root with the `tbf` as its child, on the
     /// worker side only, so the one-way latency between two workers is D (needs the kernel's netem).
-    pub fn shape(&self, shape: Option<&Shape>) -> Result<()> {
+    pub(crate) fn shape(&self, shape: Option<&Shape>) -> Result<()> {
         let br = self.bridge_ns();
         for i in 0..self.workers {
             let ns = self.worker_ns(i);
@@ -290,7 +290,7 @@ impl Topology {
     }
 
     /// The qdisc line of worker `i`'s link, as `tc qdisc show` prints it.
-    pub fn qdisc(&self, i: usize) -> Result<String> {
+    pub(crate) fn qdisc(&self, i: usize) -> Result<String> {
         sh("tc", &["-n", &self.worker_ns(i), "qdisc", "show", "dev", "eth0"])
     }
 }
@@ -314,7 +314,7 @@ impl Drop for Topology {
 }
 
 /// Runs `f` on a thread that has entered network namespace `ns` (the namespace is per thread).
-pub fn in_netns<T: Send + 'static>(
+pub(crate) fn in_netns<T: Send + 'static>(
     ns: &str,
     f: impl FnOnce() -> Result<T> + Send + 'static,
 ) -> std::thread::JoinHandle<Result<T>> {
@@ -331,14 +331,14 @@ pub fn in_netns<T: Send + 'static>(
 
 /// A measured link: payload goodput and TCP round trip.
 #[derive(Debug, Clone, Copy)]
-pub struct LinkProbe {
+pub(crate) struct LinkProbe {
     pub bits_per_second: f64,
     pub rtt_seconds: f64,
 }
 
 /// Sends TCP traffic from worker `from` to worker `to` for `seconds` and measures the receiver's goodput
 /// (payload bits per second), then the median round trip of 1-byte ping-pongs.
-pub fn probe_link(t: &Topology, from: usize, to: usize, seconds: f64) -> Result<LinkProbe> {
+pub(crate) fn probe_link(t: &Topology, from: usize, to: usize, seconds: f64) -> Result<LinkProbe> {
     let addr = format!("{}:5201", Topology::addr(to));
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
     let server = in_netns(&t.worker_ns(to), move || {
@@ -405,7 +405,7 @@ pub fn probe_link(t: &Topology, from: usize, to: usize, seconds: f64) -> Result<
 }
 
 /// Parses a tc rate (`1gbit`, `500mbit`, `10kbit`, `1e9`) into bits per second.
-pub fn rate_bits(rate: &str) -> Result<f64> {
+pub(crate) fn rate_bits(rate: &str) -> Result<f64> {
     let r = rate.trim().to_ascii_lowercase();
     let (num, scale) = if let Some(n) = r.strip_suffix("gbit") {
         (n, 1e9)
@@ -426,7 +426,7 @@ pub fn rate_bits(rate: &str) -> Result<f64> {
 }
 
 /// The `qsr train` recipe of a sweep: an MLP on digits, SGD with momentum, cosine; only `[sync]` differs.
-pub fn recipe_text(args: &NetemArgs, rule: &str) -> Result<String> {
+pub(crate) fn recipe_text(args: &NetemArgs, rule: &str) -> Result<String> {
     let spe = 1437 / (args.workers as u64 * args.local_batch.max(1));
     if spe == 0 {
         bail!("--workers {} x --local-batch {}: digits has too few images (1437)", args.workers, args.local_batch);
@@ -670,7 +670,7 @@ fn run_restart_job(launch: &Launch, fault: &str, port: u16, timeout: Duration) -
 
 /// One rule under `--fault`: wall-clock and final test accuracy of the clean run, the elastic run and
 /// the run restarted from its checkpoint.
-pub struct FaultRow {
+pub(crate) struct FaultRow {
     pub link: String,
     pub rule: String,
     pub seconds: [f64; 3],
@@ -685,7 +685,7 @@ fn accuracy_of(dir: &Path) -> Result<f64> {
 }
 
 /// The markdown table of a `--fault` sweep.
-pub fn fault_table(rows: &[FaultRow]) -> String {
+pub(crate) fn fault_table(rows: &[FaultRow]) -> String {
     let mut out = String::from(
         "| link | rule | clean (s) | elastic, killed + restarted (s) | lost (s) | checkpoint restart (s) | lost (s) | elastic lost / restart lost | steps redone (elastic) | test acc. clean / elastic / restart |\n|---|---|---|---|---|---|---|---|---|---|\n",
     );
@@ -780,7 +780,7 @@ fn run_job(
 
 /// What one run measured.
 #[derive(Debug, Clone)]
-pub struct Measured {
+pub(crate) struct Measured {
     pub link: String,
     pub rule: String,
     pub steps: u64,
@@ -800,7 +800,7 @@ fn num(v: &serde_json::Value, key: &str) -> Result<f64> {
 }
 
 /// Time at which `step` steps were done, interpolated between sync records `(step, wall)`.
-pub fn time_at(records: &[(u64, f64)], step: u64) -> f64 {
+pub(crate) fn time_at(records: &[(u64, f64)], step: u64) -> f64 {
     let mut prev = (0u64, 0.0f64);
     for &(s, w) in records {
         if s >= step {
@@ -815,7 +815,7 @@ pub fn time_at(records: &[(u64, f64)], step: u64) -> f64 {
 }
 
 /// Reads a finished run's summary and per-epoch times.
-pub fn read_run(dir: &Path, link: &str, rule: &str, process_seconds: f64) -> Result<Measured> {
+pub(crate) fn read_run(dir: &Path, link: &str, rule: &str, process_seconds: f64) -> Result<Measured> {
     let s: serde_json::Value = serde_json::from_slice(
         &std::fs::read(dir.join("summary.json")).with_context(|| format!("no summary in {}", dir.display()))?,
     )?;
@@ -852,7 +852,7 @@ pub fn read_run(dir: &Path, link: &str, rule: &str, process_seconds: f64) -> Res
 }
 
 /// The markdown table of a sweep.
-pub fn table(rows: &[Measured]) -> String {
+pub(crate) fn table(rows: &[Measured]) -> String {
     let mut out = String::from(
         "| link | rule | steps | syncs | epoch times (s) | mean epoch (s) | total (s) | comm (s) | epoch vs dp | test acc. | process (s) |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
@@ -881,7 +881,7 @@ pub fn table(rows: &[Measured]) -> String {
 }
 
 /// `cargo xtask netem`.
-pub fn run(args: &NetemArgs, root: &Path) -> Result<()> {
+pub(crate) fn run(args: &NetemArgs, root: &Path) -> Result<()> {
     if let Some(why) = unavailable() {
         bail!("netem cannot run here: {why}");
     }

@@ -40,7 +40,7 @@ fn diff(root: &Path) -> Result<(usize, String)> {
 }
 
 /// Fails when the QSR version takes more than [`MAX_LINES`] lines, or README.md shows another diff.
-pub fn check(root: &Path) -> Result<()> {
+pub(crate) fn check(root: &Path) -> Result<()> {
     let (changed, shown) = diff(root)?;
     println!("adding QSR to {PLAIN} changes {changed} lines (at most {MAX_LINES})");
     if changed > MAX_LINES {
@@ -54,7 +54,7 @@ pub fn check(root: &Path) -> Result<()> {
 }
 
 /// Rewrites README.md's block between [`BEGIN`] and [`END`] with the diff of today's programs.
-pub fn write_readme(root: &Path) -> Result<()> {
+pub(crate) fn write_readme(root: &Path) -> Result<()> {
     let path = root.join("README.md");
     let readme = std::fs::read_to_string(&path).context("cannot read README.md")?;
     let Some((start, end)) = readme.find(BEGIN).and_then(|s| Some((s, s + readme[s..].find(END)?))) else {

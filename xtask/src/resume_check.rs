@@ -22,7 +22,7 @@ const RESUME_AFTER: u64 = 2;
 const RESUMED_EXAMPLES: [(&str, &str, bool); 2] = [("qsr-optim", "burn_plain", false), ("qsr-optim", "burn_qsr", true)];
 
 /// Runs the check on each built example of [`RESUMED_EXAMPLES`].
-pub fn run() -> Result<Totals> {
+pub(crate) fn run() -> Result<Totals> {
     let mut totals = Totals::default();
     for (package, example, launched) in RESUMED_EXAMPLES {
         let dir = target_dir().join("resume-check").join(example);

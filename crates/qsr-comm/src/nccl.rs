@@ -31,9 +31,11 @@ use crate::{CallKind, Collective, CommError, CommStats, MAX_BROADCAST_BYTES, Red
 ///   trainer work unchanged. There the mean is NCCL's sum divided by K on the host, which keeps the
 ///   crate-wide `mean == sum / K` bit identity (`ncclAvg` pre-multiplies by `1/K`).
 ///
-/// Before every host-slice collective the ranks compare (sequence, kind, length, op, root) with one
-/// 10-element `ncclMax` all-reduce over the values and their negations, as the MPI backend does:
-/// diverged call sequences become [`CommError::Diverged`] instead of a hang inside NCCL.
+/// Before every host-slice collective the ranks compare the call's sync tag (whether it has one, its
+/// steps, `H` and fragment) and its identity (sequence, kind, length, op, root) with one 18-element
+/// `ncclMax` all-reduce over those 9 values and their negations: diverged call sequences become
+/// [`CommError::Diverged`] instead of a hang inside NCCL. (The MPI backend compares the same five
+/// identity fields, not the tag.)
 pub struct NcclComm {
     comm: Comm,
     stream: Arc<CudaStream>,

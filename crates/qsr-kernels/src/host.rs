@@ -1,3 +1,6 @@
+//! The host path of fused averaging: the K workers' buffers reduced in L1-sized tiles on rayon's
+//! threads, the mean written back to every buffer (what the cubecl kernels do on a device).
+
 use rayon::prelude::*;
 
 use crate::CHUNK;

@@ -1,3 +1,6 @@
+//! The errors of the optimizers, the round driver and the averager ([`OptimError`]), and what a loss
+//! closure may fail with ([`LossError`]).
+
 /// What a loss closure may fail with: any error (`?` converts it), a `String` or `&str` too.
 pub type LossError = Box<dyn std::error::Error + Send + Sync>;
 

@@ -1,3 +1,6 @@
+//! Communication accounting: how a payload is laid out on the wire ([`Encoding`]) and the bytes a
+//! ring all-reduce moves per rank, per sync and over a plan ([`CommVolume`]).
+
 use serde::{Deserialize, Serialize};
 
 /// How a payload of values is laid out on the wire: `per_value` bytes each, plus `per_block` bytes

@@ -1,3 +1,5 @@
+//! [`ConfigError`]: an invalid schedule or sync setting, named by its recipe key.
+
 use std::fmt;
 
 /// An invalid schedule or sync-rule setting. `field` is the dotted name of the setting as it appears in a

@@ -1,3 +1,6 @@
+//! The round planner: a [`Plan`] pairs an lr schedule with a sync rule and a run length, and yields
+//! its rounds ([`Rounds`]), their summary ([`PlanSummary`]) and a step-by-step [`Cursor`].
+
 use serde::{Deserialize, Serialize};
 
 use crate::comm::{CommVolume, Encoding};

@@ -1,3 +1,6 @@
+//! The sync rules ([`SyncRule`]): data parallel, constant `H`, post-local SGD, the power rules (QSR
+//! among them) and the exponential rule, each deciding a round's `H` when it starts.
+
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ConfigError, positive};

@@ -1,3 +1,6 @@
+//! Learning-rate schedules ([`LrSchedule`]): linear warmup, then cosine, linear, step or constant, with
+//! the authors' arithmetic operation by operation.
+
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ConfigError, positive};
