@@ -6,7 +6,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result, anyhow, bail};
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::tensor::{Device, Distribution, Int, Tensor, TensorData};
@@ -24,6 +24,11 @@ use crate::device_spec;
 const MAX_BATCH: usize = 1 << 16;
 /// The most steps `--steps`, `--warmup` or `--profile` may ask for (the timed steps' times are kept).
 const MAX_STEPS: u64 = 1_000_000;
+/// The most memory a timed GPT may need, as [`gpt_bytes`] estimates it: past it a typo (`--width
+/// 65536`) would ask the allocator for tens of GiB and abort.
+const MAX_GPT_BYTES: f64 = 16.0 * (1u64 << 30) as f64;
+/// `--threads` may oversubscribe the machine's cores at most this many times.
+const MAX_THREADS_PER_CORE: usize = 8;
 
 /// The models `qsr time-step` times, each as `cargo xtask bench train`'s PyTorch peer builds it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
@@ -131,6 +136,7 @@ pub(crate) fn time_step(args: &TimeStepArgs, out: &mut dyn Write) -> Result<Step
     if let Some(b) = args.batch.filter(|b| !(1..=MAX_BATCH).contains(b)) {
         return Err(crate::exit::bad_input(anyhow!("--batch must be in 1..={MAX_BATCH}, got {b}")));
     }
+    check_sizes(args).map_err(crate::exit::bad_input)?;
     let device = device_spec::device(&args.device).map_err(crate::exit::bad_input)?;
     device.seed(0);
     // Flex computes on the rayon pool it is called from: its size is the intra-op thread count, and a
@@ -345,8 +351,51 @@ mod launches {
     }
 }
 
+/// Refuses a GPT whose memory [`gpt_bytes`] puts above [`MAX_GPT_BYTES`] (naming its size flags), and
+/// more threads than [`MAX_THREADS_PER_CORE`] per core.
+fn check_sizes(args: &TimeStepArgs) -> Result<()> {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    if let Some(t) = args.threads.filter(|&t| t == 0 || t > MAX_THREADS_PER_CORE * cores) {
+        bail!(
+            "--threads must be in 1..={} ({MAX_THREADS_PER_CORE} per core of this machine's {cores}), got {t}",
+            MAX_THREADS_PER_CORE * cores
+        );
+    }
+    if args.model != StepModel::Gpt {
+        return Ok(());
+    }
+    let bytes = gpt_bytes(args, args.batch.unwrap_or(GPT_BATCH));
+    if bytes > MAX_GPT_BYTES {
+        bail!(
+            "a GPT of --layers {} --width {} --heads {} --context {} at batch {} needs about {:.0} GiB (parameters, gradients, \
+             AdamW's moments and activations), above the {:.0} GiB this command allows: lower --layers, --width or --context",
+            args.layers,
+            args.width,
+            args.heads,
+            args.context,
+            args.batch.unwrap_or(GPT_BATCH),
+            bytes / (1u64 << 30) as f64,
+            MAX_GPT_BYTES / (1u64 << 30) as f64
+        );
+    }
+    Ok(())
+}
+
+/// Examples per GPT step without `--batch`.
+const GPT_BATCH: usize = 16;
+
+/// About the bytes a GPT step of `args` holds at once, in f32: parameters with their gradients and two
+/// AdamW moments (blocks of `12 width^2`, embeddings of a byte-sized vocabulary), and activations (per
+/// block about `16 width` values and the heads' `context x context` attention per token).
+fn gpt_bytes(args: &TimeStepArgs, batch: usize) -> f64 {
+    let (l, w, c, h, b) = (args.layers as f64, args.width as f64, args.context as f64, args.heads as f64, batch as f64);
+    let params = 12.0 * l * w * w + 2.0 * 256.0 * w + c * w;
+    let activations = b * c * l * (16.0 * w + h * c);
+    4.0 * (4.0 * params + activations)
+}
+
 fn time_gpt(args: &TimeStepArgs, device: &Device) -> Result<StepTiming> {
-    let batch = args.batch.unwrap_or(16);
+    let batch = args.batch.unwrap_or(GPT_BATCH);
     let corpus = Corpus::comedy_of_errors();
     let config = GptConfig {
         vocab_size: corpus.vocab().len(),

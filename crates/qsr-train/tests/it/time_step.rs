@@ -46,6 +46,23 @@ fn time_step_refuses_zero_steps_and_unbounded_counts_and_batches() {
     }
 }
 
+/// Issue 56 D7: `--width 65536 --heads 1` aborted with a 48 GiB allocation (exit 134, a backtrace);
+/// `--layers 100000` and `--threads 100000` were accepted and ran for minutes.
+#[test]
+fn time_step_refuses_a_gpt_beyond_its_memory_bound_and_threads_beyond_sense() {
+    for (args, message) in [
+        (&["--width", "65536", "--heads", "1"][..], "lower --layers, --width or --context"),
+        (&["--layers", "100000"], "lower --layers, --width or --context"),
+        (&["--threads", "100000"], "--threads must be in 1..="),
+        (&["--threads", "0"], "--threads must be in 1..="),
+    ] {
+        let out = qsr(&[&["time-step"][..], args].concat());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(message) && !err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
 /// A stand-in for the PyTorch peer: it writes a fixed rate to the `--json` path it is given.
 const FAKE_PEER: &str = r#"#!/usr/bin/env bash
 while [ $# -gt 0 ]; do
