@@ -338,9 +338,12 @@ pub(crate) fn write_file(tmp: &Path, name: &str, bytes: &[u8]) -> Result<()> {
     write_synced(&tmp.join(name), bytes)
 }
 
+/// The SHA-256 of a regular file, streamed (a checkpoint's model may be larger than memory allows twice).
 fn sha256_file(path: &Path) -> Result<String> {
-    let bytes = fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-    Ok(format!("{:x}", Sha256::digest(&bytes)))
+    let mut file = crate::files::open_regular(path, "checkpoint file")?;
+    let mut hasher = Sha256::new();
+    std::io::copy(&mut file, &mut hasher).with_context(|| format!("cannot read {}", path.display()))?;
+    Ok(format!("{:x}", hasher.finalize()))
 }
 
 /// Rank 0, after every rank wrote: checksums, rename into place, point `LATEST` at it, prune old ones.
@@ -416,7 +419,8 @@ pub(crate) fn latest(run_dir: &Path) -> Result<(PathBuf, CheckpointState)> {
     }
     verify(&dir)?;
     let state_path = dir.join("state.json");
-    let state: CheckpointState = serde_json::from_slice(&fs::read(&state_path)?)
+    let bytes = crate::files::read_regular(&state_path, crate::files::STATE_BYTES, "checkpoint state")?;
+    let state: CheckpointState = serde_json::from_slice(&bytes)
         .with_context(|| format!("{} is not a valid checkpoint state", state_path.display()))?;
     if !(OLDEST_FORMAT..=FORMAT).contains(&state.format) {
         bail!(
@@ -436,10 +440,13 @@ fn kind(m: &fs::Metadata) -> &'static str {
 /// Checks every file of a checkpoint against `manifest.json`.
 pub(crate) fn verify(dir: &Path) -> Result<()> {
     let manifest = dir.join("manifest.json");
-    let sums: BTreeMap<String, String> = serde_json::from_slice(
-        &fs::read(&manifest).with_context(|| format!("checkpoint {} is incomplete: no manifest", dir.display()))?,
-    )
-    .with_context(|| format!("{} is corrupt", manifest.display()))?;
+    if fs::symlink_metadata(&manifest).is_err() {
+        bail!("checkpoint {} is incomplete: no manifest", dir.display());
+    }
+    // Bounded, and only a regular file: /dev/zero or a FIFO in its place must not grow or block a resume.
+    let bytes = crate::files::read_regular(&manifest, crate::files::MANIFEST_BYTES, "checkpoint manifest")?;
+    let sums: BTreeMap<String, String> =
+        serde_json::from_slice(&bytes).with_context(|| format!("{} is corrupt", manifest.display()))?;
     if !sums.contains_key("state.json") || !sums.contains_key("model.safetensors") {
         bail!("{} does not list state.json and model.safetensors", manifest.display());
     }

@@ -14,6 +14,10 @@ pub(crate) const RECIPE_BYTES: u64 = 1 << 20;
 pub(crate) const SUMMARY_BYTES: u64 = 16 << 20;
 /// The most bytes a run's `metrics.jsonl` may have (about 5 million records).
 pub(crate) const METRICS_BYTES: u64 = 1 << 30;
+/// The most bytes a checkpoint's `manifest.json` may have (a checksum per file: about 100 bytes each).
+pub(crate) const MANIFEST_BYTES: u64 = 1 << 20;
+/// The most bytes a checkpoint's `state.json` may have (the plan, the recipe's resume key, counters).
+pub(crate) const STATE_BYTES: u64 = 16 << 20;
 
 /// Opens `path` for reading if it is a regular file (links followed); `what` names it in errors.
 pub(crate) fn open_regular(path: &Path, what: &str) -> Result<File> {

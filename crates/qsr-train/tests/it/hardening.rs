@@ -764,6 +764,40 @@ fn a_fifo_as_latest_or_as_data_is_refused_not_waited_on() {
     assert!(err.contains("not a regular file (it is a FIFO)"), "{err}");
 }
 
+/// Issue 56 D4: `ckpt/step-N/manifest.json` was read unbounded: /dev/zero grew `--resume` by about
+/// 2 GB/s, a FIFO blocked it silently, and a sparse 3 GB manifest cost 3 GB of memory. Each is refused
+/// at once, naming the manifest; a state.json replaced by a link to /dev/zero is refused too.
+#[test]
+fn a_manifest_that_is_dev_zero_a_fifo_or_sparse_is_refused_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    halted_run(&run);
+    let latest = std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap();
+    let step = run.join("ckpt").join(latest.trim());
+    let manifest = step.join("manifest.json");
+    let saved = std::fs::read(&manifest).unwrap();
+    let resume = ["train", "--resume", s(&run), "--quiet", "--workers", "2"];
+    let replace = |how: &dyn Fn(&Path)| {
+        std::fs::remove_file(&manifest).unwrap();
+        how(&manifest);
+    };
+    replace(&|p| std::os::unix::fs::symlink("/dev/zero", p).unwrap());
+    let err = refused_within(&resume, &[]);
+    assert!(err.contains("manifest.json is not a regular file (it is a device)"), "{err}");
+    replace(&|p| mkfifo(p));
+    let err = refused_within(&resume, &[]);
+    assert!(err.contains("manifest.json is not a regular file (it is a FIFO)"), "{err}");
+    replace(&|p| std::fs::File::create(p).unwrap().set_len(3 << 30).unwrap());
+    let err = refused_within(&resume, &[]);
+    assert!(err.contains("manifest.json is larger than"), "{err}");
+    replace(&|p| std::fs::write(p, &saved).unwrap());
+    let state = step.join("state.json");
+    std::fs::remove_file(&state).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", &state).unwrap();
+    let err = refused_within(&resume, &[]);
+    assert!(err.contains("state.json is a symbolic link, not a regular file"), "{err}");
+}
+
 #[test]
 fn dev_zero_as_a_data_file_is_refused_before_reading_it() {
     // [D21] It used to be read until memory ran out.
