@@ -156,24 +156,37 @@ impl SyncVerdict {
 /// ```
 pub fn check_sync(settings: &SyncSettings, face: Face) -> SyncVerdict {
     let mut v = SyncVerdict::default();
-    let mut refuse = |field: &str, reason: String| v.refusals.push(Refusal { field: field.into(), reason });
-    let sched = |e: ConfigError| Refusal { field: face.key(&e.field), reason: e.reason };
     if let Some(plan) = settings.plan.as_ref().filter(|_| settings.workers > 1)
         && let Err(e) = plan.check_meets()
     {
-        let r = sched(e);
-        refuse(&r.field, r.reason);
+        v.refusals.push(Refusal { field: face.key(&e.field), reason: e.reason });
     }
+    v.refusals.extend(placement_refusals(settings, face));
+    if let (Some(outer), Some(plan)) = (&settings.outer, &settings.plan) {
+        v.warnings.extend(outer_gain_warning(outer, plan));
+    }
+    if let Some(streaming) = &settings.streaming {
+        match check_streaming(streaming, settings, face) {
+            Ok(warnings) => v.warnings.extend(warnings),
+            Err(r) => v.refusals.push(r),
+        }
+    }
+    v
+}
+
+/// What the outer step, the wire and streaming need of each other, of the rule, the residency and
+/// the state policy.
+fn placement_refusals(settings: &SyncSettings, face: Face) -> Vec<Refusal> {
+    let mut refusals = Vec::new();
+    let mut refuse = |field: &str, reason: String| refusals.push(Refusal { field: field.into(), reason });
     let host = settings.residency != Residency::Device;
+    let on_host = |what: &str| format!("{what} run on host-resident {}s (driver.residency = \"host\")", face.owner());
     if let Some(outer) = &settings.outer {
         if let Err(OptimError::Config { field, reason }) = outer.validate_for(&settings.rule) {
             refuse(&field, reason);
         }
         if !host {
-            refuse(
-                "outer",
-                format!("the outer optimizer runs on host-resident {}s (driver.residency = \"host\")", face.owner()),
-            );
+            refuse("outer", on_host("the outer optimizer's steps"));
         }
         if settings.streams() && outer.unit != OuterUnit::Round {
             refuse(
@@ -185,35 +198,18 @@ pub fn check_sync(settings: &SyncSettings, face: Face) -> SyncVerdict {
         }
     }
     if settings.wire != Wire::F32 && !host {
-        let wire = settings.wire.encoding_name();
-        refuse(
-            face.wire(),
-            format!("{wire} syncs run on host-resident {}s (driver.residency = \"host\")", face.owner()),
-        );
+        refuse(face.wire(), on_host(&format!("{} syncs", settings.wire.encoding_name())));
     }
     if settings.streams() {
         let field = if settings.streaming.is_some() { face.streaming() } else { face.wire() };
         if !host {
-            let owner = face.owner();
-            refuse(
-                field,
-                format!("streaming and quantized syncs run on host-resident {owner}s (driver.residency = \"host\")"),
-            );
+            refuse(field, on_host("streaming and quantized syncs"));
         }
         if settings.state.average_first_moment || settings.state.average_second_moment {
             refuse(field, "streaming and quantized syncs do not average optimizer moments (`driver.state`)".into());
         }
     }
-    if let (Some(outer), Some(plan)) = (&settings.outer, &settings.plan) {
-        v.warnings.extend(outer_gain_warning(outer, plan));
-    }
-    if let Some(streaming) = &settings.streaming {
-        match check_streaming(streaming, settings, face) {
-            Ok(warnings) => v.warnings.extend(warnings),
-            Err(r) => v.refusals.push(r),
-        }
-    }
-    v
+    refusals
 }
 
 /// At steady state an outer step with per-step momentum `mu` moves `outer_lr / (1 - mu^n)` times the
@@ -262,5 +258,24 @@ fn check_streaming(streaming: &StreamingConfig, s: &SyncSettings, face: Face) ->
             reason: format!("needs a rule that averages parameters; `{}` all-reduces gradients", s.rule.name()),
         }),
         None => Ok(Vec::new()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use qsr_sched::{LrSchedule, ScheduleKind};
+
+    /// Regression: `qsr time-step` runs one worker under a plan of one round spanning its 35 steps,
+    /// and was refused as workers that never meet.
+    #[test]
+    fn one_worker_is_never_refused_for_long_rounds() {
+        let schedule = LrSchedule::new(ScheduleKind::Constant, 35, 0, 1e-3, 1e-3);
+        let rule = SyncRule::Constant { h: 35 };
+        let plan = Plan::new(schedule, rule.clone()).unwrap();
+        let alone = SyncSettings { plan: Some(plan), ..SyncSettings::new(rule, 1) };
+        assert_eq!(check_sync(&alone, Face::Recipe), SyncVerdict::default());
+        let two = check_sync(&SyncSettings { workers: 2, ..alone }, Face::Recipe);
+        assert_eq!(two.refusals[0].field, "sync.h", "{two:?}");
     }
 }

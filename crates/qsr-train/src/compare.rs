@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use crate::checkpoint::write_atomic;
 use crate::device_spec::device;
-use crate::recipe::TrainRecipe;
+use crate::recipe::{Beside, TrainRecipe, budget_alpha};
 use crate::records::Summary;
 use crate::worker::RunSpec;
 
@@ -149,8 +149,8 @@ impl RuleSpec {
         }
         let (budget, mut rule_keys): (Vec<&str>, Vec<&str>) =
             rule_keys.into_iter().partition(|kv| kv.trim().starts_with("budget"));
-        let alpha_given = rule_keys.iter().any(|kv| kv.trim().starts_with("alpha"));
-        if !budget.is_empty() && !alpha_given {
+        let alpha_given = rule_keys.iter().find(|kv| kv.trim().starts_with("alpha")).map(|kv| kv.trim().to_string());
+        if !budget.is_empty() && alpha_given.is_none() && name == "qsr" {
             // The budget chooses it below; a recipe of another rule has none to default to.
             rule_keys.push("alpha=1");
         }
@@ -158,7 +158,8 @@ impl RuleSpec {
             .map_err(|e| anyhow!("--rules {spec}: {e:#}"))?;
         let mut budget_share = None;
         if let Some(kv) = budget.first() {
-            let (r, b) = with_budget(rule, kv, alpha_given, base).map_err(|e| anyhow!("--rules {spec}: {e:#}"))?;
+            let alpha = alpha_given.as_deref().and_then(|kv| kv.split_once('=')).map(|(_, v)| v.trim());
+            let (r, b) = with_budget(rule, kv, alpha, base).map_err(|e| anyhow!("--rules {spec}: {e:#}"))?;
             (rule, budget_share) = (r, Some(b));
         }
         let outer = outer
@@ -172,21 +173,19 @@ impl RuleSpec {
 
 /// A `qsr` rule whose alpha a `budget=SHARE` parameter chooses over the recipe's schedule (as
 /// `sync.budget` does); refused beside `alpha=` (one knob) and for other rules.
-fn with_budget(rule: SyncRule, kv: &str, alpha_given: bool, base: &TrainRecipe) -> Result<(SyncRule, f64)> {
+fn with_budget(rule: SyncRule, kv: &str, alpha: Option<&str>, base: &TrainRecipe) -> Result<(SyncRule, f64)> {
     let value = kv.split_once('=').map_or("", |(_, v)| v.trim());
     if kv.split_once('=').is_none_or(|(k, _)| k.trim() != "budget") {
         bail!("`{kv}` is not budget=SHARE");
     }
     let budget: f64 = value.parse().map_err(|_| anyhow!("invalid `budget`: `{value}` is not a number in (0, 1]"))?;
-    if alpha_given {
-        bail!("invalid `alpha`: `budget` and `alpha` are one knob (the budget chooses alpha): give one");
-    }
-    let SyncRule::Qsr { h_base, .. } = rule else {
-        bail!("invalid `budget`: it chooses the alpha of `qsr`, and `{}` has none", rule.name());
+    let h_base = match rule {
+        SyncRule::Qsr { h_base, .. } => Some(h_base),
+        _ => None,
     };
-    let alpha = qsr_sched::alpha_for_budget(&base.schedule, h_base, budget, base.train.steps)
-        .map_err(|e| anyhow!("invalid `budget`: {}", e.reason))?;
-    Ok((SyncRule::Qsr { h_base, alpha }, budget))
+    let beside = Beside { rule: rule.name(), alpha, h_base };
+    let alpha = budget_alpha(budget, beside, &base.schedule, base.train.steps)?;
+    Ok((SyncRule::Qsr { h_base: h_base.unwrap_or(1), alpha }, budget))
 }
 
 /// `start` with the `outer.KEY=VALUE` settings of a `--rules` entry, checked.

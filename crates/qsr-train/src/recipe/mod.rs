@@ -6,7 +6,7 @@ mod plan;
 mod sets;
 mod train;
 
-pub(crate) use plan::read_table;
+pub(crate) use plan::{Beside, budget_alpha, read_table};
 pub use plan::{PlanOverrides, PlanRecipe, load_plan};
 pub use train::{CheckpointConfig, DataConfig, EvalConfig, TrainConfig, TrainRecipe};
 pub(crate) use train::{open_corpus, open_dataset};

@@ -213,25 +213,49 @@ pub(crate) fn apply_budget(root: &mut Table, run_steps: Option<u64>, origin: &st
     let schedule: LrSchedule = parse_section(root, "schedule", origin)?;
     let sync = section(root, "sync")?;
     let rule = sync.get("rule").and_then(Value::as_str).unwrap_or("(none)").to_string();
-    if rule != "qsr" {
-        bail!(
-            "{origin}: invalid `sync.budget`: it chooses the alpha of `sync.rule = \"qsr\"`, and `sync.rule = \"{rule}\"` has none: set `sync.budget` or `sync.rule`, not both"
-        );
-    }
-    if let Some(given) = sync.get("alpha") {
-        bail!(
-            "{origin}: invalid `sync.alpha`: `sync.budget` = {budget} and `sync.alpha` = {given} are one knob (the budget chooses alpha): set `sync.budget` or `sync.alpha`, not both (`--set sync.alpha=` drops a recipe's alpha)"
-        );
-    }
-    let h_base = sync.get("h_base").and_then(Value::as_integer).filter(|h| *h > 0);
-    let h_base = h_base
-        .ok_or_else(|| anyhow!("{origin}: `sync.budget` needs `sync.h_base` (set it in [sync] or with --h-base)"))?;
-    let alpha = qsr_sched::alpha_for_budget(&schedule, h_base as u64, budget, run_steps)
-        .map_err(|e| anyhow!("{origin}: invalid `sync.budget`: {}", e.reason))?;
+    let alpha = sync.get("alpha").map(ToString::to_string);
+    let h_base = sync.get("h_base").and_then(Value::as_integer).and_then(|h| u64::try_from(h).ok());
+    let beside = Beside { rule: &rule, alpha: alpha.as_deref(), h_base };
+    let alpha = budget_alpha(budget, beside, &schedule, run_steps).map_err(|e| anyhow!("{origin}: {e:#}"))?;
     sync.remove("budget");
     sync.insert("alpha".into(), Value::Float(alpha));
     sync.insert("from_budget".into(), Value::Float(budget));
     Ok(())
+}
+
+/// What a budget stands beside: the rule's name, an alpha given too (as written), the rule's `h_base`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Beside<'a> {
+    pub(crate) rule: &'a str,
+    pub(crate) alpha: Option<&'a str>,
+    pub(crate) h_base: Option<u64>,
+}
+
+/// The alpha `budget` chooses for a `qsr` rule over `schedule` (for `run_steps`): the one rule of the
+/// budget knob, for recipes ([`apply_budget`]) and `qsr compare --rules qsr:budget=`. Budget and
+/// alpha are one knob: beside an alpha, or under a rule other than QSR, it is refused naming both keys.
+pub(crate) fn budget_alpha(
+    budget: f64,
+    beside: Beside<'_>,
+    schedule: &LrSchedule,
+    run_steps: Option<u64>,
+) -> Result<f64> {
+    let Beside { rule, alpha, h_base } = beside;
+    if rule != "qsr" {
+        bail!(
+            "invalid `sync.budget`: it chooses the alpha of `sync.rule = \"qsr\"`, and `sync.rule = \"{rule}\"` has none: set `sync.budget` or `sync.rule`, not both"
+        );
+    }
+    if let Some(given) = alpha {
+        bail!(
+            "invalid `sync.alpha`: `sync.budget` = {budget} and `sync.alpha` = {given} are one knob (the budget chooses alpha): set `sync.budget` or `sync.alpha`, not both (`--set sync.alpha=` drops a recipe's alpha)"
+        );
+    }
+    let h_base = h_base
+        .filter(|h| *h > 0)
+        .ok_or_else(|| anyhow!("`sync.budget` needs `sync.h_base` (set it in [sync] or with --h-base)"))?;
+    qsr_sched::alpha_for_budget(schedule, h_base, budget, run_steps)
+        .map_err(|e| anyhow!("invalid `sync.budget`: {}", e.reason))
 }
 
 /// Builds the plan of a recipe table (already overridden), with its `[sync.streaming]` schedule.

@@ -60,6 +60,10 @@ fn a_sync_budget_chooses_alpha_as_the_planners_flag_does() {
     let resolved = dir.path().join("resolved.toml");
     std::fs::write(&resolved, recipe.to_toml().unwrap()).unwrap();
     assert_eq!(TrainRecipe::load(&resolved, &[]).unwrap().sync, recipe.sync);
+    // Regression: a longer run resumed from it recomputed alpha for its new length and was refused;
+    // it keeps the alpha the run used (`sync.from_budget` is a record, not the budget itself).
+    let longer = TrainRecipe::load(&resolved, &["train.steps=2000".to_string()]).unwrap();
+    assert_eq!(longer.sync, recipe.sync);
     // Both keys, from any source and in any order: refused naming both.
     let text = std::fs::read_to_string(&path).unwrap().replace("[sync]", "[sync]\nbudget = 0.2");
     let both = dir.path().join("both.toml");

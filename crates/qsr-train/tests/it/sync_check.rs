@@ -2,7 +2,7 @@
 //! verdict and one message from `qsr plan`, `qsr train` and `qsr compare`, and a refusal leaves
 //! nothing behind (no run directory, lock or recipe.toml).
 
-use crate::common::{RECIPE, qsr};
+use crate::common::{RECIPE, evals, qsr};
 
 /// A combination of `--set` overrides of the digits MLP recipe and the key its refusal names (`None`:
 /// accepted).
@@ -171,14 +171,6 @@ fn a_refused_plan_offers_a_value_that_is_accepted() {
     }
 }
 
-/// The `eval` records of a run's metrics.jsonl, as (epoch, accuracy).
-fn evals(run: &std::path::Path) -> Vec<(f64, f64)> {
-    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
-    let records = text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap());
-    let evals = records.filter(|r| r["kind"] == "eval");
-    evals.map(|r| (r["epoch"].as_f64().unwrap(), r["accuracy"].as_f64().unwrap())).collect()
-}
-
 /// How far below data parallel's accuracy at the same epoch an accepted setting may be, at every
 /// evaluation of the second half (after the run's midpoint).
 const MARGIN: f64 = 0.05;
@@ -282,4 +274,37 @@ fn a_run_that_ends_at_chance_exits_with_status_6_and_says_why() {
     assert_eq!(run.status.code(), Some(6), "{}", String::from_utf8_lossy(&run.stderr));
     let table = std::fs::read_to_string(cmp.join("compare.md")).unwrap();
     assert!(table.contains("did not train in 1 of 1 seeds"), "{table}");
+    // Regression: an elastic job's workers that did not train left the store's job unfinished, and
+    // the launcher reported a failure instead of the outcome.
+    let elastic = dir.path().join("elastic");
+    let base =
+        ["train", "--recipe", RECIPE, "--nproc", "2", "--elastic", "--quiet", "--out", elastic.to_str().unwrap()];
+    let run = qsr(&with_sets(&base, &sets).iter().map(String::as_str).collect::<Vec<_>>());
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(6), "{err}");
+    assert!(err.contains("did not train (its error is printed above)"), "{err}");
+}
+
+/// Regression: `--rules qsr:budget=0.3` on a recipe of another rule failed with "missing field
+/// `alpha`"; the budget chooses it, and the run's recipe records both.
+#[test]
+fn a_budget_in_rules_chooses_alpha_on_a_recipe_of_another_rule() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("compare");
+    let base =
+        ["compare", "--recipe", RECIPE, "--rules", "qsr:budget=0.3", "--seeds", "1", "--out", out.to_str().unwrap()];
+    let args = with_sets(&base, &["sync.rule=constant", "sync.h=2"]);
+    let run = qsr(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let row = &crate::common::json(&out.join("compare.json"))[0];
+    assert!(row["comm_percent"].as_f64().unwrap() <= 30.0, "{row}");
+    let recipe =
+        std::fs::read_to_string(std::path::Path::new(row["runs"][0].as_str().unwrap()).join("recipe.toml")).unwrap();
+    assert!(recipe.contains("from_budget = 0.3") && recipe.contains("alpha = "), "{recipe}");
+    // Beside an alpha, or on another rule: refused naming both keys.
+    for (rules, key) in [("qsr:budget=0.3;alpha=0.1", "`sync.alpha`"), ("constant:budget=0.3", "`sync.budget`")] {
+        let base = ["compare", "--recipe", RECIPE, "--rules", rules, "--seeds", "1", "--out", out.to_str().unwrap()];
+        let err = crate::common::refused(&base);
+        assert!(err.contains(key) && err.contains("not both"), "{rules}: {err}");
+    }
 }

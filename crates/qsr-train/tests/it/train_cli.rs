@@ -440,9 +440,7 @@ fn streaming_over_a_world_of_one_process_finishes() {
 
 /// The accuracy of each evaluation in `run`'s metrics.jsonl, in step order.
 fn eval_accuracies(run: &Path) -> Vec<f64> {
-    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
-    let records = text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap());
-    records.filter(|r| r["kind"] == "eval").map(|r| r["accuracy"].as_f64().unwrap()).collect()
+    crate::common::evals(run).into_iter().map(|(_, accuracy)| accuracy).collect()
 }
 
 /// N1: the documented streaming setting on the main job (4 fragments, delay 2, int8) sat at 24-33 % for

@@ -54,3 +54,11 @@ pub(crate) fn refused(args: &[&str]) -> String {
 pub(crate) fn json(path: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
 }
+
+/// The `eval` records of a run's metrics.jsonl in step order, as (epoch, accuracy).
+pub(crate) fn evals(run: &Path) -> Vec<(f64, f64)> {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let records = text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap());
+    let evals = records.filter(|r| r["kind"] == "eval");
+    evals.map(|r| (r["epoch"].as_f64().unwrap(), r["accuracy"].as_f64().unwrap())).collect()
+}
