@@ -53,6 +53,23 @@ pub struct SyncTag {
     pub fragment: u32,
 }
 
+impl SyncTag {
+    /// The sync of a whole model after `steps` optimizer steps, ending a round of `h`.
+    ///
+    /// ```
+    /// let tag = qsr_comm::SyncTag::new(10, 4).fragment(2);
+    /// assert_eq!(tag.to_string(), "the sync after step 10 (a round of H = 4, fragment 2)");
+    /// ```
+    pub fn new(steps: u64, h: u64) -> Self {
+        Self { steps, h, fragment: 0 }
+    }
+
+    /// The same sync carrying streaming fragment `fragment` (from 1).
+    pub fn fragment(self, fragment: u32) -> Self {
+        Self { fragment, ..self }
+    }
+}
+
 impl std::fmt::Display for SyncTag {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "the sync after step {} (a round of H = {}", self.steps, self.h)?;

@@ -56,7 +56,7 @@ use std::path::Path;
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::Device;
-use qsr_comm::{Collective, CommStats, ReduceOp, SyncTag};
+use qsr_comm::{Collective, CommStats, ReduceOp};
 use qsr_sched::{RoundStart, StepInfo, StreamingConfig, SyncMode, SyncRule};
 use serde::{Deserialize, Serialize};
 
@@ -66,8 +66,8 @@ use crate::lr_watch::{self, LrWatch};
 use crate::outer::{InnerRound, OuterConfig};
 use crate::settings::{Face, SyncSettings, check_sync};
 use crate::stream::StreamState;
-use crate::sync::{Level, Wire};
-use crate::synchronizer::{At, Synchronizer, add};
+use crate::sync::{Level, SyncReport, Transfer, Wire};
+use crate::synchronizer::{At, StepEnd, Synced, Synchronizer};
 
 /// What an [`Averager`] averages and when.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -369,9 +369,10 @@ impl Averager {
         comm: Box<dyn Collective>,
     ) -> Result<(Self, M), OptimError> {
         check_sync(&config.sync_settings(comm.world_size()), Face::Averager).into_result()?;
-        let mut sync = Synchronizer::new(comm, (config.wire, None), Face::Averager)?;
+        let mut sync = Synchronizer::new(comm, Transfer { wire: config.wire, bucket: None }, Face::Averager)?;
         let layout = ParamLayout::of(&model);
-        let stream = (config.streaming.is_some() || config.wire.codec().is_some())
+        let stream = sync
+            .streams_with(config.streaming.as_ref())
             .then(|| sync.prepare_streaming(config.streaming, &layout))
             .transpose()?;
         let settings = serde_json::json!({
@@ -396,7 +397,12 @@ impl Averager {
             abandoned: false,
             lr_watch: LrWatch::default(),
         };
-        let model = if avg.config.broadcast_initial { avg.broadcast_from_rank0(model)? } else { model };
+        let model = match avg.config.broadcast_initial {
+            true => avg
+                .sync
+                .broadcast_initial(model, &avg.layout, avg.config.average_bn, |source| OptimError::Setup { source })?,
+            false => model,
+        };
         let n = avg.layout.len();
         if let Some(config) = avg.config.outer {
             avg.layout.read_params(&model, &mut avg.params[..n])?;
@@ -467,7 +473,7 @@ impl Averager {
     }
 
     /// A streaming step's syncs, after step `t` of `round`: the fragments due, the averages that
-    /// land, at the round's end the BatchNorm statistics (`average_bn`, f32), at the run's end all.
+    /// land, at the round's end the BatchNorm statistics (`average_bn`), at the run's end all.
     fn stream_step<M: Module>(&mut self, model: M, t: u64, lr: f64, round: RoundSpan) -> Result<M, OptimError> {
         let sync_after = t + 1 == round.end;
         let info = StepInfo {
@@ -483,40 +489,22 @@ impl Averager {
         };
         let last = self.config.run_steps == Some(t + 1);
         self.stats.syncs += u64::from(sync_after);
-        let bn = sync_after && self.config.average_bn && self.layout.running_len() > 0;
-        if !self.sync.acts_after(&info, last) && !bn {
+        let bn_due = sync_after && self.config.average_bn && self.layout.running_len() > 0;
+        if !self.sync.acts_after(&info, last) && !bn_due {
             return Ok(model);
         }
         let n = self.layout.len();
+        let mut model = model;
         self.layout.read_params(&model, &mut self.params[..n])?;
-        let applied = self.sync.applied();
-        let stepped = self.sync.after_step(&mut self.params[..n], (&info, last), &mut self.stats.comm);
-        if let Err(e) = stepped {
-            self.abandoned = true;
-            return Err(e);
-        }
-        let landed = self.sync.applied() > applied;
-        // One fragment replaced by its average (mix 1), nothing left in flight: every rank holds the
-        // same model now, as after a plain average (an int8 wire without streaming, at each round's end).
-        if last || (landed && self.sync.leaves_ranks_equal()) {
+        let bn = self.config.average_bn.then_some((&mut model, &self.layout));
+        let end = StepEnd { info: &info, last };
+        let stepped = self.sync.end_streaming_step(&mut self.params[..n], bn, end, &mut self.stats.comm);
+        let stepped = self.abandon_on_error(stepped)?;
+        if stepped.ranks_equal {
             self.synced_at = t + 1;
         }
-        self.stats.updates += u64::from(landed || last || bn);
-        let model = self.layout.write_params(model, &self.params[..n])?;
-        if bn { self.average_running(model, (t, self.tag(t + 1))) } else { Ok(model) }
-    }
-
-    /// BatchNorm running statistics averaged in f32, on their own (a streaming round's end).
-    fn average_running<M: Module>(&mut self, model: M, at: At) -> Result<M, OptimError> {
-        let n = self.layout.len();
-        self.layout.read_running(&model, &mut self.params[n..])?;
-        let before = *self.sync.comm().stats();
-        if let Err(e) = self.sync.all_reduce(&mut self.params[n..], at, Level::Global) {
-            self.abandoned = true;
-            return Err(e);
-        }
-        self.count(self.sync.comm().stats().since(&before));
-        self.layout.write_running(model, &self.params[n..])
+        self.stats.updates += u64::from(stepped.landed || last || bn_due);
+        self.layout.write_params(model, &self.params[..n])
     }
 
     /// Call between the backward pass and the optimizer step. On a step of a round that syncs gradients
@@ -536,8 +524,9 @@ impl Averager {
         let mut buf = std::mem::take(&mut self.grads);
         buf.resize(self.layout.len(), 0.0);
         self.layout.read_grads_params(model, &grads, &mut buf)?;
-        let tag = SyncTag { steps: step + 1, h: 1, fragment: 0 };
-        self.synchronize(|sync| sync.all_reduce(&mut buf, (step, Some(tag)), Level::Global))?;
+        let elements = buf.len();
+        let synced = |sync: &mut Synchronizer| sync.all_reduce(&mut buf, At::after(step, Some(1)), Level::Global);
+        self.synchronize(SyncMode::Gradients, elements, synced)?;
         self.layout.write_grads_params(model, &mut grads, &buf)?;
         self.grads = buf;
         self.grads_averaged = Some(step);
@@ -558,8 +547,9 @@ impl Averager {
             self.layout.read_running(&model, &mut self.params[n..])?;
         }
         let mut params = std::mem::take(&mut self.params);
-        let at = (step, self.tag(step));
-        let reduced = self.synchronize(|sync| sync.average(&mut params, n, at, Level::Global));
+        let (at, elements) = (self.at(step), params.len());
+        let reduced =
+            self.synchronize(SyncMode::Parameters, elements, |sync| sync.average(&mut params, n, at, Level::Global));
         self.params = params;
         reduced?;
         self.synced_at = step;
@@ -571,20 +561,16 @@ impl Averager {
     /// every parameter (and with `average_bn` the statistics) in f32; a round cut short counts a sync.
     fn settle<M: Module>(&mut self, model: M) -> Result<M, OptimError> {
         let (step, n) = (self.stats.steps, self.layout.len());
+        let mut model = model;
         self.layout.read_params(&model, &mut self.params[..n])?;
-        if let Err(e) = self.sync.settle(&mut self.params[..n], step, &mut self.stats.comm) {
-            self.abandoned = true;
-            return Err(e);
-        }
-        let model = self.layout.write_params(model, &self.params[..n])?;
+        let bn = self.config.average_bn.then_some((&mut model, &self.layout));
+        let at = self.at(step);
+        let settled = self.sync.settle(&mut self.params[..n], bn, at, &mut self.stats.comm);
+        self.abandon_on_error(settled)?;
         self.stats.syncs += u64::from(self.round.is_some_and(|r| step < r.end));
         self.stats.updates += 1;
         self.synced_at = step;
-        if self.config.average_bn && self.layout.running_len() > 0 {
-            self.average_running(model, (step, self.tag(step)))
-        } else {
-            Ok(model)
-        }
+        self.layout.write_params(model, &self.params[..n])
     }
 
     /// The outer optimizer's global parameters and momentum buffer (for a checkpoint), if it has one.
@@ -681,31 +667,30 @@ impl Averager {
         self.sync.restore_outer(global, momentum)
     }
 
-    /// A synchronization through the synchronizer (`run`), counted in the totals; a failure
-    /// abandons the averager.
+    /// A synchronization of `elements` through the synchronizer (`run`, which returns the calls
+    /// made), counted in the totals; a failure abandons the averager.
     fn synchronize(
         &mut self,
+        mode: SyncMode,
+        elements: usize,
         run: impl FnOnce(&mut Synchronizer) -> Result<u64, OptimError>,
-    ) -> Result<(), OptimError> {
-        let before = *self.sync.comm().stats();
-        if let Err(e) = run(&mut self.sync) {
-            self.abandoned = true;
-            return Err(e);
-        }
+    ) -> Result<SyncReport, OptimError> {
+        let start = self.sync.start(Level::Global);
+        let calls = run(&mut self.sync);
+        let calls = self.abandon_on_error(calls)?;
         self.stats.syncs += 1;
-        self.count(self.sync.comm().stats().since(&before));
-        Ok(())
+        Ok(self.sync.account(start, Synced { mode, elements, calls }, &mut self.stats.comm))
     }
 
-    /// The tag of a sync after `steps` steps, in the current round (`H` 0 before the first).
-    fn tag(&self, steps: u64) -> Option<SyncTag> {
-        let h = self.round.map_or(0, |r| r.end.saturating_sub(r.start));
-        Some(SyncTag { steps, h, fragment: 0 })
+    /// `result`, abandoning the averager when it is an error (a collective failed: no warning at drop).
+    fn abandon_on_error<T>(&mut self, result: Result<T, OptimError>) -> Result<T, OptimError> {
+        self.abandoned |= result.is_err();
+        result
     }
 
-    /// `delta`'s traffic added to the totals.
-    fn count(&mut self, delta: CommStats) {
-        self.stats.comm = add(self.stats.comm, delta);
+    /// The sync after `steps` steps, in the current round (`H` 0 before the first).
+    fn at(&self, steps: u64) -> At {
+        At::after_steps(steps, self.round.map_or(0, |r| r.end.saturating_sub(r.start)))
     }
 
     /// Averages if some step since the last synchronization is not averaged yet: the end of a run whose
@@ -758,16 +743,6 @@ impl Averager {
         }
         self.round = Some(round);
         Ok(round)
-    }
-
-    fn broadcast_from_rank0<M: Module>(&mut self, model: M) -> Result<M, OptimError> {
-        let n = self.layout.len();
-        self.layout.read_params(&model, &mut self.params[..n])?;
-        if self.config.average_bn {
-            self.layout.read_running(&model, &mut self.params[n..])?;
-        }
-        self.sync.comm_mut().broadcast(&mut self.params, 0).map_err(|source| OptimError::Setup { source })?;
-        self.write(model)
     }
 
     /// A warning about this averager, naming its rank.

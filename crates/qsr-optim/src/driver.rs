@@ -29,8 +29,8 @@ use crate::outer::{InnerRound, OuterConfig};
 use crate::replica::{DeviceReplica, HostReplica, Replica};
 use crate::settings::{Face, SyncSettings, check_sync};
 use crate::stream::StreamState;
-use crate::sync::{BnPolicy, DriverConfig, DriverStats, Level, Residency, StepReport, SyncReport};
-use crate::synchronizer::Synchronizer;
+use crate::sync::{BnPolicy, DriverConfig, DriverStats, Level, Residency, StepReport, SyncReport, Transfer};
+use crate::synchronizer::{At, StepEnd, Synchronizer};
 
 /// One worker: a model replica, its flat parameters, its optimizer state, its collective and cursor.
 pub struct Worker<M: Module> {
@@ -55,7 +55,7 @@ impl<M: Module> Worker<M> {
     pub fn new(
         model: M,
         optimizer: OptimizerConfig,
-        mut comm: Box<dyn Collective>,
+        comm: Box<dyn Collective>,
         cursor: Cursor,
         config: DriverConfig,
     ) -> Result<Self, OptimError> {
@@ -73,10 +73,12 @@ impl<M: Module> Worker<M> {
         };
         check_sync(&settings, Face::Recipe).into_result()?;
         let layout = ParamLayout::of(&model);
-        if config.broadcast_initial && comm.world_size() > 1 {
-            model = broadcast_initial(model, &layout, comm.as_mut(), cursor.step())?;
+        let transfer = Transfer { wire: config.wire, bucket: config.bucket_elems };
+        let mut sync = Synchronizer::new(comm, transfer, Face::Recipe)?;
+        if config.broadcast_initial && sync.comm().world_size() > 1 {
+            let step = cursor.step();
+            model = sync.broadcast_initial(model, &layout, true, |source| OptimError::Comm { step, source })?;
         }
-        let sync = Synchronizer::new(comm, (config.wire, config.bucket_elems), Face::Recipe)?;
         let replica = match residency {
             Residency::Device => {
                 let device = model_device(&model).inner();
@@ -86,8 +88,7 @@ impl<M: Module> Worker<M> {
         };
         let stats = DriverStats::default();
         let mut worker = Self { model, layout, replica, optimizer, sync, cursor, config, settings, stats };
-        if worker.config.wire.codec().is_some() {
-            // A quantized wire sends pseudo-gradients with error feedback: one fragment, applied at once.
+        if worker.sync.streams_with(None) {
             worker.start_stream(None)?;
         }
         Ok(worker)
@@ -378,23 +379,14 @@ impl<M: Module> Worker<M> {
     }
 
     /// A streaming worker's syncs after step `info`: its fragments', and at a round's end the BatchNorm
-    /// statistics (`driver.bn = "average"`), on their own, in f32 and at once.
+    /// statistics (`driver.bn = "average"`).
     fn stream_step(&mut self, info: &StepInfo) -> Result<Option<SyncReport>, OptimError> {
         let Replica::Host(h) = &mut self.replica else {
             return Ok(None);
         };
-        let at = (info, self.cursor.is_done());
-        let mut sent = self.sync.after_step(h.params_mut(), at, &mut self.stats.comm)?;
-        let round_end = info.sync_after && info.mode == SyncMode::Parameters;
-        if round_end && self.config.bn == BnPolicy::Average && self.layout.running_len() > 0 {
-            let mut peers = self.sync.peers((Level::Global, Some(info.h)), &self.config, &mut self.stats);
-            let bn = peers.average_running(&mut self.model, &self.layout, info.step)?;
-            match &mut sent {
-                Some(s) => s.add(&bn),
-                None => sent = Some(bn),
-            }
-        }
-        Ok(sent)
+        let end = StepEnd { info, last: self.cursor.is_done() };
+        let bn = (self.config.bn == BnPolicy::Average).then_some((&mut self.model, &self.layout));
+        Ok(self.sync.end_streaming_step(h.params_mut(), bn, end, &mut self.stats.comm)?.report)
     }
 
     /// Averages BatchNorm running statistics across workers (the last step of the paper's re-estimation,
@@ -403,9 +395,8 @@ impl<M: Module> Worker<M> {
         if self.layout.running_len() == 0 {
             return Ok(());
         }
-        let step = self.cursor.step();
-        let mut peers = self.sync.peers((Level::Global, None), &self.config, &mut self.stats);
-        peers.average_running_unaccounted(&mut self.model, &self.layout, step)?;
+        let at = At::after(self.cursor.step(), None);
+        self.sync.average_running(&mut self.model, &self.layout, at, Level::Global)?;
         Ok(())
     }
 }
@@ -422,27 +413,6 @@ fn check_config(config: &DriverConfig) -> Result<(), OptimError> {
         return Err(OptimError::Config { field: "driver.bucket_elems".into(), reason: "must be at least 1".into() });
     }
     Ok(())
-}
-
-/// `model` with rank 0's parameters and running statistics, as DDP starts.
-fn broadcast_initial<M: Module>(
-    model: M,
-    layout: &ParamLayout,
-    comm: &mut dyn Collective,
-    step: u64,
-) -> Result<M, OptimError> {
-    let err = |source| OptimError::Comm { step, source };
-    let mut params = vec![0.0; layout.len()];
-    layout.read_params(&model, &mut params)?;
-    comm.broadcast(&mut params, 0).map_err(err)?;
-    let mut model = model;
-    if layout.running_len() > 0 {
-        let mut running = vec![0.0; layout.running_len()];
-        layout.read_running(&model, &mut running)?;
-        comm.broadcast(&mut running, 0).map_err(err)?;
-        model = layout.write_running(model, &running)?;
-    }
-    layout.write_params(model, &params)
 }
 
 /// The device of a module's first float parameter (flex when it has none).

@@ -14,7 +14,7 @@ use crate::error::{LossError, OptimError};
 use crate::flat::ParamLayout;
 use crate::optim::{OptimState, Optimizer, OptimizerConfig};
 use crate::sync::{BnPolicy, Level, PhaseTimes, SyncReport};
-use crate::synchronizer::Peers;
+use crate::synchronizer::{Peers, Synced};
 
 /// What a replica's step did, for the worker's report.
 pub(crate) struct Stepped {
@@ -138,9 +138,9 @@ impl HostReplica {
         let mut sync = None;
         if info.mode == SyncMode::Gradients {
             // Data parallel: every rank averages gradients, so every rank takes the same update.
-            let (before, t) = peers.start();
+            let start = peers.start();
             let calls = peers.all_reduce(&mut self.grads, info.step)?;
-            sync = Some(peers.account(before, t, SyncMode::Gradients, self.grads.len(), calls));
+            sync = Some(peers.account(start, Synced { mode: SyncMode::Gradients, elements: self.grads.len(), calls }));
         }
         let updated = self.grads.iter().all(|g| g.is_finite());
         if updated {
@@ -206,7 +206,7 @@ impl HostReplica {
         peers: &mut Peers<'_>,
         step: u64,
     ) -> Result<SyncReport, OptimError> {
-        let (before, t) = peers.start();
+        let start = peers.start();
         let policy = peers.config.state;
         let avg_m = policy.average_first_moment && !self.optimizer.state().first_moment.is_empty();
         let avg_v = policy.average_second_moment && !self.optimizer.state().second_moment.is_empty();
@@ -214,7 +214,7 @@ impl HostReplica {
         if !(avg_m || avg_v || avg_bn) {
             let n = self.params.len();
             let calls = peers.average(&mut self.params, n, step)?;
-            return Ok(peers.account(before, t, SyncMode::Parameters, self.params.len(), calls));
+            return Ok(peers.account(start, Synced { mode: SyncMode::Parameters, elements: self.params.len(), calls }));
         }
         // Append the extra state to one buffer: still one collective per round.
         let mut buf = std::mem::take(&mut self.sync_buf);
@@ -248,7 +248,7 @@ impl HostReplica {
         }
         let elements = buf.len();
         self.sync_buf = buf;
-        Ok(peers.account(before, t, SyncMode::Parameters, elements, calls))
+        Ok(peers.account(start, Synced { mode: SyncMode::Parameters, elements, calls }))
     }
 }
 
@@ -412,7 +412,7 @@ impl DeviceReplica {
             Some(group) => {
                 let calls = tensors.len() as u64;
                 let (out, fused) = group.average(tensors)?;
-                Ok((out, peers.account_group(t, mode, elements, calls, fused)))
+                Ok((out, peers.account_group(t, Synced { mode, elements, calls }, fused)))
             }
             None => self.average_on_host(peers, step, tensors, mode),
         }
@@ -426,7 +426,7 @@ impl DeviceReplica {
         tensors: Vec<Tensor<1>>,
         mode: SyncMode,
     ) -> Result<(Vec<Tensor<1>>, SyncReport), OptimError> {
-        let (before, t) = peers.start();
+        let start = peers.start();
         let lens: Vec<usize> = tensors.iter().map(|x| x.dims()[0]).collect();
         let mut buf = Vec::with_capacity(lens.iter().sum());
         for x in &tensors {
@@ -439,6 +439,6 @@ impl DeviceReplica {
             out.push(Tensor::<1>::from_data(TensorData::new(buf[at..at + n].to_vec(), [n]), &self.device));
             at += n;
         }
-        Ok((out, peers.account(before, t, mode, buf.len(), calls)))
+        Ok((out, peers.account(start, Synced { mode, elements: buf.len(), calls })))
     }
 }

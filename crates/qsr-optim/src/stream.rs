@@ -36,7 +36,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::OptimError;
 use crate::flat::ParamLayout;
 use crate::outer::Outer;
-use crate::sync::{Level, SyncReport, Wire, all_reduce_bucketed};
+use crate::sync::{Level, SyncReport, Transfer, Wire, all_reduce_bucketed};
 
 /// A fragment's average that has not been applied yet, as a checkpoint holds it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -110,38 +110,12 @@ pub(crate) fn fragment_ranges(layout: &ParamLayout, fragments: u32) -> Result<Ve
     Ok(tensors.iter().map(|t| layout.trainable[t.start].range.start..layout.trainable[t.end - 1].range.end).collect())
 }
 
-/// Gives the owner's `stream` (a worker's or an averager's) a background collective, which must hold
-/// the owner's `rank` of `world`; refused naming `field` (the owner's streaming setting) otherwise, or
-/// when the owner does not stream.
-pub(crate) fn give_background(
-    stream: Option<&mut Stream>,
-    comm: Box<dyn Collective>,
-    (rank, world): (usize, usize),
-    (field, owner): (&str, &str),
-) -> Result<(), OptimError> {
-    let refuse = |reason: String| Err(OptimError::Config { field: field.into(), reason });
-    if comm.world_size() != world || comm.rank() != rank {
-        let theirs = (comm.rank(), comm.world_size());
-        return refuse(format!(
-            "the streaming collective is rank {} of {}, the {owner}'s rank {rank} of {world}",
-            theirs.0, theirs.1
-        ));
-    }
-    match stream {
-        Some(stream) => stream.set_background(comm),
-        None => {
-            refuse(format!("a streaming collective needs the {owner} to stream (`{field}`, or an int8 / fp8 wire)"))
-        }
-    }
-}
-
 /// The streaming state of a host-resident worker (or an `Averager`).
 pub(crate) struct Stream {
     /// Each fragment's range of the flat parameters.
     ranges: Vec<Range<usize>>,
     config: StreamingConfig,
-    wire: Wire,
-    bucket: Option<usize>,
+    transfer: Transfer,
     /// What quantization dropped, one value per parameter: on an int8 or fp8 wire.
     residual: Option<Vec<f32>>,
     in_flight: VecDeque<Sent>,
@@ -152,15 +126,10 @@ pub(crate) struct Stream {
 
 impl Stream {
     /// Streaming over `ranges.len()` fragments, fragment `p` holding the parameters `ranges[p]` of `len`.
-    pub(crate) fn new(
-        ranges: Vec<Range<usize>>,
-        config: StreamingConfig,
-        (wire, bucket): (Wire, Option<usize>),
-        len: usize,
-    ) -> Self {
-        let residual = wire.codec().map(|_| vec![0.0; len]);
+    pub(crate) fn new(ranges: Vec<Range<usize>>, config: StreamingConfig, transfer: Transfer, len: usize) -> Self {
+        let residual = transfer.wire.codec().map(|_| vec![0.0; len]);
         let (in_flight, lane) = (VecDeque::new(), Lane::Inline);
-        Self { ranges, config, wire, bucket, residual, in_flight, lane, applied: 0 }
+        Self { ranges, config, transfer, residual, in_flight, lane, applied: 0 }
     }
 
     /// Runs the fragments' all-reduces on `comm`, on a thread of their own, so they overlap the steps.
@@ -175,14 +144,14 @@ impl Stream {
                 reason: "a background collective must be given while no average is on its way".into(),
             });
         }
-        let (wire, bucket) = (self.wire, self.bucket);
+        let transfer = self.transfer;
         let (jobs, inbox) = mpsc::channel::<Job>();
         let (outbox, done) = mpsc::channel::<Done>();
         let thread = std::thread::Builder::new()
             .name("qsr-stream".into())
             .spawn(move || {
                 for mut job in inbox {
-                    let res = all_reduce_bucketed(comm.as_mut(), &mut job.payload, (bucket, wire), Some(job.tag))
+                    let res = all_reduce_bucketed(comm.as_mut(), &mut job.payload, transfer, Some(job.tag))
                         .map(|_| job.payload)
                         .map_err(|source| OptimError::sync(job.step, Some(job.tag), source));
                     let failed = res.is_err();
@@ -324,17 +293,17 @@ impl Stream {
         comm: &mut dyn Collective,
     ) -> Result<CommStats, OptimError> {
         let step = info.step;
-        let tag = SyncTag { steps: step + 1, h: info.h, fragment: fragment + 1 };
+        let tag = SyncTag::new(step + 1, info.h).fragment(fragment + 1);
         let range = self.ranges[fragment as usize].clone();
         let mut payload = vec![0.0; range.len()];
         outer.pseudo_gradient_of(range.start, params, &mut payload);
-        if let (Some(codec), Some(residual)) = (self.wire.codec(), &mut self.residual) {
+        if let (Some(codec), Some(residual)) = (self.transfer.wire.codec(), &mut self.residual) {
             // Error feedback: this payload carries what earlier ones dropped and keeps what it drops.
             let residual = &mut residual[range.clone()];
             residual.iter_mut().zip(&payload).for_each(|(r, p)| *r += p);
             payload.copy_from_slice(residual);
             // Blocks as the all-reduce forms them: from the start of each bucket.
-            let bucket = self.bucket.filter(|&b| b > 0).unwrap_or(payload.len().max(1));
+            let bucket = self.transfer.bucket.filter(|&b| b > 0).unwrap_or(payload.len().max(1));
             payload.chunks_mut(bucket).for_each(|chunk| codec.round_block(chunk));
             residual.iter_mut().zip(&payload).for_each(|(r, q)| *r -= q);
         }
@@ -345,7 +314,7 @@ impl Stream {
         let traffic = match &mut self.lane {
             Lane::Inline => {
                 let before = *comm.stats();
-                all_reduce_bucketed(comm, &mut payload, (self.bucket, self.wire), Some(tag))
+                all_reduce_bucketed(comm, &mut payload, self.transfer, Some(tag))
                     .map_err(|source| OptimError::sync(step, Some(tag), source))?;
                 entry.mean = Some(payload);
                 comm.stats().since(&before)
@@ -366,9 +335,10 @@ impl Stream {
 
     /// The calls and bytes of a ring all-reduce of `len` values on this wire over `k` ranks.
     fn predicted(&self, len: usize, k: usize) -> CommStats {
-        let bucket = self.bucket.filter(|&b| b > 0 && b < len).unwrap_or(len.max(1));
+        let bucket = self.transfer.bucket.filter(|&b| b > 0 && b < len).unwrap_or(len.max(1));
         let (full, rest) = (len / bucket, len % bucket);
-        let ring = |n: usize| qsr_sched::ring_allreduce_bytes_per_rank(n as u64, self.wire.encoding(), k as u64);
+        let ring =
+            |n: usize| qsr_sched::ring_allreduce_bytes_per_rank(n as u64, self.transfer.wire.encoding(), k as u64);
         let bytes = full as u64 * ring(bucket) + ring(rest);
         let calls = (full + usize::from(rest > 0)).max(1) as u64;
         CommStats { calls, bytes_sent: bytes, bytes_received: bytes, seconds: 0.0 }
@@ -422,7 +392,7 @@ impl Stream {
         comm: &mut dyn Collective,
     ) -> Result<CommStats, OptimError> {
         let before = *comm.stats();
-        all_reduce_bucketed(comm, params, (self.bucket, Wire::F32), None)
+        all_reduce_bucketed(comm, params, self.transfer.on(Wire::F32), None)
             .map_err(|source| OptimError::Comm { step, source })?;
         outer.follow(params);
         Ok(comm.stats().since(&before))

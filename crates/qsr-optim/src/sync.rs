@@ -302,16 +302,31 @@ pub(crate) fn check_wire(wire: Wire, comm: &dyn Collective, field: &str) -> Resu
     Ok(())
 }
 
-/// Mean all-reduce of `buf`, in buckets of at most `bucket` elements, every call tagged with `tag`
-/// (compared across ranks); returns the calls made.
+/// How a sync's values travel: the element type on the wire and the most elements per collective
+/// call (`None`: one call per sync).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Transfer {
+    pub(crate) wire: Wire,
+    pub(crate) bucket: Option<usize>,
+}
+
+impl Transfer {
+    /// The same buckets on `wire`.
+    pub(crate) fn on(self, wire: Wire) -> Self {
+        Self { wire, ..self }
+    }
+}
+
+/// Mean all-reduce of `buf` as `transfer` says, every call tagged with `tag` (compared across
+/// ranks); returns the calls made.
 pub(crate) fn all_reduce_bucketed(
     comm: &mut dyn Collective,
     buf: &mut [f32],
-    (bucket, wire): (Option<usize>, Wire),
+    transfer: Transfer,
     tag: Option<SyncTag>,
 ) -> Result<u64, qsr_comm::CommError> {
     comm.set_tag(tag);
-    let calls = all_reduce_untagged(comm, buf, bucket, wire);
+    let calls = all_reduce_untagged(comm, buf, transfer.bucket, transfer.wire);
     comm.set_tag(None);
     calls
 }

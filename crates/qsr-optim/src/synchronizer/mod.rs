@@ -17,16 +17,15 @@ use crate::error::OptimError;
 use crate::flat::ParamLayout;
 use crate::outer::{InnerRound, Outer, OuterConfig};
 use crate::settings::Face;
-use crate::stream::{Stream, StreamState, fragment_ranges, give_background};
-use crate::sync::{DriverConfig, DriverStats, Level, SyncReport, Wire, all_reduce_bucketed, check_wire};
+use crate::stream::{Stream, StreamState, fragment_ranges};
+use crate::sync::{DriverConfig, DriverStats, Level, SyncReport, Transfer, Wire, all_reduce_bucketed, check_wire};
 
 /// The sync engine: collectives, wire, outer step and streaming, with their checks.
 pub(crate) struct Synchronizer {
     comm: Box<dyn Collective>,
     /// The node's collective, for the local averages of a two-level plan.
     local: Option<Box<dyn Collective>>,
-    wire: Wire,
-    bucket: Option<usize>,
+    transfer: Transfer,
     face: Face,
     /// DiLoCo's outer optimizer; plain averaging as an outer step for a streaming or quantized sync
     /// without one.
@@ -38,24 +37,10 @@ pub(crate) struct Synchronizer {
 }
 
 impl Synchronizer {
-    /// Syncs over `comm` on `wire`, in buckets of at most `bucket` elements; refused when the
-    /// collective cannot carry the wire.
-    pub(crate) fn new(
-        comm: Box<dyn Collective>,
-        (wire, bucket): (Wire, Option<usize>),
-        face: Face,
-    ) -> Result<Self, OptimError> {
-        check_wire(wire, comm.as_ref(), face.wire())?;
-        Ok(Self {
-            comm,
-            local: None,
-            wire,
-            bucket,
-            face,
-            outer: None,
-            stream: None,
-            inner_round: InnerRound::default(),
-        })
+    /// Syncs over `comm` as `transfer` says; refused when the collective cannot carry its wire.
+    pub(crate) fn new(comm: Box<dyn Collective>, transfer: Transfer, face: Face) -> Result<Self, OptimError> {
+        check_wire(transfer.wire, comm.as_ref(), face.wire())?;
+        Ok(Self { comm, local: None, transfer, face, outer: None, stream: None, inner_round: InnerRound::default() })
     }
 
     /// The collective over every worker.
@@ -75,7 +60,7 @@ impl Synchronizer {
 
     /// Gives the node's collective; refused when it cannot carry the wire of a node's average.
     pub(crate) fn set_local(&mut self, local: Box<dyn Collective>) -> Result<(), OptimError> {
-        check_wire(self.wire.at(Level::Local), local.as_ref(), self.face.wire())?;
+        check_wire(self.transfer.wire.at(Level::Local), local.as_ref(), self.face.wire())?;
         self.local = Some(local);
         Ok(())
     }
@@ -84,7 +69,7 @@ impl Synchronizer {
     /// the new one cannot carry the wire, for a two-level synchronizer (its node group would still
     /// span the old membership) and while averages are in flight.
     pub(crate) fn replace_comm(&mut self, comm: Box<dyn Collective>) -> Result<Box<dyn Collective>, OptimError> {
-        check_wire(self.wire, comm.as_ref(), self.face.wire())?;
+        check_wire(self.transfer.wire, comm.as_ref(), self.face.wire())?;
         if self.local.is_some() {
             return Err(OptimError::Config {
                 field: "sync.local".into(),
@@ -114,6 +99,12 @@ impl Synchronizer {
         Ok(())
     }
 
+    /// Whether parameter syncs stream under the streaming setting `config`: with one, and on a
+    /// quantized wire (which sends pseudo-gradients with error feedback) without one.
+    pub(crate) fn streams_with(&self, config: Option<&StreamingConfig>) -> bool {
+        config.is_some() || self.transfer.wire.codec().is_some()
+    }
+
     /// The streaming syncs of `config` (the face's streaming setting, checked by
     /// [`check_sync`](crate::check_sync)), or the one fragment, applied at once, that a quantized wire
     /// needs without one; refused when the model has fewer tensors than fragments.
@@ -124,7 +115,7 @@ impl Synchronizer {
     ) -> Result<Stream, OptimError> {
         let config = config.unwrap_or(StreamingConfig { fragments: 1, delay: 0, mix: 1.0 });
         let ranges = fragment_ranges(layout, config.fragments)?;
-        Ok(Stream::new(ranges, config, (self.wire, self.bucket), layout.len()))
+        Ok(Stream::new(ranges, config, self.transfer, layout.len()))
     }
 
     /// Syncs through `stream` from now on; without an outer optimizer plain averaging becomes one
@@ -138,9 +129,22 @@ impl Synchronizer {
 
     /// Runs the streaming fragments' all-reduces on `comm`, on a thread, while the face steps.
     pub(crate) fn set_streaming_comm(&mut self, comm: Box<dyn Collective>) -> Result<(), OptimError> {
-        check_wire(self.wire, comm.as_ref(), self.face.wire())?;
-        let at = (self.comm.rank(), self.comm.world_size());
-        give_background(self.stream.as_mut(), comm, at, (self.face.streaming(), self.face.owner()))
+        check_wire(self.transfer.wire, comm.as_ref(), self.face.wire())?;
+        let (field, owner) = (self.face.streaming(), self.face.owner());
+        let refuse = |reason: String| Err(OptimError::Config { field: field.into(), reason });
+        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        if comm.world_size() != world || comm.rank() != rank {
+            let (theirs, of) = (comm.rank(), comm.world_size());
+            return refuse(format!(
+                "the streaming collective is rank {theirs} of {of}, the {owner}'s rank {rank} of {world}"
+            ));
+        }
+        match &mut self.stream {
+            Some(stream) => stream.set_background(comm),
+            None => {
+                refuse(format!("a streaming collective needs the {owner} to stream (`{field}`, or an int8 / fp8 wire)"))
+            }
+        }
     }
 
     /// A step of a round that averages parameters, taken at `lr`: the per-step outer units count
@@ -211,19 +215,39 @@ impl Synchronizer {
         }
     }
 
+    /// `model` with rank 0's parameters (and with `running` its BatchNorm statistics), as DDP starts;
+    /// a failed broadcast is `fail`'s error.
+    pub(crate) fn broadcast_initial<M: Module>(
+        &mut self,
+        model: M,
+        layout: &ParamLayout,
+        running: bool,
+        fail: impl Fn(qsr_comm::CommError) -> OptimError,
+    ) -> Result<M, OptimError> {
+        let mut params = vec![0.0; layout.len()];
+        layout.read_params(&model, &mut params)?;
+        self.comm.broadcast(&mut params, 0).map_err(&fail)?;
+        let mut model = model;
+        if running && layout.running_len() > 0 {
+            let mut stats = vec![0.0; layout.running_len()];
+            layout.read_running(&model, &mut stats)?;
+            self.comm.broadcast(&mut stats, 0).map_err(&fail)?;
+            model = layout.write_running(model, &stats)?;
+        }
+        layout.write_params(model, &params)
+    }
+
     /// A parameter sync of `buf`, whose first `n` values are the parameters (the rest appended
     /// state): at the global level with an outer optimizer the pseudo-gradients are averaged and the
-    /// outer step taken; on the wire at `level`. `at`: the step as the face reports it, and the
-    /// sync's tag, compared across ranks. Returns the collective calls made.
+    /// outer step taken; on the wire at `level`. Returns the collective calls made.
     pub(crate) fn average(&mut self, buf: &mut [f32], n: usize, at: At, level: Level) -> Result<u64, OptimError> {
         let outer = self.outer.as_mut().filter(|_| level == Level::Global);
         if let Some(outer) = &outer {
             outer.pseudo_gradient(&mut buf[..n]);
         }
         let comm = comm_at(&mut self.comm, &mut self.local, level)?;
-        let (step, tag) = at;
-        let calls = all_reduce_bucketed(comm, buf, (self.bucket, self.wire.at(level)), tag)
-            .map_err(|source| OptimError::sync(step, tag, source))?;
+        let calls = all_reduce_bucketed(comm, buf, self.transfer.on(self.transfer.wire.at(level)), at.tag)
+            .map_err(|source| OptimError::sync(at.step, at.tag, source))?;
         if let Some(outer) = outer {
             // The mean pseudo-gradient becomes the new global parameters, the same on every rank.
             outer.step(&mut buf[..n], self.inner_round);
@@ -235,71 +259,103 @@ impl Synchronizer {
     }
 
     /// Mean all-reduce of `buf` in f32 at `level` (gradients, BatchNorm statistics); returns the calls.
-    pub(crate) fn all_reduce(&mut self, buf: &mut [f32], (step, tag): At, level: Level) -> Result<u64, OptimError> {
-        all_reduce_bucketed(comm_at(&mut self.comm, &mut self.local, level)?, buf, (self.bucket, Wire::F32), tag)
-            .map_err(|source| OptimError::sync(step, tag, source))
+    pub(crate) fn all_reduce(&mut self, buf: &mut [f32], at: At, level: Level) -> Result<u64, OptimError> {
+        let comm = comm_at(&mut self.comm, &mut self.local, level)?;
+        all_reduce_bucketed(comm, buf, self.transfer.on(Wire::F32), at.tag)
+            .map_err(|source| OptimError::sync(at.step, at.tag, source))
     }
 
-    /// A streaming step's syncs after `info` (the run's last when `last`) over the flat parameters
-    /// `params`; traffic added to `totals`.
-    pub(crate) fn after_step(
+    /// The BatchNorm running statistics of `model` averaged over the workers at `level`, in f32, on
+    /// their own.
+    pub(crate) fn average_running<M: Module>(
+        &mut self,
+        model: &mut M,
+        layout: &ParamLayout,
+        at: At,
+        level: Level,
+    ) -> Result<Synced, OptimError> {
+        let mut running = vec![0.0; layout.running_len()];
+        layout.read_running(model, &mut running)?;
+        let calls = self.all_reduce(&mut running, at, level)?;
+        *model = layout.write_running(model.clone(), &running)?;
+        Ok(Synced { mode: SyncMode::Parameters, elements: running.len(), calls })
+    }
+
+    /// A streaming step's syncs after `end.info` over the flat parameters `params`: the fragments
+    /// due, the averages that land, at the run's end all of them, and at a round's end the BatchNorm
+    /// statistics of `bn`'s model (`None`: they stay local), in f32 and on their own. Traffic is added
+    /// to `totals`.
+    pub(crate) fn end_streaming_step<M: Module>(
         &mut self,
         params: &mut [f32],
-        at: (&StepInfo, bool),
+        bn: Option<(&mut M, &ParamLayout)>,
+        end: StepEnd<'_>,
         totals: &mut CommStats,
-    ) -> Result<Option<SyncReport>, OptimError> {
+    ) -> Result<StreamStep, OptimError> {
         let (Some(stream), Some(outer)) = (&mut self.stream, &mut self.outer) else {
-            return Ok(None);
+            return Ok(StreamStep::default());
         };
-        stream.after_step(params, at, outer, self.comm.as_mut(), totals)
+        let (info, applied) = (end.info, stream.applied());
+        let mut report = stream.after_step(params, (info, end.last), outer, self.comm.as_mut(), totals)?;
+        let landed = stream.applied() > applied;
+        let ranks_equal = end.last || (landed && stream.leaves_ranks_equal());
+        let round_end = info.sync_after && info.mode == SyncMode::Parameters;
+        if let Some((model, layout)) = bn.filter(|(_, layout)| round_end && layout.running_len() > 0) {
+            let start = self.start(Level::Global);
+            let synced = self.average_running(model, layout, At::after(info.step, Some(info.h)), Level::Global)?;
+            let bn = self.account(start, synced, totals);
+            match &mut report {
+                Some(s) => s.add(&bn),
+                None => report = Some(bn),
+            }
+        }
+        Ok(StreamStep { report, landed, ranks_equal })
     }
 
-    /// Whether [`Self::after_step`] has anything to do after `info`.
+    /// Whether [`Self::end_streaming_step`] has parameters to sync after `info`.
     pub(crate) fn acts_after(&self, info: &StepInfo, last: bool) -> bool {
         self.stream.as_ref().is_some_and(|s| s.acts_after(info, last))
     }
 
-    /// Averages the stream applied so far.
-    pub(crate) fn applied(&self) -> u64 {
-        self.stream.as_ref().map_or(0, Stream::applied)
-    }
-
-    /// Whether the stream's landings leave every rank the same parameters.
-    pub(crate) fn leaves_ranks_equal(&self) -> bool {
-        self.stream.as_ref().is_some_and(Stream::leaves_ranks_equal)
-    }
-
-    /// Applies the averages in flight, then averages all parameters in f32; traffic added to `totals`.
-    pub(crate) fn settle(&mut self, params: &mut [f32], step: u64, totals: &mut CommStats) -> Result<(), OptimError> {
+    /// Applies the averages in flight, then averages all parameters in f32 and, with `bn`, the
+    /// BatchNorm statistics of its model at `at`; traffic added to `totals`.
+    pub(crate) fn settle<M: Module>(
+        &mut self,
+        params: &mut [f32],
+        bn: Option<(&mut M, &ParamLayout)>,
+        at: At,
+        totals: &mut CommStats,
+    ) -> Result<(), OptimError> {
         let (Some(stream), Some(outer)) = (&mut self.stream, &mut self.outer) else {
             return Ok(());
         };
-        let traffic = stream.settle(params, step, true, (outer, self.comm.as_mut()))?;
+        let traffic = stream.settle(params, at.step, true, (outer, self.comm.as_mut()))?;
         *totals = add(*totals, traffic.unwrap_or_default());
+        if let Some((model, layout)) = bn.filter(|(_, layout)| layout.running_len() > 0) {
+            let start = self.start(Level::Global);
+            let synced = self.average_running(model, layout, at, Level::Global)?;
+            self.account(start, synced, totals);
+        }
         Ok(())
     }
 
     /// The counters of `level`'s collective and the clock, at the start of a sync.
-    pub(crate) fn start(&self, level: Level) -> (CommStats, Instant) {
+    pub(crate) fn start(&self, level: Level) -> SyncStart {
         let comm = match level {
             Level::Local => self.local.as_deref().unwrap_or(self.comm.as_ref()),
             Level::Global => self.comm.as_ref(),
         };
-        (*comm.stats(), Instant::now())
+        SyncStart { level, counters: *comm.stats(), clock: Instant::now() }
     }
 
-    /// A sync at `level` since `start`, added to `totals`.
-    pub(crate) fn account(
-        &self,
-        (level, before, t): (Level, CommStats, Instant),
-        (mode, elements, calls): (SyncMode, usize, u64),
-        totals: &mut CommStats,
-    ) -> SyncReport {
-        let (now, _) = self.start(level);
-        let mut delta = now.since(&before);
-        delta.seconds = t.elapsed().as_secs_f64();
+    /// The sync since `start` that did `synced`, its traffic added to `totals`.
+    pub(crate) fn account(&self, start: SyncStart, synced: Synced, totals: &mut CommStats) -> SyncReport {
+        let now = self.start(start.level).counters;
+        let mut delta = now.since(&start.counters);
+        delta.seconds = start.clock.elapsed().as_secs_f64();
         *totals = add(*totals, delta);
-        SyncReport { mode, level, elements, calls, bytes_sent: delta.bytes_sent, seconds: delta.seconds }
+        let Synced { mode, elements, calls } = synced;
+        SyncReport { mode, level: start.level, elements, calls, bytes_sent: delta.bytes_sent, seconds: delta.seconds }
     }
 
     /// What a Worker's replica borrows for one step's syncs at `level`, in a round of `h` steps
@@ -316,7 +372,57 @@ impl Synchronizer {
 
 /// Where a sync runs: the step as its face reports errors, and the tag compared across ranks
 /// (`None` for calls outside the plan's syncs, such as statistics averaged before an evaluation).
-pub(crate) type At = (u64, Option<SyncTag>);
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct At {
+    pub(crate) step: u64,
+    pub(crate) tag: Option<SyncTag>,
+}
+
+impl At {
+    /// The sync after the 0-based step `step`, in a round of `h` (`None`: untagged); errors name `step`.
+    pub(crate) fn after(step: u64, h: Option<u64>) -> Self {
+        Self { step, tag: h.map(|h| SyncTag::new(step + 1, h)) }
+    }
+
+    /// The sync after `steps` steps, in a round of `h`; errors name `steps` (as an Averager counts).
+    pub(crate) fn after_steps(steps: u64, h: u64) -> Self {
+        Self { step: steps, tag: Some(SyncTag::new(steps, h)) }
+    }
+}
+
+/// The end of a step, as the syncs after it see it: the step, and whether it is the run's last.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StepEnd<'a> {
+    pub(crate) info: &'a StepInfo,
+    pub(crate) last: bool,
+}
+
+/// What a streaming step's syncs did.
+#[derive(Debug, Default)]
+pub(crate) struct StreamStep {
+    /// The syncs made (fragments sent, the run's last average, BatchNorm statistics).
+    pub(crate) report: Option<SyncReport>,
+    /// Whether an average landed in the parameters.
+    pub(crate) landed: bool,
+    /// Whether every rank now holds the same parameters (as after a plain average).
+    pub(crate) ranks_equal: bool,
+}
+
+/// The counters of a level's collective and the clock when a sync starts.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SyncStart {
+    level: Level,
+    counters: CommStats,
+    clock: Instant,
+}
+
+/// What a sync did: its kind, the elements it averaged and the collective calls it made.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Synced {
+    pub(crate) mode: SyncMode,
+    pub(crate) elements: usize,
+    pub(crate) calls: u64,
+}
 
 /// The collective of `level`: every worker's, or the node's.
 fn comm_at<'a>(
@@ -360,26 +466,19 @@ pub(crate) struct Peers<'a> {
 
 impl Peers<'_> {
     /// The collective's counters and the clock at the start of a sync.
-    pub(crate) fn start(&self) -> (CommStats, Instant) {
+    pub(crate) fn start(&self) -> SyncStart {
         self.sync.start(self.level)
     }
 
     /// Mean all-reduce of `buf` in f32 after the 0-based step `step`; returns the calls made.
     pub(crate) fn all_reduce(&mut self, buf: &mut [f32], step: u64) -> Result<u64, OptimError> {
-        let at = self.at(step);
-        self.sync.all_reduce(buf, at, self.level)
+        self.sync.all_reduce(buf, At::after(step, self.h), self.level)
     }
 
     /// A parameter sync of `buf` (parameters first, `n` of them) after the 0-based step `step`,
     /// with the outer step at the global level.
     pub(crate) fn average(&mut self, buf: &mut [f32], n: usize, step: u64) -> Result<u64, OptimError> {
-        let at = self.at(step);
-        self.sync.average(buf, n, at, self.level)
-    }
-
-    /// The step and tag of a sync after the 0-based step `step`.
-    fn at(&self, step: u64) -> At {
-        (step, self.h.map(|h| SyncTag { steps: step + 1, h, fragment: 0 }))
+        self.sync.average(buf, n, At::after(step, self.h), self.level)
     }
 
     /// Workers in the collective of this level.
@@ -390,32 +489,19 @@ impl Peers<'_> {
         }
     }
 
-    /// A sync through the collective since `start`, added to the totals.
-    pub(crate) fn account(
-        &mut self,
-        before: CommStats,
-        t: Instant,
-        mode: SyncMode,
-        elements: usize,
-        calls: u64,
-    ) -> SyncReport {
+    /// The sync since `start` that did `synced`, added to this level's totals.
+    pub(crate) fn account(&mut self, start: SyncStart, synced: Synced) -> SyncReport {
         let totals = match self.level {
             Level::Global => &mut self.stats.comm,
             Level::Local => &mut self.stats.local.comm,
         };
-        self.sync.account((self.level, before, t), (mode, elements, calls), totals)
+        self.sync.account(start, synced, totals)
     }
 
     /// A sync through a [`DeviceGroup`](crate::DeviceGroup) since `t`, added to the totals as the
     /// bytes a ring all-reduce of the same elements would move (as the in-process collective reports).
-    pub(crate) fn account_group(
-        &mut self,
-        t: Instant,
-        mode: SyncMode,
-        elements: usize,
-        calls: u64,
-        fused: bool,
-    ) -> SyncReport {
+    pub(crate) fn account_group(&mut self, t: Instant, synced: Synced, fused: bool) -> SyncReport {
+        let Synced { mode, elements, calls } = synced;
         let k = self.sync.comm().world_size() as u64;
         let bytes = qsr_sched::ring_allreduce_bytes_per_rank(elements as u64, qsr_sched::Encoding::F32, k);
         let seconds = t.elapsed().as_secs_f64();
@@ -425,29 +511,19 @@ impl Peers<'_> {
         SyncReport { mode, level: Level::Global, elements, calls, bytes_sent: bytes, seconds }
     }
 
-    /// The model's BatchNorm running statistics averaged over the workers (not accounted).
-    pub(crate) fn average_running_unaccounted<M: Module>(
-        &mut self,
-        model: &mut M,
-        layout: &ParamLayout,
-        step: u64,
-    ) -> Result<(usize, u64), OptimError> {
-        let mut running = vec![0.0; layout.running_len()];
-        layout.read_running(model, &mut running)?;
-        let calls = self.all_reduce(&mut running, step)?;
-        *model = layout.write_running(model.clone(), &running)?;
-        Ok((running.len(), calls))
-    }
-
-    /// [`Self::average_running_unaccounted`] as part of a sync, accounted.
+    /// The model's BatchNorm running statistics averaged over this level's workers as part of the
+    /// sync after step `step`, accounted.
     pub(crate) fn average_running<M: Module>(
         &mut self,
         model: &mut M,
         layout: &ParamLayout,
         step: u64,
     ) -> Result<SyncReport, OptimError> {
-        let (before, t) = self.start();
-        let (elements, calls) = self.average_running_unaccounted(model, layout, step)?;
-        Ok(self.account(before, t, SyncMode::Parameters, elements, calls))
+        let start = self.start();
+        let synced = self.sync.average_running(model, layout, At::after(step, self.h), self.level)?;
+        Ok(self.account(start, synced))
     }
 }
+
+#[cfg(test)]
+mod tests;
