@@ -63,9 +63,9 @@ use serde::{Deserialize, Serialize};
 use crate::error::OptimError;
 use crate::flat::ParamLayout;
 use crate::lr_watch::{self, LrWatch};
-use crate::outer::{InnerRound, OuterConfig};
+use crate::outer::OuterConfig;
 use crate::settings::{Face, SyncSettings, check_sync};
-use crate::stream::StreamState;
+use crate::state::SyncState;
 use crate::sync::{Level, SyncReport, Transfer, Wire};
 use crate::synchronizer::{At, StepEnd, Synced, Synchronizer};
 
@@ -293,17 +293,12 @@ pub struct AveragerState {
     synced_at: u64,
     rounds_after_warmup: u64,
     round: Option<RoundSpan>,
-    /// The outer optimizer's global parameters and momentum.
-    outer: Option<(Vec<f32>, Vec<f32>)>,
-    /// Streaming: the averages in flight and the error-feedback residual.
-    #[serde(default)]
-    stream: Option<StreamState>,
     /// The lrs' course, so that the warnings of wrong plans judge the whole run.
     #[serde(default)]
     lr_watch: LrWatch,
-    /// The steps and their summed lr since the last sync, for an outer step per inner step.
-    #[serde(default)]
-    inner_round: InnerRound,
+    /// The sync engine's state (outer, streaming, inner round), its fields at the top level.
+    #[serde(flatten)]
+    sync: SyncState,
 }
 
 impl AveragerState {
@@ -582,7 +577,6 @@ impl Averager {
     /// averager's state holds its averages in flight, waited for, and its residual: every rank
     /// calls it at the same step.
     pub fn state(&mut self) -> Result<AveragerState, OptimError> {
-        let stream = self.sync.stream_state()?;
         Ok(AveragerState {
             settings: self.settings.clone(),
             steps: self.stats.steps,
@@ -590,10 +584,8 @@ impl Averager {
             synced_at: self.synced_at,
             rounds_after_warmup: self.rounds_after_warmup,
             round: self.round,
-            outer: self.sync.outer_state().map(|(global, momentum)| (global.to_vec(), momentum.to_vec())),
-            stream,
             lr_watch: self.lr_watch.clone(),
-            inner_round: self.sync.inner_round(),
+            sync: self.sync.state()?,
         })
     }
 
@@ -619,33 +611,13 @@ impl Averager {
                 reason: format!("saved under other settings: {}", list.join("; ")),
             });
         }
-        match (self.sync.has_outer(), &state.outer) {
-            (true, Some((global, momentum))) => self.sync.restore_outer(global, momentum)?,
-            (false, None) => {}
-            _ => {
-                return Err(OptimError::Config {
-                    field: "state".into(),
-                    reason: "the outer optimizer's state does not fit the config".into(),
-                });
-            }
-        }
-        match (self.sync.streams(), state.stream) {
-            (true, Some(saved)) => self.sync.restore_stream(saved)?,
-            (false, None) => {}
-            _ => {
-                return Err(OptimError::Config {
-                    field: "state".into(),
-                    reason: "the streaming state does not fit the config".into(),
-                });
-            }
-        }
+        self.sync.restore(state.sync, "state")?;
         self.stats.steps = state.steps;
         self.stats.syncs = state.syncs;
         self.synced_at = state.synced_at;
         self.rounds_after_warmup = state.rounds_after_warmup;
         self.round = state.round;
         self.lr_watch = state.lr_watch;
-        self.sync.set_inner_round(state.inner_round);
         Ok(())
     }
 

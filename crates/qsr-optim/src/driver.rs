@@ -28,6 +28,7 @@ use crate::optim::{OptimState, OptimizerConfig};
 use crate::outer::{InnerRound, OuterConfig};
 use crate::replica::{DeviceReplica, HostReplica, Replica};
 use crate::settings::{Face, SyncSettings, check_sync};
+use crate::state::SyncState;
 use crate::stream::StreamState;
 use crate::sync::{BnPolicy, DriverConfig, DriverStats, Level, Residency, StepReport, SyncReport, Transfer};
 use crate::synchronizer::{At, StepEnd, Synchronizer};
@@ -200,6 +201,28 @@ impl<M: Module> Worker<M> {
         self.sync.set_outer(config, &params)?;
         self.settings = settings;
         Ok(())
+    }
+
+    /// The sync engine's state (outer optimizer, streaming, the inner round so far) for a checkpoint.
+    /// A streaming worker waits for its averages in flight: every rank calls it at the same step.
+    pub fn sync_state(&mut self) -> Result<SyncState, OptimError> {
+        self.sync.state()
+    }
+
+    /// Continues from a [`Self::sync_state`] (after [`Self::restore`]); refused, naming `sync`, when
+    /// it does not fit the worker's outer and streaming settings.
+    pub fn restore_sync_state(&mut self, state: SyncState) -> Result<(), OptimError> {
+        self.sync.restore(state, "sync")
+    }
+
+    /// The steps since the last global parameter sync and their summed lr.
+    pub(crate) fn inner_round(&self) -> InnerRound {
+        self.sync.inner_round()
+    }
+
+    /// The sync state a [`Snapshot`](crate::Snapshot) holds (no averages in flight).
+    pub(crate) fn held_sync_state(&self) -> SyncState {
+        self.sync.held_state()
     }
 
     /// The outer optimizer's global parameters and momentum buffer (for a checkpoint), if it has one.

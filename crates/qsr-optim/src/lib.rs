@@ -21,6 +21,7 @@ mod outer;
 mod replica;
 mod settings;
 mod snapshot;
+mod state;
 mod stream;
 mod sync;
 mod synchronizer;
@@ -42,6 +43,7 @@ pub use outer::{OuterConfig, OuterUnit};
 pub use qsr_sched::SyncRule;
 pub use settings::{Face, Refusal, SyncSettings, SyncVerdict, check_sync};
 pub use snapshot::Snapshot;
+pub use state::{OuterState, SyncState};
 pub use stream::{InFlight, StreamState};
 pub use sync::{
     BnPolicy, DriverConfig, DriverStats, Level, LocalStats, PhaseTimes, Residency, StatePolicy, StepReport, SyncReport,

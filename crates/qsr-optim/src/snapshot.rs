@@ -4,19 +4,19 @@
 use burn::module::Module;
 use qsr_sched::Cursor;
 
-use crate::{InFlight, OptimError, OptimState, StreamState, Worker};
+use crate::{InFlight, OptimError, OptimState, StreamState, SyncState, Worker};
 
 /// Everything a [`Worker`] continues from: flat parameters, BatchNorm running statistics, its own
-/// optimizer state, its position in the plan and the outer optimizer's state. Taken after a
-/// completed synchronization, it is the point a failed round goes back to. A streaming worker's
-/// averages in flight are not in it: they belong to the membership that sent them.
+/// optimizer state, its position in the plan and the sync engine's state. Taken after a completed
+/// synchronization, it is the point a failed round goes back to. A streaming worker's averages in
+/// flight and residual are not in it: they belong to the membership that sent them.
 #[derive(Debug, Clone)]
 pub struct Snapshot {
     params: Vec<f32>,
     running: Vec<f32>,
     optim: OptimState,
     cursor: Cursor,
-    outer: Option<(Vec<f32>, Vec<f32>)>,
+    sync: SyncState,
 }
 
 impl Snapshot {
@@ -42,7 +42,7 @@ impl<M: Module> Worker<M> {
             running,
             optim: self.optimizer_state()?.into_owned(),
             cursor: self.cursor().clone(),
-            outer: self.outer_state().map(|(g, m)| (g.to_vec(), m.to_vec())),
+            sync: self.held_sync_state(),
         })
     }
 
@@ -57,12 +57,14 @@ impl<M: Module> Worker<M> {
         refill(&mut snap.optim.first_moment, &optim.first_moment);
         refill(&mut snap.optim.second_moment, &optim.second_moment);
         snap.cursor.clone_from(self.cursor());
-        match (self.outer_state(), &mut snap.outer) {
-            (Some((g, m)), Some((global, momentum))) => {
-                refill(global, g);
-                refill(momentum, m);
+        match (self.outer_state(), &mut snap.sync.outer) {
+            // The outer buffers reused: a data-parallel step with an outer step snapshots every step.
+            (Some((g, m)), Some(outer)) => {
+                refill(&mut outer.global, g);
+                refill(&mut outer.momentum, m);
+                snap.sync.inner_round = self.inner_round();
             }
-            (state, outer) => *outer = state.map(|(g, m)| (g.to_vec(), m.to_vec())),
+            _ => snap.sync = self.held_sync_state(),
         }
         Ok(())
     }
@@ -74,9 +76,7 @@ impl<M: Module> Worker<M> {
     pub fn restore_snapshot(&mut self, snap: &Snapshot) -> Result<(), OptimError> {
         self.forget_stream();
         self.restore(&snap.params, snap.optim.clone(), snap.cursor.clone())?;
-        if let Some((global, momentum)) = &snap.outer {
-            self.restore_outer_state(global, momentum)?;
-        }
+        self.restore_sync_state(snap.sync.clone())?;
         self.set_running(&snap.running)
     }
 

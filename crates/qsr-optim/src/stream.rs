@@ -184,6 +184,11 @@ impl Stream {
     /// snapshot, or taking another rank's state. The dropped fragments sync again at their next
     /// boundary, and their pseudo-gradient `global - local` then carries what the dropped ones did;
     /// the residual's rounding of earlier payloads is lost. Every rank must forget at the same step.
+    /// The state [`Self::forget`] leaves: nothing in flight, a zero residual.
+    pub(crate) fn forgotten(&self) -> StreamState {
+        StreamState { in_flight: Vec::new(), residual: self.residual.as_ref().map(|r| vec![0.0; r.len()]) }
+    }
+
     pub(crate) fn forget(&mut self) {
         let pending = self.in_flight.iter().filter(|s| s.mean.is_none()).count();
         if let Lane::Background { stale, .. } = &mut self.lane {

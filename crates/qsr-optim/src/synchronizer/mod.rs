@@ -17,6 +17,7 @@ use crate::error::OptimError;
 use crate::flat::ParamLayout;
 use crate::outer::{InnerRound, Outer, OuterConfig};
 use crate::settings::Face;
+use crate::state::{OuterState, SyncState};
 use crate::stream::{Stream, StreamState, fragment_ranges};
 use crate::sync::{DriverConfig, DriverStats, Level, SyncReport, Transfer, Wire, all_reduce_bucketed, check_wire};
 
@@ -162,6 +163,42 @@ impl Synchronizer {
     /// Restores [`Self::inner_round`] (a checkpoint's).
     pub(crate) fn set_inner_round(&mut self, round: InnerRound) {
         self.inner_round = round;
+    }
+
+    /// The engine's state (a streaming one waits for its averages in flight): every rank at the
+    /// same step.
+    pub(crate) fn state(&mut self) -> Result<SyncState, OptimError> {
+        let outer = self.outer_state().map(|(g, m)| OuterState { global: g.to_vec(), momentum: m.to_vec() });
+        Ok(SyncState { outer, stream: self.stream_state()?, inner_round: self.inner_round })
+    }
+
+    /// The state a snapshot holds: the outer state and the inner round, and a stream as
+    /// [`Self::forget_stream`] leaves it (nothing in flight, a zero residual).
+    pub(crate) fn held_state(&self) -> SyncState {
+        let outer = self.outer_state().map(|(g, m)| OuterState { global: g.to_vec(), momentum: m.to_vec() });
+        let stream = self.stream.as_ref().map(Stream::forgotten);
+        SyncState { outer, stream, inner_round: self.inner_round }
+    }
+
+    /// Continues from `state`; refused naming `field` when it does not fit this engine's settings
+    /// (an outer state without an outer step, a streaming state without streaming, or the reverse).
+    pub(crate) fn restore(&mut self, state: SyncState, field: &str) -> Result<(), OptimError> {
+        let misfit = |what: &str| OptimError::Config {
+            field: field.into(),
+            reason: format!("the {what} state does not fit the config"),
+        };
+        match (self.has_outer(), &state.outer) {
+            (true, Some(outer)) => self.restore_outer(&outer.global, &outer.momentum)?,
+            (false, None) => {}
+            _ => return Err(misfit("outer optimizer's")),
+        }
+        match (self.streams(), state.stream) {
+            (true, Some(saved)) => self.restore_stream(saved)?,
+            (false, None) => {}
+            _ => return Err(misfit("streaming")),
+        }
+        self.inner_round = state.inner_round;
+        Ok(())
     }
 
     /// Whether parameter syncs stream (a streaming setting, or a quantized wire).

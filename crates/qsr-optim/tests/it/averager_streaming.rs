@@ -165,6 +165,46 @@ fn a_streaming_averager_resumes_bit_exact_with_an_average_in_flight() {
     }
 }
 
+/// One rank's parameters and averager state, as the fixture of the first state format holds them.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Saved {
+    params: Vec<f32>,
+    state: AveragerState,
+}
+
+/// The fixture of the first averager state format: the resume test's three ranks at step 137
+/// (streaming with an average in flight, an int8 residual, the outer state plain averaging keeps).
+fn fixture_path() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/averager-state-2026-12-06.json")
+}
+
+/// Writes [`fixture_path`] (`cargo test --release -p qsr-optim --test it -- --ignored
+/// write_the_averager_state_fixture`); it was written by the averager of 2026-12-06, whose state
+/// later versions must keep loading, so it is not rewritten by later ones.
+#[test]
+#[ignore]
+fn write_the_averager_state_fixture() {
+    let first = run(&config(streaming(2, 3, 0.5), Wire::Int8), false, None, 137);
+    let saved: Vec<Saved> = first.into_iter().map(|r| Saved { params: r.params, state: r.state }).collect();
+    std::fs::write(fixture_path(), serde_json::to_string(&saved).unwrap()).unwrap();
+}
+
+/// A state saved by the averager of 2026-12-06 (before the sync state was one type) loads, and the
+/// run resumed from it ends with the bits of the run that never stopped.
+#[test]
+fn an_averager_state_saved_in_the_first_format_resumes_bit_exact() {
+    let c = config(streaming(2, 3, 0.5), Wire::Int8);
+    let bytes = std::fs::read(fixture_path()).unwrap();
+    let saved: Vec<Saved> = serde_json::from_slice(&bytes).unwrap();
+    assert!(saved.iter().all(|s| s.state.steps() == 137));
+    let from = saved.into_iter().map(|s| Ran { params: s.params, syncs: 0, bytes: 0, state: s.state }).collect();
+    let (whole, rest) = (run(&c, false, None, STEPS), run(&c, false, Some(from), STEPS));
+    for (r, (a, b)) in whole.iter().zip(&rest).enumerate() {
+        assert_eq!(a.params, b.params, "rank {r}'s parameters after the resume");
+        assert_eq!(a.state, b.state, "rank {r}'s state after the resume");
+    }
+}
+
 /// Without a known run length, `finish` applies what is in flight and averages everything.
 #[test]
 fn finish_settles_a_streaming_averager_into_one_model() {
