@@ -152,7 +152,7 @@ fn train(comm: Box<dyn qsr_comm::Collective>) -> anyhow::Result<f64> {
     let mut start = 0;
     if let Some((epoch, from)) = ckpt.as_deref().map(latest).transpose()?.flatten() {
         println!("resuming after epoch {epoch} from {}", from.display());
-        avg.restore(qsr_optim::AveragerState::load(&from.join("averager.json"))?)?; // QSR: where its rounds stood
+        avg.restore(qsr_optim::AveragerState::load(&from.join("averager.safetensors"))?)?; // QSR: where its rounds stood
         (model, optim, sched) = load(&from, model, optim, sched)?;
         start = epoch;
     }
@@ -172,7 +172,7 @@ fn train(comm: Box<dyn qsr_comm::Collective>) -> anyhow::Result<f64> {
         if let Some(dir) = &ckpt {
             let to = staging(dir, epoch + 1)?;
             save(&to, &model, &optim, &sched)?;
-            avg.state()?.save(&to.join("averager.json"))?; // QSR: where its rounds stand
+            avg.state()?.save(&to.join("averager.safetensors"))?; // QSR: where its rounds stand
             commit(&to)?;
         }
     }

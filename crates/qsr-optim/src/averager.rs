@@ -281,12 +281,23 @@ pub struct Averager {
     lr_watch: LrWatch,
 }
 
-/// Where an [`Averager`] stands: its step, rounds and outer state, saved beside the model and the
-/// optimizer so that a resumed run continues its rounds exactly ([`Averager::state`],
+/// Where an [`Averager`] stands: its step, rounds and sync state (outer, streaming), saved beside the
+/// model and the optimizer so that a resumed run continues its rounds exactly ([`Averager::state`],
 /// [`Averager::restore`]). It records the settings the ranks agreed on; restoring it under other
 /// settings (rule, world size, model) is refused.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AveragerState {
+    /// The averager's own rounds (its fields at the top level, as the first format had them).
+    #[serde(flatten)]
+    rounds: Rounds,
+    /// The sync engine's state (outer, streaming, inner round), its fields at the top level.
+    #[serde(flatten)]
+    sync: SyncState,
+}
+
+/// The averager's part of its state: the settings, its counters and rounds, the lrs' course.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Rounds {
     settings: serde_json::Value,
     steps: u64,
     syncs: u64,
@@ -296,36 +307,42 @@ pub struct AveragerState {
     /// The lrs' course, so that the warnings of wrong plans judge the whole run.
     #[serde(default)]
     lr_watch: LrWatch,
-    /// The sync engine's state (outer, streaming, inner round), its fields at the top level.
-    #[serde(flatten)]
-    sync: SyncState,
 }
 
 impl AveragerState {
-    /// Writes the state as JSON to `path` (through a temporary file of this process and a rename, so a
-    /// crash of the process never leaves half a file).
+    /// Writes the state to `path` as safetensors (the sync state's tensors in its own codec, the
+    /// rounds in its metadata), through a temporary file of this process and a rename, so a crash of
+    /// the process never leaves half a file.
     pub fn save(&self, path: &Path) -> Result<(), OptimError> {
         let io = |e: std::io::Error| OptimError::Io { path: path.to_path_buf(), source: e };
         let mut tmp = path.as_os_str().to_owned();
         tmp.push(format!(".tmp.{}", std::process::id()));
         let tmp = std::path::PathBuf::from(tmp);
-        let bytes = serde_json::to_vec(self).map_err(|e| io(std::io::Error::other(e)))?;
+        let rounds = serde_json::to_value(&self.rounds).map_err(|e| io(std::io::Error::other(e)))?;
+        let bytes = self.sync.encode(None, Some(rounds))?;
         std::fs::write(&tmp, bytes).map_err(io)?;
         std::fs::rename(&tmp, path).map_err(io)
     }
 
-    /// Reads a state [`save`](Self::save) wrote.
+    /// Reads a state [`save`](Self::save) wrote, or a JSON state of the first format.
     pub fn load(path: &Path) -> Result<Self, OptimError> {
-        let bytes = std::fs::read(path).map_err(|e| OptimError::Io { path: path.to_path_buf(), source: e })?;
-        serde_json::from_slice(&bytes).map_err(|e| OptimError::Io {
+        let invalid = |e: String| OptimError::Io {
             path: path.to_path_buf(),
             source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
-        })
+        };
+        let bytes = std::fs::read(path).map_err(|e| OptimError::Io { path: path.to_path_buf(), source: e })?;
+        if bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{') {
+            return serde_json::from_slice(&bytes).map_err(|e| invalid(e.to_string()));
+        }
+        let decoded = SyncState::decode(&bytes, None).map_err(|e| invalid(e.to_string()))?;
+        let rounds = decoded.owner.ok_or_else(|| invalid("not an averager's state: no rounds".into()))?;
+        let rounds = serde_json::from_value(rounds).map_err(|e| invalid(format!("its rounds: {e}")))?;
+        Ok(Self { rounds, sync: decoded.state })
     }
 
     /// Steps the averager had seen.
     pub fn steps(&self) -> u64 {
-        self.steps
+        self.rounds.steps
     }
 }
 
@@ -577,7 +594,7 @@ impl Averager {
     /// averager's state holds its averages in flight, waited for, and its residual: every rank
     /// calls it at the same step.
     pub fn state(&mut self) -> Result<AveragerState, OptimError> {
-        Ok(AveragerState {
+        let rounds = Rounds {
             settings: self.settings.clone(),
             steps: self.stats.steps,
             syncs: self.stats.syncs,
@@ -585,8 +602,8 @@ impl Averager {
             rounds_after_warmup: self.rounds_after_warmup,
             round: self.round,
             lr_watch: self.lr_watch.clone(),
-            sync: self.sync.state()?,
-        })
+        };
+        Ok(AveragerState { rounds, sync: self.sync.state()? })
     }
 
     /// Continues from a saved [`state`](Self::state): call it right after [`Averager::new`], on every
@@ -594,12 +611,12 @@ impl Averager {
     /// records as usual). A state saved under other settings, or ranks resuming at different steps, is
     /// an error naming the difference.
     pub fn restore(&mut self, state: AveragerState) -> Result<(), OptimError> {
-        let diffs = qsr_comm::differing_keys(&self.settings, &state.settings);
+        let diffs = qsr_comm::differing_keys(&self.settings, &state.rounds.settings);
         // Every rank takes part in the agreement, a rank whose state does not fit included, so that
         // no rank is left waiting for one that failed alone.
         let position = serde_json::json!({
-            "resumed_at_step": state.steps,
-            "synced_at": state.synced_at,
+            "resumed_at_step": state.rounds.steps,
+            "synced_at": state.rounds.synced_at,
             "saved_settings_fit": diffs.is_empty(),
         });
         qsr_comm::agree(self.sync.comm_mut(), &position).map_err(|source| OptimError::Setup { source })?;
@@ -612,12 +629,12 @@ impl Averager {
             });
         }
         self.sync.restore(state.sync, "state")?;
-        self.stats.steps = state.steps;
-        self.stats.syncs = state.syncs;
-        self.synced_at = state.synced_at;
-        self.rounds_after_warmup = state.rounds_after_warmup;
-        self.round = state.round;
-        self.lr_watch = state.lr_watch;
+        self.stats.steps = state.rounds.steps;
+        self.stats.syncs = state.rounds.syncs;
+        self.synced_at = state.rounds.synced_at;
+        self.rounds_after_warmup = state.rounds.rounds_after_warmup;
+        self.round = state.rounds.round;
+        self.lr_watch = state.rounds.lr_watch;
         Ok(())
     }
 

@@ -2,10 +2,14 @@
 //! parameters and optimizer state. The [`Averager`](crate::Averager)'s saved state, the
 //! [`Worker`](crate::Worker)'s [`Snapshot`](crate::Snapshot) and the trainer's checkpoint hold it.
 
+use std::collections::HashMap;
+
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use serde::{Deserialize, Serialize};
 
+use crate::error::OptimError;
 use crate::outer::InnerRound;
-use crate::stream::StreamState;
+use crate::stream::{InFlight, StreamState};
 
 /// The sync engine's state: DiLoCo's outer optimizer, a streaming worker's averages in flight and
 /// error-feedback residual, and the inner steps since the last global parameter sync. Serialized
@@ -33,6 +37,14 @@ impl SyncState {
     pub fn stream(&self) -> Option<&StreamState> {
         self.stream.as_ref()
     }
+
+    /// Zeroes the error-feedback residual: the state a worker joining a running job takes from
+    /// another rank's (the averages in flight are the same on every rank, the residual is not).
+    pub fn zero_residual(&mut self) {
+        if let Some(residual) = self.stream.as_mut().and_then(|s| s.residual.as_mut()) {
+            residual.fill(0.0);
+        }
+    }
 }
 
 /// DiLoCo's outer optimizer state: the last global parameters and the momentum buffer (saved as the
@@ -55,5 +67,217 @@ impl From<(Vec<f32>, Vec<f32>)> for OuterState {
 impl From<OuterState> for (Vec<f32>, Vec<f32>) {
     fn from(state: OuterState) -> Self {
         (state.global, state.momentum)
+    }
+}
+
+/// What a [`SyncState`] file holds beside its tensors: its one metadata entry `sync`.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Header {
+    outer: bool,
+    stream: Option<StreamHeader>,
+    inner_round: InnerRound,
+    /// Whether the file carries the rank's own parameters (`params`).
+    params: bool,
+    /// The state of the face that saved it (an `AveragerState`'s rounds), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    owner: Option<serde_json::Value>,
+}
+
+/// What a sync state file holds: the state, a rank's own parameters, the saving face's state.
+pub(crate) struct Decoded {
+    pub(crate) state: SyncState,
+    pub(crate) params: Option<Vec<f32>>,
+    pub(crate) owner: Option<serde_json::Value>,
+}
+
+/// A streaming state's averages in flight (their values are tensors) and whether it has a residual.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StreamHeader {
+    in_flight: Vec<InFlightHead>,
+    residual: bool,
+}
+
+/// An average in flight without its values.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct InFlightHead {
+    fragment: u32,
+    sent_after: u64,
+    apply_after: u64,
+    /// Whether `stream.in_flight.<i>.sent` is present.
+    sent: bool,
+}
+
+impl SyncState {
+    /// The state as safetensors bytes: the tensors `outer.global`, `outer.momentum`, `stream.residual`,
+    /// `stream.in_flight.<i>` (a mean) and `stream.in_flight.<i>.sent`, with `params` (a streaming
+    /// rank's own parameters, which differ between ranks) when given, and one metadata entry `sync`
+    /// (JSON) for the rest. Identical states give identical bytes.
+    pub fn to_safetensors(&self, params: Option<&[f32]>) -> Result<Vec<u8>, OptimError> {
+        self.encode(params, None)
+    }
+
+    /// Reads what [`Self::to_safetensors`] wrote for a model of `len` parameters: the state, and the
+    /// rank's own parameters if the file has them. Every tensor is checked against `len` before it is
+    /// copied (averages in flight against their fragments when the state is restored).
+    pub fn from_safetensors(bytes: &[u8], len: usize) -> Result<(Self, Option<Vec<f32>>), OptimError> {
+        let Decoded { state, params, .. } = Self::decode(bytes, Some(len))?;
+        Ok((state, params))
+    }
+
+    /// [`Self::to_safetensors`] with the saving face's own state (`owner`) in the metadata entry.
+    pub(crate) fn encode(
+        &self,
+        params: Option<&[f32]>,
+        owner: Option<serde_json::Value>,
+    ) -> Result<Vec<u8>, OptimError> {
+        let mut named: Vec<(String, &[f32])> = Vec::new();
+        if let Some(outer) = &self.outer {
+            named.push(("outer.global".into(), &outer.global));
+            named.push(("outer.momentum".into(), &outer.momentum));
+        }
+        let stream = self.stream.as_ref().map(|s| {
+            if let Some(residual) = &s.residual {
+                named.push(("stream.residual".into(), residual));
+            }
+            let heads = s.in_flight.iter().enumerate().map(|(i, f)| {
+                named.push((format!("stream.in_flight.{i}"), &f.mean));
+                if !f.sent.is_empty() {
+                    named.push((format!("stream.in_flight.{i}.sent"), &f.sent));
+                }
+                let (fragment, sent_after, apply_after) = (f.fragment, f.sent_after, f.apply_after);
+                InFlightHead { fragment, sent_after, apply_after, sent: !f.sent.is_empty() }
+            });
+            StreamHeader { in_flight: heads.collect(), residual: s.residual.is_some() }
+        });
+        if let Some(params) = params {
+            named.push(("params".into(), params));
+        }
+        let (outer, inner_round, has_params) = (self.outer.is_some(), self.inner_round, params.is_some());
+        let header = Header { outer, stream, inner_round, params: has_params, owner };
+        let header = serde_json::to_string(&header).map_err(|e| bad(format!("cannot describe it: {e}")))?;
+        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = named
+            .into_iter()
+            .map(|(name, v)| (name, vec![v.len()], v.iter().flat_map(|x| x.to_le_bytes()).collect()))
+            .collect();
+        let views = bytes
+            .iter()
+            .map(|(name, shape, data)| Ok((name.clone(), TensorView::new(Dtype::F32, shape.clone(), data)?)))
+            .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()
+            .map_err(|e| bad(e.to_string()))?;
+        let meta = HashMap::from([("sync".to_string(), header)]);
+        safetensors::serialize(views, Some(meta)).map_err(|e| bad(e.to_string()))
+    }
+
+    /// Reads what [`Self::encode`] wrote, for a model of `len` parameters when known (each tensor
+    /// then has `len` values or, averages in flight, at most `len`; otherwise the restore checks them).
+    pub(crate) fn decode(bytes: &[u8], len: Option<usize>) -> Result<Decoded, OptimError> {
+        let st = SafeTensors::deserialize(bytes).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+        let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| bad(e.to_string()))?;
+        let header =
+            meta.metadata().as_ref().and_then(|m| m.get("sync")).ok_or_else(|| bad("no `sync` metadata".into()))?;
+        let header: Header = serde_json::from_str(header).map_err(|e| bad(format!("metadata `sync`: {e}")))?;
+        let tensor = |name: &str, exact: bool| match len {
+            Some(len) => read_f32(&st, name, len, exact),
+            None => read_f32(&st, name, bytes.len() / 4, false),
+        };
+        let outer = match header.outer {
+            true => {
+                Some(OuterState { global: tensor("outer.global", true)?, momentum: tensor("outer.momentum", true)? })
+            }
+            false => None,
+        };
+        let stream = match header.stream {
+            Some(s) => {
+                if s.in_flight.len() > qsr_sched::MAX_FRAGMENTS as usize {
+                    return Err(bad(format!("{} averages in flight, more than fragments can be", s.in_flight.len())));
+                }
+                let residual = s.residual.then(|| tensor("stream.residual", true)).transpose()?;
+                let mut in_flight = Vec::with_capacity(s.in_flight.len());
+                for (i, h) in s.in_flight.into_iter().enumerate() {
+                    let mean = tensor(&format!("stream.in_flight.{i}"), false)?;
+                    let sent = if h.sent { tensor(&format!("stream.in_flight.{i}.sent"), false)? } else { Vec::new() };
+                    in_flight.push(InFlight {
+                        fragment: h.fragment,
+                        sent_after: h.sent_after,
+                        apply_after: h.apply_after,
+                        mean,
+                        sent,
+                    });
+                }
+                Some(StreamState { in_flight, residual })
+            }
+            None => None,
+        };
+        let params = header.params.then(|| tensor("params", true)).transpose()?;
+        let state = Self { outer, stream, inner_round: header.inner_round };
+        Ok(Decoded { state, params, owner: header.owner })
+    }
+}
+
+/// The f32 tensor `name` of `st`: `len` values (`exact`) or at most `len`.
+fn read_f32(st: &SafeTensors<'_>, name: &str, len: usize, exact: bool) -> Result<Vec<f32>, OptimError> {
+    let t = st.tensor(name).map_err(|_| bad(format!("tensor `{name}` is missing")))?;
+    let n = t.data().len() / 4;
+    let fits = if exact { n == len } else { n <= len };
+    if t.dtype() != Dtype::F32 || t.data().len() % 4 != 0 || !fits {
+        let want = if exact { "" } else { "at most " };
+        return Err(bad(format!(
+            "tensor `{name}` has {} bytes of {:?}, expected {want}{len} f32",
+            t.data().len(),
+            t.dtype()
+        )));
+    }
+    Ok(t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+}
+
+/// A sync state file that does not fit.
+fn bad(reason: String) -> OptimError {
+    OptimError::Layout(format!("sync state: {reason}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state() -> SyncState {
+        let flight =
+            |fragment, sent: Vec<f32>| InFlight { fragment, sent_after: 9, apply_after: 11, mean: vec![0.5; 2], sent };
+        SyncState {
+            outer: Some(OuterState { global: vec![1.0, -2.0, 3.5, 0.0], momentum: vec![0.25; 4] }),
+            stream: Some(StreamState {
+                in_flight: vec![flight(0, vec![7.0; 2]), flight(1, Vec::new())],
+                residual: Some(vec![1e-7, -3e-8, 0.0, f32::MIN_POSITIVE]),
+            }),
+            inner_round: InnerRound { steps: 3, lr_sum: 0.1 + 0.2 },
+        }
+    }
+
+    #[test]
+    fn a_sync_state_round_trips_through_safetensors_bit_exact() {
+        let params = [0.1f32, 0.2, 0.3, 0.4];
+        let bytes = state().to_safetensors(Some(&params)).unwrap();
+        assert_eq!(bytes, state().to_safetensors(Some(&params)).unwrap(), "the same state, the same bytes");
+        let (back, own) = SyncState::from_safetensors(&bytes, 4).unwrap();
+        assert_eq!(back, state());
+        assert_eq!(own.as_deref(), Some(&params[..]));
+        let plain = SyncState::default().to_safetensors(None).unwrap();
+        assert_eq!(SyncState::from_safetensors(&plain, 4).unwrap(), (SyncState::default(), None));
+    }
+
+    #[test]
+    fn a_sync_state_file_that_does_not_fit_is_refused_naming_what() {
+        let bytes = state().to_safetensors(None).unwrap();
+        let err = SyncState::from_safetensors(&bytes, 5).unwrap_err().to_string();
+        assert!(err.contains("`outer.global`") && err.contains("expected 5 f32"), "{err}");
+        let err = SyncState::from_safetensors(&bytes, 1).unwrap_err().to_string();
+        assert!(err.contains("`outer.global`"), "{err}");
+        let err = SyncState::from_safetensors(b"\xff\xff\xff\xff\xff\xff\xff\x7fgarbage", 4).unwrap_err().to_string();
+        assert!(err.contains("not a safetensors file"), "{err}");
+        let unnamed = safetensors::serialize(Vec::<(String, TensorView<'_>)>::new(), None).unwrap();
+        let err = SyncState::from_safetensors(&unnamed, 4).unwrap_err().to_string();
+        assert!(err.contains("no `sync` metadata"), "{err}");
     }
 }

@@ -5,10 +5,11 @@
 //!   one tensor per module path (readable by any safetensors tool); in a streaming run, whose ranks
 //!   differ between a fragment's syncs, rank 0's own parameters (the run's last step averages them all);
 //! - `step-<N>/optim-rank<r>.safetensors`: each rank's optimizer moments (state stays per worker);
-//! - `step-<N>/outer.safetensors`: the global parameters and outer momentum, where syncs are outer
-//!   steps (`[outer]`, streaming or quantized syncs; the same on every rank);
-//! - `step-<N>/stream-rank<r>.safetensors`: a streaming (or quantized) worker's own parameters, its
-//!   error-feedback residual and the fragment averages it has in flight (since format 2);
+//! - `step-<N>/sync-rank<r>.safetensors`: each rank's sync state (qsr-optim's `SyncState`, in its own
+//!   codec: the outer optimizer's global parameters and momentum, a streaming worker's averages in
+//!   flight and error-feedback residual, the inner round), with a streaming worker's own parameters,
+//!   where syncs are outer steps or stream (`[outer]`, streaming or quantized syncs; since format 3;
+//!   formats 1 and 2 wrote `outer.safetensors` and, since 2, `stream-rank<r>.safetensors`, still read);
 //! - `step-<N>/state.json`: the `qsr-sched` cursor (with its plan), world size and the recipe's resume key;
 //! - `step-<N>/manifest.json`: the SHA-256 of every file above;
 //! - `LATEST`: the name of the newest complete checkpoint.
@@ -27,7 +28,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
-use qsr_optim::{InFlight, OptimState, ParamLayout, StreamState};
+use qsr_optim::{InFlight, OptimState, ParamLayout, StreamState, SyncState};
 use qsr_sched::Cursor;
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use serde::{Deserialize, Serialize};
@@ -92,8 +93,29 @@ impl Counters {
 }
 
 /// The checkpoint layout version this build writes (`state.json`'s `format`). Version 2 added the
-/// streaming workers' `stream-rank<r>.safetensors`; version 1 checkpoints (without them) still load.
-pub(crate) const FORMAT: u32 = 2;
+/// streaming workers' `stream-rank<r>.safetensors`; version 3 replaced it and `outer.safetensors` by
+/// each rank's `sync-rank<r>.safetensors`. Versions 1 and 2 still load.
+pub(crate) const FORMAT: u32 = 3;
+
+/// The first version whose sync state is `sync-rank<r>.safetensors`.
+pub(crate) const SYNC_STATE_FORMAT: u32 = 3;
+
+/// `sync-rank<r>.safetensors`: rank `rank`'s sync state.
+pub(crate) fn sync_file(rank: usize) -> String {
+    format!("sync-rank{rank}.safetensors")
+}
+
+/// Loads a `sync-rank<r>.safetensors` for a model of `len` parameters: the sync state and a
+/// streaming rank's own parameters.
+pub(crate) fn load_sync(file: &Path, len: usize) -> Result<(SyncState, Option<Vec<f32>>)> {
+    let bytes = fs::read(file).with_context(|| {
+        format!(
+            "cannot read {} (the recipe has an [outer] section, streams or quantizes its syncs: was the checkpoint written without?)",
+            file.display()
+        )
+    })?;
+    SyncState::from_safetensors(&bytes, len).with_context(|| format!("checkpoint file {}", file.display()))
+}
 
 /// The oldest layout version this build reads.
 const OLDEST_FORMAT: u32 = 1;
@@ -166,16 +188,8 @@ pub(crate) fn optim_bytes(state: &OptimState) -> Result<Vec<u8>> {
     tensors_to_bytes(&named, BTreeMap::from([("step".into(), state.step.to_string())]))
 }
 
-/// `outer.safetensors`: the outer optimizer's global parameters and momentum (the same on every rank).
-pub(crate) fn outer_bytes(global: &[f32], momentum: &[f32], step: u64) -> Result<Vec<u8>> {
-    let named = [
-        ("global".to_string(), vec![global.len()], f32_bytes(global)),
-        ("momentum".to_string(), vec![momentum.len()], f32_bytes(momentum)),
-    ];
-    tensors_to_bytes(&named, BTreeMap::from([("step".into(), step.to_string())]))
-}
-
-/// Loads `outer.safetensors` for a model of `len` parameters: (global parameters, momentum).
+/// Loads a format 1 or 2 checkpoint's `outer.safetensors` (the outer optimizer's global parameters and
+/// momentum, the same on every rank) for a model of `len` parameters: (global parameters, momentum).
 pub(crate) fn load_outer(file: &Path, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
     let bytes = fs::read(file).with_context(|| {
         format!(
@@ -201,28 +215,10 @@ fn read_f32(st: &SafeTensors<'_>, name: &str, len: usize, file: &Path) -> Result
     Ok(t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
 }
 
-/// `stream-rank<r>.safetensors`: a streaming worker's own parameters (ranks differ between a
-/// fragment's syncs), its error-feedback residual and the averages it has in flight (`in_flight.<i>`
-/// the mean, `in_flight.<i>.sent` the fragment's values when sent), whose fragment and steps are the
-/// metadata entry `in_flight` (JSON).
-pub(crate) fn stream_bytes(params: &[f32], state: &StreamState) -> Result<Vec<u8>> {
-    let mut named = vec![("params".to_string(), vec![params.len()], f32_bytes(params))];
-    if let Some(residual) = &state.residual {
-        named.push(("residual".to_string(), vec![residual.len()], f32_bytes(residual)));
-    }
-    let mut meta = Vec::new();
-    for (i, f) in state.in_flight.iter().enumerate() {
-        named.push((format!("in_flight.{i}"), vec![f.mean.len()], f32_bytes(&f.mean)));
-        if !f.sent.is_empty() {
-            named.push((format!("in_flight.{i}.sent"), vec![f.sent.len()], f32_bytes(&f.sent)));
-        }
-        meta.push(InFlight { mean: Vec::new(), sent: Vec::new(), ..f.clone() });
-    }
-    tensors_to_bytes(&named, BTreeMap::from([("in_flight".into(), serde_json::to_string(&meta)?)]))
-}
-
-/// Loads a streaming worker's `stream-rank<r>.safetensors`: its parameters and streaming state (the
-/// worker checks the fragments' sizes when it restores them).
+/// Loads a format 2 checkpoint's `stream-rank<r>.safetensors`: a streaming worker's own parameters
+/// and streaming state (`in_flight.<i>` a mean, `in_flight.<i>.sent` the fragment's values when sent,
+/// their fragments and steps the metadata entry `in_flight`; the worker checks the fragments' sizes
+/// when it restores them).
 pub(crate) fn load_stream(file: &Path, layout: &ParamLayout) -> Result<(Vec<f32>, StreamState)> {
     let bytes = fs::read(file).with_context(|| {
         format!(

@@ -1,16 +1,18 @@
 //! The training loop (documented on [`run_worker`]).
 
+use std::path::Path;
+
 use anyhow::{Result, anyhow, bail};
 use burn::module::Module;
 use qsr_comm::Collective;
-use qsr_optim::{DeviceGroup, Level, OptimState, Worker};
+use qsr_optim::{DeviceGroup, Level, OptimState, StreamState, SyncState, Worker};
 use qsr_sched::Plan;
 
 use super::model::TrainModel;
 use super::segment::{AfterSync, Pace, Segment};
 use super::spec::{Comms, RunSpec};
 use super::task::{ImageTask, Task, TextTask};
-use crate::checkpoint::{self, Counters};
+use crate::checkpoint::{self, CheckpointState, Counters};
 use crate::recipe::TrainRecipe;
 use crate::records::Summary;
 
@@ -130,30 +132,18 @@ pub(crate) fn resume<M: Module>(
     };
     let rank = worker.rank();
     let (mut params, running) = checkpoint::load_model(&dir.join("model.safetensors"), worker.layout())?;
-    // A streaming worker's own parameters and what it has in flight. A rank the checkpoint lacks (an
-    // elastic resume with more workers) starts from rank 0's parameters, with the averages in flight
-    // (the same on every rank) and a zero residual, as a worker joining a running job does.
-    let stream = match worker.streaming_state()? {
-        Some(_) => {
-            let file = format!("stream-rank{}.safetensors", if rank < state.world_size { rank } else { 0 });
-            let (local, mut stream) = checkpoint::load_stream(&dir.join(file), worker.layout())?;
-            if rank >= state.world_size {
-                stream.residual.iter_mut().for_each(|r| r.fill(0.0));
-            }
-            Some((local, stream))
-        }
-        None => None,
-    };
-    if let Some((local, _)) = &stream {
-        params.clone_from(local);
+    // A rank the checkpoint lacks (an elastic resume with more workers) takes rank 0's sync state and
+    // parameters, with the averages in flight (the same on every rank) and a zero residual, as a
+    // worker joining a running job does; its optimizer moments start fresh.
+    let (from, joins) = if rank < state.world_size { (rank, false) } else { (0, true) };
+    let saved = load_sync_state(dir, state, worker, from, joins)?;
+    if let Some(own) = saved.own_params() {
+        params.clone_from(own);
     }
     let template: OptimState = worker.optimizer_state()?.into_owned();
-    // An elastic run may resume with more workers than wrote the checkpoint: those start with fresh
-    // moments, as a worker joining a running job does.
-    let optim = if rank < state.world_size {
-        checkpoint::load_optim(&dir.join(format!("optim-rank{rank}.safetensors")), &template)?
-    } else {
-        template
+    let optim = match joins {
+        false => checkpoint::load_optim(&dir.join(format!("optim-rank{rank}.safetensors")), &template)?,
+        true => template,
     };
     // A longer (or shorter) plan may move the cursor; the same plan must land where the checkpoint was.
     let cursor = plan.cursor_at(state.cursor.step());
@@ -161,16 +151,81 @@ pub(crate) fn resume<M: Module>(
         bail!("checkpoint {}: its position does not follow from this recipe's plan", dir.display());
     }
     worker.restore(&params, optim, cursor)?;
-    if worker.outer_state().is_some() {
-        let (global, momentum) = checkpoint::load_outer(&dir.join("outer.safetensors"), params.len())?;
-        worker.restore_outer_state(&global, &momentum)?;
-    }
-    if let Some((_, stream)) = stream {
-        worker.restore_streaming_state(stream)?;
-    }
+    saved.restore_into(worker)?;
     if !running.is_empty() {
         let m = worker.layout().write_running(worker.model().clone(), &running)?;
         worker.set_model(m)?;
     }
     Ok((Some(state.step), state.counters))
+}
+
+/// A checkpoint's sync state, as its format holds it.
+enum SavedSync {
+    /// Format 3: one `SyncState` (and a streaming rank's own parameters).
+    State(SyncState, Option<Vec<f32>>),
+    /// Formats 1 and 2: the outer state and a streaming state with the rank's own parameters.
+    Parts(Option<(Vec<f32>, Vec<f32>)>, Option<(Vec<f32>, StreamState)>),
+}
+
+impl SavedSync {
+    /// A streaming rank's own parameters, which replace the checkpoint's averaged ones.
+    fn own_params(&self) -> Option<&Vec<f32>> {
+        match self {
+            SavedSync::State(_, own) => own.as_ref(),
+            SavedSync::Parts(_, stream) => stream.as_ref().map(|(own, _)| own),
+        }
+    }
+
+    /// Gives `worker` (restored to the checkpoint's position) its sync state.
+    fn restore_into<M: Module>(self, worker: &mut Worker<M>) -> Result<()> {
+        match self {
+            SavedSync::State(state, _) => worker.restore_sync_state(state)?,
+            // The inner round comes from the plan's position (Worker::restore).
+            SavedSync::Parts(outer, stream) => {
+                if let Some((global, momentum)) = outer {
+                    worker.restore_outer_state(&global, &momentum)?;
+                }
+                if let Some((_, stream)) = stream {
+                    worker.restore_streaming_state(stream)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Rank `from`'s sync state in checkpoint `dir`, for `worker`'s outer and streaming settings (nothing
+/// where it has neither); `joins`: a worker the checkpoint lacks, whose residual starts at zero.
+fn load_sync_state<M: Module>(
+    dir: &Path,
+    state: &CheckpointState,
+    worker: &mut Worker<M>,
+    from: usize,
+    joins: bool,
+) -> Result<SavedSync> {
+    let len = worker.layout().len();
+    let (outer, streams) = (worker.outer_state().is_some(), worker.streaming_state()?.is_some());
+    if state.format >= checkpoint::SYNC_STATE_FORMAT {
+        if !(outer || streams) {
+            return Ok(SavedSync::State(SyncState::default(), None));
+        }
+        let (mut sync, own) = checkpoint::load_sync(&dir.join(checkpoint::sync_file(from)), len)?;
+        if joins {
+            sync.zero_residual();
+        }
+        return Ok(SavedSync::State(sync, own));
+    }
+    let outer = outer.then(|| checkpoint::load_outer(&dir.join("outer.safetensors"), len)).transpose()?;
+    let stream = match streams {
+        true => {
+            let file = dir.join(format!("stream-rank{from}.safetensors"));
+            let (own, mut stream) = checkpoint::load_stream(&file, worker.layout())?;
+            if joins {
+                stream.residual.iter_mut().for_each(|r| r.fill(0.0));
+            }
+            Some((own, stream))
+        }
+        false => None,
+    };
+    Ok(SavedSync::Parts(outer, stream))
 }

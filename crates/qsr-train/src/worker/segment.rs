@@ -447,9 +447,12 @@ fn write_checkpoint<M: Module>(worker: &mut Worker<M>, spec: &RunSpec, step: u64
         &format!("optim-rank{rank}.safetensors"),
         &checkpoint::optim_bytes(&*worker.optimizer_state()?)?,
     )?;
-    if let Some(stream) = worker.streaming_state()? {
-        let bytes = checkpoint::stream_bytes(&worker.params()?, &stream)?;
-        checkpoint::write_file(&tmp, &format!("stream-rank{rank}.safetensors"), &bytes)?;
+    let sync = worker.sync_state()?;
+    if sync.outer().is_some() || sync.stream().is_some() {
+        // A streaming rank's own parameters: its ranks differ between a fragment's syncs.
+        let params = worker.params()?;
+        let own = sync.stream().is_some().then_some(&*params);
+        checkpoint::write_file(&tmp, &checkpoint::sync_file(rank), &sync.to_safetensors(own)?)?;
     }
     if rank == 0 {
         let mut running = vec![0.0; worker.layout().running_len()];
@@ -468,9 +471,6 @@ fn write_checkpoint<M: Module>(worker: &mut Worker<M>, spec: &RunSpec, step: u64
             counters,
         };
         checkpoint::write_file(&tmp, "state.json", serde_json::to_string_pretty(&state)?.as_bytes())?;
-        if let Some((global, momentum)) = worker.outer_state() {
-            checkpoint::write_file(&tmp, "outer.safetensors", &checkpoint::outer_bytes(global, momentum, step)?)?;
-        }
     }
     worker.comm_mut().barrier().with_context(err)?;
     if rank == 0 {

@@ -165,7 +165,7 @@ fn a_worker_killed_with_a_fragment_in_flight_leaves_a_streaming_run_that_finishe
     // The last checkpoint has the survivors' streaming state, and no rank 3.
     let latest = std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap();
     let step = run.join("ckpt").join(latest.trim());
-    assert!(step.join("stream-rank2.safetensors").exists() && !step.join("stream-rank3.safetensors").exists());
+    assert!(step.join("sync-rank2.safetensors").exists() && !step.join("sync-rank3.safetensors").exists());
 }
 
 #[test]
@@ -320,7 +320,7 @@ fn a_streaming_run_resumed_with_more_workers_gives_the_new_rank_the_averages_in_
     let first = ["train", "--recipe", RECIPE, "--quiet", "--nproc", "3", "--out", out, "--halt-after", "200"];
     ok(&[&first[..], &streaming].concat());
     let latest = std::fs::read_to_string(run.join("ckpt/LATEST")).unwrap();
-    assert!(!run.join("ckpt").join(latest.trim()).join("stream-rank3.safetensors").exists());
+    assert!(!run.join("ckpt").join(latest.trim()).join("sync-rank3.safetensors").exists());
     ok(&["train", "--resume", out, "--nproc", "4", "--elastic", "--quiet"]);
     let s = json(&run.join("summary.json"));
     assert_eq!((s["world_size"].as_u64(), s["syncs"].clone()), (Some(4), s["planned_syncs"].clone()));

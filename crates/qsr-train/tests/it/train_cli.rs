@@ -355,6 +355,39 @@ fn a_streaming_run_resumes_exactly_with_an_average_in_flight() {
     resume_continues_exactly_with("3", &STREAMING);
 }
 
+/// A checkpoint written by `qsr train` of 2026-12-06 (format 2: `outer.safetensors` and
+/// `stream-rank<r>.safetensors`; tests/fixtures/checkpoint-format-2) resumes to the bits of a run of
+/// this build that never stopped: old checkpoints load, and the steps before it are the same bits.
+#[test]
+fn a_checkpoint_of_format_2_resumes_to_the_bits_of_a_straight_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixture = crate::common::root().join("crates/qsr-train/tests/fixtures/checkpoint-format-2");
+    let resumed = dir.path().join("resumed");
+    copy_dir(&fixture, &resumed);
+    ok(&["train", "--resume", resumed.to_str().unwrap(), "--quiet", "--workers", "3"]);
+    let straight = dir.path().join("straight");
+    let sets = ["model.hidden=[16]", "schedule.total_steps=330", "eval.every_epochs=2"];
+    let set: Vec<&str> = sets.iter().flat_map(|s| ["--set", s]).collect();
+    let args = ["train", "--recipe", RECIPE, "--workers", "3", "--quiet", "--out", straight.to_str().unwrap()];
+    ok(&[&args[..], &set, &STREAMING].concat());
+    assert_eq!(final_params(&straight), final_params(&resumed));
+    let (s, r) = (json(&straight.join("summary.json")), json(&resumed.join("summary.json")));
+    assert_eq!((&s["syncs"], &s["final_test_accuracy"]), (&r["syncs"], &r["final_test_accuracy"]));
+}
+
+/// `from` copied into `to`, recursively.
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        match entry.file_type().unwrap().is_dir() {
+            true => copy_dir(&entry.path(), &target),
+            false => drop(std::fs::copy(entry.path(), target).unwrap()),
+        }
+    }
+}
+
 /// Streaming worker processes (fragments' all-reduces between steps, over shared memory) equal
 /// simulated workers (all-reduces on a thread of their own): where an average runs never changes when
 /// it is applied. The run learns, counts rounds as syncs and sends about a quarter of the bytes.
