@@ -36,7 +36,8 @@ pub use driver::Worker;
 pub use error::{LossError, OptimError};
 pub use flat::{ParamEntry, ParamLayout, ParamRole};
 pub use optim::{
-    DecaySegment, OptimState, Optimizer, OptimizerConfig, OptimizerKind, clip_grad_norm, clip_grad_norm_per_tensor,
+    DecaySegment, Moments, OptimState, Optimizer, OptimizerConfig, OptimizerKind, clip_grad_norm,
+    clip_grad_norm_per_tensor,
 };
 pub use outer::{OuterConfig, OuterUnit};
 /// The rules an [`AveragerConfig`] takes, so a burn user needs no qsr-sched dependency to pick one.
@@ -46,6 +47,6 @@ pub use snapshot::Snapshot;
 pub use state::{OuterState, SyncState};
 pub use stream::{InFlight, StreamState};
 pub use sync::{
-    BnPolicy, DriverConfig, DriverStats, Level, LocalStats, PhaseTimes, Residency, StatePolicy, StepReport, SyncReport,
-    Wire,
+    BnPolicy, DriverConfig, DriverStats, Level, LocalStats, PhaseTimes, Residency, StatePolicy, StepReport, SyncBuffer,
+    SyncReport, Wire,
 };

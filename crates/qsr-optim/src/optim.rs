@@ -30,6 +30,15 @@ pub enum OptimizerKind {
     Adamw,
 }
 
+/// The moment buffers an optimizer keeps (SGD momentum or AdamW `exp_avg`; AdamW `exp_avg_sq`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Moments {
+    /// SGD momentum / AdamW `exp_avg`.
+    pub first: bool,
+    /// AdamW `exp_avg_sq`.
+    pub second: bool,
+}
+
 /// Optimizer settings. The learning rate is not here: it comes from the schedule at every step.
 /// Settings of the other optimizer kind are refused, so a recipe never carries a silently ignored value.
 /// A recipe's `[optimizer]` section deserializes into this (keys `optimizer.<field>`).
@@ -98,6 +107,13 @@ impl OptimizerConfig {
     /// SGD momentum, 0 when unset (`torch.optim.SGD(momentum=...)`).
     pub fn momentum(&self) -> f64 {
         self.momentum.unwrap_or(0.0)
+    }
+    /// The moment buffers this optimizer keeps: SGD a first one with momentum, AdamW both.
+    pub fn moments(&self) -> Moments {
+        match self.kind {
+            OptimizerKind::Sgd => Moments { first: self.momentum() != 0.0, second: false },
+            OptimizerKind::Adamw => Moments { first: true, second: true },
+        }
     }
     /// SGD dampening, 0 when unset (`torch.optim.SGD(dampening=...)`).
     pub fn dampening(&self) -> f64 {
@@ -236,12 +252,8 @@ impl Optimizer {
             }
         }
         let moment = |on: bool| if on { vec![0.0; len] } else { Vec::new() };
-        let state = match config.kind {
-            OptimizerKind::Sgd => {
-                OptimState { step: 0, first_moment: moment(config.momentum() != 0.0), second_moment: Vec::new() }
-            }
-            OptimizerKind::Adamw => OptimState { step: 0, first_moment: moment(true), second_moment: moment(true) },
-        };
+        let Moments { first, second } = config.moments();
+        let state = OptimState { step: 0, first_moment: moment(first), second_moment: moment(second) };
         Ok(Self { config, segments, state, tensors: std::iter::once(0..len).collect(), sqrt: None })
     }
 

@@ -12,8 +12,8 @@ use qsr_sched::{StepInfo, SyncMode};
 use crate::device::{DeviceGroup, DeviceOptimizer, all_finite, to_host};
 use crate::error::{LossError, OptimError};
 use crate::flat::ParamLayout;
-use crate::optim::{OptimState, Optimizer, OptimizerConfig};
-use crate::sync::{BnPolicy, Level, PhaseTimes, SyncReport};
+use crate::optim::{Moments, OptimState, Optimizer, OptimizerConfig};
+use crate::sync::{BnPolicy, Level, PhaseTimes, SyncBuffer, SyncReport};
 use crate::synchronizer::{Peers, Synced};
 
 /// What a replica's step did, for the worker's report.
@@ -207,11 +207,11 @@ impl HostReplica {
         step: u64,
     ) -> Result<SyncReport, OptimError> {
         let start = peers.start();
-        let policy = peers.config.state;
-        let avg_m = policy.average_first_moment && !self.optimizer.state().first_moment.is_empty();
-        let avg_v = policy.average_second_moment && !self.optimizer.state().second_moment.is_empty();
-        let avg_bn = peers.config.bn == BnPolicy::Average && layout.running_len() > 0;
-        if !(avg_m || avg_v || avg_bn) {
+        let kept = self.optimizer.state();
+        let moments = Moments { first: !kept.first_moment.is_empty(), second: !kept.second_moment.is_empty() };
+        let with = SyncBuffer::new(peers.config, moments, layout.running_len() > 0);
+        let (avg_m, avg_v, avg_bn) = (with.first_moment, with.second_moment, with.running);
+        if !with.has_state() {
             let n = self.params.len();
             let calls = peers.average(&mut self.params, n, step)?;
             return Ok(peers.account(start, Synced { mode: SyncMode::Parameters, elements: self.params.len(), calls }));

@@ -7,7 +7,7 @@
 
 use std::fmt;
 
-use qsr_sched::{ConfigError, MAX_FRAGMENTS, Plan, StreamingConfig, SyncRule};
+use qsr_sched::{ConfigError, FragmentPlan, MAX_FRAGMENTS, Plan, StreamingConfig, SyncRule};
 
 use crate::error::OptimError;
 use crate::outer::{OuterConfig, OuterUnit};
@@ -132,6 +132,9 @@ pub struct SyncVerdict {
     pub refusals: Vec<Refusal>,
     /// What the settings do differently from what they say, one line each.
     pub warnings: Vec<String>,
+    /// The fragment plan of accepted streaming settings under a plan: built here once, for the
+    /// callers that show or predict it.
+    pub fragments: Option<FragmentPlan>,
 }
 
 impl SyncVerdict {
@@ -167,7 +170,10 @@ pub fn check_sync(settings: &SyncSettings, face: Face) -> SyncVerdict {
     }
     if let Some(streaming) = &settings.streaming {
         match check_streaming(streaming, settings, face) {
-            Ok(warnings) => v.warnings.extend(warnings),
+            Ok((warnings, fragments)) => {
+                v.warnings.extend(warnings);
+                v.fragments = fragments;
+            }
             Err(r) => v.refusals.push(r),
         }
     }
@@ -239,15 +245,20 @@ fn outer_gain_warning(outer: &OuterConfig, plan: &Plan) -> Option<String> {
 }
 
 /// The streaming section against the rule and plan: its own settings, the fragment count, and a
-/// `mix` that brings the workers together (its warnings when it passes).
-fn check_streaming(streaming: &StreamingConfig, s: &SyncSettings, face: Face) -> Result<Vec<String>, Refusal> {
+/// `mix` that brings the workers together (its warnings and, under a plan, its fragment plan when it
+/// passes).
+fn check_streaming(
+    streaming: &StreamingConfig,
+    s: &SyncSettings,
+    face: Face,
+) -> Result<(Vec<String>, Option<FragmentPlan>), Refusal> {
     let sched = |e: ConfigError| Refusal { field: face.key(&e.field), reason: e.reason };
     streaming.validate().map_err(sched)?;
     let fragments_key = face.key("sync.streaming.fragments");
     match &s.plan {
         Some(plan) => {
             let fragments = streaming.fragment_plan(plan.clone()).map_err(sched)?;
-            Ok(streaming.warnings(&fragments))
+            Ok((streaming.warnings(&fragments), Some(fragments)))
         }
         None if !(1..=MAX_FRAGMENTS).contains(&streaming.fragments) => Err(Refusal {
             field: fragments_key,
@@ -257,7 +268,7 @@ fn check_streaming(streaming: &StreamingConfig, s: &SyncSettings, face: Face) ->
             field: fragments_key,
             reason: format!("needs a rule that averages parameters; `{}` all-reduces gradients", s.rule.name()),
         }),
-        None => Ok(Vec::new()),
+        None => Ok((Vec::new(), None)),
     }
 }
 

@@ -8,6 +8,7 @@ use qsr_sched::{StepInfo, SyncMode};
 use serde::{Deserialize, Serialize};
 
 use crate::error::OptimError;
+use crate::optim::Moments;
 
 /// Which optimizer state is averaged at a synchronization (the authors' `--avg-m` / `--avg-v`).
 /// Default: none, as in the paper.
@@ -20,6 +21,42 @@ pub struct StatePolicy {
     /// Average AdamW `exp_avg_sq`.
     #[serde(default)]
     pub average_second_moment: bool,
+}
+
+/// What a parameter sync's one buffer holds after the parameters, in this order: the optimizer
+/// moments the state policy averages (those the optimizer keeps), then the BatchNorm statistics
+/// (`driver.bn = "average"`, a model that has them). The Worker fills it; `qsr simulate` counts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SyncBuffer {
+    /// The first moments follow the parameters.
+    pub first_moment: bool,
+    /// The second moments follow.
+    pub second_moment: bool,
+    /// The running statistics end it.
+    pub running: bool,
+}
+
+impl SyncBuffer {
+    /// The buffer of a worker under `config` whose optimizer keeps `moments`, for a model with
+    /// (`has_running`) or without BatchNorm statistics.
+    pub fn new(config: &DriverConfig, moments: Moments, has_running: bool) -> Self {
+        Self {
+            first_moment: config.state.average_first_moment && moments.first,
+            second_moment: config.state.average_second_moment && moments.second,
+            running: config.bn == BnPolicy::Average && has_running,
+        }
+    }
+
+    /// Whether it holds more than the parameters.
+    pub fn has_state(&self) -> bool {
+        self.first_moment || self.second_moment || self.running
+    }
+
+    /// Its elements for a model of `params` parameters and `running` statistics.
+    pub fn elements(&self, params: u64, running: u64) -> u64 {
+        let moments = u64::from(self.first_moment) + u64::from(self.second_moment);
+        params + moments * params + if self.running { running } else { 0 }
+    }
 }
 
 /// What happens to BatchNorm running statistics.

@@ -335,6 +335,24 @@ fn averaging_momentum_makes_it_identical_after_the_last_sync() {
     assert_eq!(sync.elements, 2 * run.params[0].len());
 }
 
+/// `qsr simulate` predicts a sync's bytes from `SyncBuffer`, the rule the Worker fills its buffer
+/// by: for every optimizer and state policy they count the same elements.
+#[test]
+fn the_sync_buffer_simulate_counts_is_the_one_the_worker_sends() {
+    let both = StatePolicy { average_first_moment: true, average_second_moment: true };
+    let optimizers = [OptimizerConfig::sgd(0.9, 0.0), OptimizerConfig::sgd(0.0, 0.0), OptimizerConfig::adamw(0.0)];
+    for optimizer in optimizers {
+        for state in [StatePolicy::default(), both] {
+            let config = DriverConfig { state, ..DriverConfig::default() };
+            let buffer = qsr_optim::SyncBuffer::new(&config, optimizer.moments(), false);
+            let run = run_mlp(2, &plan(8, SyncRule::Constant { h: 4 }), optimizer.clone(), config, None);
+            let sync = run.reports[0][3].sync.unwrap();
+            let params = run.params[0].len() as u64;
+            assert_eq!(sync.elements as u64, buffer.elements(params, 0), "{optimizer:?} {state:?}");
+        }
+    }
+}
+
 #[test]
 fn a_non_finite_step_skips_its_update_but_never_its_sync() {
     let p = plan(12, SyncRule::Constant { h: 3 });

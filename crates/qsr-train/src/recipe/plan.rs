@@ -284,13 +284,7 @@ fn plan_from_table(root: &Table, run_steps: Option<u64>, origin: &str) -> Result
     if let Some(refusal) = verdict.refusals.first() {
         bail!("{origin}: {refusal}");
     }
-    let streaming = match sync.streaming {
-        Some(settings) => {
-            let fragments = settings.fragment_plan(plan.clone()).map_err(|e| anyhow!("{origin}: {e}"))?;
-            Some((settings, fragments))
-        }
-        None => None,
-    };
+    let streaming = sync.streaming.zip(verdict.fragments);
     Ok((plan, streaming, verdict.warnings))
 }
 

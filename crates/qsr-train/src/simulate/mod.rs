@@ -5,7 +5,6 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
 use qsr_models::ModelConfig;
-use qsr_optim::{BnPolicy, OptimizerKind};
 use qsr_sched::{Encoding, Plan, SyncMode};
 use serde::{Deserialize, Serialize};
 
@@ -377,22 +376,11 @@ pub(crate) fn step_seconds_from_wall(
 
 /// The payload a recipe moves, given its trainable parameter count and BN running-statistic count.
 pub(crate) fn recipe_payload(recipe: &TrainRecipe, params: u64, running: u64) -> SyncPayload {
-    let state = recipe.driver.state;
-    let adam = recipe.optimizer.kind == OptimizerKind::Adamw;
-    let has_momentum = adam || recipe.optimizer.momentum.is_some_and(|m| m != 0.0);
-    let mut extra = 0;
-    if state.average_first_moment && has_momentum {
-        extra += params;
-    }
-    if state.average_second_moment && adam {
-        extra += params;
-    }
-    if recipe.driver.bn == BnPolicy::Average {
-        extra += running;
-    }
+    // The buffer the Worker fills, from the same rule.
+    let buffer = qsr_optim::SyncBuffer::new(&recipe.driver, recipe.optimizer.moments(), running > 0);
     SyncPayload {
         gradient_elements: params,
-        parameter_elements: params + extra,
+        parameter_elements: buffer.elements(params, running),
         bytes_per_element: 4,
         parameter_encoding: recipe.driver.wire.encoding(),
         local_encoding: recipe.driver.wire.at(qsr_optim::Level::Local).encoding(),
@@ -590,16 +578,17 @@ pub(crate) fn simulate(args: &SimulateArgs) -> Result<Report> {
                 n.size
             );
         }
-        let prediction = match &item.recipe.sync.streaming {
-            Some(st) => {
-                let fragments = st.fragment_plan(plan.clone())?;
-                let name = &item.recipe.name;
-                for w in st.warnings(&fragments) {
-                    eprintln!("qsr: warning: `{name}`: {w}");
-                }
-                streaming::predict_streaming(name, (&fragments, st), step_seconds, &payload, world, (cluster, spe))
+        // The fragment plan and warnings `qsr train` gets from the same check.
+        let verdict = qsr_optim::check_sync(&item.recipe.sync_settings()?, qsr_optim::Face::Recipe);
+        let name = &item.recipe.name;
+        for w in &verdict.warnings {
+            eprintln!("qsr: warning: `{name}`: {w}");
+        }
+        let prediction = match (&item.recipe.sync.streaming, &verdict.fragments) {
+            (Some(st), Some(fragments)) => {
+                streaming::predict_streaming(name, (fragments, st), step_seconds, &payload, world, (cluster, spe))
             }
-            None => predict(&item.recipe.name, &plan, step_seconds, &payload, world, cluster, spe),
+            _ => predict(name, &plan, step_seconds, &payload, world, cluster, spe),
         };
         let reference_seconds = references.iter().find(|(n, _)| *n == item.recipe.name).map(|(_, s)| *s);
         rows.push(Row {
