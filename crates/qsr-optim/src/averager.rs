@@ -97,6 +97,10 @@ pub struct AveragerConfig {
     /// trainer's `[sync.streaming]` does. An int8 / fp8 wire without it syncs one fragment at each
     /// round's end, applied at once.
     pub streaming: Option<StreamingConfig>,
+    /// Compare a fingerprint of the parameters across ranks after every parameter average (default
+    /// off): ranks whose parameters differ fail naming the step ([`OptimError::ParametersDiffer`]).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub fingerprint: bool,
 }
 
 impl AveragerConfig {
@@ -111,6 +115,7 @@ impl AveragerConfig {
             outer: None,
             wire: Wire::F32,
             streaming: None,
+            fingerprint: false,
         }
     }
 
@@ -183,6 +188,7 @@ impl AveragerConfig {
             outer: self.outer,
             streaming: self.streaming,
             wire: self.wire,
+            fingerprint: self.fingerprint,
             ..SyncSettings::new(self.rule.clone(), workers)
         }
     }
@@ -382,6 +388,7 @@ impl Averager {
     ) -> Result<(Self, M), OptimError> {
         check_sync(&config.sync_settings(comm.world_size()), Face::Averager).into_result()?;
         let mut sync = Synchronizer::new(comm, Transfer { wire: config.wire, bucket: None }, Face::Averager)?;
+        sync.set_fingerprint(config.fingerprint);
         let layout = ParamLayout::of(&model);
         let stream = sync
             .streams_with(config.streaming.as_ref())

@@ -70,12 +70,14 @@ impl<M: Module> Worker<M> {
             wire: config.wire,
             residency,
             state: config.state,
+            fingerprint: config.fingerprint,
             ..SyncSettings::new(cursor.plan().sync().clone(), comm.world_size())
         };
         check_sync(&settings, Face::Recipe).into_result()?;
         let layout = ParamLayout::of(&model);
         let transfer = Transfer { wire: config.wire, bucket: config.bucket_elems };
         let mut sync = Synchronizer::new(comm, transfer, Face::Recipe)?;
+        sync.set_fingerprint(config.fingerprint);
         if config.broadcast_initial && sync.comm().world_size() > 1 {
             let step = cursor.step();
             model = sync.broadcast_initial(model, &layout, true, |source| OptimError::Comm { step, source })?;

@@ -50,6 +50,16 @@ pub enum OptimError {
         #[source]
         source: qsr_comm::CommError,
     },
+    /// The ranks hold different parameters after a global parameter average, which leaves every rank
+    /// the same bits: a collective that is not deterministic, or memory that changed under it
+    /// (found by the fingerprint check, `driver.fingerprint`).
+    #[error(
+        "the ranks' parameters differ after the sync at step {step}: an average must leave every rank the same bits"
+    )]
+    ParametersDiffer {
+        /// The step of the sync, as its face counts steps.
+        step: u64,
+    },
     /// The ranks could not set up averaging together: they disagree on the settings (named in the
     /// source) or a collective failed.
     #[error("the ranks could not set up averaging")]

@@ -35,6 +35,8 @@ pub struct SyncSettings {
     pub residency: Residency,
     /// Which optimizer moments are averaged at syncs.
     pub state: StatePolicy,
+    /// Compare the parameters' fingerprint across ranks after each global average.
+    pub fingerprint: bool,
 }
 
 impl SyncSettings {
@@ -49,6 +51,7 @@ impl SyncSettings {
             wire: Wire::F32,
             residency: Residency::Host,
             state: StatePolicy::default(),
+            fingerprint: false,
         }
     }
 
@@ -81,6 +84,14 @@ impl Face {
         match self {
             Face::Recipe => "driver.wire",
             Face::Averager => "wire",
+        }
+    }
+
+    /// The key of the fingerprint check.
+    pub(crate) fn fingerprint(self) -> &'static str {
+        match self {
+            Face::Recipe => "driver.fingerprint",
+            Face::Averager => "fingerprint",
         }
     }
 
@@ -215,7 +226,28 @@ fn placement_refusals(settings: &SyncSettings, face: Face) -> Vec<Refusal> {
             refuse(field, "streaming and quantized syncs do not average optimizer moments (`driver.state`)".into());
         }
     }
+    if settings.fingerprint {
+        refusals.extend(fingerprint_refusal(settings, face));
+    }
     refusals
+}
+
+/// The fingerprint check compares the parameters a plain global average leaves equal on every rank,
+/// riding in the next average's f32 buffer on the host.
+fn fingerprint_refusal(settings: &SyncSettings, face: Face) -> Option<Refusal> {
+    let reason = if settings.streams() {
+        "streaming and quantized syncs leave the ranks' parameters different between a fragment's syncs; it \
+         checks plain averages"
+    } else if settings.wire != Wire::F32 {
+        "its digits ride in the average's buffer, which a bf16 wire rounds; it needs an f32 wire"
+    } else if settings.residency == Residency::Device {
+        "it checks host-resident parameters (driver.residency = \"host\")"
+    } else if settings.rule.syncs_gradients(u64::MAX) {
+        "the rule never averages parameters (its ranks take the same updates); it checks parameter averages"
+    } else {
+        return None;
+    };
+    Some(Refusal { field: face.fingerprint().into(), reason: reason.into() })
 }
 
 /// At steady state an outer step with per-step momentum `mu` moves `outer_lr / (1 - mu^n)` times the
@@ -275,6 +307,30 @@ fn check_streaming(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The fingerprint check compares what a plain f32 average of host-resident parameters leaves
+    /// equal; elsewhere it is refused naming its key as each face spells it.
+    #[test]
+    fn the_fingerprint_check_is_refused_where_an_average_leaves_ranks_apart_or_rounds_it() {
+        let qsr = SyncRule::Qsr { h_base: 2, alpha: 0.1 };
+        let with = |s: SyncSettings| SyncSettings { fingerprint: true, ..s };
+        let base = || SyncSettings::new(qsr.clone(), 4);
+        assert!(check_sync(&with(base()), Face::Recipe).refusals.is_empty());
+        let streaming = Some(StreamingConfig { fragments: 2, delay: 1, mix: 1.0 });
+        for (settings, needle) in [
+            (SyncSettings { streaming, ..base() }, "streaming"),
+            (SyncSettings { wire: Wire::Int8, ..base() }, "quantized"),
+            (SyncSettings { wire: Wire::Bf16, ..base() }, "bf16"),
+            (SyncSettings { residency: Residency::Device, ..base() }, "host-resident"),
+            (SyncSettings::new(SyncRule::Dp, 4), "never averages parameters"),
+        ] {
+            for (face, key) in [(Face::Recipe, "driver.fingerprint"), (Face::Averager, "fingerprint")] {
+                let refusals = check_sync(&with(settings.clone()), face).refusals;
+                let r = refusals.iter().find(|r| r.field == key).unwrap_or_else(|| panic!("{key}: {refusals:?}"));
+                assert!(r.reason.contains(needle), "{r}");
+            }
+        }
+    }
     use qsr_sched::{LrSchedule, ScheduleKind};
 
     /// Regression: `qsr time-step` runs one worker under a plan of one round spanning its 35 steps,

@@ -25,6 +25,61 @@ pub struct SyncState {
     /// The steps and their summed lr since the last global sync, for an outer step per inner step.
     #[serde(default)]
     pub(crate) inner_round: InnerRound,
+    /// The fingerprint of the last global average, to be sent with the next (`driver.fingerprint`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) fingerprint: Option<Fingerprint>,
+}
+
+/// The fingerprint of the parameters after a global average, which every rank holds the same: a
+/// 64-bit checksum of their bits as 11 digits of 6 bits, each an f32 whose square and whose sum over
+/// up to 4,096 ranks are exact integers. Sent with the next average (the digits and their squares
+/// appended to its buffer, f32), its mean equals a rank's own exactly when every rank's digits are
+/// equal: then the sum of each is K times the rank's, and the mean of the squares equals the square
+/// of the mean only without spread.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Fingerprint {
+    digits: [f32; DIGITS],
+    /// The step of the average it was taken after, as its face counts steps.
+    step: u64,
+}
+
+/// Digits of a fingerprint.
+const DIGITS: usize = 11;
+
+impl Fingerprint {
+    /// The fingerprint of `params` after the average at `step`: the sum of each value's bits times an
+    /// odd weight (twice its index plus one) beside the plain sum of the bits, each modulo 2^32 (so
+    /// it vectorizes), so that a change of any one value, or two values swapped, changes it.
+    pub(crate) fn of(params: &[f32], step: u64) -> Self {
+        let (weighted, plain) = params.iter().zip(0u32..).fold((0u32, 0u32), |(w, p), (x, i)| {
+            let bits = x.to_bits();
+            (w.wrapping_add(bits.wrapping_mul(i.wrapping_mul(2) | 1)), p.wrapping_add(bits))
+        });
+        let sum = (u64::from(weighted) << 32) | u64::from(plain);
+        Self { digits: std::array::from_fn(|i| ((sum >> (6 * i)) & 63) as f32), step }
+    }
+
+    /// Sends this fingerprint with the average of `buf` over `comm`: `buf` and the digits and their
+    /// squares in `scratch`, one all-reduce, then `buf` back; fails, naming this fingerprint's
+    /// step, when the mean digits are not this rank's own. Returns the calls made.
+    pub(crate) fn ride(
+        &self,
+        buf: &mut [f32],
+        (comm, transfer, scratch): (&mut dyn qsr_comm::Collective, crate::sync::Transfer, &mut Vec<f32>),
+        at: crate::synchronizer::At,
+    ) -> Result<u64, OptimError> {
+        let own: Vec<f32> = self.digits.iter().chain(&self.digits.map(|d| d * d)).copied().collect();
+        scratch.clear();
+        scratch.extend_from_slice(buf);
+        scratch.extend_from_slice(&own);
+        let calls = crate::sync::all_reduce_bucketed(comm, scratch, transfer, at.tag)
+            .map_err(|source| OptimError::sync(at.step, at.tag, source))?;
+        buf.copy_from_slice(&scratch[..buf.len()]);
+        match scratch[buf.len()..] == own[..] {
+            true => Ok(calls),
+            false => Err(OptimError::ParametersDiffer { step: self.step }),
+        }
+    }
 }
 
 impl SyncState {
@@ -36,6 +91,12 @@ impl SyncState {
     /// The streaming state, if syncs stream.
     pub fn stream(&self) -> Option<&StreamState> {
         self.stream.as_ref()
+    }
+
+    /// Whether it holds nothing a resume needs beyond the plan's position: no outer state, no
+    /// streaming state, no fingerprint waiting to be sent.
+    pub fn is_empty(&self) -> bool {
+        self.outer.is_none() && self.stream.is_none() && self.fingerprint.is_none()
     }
 
     /// Zeroes the error-feedback residual: the state a worker joining a running job takes from
@@ -79,6 +140,9 @@ struct Header {
     inner_round: InnerRound,
     /// Whether the file carries the rank's own parameters (`params`).
     params: bool,
+    /// The fingerprint of the last global average, if it is checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    fingerprint: Option<Fingerprint>,
     /// The state of the face that saved it (an `AveragerState`'s rounds), if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     owner: Option<serde_json::Value>,
@@ -156,7 +220,8 @@ impl SyncState {
             named.push(("params".into(), params));
         }
         let (outer, inner_round, has_params) = (self.outer.is_some(), self.inner_round, params.is_some());
-        let header = Header { outer, stream, inner_round, params: has_params, owner };
+        let fingerprint = self.fingerprint;
+        let header = Header { outer, stream, inner_round, params: has_params, fingerprint, owner };
         let header = serde_json::to_string(&header).map_err(|e| bad(format!("cannot describe it: {e}")))?;
         let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = named
             .into_iter()
@@ -212,7 +277,7 @@ impl SyncState {
             None => None,
         };
         let params = header.params.then(|| tensor("params", true)).transpose()?;
-        let state = Self { outer, stream, inner_round: header.inner_round };
+        let state = Self { outer, stream, inner_round: header.inner_round, fingerprint: header.fingerprint };
         Ok(Decoded { state, params, owner: header.owner })
     }
 }
@@ -252,7 +317,30 @@ mod tests {
                 residual: Some(vec![1e-7, -3e-8, 0.0, f32::MIN_POSITIVE]),
             }),
             inner_round: InnerRound { steps: 3, lr_sum: 0.1 + 0.2 },
+            fingerprint: Some(Fingerprint::of(&[0.5, 0.25], 7)),
         }
+    }
+
+    #[test]
+    fn a_fingerprint_changes_with_any_value_and_its_digits_are_small_integers() {
+        let params = [1.0, -2.5, f32::MIN_POSITIVE, 3e38];
+        let f = Fingerprint::of(&params, 3);
+        assert!(f.digits.iter().all(|d| d.fract() == 0.0 && (0.0..64.0).contains(d)));
+        for i in 0..params.len() {
+            let mut nudged = params;
+            nudged[i] = nudged[i].next_up();
+            assert_ne!(Fingerprint::of(&nudged, 3).digits, f.digits, "an ulp of value {i}");
+        }
+        // The largest square, summed in f32 over 4,096 ranks and divided by them, comes back exactly;
+        // one rank off by one digit does not.
+        let mean = |values: &[f32]| values.iter().sum::<f32>() / values.len() as f32;
+        let mut squares = vec![63.0f32 * 63.0; 4096];
+        assert_eq!(mean(&squares), 3969.0);
+        squares[17] = 62.0 * 62.0;
+        assert_ne!(mean(&squares), 3969.0);
+        let mut swapped = params;
+        swapped.swap(0, 1);
+        assert_ne!(Fingerprint::of(&swapped, 3).digits, f.digits, "two values swapped");
     }
 
     #[test]

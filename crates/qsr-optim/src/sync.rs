@@ -102,6 +102,11 @@ pub struct DriverConfig {
     /// pseudo-gradients with error feedback); host-resident workers. Gradient all-reduces stay f32.
     #[serde(default)]
     pub wire: Wire,
+    /// Compare a fingerprint of the parameters across ranks after every global parameter average
+    /// (`driver.fingerprint`; default off): ranks whose parameters differ fail naming the step. One
+    /// more all-reduce of 22 values per sync.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fingerprint: bool,
 }
 
 /// The element type of a parameter sync on the wire (`driver.wire`).
@@ -194,6 +199,7 @@ impl Default for DriverConfig {
             broadcast_initial: true,
             residency: Residency::Auto,
             wire: Wire::F32,
+            fingerprint: false,
         }
     }
 }

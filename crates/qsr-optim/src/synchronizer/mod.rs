@@ -17,7 +17,7 @@ use crate::error::OptimError;
 use crate::flat::ParamLayout;
 use crate::outer::{InnerRound, Outer, OuterConfig};
 use crate::settings::Face;
-use crate::state::{OuterState, SyncState};
+use crate::state::{Fingerprint, OuterState, SyncState};
 use crate::stream::{Stream, StreamState, fragment_ranges};
 use crate::sync::{DriverConfig, DriverStats, Level, SyncReport, Transfer, Wire, all_reduce_bucketed, check_wire};
 
@@ -35,13 +35,36 @@ pub(crate) struct Synchronizer {
     stream: Option<Stream>,
     /// The steps since the last global parameter sync and their summed lr.
     inner_round: InnerRound,
+    /// Compare the parameters' fingerprint across ranks after each global parameter average.
+    fingerprint: bool,
+    /// The fingerprint of the last global average, sent with the next one.
+    pending: Option<Fingerprint>,
+    /// The buffer of a sync that carries a fingerprint (kept to reuse its allocation).
+    scratch: Vec<f32>,
 }
 
 impl Synchronizer {
     /// Syncs over `comm` as `transfer` says; refused when the collective cannot carry its wire.
     pub(crate) fn new(comm: Box<dyn Collective>, transfer: Transfer, face: Face) -> Result<Self, OptimError> {
         check_wire(transfer.wire, comm.as_ref(), face.wire())?;
-        Ok(Self { comm, local: None, transfer, face, outer: None, stream: None, inner_round: InnerRound::default() })
+        Ok(Self {
+            comm,
+            local: None,
+            transfer,
+            face,
+            outer: None,
+            stream: None,
+            inner_round: InnerRound::default(),
+            fingerprint: false,
+            pending: None,
+            scratch: Vec::new(),
+        })
+    }
+
+    /// Compares a fingerprint of the parameters across ranks after every global parameter average
+    /// from now on: it rides at the end of the next global average's buffer ([`Fingerprint`]).
+    pub(crate) fn set_fingerprint(&mut self, on: bool) {
+        self.fingerprint = on;
     }
 
     /// The collective over every worker.
@@ -81,6 +104,8 @@ impl Synchronizer {
             // Its collective spans the old membership: the new one's comes with set_streaming_comm.
             stream.set_inline()?;
         }
+        // A joining worker has none to send: the new membership starts without.
+        self.pending = None;
         Ok(std::mem::replace(&mut self.comm, comm))
     }
 
@@ -169,7 +194,8 @@ impl Synchronizer {
     /// same step.
     pub(crate) fn state(&mut self) -> Result<SyncState, OptimError> {
         let outer = self.outer_state().map(|(g, m)| OuterState { global: g.to_vec(), momentum: m.to_vec() });
-        Ok(SyncState { outer, stream: self.stream_state()?, inner_round: self.inner_round })
+        let (inner_round, fingerprint) = (self.inner_round, self.pending);
+        Ok(SyncState { outer, stream: self.stream_state()?, inner_round, fingerprint })
     }
 
     /// The state a snapshot holds: the outer state and the inner round, and a stream as
@@ -177,7 +203,8 @@ impl Synchronizer {
     pub(crate) fn held_state(&self) -> SyncState {
         let outer = self.outer_state().map(|(g, m)| OuterState { global: g.to_vec(), momentum: m.to_vec() });
         let stream = self.stream.as_ref().map(Stream::forgotten);
-        SyncState { outer, stream, inner_round: self.inner_round }
+        // A snapshot starts a membership of its own: no fingerprint rides with its first average.
+        SyncState { outer, stream, inner_round: self.inner_round, fingerprint: None }
     }
 
     /// Continues from `state`; refused naming `field` when it does not fit this engine's settings
@@ -198,6 +225,7 @@ impl Synchronizer {
             _ => return Err(misfit("streaming")),
         }
         self.inner_round = state.inner_round;
+        self.pending = state.fingerprint.filter(|_| self.fingerprint);
         Ok(())
     }
 
@@ -276,21 +304,28 @@ impl Synchronizer {
 
     /// A parameter sync of `buf`, whose first `n` values are the parameters (the rest appended
     /// state): at the global level with an outer optimizer the pseudo-gradients are averaged and the
-    /// outer step taken; on the wire at `level`. Returns the collective calls made.
+    /// outer step taken; on the wire at `level`. With the fingerprint check, the fingerprint of the
+    /// last global average rides at the end of this one's buffer. Returns the collective calls made.
     pub(crate) fn average(&mut self, buf: &mut [f32], n: usize, at: At, level: Level) -> Result<u64, OptimError> {
         let outer = self.outer.as_mut().filter(|_| level == Level::Global);
         if let Some(outer) = &outer {
             outer.pseudo_gradient(&mut buf[..n]);
         }
         let comm = comm_at(&mut self.comm, &mut self.local, level)?;
-        let calls = all_reduce_bucketed(comm, buf, self.transfer.on(self.transfer.wire.at(level)), at.tag)
-            .map_err(|source| OptimError::sync(at.step, at.tag, source))?;
+        let transfer = self.transfer.on(self.transfer.wire.at(level));
+        let riding = if level == Level::Global { self.pending.take() } else { None };
+        let calls = match &riding {
+            Some(last) => last.ride(buf, (comm, transfer, &mut self.scratch), at)?,
+            None => all_reduce_bucketed(comm, buf, transfer, at.tag)
+                .map_err(|source| OptimError::sync(at.step, at.tag, source))?,
+        };
         if let Some(outer) = outer {
             // The mean pseudo-gradient becomes the new global parameters, the same on every rank.
             outer.step(&mut buf[..n], self.inner_round);
         }
         if level == Level::Global {
             self.inner_round = InnerRound::default();
+            self.pending = self.fingerprint.then(|| Fingerprint::of(&buf[..n], at.step));
         }
         Ok(calls)
     }

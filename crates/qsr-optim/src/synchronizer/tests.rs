@@ -22,8 +22,9 @@ struct Call {
     tag: Option<SyncTag>,
 }
 
-/// Rank `rank` of `world` ranks whose peers all hold `peer` in every element (and are the root of
-/// every broadcast this rank does not own). Its calls go to a shared log.
+/// Rank `rank` of `world` ranks whose peers all hold `peer` in every element, or (`peer` NaN) what
+/// this rank holds (they are the root of every broadcast this rank does not own). Its calls go to
+/// a shared log.
 struct Fake {
     rank: usize,
     world: usize,
@@ -47,6 +48,9 @@ impl Fake {
     }
 
     fn mean(&self, buf: &mut [f32]) {
+        if self.peer.is_nan() {
+            return;
+        }
         let k = self.world as f32;
         buf.iter_mut().for_each(|x| *x = (*x + (k - 1.0) * self.peer) / k);
     }
@@ -253,4 +257,25 @@ fn the_initial_broadcast_takes_rank_zeros_parameters() {
     layout.read_params(&model, &mut params).unwrap();
     assert_eq!(params, vec![0.25; 8]);
     assert_eq!(calls(&log), vec![Call { kind: "broadcast", len: 8, tag: None }], "no statistics to send");
+}
+
+#[test]
+fn a_fingerprint_rides_with_the_next_average_and_fails_different_parameters_naming_its_step() {
+    let (comm, log) = Fake::seat(0, 2, f32::NAN);
+    let mut sync = Synchronizer::new(comm, f32_wire(None), Face::Recipe).unwrap();
+    sync.set_fingerprint(true);
+    let mut buf = vec![0.5; 5];
+    sync.average(&mut buf, 5, At::after(3, Some(4)), Level::Global).unwrap();
+    sync.average(&mut buf, 5, At::after(7, Some(4)), Level::Global).unwrap();
+    let lens: Vec<usize> = calls(&log).iter().map(|c| c.len).collect();
+    assert_eq!(lens, [5, 5 + 22], "the first average's fingerprint rides with the second, in one call");
+    assert_eq!(buf, vec![0.5; 5], "the parameters come back without it");
+    assert!(sync.state().unwrap().fingerprint.is_some(), "the second's waits for the third");
+    let (comm, _) = Fake::seat(0, 2, 0.0);
+    let mut sync = Synchronizer::new(comm, f32_wire(None), Face::Recipe).unwrap();
+    sync.set_fingerprint(true);
+    sync.average(&mut [0.5; 5], 5, At::after(3, Some(4)), Level::Global).unwrap();
+    let err = sync.average(&mut [0.5; 5], 5, At::after(7, Some(4)), Level::Global).unwrap_err();
+    assert!(matches!(err, crate::OptimError::ParametersDiffer { step: 3 }), "{err}");
+    assert!(err.to_string().contains("after the sync at step 3"), "{err}");
 }

@@ -984,3 +984,86 @@ fn a_round_abandoned_to_its_snapshot_and_redone_over_a_new_group_equals_the_stra
     assert_eq!(lagged[0], lagged[1], "the ranks ended apart");
     assert_ne!(lagged[0], straight.params[0], "older moments should have changed the trajectory");
 }
+
+/// A collective that leaves rank 1 one ulp off after each parameter average (a reduction that is not
+/// deterministic, or memory that changed under it); the 22-value fingerprint exchange it leaves alone.
+struct Skewed(Box<dyn qsr_comm::Collective>);
+
+impl qsr_comm::Collective for Skewed {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+    fn all_reduce(&mut self, buf: &mut [f32], op: qsr_comm::ReduceOp) -> Result<(), qsr_comm::CommError> {
+        self.0.all_reduce(buf, op)?;
+        if self.0.rank() == 1 && buf.len() > 22 {
+            buf[0] = buf[0].next_up();
+        }
+        Ok(())
+    }
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), qsr_comm::CommError> {
+        self.0.broadcast(buf, root)
+    }
+    fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>, root: usize) -> Result<(), qsr_comm::CommError> {
+        self.0.broadcast_bytes(bytes, root)
+    }
+    fn barrier(&mut self) -> Result<(), qsr_comm::CommError> {
+        self.0.barrier()
+    }
+    fn set_tag(&mut self, tag: Option<qsr_comm::SyncTag>) {
+        self.0.set_tag(tag);
+    }
+    fn stats(&self) -> &qsr_comm::CommStats {
+        self.0.stats()
+    }
+    fn backend(&self) -> &'static str {
+        "skewed"
+    }
+}
+
+/// With `driver.fingerprint`, ranks left with different parameters by an average fail at that sync,
+/// naming its step, on every rank; without it they train on apart. With equal parameters the check
+/// changes no bit.
+#[test]
+fn a_fingerprint_fails_ranks_whose_parameters_differ_after_an_average_naming_the_step() {
+    let p = plan(12, SyncRule::Constant { h: 4 });
+    let fingerprinted = DriverConfig { fingerprint: true, ..DriverConfig::default() };
+    let run = |config: DriverConfig| -> Vec<Result<Vec<f32>, qsr_optim::OptimError>> {
+        let (device, task) = (device(), Task::new());
+        let model = init(Mlp::new(&device, IN, OUT));
+        thread::scope(|s| {
+            let handles: Vec<_> = InProcessGroup::new(2)
+                .into_iter()
+                .enumerate()
+                .map(|(rank, comm)| {
+                    let (model, task, device, config, p) = (model.clone(), &task, device.clone(), config.clone(), &p);
+                    s.spawn(move || {
+                        let comm = Box::new(Skewed(Box::new(comm)));
+                        let optim = OptimizerConfig::sgd(0.0, 0.0);
+                        let mut w = Worker::new(model, optim, comm, p.cursor(), config).unwrap();
+                        while !w.cursor().is_done() {
+                            let t = w.cursor().step();
+                            w.step(|m: &Mlp, micro| {
+                                let (x, y) = task.batch(Task::start(rank, 2, t, micro, 1), BATCH, &device);
+                                Ok(mse(m.forward(x), y))
+                            })?;
+                        }
+                        Ok(w.params()?.to_vec())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    for result in run(fingerprinted.clone()) {
+        let err = result.unwrap_err();
+        assert!(matches!(err, qsr_optim::OptimError::ParametersDiffer { step: 3 }), "{err}");
+    }
+    let apart = run(DriverConfig::default());
+    assert_ne!(apart[0].as_ref().unwrap(), apart[1].as_ref().unwrap(), "unchecked, the ranks drift apart");
+    let straight = run_mlp(2, &p, OptimizerConfig::sgd(0.0, 0.0), DriverConfig::default(), None);
+    let checked = run_mlp(2, &p, OptimizerConfig::sgd(0.0, 0.0), fingerprinted, None);
+    assert_eq!(straight.params, checked.params, "the check changes no parameter");
+}

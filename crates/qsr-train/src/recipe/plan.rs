@@ -278,6 +278,7 @@ fn plan_from_table(root: &Table, run_steps: Option<u64>, origin: &str) -> Result
         wire: driver.wire,
         residency: driver.residency,
         state: driver.state,
+        fingerprint: driver.fingerprint,
         ..SyncSettings::new(sync.rule.clone(), workers)
     };
     let verdict = check_sync(&settings, Face::Recipe);

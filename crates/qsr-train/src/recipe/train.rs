@@ -322,6 +322,7 @@ impl TrainRecipe {
             wire: self.driver.wire,
             residency: self.driver.residency,
             state: self.driver.state,
+            fingerprint: self.driver.fingerprint,
             ..SyncSettings::new(self.sync.rule.clone(), self.train.workers)
         })
     }

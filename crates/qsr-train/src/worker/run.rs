@@ -206,10 +206,13 @@ fn load_sync_state<M: Module>(
     let len = worker.layout().len();
     let (outer, streams) = (worker.outer_state().is_some(), worker.streaming_state()?.is_some());
     if state.format >= checkpoint::SYNC_STATE_FORMAT {
-        if !(outer || streams) {
+        // Written where the state is not empty: always with an outer step or streaming, with only
+        // the fingerprint check once a global average has taken place.
+        let file = dir.join(checkpoint::sync_file(from));
+        if !(outer || streams || file.exists()) {
             return Ok(SavedSync::State(SyncState::default(), None));
         }
-        let (mut sync, own) = checkpoint::load_sync(&dir.join(checkpoint::sync_file(from)), len)?;
+        let (mut sync, own) = checkpoint::load_sync(&file, len)?;
         if joins {
             sync.zero_residual();
         }

@@ -448,7 +448,7 @@ fn write_checkpoint<M: Module>(worker: &mut Worker<M>, spec: &RunSpec, step: u64
         &checkpoint::optim_bytes(&*worker.optimizer_state()?)?,
     )?;
     let sync = worker.sync_state()?;
-    if sync.outer().is_some() || sync.stream().is_some() {
+    if !sync.is_empty() {
         // A streaming rank's own parameters: its ranks differ between a fragment's syncs.
         let params = worker.params()?;
         let own = sync.stream().is_some().then_some(&*params);

@@ -154,6 +154,13 @@ fn a_two_level_run_resumes_exactly() {
     resume_continues_exactly_with("4", &local.iter().flat_map(|l| ["--set", l]).collect::<Vec<_>>());
 }
 
+/// With `driver.fingerprint` the fingerprint waiting for the next sync is checkpointed too: the
+/// resumed run sends it, and ends with the straight run's bits.
+#[test]
+fn a_fingerprinted_run_resumes_exactly() {
+    resume_continues_exactly_with("3", &["--set", "driver.fingerprint=true"]);
+}
+
 /// Device-resident state (parameters and moments as burn tensors) checkpoints and restores exactly too.
 #[test]
 fn resume_continues_exactly_with_device_residency() {
