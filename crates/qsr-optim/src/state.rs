@@ -59,21 +59,22 @@ impl Fingerprint {
         Self { digits: std::array::from_fn(|i| ((sum >> (6 * i)) & 63) as f32), step }
     }
 
-    /// Sends this fingerprint with the average of `buf` over `comm`: `buf` and the digits and their
-    /// squares in `scratch`, one all-reduce, then `buf` back; fails, naming this fingerprint's
-    /// step, when the mean digits are not this rank's own. Returns the calls made.
+    /// Sends this fingerprint with the average of `buf` over `comm` (the sync after `step`, tagged
+    /// `tag`): `buf` and the digits and their squares in `scratch`, one all-reduce, then `buf` back;
+    /// fails, naming this fingerprint's step, when the mean digits are not this rank's own. Returns
+    /// the calls made.
     pub(crate) fn ride(
         &self,
         buf: &mut [f32],
         (comm, transfer, scratch): (&mut dyn qsr_comm::Collective, crate::sync::Transfer, &mut Vec<f32>),
-        at: crate::synchronizer::At,
+        (step, tag): (u64, Option<qsr_comm::SyncTag>),
     ) -> Result<u64, OptimError> {
         let own: Vec<f32> = self.digits.iter().chain(&self.digits.map(|d| d * d)).copied().collect();
         scratch.clear();
         scratch.extend_from_slice(buf);
         scratch.extend_from_slice(&own);
-        let calls = crate::sync::all_reduce_bucketed(comm, scratch, transfer, at.tag)
-            .map_err(|source| OptimError::sync(at.step, at.tag, source))?;
+        let calls = crate::sync::all_reduce_bucketed(comm, scratch, transfer, tag)
+            .map_err(|source| OptimError::sync(step, tag, source))?;
         buf.copy_from_slice(&scratch[..buf.len()]);
         match scratch[buf.len()..] == own[..] {
             true => Ok(calls),

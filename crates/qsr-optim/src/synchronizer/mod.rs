@@ -315,7 +315,7 @@ impl Synchronizer {
         let transfer = self.transfer.on(self.transfer.wire.at(level));
         let riding = if level == Level::Global { self.pending.take() } else { None };
         let calls = match &riding {
-            Some(last) => last.ride(buf, (comm, transfer, &mut self.scratch), at)?,
+            Some(last) => last.ride(buf, (comm, transfer, &mut self.scratch), (at.step, at.tag))?,
             None => all_reduce_bucketed(comm, buf, transfer, at.tag)
                 .map_err(|source| OptimError::sync(at.step, at.tag, source))?,
         };
