@@ -18,14 +18,46 @@ const AVERAGING_LOSS_NATS: f64 = 0.1;
 const HINT: &str = "shorten the rounds (sync.h, sync.alpha, a larger sync.budget), raise sync.streaming.mix, or lower \
                     the outer optimizer's lr or momentum";
 
+/// What to change when a run whose workers take the same update every step (data parallel) did not
+/// learn: its lr, not its rounds.
+const LR_HINT: &str = "the run did not learn with every step's gradients averaged; lower schedule.lr_max or lengthen \
+                       schedule.warmup_steps";
+
+/// How a run's workers met, for the advice of a run that did not train.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Meeting {
+    /// Every step's gradients averaged (data parallel): a failure is the lr's.
+    EveryStep,
+    /// Parameters averaged at rounds' ends for some of the run: the rounds may be to blame.
+    Rounds,
+}
+
+impl Meeting {
+    /// How the workers of `rule` meet.
+    pub(crate) fn of(rule: &qsr_sched::SyncRule) -> Self {
+        if rule.syncs_gradients(u64::MAX) { Meeting::EveryStep } else { Meeting::Rounds }
+    }
+
+    fn hint(self) -> String {
+        match self {
+            Meeting::EveryStep => LR_HINT.into(),
+            Meeting::Rounds => format!("the workers' average is no model: {HINT}"),
+        }
+    }
+}
+
 /// Whether the final evaluation `ev` says the run did not train: its loss not below `chance_loss`
 /// (every class, or token, predicted alike), or a classifier's accuracy within [`CHANCE_MARGIN`] of
 /// `chance_accuracy`.
-pub(crate) fn untrained(ev: &Eval, chance_loss: f64, chance_accuracy: Option<f64>) -> Option<crate::exit::NotTrained> {
+pub(crate) fn untrained(
+    ev: &Eval,
+    (chance_loss, chance_accuracy): (f64, Option<f64>),
+    meeting: Meeting,
+) -> Option<crate::exit::NotTrained> {
+    let hint = meeting.hint();
     if ev.loss >= chance_loss {
         let why = format!(
-            "the final test loss {:.4} is not below {chance_loss:.4}, the loss of predicting every class alike; the \
-             workers' average is no model: {HINT}",
+            "the final test loss {:.4} is not below {chance_loss:.4}, the loss of predicting every class alike; {hint}",
             ev.loss
         );
         return Some(crate::exit::NotTrained { why });
@@ -33,8 +65,7 @@ pub(crate) fn untrained(ev: &Eval, chance_loss: f64, chance_accuracy: Option<f64
     let chance = chance_accuracy?;
     (ev.accuracy <= chance + CHANCE_MARGIN).then(|| crate::exit::NotTrained {
         why: format!(
-            "the final test accuracy {:.2}% is within {:.0} points of chance ({:.2}%); the workers' average is no \
-             model: {HINT}",
+            "the final test accuracy {:.2}% is within {:.0} points of chance ({:.2}%); {hint}",
             100.0 * ev.accuracy,
             100.0 * CHANCE_MARGIN,
             100.0 * chance
@@ -65,6 +96,18 @@ pub(crate) fn averaging_lost(before: &Eval, after: &Eval, chance_accuracy: Optio
 mod tests {
     use super::*;
 
+    /// Regression: a data-parallel run at chance (Fashion-MNIST at lr 1.6, batch 2,048) was told to
+    /// shorten its rounds; it is told to lower its lr, and a local rule still hears about its rounds.
+    #[test]
+    fn a_data_parallel_run_at_chance_is_told_about_its_lr_not_its_rounds() {
+        let at_chance = eval(0.1, 2.303);
+        let dp = untrained(&at_chance, ((10f64).ln(), Some(0.1)), Meeting::of(&qsr_sched::SyncRule::Dp)).unwrap();
+        assert!(dp.why.contains("schedule.lr_max") && !dp.why.contains("rounds"), "{}", dp.why);
+        let qsr = qsr_sched::SyncRule::Qsr { h_base: 2, alpha: 0.1 };
+        let local = untrained(&at_chance, ((10f64).ln(), Some(0.1)), Meeting::of(&qsr)).unwrap();
+        assert!(local.why.contains("shorten the rounds"), "{}", local.why);
+    }
+
     fn eval(accuracy: f64, loss: f64) -> Eval {
         Eval { accuracy, loss, train: None }
     }
@@ -73,13 +116,13 @@ mod tests {
     fn a_final_evaluation_at_chance_did_not_train() {
         let chance = (10f64).ln();
         // The issue's repro: 9.17 % and loss 2.85, below 3 ln 10 but above ln 10.
-        assert!(untrained(&eval(0.0917, 2.85), chance, Some(0.1)).is_some());
+        assert!(untrained(&eval(0.0917, 2.85), (chance, Some(0.1)), Meeting::Rounds).is_some());
         // Loss below chance but accuracy within 2 points of it.
-        assert!(untrained(&eval(0.115, 2.2), chance, Some(0.1)).is_some());
-        assert!(untrained(&eval(0.44, 1.6), chance, Some(0.1)).is_none());
+        assert!(untrained(&eval(0.115, 2.2), (chance, Some(0.1)), Meeting::Rounds).is_some());
+        assert!(untrained(&eval(0.44, 1.6), (chance, Some(0.1)), Meeting::Rounds).is_none());
         // A language model is judged by its loss alone.
-        assert!(untrained(&eval(0.01, 4.0), (65f64).ln(), None).is_none());
-        assert!(untrained(&eval(0.3, 4.2), (65f64).ln(), None).is_some());
+        assert!(untrained(&eval(0.01, 4.0), ((65f64).ln(), None), Meeting::Rounds).is_none());
+        assert!(untrained(&eval(0.3, 4.2), ((65f64).ln(), None), Meeting::Rounds).is_some());
     }
 
     #[test]
