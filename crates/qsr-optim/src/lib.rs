@@ -19,6 +19,7 @@ mod lr_watch;
 mod optim;
 mod outer;
 mod replica;
+mod seeded;
 mod settings;
 mod snapshot;
 mod state;
@@ -30,7 +31,7 @@ mod synchronizer;
 /// `-plain` features leave them out).
 pub const FUSION: bool = cfg!(feature = "fusion");
 
-pub use averager::{Averager, AveragerConfig, AveragerState, AveragerStats, seeded_init};
+pub use averager::{Averager, AveragerConfig, AveragerState, AveragerStats};
 pub use device::{DEFAULT_DEVICE_GROUP_TIMEOUT, DeviceGroup, DeviceOptimizer};
 pub use driver::Worker;
 pub use error::{LossError, OptimError};
@@ -42,6 +43,7 @@ pub use optim::{
 pub use outer::{OuterConfig, OuterUnit};
 /// The rules an [`AveragerConfig`] takes, so a burn user needs no qsr-sched dependency to pick one.
 pub use qsr_sched::SyncRule;
+pub use seeded::seeded_init;
 pub use settings::{Face, Refusal, SyncSettings, SyncVerdict, check_sync};
 pub use snapshot::Snapshot;
 pub use state::{OuterState, SyncState};

@@ -51,200 +51,25 @@
 //! What the averager does not do: burn's optimizers keep their state private, so their moments stay
 //! per worker (the paper's default; [`Worker`](crate::Worker) can average them).
 
-use std::path::Path;
-
 use burn::module::Module;
 use burn::optim::GradientsParams;
-use burn::tensor::Device;
 use qsr_comm::{Collective, CommStats, ReduceOp};
-use qsr_sched::{RoundStart, StepInfo, StreamingConfig, SyncMode, SyncRule};
-use serde::{Deserialize, Serialize};
+use qsr_sched::{StepInfo, SyncMode};
 
 use crate::error::OptimError;
 use crate::flat::ParamLayout;
 use crate::lr_watch::{self, LrWatch};
-use crate::outer::OuterConfig;
-use crate::settings::{Face, SyncSettings, check_sync};
-use crate::state::SyncState;
-use crate::sync::{Level, SyncReport, Transfer, Wire};
+use crate::settings::{Face, check_sync};
+use crate::sync::{Level, SyncReport, Transfer};
 use crate::synchronizer::{At, StepEnd, Synced, Synchronizer};
 
-/// What an [`Averager`] averages and when.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct AveragerConfig {
-    /// When rounds end: any rule; `dp` and `post-local` (before its switch) average gradients through
-    /// [`Averager::average_grads`].
-    pub rule: SyncRule,
-    /// Steps of the caller's lr warmup: the power rules use `h_base` while `step < warmup_steps`.
-    pub warmup_steps: u64,
-    /// Average BatchNorm running statistics with the parameters (default: they stay local).
-    pub average_bn: bool,
-    /// Broadcast rank 0's parameters at construction, so every worker starts from the same point
-    /// (default; turn off only if every rank built bit-identical weights itself).
-    pub broadcast_initial: bool,
-    /// Steps the run takes, if known: the last round is cut to end there (with a synchronization), as
-    /// the `qsr-sched` planner does. Without it, call [`Averager::average_now`] after the last step.
-    pub run_steps: Option<u64>,
-    /// An outer optimizer (DiLoCo) on the mean pseudo-gradient at every parameter synchronization,
-    /// instead of plain averaging (default none). BatchNorm statistics are still averaged plainly.
-    pub outer: Option<OuterConfig>,
-    /// How a parameter average travels: f32 (default), bf16 (half the bytes, every rank ends with
-    /// the same bf16-rounded mean), or int8 / fp8 (the pseudo-gradient in blocks with a scale each,
-    /// with error feedback, as [`Worker`](crate::Worker) sends them); gradient averages stay f32.
-    pub wire: Wire,
-    /// Streaming syncs (default none): the parameters in fragments of whole tensors, each synced
-    /// once per round at its own step and applied `delay` steps later, blended by `mix`, as the
-    /// trainer's `[sync.streaming]` does. An int8 / fp8 wire without it syncs one fragment at each
-    /// round's end, applied at once.
-    pub streaming: Option<StreamingConfig>,
-    /// Compare a fingerprint of the parameters across ranks after every parameter average (default
-    /// off): ranks whose parameters differ fail naming the step ([`OptimError::ParametersDiffer`]).
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
-    pub fingerprint: bool,
-}
+mod config;
+mod saved;
 
-impl AveragerConfig {
-    /// `rule` with `warmup_steps` of warmup, BN statistics local, rank 0's initial weights.
-    pub fn new(rule: SyncRule, warmup_steps: u64) -> Self {
-        Self {
-            rule,
-            warmup_steps,
-            average_bn: false,
-            broadcast_initial: true,
-            run_steps: None,
-            outer: None,
-            wire: Wire::F32,
-            streaming: None,
-            fingerprint: false,
-        }
-    }
-
-    /// QSR without warmup: `H = max(h_base, floor((alpha / lr)^2))` at each round's start.
-    pub fn qsr(h_base: u64, alpha: f64) -> Self {
-        Self::new(SyncRule::Qsr { h_base, alpha }, 0)
-    }
-
-    /// Data parallel: gradients averaged every step ([`Averager::average_grads`] before each
-    /// optimizer step), the baseline a local method is compared with.
-    ///
-    /// ```
-    /// let config = qsr_optim::AveragerConfig::dp();
-    /// assert_eq!(config.rule, qsr_optim::SyncRule::Dp);
-    /// assert_eq!(config.round_lengths([0.1; 5]).unwrap(), [1, 1, 1, 1, 1]);
-    /// ```
-    pub fn dp() -> Self {
-        Self::new(SyncRule::Dp, 0)
-    }
-
-    /// QSR whose `alpha` spends at most `budget` of data parallel's synchronizations (a share in
-    /// (0, 1]: 0.1 syncs a tenth as often) over a run whose steps use `lrs`, the first `warmup_steps`
-    /// of them warmup: the smallest such `alpha`, so the most averaging the budget buys. `lrs` is your
-    /// own schedule sampled step by step, as for [`Self::round_lengths`]. Refused, naming `budget`, for
-    /// a share `h_base` alone already meets (lower `h_base`: QSR then lengthens rounds the budget does
-    /// not ask for), and for one that only rounds keeping the workers apart while the lr is high meet
-    /// ([`Self::first_apart`]; the refusal offers the least budget that trains).
-    ///
-    /// ```
-    /// use burn::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
-    /// let mut sched = CosineAnnealingLrSchedulerConfig::new(0.1, 1000).init().unwrap();
-    /// let lrs: Vec<f64> = (0..1000).map(|_| sched.step().base()).collect();
-    /// let config = qsr_optim::AveragerConfig::qsr_for_budget(2, 0.1, 0, &lrs).unwrap();
-    /// let syncs = config.round_lengths(lrs.iter().copied()).unwrap().len();
-    /// assert!(syncs <= 100 && syncs > 90, "{syncs} syncs for a budget of 100");
-    /// ```
-    pub fn qsr_for_budget(h_base: u64, budget: f64, warmup_steps: u64, lrs: &[f64]) -> Result<Self, OptimError> {
-        let config = |alpha| Self::new(SyncRule::Qsr { h_base, alpha }, warmup_steps);
-        let finite = lrs.iter().copied().filter(|lr| lr.is_finite() && *lr > 0.0);
-        let range = finite.fold((f64::INFINITY, 0.0f64), |(lo, hi), lr| (lo.min(lr), hi.max(lr)));
-        if range.1 == 0.0 {
-            return Err(OptimError::Config { field: "lr".into(), reason: "no finite positive learning rate".into() });
-        }
-        let share = |alpha| config(alpha).round_lengths(lrs.iter().copied()).map(|r| r.len() as f64 / lrs.len() as f64);
-        let trains = |alpha| config(alpha).first_apart(lrs).map(|a| a.is_none());
-        Ok(config(qsr_sched::least_alpha_within(budget, h_base, range, share, trains)?))
-    }
-
-    /// The first round an [`Averager`] with this config makes over `lrs` (as [`Self::round_lengths`])
-    /// that keeps the workers apart too long while the lr is high, judged as the planner judges its
-    /// rounds ([`qsr_sched::round_apart`]: its drift in steps at the peak of `lrs`).
-    pub fn first_apart(&self, lrs: &[f64]) -> Result<Option<qsr_sched::Apart>, OptimError> {
-        let peak = lrs.iter().copied().filter(|lr| lr.is_finite()).fold(0.0, f64::max);
-        let mut start = 0;
-        for len in self.round_lengths(lrs.iter().copied())? {
-            let steps = &lrs[start as usize..(start + len) as usize];
-            let lr = steps.iter().copied().filter(|lr| lr.is_finite()).fold(0.0, f64::max);
-            if let Some(apart) = qsr_sched::round_apart(start, len, lr, peak, lrs.len() as u64) {
-                return Ok(Some(apart));
-            }
-            start += len;
-        }
-        Ok(None)
-    }
-
-    /// The sync settings of this config over `workers` workers, as [`check_sync`](crate::check_sync)
-    /// judges them (host-resident, no plan: the rounds come from the caller's lrs).
-    pub fn sync_settings(&self, workers: usize) -> SyncSettings {
-        SyncSettings {
-            outer: self.outer,
-            streaming: self.streaming,
-            wire: self.wire,
-            fingerprint: self.fingerprint,
-            ..SyncSettings::new(self.rule.clone(), workers)
-        }
-    }
-
-    /// The length of each round an [`Averager`] with this config makes over a run whose steps use
-    /// `lrs` (one per step, in order; the last round cut at the run's end): the plan of your own
-    /// schedule, e.g. a clone of your burn `LrScheduler` sampled step by step. Its `len()` is the
-    /// number of synchronizations such a run makes (with `run_steps` set, or `finish` at the end).
-    ///
-    /// ```
-    /// use burn::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
-    /// let mut sched = CosineAnnealingLrSchedulerConfig::new(0.1, 1000).init().unwrap();
-    /// let config = qsr_optim::AveragerConfig::qsr(2, 0.02);
-    /// let rounds = config.round_lengths((0..1000).map(|_| sched.step().base())).unwrap();
-    /// assert_eq!(rounds.iter().sum::<u64>(), 1000);
-    /// assert!(rounds.len() < 500, "{} syncs: fewer than every other step", rounds.len());
-    /// ```
-    pub fn round_lengths(&self, lrs: impl IntoIterator<Item = f64>) -> Result<Vec<u64>, OptimError> {
-        let mut rounds_after_warmup = 0;
-        let mut starts = Vec::new();
-        let mut end = 0;
-        let mut steps = 0;
-        for (t, lr) in (0..).zip(lrs) {
-            if t >= end {
-                end = self.round_at(t, lr, &mut rounds_after_warmup)?.end;
-                starts.push(t);
-            }
-            steps = t + 1;
-        }
-        starts.push(steps);
-        Ok(starts.windows(2).map(|w| w[1] - w[0]).collect())
-    }
-
-    /// The round that starts at step `t` with learning rate `lr` (QSR: `H` from it after warmup).
-    fn round_at(&self, t: u64, lr: f64, rounds_after_warmup: &mut u64) -> Result<RoundSpan, OptimError> {
-        let in_warmup = t < self.warmup_steps;
-        if self.rule.power().is_some() && !in_warmup && !(lr.is_finite() && lr > 0.0) {
-            return Err(OptimError::Config {
-                field: "lr".into(),
-                reason: format!("step {t}: the power rules need a finite positive learning rate, got {lr}"),
-            });
-        }
-        let h = self.rule.h_at(RoundStart { step: t, lr, in_warmup, rounds_after_warmup: *rounds_after_warmup });
-        *rounds_after_warmup += u64::from(!in_warmup);
-        let end = t.saturating_add(h).min(self.run_steps.unwrap_or(u64::MAX));
-        Ok(RoundSpan { start: t, h, end })
-    }
-}
-
-/// The round under way: steps `start..end`, of length `h` unless cut at the run's end.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-struct RoundSpan {
-    start: u64,
-    h: u64,
-    end: u64,
-}
+pub use config::AveragerConfig;
+use config::RoundSpan;
+pub use saved::AveragerState;
+use saved::Rounds;
 
 /// Totals of an [`Averager`].
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -286,97 +111,6 @@ pub struct Averager {
     /// The lrs so far, for the warnings of plans that go wrong silently.
     lr_watch: LrWatch,
 }
-
-/// Where an [`Averager`] stands: its step, rounds and sync state (outer, streaming), saved beside the
-/// model and the optimizer so that a resumed run continues its rounds exactly ([`Averager::state`],
-/// [`Averager::restore`]). It records the settings the ranks agreed on; restoring it under other
-/// settings (rule, world size, model) is refused.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct AveragerState {
-    /// The averager's own rounds (its fields at the top level, as the first format had them).
-    #[serde(flatten)]
-    rounds: Rounds,
-    /// The sync engine's state (outer, streaming, inner round), its fields at the top level.
-    #[serde(flatten)]
-    sync: SyncState,
-}
-
-/// The averager's part of its state: the settings, its counters and rounds, the lrs' course.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct Rounds {
-    settings: serde_json::Value,
-    steps: u64,
-    syncs: u64,
-    synced_at: u64,
-    rounds_after_warmup: u64,
-    round: Option<RoundSpan>,
-    /// The lrs' course, so that the warnings of wrong plans judge the whole run.
-    #[serde(default)]
-    lr_watch: LrWatch,
-}
-
-impl AveragerState {
-    /// Writes the state to `path` as safetensors (the sync state's tensors in its own codec, the
-    /// rounds in its metadata), through a temporary file of this process and a rename, so a crash of
-    /// the process never leaves half a file.
-    pub fn save(&self, path: &Path) -> Result<(), OptimError> {
-        let io = |e: std::io::Error| OptimError::Io { path: path.to_path_buf(), source: e };
-        let mut tmp = path.as_os_str().to_owned();
-        tmp.push(format!(".tmp.{}", std::process::id()));
-        let tmp = std::path::PathBuf::from(tmp);
-        let rounds = serde_json::to_value(&self.rounds).map_err(|e| io(std::io::Error::other(e)))?;
-        let bytes = self.sync.encode(None, Some(rounds))?;
-        std::fs::write(&tmp, bytes).map_err(io)?;
-        std::fs::rename(&tmp, path).map_err(io)
-    }
-
-    /// Reads a state [`save`](Self::save) wrote, or a JSON state of the first format.
-    pub fn load(path: &Path) -> Result<Self, OptimError> {
-        let invalid = |e: String| OptimError::Io {
-            path: path.to_path_buf(),
-            source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
-        };
-        let bytes = std::fs::read(path).map_err(|e| OptimError::Io { path: path.to_path_buf(), source: e })?;
-        if bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{') {
-            return serde_json::from_slice(&bytes).map_err(|e| invalid(e.to_string()));
-        }
-        let decoded = SyncState::decode(&bytes, None).map_err(|e| invalid(e.to_string()))?;
-        let rounds = decoded.owner.ok_or_else(|| invalid("not an averager's state: no rounds".into()))?;
-        let rounds = serde_json::from_value(rounds).map_err(|e| invalid(format!("its rounds: {e}")))?;
-        Ok(Self { rounds, sync: decoded.state })
-    }
-
-    /// Steps the averager had seen.
-    pub fn steps(&self) -> u64 {
-        self.rounds.steps
-    }
-}
-
-/// Builds a model whose initial weights depend only on `seed`: burn draws them from one global RNG that
-/// every thread shares, so a threaded run (or two tests at once) otherwise starts from other weights
-/// each time. Seeds `device`'s RNG and runs `init` under a process-wide lock, initializing every
-/// parameter before the lock is released (burn initializes them lazily, at first use).
-///
-/// ```
-/// use burn::nn::{Linear, LinearConfig};
-/// use burn::tensor::Device;
-/// let device = Device::flex();
-/// let a: Linear = qsr_optim::seeded_init(&device, 7, || LinearConfig::new(4, 2).init(&device));
-/// let b: Linear = qsr_optim::seeded_init(&device, 7, || LinearConfig::new(4, 2).init(&device));
-/// assert_eq!(a.weight.val().into_data(), b.weight.val().into_data());
-/// ```
-pub fn seeded_init<M: Module>(device: &Device, seed: u64, init: impl FnOnce() -> M) -> M {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _guard = LOCK.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    device.seed(seed);
-    let model = init();
-    let layout = ParamLayout::of(&model);
-    let mut values = vec![0.0; layout.len()];
-    // Reading every parameter draws its lazily initialized values now, under the lock.
-    let _ = layout.read_params(&model, &mut values);
-    model
-}
-
 impl Averager {
     /// Sets up averaging of `model` over `comm`: checks that every rank has the same configuration and
     /// model layout (an error naming the differing settings otherwise, on every rank), then hands back
