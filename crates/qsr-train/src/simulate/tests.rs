@@ -3,6 +3,7 @@
 
 use qsr_sched::{LrSchedule, Plan, ScheduleKind, SyncMode, SyncRule};
 
+use super::model::{Nodes, step_seconds_from_wall};
 use super::*;
 use crate::recipe::TrainRecipe;
 
