@@ -65,7 +65,7 @@ pub use launch_env::{
 };
 pub use shm::{ShmComm, ShmConfig};
 pub use tcp::{
-    MAX_TIMEOUT_SECS, MasterListener, RingSeat, TcpComm, TcpConfig, Waiting, random_token, resolve, seconds,
+    MAX_TIMEOUT_SECS, MasterListener, RingSeat, TcpComm, TcpConfig, WaitProgress, random_token, resolve, seconds,
 };
 pub use util::{MAX_BROADCAST_BYTES, notice};
 pub(crate) use util::{bf16_round, broadcast_sized, ring_allreduce_bytes, split_range};

@@ -25,7 +25,7 @@ use std::io::{BufReader, ErrorKind};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use qsr_comm::{Collective, CommError, RingSeat, ShmConfig, TcpComm, TcpConfig, Transport, Waiting, over_ring};
+use qsr_comm::{Collective, CommError, RingSeat, ShmConfig, TcpComm, TcpConfig, Transport, WaitProgress, over_ring};
 
 use crate::protocol::{Lost, MIN_STORE_TIMEOUT, Request, Response, SyncState, recv, send};
 
@@ -241,7 +241,7 @@ impl Elastic {
         let _ = self.reader.get_ref().set_read_timeout(Some(silence));
         // A spare waits for a free slot as long as the job runs, and survivors for members to
         // report as long as the store's settle time: only a wait for workers is bounded here.
-        let mut wait = Waiting::first_after(None, Duration::from_secs(1));
+        let mut wait = WaitProgress::first_after(None, Duration::from_secs(1));
         let mut since = Some(Instant::now());
         let what = format!("waiting at the elastic store {addr}");
         loop {
@@ -321,7 +321,7 @@ fn first_connect(addrs: impl Iterator<Item = std::net::SocketAddr>, left: Durati
 /// waits for, since no store listening is worth knowing about before the timeout.
 fn connect_store(addr: &str, within: Duration) -> Result<TcpStream, CommError> {
     let deadline = Instant::now() + within;
-    let mut wait = Waiting::first_after(Some(within), Duration::ZERO);
+    let mut wait = WaitProgress::first_after(Some(within), Duration::ZERO);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         let attempt = addr.to_socket_addrs().and_then(|addrs| first_connect(addrs, left));

@@ -12,13 +12,12 @@
 
 mod averager;
 mod device;
-mod driver;
 mod error;
 mod flat;
+mod flat_state;
 mod lr_watch;
 mod optim;
 mod outer;
-mod replica;
 mod seeded;
 mod settings;
 mod snapshot;
@@ -26,6 +25,7 @@ mod state;
 mod stream;
 mod sync;
 mod synchronizer;
+mod worker;
 
 /// Whether burn's operation fusion and autotune are compiled in (features `cuda` and `wgpu`; the
 /// `-plain` features leave them out).
@@ -33,7 +33,6 @@ pub const FUSION: bool = cfg!(feature = "fusion");
 
 pub use averager::{Averager, AveragerConfig, AveragerState, AveragerStats};
 pub use device::{DEFAULT_DEVICE_GROUP_TIMEOUT, DeviceGroup, DeviceOptimizer};
-pub use driver::Worker;
 pub use error::{LossError, OptimError};
 pub use flat::{ParamEntry, ParamLayout, ParamRole};
 pub use optim::{
@@ -52,3 +51,4 @@ pub use sync::{
     BnPolicy, DriverConfig, DriverStats, Level, LocalStats, PhaseTimes, Residency, StatePolicy, StepReport, SyncBuffer,
     SyncReport, Wire,
 };
+pub use worker::Worker;

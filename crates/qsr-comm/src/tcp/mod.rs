@@ -16,7 +16,7 @@ use crate::{Codec, Collective, CommError, CommStats, ReduceOp};
 use qsr_kernels::{WIRE_BLOCK, WIRE_BLOCK_BYTES};
 
 use engine::{Buf, Call};
-pub use rendezvous::Waiting;
+pub use rendezvous::WaitProgress;
 
 /// Settings of the TCP backend. `Default` is safe for one host: loopback only, 30 s timeout.
 #[derive(Debug, Clone)]

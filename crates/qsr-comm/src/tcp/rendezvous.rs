@@ -47,7 +47,7 @@ fn secs(d: Duration) -> String {
 
 /// Progress lines of one wait (through [`crate::notice`]), so that a long rendezvous is never silent:
 /// the ring's own, and an elastic store's clients.
-pub struct Waiting {
+pub struct WaitProgress {
     start: Instant,
     /// The longest the wait may last (`None`: as long as it takes).
     total: Option<Duration>,
@@ -55,23 +55,23 @@ pub struct Waiting {
     due: Instant,
 }
 
-impl Waiting {
+impl WaitProgress {
     /// A wait of at most `total`: a line every 10 s (a quarter of `total` when that is shorter).
-    pub fn new(total: Duration) -> Waiting {
-        Waiting::of(Some(total))
+    pub fn new(total: Duration) -> WaitProgress {
+        WaitProgress::of(Some(total))
     }
 
-    fn of(total: Option<Duration>) -> Waiting {
+    fn of(total: Option<Duration>) -> WaitProgress {
         let every = total.map_or(PROGRESS_EVERY, |t| PROGRESS_EVERY.min(t / 4)).max(Duration::from_millis(100));
         let start = Instant::now();
-        Waiting { start, total, every, due: start + every }
+        WaitProgress { start, total, every, due: start + every }
     }
 
     /// A wait of at most `total` (`None`: no limit), its first line due after `first` (a wait that
     /// is already unusual).
-    pub fn first_after(total: Option<Duration>, first: Duration) -> Waiting {
-        let w = Waiting::of(total);
-        Waiting { due: w.start + first.min(w.every), ..w }
+    pub fn first_after(total: Option<Duration>, first: Duration) -> WaitProgress {
+        let w = WaitProgress::of(total);
+        WaitProgress { due: w.start + first.min(w.every), ..w }
     }
 
     /// When the next line is due.
@@ -320,7 +320,7 @@ pub(crate) fn serve(
     let mut acc = Acceptor::new(listener, cfg.hello_timeout)?;
     let addr = listener.local_addr().map_or_else(|_| "?".into(), |a| a.to_string());
     let mut reg = Registry::new(n, cfg, addr);
-    let mut wait = Waiting::new(cfg.rendezvous_timeout);
+    let mut wait = WaitProgress::new(cfg.rendezvous_timeout);
     while reg.count < n {
         match acc.next(deadline.min(wait.due())) {
             Some(inc) => reg.take(inc),
@@ -410,7 +410,7 @@ fn connect_retry(
     name: &str,
     me: usize,
     deadline: Instant,
-    wait: &mut Waiting,
+    wait: &mut WaitProgress,
     hint: &str,
 ) -> Result<TcpStream, CommError> {
     let mut backoff = Backoff::new();
@@ -551,7 +551,7 @@ struct Registrant<'a> {
 }
 
 impl Registrant<'_> {
-    fn attempt(&self, mut s: TcpStream, wait: &mut Waiting) -> Result<Table, Attempt> {
+    fn attempt(&self, mut s: TcpStream, wait: &mut WaitProgress) -> Result<Table, Attempt> {
         let (rank, n) = (self.rank, self.n);
         s.set_write_timeout(Some(self.cfg.hello_timeout))
             .map_err(|e| Attempt::Fatal(CommError::io("socket setup", e)))?;
@@ -602,7 +602,7 @@ pub(crate) fn register(
         own_ring,
         deadline: Instant::now() + cfg.rendezvous_timeout,
     };
-    let mut wait = Waiting::new(cfg.rendezvous_timeout);
+    let mut wait = WaitProgress::new(cfg.rendezvous_timeout);
     let mut backoff = Backoff::new();
     loop {
         let s = connect_retry(master, "rank 0", rank, me.deadline, &mut wait, MASTER_HINT)?;
@@ -632,7 +632,7 @@ pub(crate) fn connect_ring(
     cfg: &TcpConfig,
 ) -> Result<(TcpStream, TcpStream), CommError> {
     let deadline = Instant::now() + cfg.rendezvous_timeout;
-    let mut wait = Waiting::new(cfg.rendezvous_timeout);
+    let mut wait = WaitProgress::new(cfg.rendezvous_timeout);
     let right_rank = (rank + 1) % n;
     let (host, port) = &table[right_rank];
     let target = if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") };
@@ -672,7 +672,7 @@ fn accept_left(
     n: usize,
     cfg: &TcpConfig,
     deadline: Instant,
-    wait: &mut Waiting,
+    wait: &mut WaitProgress,
 ) -> Result<TcpStream, CommError> {
     let left_rank = (rank + n - 1) % n;
     let mut acc = Acceptor::new(listener, cfg.hello_timeout)?;
@@ -740,8 +740,8 @@ mod tests {
 
     #[test]
     fn progress_lines_come_at_most_every_ten_seconds() {
-        assert_eq!(Waiting::new(Duration::from_secs(300)).every, PROGRESS_EVERY);
-        assert_eq!(Waiting::new(Duration::from_secs(2)).every, Duration::from_millis(500));
+        assert_eq!(WaitProgress::new(Duration::from_secs(300)).every, PROGRESS_EVERY);
+        assert_eq!(WaitProgress::new(Duration::from_secs(2)).every, Duration::from_millis(500));
         assert_eq!(
             (secs(Duration::from_millis(2500)), secs(Duration::from_secs(300))),
             ("2.5 s".to_string(), "300 s".to_string())

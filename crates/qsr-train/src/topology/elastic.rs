@@ -183,7 +183,7 @@ struct Member<'a, T: Task, F> {
     make: F,
     pace: Pace,
     task: T,
-    stream: T::Stream,
+    batches: T::Batches,
     worker: Worker<T::Module>,
     segment: Segment,
     /// The last completed global sync, and what a new generation continuing from it takes over.
@@ -228,12 +228,12 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
             if joining { (None, Counters::default()) } else { crate::worker::resume(spec, &pace.plan, &mut worker)? };
         let (end, step) = (pace.plan.end_step(), worker.cursor().step());
         let segment = Segment::start(spec, m.rank, end, step, records, base)?;
-        let stream = task.stream(step, end)?;
+        let batches = task.batches(step, end)?;
         let snap = (worker.snapshot()?, Handover { counters: base, records: Vec::new() });
         let generation = m.generation;
         let held = None;
         let (resized, rank) = (if joining { None } else { resized(spec, &m) }, m.rank);
-        let mut me = Member { spec, job, make, pace, task, stream, worker, segment, snap, held, generation };
+        let mut me = Member { spec, job, make, pace, task, batches, worker, segment, snap, held, generation };
         if joining {
             me.take_over(m, None, "a new worker joined")?;
         }
@@ -262,7 +262,7 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
     /// whether to form the next generation now (rank 0 asks the store and tells the others).
     fn step(&mut self) -> Result<Next> {
         fault::at(self.worker.rank(), Point::Step(self.worker.cursor().step()));
-        let report = self.task.train_step(&mut self.worker, &mut self.stream)?;
+        let report = self.task.train_step(&mut self.worker, &mut self.batches)?;
         self.segment.stepped(&self.worker, &report, &self.pace);
         // A round's end (streaming fragments sync inside rounds; their records are the round's).
         if !(report.info.sync_after && report.sync.is_some_and(|s| s.level == Level::Global)) {
@@ -359,7 +359,7 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
         let record = self.record(step, base, change);
         self.segment.rebase(self.spec, &mut self.worker, base, &handover.records, record)?;
         self.task = (self.make)(m.rank, m.world_size)?;
-        self.stream = self.task.stream(step, self.pace.plan.end_step())?;
+        self.batches = self.task.batches(step, self.pace.plan.end_step())?;
         self.generation = m.generation;
         self.snap = (self.worker.snapshot()?, Handover { counters: base, records: handover.records });
         if m.rank == 0 {

@@ -33,7 +33,7 @@ fn connect_levels(env: &LaunchEnv, recipe: &TrainRecipe, port_file: Option<&Path
     qsr_comm::agree(&mut ring, &serde_json::json!({ "sync.local": nodes, "sync.streaming": streaming }))?;
     // Streaming fragments all-reduce on a group of their own, on a thread beside the steps.
     let rank = ring.rank();
-    let stream = match streaming {
+    let fragments = match streaming {
         true => Some(
             qsr_comm::split(&mut ring, 0, rank as u32, transport, &host, shm.clone())
                 .context("forming the streaming fragments' group of [sync.streaming]")?,
@@ -41,7 +41,7 @@ fn connect_levels(env: &LaunchEnv, recipe: &TrainRecipe, port_file: Option<&Path
         false => None,
     };
     let Some(local) = &recipe.sync.local else {
-        return Ok(Comms { world: qsr_comm::over_ring(ring, transport, &host, shm)?, node: None, stream });
+        return Ok(Comms { world: qsr_comm::over_ring(ring, transport, &host, shm)?, node: None, fragments });
     };
     recipe.check_nodes(ring.world_size())?;
     let node = match local.workers_per_node {
@@ -50,7 +50,7 @@ fn connect_levels(env: &LaunchEnv, recipe: &TrainRecipe, port_file: Option<&Path
     }
     .context("forming the node groups of [sync.local]")?;
     let world = qsr_comm::over_ring(ring, transport, &host, shm)?;
-    Ok(Comms { world, node: Some(node), stream })
+    Ok(Comms { world, node: Some(node), fragments })
 }
 
 /// This rank's TCP ring. Rank 0 of a `--nproc` launch (`--port-file`) binds its rendezvous port

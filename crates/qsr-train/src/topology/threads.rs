@@ -19,7 +19,7 @@ pub(crate) fn run(spec: &RunSpec) -> Result<Option<Summary>> {
     let groups = DeviceGroup::new(k);
     let nodes = simulated_nodes(&spec.recipe)?;
     // Streaming fragments all-reduce on a group of their own, on a thread beside each worker.
-    let streams: Vec<Option<Box<dyn Collective>>> = match spec.recipe.sync.streaming {
+    let fragment_comms: Vec<Option<Box<dyn Collective>>> = match spec.recipe.sync.streaming {
         Some(_) => InProcessGroup::new(k).into_iter().map(|c| Some(Box::new(c) as Box<dyn Collective>)).collect(),
         None => (0..k).map(|_| None).collect(),
     };
@@ -30,15 +30,15 @@ pub(crate) fn run(spec: &RunSpec) -> Result<Option<Summary>> {
             .into_iter()
             .zip(groups)
             .zip(nodes)
-            .zip(streams)
-            .map(|(((comm, group), node), stream)| {
+            .zip(fragment_comms)
+            .map(|(((comm, group), node), fragments)| {
                 // Each replica gets its own BatchNorm state (a plain clone would share it).
                 let replica = model.replica();
                 let spec = spec.clone();
                 s.spawn(move || {
                     let rank = comm.rank();
                     let spec = RunSpec { progress: spec.progress && rank == 0, ..spec };
-                    let comms = Comms { world: Box::new(comm), node, stream };
+                    let comms = Comms { world: Box::new(comm), node, fragments };
                     in_pool(rank, threads, || run_worker(&spec, comms, replica, Some(group)))
                 })
             })

@@ -67,17 +67,17 @@ fn run<T: Task>(
     {
         worker.set_device_group(g)?;
     }
-    set_up_syncs(&mut worker, recipe, comms.stream, rank == 0)?;
+    set_up_syncs(&mut worker, recipe, comms.fragments, rank == 0)?;
     let (start_records, base) = resume(spec, &pace.plan, &mut worker)?;
     let end = pace.plan.end_step();
     let first_step = worker.cursor().step();
-    let mut stream = task.stream(first_step, end)?;
+    let mut batches = task.batches(first_step, end)?;
     let mut segment = Segment::start(spec, rank, end, first_step, start_records, base)?;
     let mut finished = true;
     while !worker.cursor().is_done() {
         crate::fault::at(rank, crate::fault::Point::Step(worker.cursor().step()));
         segment.before_last_average(task, &mut worker)?;
-        let report = task.train_step(&mut worker, &mut stream)?;
+        let report = task.train_step(&mut worker, &mut batches)?;
         segment.stepped(&worker, &report, &pace);
         // A round's end (streaming fragments sync inside rounds; their records are the round's).
         let global = report.info.sync_after && report.sync.is_some_and(|s| s.level == Level::Global);
@@ -95,12 +95,12 @@ fn run<T: Task>(
     Ok(summary)
 }
 
-/// The recipe's `[sync.streaming]` (its fragments' all-reduces on `stream` when given) and `[outer]`
+/// The recipe's `[sync.streaming]` (its fragments' all-reduces on `fragments` when given) and `[outer]`
 /// on a new worker; `warn` says the fragments' syncs that fall within the delay (rank 0 does).
 pub(crate) fn set_up_syncs<M: Module>(
     worker: &mut Worker<M>,
     recipe: &TrainRecipe,
-    stream: Option<Box<dyn Collective>>,
+    fragments: Option<Box<dyn Collective>>,
     warn: bool,
 ) -> Result<()> {
     let verdict = qsr_optim::check_sync(&recipe.sync_settings()?, qsr_optim::Face::Recipe);
@@ -109,7 +109,7 @@ pub(crate) fn set_up_syncs<M: Module>(
     }
     if let Some(streaming) = recipe.sync.streaming {
         worker.set_streaming(streaming)?;
-        if let Some(comm) = stream {
+        if let Some(comm) = fragments {
             worker.set_streaming_comm(comm)?;
         }
     }

@@ -34,12 +34,12 @@ pub(crate) struct Comms {
     pub node: Option<Box<dyn Collective>>,
     /// A second collective of all workers for streaming fragments' all-reduces, which then run on a
     /// thread while the worker steps (`[sync.streaming]`); without it they run between steps.
-    pub stream: Option<Box<dyn Collective>>,
+    pub fragments: Option<Box<dyn Collective>>,
 }
 
 impl Comms {
     /// The collective of a flat run.
     pub(crate) fn flat(world: Box<dyn Collective>) -> Self {
-        Comms { world, node: None, stream: None }
+        Comms { world, node: None, fragments: None }
     }
 }

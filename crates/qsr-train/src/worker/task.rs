@@ -31,13 +31,13 @@ pub(crate) trait Task {
     /// The network the task trains.
     type Module: Module;
     /// This rank's training batches from a given step on.
-    type Stream;
+    type Batches;
     /// Steps per epoch of this rank's data.
     fn steps_per_epoch(&self) -> usize;
     /// The batches from `first_step` to `end_step`.
-    fn stream(&self, first_step: u64, end_step: u64) -> Result<Self::Stream>;
+    fn batches(&self, first_step: u64, end_step: u64) -> Result<Self::Batches>;
     /// One optimizer step of `worker` on the next batch, split into the recipe's micro-batches.
-    fn train_step(&self, worker: &mut Worker<Self::Module>, stream: &mut Self::Stream) -> Result<StepReport>;
+    fn train_step(&self, worker: &mut Worker<Self::Module>, batches: &mut Self::Batches) -> Result<StepReport>;
     /// Work before an evaluation after the sync that completed `done_steps` steps (BN re-estimation).
     fn prepare_eval(&self, worker: &mut Worker<Self::Module>, done_steps: u64) -> Result<()>;
     /// The evaluation of the held-out split: every rank its shard, one all-reduce.
@@ -192,13 +192,13 @@ impl ImageTask {
 
 impl Task for ImageTask {
     type Module = Model;
-    type Stream = Prefetcher;
+    type Batches = Prefetcher;
 
     fn steps_per_epoch(&self) -> usize {
         self.spe
     }
 
-    fn stream(&self, first_step: u64, end_step: u64) -> Result<Prefetcher> {
+    fn batches(&self, first_step: u64, end_step: u64) -> Result<Prefetcher> {
         let options = PrefetchOptions { depth: self.recipe.data.prefetch, threads: Some(1), end_step: Some(end_step) };
         Ok(self.loader.prefetch(first_step, options)?)
     }
@@ -366,13 +366,13 @@ pub(crate) fn check_vocab(gpt: &GptConfig, corpus: &Corpus) -> Result<()> {
 
 impl Task for TextTask {
     type Module = Gpt;
-    type Stream = ();
+    type Batches = ();
 
     fn steps_per_epoch(&self) -> usize {
         self.spe
     }
 
-    fn stream(&self, _first_step: u64, _end_step: u64) -> Result<()> {
+    fn batches(&self, _first_step: u64, _end_step: u64) -> Result<()> {
         Ok(())
     }
 

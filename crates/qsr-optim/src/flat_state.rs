@@ -28,36 +28,36 @@ pub(crate) struct Stepped {
 /// Where a worker's flat parameters and optimizer state live.
 // One per worker, built once and never moved in a loop: the variants' sizes do not matter.
 #[allow(clippy::large_enum_variant)]
-pub(crate) enum Replica {
-    Host(HostReplica),
-    Device(DeviceReplica),
+pub(crate) enum FlatState {
+    Host(HostState),
+    Device(DeviceState),
 }
 
-impl Replica {
+impl FlatState {
     /// The flat trainable parameters; downloaded from a device.
     pub(crate) fn params(&self) -> Result<Cow<'_, [f32]>, OptimError> {
         match self {
-            Replica::Host(h) => Ok(Cow::Borrowed(&h.params)),
-            Replica::Device(d) => Ok(Cow::Owned(to_host(&d.params)?)),
+            FlatState::Host(h) => Ok(Cow::Borrowed(&h.params)),
+            FlatState::Device(d) => Ok(Cow::Owned(to_host(&d.params)?)),
         }
     }
 
     /// The optimizer state; downloaded from a device.
     pub(crate) fn optimizer_state(&self) -> Result<Cow<'_, OptimState>, OptimError> {
         match self {
-            Replica::Host(h) => Ok(Cow::Borrowed(h.optimizer.state())),
-            Replica::Device(d) => Ok(Cow::Owned(d.optimizer.state()?)),
+            FlatState::Host(h) => Ok(Cow::Borrowed(h.optimizer.state())),
+            FlatState::Device(d) => Ok(Cow::Owned(d.optimizer.state()?)),
         }
     }
 
     /// Replaces parameters and optimizer state (`params` has the layout's length).
     pub(crate) fn restore(&mut self, params: &[f32], state: OptimState) -> Result<(), OptimError> {
         match self {
-            Replica::Host(h) => {
+            FlatState::Host(h) => {
                 h.optimizer.load_state(state)?;
                 h.params.copy_from_slice(params);
             }
-            Replica::Device(d) => {
+            FlatState::Device(d) => {
                 d.optimizer.load_state(state, &d.device)?;
                 d.params = Tensor::<1>::from_data(TensorData::new(params.to_vec(), [params.len()]), &d.device);
             }
@@ -74,22 +74,22 @@ impl Replica {
         step: u64,
     ) -> Result<SyncReport, OptimError> {
         match self {
-            Replica::Host(h) => h.sync_parameters(model, layout, peers, step),
-            Replica::Device(d) => d.sync_parameters(model, layout, peers, step),
+            FlatState::Host(h) => h.sync_parameters(model, layout, peers, step),
+            FlatState::Device(d) => d.sync_parameters(model, layout, peers, step),
         }
     }
 
     /// `model` with the flat parameters written into it.
     pub(crate) fn write<M: Module>(&self, layout: &ParamLayout, model: M) -> Result<M, OptimError> {
         match self {
-            Replica::Host(h) => layout.write_params(model, &h.params),
-            Replica::Device(d) => layout.write_params_tensor(model, &d.params),
+            FlatState::Host(h) => layout.write_params(model, &h.params),
+            FlatState::Device(d) => layout.write_params_tensor(model, &d.params),
         }
     }
 }
 
 /// Host-resident state: `Vec<f32>`s and the fused host optimizer.
-pub(crate) struct HostReplica {
+pub(crate) struct HostState {
     params: Vec<f32>,
     grads: Vec<f32>,
     /// The micro-batches' gradient sum (empty without accumulation).
@@ -99,7 +99,7 @@ pub(crate) struct HostReplica {
     optimizer: Optimizer,
 }
 
-impl HostReplica {
+impl HostState {
     /// The model's parameters and a fresh optimizer over them.
     pub(crate) fn new<M: Module>(
         model: &M,
@@ -254,7 +254,7 @@ impl HostReplica {
 
 /// Device-resident state: burn tensors on the training device, and the in-process group of the
 /// simulated workers on the same device once the trainer gives it one.
-pub(crate) struct DeviceReplica {
+pub(crate) struct DeviceState {
     /// The training device without autodiff.
     device: Device,
     params: Tensor<1>,
@@ -262,7 +262,7 @@ pub(crate) struct DeviceReplica {
     group: Option<DeviceGroup>,
 }
 
-impl DeviceReplica {
+impl DeviceState {
     /// The model's parameters on its device and a fresh device optimizer over them.
     pub(crate) fn new<M: Module>(
         model: &M,
@@ -285,7 +285,7 @@ impl DeviceReplica {
         self.group.is_some()
     }
 
-    /// [`HostReplica::step`] on the device: no host transfer but one finiteness flag (and the loss).
+    /// [`HostState::step`] on the device: no host transfer but one finiteness flag (and the loss).
     pub(crate) fn step<M: Module, F>(
         &mut self,
         model: &mut M,

@@ -24,9 +24,9 @@ use qsr_sched::{Cursor, StepInfo, StreamingConfig, SyncMode};
 use crate::device::DeviceGroup;
 use crate::error::{LossError, OptimError};
 use crate::flat::ParamLayout;
+use crate::flat_state::{DeviceState, FlatState, HostState};
 use crate::optim::{OptimState, OptimizerConfig};
 use crate::outer::{InnerRound, OuterConfig};
-use crate::replica::{DeviceReplica, HostReplica, Replica};
 use crate::settings::{Face, SyncSettings, check_sync};
 use crate::state::SyncState;
 use crate::stream::StreamState;
@@ -39,7 +39,7 @@ pub struct Worker<M: Module> {
     model: M,
     layout: ParamLayout,
     /// The flat state, host- or device-resident.
-    replica: Replica,
+    flat: FlatState,
     optimizer: OptimizerConfig,
     /// The collectives, wire, outer step and streaming: the sync engine the Averager shares.
     sync: Synchronizer,
@@ -82,15 +82,15 @@ impl<M: Module> Worker<M> {
             let step = cursor.step();
             model = sync.broadcast_initial(model, &layout, true, |source| OptimError::Comm { step, source })?;
         }
-        let replica = match residency {
+        let flat = match residency {
             Residency::Device => {
                 let device = model_device(&model).inner();
-                Replica::Device(DeviceReplica::new(&model, &layout, optimizer.clone(), device)?)
+                FlatState::Device(DeviceState::new(&model, &layout, optimizer.clone(), device)?)
             }
-            _ => Replica::Host(HostReplica::new(&model, &layout, optimizer.clone())?),
+            _ => FlatState::Host(HostState::new(&model, &layout, optimizer.clone())?),
         };
         let stats = DriverStats::default();
-        let mut worker = Self { model, layout, replica, optimizer, sync, cursor, config, settings, stats };
+        let mut worker = Self { model, layout, flat, optimizer, sync, cursor, config, settings, stats };
         if worker.sync.streams_with(None) {
             worker.start_stream(None)?;
         }
@@ -114,7 +114,7 @@ impl<M: Module> Worker<M> {
         check_sync(&settings, Face::Recipe).into_result()?;
         let stream = self.sync.prepare_streaming(config, &self.layout)?;
         // Read only once the settings are known to fit: a device replica would download them.
-        let params = self.replica.params()?;
+        let params = self.flat.params()?;
         self.sync.start_streaming(stream, &params);
         self.settings = settings;
         Ok(())
@@ -179,12 +179,12 @@ impl<M: Module> Worker<M> {
                 self.world_size()
             )));
         }
-        match &mut self.replica {
-            Replica::Device(d) => {
+        match &mut self.flat {
+            FlatState::Device(d) => {
                 d.set_group(group);
                 Ok(())
             }
-            Replica::Host(_) => {
+            FlatState::Host(_) => {
                 Err(OptimError::DeviceGroup("it needs a device-resident worker (driver.residency)".into()))
             }
         }
@@ -199,7 +199,7 @@ impl<M: Module> Worker<M> {
     pub fn set_outer(&mut self, config: OuterConfig) -> Result<(), OptimError> {
         let settings = SyncSettings { outer: Some(config), ..self.settings.clone() };
         check_sync(&settings, Face::Recipe).into_result()?;
-        let params = self.replica.params()?;
+        let params = self.flat.params()?;
         self.sync.set_outer(config, &params)?;
         self.settings = settings;
         Ok(())
@@ -239,7 +239,7 @@ impl<M: Module> Worker<M> {
 
     /// Whether parameters and optimizer state live on the device.
     pub fn is_device_resident(&self) -> bool {
-        matches!(self.replica, Replica::Device(_))
+        matches!(self.flat, FlatState::Device(_))
     }
 
     /// The worker's model replica (its parameters equal the flat ones after every step).
@@ -269,7 +269,7 @@ impl<M: Module> Worker<M> {
     }
     /// The worker's flat trainable parameters (equal to the model's); downloaded when device-resident.
     pub fn params(&self) -> Result<Cow<'_, [f32]>, OptimError> {
-        self.replica.params()
+        self.flat.params()
     }
     /// The optimizer settings the worker was built with.
     pub fn optimizer_config(&self) -> &OptimizerConfig {
@@ -277,7 +277,7 @@ impl<M: Module> Worker<M> {
     }
     /// The optimizer state (for checkpoints); downloaded when device-resident.
     pub fn optimizer_state(&self) -> Result<Cow<'_, OptimState>, OptimError> {
-        self.replica.optimizer_state()
+        self.flat.optimizer_state()
     }
     /// The position in the plan: [`Cursor::step`] is the next step to run.
     pub fn cursor(&self) -> &Cursor {
@@ -306,7 +306,7 @@ impl<M: Module> Worker<M> {
     /// gives them one of their own again.
     pub fn replace_comm(&mut self, comm: Box<dyn Collective>) -> Result<Box<dyn Collective>, OptimError> {
         // A two-level worker is refused by the synchronizer first, naming `sync.local`.
-        if matches!(&self.replica, Replica::Device(d) if d.has_group()) && self.sync.local().is_none() {
+        if matches!(&self.flat, FlatState::Device(d) if d.has_group()) && self.sync.local().is_none() {
             return Err(OptimError::DeviceGroup("a device group's members are fixed; it cannot change".into()));
         }
         self.sync.replace_comm(comm)
@@ -334,7 +334,7 @@ impl<M: Module> Worker<M> {
                 self.layout.len()
             )));
         }
-        self.replica.restore(params, state)?;
+        self.flat.restore(params, state)?;
         // A cursor inside a round: the round's steps so far, for an outer step per inner step.
         let (round, plan) = (cursor.round(), cursor.plan());
         let done = if round.mode == SyncMode::Parameters { round.start..cursor.step() } else { 0..0 };
@@ -347,7 +347,7 @@ impl<M: Module> Worker<M> {
     fn write_back(&mut self) -> Result<(), OptimError> {
         let t = Instant::now();
         // A clone of a module shares its tensors (cheap); on error the worker keeps its model.
-        self.model = self.replica.write(&self.layout, self.model.clone())?;
+        self.model = self.flat.write(&self.layout, self.model.clone())?;
         self.stats.phases.write_back += t.elapsed().as_secs_f64();
         Ok(())
     }
@@ -367,15 +367,15 @@ impl<M: Module> Worker<M> {
         let info = self.cursor.advance().ok_or(OptimError::Finished(self.cursor.step()))?;
         // A streaming worker's parameter syncs are its fragments', after the step.
         let streams = self.sync.streams();
-        let replica_info =
+        let flat_info =
             StepInfo { sync_after: info.sync_after && (!streams || info.mode == SyncMode::Gradients), ..info };
         if info.mode == SyncMode::Parameters {
             self.sync.observe_step(info.lr);
         }
         let mut peers = self.sync.peers((Level::Global, Some(info.h)), &self.config, &mut self.stats);
-        let mut stepped = match &mut self.replica {
-            Replica::Host(h) => h.step(&mut self.model, &self.layout, &mut peers, &replica_info, loss_fn)?,
-            Replica::Device(d) => d.step(&mut self.model, &self.layout, &mut peers, &replica_info, loss_fn)?,
+        let mut stepped = match &mut self.flat {
+            FlatState::Host(h) => h.step(&mut self.model, &self.layout, &mut peers, &flat_info, loss_fn)?,
+            FlatState::Device(d) => d.step(&mut self.model, &self.layout, &mut peers, &flat_info, loss_fn)?,
         };
         if streams {
             let sent = self.stream_step(&info)?;
@@ -384,7 +384,7 @@ impl<M: Module> Worker<M> {
         if info.local_sync_after && self.sync.local().is_some() {
             // A plain average inside the node: the outer optimizer steps at global syncs only.
             let mut peers = self.sync.peers((Level::Local, Some(info.h)), &self.config, &mut self.stats);
-            let report = self.replica.sync_parameters(&mut self.model, &self.layout, &mut peers, info.step)?;
+            let report = self.flat.sync_parameters(&mut self.model, &self.layout, &mut peers, info.step)?;
             // A global sync of the same step (a streaming fragment's) is the step's report.
             stepped.sync = Some(stepped.sync.filter(|s| s.level == Level::Global).unwrap_or(report));
             self.stats.local.syncs += 1;
@@ -406,7 +406,7 @@ impl<M: Module> Worker<M> {
     /// A streaming worker's syncs after step `info`: its fragments', and at a round's end the BatchNorm
     /// statistics (`driver.bn = "average"`).
     fn stream_step(&mut self, info: &StepInfo) -> Result<Option<SyncReport>, OptimError> {
-        let Replica::Host(h) = &mut self.replica else {
+        let FlatState::Host(h) = &mut self.flat else {
             return Ok(None);
         };
         let end = StepEnd { info, last: self.cursor.is_done() };
