@@ -25,6 +25,13 @@ pub(crate) struct Stepped {
     pub(crate) sync: Option<SyncReport>,
 }
 
+/// The micro-batches of a step: `accum` of them (at least 1), of the 0-based step `step`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Micro {
+    accum: usize,
+    step: u64,
+}
+
 /// Where a worker's flat parameters and optimizer state live.
 // One per worker, built once and never moved in a loop: the variants' sizes do not matter.
 #[allow(clippy::large_enum_variant)]
@@ -134,7 +141,8 @@ impl HostState {
         F: FnMut(&M, usize) -> Result<Tensor<1>, LossError>,
     {
         let accum = peers.config.accumulation_steps;
-        let loss_sum = self.gradients(model, layout, (accum, info.step), &mut peers.stats.phases, loss_fn)?;
+        let loss_sum =
+            self.gradients(model, layout, Micro { accum, step: info.step }, &mut peers.stats.phases, loss_fn)?;
         let mut sync = None;
         if info.mode == SyncMode::Gradients {
             // Data parallel: every rank averages gradients, so every rank takes the same update.
@@ -166,7 +174,7 @@ impl HostState {
         &mut self,
         model: &M,
         layout: &ParamLayout,
-        (accum, step): (usize, u64),
+        Micro { accum, step }: Micro,
         times: &mut PhaseTimes,
         mut loss_fn: F,
     ) -> Result<f64, OptimError>
@@ -299,7 +307,7 @@ impl DeviceState {
     {
         let accum = peers.config.accumulation_steps;
         let (loss_sum, mut grads) =
-            self.gradients(model, layout, (accum, info.step), &mut peers.stats.phases, loss_fn)?;
+            self.gradients(model, layout, Micro { accum, step: info.step }, &mut peers.stats.phases, loss_fn)?;
         let mut sync = None;
         if info.mode == SyncMode::Gradients {
             let (mut out, report) = self.average(peers, info.step, vec![grads], SyncMode::Gradients)?;
@@ -325,7 +333,7 @@ impl DeviceState {
         &self,
         model: &M,
         layout: &ParamLayout,
-        (accum, step): (usize, u64),
+        Micro { accum, step }: Micro,
         times: &mut PhaseTimes,
         mut loss_fn: F,
     ) -> Result<(f64, Tensor<1>), OptimError>

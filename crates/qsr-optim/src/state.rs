@@ -59,27 +59,19 @@ impl Fingerprint {
         Self { digits: std::array::from_fn(|i| ((sum >> (6 * i)) & 63) as f32), step }
     }
 
-    /// Sends this fingerprint with the average of `buf` over `comm` (the sync after `step`, tagged
-    /// `tag`): `buf` and the digits and their squares in `scratch`, one all-reduce, then `buf` back;
-    /// fails, naming this fingerprint's step, when the mean digits are not this rank's own. Returns
-    /// the calls made.
-    pub(crate) fn ride(
-        &self,
-        buf: &mut [f32],
-        (comm, transfer, scratch): (&mut dyn qsr_comm::Collective, crate::sync::Transfer, &mut Vec<f32>),
-        (step, tag): (u64, Option<qsr_comm::SyncTag>),
-    ) -> Result<u64, OptimError> {
-        let own: Vec<f32> = self.digits.iter().chain(&self.digits.map(|d| d * d)).copied().collect();
-        scratch.clear();
-        scratch.extend_from_slice(buf);
-        scratch.extend_from_slice(&own);
-        let calls = crate::sync::all_reduce_bucketed(comm, scratch, transfer, tag)
-            .map_err(|source| OptimError::sync(step, tag, source))?;
-        buf.copy_from_slice(&scratch[..buf.len()]);
-        match scratch[buf.len()..] == own[..] {
-            true => Ok(calls),
-            false => Err(OptimError::ParametersDiffer { step: self.step }),
-        }
+    /// What rides at the end of the next average's buffer: the digits, then their squares.
+    pub(crate) fn carried(&self) -> [f32; 2 * DIGITS] {
+        std::array::from_fn(|i| if i < DIGITS { self.digits[i] } else { self.digits[i - DIGITS].powi(2) })
+    }
+
+    /// Whether `mean`, the all-reduced [`Self::carried`], is this rank's own: every rank's is.
+    pub(crate) fn matches(&self, mean: &[f32]) -> bool {
+        mean == self.carried()
+    }
+
+    /// The step of the average it was taken after.
+    pub(crate) fn step(&self) -> u64 {
+        self.step
     }
 }
 

@@ -36,7 +36,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::OptimError;
 use crate::flat::ParamLayout;
 use crate::outer::Outer;
-use crate::sync::{Level, SyncReport, Transfer, Wire, all_reduce_bucketed};
+use crate::sync::{Level, StepEnd, SyncReport, Transfer, Wire, all_reduce_bucketed};
 
 /// A fragment's average that has not been applied yet, as a checkpoint holds it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -200,18 +200,19 @@ impl Stream {
         }
     }
 
-    /// After step `info.step`'s update of `params`: applies the averages due after it, starts the
-    /// fragments that sync after it, and on the run's last step (`last`) settles everything and
+    /// After step `end.info`'s update of `params`: applies the averages due after it, starts the
+    /// fragments that sync after it, and on the run's last step (`end.last`) settles everything and
     /// averages all parameters in f32. Returns the step's report, if it sent anything; its traffic
     /// is added to `stats` (seconds: the time the worker spent here, waiting included).
     pub(crate) fn after_step(
         &mut self,
         params: &mut [f32],
-        (info, last): (&StepInfo, bool),
+        end: StepEnd<'_>,
         outer: &mut Outer,
         comm: &mut dyn Collective,
         stats: &mut CommStats,
     ) -> Result<Option<SyncReport>, OptimError> {
+        let (info, last) = (end.info, end.last);
         let t = Instant::now();
         let mut sent = Vec::new();
         let mut traffic = CommStats::default();
@@ -238,7 +239,7 @@ impl Stream {
         if last {
             // One fragment replaced in the round's (and run's) last step leaves every rank the same.
             let average = self.config.ends_with_average();
-            if let Some(t) = self.settle(params, info.step, average, (outer, comm))? {
+            if let Some(t) = self.settle(params, info.step, average, outer, comm)? {
                 traffic = add(traffic, t);
                 sent.push(params.len());
             }
@@ -262,7 +263,8 @@ impl Stream {
         params: &mut [f32],
         step: u64,
         average: bool,
-        (outer, comm): (&mut Outer, &mut dyn Collective),
+        outer: &mut Outer,
+        comm: &mut dyn Collective,
     ) -> Result<Option<CommStats>, OptimError> {
         while !self.in_flight.is_empty() {
             self.apply_front(params, outer)?;

@@ -394,3 +394,10 @@ fn all_reduce_untagged(
         _ => reduce(buf).map(|()| 1),
     }
 }
+
+/// The end of a step, as the syncs after it see it: the step, and whether it is the run's last.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StepEnd<'a> {
+    pub(crate) info: &'a StepInfo,
+    pub(crate) last: bool,
+}

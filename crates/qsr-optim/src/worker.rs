@@ -30,8 +30,8 @@ use crate::outer::{InnerRound, OuterConfig};
 use crate::settings::{Face, SyncSettings, check_sync};
 use crate::state::SyncState;
 use crate::stream::StreamState;
-use crate::sync::{BnPolicy, DriverConfig, DriverStats, Level, Residency, StepReport, SyncReport, Transfer};
-use crate::synchronizer::{At, StepEnd, Synchronizer};
+use crate::sync::{BnPolicy, DriverConfig, DriverStats, Level, Residency, StepEnd, StepReport, SyncReport, Transfer};
+use crate::synchronizer::{At, Synchronizer};
 
 /// One worker: a model replica, its flat parameters, its optimizer state, its collective and cursor.
 pub struct Worker<M: Module> {
@@ -372,7 +372,7 @@ impl<M: Module> Worker<M> {
         if info.mode == SyncMode::Parameters {
             self.sync.observe_step(info.lr);
         }
-        let mut peers = self.sync.peers((Level::Global, Some(info.h)), &self.config, &mut self.stats);
+        let mut peers = self.sync.peers(Level::Global, Some(info.h), &self.config, &mut self.stats);
         let mut stepped = match &mut self.flat {
             FlatState::Host(h) => h.step(&mut self.model, &self.layout, &mut peers, &flat_info, loss_fn)?,
             FlatState::Device(d) => d.step(&mut self.model, &self.layout, &mut peers, &flat_info, loss_fn)?,
@@ -383,7 +383,7 @@ impl<M: Module> Worker<M> {
         }
         if info.local_sync_after && self.sync.local().is_some() {
             // A plain average inside the node: the outer optimizer steps at global syncs only.
-            let mut peers = self.sync.peers((Level::Local, Some(info.h)), &self.config, &mut self.stats);
+            let mut peers = self.sync.peers(Level::Local, Some(info.h), &self.config, &mut self.stats);
             let report = self.flat.sync_parameters(&mut self.model, &self.layout, &mut peers, info.step)?;
             // A global sync of the same step (a streaming fragment's) is the step's report.
             stepped.sync = Some(stepped.sync.filter(|s| s.level == Level::Global).unwrap_or(report));

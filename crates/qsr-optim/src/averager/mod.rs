@@ -60,8 +60,8 @@ use crate::error::OptimError;
 use crate::flat::ParamLayout;
 use crate::lr_watch::{self, LrWatch};
 use crate::settings::{Face, check_sync};
-use crate::sync::{Level, SyncReport, Transfer};
-use crate::synchronizer::{At, StepEnd, Synced, Synchronizer};
+use crate::sync::{Level, StepEnd, SyncReport, Transfer};
+use crate::synchronizer::{At, Synced, Synchronizer};
 
 mod config;
 mod saved;

@@ -19,7 +19,9 @@ use crate::outer::{InnerRound, Outer, OuterConfig};
 use crate::settings::Face;
 use crate::state::{Fingerprint, OuterState, SyncState};
 use crate::stream::{Stream, StreamState, fragment_ranges};
-use crate::sync::{DriverConfig, DriverStats, Level, SyncReport, Transfer, Wire, all_reduce_bucketed, check_wire};
+use crate::sync::{
+    DriverConfig, DriverStats, Level, StepEnd, SyncReport, Transfer, Wire, all_reduce_bucketed, check_wire,
+};
 
 /// The sync engine: collectives, wire, outer step and streaming, with their checks.
 pub(crate) struct Synchronizer {
@@ -314,10 +316,22 @@ impl Synchronizer {
         let comm = comm_at(&mut self.comm, &mut self.local, level)?;
         let transfer = self.transfer.on(self.transfer.wire.at(level));
         let riding = if level == Level::Global { self.pending.take() } else { None };
+        let fail = |source| OptimError::sync(at.step, at.tag, source);
         let calls = match &riding {
-            Some(last) => last.ride(buf, (comm, transfer, &mut self.scratch), (at.step, at.tag))?,
-            None => all_reduce_bucketed(comm, buf, transfer, at.tag)
-                .map_err(|source| OptimError::sync(at.step, at.tag, source))?,
+            // The last average's fingerprint at the end of this one's buffer, in the same call.
+            Some(last) => {
+                let scratch = &mut self.scratch;
+                scratch.clear();
+                scratch.extend_from_slice(buf);
+                scratch.extend_from_slice(&last.carried());
+                let calls = all_reduce_bucketed(comm, scratch, transfer, at.tag).map_err(fail)?;
+                buf.copy_from_slice(&scratch[..buf.len()]);
+                if !last.matches(&scratch[buf.len()..]) {
+                    return Err(OptimError::ParametersDiffer { step: last.step() });
+                }
+                calls
+            }
+            None => all_reduce_bucketed(comm, buf, transfer, at.tag).map_err(fail)?,
         };
         if let Some(outer) = outer {
             // The mean pseudo-gradient becomes the new global parameters, the same on every rank.
@@ -368,7 +382,7 @@ impl Synchronizer {
             return Ok(StreamStep::default());
         };
         let (info, applied) = (end.info, stream.applied());
-        let mut report = stream.after_step(params, (info, end.last), outer, self.comm.as_mut(), totals)?;
+        let mut report = stream.after_step(params, end, outer, self.comm.as_mut(), totals)?;
         let landed = stream.applied() > applied;
         let ranks_equal = end.last || (landed && stream.leaves_ranks_equal());
         let round_end = info.sync_after && info.mode == SyncMode::Parameters;
@@ -401,7 +415,7 @@ impl Synchronizer {
         let (Some(stream), Some(outer)) = (&mut self.stream, &mut self.outer) else {
             return Ok(());
         };
-        let traffic = stream.settle(params, at.step, true, (outer, self.comm.as_mut()))?;
+        let traffic = stream.settle(params, at.step, true, outer, self.comm.as_mut())?;
         *totals = add(*totals, traffic.unwrap_or_default());
         if let Some((model, layout)) = bn.filter(|(_, layout)| layout.running_len() > 0) {
             let start = self.start(Level::Global);
@@ -434,7 +448,8 @@ impl Synchronizer {
     /// (`None`: calls outside the plan's syncs, untagged).
     pub(crate) fn peers<'a>(
         &'a mut self,
-        (level, h): (Level, Option<u64>),
+        level: Level,
+        h: Option<u64>,
         config: &'a DriverConfig,
         stats: &'a mut DriverStats,
     ) -> Peers<'a> {
@@ -460,13 +475,6 @@ impl At {
     pub(crate) fn after_steps(steps: u64, h: u64) -> Self {
         Self { step: steps, tag: Some(SyncTag::new(steps, h)) }
     }
-}
-
-/// The end of a step, as the syncs after it see it: the step, and whether it is the run's last.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct StepEnd<'a> {
-    pub(crate) info: &'a StepInfo,
-    pub(crate) last: bool,
 }
 
 /// What a streaming step's syncs did.

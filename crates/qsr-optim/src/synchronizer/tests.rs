@@ -8,11 +8,11 @@ use burn::tensor::Device;
 use qsr_comm::{Codec, Collective, CommError, CommStats, ReduceOp, SyncTag};
 use qsr_sched::{StepInfo, StreamingConfig, SyncMode};
 
-use super::{At, StepEnd, Synced, Synchronizer};
+use super::{At, Synced, Synchronizer};
 use crate::flat::ParamLayout;
 use crate::outer::OuterConfig;
 use crate::settings::Face;
-use crate::sync::{Level, Transfer, Wire};
+use crate::sync::{Level, StepEnd, Transfer, Wire};
 
 /// A collective call as the fake saw it.
 #[derive(Debug, Clone, PartialEq)]

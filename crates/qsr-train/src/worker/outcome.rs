@@ -23,6 +23,14 @@ const HINT: &str = "shorten the rounds (sync.h, sync.alpha, a larger sync.budget
 const LR_HINT: &str = "the run did not learn with every step's gradients averaged; lower schedule.lr_max or lengthen \
                        schedule.warmup_steps";
 
+/// What a model that learnt nothing scores: the loss of predicting every class (or token) alike, and
+/// a classifier's accuracy.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Chance {
+    pub(crate) loss: f64,
+    pub(crate) accuracy: Option<f64>,
+}
+
 /// How a run's workers met, for the advice of a run that did not train.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Meeting {
@@ -49,11 +57,8 @@ impl Meeting {
 /// Whether the final evaluation `ev` says the run did not train: its loss not below `chance_loss`
 /// (every class, or token, predicted alike), or a classifier's accuracy within [`CHANCE_MARGIN`] of
 /// `chance_accuracy`.
-pub(crate) fn untrained(
-    ev: &Eval,
-    (chance_loss, chance_accuracy): (f64, Option<f64>),
-    meeting: Meeting,
-) -> Option<crate::exit::NotTrained> {
+pub(crate) fn untrained(ev: &Eval, chance: Chance, meeting: Meeting) -> Option<crate::exit::NotTrained> {
+    let Chance { loss: chance_loss, accuracy: chance_accuracy } = chance;
     let hint = meeting.hint();
     if ev.loss >= chance_loss {
         let why = format!(
@@ -101,10 +106,16 @@ mod tests {
     #[test]
     fn a_data_parallel_run_at_chance_is_told_about_its_lr_not_its_rounds() {
         let at_chance = eval(0.1, 2.303);
-        let dp = untrained(&at_chance, ((10f64).ln(), Some(0.1)), Meeting::of(&qsr_sched::SyncRule::Dp)).unwrap();
+        let dp = untrained(
+            &at_chance,
+            Chance { loss: (10f64).ln(), accuracy: Some(0.1) },
+            Meeting::of(&qsr_sched::SyncRule::Dp),
+        )
+        .unwrap();
         assert!(dp.why.contains("schedule.lr_max") && !dp.why.contains("rounds"), "{}", dp.why);
         let qsr = qsr_sched::SyncRule::Qsr { h_base: 2, alpha: 0.1 };
-        let local = untrained(&at_chance, ((10f64).ln(), Some(0.1)), Meeting::of(&qsr)).unwrap();
+        let local =
+            untrained(&at_chance, Chance { loss: (10f64).ln(), accuracy: Some(0.1) }, Meeting::of(&qsr)).unwrap();
         assert!(local.why.contains("shorten the rounds"), "{}", local.why);
     }
 
@@ -116,13 +127,15 @@ mod tests {
     fn a_final_evaluation_at_chance_did_not_train() {
         let chance = (10f64).ln();
         // The issue's repro: 9.17 % and loss 2.85, below 3 ln 10 but above ln 10.
-        assert!(untrained(&eval(0.0917, 2.85), (chance, Some(0.1)), Meeting::Rounds).is_some());
+        assert!(
+            untrained(&eval(0.0917, 2.85), Chance { loss: chance, accuracy: Some(0.1) }, Meeting::Rounds).is_some()
+        );
         // Loss below chance but accuracy within 2 points of it.
-        assert!(untrained(&eval(0.115, 2.2), (chance, Some(0.1)), Meeting::Rounds).is_some());
-        assert!(untrained(&eval(0.44, 1.6), (chance, Some(0.1)), Meeting::Rounds).is_none());
+        assert!(untrained(&eval(0.115, 2.2), Chance { loss: chance, accuracy: Some(0.1) }, Meeting::Rounds).is_some());
+        assert!(untrained(&eval(0.44, 1.6), Chance { loss: chance, accuracy: Some(0.1) }, Meeting::Rounds).is_none());
         // A language model is judged by its loss alone.
-        assert!(untrained(&eval(0.01, 4.0), ((65f64).ln(), None), Meeting::Rounds).is_none());
-        assert!(untrained(&eval(0.3, 4.2), ((65f64).ln(), None), Meeting::Rounds).is_some());
+        assert!(untrained(&eval(0.01, 4.0), Chance { loss: (65f64).ln(), accuracy: None }, Meeting::Rounds).is_none());
+        assert!(untrained(&eval(0.3, 4.2), Chance { loss: (65f64).ln(), accuracy: None }, Meeting::Rounds).is_some());
     }
 
     #[test]

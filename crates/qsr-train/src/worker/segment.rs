@@ -7,7 +7,7 @@ use burn::module::Module;
 use qsr_optim::{StepReport, Worker};
 use qsr_sched::{Cursor, Plan, SyncMode};
 
-use super::outcome::{Meeting, averaging_lost, untrained};
+use super::outcome::{Chance, Meeting, averaging_lost, untrained};
 use super::spec::RunSpec;
 use super::task::{Eval, Task};
 use crate::checkpoint::{self, CheckpointState, Counters};
@@ -263,7 +263,7 @@ impl Segment {
         let limit = recipe.eval.divergence_factor * task.chance_loss();
         self.diverged = judge(&mut self.above_limit, ev.loss, limit, done_steps, is_end);
         if is_end && self.diverged.is_none() {
-            let chance = (task.chance_loss(), task.chance_accuracy());
+            let chance = Chance { loss: task.chance_loss(), accuracy: task.chance_accuracy() };
             self.not_trained = untrained(&ev, chance, Meeting::of(&recipe.sync.rule));
             let lost = self.workers_before.as_ref().and_then(|b| averaging_lost(b, &ev, task.chance_accuracy()));
             if let (Some(w), 0) = (lost, worker.rank()) {
