@@ -14,7 +14,7 @@
 //!   still connected has joined, or `StoreConfig::settle` has passed, and forms the next generation
 //!   of the members that joined (in their old rank order) and of waiting new workers; a member that
 //!   did not join in time is expelled, and its later joins and polls are refused;
-//! - each join carries the last completed synchronization the worker holds ([`SyncState`]); the new
+//! - each join carries the last completed synchronization the worker holds ([`LastSync`]); the new
 //!   generation learns the newest one and which rank holds it ([`Membership::source`]), so a sync that
 //!   completed on any survivor counts, and no survivor continues from a half-finished one;
 //! - new workers wait until the running generation decides, at a synchronization boundary, to admit
@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use qsr_comm::{Collective, CommError, RingSeat, ShmConfig, TcpComm, TcpConfig, Transport, WaitProgress, over_ring};
 
-use crate::protocol::{Lost, MIN_STORE_TIMEOUT, Request, Response, SyncState, recv, send};
+use crate::protocol::{LastSync, Lost, MIN_STORE_TIMEOUT, Request, Response, recv, send};
 
 /// A generation as one worker sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,7 +43,7 @@ pub struct Membership {
     /// The rank holding the newest completed synchronization, which the others take over.
     pub source: Option<usize>,
     /// That synchronization (`None` when no member holds one: the first generation of a run).
-    pub state: Option<SyncState>,
+    pub state: Option<LastSync>,
     /// Members of the previous generation left out, by their previous rank.
     pub lost: Vec<Lost>,
     /// The ranks of new workers in this generation.
@@ -167,7 +167,7 @@ impl Elastic {
     /// without it.
     pub fn form(
         &mut self,
-        state: Option<SyncState>,
+        state: Option<LastSync>,
         reason: &str,
     ) -> Result<(Box<dyn Collective>, Membership), CommError> {
         let (ring, membership) = self.join(state, reason)?;
@@ -178,7 +178,7 @@ impl Elastic {
     /// [`Self::form`], and a second group of the same ranks split from the generation's ring
     /// ([`qsr_comm::split`]), for collectives that run beside the first (a streaming worker's
     /// fragments on a thread). Every member of a generation must call the same one.
-    pub fn form_pair(&mut self, state: Option<SyncState>, reason: &str) -> Result<Pair, CommError> {
+    pub fn form_pair(&mut self, state: Option<LastSync>, reason: &str) -> Result<Pair, CommError> {
         let (mut ring, membership) = self.join(state, reason)?;
         let (transport, host, shm) = (self.cfg.transport, &self.cfg.host, &self.cfg.shm);
         let side = qsr_comm::split(&mut ring, 0, membership.rank as u32, transport, host, shm.clone())?;
@@ -187,7 +187,7 @@ impl Elastic {
     }
 
     /// Joins the next generation at the store and forms its ring.
-    fn join(&mut self, state: Option<SyncState>, reason: &str) -> Result<(TcpComm, Membership), CommError> {
+    fn join(&mut self, state: Option<LastSync>, reason: &str) -> Result<(TcpComm, Membership), CommError> {
         let seat = RingSeat::open(&self.cfg.tcp)?;
         let (host, port) = (seat.host().unwrap_or_default().to_string(), seat.port());
         let join = Request::Join { seen: self.generation, host, port, state, reason: reason.into() };

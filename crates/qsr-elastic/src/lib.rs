@@ -2,7 +2,7 @@
 //! worker and settles each generation's membership (`qsr rendezvous`, or a thread of `qsr train
 //! --nproc N --elastic`), the workers' side [`Elastic`], which joins each generation at the store and
 //! forms its collective, and the line protocol the two speak (private; its shared types are
-//! [`SyncState`] and [`Lost`]). A store for 2 workers:
+//! [`LastSync`] and [`Lost`]). A store for 2 workers:
 //!
 //! ```no_run
 //! # fn main() -> Result<(), qsr_comm::CommError> {
@@ -24,5 +24,5 @@ mod protocol;
 mod store;
 
 pub use client::{Elastic, ElasticConfig, Membership, Pair, Poll};
-pub use protocol::{Lost, MAX_SYNC_PAYLOAD, SyncState};
+pub use protocol::{LastSync, Lost, MAX_SYNC_PAYLOAD};
 pub use store::{Store, StoreConfig};

@@ -26,7 +26,7 @@ pub(crate) enum Request {
     Hello { token: String, settings: serde_json::Value, order: Option<u64> },
     /// Join the next generation: `seen` is the generation this worker belonged to (`None` for a
     /// new worker), `state` the last completed sync it holds.
-    Join { seen: Option<u64>, host: String, port: u16, state: Option<SyncState>, reason: String },
+    Join { seen: Option<u64>, host: String, port: u16, state: Option<LastSync>, reason: String },
     /// Whether the generation still runs, and how many workers wait to join it.
     Poll { generation: u64 },
     /// This worker finished the run.
@@ -67,7 +67,7 @@ pub(crate) enum Response {
         previous_rank: Option<usize>,
         table: Vec<(String, u16)>,
         source: Option<usize>,
-        state: Option<SyncState>,
+        state: Option<LastSync>,
         lost: Vec<Lost>,
         joined: Vec<usize>,
     },
@@ -103,13 +103,13 @@ pub(crate) fn recv<T: DeserializeOwned>(r: &mut impl BufRead) -> std::io::Result
     serde_json::from_slice(&line).map(Some).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
 }
 
-/// The longest [`SyncState::payload`] a store accepts, so that its answers fit a line.
+/// The longest [`LastSync::payload`] a store accepts, so that its answers fit a line.
 pub const MAX_SYNC_PAYLOAD: usize = 64 << 10;
 
 /// The last completed synchronization a worker holds: its step and an opaque payload the new
 /// generation receives from the worker chosen as [`Membership::source`](crate::Membership::source) (the trainer's counters).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SyncState {
+pub struct LastSync {
     /// Steps completed at that synchronization.
     pub step: u64,
     /// What the application wants the new generation to have (at most [`MAX_SYNC_PAYLOAD`] bytes).

@@ -12,7 +12,7 @@ use serde_json::Value;
 use qsr_comm::{CommError, MAX_HOST_LEN, notice};
 use subtle::ConstantTimeEq;
 
-use crate::protocol::{KEEPALIVE, Lost, MAX_SYNC_PAYLOAD, Request, Response, SyncState, recv, send};
+use crate::protocol::{KEEPALIVE, LastSync, Lost, MAX_SYNC_PAYLOAD, Request, Response, recv, send};
 
 /// How often threads look at the stop flag.
 const TICK: Duration = Duration::from_millis(50);
@@ -84,7 +84,7 @@ struct Shared {
 struct Pending {
     host: String,
     port: u16,
-    state: Option<SyncState>,
+    state: Option<LastSync>,
 }
 
 /// A worker connected to the store.

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use qsr_comm::{Collective, CommError, ReduceOp, ShmConfig, TcpConfig, Transport};
-use qsr_elastic::{Elastic, ElasticConfig, MAX_SYNC_PAYLOAD, Poll, Store, StoreConfig, SyncState};
+use qsr_elastic::{Elastic, ElasticConfig, LastSync, MAX_SYNC_PAYLOAD, Poll, Store, StoreConfig};
 
 fn store(workers: usize) -> Store {
     let cfg = StoreConfig { settle: Duration::from_secs(1), token: "elastic-test".into(), ..StoreConfig::new(workers) };
@@ -29,8 +29,8 @@ fn config(store: &Store, order: u64) -> ElasticConfig {
     }
 }
 
-fn state(step: u64) -> Option<SyncState> {
-    Some(SyncState { step, payload: format!("counters at {step}") })
+fn state(step: u64) -> Option<LastSync> {
+    Some(LastSync { step, payload: format!("counters at {step}") })
 }
 
 /// Sums one value per rank; every rank must get the same total.
@@ -404,7 +404,7 @@ fn a_spare_waits_past_its_rendezvous_timeout_for_a_free_slot() {
 fn a_join_whose_payload_would_not_fit_is_refused_naming_the_field() {
     let store = store(1);
     let mut job = Elastic::connect(config(&store, 0)).unwrap();
-    let big = Some(SyncState { step: 0, payload: "x".repeat(MAX_SYNC_PAYLOAD + 1) });
+    let big = Some(LastSync { step: 0, payload: "x".repeat(MAX_SYNC_PAYLOAD + 1) });
     let err = job.form(big, "start").err().expect("an oversized payload must be refused");
     assert!(err.to_string().contains("`state.payload`"), "{err}");
 }

@@ -17,7 +17,7 @@
 
 use anyhow::{Context, Result, anyhow, bail};
 use qsr_comm::{Collective, CommError, TcpConfig};
-use qsr_elastic::{Elastic, ElasticConfig, Membership, Poll, SyncState};
+use qsr_elastic::{Elastic, ElasticConfig, LastSync, Membership, Poll};
 use qsr_elastic::{Store, StoreConfig};
 use qsr_optim::{Level, Snapshot, StreamState, Worker};
 use serde::{Deserialize, Serialize};
@@ -106,7 +106,7 @@ pub(crate) fn train(
 type Formed = (Box<dyn Collective>, Option<Box<dyn Collective>>, Membership);
 
 /// Joins the next generation ([`Elastic::form`]); a streaming recipe's members form a pair of groups.
-fn form(job: &mut Elastic, recipe: &TrainRecipe, state: Option<SyncState>, why: &str) -> Result<Formed, CommError> {
+fn form(job: &mut Elastic, recipe: &TrainRecipe, state: Option<LastSync>, why: &str) -> Result<Formed, CommError> {
     if recipe.sync.streaming.is_some() {
         let pair = job.form_pair(state, why)?;
         Ok((pair.comm, Some(pair.side), pair.membership))
@@ -195,7 +195,7 @@ struct Member<'a, T: Task, F> {
 }
 
 /// What a new generation takes over from the rank holding the newest sync (the payload of its
-/// [`SyncState`]): the run's counters then, and that sync's records (rank 0's as it wrote them; on
+/// [`LastSync`]): the run's counters then, and that sync's records (rank 0's as it wrote them; on
 /// another rank the same records with its own training loss and byte counts), so that the new rank 0
 /// restores any its predecessor died before writing.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -305,7 +305,7 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
             let wall = self.segment.counters(&self.worker).wall_seconds;
             let counters = Counters { wall_seconds: wall, ..self.snap.1.counters };
             let handover = Handover { counters, ..self.snap.1.clone() };
-            let state = SyncState { step: self.snap.0.step(), payload: serde_json::to_string(&handover)? };
+            let state = LastSync { step: self.snap.0.step(), payload: serde_json::to_string(&handover)? };
             let formed = form(self.job, &self.spec.recipe, Some(state), why).and_then(|(comm, side, m)| {
                 let invalid = |e: qsr_optim::OptimError| CommError::InvalidArgument(e.to_string());
                 self.worker.replace_comm(comm).map_err(invalid)?;
