@@ -160,38 +160,6 @@ pub enum CommError {
         detail: String,
     },
 
-    /// This worker's generation of an elastic job ended without it: the store formed the next
-    /// generation while this worker made no progress (stopped, or cut off) for the settle time.
-    #[error(
-        "this worker was expelled from the elastic job: its generation {generation} is over and generation {current} formed without it (it made no progress for the store's settle time, or lost its links); its messages to the new generation are refused"
-    )]
-    Expelled {
-        /// The generation this worker belonged to.
-        generation: u64,
-        /// The job's generation now.
-        current: u64,
-    },
-
-    /// A peer refused this process because its own settings or job token do not match the job's
-    /// (the elastic store, before or at its first generation); `detail` names the keys.
-    #[error("{peer} refused this worker: {detail}")]
-    Mismatch {
-        /// Who refused, e.g. `rendezvous store 10.0.0.1:29400`.
-        peer: String,
-        /// Why, naming the differing keys or the token.
-        detail: String,
-    },
-
-    /// The elastic job's store (`qsr rendezvous`) refused a request, closed its connection, or sent
-    /// something unreadable.
-    #[error("rendezvous store {addr}: {detail}")]
-    Store {
-        /// The store's address.
-        addr: String,
-        /// What happened.
-        detail: String,
-    },
-
     /// A shared library a backend needs at run time could not be loaded.
     #[error(
         "cannot load the {library} shared library (tried {searched}; last error: {last_error}); install it or add its directory to LD_LIBRARY_PATH"

@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use qsr_comm::{Collective, CommError, RingSeat, ShmConfig, TcpComm, TcpConfig, Transport, WaitProgress, over_ring};
 
+use crate::error::ElasticError;
 use crate::protocol::{LastSync, Lost, MIN_STORE_TIMEOUT, Request, Response, recv, send};
 
 /// A generation as one worker sees it.
@@ -95,7 +96,7 @@ pub enum Poll {
 /// A worker's connection to its elastic job's store ([`Store`](crate::Store)).
 ///
 /// ```no_run
-/// # fn main() -> Result<(), qsr_comm::CommError> {
+/// # fn main() -> Result<(), qsr_elastic::ElasticError> {
 /// use qsr_comm::{ShmConfig, TcpConfig, Transport};
 /// use qsr_elastic::{Elastic, ElasticConfig};
 ///
@@ -127,7 +128,7 @@ pub struct Elastic {
 impl Elastic {
     /// Connects to the store (retrying until [`TcpConfig::rendezvous_timeout`], saying what it
     /// waits for) and says hello.
-    pub fn connect(cfg: ElasticConfig) -> Result<Elastic, CommError> {
+    pub fn connect(cfg: ElasticConfig) -> Result<Elastic, ElasticError> {
         let stream = connect_store(&cfg.store, cfg.tcp.rendezvous_timeout)?;
         let _ = stream.set_nodelay(true);
         let writer = stream.try_clone().map_err(|e| CommError::Io { context: "store connection".into(), error: e })?;
@@ -163,13 +164,13 @@ impl Elastic {
 
     /// Joins the next generation and forms its collective. `state` is the last completed
     /// synchronization this worker holds (`None` for a new worker); `reason` says why (a failure
-    /// seen, a growth). Fails with [`CommError::Expelled`] when this worker's generation ended
+    /// seen, a growth). Fails with [`ElasticError::Expelled`] when this worker's generation ended
     /// without it.
     pub fn form(
         &mut self,
         state: Option<LastSync>,
         reason: &str,
-    ) -> Result<(Box<dyn Collective>, Membership), CommError> {
+    ) -> Result<(Box<dyn Collective>, Membership), ElasticError> {
         let (ring, membership) = self.join(state, reason)?;
         let comm = over_ring(ring, self.cfg.transport, &self.cfg.host, self.cfg.shm.clone())?;
         Ok((comm, membership))
@@ -178,7 +179,7 @@ impl Elastic {
     /// [`Self::form`], and a second group of the same ranks split from the generation's ring
     /// ([`qsr_comm::split`]), for collectives that run beside the first (a streaming worker's
     /// fragments on a thread). Every member of a generation must call the same one.
-    pub fn form_pair(&mut self, state: Option<LastSync>, reason: &str) -> Result<Pair, CommError> {
+    pub fn form_pair(&mut self, state: Option<LastSync>, reason: &str) -> Result<Pair, ElasticError> {
         let (mut ring, membership) = self.join(state, reason)?;
         let (transport, host, shm) = (self.cfg.transport, &self.cfg.host, &self.cfg.shm);
         let side = qsr_comm::split(&mut ring, 0, membership.rank as u32, transport, host, shm.clone())?;
@@ -187,7 +188,7 @@ impl Elastic {
     }
 
     /// Joins the next generation at the store and forms its ring.
-    fn join(&mut self, state: Option<LastSync>, reason: &str) -> Result<(TcpComm, Membership), CommError> {
+    fn join(&mut self, state: Option<LastSync>, reason: &str) -> Result<(TcpComm, Membership), ElasticError> {
         let seat = RingSeat::open(&self.cfg.tcp)?;
         let (host, port) = (seat.host().unwrap_or_default().to_string(), seat.port());
         let join = Request::Join { seen: self.generation, host, port, state, reason: reason.into() };
@@ -205,9 +206,9 @@ impl Elastic {
 
     /// Asks the store whether the current generation still runs and how many workers wait to join.
     /// One rank polls and shares the answer, so that every member decides alike.
-    pub fn poll(&mut self) -> Result<Poll, CommError> {
+    pub fn poll(&mut self) -> Result<Poll, ElasticError> {
         let Some(generation) = self.generation else {
-            return Err(CommError::InvalidArgument("poll before the first generation formed".into()));
+            return Err(CommError::InvalidArgument("poll before the first generation formed".into()).into());
         };
         match self.ask(&Request::Poll { generation })? {
             Response::Steady { waiting } => Ok(Poll::Steady { waiting }),
@@ -217,7 +218,7 @@ impl Elastic {
     }
 
     /// Tells the store this worker finished the run (so its leaving is not a loss).
-    pub fn finish(&mut self) -> Result<(), CommError> {
+    pub fn finish(&mut self) -> Result<(), ElasticError> {
         match self.ask(&Request::Done)? {
             Response::Ok => Ok(()),
             other => Err(self.unexpected(other)),
@@ -225,14 +226,14 @@ impl Elastic {
     }
 
     /// Sends a request and reads its answer, skipping the keepalives of a waiting join.
-    fn ask(&mut self, req: &Request) -> Result<Response, CommError> {
+    fn ask(&mut self, req: &Request) -> Result<Response, ElasticError> {
         self.ask_until(req, None)
     }
 
     /// [`Self::ask`], failing once a join has waited `patience` for workers that have not joined
     /// (the first generation's, or new ones to reach the store's `min_workers`). A wait of more than
     /// a second says what it waits for (the store's words) at a bounded interval.
-    fn ask_until(&mut self, req: &Request, patience: Option<Duration>) -> Result<Response, CommError> {
+    fn ask_until(&mut self, req: &Request, patience: Option<Duration>) -> Result<Response, ElasticError> {
         let addr = self.cfg.store.clone();
         send(&mut self.writer, req).map_err(|e| store_err(&addr, format!("cannot send: {e}")))?;
         // The store answers at once, or keeps a waiting join alive every half second: silence for
@@ -275,20 +276,20 @@ impl Elastic {
         }
     }
 
-    fn unexpected(&self, r: Response) -> CommError {
+    fn unexpected(&self, r: Response) -> ElasticError {
         match r {
             Response::Refused { message, mismatch: true } => {
-                CommError::Mismatch { peer: format!("rendezvous store {}", self.cfg.store), detail: message }
+                ElasticError::Mismatch { peer: format!("rendezvous store {}", self.cfg.store), detail: message }
             }
             Response::Refused { message, .. } => store_err(&self.cfg.store, format!("refused: {message}")),
-            Response::Expelled { generation, current } => CommError::Expelled { generation, current },
+            Response::Expelled { generation, current } => ElasticError::Expelled { generation, current },
             other => store_err(&self.cfg.store, format!("unexpected answer {other:?}")),
         }
     }
 }
 
 /// The error of a join that waited `patience` for workers that did not come.
-fn gave_up(addr: &str, generation: Option<u64>, patience: Duration, status: &str) -> CommError {
+fn gave_up(addr: &str, generation: Option<u64>, patience: Duration, status: &str) -> ElasticError {
     let detail = match generation {
         None => format!(
             "the first generation did not form within the rendezvous timeout of {patience:?} (QSR_RENDEZVOUS_TIMEOUT_SECS): {status} (did one fail to start, or run with other settings?)"
@@ -300,8 +301,8 @@ fn gave_up(addr: &str, generation: Option<u64>, patience: Duration, status: &str
     store_err(addr, detail)
 }
 
-fn store_err(addr: &str, detail: String) -> CommError {
-    CommError::Store { addr: addr.into(), detail }
+fn store_err(addr: &str, detail: String) -> ElasticError {
+    ElasticError::Store { addr: addr.into(), detail }
 }
 
 /// Tries every address a name resolved to (`localhost` may be `::1` first), each with a bounded
@@ -319,7 +320,7 @@ fn first_connect(addrs: impl Iterator<Item = std::net::SocketAddr>, left: Durati
 
 /// Connects to the store at `addr`, retrying until `within`; says at once, then every 10 s, what it
 /// waits for, since no store listening is worth knowing about before the timeout.
-fn connect_store(addr: &str, within: Duration) -> Result<TcpStream, CommError> {
+fn connect_store(addr: &str, within: Duration) -> Result<TcpStream, ElasticError> {
     let deadline = Instant::now() + within;
     let mut wait = WaitProgress::first_after(Some(within), Duration::ZERO);
     loop {

@@ -20,9 +20,11 @@
 #![forbid(unsafe_code)]
 
 mod client;
+mod error;
 mod protocol;
 mod store;
 
 pub use client::{Elastic, ElasticConfig, Membership, Pair, Poll};
+pub use error::ElasticError;
 pub use protocol::{LastSync, Lost, MAX_SYNC_PAYLOAD};
 pub use store::{Store, StoreConfig};

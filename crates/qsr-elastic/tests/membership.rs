@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use qsr_comm::{Collective, CommError, ReduceOp, ShmConfig, TcpConfig, Transport};
-use qsr_elastic::{Elastic, ElasticConfig, LastSync, MAX_SYNC_PAYLOAD, Poll, Store, StoreConfig};
+use qsr_elastic::{Elastic, ElasticConfig, ElasticError, LastSync, MAX_SYNC_PAYLOAD, Poll, Store, StoreConfig};
 
 fn store(workers: usize) -> Store {
     let cfg = StoreConfig { settle: Duration::from_secs(1), token: "elastic-test".into(), ..StoreConfig::new(workers) };
@@ -116,7 +116,7 @@ fn a_stalled_worker_is_expelled_and_its_later_join_is_refused() {
     for order in 0..3u64 {
         let cfg = config(&store, order);
         let tx = tx.clone();
-        handles.push(std::thread::spawn(move || -> Option<CommError> {
+        handles.push(std::thread::spawn(move || -> Option<ElasticError> {
             let mut job = Elastic::connect(cfg).unwrap();
             let (mut comm, m) = job.form(None, "start").unwrap();
             if m.rank == 1 {
@@ -141,7 +141,7 @@ fn a_stalled_worker_is_expelled_and_its_later_join_is_refused() {
     let errors: Vec<_> = handles.into_iter().filter_map(|h| h.join().unwrap()).collect();
     assert_eq!(errors.len(), 1);
     assert!(
-        matches!(errors[0], CommError::Expelled { generation: 0, current: 1 }),
+        matches!(errors[0], ElasticError::Expelled { generation: 0, current: 1 }),
         "the stale worker got {:?}",
         errors[0]
     );

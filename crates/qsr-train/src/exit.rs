@@ -1,6 +1,7 @@
 //! The exit status of `qsr` (documented on [`Exit`]), and the error types that choose it.
 
 use qsr_comm::CommError;
+use qsr_elastic::ElasticError;
 
 /// What a `qsr` process's exit status says; README.md and docs/RELIABILITY.md carry the same table.
 ///
@@ -112,8 +113,19 @@ pub(crate) fn is_peer_failure(e: &anyhow::Error) -> bool {
     comm_errors(e).any(CommError::peer_failed)
 }
 
-fn comm_errors(e: &anyhow::Error) -> impl Iterator<Item = &CommError> {
-    e.chain().filter_map(|c| c.downcast_ref::<CommError>())
+/// The collective errors in `e`'s chain, those an elastic job's error wraps included.
+pub(crate) fn comm_errors(e: &anyhow::Error) -> impl Iterator<Item = &CommError> {
+    e.chain().filter_map(|c| {
+        c.downcast_ref::<CommError>().or(match c.downcast_ref::<ElasticError>() {
+            Some(ElasticError::Comm(inner)) => Some(inner),
+            _ => None,
+        })
+    })
+}
+
+/// The elastic store's errors in `e`'s chain.
+fn elastic_errors(e: &anyhow::Error) -> impl Iterator<Item = &ElasticError> {
+    e.chain().filter_map(|c| c.downcast_ref::<ElasticError>())
 }
 
 /// The process exit status for an error (the table on [`Exit`]).
@@ -130,19 +142,14 @@ pub(crate) fn exit_code(e: &anyhow::Error) -> u8 {
         Exit::NotTrained
     } else if e.chain().any(|c| c.is::<BadInput>())
         || comm_errors(e).any(|c| {
-            matches!(
-                c,
-                CommError::Launch { .. }
-                    | CommError::Disagree { .. }
-                    | CommError::HandshakeRefused { .. }
-                    | CommError::Mismatch { .. }
-            )
+            matches!(c, CommError::Launch { .. } | CommError::Disagree { .. } | CommError::HandshakeRefused { .. })
         })
+        || elastic_errors(e).any(|c| matches!(c, ElasticError::Mismatch { .. }))
     {
         Exit::BadInput
     } else if is_peer_failure(e) {
         Exit::PeerFailed
-    } else if comm_errors(e).any(|c| matches!(c, CommError::Store { .. } | CommError::Expelled { .. })) {
+    } else if elastic_errors(e).any(|c| matches!(c, ElasticError::Store { .. } | ElasticError::Expelled { .. })) {
         Exit::Store
     } else {
         Exit::Failure
@@ -154,9 +161,7 @@ pub(crate) fn exit_code(e: &anyhow::Error) -> u8 {
 /// (data, disk, ...) before one that only saw another worker fail, and the blamed worker's own error
 /// before the error of a worker blaming it.
 pub(crate) fn root_cause(errors: Vec<(usize, anyhow::Error)>) -> Option<(usize, anyhow::Error)> {
-    let blamed = |e: &anyhow::Error| {
-        e.chain().filter_map(|c| c.downcast_ref::<qsr_comm::CommError>()).find_map(qsr_comm::CommError::blamed_rank)
-    };
+    let blamed = |e: &anyhow::Error| comm_errors(e).find_map(qsr_comm::CommError::blamed_rank);
     let own = errors.iter().position(|(_, e)| !is_peer_failure(e));
     let via_blame =
         || errors.iter().find_map(|(_, e)| blamed(e)).and_then(|r| errors.iter().position(|(rank, _)| *rank == r));
@@ -171,7 +176,8 @@ mod tests {
     #[test]
     fn each_kind_of_error_has_its_exit_status() {
         let peer = CommError::PeerLost { rank: 1, addr: "a".into(), during: "d".into(), detail: "x".into() };
-        let store = CommError::Store { addr: "s".into(), detail: "closed".into() };
+        let lost = CommError::PeerLost { rank: 2, addr: "b".into(), during: "d".into(), detail: "x".into() };
+        let store = ElasticError::Store { addr: "s".into(), detail: "closed".into() };
         let cases: Vec<(anyhow::Error, u8)> = vec![
             (anyhow::anyhow!("disk full"), 1),
             (bad_input(anyhow::anyhow!("recipe x: bad key")), 2),
@@ -180,8 +186,10 @@ mod tests {
             (anyhow::Error::new(Diverged { step: Some(4), why: "loss NaN".into() }), 4),
             (anyhow::Error::from(store), 5),
             (anyhow::Error::new(NotTrained { why: "accuracy 9.17 %".into() }).context("rank 0"), 6),
-            (anyhow::Error::from(CommError::Expelled { generation: 0, current: 1 }), 5),
-            (anyhow::Error::from(CommError::Mismatch { peer: "store".into(), detail: "`seed`".into() }), 2),
+            (anyhow::Error::from(ElasticError::Expelled { generation: 0, current: 1 }), 5),
+            // A peer lost while an elastic generation formed is still a peer failure.
+            (anyhow::Error::from(ElasticError::from(lost)).context("forming generation 2"), 3),
+            (anyhow::Error::from(ElasticError::Mismatch { peer: "store".into(), detail: "`seed`".into() }), 2),
             (anyhow::Error::new(Interrupted { signal: 2, name: "SIGINT", stopped: 4, resumable: true }), 130),
             (anyhow::Error::new(WorkersFailed { status: 4, message: "rank 1 diverged".into() }), 4),
         ];

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Result, anyhow};
 use qsr_comm::{CommError, TcpConfig};
-use qsr_elastic::{Store, StoreConfig};
+use qsr_elastic::{ElasticError, Store, StoreConfig};
 
 use crate::exit::bad_input;
 
@@ -69,14 +69,14 @@ pub(crate) fn rendezvous(args: &RendezvousArgs, out: &mut dyn Write) -> Result<(
     while !store.wait_finished(Some(Duration::from_secs(1))) {
         let addr = || store.local_addr().to_string();
         if let Some(why) = store.orphaned() {
-            return Err(CommError::Store { addr: addr(), detail: format!("the job ended unfinished: {why}") }.into());
+            return Err(ElasticError::Store { addr: addr(), detail: format!("the job ended unfinished: {why}") }.into());
         }
         if store.generation().is_none() && start.elapsed() >= first_within {
             let what = store.waiting_for().unwrap_or_default();
             let detail = format!(
                 "the first generation did not form within the rendezvous timeout of {first_within:?} (QSR_RENDEZVOUS_TIMEOUT_SECS): {what}"
             );
-            return Err(CommError::Store { addr: addr(), detail }.into());
+            return Err(ElasticError::Store { addr: addr(), detail }.into());
         }
         if std::time::Instant::now() >= next_line
             && let Some(what) = store.waiting_for()

@@ -17,7 +17,7 @@
 
 use anyhow::{Context, Result, anyhow, bail};
 use qsr_comm::{Collective, CommError, TcpConfig};
-use qsr_elastic::{Elastic, ElasticConfig, LastSync, Membership, Poll};
+use qsr_elastic::{Elastic, ElasticConfig, ElasticError, LastSync, Membership, Poll};
 use qsr_elastic::{Store, StoreConfig};
 use qsr_optim::{Level, Snapshot, StreamState, Worker};
 use serde::{Deserialize, Serialize};
@@ -106,7 +106,7 @@ pub(crate) fn train(
 type Formed = (Box<dyn Collective>, Option<Box<dyn Collective>>, Membership);
 
 /// Joins the next generation ([`Elastic::form`]); a streaming recipe's members form a pair of groups.
-fn form(job: &mut Elastic, recipe: &TrainRecipe, state: Option<LastSync>, why: &str) -> Result<Formed, CommError> {
+fn form(job: &mut Elastic, recipe: &TrainRecipe, state: Option<LastSync>, why: &str) -> Result<Formed, ElasticError> {
     if recipe.sync.streaming.is_some() {
         let pair = job.form_pair(state, why)?;
         Ok((pair.comm, Some(pair.side), pair.membership))
@@ -307,7 +307,7 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
             let handover = Handover { counters, ..self.snap.1.clone() };
             let state = LastSync { step: self.snap.0.step(), payload: serde_json::to_string(&handover)? };
             let formed = form(self.job, &self.spec.recipe, Some(state), why).and_then(|(comm, side, m)| {
-                let invalid = |e: qsr_optim::OptimError| CommError::InvalidArgument(e.to_string());
+                let invalid = |e: qsr_optim::OptimError| ElasticError::from(CommError::InvalidArgument(e.to_string()));
                 self.worker.replace_comm(comm).map_err(invalid)?;
                 if let Some(side) = side {
                     self.worker.set_streaming_comm(side).map_err(invalid)?;
@@ -316,7 +316,7 @@ impl<'a, T: Task, F: Fn(usize, usize) -> Result<T>> Member<'a, T, F> {
             });
             let result = match formed {
                 Ok(m) => self.take_over(m, Some(failed_at), why),
-                Err(e @ (CommError::Expelled { .. } | CommError::Store { .. })) => return Err(e.into()),
+                Err(e @ (ElasticError::Expelled { .. } | ElasticError::Store { .. })) => return Err(e.into()),
                 Err(e) => Err(e.into()),
             };
             match result {
@@ -402,7 +402,5 @@ fn resized(spec: &RunSpec, m: &Membership) -> Option<MembershipChange> {
 
 /// Whether forming a generation's ring failed (a member of it died meanwhile): worth another try.
 fn is_setup_failure(e: &anyhow::Error) -> bool {
-    e.chain()
-        .filter_map(|c| c.downcast_ref::<CommError>())
-        .any(|c| matches!(c, CommError::Rendezvous(_) | CommError::HandshakeRefused { .. }))
+    crate::exit::comm_errors(e).any(|c| matches!(c, CommError::Rendezvous(_) | CommError::HandshakeRefused { .. }))
 }
