@@ -48,6 +48,8 @@ pub struct Worker<M: Module> {
     /// The sync settings given so far (rule and plan, wire, residency, state; outer and streaming
     /// once set), each addition checked with the rest.
     settings: SyncSettings,
+    /// What [`check_sync`] says the settings given so far do differently from what they say.
+    warnings: Vec<String>,
     stats: DriverStats,
 }
 
@@ -73,7 +75,7 @@ impl<M: Module> Worker<M> {
             fingerprint: config.fingerprint,
             ..SyncSettings::new(cursor.plan().sync().clone(), comm.world_size())
         };
-        check_sync(&settings, Face::Recipe).into_result()?;
+        let warnings = check_sync(&settings, Face::Recipe).into_result()?;
         let layout = ParamLayout::of(&model);
         let transfer = Transfer { wire: config.wire, bucket: config.bucket_elems };
         let mut sync = Synchronizer::new(comm, transfer, Face::Recipe)?;
@@ -90,7 +92,7 @@ impl<M: Module> Worker<M> {
             _ => FlatState::Host(HostState::new(&model, &layout, optimizer.clone())?),
         };
         let stats = DriverStats::default();
-        let mut worker = Self { model, layout, flat, optimizer, sync, cursor, config, settings, stats };
+        let mut worker = Self { model, layout, flat, optimizer, sync, cursor, config, settings, warnings, stats };
         if worker.sync.streams_with(None) {
             worker.start_stream(None)?;
         }
@@ -111,12 +113,12 @@ impl<M: Module> Worker<M> {
 
     fn start_stream(&mut self, config: Option<StreamingConfig>) -> Result<(), OptimError> {
         let settings = SyncSettings { streaming: config.or(self.settings.streaming), ..self.settings.clone() };
-        check_sync(&settings, Face::Recipe).into_result()?;
+        let warnings = check_sync(&settings, Face::Recipe).into_result()?;
         let stream = self.sync.prepare_streaming(config, &self.layout)?;
         // Read only once the settings are known to fit: a device replica would download them.
         let params = self.flat.params()?;
         self.sync.start_streaming(stream, &params);
-        self.settings = settings;
+        (self.settings, self.warnings) = (settings, warnings);
         Ok(())
     }
 
@@ -198,10 +200,10 @@ impl<M: Module> Worker<M> {
     /// that never average parameters and for device-resident workers.
     pub fn set_outer(&mut self, config: OuterConfig) -> Result<(), OptimError> {
         let settings = SyncSettings { outer: Some(config), ..self.settings.clone() };
-        check_sync(&settings, Face::Recipe).into_result()?;
+        let warnings = check_sync(&settings, Face::Recipe).into_result()?;
         let params = self.flat.params()?;
         self.sync.set_outer(config, &params)?;
-        self.settings = settings;
+        (self.settings, self.warnings) = (settings, warnings);
         Ok(())
     }
 
@@ -225,6 +227,12 @@ impl<M: Module> Worker<M> {
     /// The sync state a [`Snapshot`](crate::Snapshot) holds (no averages in flight).
     pub(crate) fn held_sync_state(&self) -> SyncState {
         self.sync.held_state()
+    }
+
+    /// What the sync settings given so far do differently from what they say ([`check_sync`]'s
+    /// warnings, one line each): a caller shows them once its settings are complete.
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
     }
 
     /// The outer optimizer's global parameters and momentum buffer (for a checkpoint), if it has one.

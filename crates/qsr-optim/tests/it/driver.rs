@@ -1067,3 +1067,19 @@ fn a_fingerprint_fails_ranks_whose_parameters_differ_after_an_average_naming_the
     let checked = run_mlp(2, &p, OptimizerConfig::sgd(0.0, 0.0), fingerprinted, None);
     assert_eq!(straight.params, checked.params, "the check changes no parameter");
 }
+
+/// The settings check's warnings reach a Worker's caller: a per-step outer momentum that amplifies
+/// the average on 2-step rounds is said once the outer step is set (it was dropped before).
+#[test]
+fn a_workers_settings_warnings_are_kept_for_its_caller() {
+    let device = device();
+    let model = init(Mlp::new(&device, IN, OUT));
+    let comm = InProcessGroup::new(1).remove(0);
+    let p = plan(8, SyncRule::Constant { h: 2 });
+    let mut w = Worker::new(model, OptimizerConfig::sgd(0.0, 0.0), Box::new(comm), p.cursor(), DriverConfig::default())
+        .unwrap();
+    assert!(w.warnings().is_empty(), "{:?}", w.warnings());
+    let per_step = OuterConfig { lr: 0.7, momentum: 0.9, nesterov: true, unit: qsr_optim::OuterUnit::Lr };
+    w.set_outer(per_step).unwrap();
+    assert!(w.warnings().iter().any(|w| w.contains("outer.momentum")), "{:?}", w.warnings());
+}

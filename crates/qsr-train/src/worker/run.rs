@@ -103,10 +103,6 @@ pub(crate) fn set_up_syncs<M: Module>(
     fragments: Option<Box<dyn Collective>>,
     warn: bool,
 ) -> Result<()> {
-    let verdict = qsr_optim::check_sync(&recipe.sync_settings()?, qsr_optim::Face::Recipe);
-    for w in verdict.warnings.iter().filter(|_| warn) {
-        eprintln!("qsr: warning: {w}");
-    }
     if let Some(streaming) = recipe.sync.streaming {
         worker.set_streaming(streaming)?;
         if let Some(comm) = fragments {
@@ -115,6 +111,10 @@ pub(crate) fn set_up_syncs<M: Module>(
     }
     if let Some(outer) = recipe.outer {
         worker.set_outer(outer)?;
+    }
+    // The worker checked its settings as they came; what they do differently, once.
+    for w in worker.warnings().iter().filter(|_| warn) {
+        eprintln!("qsr: warning: {w}");
     }
     Ok(())
 }
