@@ -363,6 +363,9 @@ fn start(
 ) -> Result<Vec<Spawned>> {
     let mut workers: Vec<Spawned> = Vec::new();
     let mut port = None;
+    if let Some(path) = port_file {
+        clear_stale_port(path)?;
+    }
     for rank in ranks {
         // Rank 0 chose the port (a `--nproc` launch, whose ranks start at 0).
         if rank == 1
@@ -414,18 +417,15 @@ fn spawn(
 fn rank_zero_port(rank0: &mut Child, path: &Path, signal: &AtomicUsize, timeout: Duration) -> Result<Option<u16>> {
     let start = Instant::now();
     loop {
-        match std::fs::read_to_string(path) {
-            Ok(text) => {
-                let _ = std::fs::remove_file(path);
-                let port = text.trim().parse::<u16>().ok().filter(|p| *p != 0);
-                return port
-                    .map(Some)
-                    .with_context(|| format!("rank 0 wrote {text:?} to {}, not its rendezvous port", path.display()));
-            }
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(e).with_context(|| format!("cannot read rank 0's rendezvous port from {}", path.display()));
-            }
-            Err(_) => {}
+        if std::fs::symlink_metadata(path).is_ok() {
+            // Bounded and regular only: a FIFO or a link to a device in its place must not hang us.
+            let text = crate::files::read_text(path, PORT_FILE_BYTES, "rendezvous port file");
+            let _ = std::fs::remove_file(path);
+            let text = text.with_context(|| format!("cannot read rank 0's rendezvous port from {}", path.display()))?;
+            let port = text.trim().parse::<u16>().ok().filter(|p| *p != 0);
+            return port
+                .map(Some)
+                .with_context(|| format!("rank 0 wrote {text:?} to {}, not its rendezvous port", path.display()));
         }
         match rank0.try_wait().context("cannot wait for worker 0")? {
             Some(status) if status.success() => bail!("worker 0 exited before it bound its rendezvous port"),
@@ -442,6 +442,26 @@ fn rank_zero_port(rank0: &mut Child, path: &Path, signal: &AtomicUsize, timeout:
             );
         }
         std::thread::sleep(POLL);
+    }
+}
+
+/// The most bytes a rendezvous port file holds (a port number).
+const PORT_FILE_BYTES: u64 = 16;
+
+/// Removes what a launcher that was killed before reading it left at `path` (D3: later launches read
+/// its dead port and waited the whole rendezvous timeout), a link or a FIFO in its place too: removing
+/// never follows a link or opens a FIFO. The run directory's lock keeps other launchers out.
+fn clear_stale_port(path: &Path) -> Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("cannot check {}", path.display())),
+        Ok(m) if m.is_dir() => {
+            bail!(
+                "{} is a directory, where the launcher takes the rendezvous port from rank 0; remove it",
+                path.display()
+            )
+        }
+        Ok(_) => std::fs::remove_file(path).with_context(|| format!("cannot remove the stale {}", path.display())),
     }
 }
 
@@ -616,6 +636,38 @@ mod tests {
         let (port, left) = wait(r#"printf 4242 > "$1.tmp" && mv "$1.tmp" "$1"; sleep 5"#, Duration::from_secs(5));
         assert_eq!(port.unwrap(), Some(4242));
         assert!(!left, "the port file is removed once read");
+    }
+
+    /// D3: a port file left by a launcher killed before reading it (or a link to /dev/zero, or a FIFO,
+    /// in its place) is removed before rank 0 starts, so the launch takes the port rank 0 binds now.
+    #[test]
+    fn a_stale_rendezvous_port_file_is_cleared_before_rank_zero_starts() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join(PORT_FILE);
+        for stale in ["file", "link", "fifo"] {
+            match stale {
+                "file" => std::fs::write(&file, "36189").unwrap(),
+                "link" => std::os::unix::fs::symlink("/dev/zero", &file).unwrap(),
+                _ => assert!(Command::new("mkfifo").arg(&file).status().unwrap().success()),
+            }
+            clear_stale_port(&file).unwrap();
+            assert!(std::fs::symlink_metadata(&file).is_err(), "{stale} left in place");
+        }
+        std::fs::create_dir(&file).unwrap();
+        let err = clear_stale_port(&file).unwrap_err().to_string();
+        assert!(err.contains("is a directory"), "{err}");
+    }
+
+    /// D3: a rank 0 stand-in whose port file is a FIFO or a link to /dev/zero is refused at once,
+    /// naming the file, instead of blocking the launcher or growing it without bound.
+    #[test]
+    fn a_port_file_that_is_not_a_regular_file_is_refused_not_read() {
+        let (port, _) = wait(r#"ln -s /dev/zero "$1"; sleep 5"#, Duration::from_secs(5));
+        let err = format!("{:#}", port.unwrap_err());
+        assert!(err.contains("not a regular file"), "{err}");
+        let (port, _) = wait(r#"mkfifo "$1"; sleep 5"#, Duration::from_secs(5));
+        let err = format!("{:#}", port.unwrap_err());
+        assert!(err.contains("not a regular file"), "{err}");
     }
 
     /// A rank 0 that fails before its rendezvous is reported by the supervisor, not waited for.

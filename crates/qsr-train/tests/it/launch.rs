@@ -431,3 +431,21 @@ fn a_rank_the_launcher_stopped_is_not_blamed_for_the_job() {
     assert!(stderr.contains("(1 of 2 workers failed)"), "{stderr}");
     assert!(!stderr.contains("rank 0 was killed"), "{stderr}");
 }
+
+/// D3: a launcher SIGKILLed before it read rank 0's port leaves `RUN/.rendezvous-port`; the next
+/// `--nproc` launch in that directory used to hand its ranks that dead port and fail after the whole
+/// rendezvous timeout. It trains now, with the timeout short enough that the old failure would show.
+#[test]
+fn a_launch_into_a_directory_with_a_stale_rendezvous_port_trains() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    std::fs::create_dir_all(&run).unwrap();
+    std::fs::write(run.join(".rendezvous-port"), "36189").unwrap();
+    let args = ["train", "--recipe", crate::common::RECIPE, "--nproc", "2", "--quiet", "--out", run.to_str().unwrap()];
+    let out = crate::common::qsr_cmd(&[&args[..], &["--set", "schedule.total_steps=60"]].concat())
+        .env("QSR_RENDEZVOUS_TIMEOUT_SECS", "20")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!run.join(".rendezvous-port").exists(), "the port file is gone once read");
+}
