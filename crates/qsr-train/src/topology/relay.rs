@@ -32,6 +32,9 @@ impl Relay {
     /// A relay that also writes per-rank log files under `log_dir` (created if missing).
     pub(super) fn new(log_dir: Option<&Path>) -> Result<Relay> {
         if let Some(dir) = log_dir {
+            if std::fs::metadata(dir).is_ok_and(|m| !m.is_dir()) {
+                anyhow::bail!("--log-dir {}: not a directory (it names a file)", dir.display());
+            }
             std::fs::create_dir_all(dir).with_context(|| format!("cannot create --log-dir {}", dir.display()))?;
         }
         Ok(Relay { log_dir: log_dir.map(Path::to_path_buf), live: Arc::new(AtomicUsize::new(0)) })
@@ -69,8 +72,7 @@ impl Relay {
             Stream::Out => format!("rank-{rank}.stdout.log"),
             Stream::Err => format!("rank-{rank}.stderr.log"),
         };
-        let path = dir.join(name);
-        File::create(&path).map(Some).with_context(|| format!("cannot create {}", path.display()))
+        new_log(dir, &name).map(Some)
     }
 
     /// Waits until every rank's output is copied (their pipes closed), at most `limit`: a process
@@ -81,6 +83,24 @@ impl Relay {
             std::thread::sleep(Duration::from_millis(10));
         }
     }
+}
+
+/// A new, empty `dir/name` for writing: created under a name of this process's own, then renamed into
+/// place, so that a link or a FIFO already at `dir/name` is replaced, never followed (its target
+/// overwritten) nor opened (a FIFO blocks until someone reads it): issue 56, D5.
+fn new_log(dir: &Path, name: &str) -> Result<File> {
+    let (path, tmp) = (dir.join(name), dir.join(format!(".{name}.{}", std::process::id())));
+    let _ = std::fs::remove_file(&tmp);
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .with_context(|| format!("cannot create {}", tmp.display()))?;
+    if let Err(e) = std::fs::rename(&tmp, &path) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e).with_context(|| format!("cannot create {}", path.display()));
+    }
+    Ok(file)
 }
 
 /// Copies `pipe` line by line to this process's `stream`, prefixed, and to `log` as it came.
@@ -109,5 +129,45 @@ fn copy_lines(pipe: Box<dyn Read + Send>, rank: usize, stream: Stream, mut log: 
             Stream::Out => std::io::stdout().lock().write_all(&shown),
             Stream::Err => std::io::stderr().lock().write_all(&shown),
         };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// D5: a rank's log that is a link is replaced, its target left as it was; one that is a FIFO is
+    /// replaced without being opened (which would block); a directory there is an error naming it.
+    #[test]
+    fn a_log_file_that_is_a_link_or_a_fifo_is_replaced_not_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("precious.txt");
+        std::fs::write(&target, "keep me").unwrap();
+        std::os::unix::fs::symlink(&target, dir.path().join("rank-0.stdout.log")).unwrap();
+        let mut log = new_log(dir.path(), "rank-0.stdout.log").unwrap();
+        log.write_all(b"line\n").unwrap();
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep me");
+        let written = dir.path().join("rank-0.stdout.log");
+        assert!(std::fs::symlink_metadata(&written).unwrap().is_file());
+        assert_eq!(std::fs::read_to_string(&written).unwrap(), "line\n");
+        let fifo = dir.path().join("rank-0.stderr.log");
+        assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        new_log(dir.path(), "rank-0.stderr.log").unwrap();
+        assert!(std::fs::symlink_metadata(&fifo).unwrap().is_file());
+        std::fs::create_dir(dir.path().join("rank-1.stdout.log")).unwrap();
+        let err = format!("{:#}", new_log(dir.path(), "rank-1.stdout.log").unwrap_err());
+        assert!(err.contains("rank-1.stdout.log"), "{err}");
+        let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert!(names.iter().all(|n| !n.to_string_lossy().starts_with('.')), "no temporary left: {names:?}");
+    }
+
+    /// D12: `--log-dir` naming a file says so, instead of "File exists".
+    #[test]
+    fn a_log_dir_that_is_a_file_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("logs");
+        std::fs::write(&file, "").unwrap();
+        let err = format!("{:#}", Relay::new(Some(&file)).err().unwrap());
+        assert!(err.contains("not a directory") && err.contains("logs"), "{err}");
     }
 }
