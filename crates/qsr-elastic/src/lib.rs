@@ -27,4 +27,4 @@ mod store;
 pub use client::{Elastic, ElasticConfig, Membership, Pair, Poll};
 pub use error::ElasticError;
 pub use protocol::{LastSync, Lost, MAX_SYNC_PAYLOAD};
-pub use store::{Store, StoreConfig};
+pub use store::{MAX_WORKERS, Store, StoreConfig};

@@ -14,6 +14,10 @@ use subtle::ConstantTimeEq;
 
 use crate::protocol::{KEEPALIVE, LastSync, Lost, MAX_SYNC_PAYLOAD, Request, Response, recv, send};
 
+/// The most workers a store admits: the most ranks a TCP ring forms (issue 56 D12: `qsr rendezvous
+/// --workers 100000000` was accepted).
+pub const MAX_WORKERS: usize = 1 << 16;
+
 /// How often threads look at the stop flag.
 const TICK: Duration = Duration::from_millis(50);
 
@@ -132,6 +136,12 @@ struct Over {
 impl Store {
     /// Binds `addr` (`host:port`; port 0 picks one) and serves in background threads.
     pub fn bind(addr: &str, cfg: StoreConfig) -> Result<Store, CommError> {
+        if cfg.workers > MAX_WORKERS {
+            return Err(CommError::InvalidArgument(format!(
+                "an elastic store admits at most {MAX_WORKERS} workers (a ring's most ranks), not {}",
+                cfg.workers
+            )));
+        }
         if cfg.workers == 0 || cfg.min_workers == 0 || cfg.min_workers > cfg.workers {
             return Err(CommError::InvalidArgument(format!(
                 "an elastic store needs 1 <= min_workers ({}) <= workers ({})",

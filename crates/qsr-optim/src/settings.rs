@@ -179,6 +179,16 @@ pub fn check_sync(settings: &SyncSettings, face: Face) -> SyncVerdict {
     if let (Some(outer), Some(plan)) = (&settings.outer, &settings.plan) {
         v.warnings.extend(outer_gain_warning(outer, plan));
     }
+    if settings.wire != Wire::F32 && settings.rule.syncs_gradients(u64::MAX) {
+        // Issue 56 D12: silently ignored before.
+        v.warnings.push(format!(
+            "`{}` = \"{}\" carries parameter syncs, which rule `{}` never makes (its gradient all-reduces stay f32): \
+             the wire changes nothing",
+            face.wire(),
+            settings.wire.encoding_name(),
+            settings.rule.name()
+        ));
+    }
     if let Some(streaming) = &settings.streaming {
         match check_streaming(streaming, settings, face) {
             Ok((warnings, fragments)) => {
@@ -307,6 +317,18 @@ fn check_streaming(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 56 D12: a wire the rule never uses (data parallel all-reduces gradients in f32) is said,
+    /// not silently ignored.
+    #[test]
+    fn a_wire_that_a_gradient_rule_never_uses_is_a_warning() {
+        let dp = SyncSettings { wire: Wire::Int8, ..SyncSettings::new(SyncRule::Dp, 4) };
+        let verdict = check_sync(&dp, Face::Recipe);
+        assert!(verdict.refusals.is_empty(), "{:?}", verdict.refusals);
+        assert!(verdict.warnings.iter().any(|w| w.contains("`driver.wire`") && w.contains("changes nothing")));
+        let qsr = SyncSettings { wire: Wire::Int8, ..SyncSettings::new(SyncRule::Qsr { h_base: 2, alpha: 0.1 }, 4) };
+        assert!(check_sync(&qsr, Face::Recipe).warnings.is_empty());
+    }
 
     /// The fingerprint check compares what a plain f32 average of host-resident parameters leaves
     /// equal; elsewhere it is refused naming its key as each face spells it.

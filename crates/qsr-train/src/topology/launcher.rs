@@ -88,7 +88,10 @@ fn job(args: &LaunchArgs, env: &dyn Fn(&str) -> Option<String>) -> Result<Job> {
             args.max_restarts
         );
     }
-    if args.nnodes == 0 || args.node_rank >= args.nnodes {
+    if args.nnodes == 0 {
+        bail!("--nnodes 0: a job needs at least one host");
+    }
+    if args.node_rank >= args.nnodes {
         bail!("--node-rank {}: must be in 0..--nnodes {}", args.node_rank, args.nnodes);
     }
     let world = args.nnodes.checked_mul(args.nproc).filter(|w| *w <= 1 << 16);

@@ -1102,3 +1102,13 @@ fn bad_values_name_their_key_and_empty_metrics_are_refused() {
     let e = refused(&["plot", run.to_str().unwrap()]);
     assert!(e.contains("no metrics records"), "{e}");
 }
+
+/// Issue 56 D12: flags that made no sense were accepted or refused with the wrong words: a store for
+/// a hundred million workers, a job of no host.
+#[test]
+fn a_store_past_a_rings_size_and_a_job_of_no_host_are_refused_naming_why() {
+    let err = crate::common::refused(&["rendezvous", "--workers", "100000000", "--listen", "127.0.0.1:0"]);
+    assert!(err.contains("at most 65536 workers"), "{err}");
+    let err = crate::common::refused(&["launch", "--nnodes", "0", "--nproc", "2", "--", "true"]);
+    assert!(err.contains("--nnodes 0: a job needs at least one host"), "{err}");
+}
