@@ -127,7 +127,12 @@ impl PlanOverrides {
                 t.insert(k.to_string(), v);
             }
         };
-        let int = |v: Option<u64>| v.map(|x| Value::Integer(x.min(i64::MAX as u64) as i64));
+        // Issue 56 D12: a u64 past TOML's integers used to be echoed back as i64::MAX.
+        let one = |flag: &str, x: u64| match i64::try_from(x) {
+            Ok(x) => Ok(Value::Integer(x)),
+            Err(_) => Err(crate::exit::bad_input(anyhow!("{flag} {x}: larger than any plan (at most {})", i64::MAX))),
+        };
+        let int = |flag: &str, v: Option<u64>| v.map(|x| one(flag, x)).transpose();
         let float = |v: Option<f64>| v.map(Value::Float);
         if let Some(kind) = &self.schedule_kind {
             if kind != "step" && self.decay_points.is_none() {
@@ -135,13 +140,13 @@ impl PlanOverrides {
             }
             sched.insert("kind".into(), Value::String(kind.clone()));
         }
-        set(sched, "total_steps", int(self.total_steps));
-        set(sched, "warmup_steps", int(self.warmup_steps));
+        set(sched, "total_steps", int("--total-steps", self.total_steps)?);
+        set(sched, "warmup_steps", int("--warmup-steps", self.warmup_steps)?);
         set(sched, "lr_max", float(self.lr_max));
         set(sched, "lr_min", float(self.lr_min));
         set(sched, "decay_gamma", float(self.decay_gamma));
         if let Some(points) = &self.decay_points {
-            let arr = points.iter().map(|&p| Value::Integer(p.min(i64::MAX as u64) as i64)).collect();
+            let arr = points.iter().map(|&p| one("--decay-points", p)).collect::<Result<_>>()?;
             sched.insert("decay_points".into(), Value::Array(arr));
         }
 
@@ -149,7 +154,7 @@ impl PlanOverrides {
         if let Some(rule) = &self.rule {
             super::sets::switch_rule(sync, rule);
         }
-        set(sync, "h_base", int(self.h_base));
+        set(sync, "h_base", int("--h-base", self.h_base)?);
         if self.alpha.is_some() {
             // A new alpha was not chosen from the budget a resolved recipe records.
             sync.remove("from_budget");
@@ -157,10 +162,10 @@ impl PlanOverrides {
         set(sync, "alpha", float(self.alpha));
         set(sync, "budget", float(self.budget));
         set(sync, "power", float(self.power));
-        set(sync, "switch_step", int(self.switch_step));
-        set(sync, "h", int(self.h));
-        set(sync, "scaler", int(self.scaler));
-        set(sync, "h_max", int(self.h_max));
+        set(sync, "switch_step", int("--switch-step", self.switch_step)?);
+        set(sync, "h", int("--h", self.h)?);
+        set(sync, "scaler", int("--scaler", self.scaler)?);
+        set(sync, "h_max", int("--h-max", self.h_max)?);
         Ok(())
     }
 }

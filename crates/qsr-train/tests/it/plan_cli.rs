@@ -392,3 +392,12 @@ fn a_mix_that_cannot_bring_the_workers_together_is_refused_by_plan_train_and_sim
     }
     assert!(qsr(&["plan", "--recipe", &recipe("0.0954")]).status.success());
 }
+
+/// Issue 56 D12: a step count past TOML's integers was echoed back as 9223372036854775807; the
+/// refusal names the flag and the number given.
+#[test]
+fn a_step_flag_past_tomls_integers_is_refused_naming_the_number_given() {
+    let err =
+        crate::common::refused(&["plan", "--recipe", crate::common::RECIPE, "--total-steps", "18446744073709551615"]);
+    assert!(err.contains("--total-steps 18446744073709551615: larger than any plan"), "{err}");
+}
