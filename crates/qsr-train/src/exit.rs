@@ -97,6 +97,23 @@ pub(crate) struct Interrupted {
     pub resumable: bool,
 }
 
+/// The name of signal `s`, for messages.
+pub(crate) fn signal_name(s: i32) -> &'static str {
+    use signal_hook::consts::*;
+    match s {
+        SIGKILL => "SIGKILL",
+        SIGTERM => "SIGTERM",
+        SIGINT => "SIGINT",
+        SIGHUP => "SIGHUP",
+        SIGABRT => "SIGABRT",
+        SIGSEGV => "SIGSEGV",
+        SIGBUS => "SIGBUS",
+        SIGILL => "SIGILL",
+        SIGFPE => "SIGFPE",
+        _ => "another signal",
+    }
+}
+
 /// Workers of a `--nproc` launch failed: the launcher exits with the status of the one that failed
 /// first ([`EXIT_PEER_FAILED`] when it was killed or stopped).
 #[derive(Debug, thiserror::Error)]

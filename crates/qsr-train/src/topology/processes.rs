@@ -198,7 +198,7 @@ impl Failure {
             );
         };
         match (status.signal(), status.code()) {
-            (Some(s), _) => format!("rank {} was killed by signal {s} ({})", self.rank, signal_name(s)),
+            (Some(s), _) => format!("rank {} was killed by signal {s} ({})", self.rank, crate::exit::signal_name(s)),
             (_, Some(c)) if c == i32::from(EXIT_PEER_FAILED) && others_failed => {
                 format!("rank {} stopped after losing a peer (exit status {c}; its error is printed above)", self.rank)
             }
@@ -210,22 +210,6 @@ impl Failure {
                 format!("rank {} failed (exit status {}; its error is printed above)", self.rank, code.unwrap_or(-1))
             }
         }
-    }
-}
-
-fn signal_name(s: i32) -> &'static str {
-    use signal_hook::consts::*;
-    match s {
-        SIGKILL => "SIGKILL",
-        SIGTERM => "SIGTERM",
-        SIGINT => "SIGINT",
-        SIGHUP => "SIGHUP",
-        SIGABRT => "SIGABRT",
-        SIGSEGV => "SIGSEGV",
-        SIGBUS => "SIGBUS",
-        SIGILL => "SIGILL",
-        SIGFPE => "SIGFPE",
-        _ => "another signal",
     }
 }
 
@@ -276,7 +260,7 @@ fn watch(
             // qsr's own workers checkpoint; another program's ranks may not.
             let resumable = workers.iter().all(|w| w.groups == Groups::Shared);
             stop(&mut workers, sig);
-            let (signal, name) = (sig.as_raw(), signal_name(sig.as_raw()));
+            let (signal, name) = (sig.as_raw(), crate::exit::signal_name(sig.as_raw()));
             return Err(crate::exit::Interrupted { signal, name, stopped, resumable }.into());
         }
         // Elastic jobs go on without a failed worker once they run; before, the others would wait for it.

@@ -13,6 +13,8 @@ use crate::worker::{Comms, RunSpec, build_model, in_pool, intra_op_threads, run_
 /// summary.
 pub(crate) fn run(spec: &RunSpec) -> Result<Option<Summary>> {
     let k = spec.recipe.train.workers;
+    // A signal stops the workers together at a sync, with a checkpoint, instead of killing them.
+    crate::worker::interrupt::arm()?;
     let model = build_model(&spec.recipe, &spec.device)?;
     let comms = InProcessGroup::new(k);
     // Used by device-resident workers (GPU): their syncs average on the device.

@@ -5,6 +5,7 @@
 //! steps) → `outcome` (a run that did not train, an average that lost) → `task` (images or text: data,
 //! steps, evaluation) and `model` (building the network) → `spec` (what a worker is given and returns).
 
+pub(crate) mod interrupt;
 mod model;
 mod outcome;
 mod pool;

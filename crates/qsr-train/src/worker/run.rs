@@ -88,6 +88,11 @@ fn run<T: Task>(
                 finished = false;
                 break;
             }
+            AfterSync::Interrupted(signal) => {
+                segment.finish(spec, &pace, task, &worker, false)?;
+                let (name, stopped, resumable) = (crate::exit::signal_name(signal), recipe.train.workers, true);
+                return Err(crate::exit::Interrupted { signal, name, stopped, resumable }.into());
+            }
         }
     }
     let summary = segment.finish(spec, &pace, task, &worker, finished)?;

@@ -35,7 +35,13 @@ pub(crate) enum AfterSync {
     Halt,
     /// The evaluation saw the run diverge: it stops (every rank saw the same evaluation).
     Diverged,
+    /// A signal (its number) stopped the run here, after a checkpoint ([`super::interrupt`]).
+    Interrupted(i32),
 }
+
+/// Steps between two checks of a signal at the syncs (every sync of rounds this long or longer):
+/// the workers of a threaded run stop within this many steps of a signal, or one round.
+const SIGNAL_CHECK_STEPS: u64 = 16;
 
 /// This process's part of the run (all of it, or what follows a resume): rank 0's metrics file and
 /// progress bar, and what the next records need.
@@ -62,6 +68,8 @@ pub(crate) struct Segment {
     not_trained: Option<crate::exit::NotTrained>,
     /// The workers' own models evaluated one step before the run's last average.
     workers_before: Option<Eval>,
+    /// The step at which the workers last checked for a signal together.
+    signal_checked: u64,
 }
 
 /// The training losses of the steps since a sync: a non-finite loss (an update skipped for it) is
@@ -122,6 +130,7 @@ impl Segment {
             diverged: None,
             not_trained: None,
             workers_before: None,
+            signal_checked: first_step,
         })
     }
 
@@ -250,6 +259,12 @@ impl Segment {
             Some(period) => eval_due_every(worker.cursor(), done_steps, period),
             None => eval_due(worker.cursor(), done_steps, pace.spe, recipe.eval.every_epochs as u64),
         };
+        if let Some(signal) = self.signal_agreed(worker, done_steps, due || is_end)? {
+            if recipe.checkpoint.enabled {
+                save_checkpoint(worker, spec, done_steps, self.counters(worker))?;
+            }
+            return Ok(AfterSync::Interrupted(signal));
+        }
         if !due {
             return Ok(AfterSync::Continue);
         }
@@ -281,6 +296,26 @@ impl Segment {
         }
         let halt = spec.halt_after.is_some_and(|h| done_steps >= h) && !is_end;
         Ok(if halt { AfterSync::Halt } else { AfterSync::Continue })
+    }
+
+    /// Whether a signal stops the run at the sync after `done_steps`: in a process whose handlers are
+    /// armed (a threaded run), every worker asks at the same syncs (at least [`SIGNAL_CHECK_STEPS`]
+    /// apart, and at every evaluation, `always`) whether any received one: a 4-byte all-reduce.
+    fn signal_agreed<M: burn::module::Module>(
+        &mut self,
+        worker: &mut Worker<M>,
+        done_steps: u64,
+        always: bool,
+    ) -> Result<Option<i32>> {
+        if !super::interrupt::armed() || !(always || done_steps >= self.signal_checked + SIGNAL_CHECK_STEPS) {
+            return Ok(None);
+        }
+        self.signal_checked = done_steps;
+        let signal = super::interrupt::received();
+        let mut any = [f32::from(u8::from(signal.is_some()))];
+        worker.comm_mut().all_reduce(&mut any, qsr_comm::ReduceOp::Sum).context("while checking for a signal")?;
+        // Every worker of this process read the same flag; a late reader still stops with the others.
+        Ok((any[0] > 0.0).then(|| signal.unwrap_or(signal_hook::consts::SIGINT)))
     }
 
     /// Clears the progress bar; on rank 0 of a finished run that evaluated, writes `summary.json` and

@@ -1112,3 +1112,26 @@ fn a_store_past_a_rings_size_and_a_job_of_no_host_are_refused_naming_why() {
     let err = crate::common::refused(&["launch", "--nnodes", "0", "--nproc", "2", "--", "true"]);
     assert!(err.contains("--nnodes 0: a job needs at least one host"), "{err}");
 }
+
+/// Issue 56 D10: SIGINT to `qsr train --workers 4` (threads) killed it at once: status 130 and no
+/// word, no `--resume` hint, a checkpoint sometimes half written. The workers stop together at a
+/// sync with a checkpoint, say so with the hint, leave nothing unfinished, and the run resumes to
+/// its end.
+#[test]
+fn a_threaded_run_interrupted_by_sigint_stops_at_a_sync_and_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let args = ["train", "--recipe", RECIPE, "--workers", "4", "--out", s(&out), "--quiet"];
+    let long = ["--set", "schedule.total_steps=200000", "--set", "train.steps=3000"];
+    let mut run = Background::start(&[&args[..], &long].concat(), dir.path().join("stderr"));
+    assert!(wait_until(Duration::from_secs(60), || out.join("ckpt/LATEST").exists()), "no checkpoint came");
+    kill(run.child.id(), "INT");
+    let status = run.wait(Duration::from_secs(60)).expect("the run did not stop at its next sync");
+    let err = run.stderr();
+    assert_eq!(status.code(), Some(130), "{err}");
+    assert!(err.contains("interrupted by signal 2 (SIGINT)") && err.contains("--resume"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(out.join("ckpt")).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(left.iter().all(|n| !n.to_string_lossy().starts_with("tmp-")), "{left:?}");
+    ok(&["train", "--resume", s(&out), "--quiet", "--workers", "4"]);
+    assert_eq!(json(&out.join("summary.json"))["steps"], 3000);
+}
