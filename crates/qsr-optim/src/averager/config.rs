@@ -162,13 +162,15 @@ impl AveragerConfig {
         Ok(starts.windows(2).map(|w| w[1] - w[0]).collect())
     }
 
-    /// The round that starts at step `t` with learning rate `lr` (QSR: `H` from it after warmup).
+    /// The round that starts at step `t` with learning rate `lr` (QSR: `H` from it after warmup). An
+    /// lr of 0 (a scheduler that ends at 0) makes the round last to the run's end: QSR's `H` for
+    /// lr 0, whose steps move nothing apart (issue 57: it was refused).
     pub(super) fn round_at(&self, t: u64, lr: f64, rounds_after_warmup: &mut u64) -> Result<RoundSpan, OptimError> {
         let in_warmup = t < self.warmup_steps;
-        if self.rule.power().is_some() && !in_warmup && !(lr.is_finite() && lr > 0.0) {
+        if self.rule.power().is_some() && !in_warmup && !(lr.is_finite() && lr >= 0.0) {
             return Err(OptimError::Config {
                 field: "lr".into(),
-                reason: format!("step {t}: the power rules need a finite positive learning rate, got {lr}"),
+                reason: format!("step {t}: the power rules need a finite, non-negative learning rate, got {lr}"),
             });
         }
         let h = self.rule.h_at(RoundStart { step: t, lr, in_warmup, rounds_after_warmup: *rounds_after_warmup });

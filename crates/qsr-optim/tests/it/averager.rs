@@ -759,3 +759,26 @@ fn a_per_step_outer_unit_with_streaming_is_refused_naming_the_key() {
         assert!(e.to_string().contains("`outer.unit`"), "{e}");
     }
 }
+
+/// Issue 57: a scheduler that reaches lr = 0 inside the run (burn's cosine does) was a hard error for
+/// QSR. A round that starts at lr 0 lasts to the run's end (QSR's `H` for lr 0); a negative or NaN lr
+/// is still refused naming `lr`.
+#[test]
+fn a_scheduler_that_reaches_lr_zero_ends_the_rounds_there_instead_of_failing() {
+    let lrs: Vec<f64> = (0..100).map(|t| if t < 50 { 0.1 } else { 0.0 }).collect();
+    let config = AveragerConfig { run_steps: Some(100), ..AveragerConfig::qsr(2, 0.05) };
+    let mut expected = vec![2u64; 25];
+    expected.push(50);
+    assert_eq!(config.round_lengths(lrs.iter().copied()).unwrap(), expected);
+    let model = Mlp::new(&Device::flex(), 4, 1);
+    let comm = InProcessGroup::new(1).remove(0);
+    let (mut avg, mut model) = Averager::new(model, config.clone(), Box::new(comm)).unwrap();
+    for &lr in &lrs {
+        model = avg.step(model, lr).unwrap();
+    }
+    assert_eq!((avg.stats().syncs, avg.unsynced_steps()), (26, 0));
+    for bad in [-0.1, f64::NAN] {
+        let err = config.round_lengths([0.1, 0.1, bad, 0.1]).unwrap_err();
+        assert!(matches!(&err, OptimError::Config { field, .. } if field == "lr"), "{err}");
+    }
+}
