@@ -23,7 +23,7 @@ pub struct AveragerConfig {
     /// (default; turn off only if every rank built bit-identical weights itself).
     pub broadcast_initial: bool,
     /// Steps the run takes, if known: the last round is cut to end there (with a synchronization), as
-    /// the `qsr-sched` planner does. Without it, call [`Averager::average_now`](super::Averager::average_now) after the last step.
+    /// the `qsr-sched` planner does. Without it, call [`Averager::finish`](super::Averager::finish) after the last step.
     pub run_steps: Option<u64>,
     /// An outer optimizer (DiLoCo) on the mean pseudo-gradient at every parameter synchronization,
     /// instead of plain averaging (default none). BatchNorm statistics are still averaged plainly.

@@ -496,7 +496,7 @@ impl Drop for Averager {
             return;
         }
         self.warn(&format!(
-            "dropped {pending} step(s) after its last synchronization: the workers' models differ; call `Averager::finish(model)` after the last step, or set `AveragerConfig::run_steps`"
+            "dropped {pending} step(s) after its last synchronization: the workers' models differ; call `Averager::finish(model)` after the last step, or set `AveragerConfig::run_steps`; a run stopped on purpose (after a save, to resume) calls `Averager::abandon()`"
         ));
     }
 }

@@ -55,7 +55,7 @@ pub(crate) struct LaunchArgs {
     /// several hosts, where every host must know it).
     #[arg(long)]
     pub master_port: Option<u16>,
-    /// Restarting failed ranks: refused above 0 (see [`launch`]).
+    /// Restarting failed ranks: refused above 0 (a rank's state is its program's: restart from its checkpoint).
     #[arg(long, default_value_t = 0)]
     pub max_restarts: u32,
     /// Also write each rank's output, unprefixed, to `rank-R.stdout.log` / `rank-R.stderr.log` in
