@@ -2,6 +2,7 @@
 //! of `qsr train`; [`load_plan`] reads only what a round plan needs (`[schedule]` and `[sync]`), for
 //! `qsr plan`.
 
+mod errors;
 mod plan;
 mod sets;
 mod train;

@@ -190,7 +190,13 @@ fn parse_section<T: serde::de::DeserializeOwned>(root: &Table, name: &str, origi
         let table = Table::from_iter([("sync.streaming".to_string(), streaming.clone())]);
         parse_section::<StreamingConfig>(&table, "sync.streaming", origin)?;
     }
-    table.try_into::<T>().map_err(|e| {
+    table.clone().try_into::<T>().map_err(|e| {
+        // A name given as a number: the key and the names it takes, as `qsr train` says them.
+        if e.message().contains("unit variant")
+            && let Some(named) = super::errors::check::<T>(&table)
+        {
+            return anyhow!("{origin}: {}", super::errors::name_error(name, named));
+        }
         let msg = e.message().trim().to_string();
         let hint = msg
             .strip_prefix("missing field `")

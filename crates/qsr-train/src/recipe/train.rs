@@ -13,6 +13,8 @@ use serde::{Deserialize, Serialize};
 use qsr_sched::SyncSection;
 use toml::{Table, Value};
 
+use super::errors::{check, name_error};
+
 /// Which dataset, and where.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -459,21 +461,6 @@ fn section_error(section: &str, value: &Value) -> Option<String> {
         _ => None,
     };
     failed.map(|e| name_error(section, e))
-}
-
-/// Why `value` is not a `T`: the path of the key that failed inside it (empty when serde cannot say,
-/// as under a flattened field) and serde's message.
-fn check<T: serde::de::DeserializeOwned>(value: &Value) -> Option<(String, String)> {
-    let e = serde_path_to_error::deserialize::<_, T>(value.clone()).err()?;
-    let path = e.path().to_string();
-    let path = if path == "." { String::new() } else { path };
-    Some((path, e.into_inner().message().trim().to_string()))
-}
-
-/// A section's deserialization error naming its key when known: ``invalid `sync.streaming.fragments`:
-/// ...``, else `[section] ...`.
-fn name_error(section: &str, (path, message): (String, String)) -> String {
-    if path.is_empty() { format!("[{section}] {message}") } else { format!("invalid `{section}.{path}`: {message}") }
 }
 
 /// Opens the recipe's dataset split; errors name the setting and the path.

@@ -401,3 +401,21 @@ fn a_step_flag_past_tomls_integers_is_refused_naming_the_number_given() {
         crate::common::refused(&["plan", "--recipe", crate::common::RECIPE, "--total-steps", "18446744073709551615"]);
     assert!(err.contains("--total-steps 18446744073709551615: larger than any plan"), "{err}");
 }
+
+/// Issue 56 D12: `--set outer.unit=1` said "invalid type: unit variant, expected string only"; `qsr
+/// plan` and `qsr train` both name the key and list the names it takes.
+#[test]
+fn a_name_given_as_a_number_is_refused_listing_the_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("r");
+    let recipe = crate::common::RECIPE;
+    let plan = crate::common::refused(&["plan", "--recipe", recipe, "--set", "outer.unit=1"]);
+    let train = ["train", "--recipe", recipe, "--set", "outer.unit=1", "--out", out.to_str().unwrap(), "--quiet"];
+    let train = crate::common::refused(&train);
+    for err in [plan, train] {
+        assert!(
+            err.contains("invalid `outer.unit`: unknown variant `1`, expected one of `round`, `step`, `lr`"),
+            "{err}"
+        );
+    }
+}
