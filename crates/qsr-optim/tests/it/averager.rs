@@ -434,7 +434,7 @@ fn seeded_init_gives_every_thread_the_same_weights_every_time() {
 fn an_averagers_bf16_refusal_names_its_own_field() {
     let mut config = AveragerConfig::qsr(2, 0.1);
     config.wire = Wire::Bf16;
-    let comm = Box::new(crate::driver::NoBf16(InProcessGroup::new(1).remove(0)));
+    let comm = Box::new(crate::driver::NoBf16(InProcessGroup::new(1).remove(0), None));
     let Err(e) = Averager::new(Mlp::new(&Device::flex(), 4, 1), config, comm) else {
         panic!("bf16 over a collective without it was accepted")
     };
