@@ -373,22 +373,14 @@ impl<M: Module> Worker<M> {
             });
         }
         let info = self.cursor.advance().ok_or(OptimError::Finished(self.cursor.step()))?;
-        // A streaming worker's parameter syncs are its fragments', after the step.
-        let streams = self.sync.streams();
-        let flat_info =
-            StepInfo { sync_after: info.sync_after && (!streams || info.mode == SyncMode::Gradients), ..info };
-        if info.mode == SyncMode::Parameters {
-            self.sync.observe_step(info.lr);
-        }
+        let flat_info = self.sync.begin_step(&info);
         let mut peers = self.sync.peers(Level::Global, Some(info.h), &self.config, &mut self.stats);
         let mut stepped = match &mut self.flat {
             FlatState::Host(h) => h.step(&mut self.model, &self.layout, &mut peers, &flat_info, loss_fn)?,
             FlatState::Device(d) => d.step(&mut self.model, &self.layout, &mut peers, &flat_info, loss_fn)?,
         };
-        if streams {
-            let sent = self.stream_step(&info)?;
-            stepped.sync = stepped.sync.or(sent);
-        }
+        let sent = self.stream_step(&info)?;
+        stepped.sync = stepped.sync.or(sent);
         if info.local_sync_after && self.sync.local().is_some() {
             // A plain average inside the node: the outer optimizer steps at global syncs only.
             let mut peers = self.sync.peers(Level::Local, Some(info.h), &self.config, &mut self.stats);
@@ -401,8 +393,7 @@ impl<M: Module> Worker<M> {
         self.write_back()?;
         self.stats.steps += 1;
         if let Some(s) = stepped.sync.filter(|s| s.level == Level::Global) {
-            // A streaming worker counts rounds, not the fragments' syncs inside them.
-            self.stats.syncs += u64::from(!streams || info.sync_after);
+            self.stats.syncs += u64::from(self.sync.ends_round(&info));
             if s.mode == SyncMode::Gradients {
                 self.stats.gradient_syncs += 1;
             }

@@ -175,6 +175,23 @@ impl Synchronizer {
         }
     }
 
+    /// Starts step `info`: counts a parameter round's step (for the outer step's inner round) and
+    /// returns the step as the face's update sees it: a streaming engine's parameter syncs are its
+    /// fragments', after the step ([`Self::end_streaming_step`]), not the update's.
+    pub(crate) fn begin_step(&mut self, info: &StepInfo) -> StepInfo {
+        if info.mode == SyncMode::Parameters {
+            self.observe_step(info.lr);
+        }
+        let update_syncs = self.stream.is_none() || info.mode == SyncMode::Gradients;
+        StepInfo { sync_after: info.sync_after && update_syncs, ..*info }
+    }
+
+    /// Whether a global sync after `info` counts as a round's: a streaming engine counts rounds, not
+    /// the fragments' syncs inside them.
+    pub(crate) fn ends_round(&self, info: &StepInfo) -> bool {
+        self.stream.is_none() || info.sync_after
+    }
+
     /// A step of a round that averages parameters, taken at `lr`: the per-step outer units count
     /// the round's steps and sum their lrs until the next global parameter sync.
     pub(crate) fn observe_step(&mut self, lr: f64) {

@@ -279,3 +279,20 @@ fn a_fingerprint_rides_with_the_next_average_and_fails_different_parameters_nami
     assert!(matches!(err, crate::OptimError::ParametersDiffer { step: 3 }), "{err}");
     assert!(err.to_string().contains("after the sync at step 3"), "{err}");
 }
+
+#[test]
+fn a_streaming_engine_takes_a_rounds_parameter_sync_from_the_update_and_counts_rounds() {
+    let model = linear();
+    let layout = ParamLayout::of(&model);
+    let (comm, _) = Fake::seat(0, 2, 0.0);
+    let mut sync = Synchronizer::new(comm, f32_wire(None), Face::Recipe).unwrap();
+    let (last, mid) = (step(3, 0, 4), step(1, 0, 4));
+    assert!(sync.begin_step(&last).sync_after && sync.ends_round(&mid), "a plain engine: the update syncs");
+    let stream = sync.prepare_streaming(Some(StreamingConfig { fragments: 2, delay: 1, mix: 1.0 }), &layout).unwrap();
+    sync.start_streaming(stream, &[0.0; 8]);
+    assert!(!sync.begin_step(&last).sync_after, "the fragments sync, after the update");
+    let gradients = StepInfo { mode: SyncMode::Gradients, ..last };
+    assert!(sync.begin_step(&gradients).sync_after, "data-parallel steps still all-reduce in the update");
+    assert!(sync.ends_round(&last) && !sync.ends_round(&mid), "rounds, not fragments");
+    assert_eq!(sync.inner_round().steps, 2, "the parameter round's steps were counted");
+}
