@@ -19,7 +19,7 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
 use qsr_comm::Collective;
-use qsr_sched::{Cursor, StepInfo, StreamingConfig, SyncMode};
+use qsr_sched::{Cursor, StreamingConfig, SyncMode};
 
 use crate::device::DeviceGroup;
 use crate::error::{LossError, OptimError};
@@ -30,8 +30,8 @@ use crate::outer::{InnerRound, OuterConfig};
 use crate::settings::{Face, SyncSettings, check_sync};
 use crate::state::SyncState;
 use crate::stream::StreamState;
-use crate::sync::{BnPolicy, DriverConfig, DriverStats, Level, Residency, StepEnd, StepReport, SyncReport, Transfer};
-use crate::synchronizer::{At, Synchronizer};
+use crate::sync::{DriverConfig, DriverStats, Level, Residency, StepEnd, StepReport, Transfer};
+use crate::synchronizer::{At, StepTarget, Synchronizer};
 
 /// One worker: a model replica, its flat parameters, its optimizer state, its collective and cursor.
 pub struct Worker<M: Module> {
@@ -373,44 +373,17 @@ impl<M: Module> Worker<M> {
             });
         }
         let info = self.cursor.advance().ok_or(OptimError::Finished(self.cursor.step()))?;
-        let flat_info = self.sync.begin_step(&info);
-        let mut peers = self.sync.peers(Level::Global, Some(info.h), &self.config, &mut self.stats);
-        let mut stepped = match &mut self.flat {
-            FlatState::Host(h) => h.step(&mut self.model, &self.layout, &mut peers, &flat_info, loss_fn)?,
-            FlatState::Device(d) => d.step(&mut self.model, &self.layout, &mut peers, &flat_info, loss_fn)?,
-        };
-        let sent = self.stream_step(&info)?;
-        stepped.sync = stepped.sync.or(sent);
-        if info.local_sync_after && self.sync.local().is_some() {
-            // A plain average inside the node: the outer optimizer steps at global syncs only.
-            let mut peers = self.sync.peers(Level::Local, Some(info.h), &self.config, &mut self.stats);
-            let report = self.flat.sync_parameters(&mut self.model, &self.layout, &mut peers, info.step)?;
-            // A global sync of the same step (a streaming fragment's) is the step's report.
-            stepped.sync = Some(stepped.sync.filter(|s| s.level == Level::Global).unwrap_or(report));
-            self.stats.local.syncs += 1;
-        }
-        // The module rewritten from the flat parameters, and the step counted.
+        let end = StepEnd { info: &info, last: self.cursor.is_done() };
+        let mut target = StepTarget { model: &mut self.model, layout: &self.layout, flat: &mut self.flat };
+        let stepped =
+            self.sync.drive_step(&mut target, end, &self.config, &mut self.stats, |t, peers, info| match t.flat {
+                FlatState::Host(h) => h.step(t.model, t.layout, peers, info, loss_fn),
+                FlatState::Device(d) => d.step(t.model, t.layout, peers, info, loss_fn),
+            })?;
+        // The module rewritten from the flat parameters.
         self.write_back()?;
-        self.stats.steps += 1;
-        if let Some(s) = stepped.sync.filter(|s| s.level == Level::Global) {
-            self.stats.syncs += u64::from(self.sync.ends_round(&info));
-            if s.mode == SyncMode::Gradients {
-                self.stats.gradient_syncs += 1;
-            }
-        }
         let loss = stepped.loss_sum / self.config.accumulation_steps as f64;
         Ok(StepReport { info, loss: loss as f32, updated: stepped.updated, sync: stepped.sync })
-    }
-
-    /// A streaming worker's syncs after step `info`: its fragments', and at a round's end the BatchNorm
-    /// statistics (`driver.bn = "average"`).
-    fn stream_step(&mut self, info: &StepInfo) -> Result<Option<SyncReport>, OptimError> {
-        let FlatState::Host(h) = &mut self.flat else {
-            return Ok(None);
-        };
-        let end = StepEnd { info, last: self.cursor.is_done() };
-        let bn = (self.config.bn == BnPolicy::Average).then_some((&mut self.model, &self.layout));
-        Ok(self.sync.end_streaming_step(h.params_mut(), bn, end, &mut self.stats.comm)?.report)
     }
 
     /// Averages BatchNorm running statistics across workers (the last step of the paper's re-estimation,

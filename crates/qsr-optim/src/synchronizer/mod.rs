@@ -7,6 +7,8 @@
 //! (qsr's optimizers over flat state) and the plan's cursor, the Averager the caller's burn model and
 //! the rounds it decides from the caller's lr. A sync feature added here reaches both.
 
+mod step;
+
 use std::time::Instant;
 
 use burn::module::Module;
@@ -22,6 +24,8 @@ use crate::stream::{Stream, StreamState, fragment_ranges};
 use crate::sync::{
     DriverConfig, DriverStats, Level, StepEnd, SyncReport, Transfer, Wire, all_reduce_bucketed, check_wire,
 };
+
+pub(crate) use step::StepTarget;
 
 /// The sync engine: collectives, wire, outer step and streaming, with their checks.
 pub(crate) struct Synchronizer {
@@ -173,23 +177,6 @@ impl Synchronizer {
                 refuse(format!("a streaming collective needs the {owner} to stream (`{field}`, or an int8 / fp8 wire)"))
             }
         }
-    }
-
-    /// Starts step `info`: counts a parameter round's step (for the outer step's inner round) and
-    /// returns the step as the face's update sees it: a streaming engine's parameter syncs are its
-    /// fragments', after the step ([`Self::end_streaming_step`]), not the update's.
-    pub(crate) fn begin_step(&mut self, info: &StepInfo) -> StepInfo {
-        if info.mode == SyncMode::Parameters {
-            self.observe_step(info.lr);
-        }
-        let update_syncs = self.stream.is_none() || info.mode == SyncMode::Gradients;
-        StepInfo { sync_after: info.sync_after && update_syncs, ..*info }
-    }
-
-    /// Whether a global sync after `info` counts as a round's: a streaming engine counts rounds, not
-    /// the fragments' syncs inside them.
-    pub(crate) fn ends_round(&self, info: &StepInfo) -> bool {
-        self.stream.is_none() || info.sync_after
     }
 
     /// A step of a round that averages parameters, taken at `lr`: the per-step outer units count
