@@ -39,8 +39,14 @@ const FIELD: &str = "sync.streaming.fragments";
 pub fn fragments_syncing_after(fragments: u32, info: &StepInfo) -> impl Iterator<Item = u32> + use<> {
     let parameters = info.mode == SyncMode::Parameters;
     let offset = info.step.checked_sub(info.round_start).map(|o| o + 1).filter(|_| parameters);
-    let (len, p) = (info.h, u64::from(fragments));
-    (0..fragments).filter(move |&f| offset == Some(((u64::from(f) + 1) * len).div_ceil(p)))
+    let len = info.h;
+    (0..fragments).filter(move |&f| offset == Some(steps_into_round(f, len, fragments)))
+}
+
+/// The steps of a round of `len` steps taken when fragment `fragment` of `fragments` syncs: the
+/// one rule both the planned and the step-by-step questions use.
+fn steps_into_round(fragment: u32, len: u64, fragments: u32) -> u64 {
+    ((u64::from(fragment) + 1) * len).div_ceil(u64::from(fragments))
 }
 
 /// A [`Plan`] whose parameter averages go fragment by fragment: in a round of `H` steps from `s`,
@@ -93,8 +99,7 @@ impl FragmentPlan {
 
     /// The step after which `fragment` syncs in `round`.
     pub fn sync_step(&self, round: &Round, fragment: u32) -> u64 {
-        let offset = ((u64::from(fragment) + 1) * round.len).div_ceil(u64::from(self.fragments));
-        round.start + offset - 1
+        round.start + steps_into_round(fragment, round.len, self.fragments) - 1
     }
 
     /// The fragments that sync after the step `info` hands out (none in a data-parallel round), in
