@@ -13,17 +13,8 @@ use crate::device::{DeviceGroup, DeviceOptimizer, all_finite, to_host};
 use crate::error::{LossError, OptimError};
 use crate::flat::ParamLayout;
 use crate::optim::{Moments, OptimState, Optimizer, OptimizerConfig};
-use crate::sync::{BnPolicy, Level, PhaseTimes, SyncBuffer, SyncReport};
-use crate::synchronizer::{Peers, Synced};
-
-/// What a replica's step did, for the worker's report.
-pub(crate) struct Stepped {
-    /// Sum of the micro-batches' losses.
-    pub(crate) loss_sum: f64,
-    /// False when the gradients were not finite and the update was skipped.
-    pub(crate) updated: bool,
-    pub(crate) sync: Option<SyncReport>,
-}
+use crate::sync::{BnPolicy, Level, PhaseTimes, Stepped, SyncBuffer, SyncReport};
+use crate::synchronizer::{Peers, StepState, Synced};
 
 /// The micro-batches of a step: `accum` of them (at least 1), of the 0-based step `step`.
 #[derive(Debug, Clone, Copy)]
@@ -72,8 +63,24 @@ impl FlatState {
         Ok(())
     }
 
-    /// Averages parameters (and the state the policies name) through `peers`: a round's end.
-    pub(crate) fn sync_parameters<M: Module>(
+    /// `model` with the flat parameters written into it.
+    pub(crate) fn write<M: Module>(&self, layout: &ParamLayout, model: M) -> Result<M, OptimError> {
+        match self {
+            FlatState::Host(h) => layout.write_params(model, &h.params),
+            FlatState::Device(d) => layout.write_params_tensor(model, &d.params),
+        }
+    }
+}
+
+impl StepState for FlatState {
+    fn host_params(&mut self) -> Option<&mut [f32]> {
+        match self {
+            FlatState::Host(h) => Some(&mut h.params),
+            FlatState::Device(_) => None,
+        }
+    }
+
+    fn sync_parameters<M: Module>(
         &mut self,
         model: &mut M,
         layout: &ParamLayout,
@@ -83,14 +90,6 @@ impl FlatState {
         match self {
             FlatState::Host(h) => h.sync_parameters(model, layout, peers, step),
             FlatState::Device(d) => d.sync_parameters(model, layout, peers, step),
-        }
-    }
-
-    /// `model` with the flat parameters written into it.
-    pub(crate) fn write<M: Module>(&self, layout: &ParamLayout, model: M) -> Result<M, OptimError> {
-        match self {
-            FlatState::Host(h) => layout.write_params(model, &h.params),
-            FlatState::Device(d) => layout.write_params_tensor(model, &d.params),
         }
     }
 }
@@ -120,11 +119,6 @@ impl HostState {
         let mut params = vec![0.0; n];
         layout.read_params(model, &mut params)?;
         Ok(Self { params, grads: vec![0.0; n], grad_sum: Vec::new(), sync_buf: Vec::new(), optimizer })
-    }
-
-    /// The flat parameters, for a sync that runs outside the step (streaming fragments).
-    pub(crate) fn params_mut(&mut self) -> &mut [f32] {
-        &mut self.params
     }
 
     /// One step: gradients of every micro-batch, their mean, the data-parallel all-reduce when the

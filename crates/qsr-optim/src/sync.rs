@@ -395,6 +395,15 @@ fn all_reduce_untagged(
     }
 }
 
+/// What a flat state's step did, for the worker's report.
+pub(crate) struct Stepped {
+    /// Sum of the micro-batches' losses.
+    pub(crate) loss_sum: f64,
+    /// False when the gradients were not finite and the update was skipped.
+    pub(crate) updated: bool,
+    pub(crate) sync: Option<SyncReport>,
+}
+
 /// The end of a step, as the syncs after it see it: the step, and whether it is the run's last.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct StepEnd<'a> {

@@ -25,7 +25,7 @@ use crate::sync::{
     DriverConfig, DriverStats, Level, StepEnd, SyncReport, Transfer, Wire, all_reduce_bucketed, check_wire,
 };
 
-pub(crate) use step::StepTarget;
+pub(crate) use step::{StepState, StepTarget};
 
 /// The sync engine: collectives, wire, outer step and streaming, with their checks.
 pub(crate) struct Synchronizer {

@@ -5,16 +5,31 @@ use burn::module::Module;
 use super::Synchronizer;
 use crate::error::OptimError;
 use crate::flat::ParamLayout;
-use crate::flat_state::{FlatState, Stepped};
-use crate::sync::{BnPolicy, DriverConfig, DriverStats, Level, StepEnd};
+use crate::sync::{BnPolicy, DriverConfig, DriverStats, Level, StepEnd, Stepped, SyncReport};
 use crate::synchronizer::Peers;
 use qsr_sched::{StepInfo, SyncMode};
 
 /// What one step's syncs act on: the face's module, its layout and flat state.
-pub(crate) struct StepTarget<'a, M> {
+pub(crate) struct StepTarget<'a, M, S> {
     pub(crate) model: &'a mut M,
     pub(crate) layout: &'a ParamLayout,
-    pub(crate) flat: &'a mut FlatState,
+    pub(crate) flat: &'a mut S,
+}
+
+/// What the engine's step needs of a face's flat state beside the update the face runs.
+pub(crate) trait StepState {
+    /// The flat parameters when they live on the host, for the streaming syncs after a step (a
+    /// device-resident state does not stream).
+    fn host_params(&mut self) -> Option<&mut [f32]>;
+
+    /// Averages the parameters (and the state the policies name) through `peers`: a round's end.
+    fn sync_parameters<M: Module>(
+        &mut self,
+        model: &mut M,
+        layout: &ParamLayout,
+        peers: &mut Peers<'_>,
+        step: u64,
+    ) -> Result<SyncReport, OptimError>;
 }
 
 impl Synchronizer {
@@ -24,24 +39,24 @@ impl Synchronizer {
     /// it), then the streaming fragments (with the BatchNorm statistics at a streaming
     /// round's end), the node's average of a two-level plan, and counts the step and its round in
     /// `stats`. A global sync of the step is its report.
-    pub(crate) fn drive_step<M: Module, F>(
+    pub(crate) fn drive_step<M: Module, S: StepState, F>(
         &mut self,
-        target: &mut StepTarget<'_, M>,
+        target: &mut StepTarget<'_, M, S>,
         end: StepEnd<'_>,
         config: &DriverConfig,
         stats: &mut DriverStats,
         update: F,
     ) -> Result<Stepped, OptimError>
     where
-        F: FnOnce(&mut StepTarget<'_, M>, &mut Peers<'_>, &StepInfo) -> Result<Stepped, OptimError>,
+        F: FnOnce(&mut StepTarget<'_, M, S>, &mut Peers<'_>, &StepInfo) -> Result<Stepped, OptimError>,
     {
         let info = end.info;
         let update_info = self.begin_step(info);
         let mut peers = self.peers(Level::Global, Some(info.h), config, stats);
         let mut stepped = update(target, &mut peers, &update_info)?;
-        if let FlatState::Host(h) = &mut *target.flat {
+        if let Some(params) = target.flat.host_params() {
             let bn = (config.bn == BnPolicy::Average).then_some((&mut *target.model, target.layout));
-            let streamed = self.end_streaming_step(h.params_mut(), bn, end, &mut stats.comm)?;
+            let streamed = self.end_streaming_step(params, bn, end, &mut stats.comm)?;
             stepped.sync = stepped.sync.or(streamed.report);
         }
         if info.local_sync_after && self.local().is_some() {
