@@ -275,8 +275,9 @@ fn print(a: &Args, n: usize, rows: &[Row]) {
                     "wire_bytes": r.wire_bytes})
             })
             .collect();
-        if let Err(e) = std::fs::write(path, serde_json::to_string_pretty(&v).unwrap_or_default()) {
-            eprintln!("cannot write {path}: {e}");
+        let text = serde_json::to_string_pretty(&v).unwrap_or_default();
+        if let Err(e) = qsr_files::write_atomic(std::path::Path::new(path), text.as_bytes(), "results file") {
+            eprintln!("{e}");
         }
     }
 }

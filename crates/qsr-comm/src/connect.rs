@@ -43,7 +43,11 @@ pub fn host_id(env: &dyn Fn(&str) -> Option<String>, cfg: &ShmConfig) -> String 
     if let Some(id) = env("QSR_HOST_ID") {
         return id;
     }
-    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
+    let read = |p: &str| {
+        qsr_files::read_text(std::path::Path::new(p), 4096, "kernel file")
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default()
+    };
     let dir = std::fs::metadata(&cfg.dir).map(|m| format!("{}:{}", m.dev(), m.ino())).unwrap_or_default();
     let (host, boot) = (read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id"));
     format!("{host}/{boot}/{dir}/{}", crate::shm::pid_ns())

@@ -109,15 +109,18 @@ impl ImageFolder {
     }
 }
 
+/// The most bytes an image file may have (a 16k x 16k RGB PNG is about 768 MiB raw).
+#[cfg(feature = "images")]
+const IMAGE_BYTES: u64 = 1 << 30;
+
 /// Decodes a PNG/JPEG file (format guessed from content) to 3-channel CHW `u8`. Without the crate's
 /// `images` feature it refuses every file, naming the feature.
 #[cfg(feature = "images")]
 pub fn decode_rgb(path: &Path) -> Result<Image> {
     let bad = |reason: String| DataError::UnreadableImage { path: path.to_path_buf(), reason };
-    let reader = image::ImageReader::open(path)
-        .map_err(|e| DataError::io(path, e))?
-        .with_guessed_format()
-        .map_err(|e| bad(e.to_string()))?;
+    let bytes = crate::idx::read_regular(path, IMAGE_BYTES, "an image file may have")?;
+    let reader =
+        image::ImageReader::new(std::io::Cursor::new(bytes)).with_guessed_format().map_err(|e| bad(e.to_string()))?;
     let rgb = reader.decode().map_err(|e| bad(e.to_string()))?.into_rgb8();
     let (w, h) = (rgb.width() as usize, rgb.height() as usize);
     if w == 0 || h == 0 {

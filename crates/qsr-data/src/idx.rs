@@ -6,30 +6,19 @@ use std::path::{Path, PathBuf};
 use crate::dataset::{ImageSet, Split};
 use crate::error::{DataError, Result};
 
-/// Opens `path` if it is a regular file (links followed): a FIFO would block the read, a device such as
-/// `/dev/zero` never end it. Returns the file and its size.
+/// Opens `path` if it is a regular file (links followed), through the one door (`qsr-files`): a FIFO
+/// would block the read, a device such as `/dev/zero` never end it. Returns the file and its size.
 pub(crate) fn open_regular(path: &Path) -> Result<(std::fs::File, u64)> {
-    let meta = std::fs::metadata(path).map_err(|e| DataError::io(path, e))?;
-    if !meta.is_file() {
-        return Err(DataError::NotAFile { path: path.to_path_buf(), kind: file_kind(meta.file_type()) });
-    }
-    Ok((std::fs::File::open(path).map_err(|e| DataError::io(path, e))?, meta.len()))
+    qsr_files::open(path, "data file").map_err(|e| match e {
+        qsr_files::FileError::NotRegular { kind, .. } => DataError::NotAFile { path: path.to_path_buf(), kind },
+        qsr_files::FileError::Io { source, .. } => DataError::io(path, source),
+        other => DataError::io(path, other.into()),
+    })
 }
 
 /// What a file system entry is, in words for an error: `file`, `directory`, `symbolic link`,
 /// `FIFO`, `device`, `socket`.
-pub fn file_kind(t: std::fs::FileType) -> &'static str {
-    use std::os::unix::fs::FileTypeExt;
-    match () {
-        _ if t.is_file() => "file",
-        _ if t.is_dir() => "directory",
-        _ if t.is_symlink() => "symbolic link",
-        _ if t.is_fifo() => "FIFO",
-        _ if t.is_char_device() || t.is_block_device() => "device",
-        _ if t.is_socket() => "socket",
-        _ => "special file",
-    }
-}
+pub use qsr_files::file_kind;
 
 /// Reads a regular file of at most `limit` bytes whole (`what` names the reader in the refusal).
 pub(crate) fn read_regular(path: &Path, limit: u64, what: &'static str) -> Result<Vec<u8>> {

@@ -88,6 +88,9 @@ pub enum OptimError {
         #[source]
         source: std::io::Error,
     },
+    /// A file could not be read or written (the door's refusal, naming the file).
+    #[error(transparent)]
+    File(#[from] qsr_files::FileError),
     /// The plan has no steps left.
     #[error("the plan is finished (step {0})")]
     Finished(u64),

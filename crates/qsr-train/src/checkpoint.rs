@@ -23,8 +23,7 @@
 //! trainer alone writes them.
 
 use std::collections::BTreeMap;
-use std::fs::{self, File};
-use std::io::Write;
+use std::fs;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -108,45 +107,28 @@ pub(crate) fn sync_file(rank: usize) -> String {
 /// Loads a `sync-rank<r>.safetensors` for a model of `len` parameters: the sync state and a
 /// streaming rank's own parameters.
 pub(crate) fn load_sync(file: &Path, len: usize) -> Result<(SyncState, Option<Vec<f32>>)> {
-    let bytes = fs::read(file).with_context(|| {
-        format!(
-            "cannot read {} (the recipe has an [outer] section, streams or quantizes its syncs: was the checkpoint written without?)",
-            file.display()
-        )
-    })?;
+    let hint = "the recipe has an [outer] section, streams or quantizes its syncs: was the checkpoint written without?";
+    let bytes = read_tensors(file, SYNC_VECTORS * len, hint)?;
     SyncState::from_safetensors(&bytes, len).with_context(|| format!("checkpoint file {}", file.display()))
 }
 
 /// The oldest layout version this build reads.
 const OLDEST_FORMAT: u32 = 1;
 
-/// Writes `bytes` to `path` through a temp file in the same directory, fsynced, then renamed.
-pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let tmp = dir.join(format!(".{}.tmp", path.file_name().and_then(|n| n.to_str()).unwrap_or("file")));
-    {
-        let mut f = File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-        f.write_all(bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
-        f.sync_all().with_context(|| format!("cannot sync {}", tmp.display()))?;
-    }
-    fs::rename(&tmp, path).with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))?;
-    sync_dir(dir);
-    Ok(())
+/// Reads a checkpoint's safetensors file of at most `floats` f32 values beside its header; `hint`
+/// says what a missing file may mean.
+fn read_tensors(file: &Path, floats: usize, hint: &str) -> Result<Vec<u8>> {
+    let limit = 4 * floats as u64 + HEADER_BYTES;
+    qsr_files::read(file, limit, "checkpoint file").with_context(|| hint.to_string())
 }
 
-fn sync_dir(dir: &Path) {
-    // Makes the rename durable; not every filesystem supports syncing a directory, which is harmless.
-    if let Ok(d) = File::open(dir) {
-        let _ = d.sync_all();
-    }
-}
+/// The most bytes a checkpoint file's safetensors header may have (names, shapes and offsets of its
+/// tensors, and the metadata: about 100 bytes a tensor).
+const HEADER_BYTES: u64 = 16 << 20;
 
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut f = File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
-    f.write_all(bytes).with_context(|| format!("cannot write {}", path.display()))?;
-    f.sync_all().with_context(|| format!("cannot sync {}", path.display()))?;
-    Ok(())
-}
+/// The most model-sized vectors a rank's sync state holds: the outer step's global parameters and
+/// momentum, the residual, the rank's own parameters and the averages in flight with what was sent.
+const SYNC_VECTORS: usize = 16;
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
@@ -191,12 +173,8 @@ pub(crate) fn optim_bytes(state: &OptimState) -> Result<Vec<u8>> {
 /// Loads a format 1 or 2 checkpoint's `outer.safetensors` (the outer optimizer's global parameters and
 /// momentum, the same on every rank) for a model of `len` parameters: (global parameters, momentum).
 pub(crate) fn load_outer(file: &Path, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
-    let bytes = fs::read(file).with_context(|| {
-        format!(
-            "cannot read {} (the recipe has an [outer] section: was the checkpoint written without it?)",
-            file.display()
-        )
-    })?;
+    let hint = "the recipe has an [outer] section: was the checkpoint written without it?";
+    let bytes = read_tensors(file, 2 * len, hint)?;
     let st =
         SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{} is not a safetensors file: {e}", file.display()))?;
     Ok((read_f32(&st, "global", len, file)?, read_f32(&st, "momentum", len, file)?))
@@ -220,12 +198,8 @@ fn read_f32(st: &SafeTensors<'_>, name: &str, len: usize, file: &Path) -> Result
 /// their fragments and steps the metadata entry `in_flight`; the worker checks the fragments' sizes
 /// when it restores them).
 pub(crate) fn load_stream(file: &Path, layout: &ParamLayout) -> Result<(Vec<f32>, StreamState)> {
-    let bytes = fs::read(file).with_context(|| {
-        format!(
-            "cannot read {} (the recipe streams or quantizes its syncs: was the checkpoint written without?)",
-            file.display()
-        )
-    })?;
+    let hint = "the recipe streams or quantizes its syncs: was the checkpoint written without?";
+    let bytes = read_tensors(file, SYNC_VECTORS * layout.len(), hint)?;
     let st =
         SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{} is not a safetensors file: {e}", file.display()))?;
     let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| anyhow!("{}: {e}", file.display()))?;
@@ -252,7 +226,7 @@ pub(crate) fn load_stream(file: &Path, layout: &ParamLayout) -> Result<(Vec<f32>
 
 /// Loads `model.safetensors` against the layout of the model being resumed.
 pub(crate) fn load_model(file: &Path, layout: &ParamLayout) -> Result<(Vec<f32>, Vec<f32>)> {
-    let bytes = fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
+    let bytes = read_tensors(file, layout.len() + layout.running_len(), "the model's parameters")?;
     let st =
         SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{} is not a safetensors file: {e}", file.display()))?;
     let mut params = vec![0.0; layout.len()];
@@ -268,7 +242,8 @@ pub(crate) fn load_model(file: &Path, layout: &ParamLayout) -> Result<(Vec<f32>,
 
 /// Loads one rank's optimizer state; `template` gives the moment sizes this optimizer needs.
 pub(crate) fn load_optim(file: &Path, template: &OptimState) -> Result<OptimState> {
-    let bytes = fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
+    let floats = template.first_moment.len() + template.second_moment.len();
+    let bytes = read_tensors(file, floats, "this rank's optimizer state")?;
     let st =
         SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{} is not a safetensors file: {e}", file.display()))?;
     let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| anyhow!("{}: {e}", file.display()))?;
@@ -331,7 +306,7 @@ pub(crate) fn begin(run_dir: &Path, step: u64) -> Result<PathBuf> {
 
 /// Any rank: writes one file into the checkpoint being built.
 pub(crate) fn write_file(tmp: &Path, name: &str, bytes: &[u8]) -> Result<()> {
-    write_synced(&tmp.join(name), bytes)
+    crate::files::write_atomic(&tmp.join(name), bytes, "checkpoint file")
 }
 
 /// The SHA-256 of a regular file, streamed (a checkpoint's model may be larger than memory allows twice).
@@ -351,16 +326,17 @@ pub(crate) fn commit(run_dir: &Path, step: u64, keep: usize) -> Result<PathBuf> 
     for name in names {
         sums.insert(name.clone(), sha256_file(&tmp.join(&name))?);
     }
-    write_synced(&tmp.join("manifest.json"), serde_json::to_string_pretty(&sums)?.as_bytes())?;
-    sync_dir(&tmp);
+    let manifest = serde_json::to_string_pretty(&sums)?;
+    crate::files::write_atomic(&tmp.join("manifest.json"), manifest.as_bytes(), "checkpoint manifest")?;
+    crate::files::sync_dir(&tmp);
     let name = format!("step-{step}");
     let dest = ckpt_root(run_dir).join(&name);
     if dest.exists() {
         fs::remove_dir_all(&dest).with_context(|| format!("cannot replace {}", dest.display()))?;
     }
     fs::rename(&tmp, &dest).with_context(|| format!("cannot rename {} to {}", tmp.display(), dest.display()))?;
-    sync_dir(&ckpt_root(run_dir));
-    write_atomic(&ckpt_root(run_dir).join("LATEST"), name.as_bytes())?;
+    crate::files::sync_dir(&ckpt_root(run_dir));
+    crate::files::write_atomic(&ckpt_root(run_dir).join("LATEST"), name.as_bytes(), "checkpoint pointer")?;
     prune(run_dir, keep.max(1))?;
     Ok(dest)
 }
@@ -389,10 +365,7 @@ pub(crate) fn latest(run_dir: &Path) -> Result<(PathBuf, CheckpointState)> {
             kind(&meta)
         );
     }
-    let mut name = String::new();
-    File::open(&latest)
-        .and_then(|f| std::io::Read::read_to_string(&mut std::io::Read::take(f, 256), &mut name))
-        .with_context(|| format!("cannot read {}", latest.display()))?;
+    let name = crate::files::read_text(&latest, 256, "checkpoint pointer")?;
     let name = name.trim();
     // LATEST names a checkpoint of this run, never a path elsewhere.
     if !name.strip_prefix("step-").is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())) {

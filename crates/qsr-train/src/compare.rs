@@ -8,8 +8,8 @@ use qsr_optim::{OuterConfig, OuterUnit};
 use qsr_sched::SyncRule;
 use serde::Serialize;
 
-use crate::checkpoint::write_atomic;
 use crate::device_spec::device;
+use crate::files::write_atomic;
 use crate::recipe::{Beside, TrainRecipe, budget_alpha};
 use crate::records::Summary;
 use crate::worker::RunSpec;
@@ -392,7 +392,7 @@ impl Compare<'_> {
         let run_dir = self.out.join(format!("{label}-seed{seed}"));
         replace_earlier_run(&run_dir)?;
         std::fs::create_dir_all(&run_dir)?;
-        write_atomic(&run_dir.join("recipe.toml"), recipe.to_toml()?.as_bytes())?;
+        write_atomic(&run_dir.join("recipe.toml"), recipe.to_toml()?.as_bytes(), "run recipe")?;
         eprintln!("compare: {label} ({}) seed {seed}, K = {}", rule.describe(), recipe.train.workers);
         let spec = RunSpec {
             recipe,
@@ -423,8 +423,8 @@ impl Compare<'_> {
         let workers = self.args.workers.unwrap_or(self.base.train.workers);
         let table = markdown(&self.base, workers, rows, self.args.seeds)?;
         print!("{table}");
-        write_atomic(&out.join("compare.md"), table.as_bytes())?;
-        write_atomic(&out.join("compare.json"), serde_json::to_string_pretty(rows)?.as_bytes())?;
+        write_atomic(&out.join("compare.md"), table.as_bytes(), "comparison table")?;
+        write_atomic(&out.join("compare.json"), serde_json::to_string_pretty(rows)?.as_bytes(), "comparison table")?;
         // One picture per metric, overlaying seed 0 of every rule.
         let series: Vec<crate::plot::draw::RunSeries> = rows
             .iter()

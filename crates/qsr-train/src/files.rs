@@ -1,12 +1,11 @@
-//! Reading the files a user names or a run directory holds: only regular files (a FIFO would block
-//! the read, a device such as `/dev/zero` never end it) and only up to a bound per kind of file, so
-//! that no input makes `qsr` hang or allocate without limit (issue 43, N4).
+//! The trainer's files through the one door (`qsr-files`): only regular files are read (a FIFO would
+//! block the read, a device such as `/dev/zero` never end it), each kind up to its bound here, so that
+//! no input makes `qsr` hang or allocate without limit (issue 43, N4).
 
 use std::fs::File;
-use std::io::Read;
 use std::path::Path;
 
-use anyhow::{Context, Result, bail};
+use anyhow::Result;
 
 /// The most bytes a recipe may have (the paper's recipes have about 1 KiB).
 pub(crate) const RECIPE_BYTES: u64 = 1 << 20;
@@ -21,32 +20,30 @@ pub(crate) const STATE_BYTES: u64 = 16 << 20;
 
 /// Opens `path` for reading if it is a regular file (links followed); `what` names it in errors.
 pub(crate) fn open_regular(path: &Path, what: &str) -> Result<File> {
-    let meta = std::fs::metadata(path).with_context(|| format!("cannot read {what} {}", path.display()))?;
-    if !meta.is_file() {
-        bail!(
-            "{what} {} is not a regular file (it is a {}): qsr reads only regular files",
-            path.display(),
-            qsr_data::file_kind(meta.file_type())
-        );
-    }
-    File::open(path).with_context(|| format!("cannot read {what} {}", path.display()))
+    Ok(qsr_files::open(path, what)?.0)
 }
 
 /// Reads `path` whole if it is a regular file of at most `limit` bytes.
 pub(crate) fn read_regular(path: &Path, limit: u64, what: &str) -> Result<Vec<u8>> {
-    let file = open_regular(path, what)?;
-    let mut bytes = Vec::new();
-    file.take(limit + 1).read_to_end(&mut bytes).with_context(|| format!("cannot read {what} {}", path.display()))?;
-    if bytes.len() as u64 > limit {
-        bail!("{what} {} is larger than {limit} bytes, more than a {what} can be", path.display());
-    }
-    Ok(bytes)
+    Ok(qsr_files::read(path, limit, what)?)
 }
 
 /// [`read_regular`] as UTF-8 text.
 pub(crate) fn read_text(path: &Path, limit: u64, what: &str) -> Result<String> {
-    String::from_utf8(read_regular(path, limit, what)?)
-        .with_context(|| format!("{what} {} is not UTF-8", path.display()))
+    Ok(qsr_files::read_text(path, limit, what)?)
+}
+
+/// Writes `bytes` as the whole of `path` (a new file beside it, synced and renamed over it), then
+/// syncs the directory so that the rename survives a crash.
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8], what: &str) -> Result<()> {
+    qsr_files::write_atomic(path, bytes, what)?;
+    sync_dir(path.parent().unwrap_or(Path::new(".")));
+    Ok(())
+}
+
+/// Makes the renames in `dir` durable; not every filesystem can sync a directory, which is harmless.
+pub(crate) fn sync_dir(dir: &Path) {
+    let _ = qsr_files::sync_dir(dir);
 }
 
 #[cfg(test)]

@@ -1,13 +1,13 @@
 //! What a run writes about itself: `metrics.jsonl` records and `summary.json`.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{self, Counters};
+use crate::checkpoint::Counters;
 
 /// One line of `metrics.jsonl`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -232,15 +232,11 @@ impl Metrics {
             if !text.is_empty() {
                 text.push('\n');
             }
-            checkpoint::write_atomic(&path, text.as_bytes())?;
+            crate::files::write_atomic(&path, text.as_bytes(), "metrics file")?;
         } else if resume_at.is_none() && path.exists() {
             fs::remove_file(&path).with_context(|| format!("cannot replace {}", path.display()))?;
         }
-        let file = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .with_context(|| format!("cannot open {}", path.display()))?;
+        let file = qsr_files::append(&path, "metrics file")?;
         Ok(Self { file })
     }
 

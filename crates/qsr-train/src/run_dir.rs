@@ -62,7 +62,11 @@ pub(crate) fn refuse_old_run(run_dir: &Path) -> Result<()> {
         return Ok(());
     };
     // Read only a regular file: a FIFO would block.
-    let name = if meta.is_file() { std::fs::read_to_string(&latest).unwrap_or_default() } else { String::new() };
+    let name = if meta.is_file() {
+        qsr_files::read_text(&latest, 4096, "checkpoint pointer").unwrap_or_default()
+    } else {
+        String::new()
+    };
     bail!(
         "{} already holds a run with checkpoints ({} names {}): continue it with --resume {}, or give another --out; nothing was changed",
         run_dir.display(),
@@ -123,7 +127,7 @@ fn check_resumable(recipe: &TrainRecipe, path: &Path, dir: &Path, state: &checkp
 /// a raised `train.steps` then holds for the next resume as well).
 pub(crate) fn prepare_run_dir(run_dir: &Path, recipe: &TrainRecipe) -> Result<()> {
     std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
-    checkpoint::write_atomic(&run_dir.join("recipe.toml"), recipe.to_toml()?.as_bytes())
+    crate::files::write_atomic(&run_dir.join("recipe.toml"), recipe.to_toml()?.as_bytes(), "run recipe")
 }
 
 /// Refuses to resume a checkpoint of another world size (elastic runs may: they re-shard).

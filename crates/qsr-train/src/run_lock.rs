@@ -1,6 +1,6 @@
 //! The run directory's lock (documented on [`RunLock`]).
 
-use std::fs::{File, OpenOptions, TryLockError};
+use std::fs::{File, TryLockError};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -80,13 +80,7 @@ impl RunLock {
 fn open(run_dir: &Path) -> Result<(File, PathBuf)> {
     std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
     let path = run_dir.join(LOCK_FILE);
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&path)
-        .with_context(|| format!("cannot open the run lock {}", path.display()))?;
+    let file = qsr_files::open_lock(&path, "run lock")?;
     Ok((file, path))
 }
 
@@ -118,7 +112,7 @@ fn in_use(run_dir: &Path, file: &mut File) -> anyhow::Error {
 
 /// "pid P on host H (`qsr train ...`, started at unix time T)".
 fn holder_line() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+    let host = qsr_files::read_text(Path::new("/proc/sys/kernel/hostname"), 4096, "host name")
         .map_or_else(|_| "this host".to_string(), |h| h.trim().to_string());
     let since = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -6,7 +6,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Result, anyhow, bail};
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::tensor::{Device, Distribution, Int, Tensor, TensorData};
@@ -169,8 +169,7 @@ pub(crate) fn time_step(args: &TimeStepArgs, out: &mut dyn Write) -> Result<Step
     )?;
     print_kernels(&timing.kernels, out)?;
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&timing)?)
-            .with_context(|| format!("cannot write {}", path.display()))?;
+        crate::files::write_atomic(path, serde_json::to_string_pretty(&timing)?.as_bytes(), "timing file")?;
     }
     Ok(timing)
 }

@@ -6,9 +6,8 @@
 //! aligned, two data halves of `slot` bytes per rank. Pages are reserved with `fallocate` when the
 //! file is created, so a full `/dev/shm` is an error naming the file, never a SIGBUS later.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -85,18 +84,21 @@ fn io(path: &Path, what: &str, e: std::io::Error) -> CommError {
     CommError::io(format!("{what} shared-memory file {}", path.display()), e)
 }
 
+/// A refusal of the file door as [`io`]'s error: the system's cause, or the door's own.
+fn door(path: &Path, what: &str, e: qsr_files::FileError) -> CommError {
+    match e {
+        qsr_files::FileError::Io { source, .. } => io(path, what, source),
+        other => io(path, what, other.into()),
+    }
+}
+
 impl Mapping {
     /// Creates `dir/<PREFIX><pid>-<random>` for `n` ranks and maps it; returns it and its file name.
     pub(crate) fn create(dir: &Path, n: usize, slot: usize) -> Result<(Mapping, String), CommError> {
         let name = format!("{PREFIX}{}-{}-{:016x}", pid_ns(), std::process::id(), rand::random::<u64>());
         let path = dir.join(&name);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)
-            .map_err(|e| io(&path, "creating the", e))?;
+        let file =
+            qsr_files::create_private(&path, "shared-memory file").map_err(|e| door(&path, "creating the", e))?;
         let mapped = reserve(&file, size(n, slot))
             .map_err(|e| io(&path, "reserving memory for the", e))
             .and_then(|()| map_file(&file, &path));
@@ -122,7 +124,7 @@ impl Mapping {
             return Err(CommError::InvalidArgument(format!("{name:?} is not a qsr shared-memory file name")));
         }
         let path = dir.join(name);
-        let file = OpenOptions::new().read(true).write(true).open(&path).map_err(|e| io(&path, "opening the", e))?;
+        let file = qsr_files::open_rw(&path, "shared-memory file").map_err(|e| door(&path, "opening the", e))?;
         let len = file.metadata().map_err(|e| io(&path, "reading the size of the", e))?.len();
         if len != size(n, slot) as u64 {
             return Err(CommError::InvalidArgument(format!(
@@ -218,7 +220,7 @@ fn reserve(file: &File, len: usize) -> std::io::Result<()> {
 
 /// Whether process `pid` exists (a zombie counts as gone).
 pub(crate) fn alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+    match qsr_files::read_text(Path::new(&format!("/proc/{pid}/stat")), 4096, "process status") {
         // The state follows the parenthesized command name, which may itself contain ") ".
         Ok(stat) => stat.rsplit_once(") ").is_none_or(|(_, rest)| !rest.starts_with('Z')),
         Err(_) => false,
@@ -291,7 +293,7 @@ mod tests {
         let live = format!("{PREFIX}{ns}-{}-00", std::process::id());
         let elsewhere = format!("{PREFIX}{}-{dead}-00", ns + 1);
         for f in [&stale, &live, &elsewhere, &"unrelated".to_string()] {
-            std::fs::write(dir.join(f), b"x").unwrap();
+            qsr_files::write_atomic(&dir.join(f), b"x", "test file").unwrap();
         }
         assert_eq!(sweep(&dir), vec![stale.clone()]);
         assert!(dir.join(&live).exists() && dir.join(&elsewhere).exists() && dir.join("unrelated").exists());

@@ -40,27 +40,28 @@ pub(super) struct Rounds {
 }
 
 impl AveragerState {
+    /// The most bytes a saved state may have: an outer step's two f32 copies of a 2-billion-parameter
+    /// model.
+    pub const STATE_BYTES: u64 = 16 << 30;
+
     /// Writes the state to `path` as safetensors (the sync state's tensors in its own codec, the
-    /// rounds in its metadata), through a temporary file of this process and a rename, so a crash of
-    /// the process never leaves half a file.
+    /// rounds in its metadata), through a new file beside it and a rename, so a crash of the process
+    /// never leaves half a file and a link at `path` is replaced, not followed.
     pub fn save(&self, path: &Path) -> Result<(), OptimError> {
         let io = |e: std::io::Error| OptimError::Io { path: path.to_path_buf(), source: e };
-        let mut tmp = path.as_os_str().to_owned();
-        tmp.push(format!(".tmp.{}", std::process::id()));
-        let tmp = std::path::PathBuf::from(tmp);
         let rounds = serde_json::to_value(&self.rounds).map_err(|e| io(std::io::Error::other(e)))?;
         let bytes = self.sync.encode(None, Some(rounds))?;
-        std::fs::write(&tmp, bytes).map_err(io)?;
-        std::fs::rename(&tmp, path).map_err(io)
+        Ok(qsr_files::write_atomic(path, &bytes, "averager state")?)
     }
 
-    /// Reads a state [`save`](Self::save) wrote, or a JSON state of the first format.
+    /// Reads a state [`save`](Self::save) wrote, or a JSON state of the first format: a regular file
+    /// of at most [`STATE_BYTES`](Self::STATE_BYTES).
     pub fn load(path: &Path) -> Result<Self, OptimError> {
         let invalid = |e: String| OptimError::Io {
             path: path.to_path_buf(),
             source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
         };
-        let bytes = std::fs::read(path).map_err(|e| OptimError::Io { path: path.to_path_buf(), source: e })?;
+        let bytes = qsr_files::read(path, Self::STATE_BYTES, "averager state")?;
         if bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{') {
             return serde_json::from_slice(&bytes).map_err(|e| invalid(e.to_string()));
         }

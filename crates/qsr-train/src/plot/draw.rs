@@ -342,8 +342,7 @@ pub(crate) fn plan_png(path: &Path, plans: &[(&str, &Plan)]) -> Result<()> {
         legend.push(LegendEntry { text: h, colour, dashed: true });
     }
     let legend_h = legend_height(&legend, width);
-    let draw = || -> DrawResult {
-        let root = BitMapBackend::new(path, (width, height + legend_h)).into_drawing_area();
+    let draw = |root: DrawingArea<BitMapBackend<'_>, Shift>| -> DrawResult {
         root.fill(&WHITE)?;
         let (top, bottom) = root.split_vertically(height);
         let end = plans.iter().map(|(_, p)| p.end_step()).max().unwrap_or(1).max(1);
@@ -395,7 +394,29 @@ pub(crate) fn plan_png(path: &Path, plans: &[(&str, &Plan)]) -> Result<()> {
         root.present()?;
         Ok(())
     };
-    draw().map_err(|e| anyhow!("{e}")).with_context(|| format!("cannot draw {}", path.display()))
+    render(path, (width, height + legend_h), draw)
+}
+
+/// Draws a `size` picture with `draw` into memory, then writes it to `path` as a PNG through the
+/// file door (a link at `path` is replaced, not followed).
+fn render(
+    path: &Path,
+    (width, height): (u32, u32),
+    draw: impl FnOnce(DrawingArea<BitMapBackend<'_>, Shift>) -> DrawResult,
+) -> Result<()> {
+    let mut rgb = vec![0u8; 3 * width as usize * height as usize];
+    draw(BitMapBackend::with_buffer(&mut rgb, (width, height)).into_drawing_area())
+        .map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))?;
+    let mut png = Vec::new();
+    image::ImageEncoder::write_image(
+        image::codecs::png::PngEncoder::new(&mut png),
+        &rgb,
+        width,
+        height,
+        image::ExtendedColorType::Rgb8,
+    )
+    .with_context(|| format!("cannot encode {}", path.display()))?;
+    crate::files::write_atomic(path, &png, "plot")
 }
 
 /// One run's records, read from `metrics.jsonl`.
@@ -544,16 +565,14 @@ pub(crate) fn runs_png(runs: &[RunSeries], out_dir: &Path) -> Result<Vec<std::pa
     let mut written = Vec::new();
     let mut draw = |file: &str, body: &dyn Fn(&DrawingArea<BitMapBackend<'_>, Shift>) -> DrawResult| -> Result<()> {
         let path = out_dir.join(file);
-        let res = (|| -> DrawResult {
-            let root = BitMapBackend::new(&path, (width, height + legend_h)).into_drawing_area();
+        render(&path, (width, height + legend_h), |root| {
             root.fill(&WHITE)?;
             let (top, bottom) = root.split_vertically(height);
             body(&top)?;
             draw_legend(&bottom, &legend)?;
             root.present()?;
             Ok(())
-        })();
-        res.map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))?;
+        })?;
         written.push(path);
         Ok(())
     };

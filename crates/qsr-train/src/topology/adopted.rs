@@ -53,7 +53,8 @@ fn children() -> Vec<Pid> {
     entries
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
         .filter(|&pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/stat")).ok().and_then(|s| parent_in(&s)) == Some(me)
+            let stat = qsr_files::read_text(std::path::Path::new(&format!("/proc/{pid}/stat")), 4096, "process status");
+            stat.ok().and_then(|s| parent_in(&s)) == Some(me)
         })
         .filter_map(Pid::from_raw)
         .collect()

@@ -63,7 +63,7 @@ fn ring(env: &LaunchEnv, cfg: TcpConfig, port_file: Option<&Path>) -> Result<Tcp
     let host = if env.master_addr.contains(':') { format!("[{}]", env.master_addr) } else { env.master_addr.clone() };
     let listener = MasterListener::bind(&format!("{host}:0"))?;
     let port = listener.local_addr()?.port();
-    crate::checkpoint::write_atomic(path, port.to_string().as_bytes())
+    crate::files::write_atomic(path, port.to_string().as_bytes(), "rendezvous port file")
         .with_context(|| format!("cannot hand the rendezvous port to the launcher ({})", path.display()))?;
     Ok(TcpComm::master(listener, env.world_size, cfg)?)
 }

@@ -534,7 +534,7 @@ fn stop_expelled(workers: &mut Vec<Spawned>, expelled: &[u64], failures: &mut Ve
 
 /// Whether a child is stopped (by SIGSTOP, or traced): `T` or `t` in `/proc/<pid>/stat`.
 fn is_stopped(child: &Child) -> bool {
-    std::fs::read_to_string(format!("/proc/{}/stat", child.id()))
+    qsr_files::read_text(Path::new(&format!("/proc/{}/stat", child.id())), 4096, "process status")
         .ok()
         .and_then(|st| st.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next()))
         .is_some_and(|state| matches!(state, 'T' | 't'))

@@ -89,18 +89,7 @@ impl Relay {
 /// place, so that a link or a FIFO already at `dir/name` is replaced, never followed (its target
 /// overwritten) nor opened (a FIFO blocks until someone reads it): issue 56, D5.
 fn new_log(dir: &Path, name: &str) -> Result<File> {
-    let (path, tmp) = (dir.join(name), dir.join(format!(".{name}.{}", std::process::id())));
-    let _ = std::fs::remove_file(&tmp);
-    let file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&tmp)
-        .with_context(|| format!("cannot create {}", tmp.display()))?;
-    if let Err(e) = std::fs::rename(&tmp, &path) {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e).with_context(|| format!("cannot create {}", path.display()));
-    }
-    Ok(file)
+    Ok(qsr_files::create_replacing(&dir.join(name), "rank log")?)
 }
 
 /// Copies `pipe` line by line to this process's `stream`, prefixed, and to `log` as it came.

@@ -1,7 +1,5 @@
 //! The recipe's network: built once and copied to every worker, after a preflight of its size.
 
-use std::fs::{self};
-
 use anyhow::{Result, anyhow, bail};
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
@@ -156,7 +154,7 @@ fn check_memory(recipe: &TrainRecipe, params: usize, replicas: usize) -> Result<
 }
 
 fn mem_available() -> Option<u64> {
-    let text = fs::read_to_string("/proc/meminfo").ok()?;
+    let text = qsr_files::read_text(std::path::Path::new("/proc/meminfo"), 1 << 16, "memory status").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)

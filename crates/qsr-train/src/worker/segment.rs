@@ -389,7 +389,11 @@ impl Segment {
                 .as_ref()
                 .map(|e| Fit { accuracy: e.accuracy, loss: e.loss }),
         };
-        checkpoint::write_atomic(&spec.run_dir.join("summary.json"), serde_json::to_string_pretty(&s)?.as_bytes())?;
+        crate::files::write_atomic(
+            &spec.run_dir.join("summary.json"),
+            serde_json::to_string_pretty(&s)?.as_bytes(),
+            "run summary",
+        )?;
         Ok(Some(s))
     }
 }
