@@ -21,6 +21,15 @@ pub enum Transport {
 }
 
 impl Transport {
+    /// The value of `QSR_TRANSPORT` that chooses it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Auto => "auto",
+            Transport::Tcp => "tcp",
+            Transport::Shm => "shm",
+        }
+    }
+
     /// `QSR_TRANSPORT` from `env` (as in [`crate::detect`]); unset means [`Transport::Auto`].
     pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Transport, CommError> {
         match env("QSR_TRANSPORT").as_deref().map(str::trim) {
@@ -73,10 +82,18 @@ pub fn over_ring(
     host: &str,
     shm_cfg: ShmConfig,
 ) -> Result<Box<dyn Collective>, CommError> {
-    if transport == Transport::Tcp || boot.world_size() == 1 {
+    if boot.world_size() == 1 {
         return Ok(Box::new(boot));
     }
-    let hosts = all_gather_bytes(&mut boot, host.as_bytes())?;
+    // Each rank's transport beside its host: ranks that chose differently would go different ways.
+    let mine = [transport.name().as_bytes(), b"\0", host.as_bytes()].concat();
+    let gathered = all_gather_bytes(&mut boot, &mine)?;
+    same_transport(&gathered)?;
+    if transport == Transport::Tcp {
+        return Ok(Box::new(boot));
+    }
+    let hosts: Vec<Vec<u8>> =
+        gathered.iter().map(|b| b.splitn(2, |&c| c == 0).nth(1).unwrap_or_default().to_vec()).collect();
     let groups = by_host(&hosts);
     if groups.len() > 1 && transport == Transport::Shm {
         return Err(CommError::InvalidArgument(format!(
@@ -240,6 +257,24 @@ pub fn split_by_host(
     split(ring, color as u32, me as u32, transport, host, shm_cfg)
 }
 
+/// An error on every rank unless every rank's gathered `transport\0host` names the same transport:
+/// ranks launched with different `QSR_TRANSPORT` would take different collectives and hang or fail
+/// without a cause.
+fn same_transport(gathered: &[Vec<u8>]) -> Result<(), CommError> {
+    let name = |b: &Vec<u8>| String::from_utf8_lossy(b.split(|&c| c == 0).next().unwrap_or_default()).into_owned();
+    match gathered.iter().position(|b| name(b) != name(&gathered[0])) {
+        None => Ok(()),
+        Some(r) => Err(CommError::launch(
+            "QSR_TRANSPORT",
+            format!(
+                "QSR_TRANSPORT differs between ranks: rank 0 uses {}, rank {r} {} (set it alike on every rank, or on none)",
+                name(&gathered[0]),
+                name(&gathered[r])
+            ),
+        )),
+    }
+}
+
 /// Ranks grouped by equal host identity, groups ordered by their first rank.
 fn by_host(hosts: &[Vec<u8>]) -> Vec<Vec<usize>> {
     let mut groups: Vec<(&[u8], Vec<usize>)> = Vec::new();
@@ -264,6 +299,16 @@ mod tests {
         assert_eq!(Transport::from_env(&env(" tcp ")).unwrap(), Transport::Tcp);
         let e = Transport::from_env(&env("udp")).unwrap_err().to_string();
         assert!(e.contains("QSR_TRANSPORT=udp"), "{e}");
+    }
+
+    /// Issue 56 D12: ranks launched with different `QSR_TRANSPORT` failed without a cause ("rank 0
+    /// refused to start: vm/c43669c1.../27:1/4026531836"); every rank now names the difference.
+    #[test]
+    fn ranks_with_different_transports_are_refused_naming_the_first_that_differs() {
+        let both = |a: &str, b: &str| vec![format!("{a}\0h").into_bytes(), format!("{b}\0h").into_bytes()];
+        assert!(same_transport(&both("auto", "auto")).is_ok());
+        let e = same_transport(&both("auto", "tcp")).unwrap_err().to_string();
+        assert!(e.contains("QSR_TRANSPORT differs between ranks: rank 0 uses auto, rank 1 tcp"), "{e}");
     }
 
     #[test]

@@ -161,6 +161,11 @@ fn the_nproc_launcher_names_the_rank_that_failed_first() {
 
 /// Two ranks of an external `--comm tcp` launch; rank 1 gets extra arguments.
 fn two_tcp_ranks(out: &Path, rank1_extra: &[&str]) -> [Output; 2] {
+    two_tcp_ranks_with(out, rank1_extra, &[])
+}
+
+/// [`two_tcp_ranks`] with extra environment variables for rank 1.
+fn two_tcp_ranks_with(out: &Path, rank1_extra: &[&str], rank1_env: &[(&str, &str)]) -> [Output; 2] {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
     let children: Vec<Child> = (0..2)
         .map(|rank| {
@@ -178,10 +183,11 @@ fn two_tcp_ranks(out: &Path, rank1_extra: &[&str]) -> [Output; 2] {
                 "tcp",
             ];
             args.extend(["--rank", &r, "--world-size", "2", "--master-addr", "127.0.0.1", "--master-port", &port]);
+            let mut c = qsr_cmd(&args);
             if rank == 1 {
-                args.extend(rank1_extra);
+                c.args(rank1_extra).envs(rank1_env.iter().copied());
             }
-            qsr_cmd(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+            c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
         })
         .collect();
     let outs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
@@ -214,6 +220,23 @@ fn ranks_launched_with_different_recipes_refuse_before_the_first_collective() {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     }
     assert_eq!(json(&out.join("summary.json"))["world_size"], 2);
+}
+
+/// Issue 56 D12: a rank launched with another `QSR_TRANSPORT` made rank 0 exit 3 saying only
+/// "rank 0 refused to start: vm/c43669c1.../27:1/4026531836"; both ranks now name the variable.
+#[test]
+fn ranks_launched_with_different_transports_fail_naming_qsr_transport() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    for (rank, o) in two_tcp_ranks_with(&out, &[], &[("QSR_TRANSPORT", "tcp")]).iter().enumerate() {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "rank {rank} trained");
+        assert!(
+            err.contains("QSR_TRANSPORT differs between ranks: rank 0 uses auto, rank 1 tcp"),
+            "rank {rank}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+    }
 }
 
 #[test]
