@@ -11,7 +11,7 @@ use qsr_sched::Plan;
 use super::model::TrainModel;
 use super::segment::{AfterSync, Pace, Segment};
 use super::spec::{Comms, RunSpec};
-use super::task::{ImageTask, Task, TextTask};
+use super::task::{DataSize, ImageTask, Task, TextTask};
 use crate::checkpoint::{self, CheckpointState, Counters};
 use crate::recipe::TrainRecipe;
 use crate::records::Summary;
@@ -46,6 +46,19 @@ pub(crate) fn run_worker(
     }
 }
 
+/// Fails on every rank, as bad input naming the size, unless every rank read data of the sizes rank 0
+/// read: shards of data of different sizes end their epochs (and evaluations) at different steps, and
+/// the ranks would fail much later blaming the schedule.
+fn agree_data(comm: &mut dyn Collective, size: DataSize) -> Result<()> {
+    let facts = serde_json::json!({ "data": { "train_items": size.train, "test_items": size.test } });
+    match qsr_comm::agree(comm, &facts) {
+        Err(e @ qsr_comm::CommError::Disagree { .. }) => Err(crate::exit::bad_input(
+            anyhow!(e).context("the ranks read different data (each must read the same dataset)"),
+        )),
+        other => Ok(other?),
+    }
+}
+
 /// [`run_worker`] for one task.
 fn run<T: Task>(
     spec: &RunSpec,
@@ -56,6 +69,8 @@ fn run<T: Task>(
 ) -> Result<Option<Summary>> {
     let recipe = &spec.recipe;
     let rank = comms.world.rank();
+    let mut comms = comms;
+    agree_data(comms.world.as_mut(), task.data_size())?;
     let pace = Pace { plan: recipe.plan()?, spe: task.steps_per_epoch() };
     let (cursor, driver) = (pace.plan.cursor(), recipe.driver_config());
     let mut worker = Worker::new(model, recipe.optimizer.clone(), comms.world, cursor, driver)?;

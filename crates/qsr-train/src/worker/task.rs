@@ -26,6 +26,15 @@ pub(crate) struct Eval {
     pub(crate) train: Option<Fit>,
 }
 
+/// The sizes of a task's data, the same on every rank of a run.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub(crate) struct DataSize {
+    /// Training items (images, or text tokens).
+    pub(crate) train: usize,
+    /// Held-out items (test images, or validation tokens).
+    pub(crate) test: usize,
+}
+
 /// One kind of training data with its loss and evaluation.
 pub(crate) trait Task {
     /// The network the task trains.
@@ -34,6 +43,9 @@ pub(crate) trait Task {
     type Batches;
     /// Steps per epoch of this rank's data.
     fn steps_per_epoch(&self) -> usize;
+    /// The sizes of the whole data every rank shards (training and held-out items, or text tokens),
+    /// which every rank must share.
+    fn data_size(&self) -> DataSize;
     /// The batches from `first_step` to `end_step`.
     fn batches(&self, first_step: u64, end_step: u64) -> Result<Self::Batches>;
     /// One optimizer step of `worker` on the next batch, split into the recipe's micro-batches.
@@ -63,6 +75,7 @@ pub(crate) struct ImageTask {
     /// This rank's shard of the `eval.train_items` training images, without augmentation.
     train_eval_loader: Option<EvalLoader>,
     spe: usize,
+    size: DataSize,
     has_bn: bool,
     /// The momentum the model's BatchNorm layers train with, restored after a re-estimation.
     bn_momentum: f64,
@@ -109,6 +122,7 @@ impl ImageTask {
         let train_set = open_dataset(&recipe.data, Split::Train)?;
         let test_set = open_dataset(&recipe.data, Split::Test)?;
         let info = train_set.info().clone();
+        let size = DataSize { train: train_set.len(), test: test_set.len() };
         let sampler = sampler(recipe, train_set.len(), k, rank)?;
         let spe = sampler.steps_per_epoch();
         let eval_loader = |set| -> Result<EvalLoader> {
@@ -132,6 +146,7 @@ impl ImageTask {
             eval_loader,
             train_eval_loader,
             spe,
+            size,
             has_bn: model.has_batch_norm(),
             bn_momentum,
             ce: cross_entropy(recipe, device),
@@ -196,6 +211,10 @@ impl Task for ImageTask {
 
     fn steps_per_epoch(&self) -> usize {
         self.spe
+    }
+
+    fn data_size(&self) -> DataSize {
+        self.size
     }
 
     fn batches(&self, first_step: u64, end_step: u64) -> Result<Prefetcher> {
@@ -270,6 +289,7 @@ pub(crate) struct TextTask {
     world: usize,
     /// Steps per epoch: the training tokens over the tokens one step of all workers predicts.
     spe: usize,
+    size: DataSize,
     /// This rank's validation windows (their start offsets in the validation tokens).
     eval_starts: Vec<usize>,
     /// `train.label_smoothing` of the training loss (evaluation takes none).
@@ -298,6 +318,7 @@ impl TextTask {
         check_vocab(gpt, &corpus)?;
         let context = gpt.context;
         TextWindows::new(&corpus, (context, recipe.train.local_batch), recipe.seed, rank, k)?;
+        let size = DataSize { train: corpus.train().len(), test: corpus.valid().len() };
         let spe = text_steps_per_epoch(recipe, &corpus, context, k)?;
         let max = recipe.eval.max_items.unwrap_or(usize::MAX);
         let eval_starts = qsr_data::eval_window_starts(corpus.valid(), context, max, rank, k);
@@ -317,6 +338,7 @@ impl TextTask {
             rank,
             world: k,
             spe,
+            size,
             eval_starts,
             smoothing: label_smoothing(recipe),
         })
@@ -370,6 +392,10 @@ impl Task for TextTask {
 
     fn steps_per_epoch(&self) -> usize {
         self.spe
+    }
+
+    fn data_size(&self) -> DataSize {
+        self.size
     }
 
     fn batches(&self, _first_step: u64, _end_step: u64) -> Result<()> {

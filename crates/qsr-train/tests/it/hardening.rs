@@ -239,6 +239,60 @@ fn ranks_launched_with_different_transports_fail_naming_qsr_transport() {
     }
 }
 
+/// Issue 56 D12: ranks whose training sets differ in size (the same `data.path` on hosts that hold
+/// different files) passed the agreement and failed at step 32 blaming "lr schedule, warmup and
+/// run_steps". They are refused before training, naming the sizes.
+#[test]
+fn ranks_that_read_training_sets_of_different_sizes_are_refused_before_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let (recipe, out) = (root().join(RECIPE), dir.path().join("run"));
+    let children: Vec<Child> = [200, 160]
+        .iter()
+        .enumerate()
+        .map(|(rank, &n)| {
+            // Each rank its own working directory: `data.path = "mnist"` names another file on each.
+            let host = dir.path().join(format!("host-{rank}"));
+            std::fs::create_dir_all(host.join("mnist")).unwrap();
+            write_idx(&host.join("mnist"), "train", n, 28, 28);
+            write_idx(&host.join("mnist"), "t10k", 40, 28, 28);
+            let r = rank.to_string();
+            let args = [
+                "train",
+                "--recipe",
+                s(&recipe),
+                "--out",
+                s(&out),
+                "--quiet",
+                "--comm",
+                "tcp",
+                "--rank",
+                &r,
+                "--world-size",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                &port,
+                "--set",
+                "data.dataset=mnist",
+                "--set",
+                "data.path=mnist",
+                "--set",
+                "train.local_batch=8",
+            ];
+            qsr_cmd(&args).current_dir(&host).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+        })
+        .collect();
+    for (rank, c) in children.into_iter().enumerate() {
+        let o = c.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "rank {rank}: {err}");
+        assert!(err.contains("`data.train_items`: rank 0 has 200, rank 1 has 160"), "rank {rank}: {err}");
+    }
+    assert!(!out.join("ckpt").exists(), "a checkpoint was written before the ranks agreed");
+}
+
 #[test]
 fn resume_with_nproc_applies_set_overrides() {
     let dir = tempfile::tempdir().unwrap();
