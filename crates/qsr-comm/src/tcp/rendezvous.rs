@@ -192,11 +192,15 @@ struct Registry<'a> {
     /// Ranks registered, rank 0 included.
     count: usize,
     refusals: Vec<String>,
+    /// A refusal that means this job can never form: a rank with the job's token that counts
+    /// another world size (launches that disagree on `--nproc` or `--nnodes`).
+    fatal: Option<CommError>,
 }
 
 impl<'a> Registry<'a> {
     fn new(n: usize, cfg: &'a TcpConfig, addr: String) -> Self {
-        Registry { n, cfg, addr, slots: (0..n).map(|_| None).collect(), count: 1, refusals: Vec::new() }
+        let slots = (0..n).map(|_| None).collect();
+        Registry { n, cfg, addr, slots, count: 1, refusals: Vec::new(), fatal: None }
     }
 
     fn missing(&self) -> Vec<usize> {
@@ -224,6 +228,14 @@ impl<'a> Registry<'a> {
         if let Err((field, message)) = verdict {
             tracing::warn!(%peer, rank = r, "refused registration: {message}");
             refuse(&mut s, field, message.clone(), self.cfg.hello_timeout);
+            if field == Field::WorldSize && self.fatal.is_none() {
+                let detail = format!(
+                    "{message}: the launches disagree on the size (do the nodes give the same \
+                     --nproc and --nnodes?)"
+                );
+                let peer = format!("rank {r} ({peer})");
+                self.fatal = Some(CommError::HandshakeRefused { peer, field: field.name(), detail });
+            }
             self.refusals.push(format!("{peer}: {message}"));
             return;
         }
@@ -326,6 +338,10 @@ pub(crate) fn serve(
             Some(inc) => reg.take(inc),
             None if Instant::now() >= deadline => return Err(reg.timeout_error()),
             None => wait.tick(&reg.waiting_line(), ""),
+        }
+        if let Some(e) = reg.fatal.take() {
+            // The ranks registered so far learn it when this listener and their connections close.
+            return Err(e);
         }
         if reg.count == n {
             reg.prune_closed();

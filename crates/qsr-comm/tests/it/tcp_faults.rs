@@ -20,7 +20,7 @@ fn refused_field(e: &CommError) -> &'static str {
 }
 
 #[test]
-fn wrong_token_version_and_world_size_are_refused_and_rank0_keeps_waiting() {
+fn wrong_token_and_version_are_refused_and_rank0_keeps_waiting() {
     let cfg = crate::common::test_config();
     let (addr, master) = start_master(2, cfg.clone());
 
@@ -36,10 +36,6 @@ fn wrong_token_version_and_world_size_are_refused_and_rank0_keeps_waiting() {
     assert_eq!(refused_field(&e), "protocol version");
     assert!(e.to_string().contains("sent 99"), "{e}");
 
-    let e = TcpComm::worker(&addr, 1, 3, cfg.clone()).err().expect("wrong world size must be refused");
-    assert_eq!(refused_field(&e), "world size");
-    assert!(e.to_string().contains("this job has 2, rank 1 sent 3"), "{e}");
-
     // The legitimate rank still gets in, and the ring works.
     let mut w = TcpComm::worker(&addr, 1, 2, cfg).expect("valid worker");
     let mut m = master.join().unwrap().expect("master");
@@ -51,6 +47,25 @@ fn wrong_token_version_and_world_size_are_refused_and_rank0_keeps_waiting() {
     m.all_reduce(&mut b, ReduceOp::Sum).unwrap();
     assert_eq!(b, vec![3.0; 5]);
     assert_eq!(h.join().unwrap().unwrap(), vec![3.0; 5]);
+}
+
+/// Issue 56 D12: launches that disagree on the world size (nodes given different `--nproc`) can never
+/// form: the rank that counts another size is refused, and rank 0 fails at once naming it instead of
+/// waiting out the rendezvous timeout (300 s by default) for ranks that will never come.
+#[test]
+fn a_rank_of_another_world_size_fails_rank_zero_at_once_naming_both_sizes() {
+    let mut cfg = crate::common::test_config();
+    cfg.rendezvous_timeout = Duration::from_secs(60);
+    let (addr, master) = start_master(2, cfg.clone());
+    let start = Instant::now();
+    let e = TcpComm::worker(&addr, 1, 3, cfg).err().expect("wrong world size must be refused");
+    assert_eq!(refused_field(&e), "world size");
+    assert!(e.to_string().contains("this job has 2, rank 1 sent 3"), "{e}");
+    let e = master.join().unwrap().err().expect("rank 0 fails");
+    assert_eq!(refused_field(&e), "world size");
+    let msg = e.to_string();
+    assert!(msg.contains("this job has 2, rank 1 sent 3") && msg.contains("--nproc and --nnodes"), "{msg}");
+    assert!(start.elapsed() < Duration::from_secs(30), "rank 0 waited {:?}", start.elapsed());
 }
 
 #[test]
@@ -256,7 +271,7 @@ fn handshake_refusals_state_each_fact_once() {
     bad.protocol_version = 99;
     msgs.push(TcpComm::worker(&addr, 1, 2, bad).err().expect("version"));
     msgs.push(TcpComm::worker(&addr, 1, 3, cfg).err().expect("world size"));
-    msgs.push(master.join().unwrap().err().expect("rank 0 times out"));
+    msgs.push(master.join().unwrap().err().expect("rank 0 fails"));
     for e in msgs {
         let msg = e.to_string();
         eprintln!("{msg}");

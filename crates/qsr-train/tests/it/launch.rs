@@ -449,3 +449,36 @@ fn a_launch_into_a_directory_with_a_stale_rendezvous_port_trains() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(!run.join(".rendezvous-port").exists(), "the port file is gone once read");
 }
+
+/// Issue 56 D12: nodes that disagree on `--nproc` (one launcher counts 2 ranks, the other 4): node 1
+/// failed at once, node 0 waited out the rendezvous timeout (300 s). Rank 0 now fails as soon as a rank
+/// of another size registers, naming the flags, and both launchers exit within seconds.
+#[test]
+fn launchers_that_disagree_on_nproc_both_fail_at_once() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let launch = |node: &str, nproc: &str| {
+        Command::new(env!("CARGO_BIN_EXE_qsr"))
+            .args(["launch", "--nnodes", "2", "--node-rank", node, "--nproc", nproc, "--master-addr", "127.0.0.1"])
+            .args(["--master-port", &port, "--"])
+            .arg(std::env::current_exe().unwrap())
+            .args(["--exact", "launch::launched_rank", "--ignored", "--nocapture", "--test-threads", "1"])
+            .env("QSR_TEST_SCENARIO", "sum")
+            .env("QSR_JOB_TOKEN", "issue-56-nproc")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut text = String::new();
+    for mut launcher in [launch("0", "1"), launch("1", "2")] {
+        let status = exit_within(&mut launcher, Duration::from_secs(60));
+        let out = launcher.wait_with_output().unwrap();
+        let host = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+        assert!(!status.success(), "{host}");
+        text += &host;
+    }
+    // Rank 0 names whichever of node 1's ranks registered first.
+    let named = |r: u32| text.contains(&format!("world size differs: this job has 2, rank {r} sent 4: the launches"));
+    assert!(named(2) || named(3), "{text}");
+    assert!(text.contains("--nproc and --nnodes"), "{text}");
+}
