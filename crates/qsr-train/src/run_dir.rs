@@ -143,3 +143,37 @@ pub(crate) fn check_world(resume: &Resume, world: usize) -> Result<()> {
     }
     Ok(())
 }
+
+/// The file rank 0 leaves in its run directory for [`check_shared`], removed once every rank looked.
+const SHARED_MARKER: &str = ".qsr-shared-check";
+
+/// Fails on every rank, as bad input naming the ranks, unless every rank's `run_dir` is rank 0's (the
+/// same directory on shared storage, whatever path each host mounts it at): every rank writes its own
+/// files into the run's checkpoints, and a rank writing elsewhere would fail at the first checkpoint,
+/// after hours. Rank 0 writes a marker of this launch, every rank reads it back from its own `--out`.
+pub(crate) fn check_shared(comm: &mut dyn qsr_comm::Collective, run_dir: &Path) -> Result<()> {
+    let marker = run_dir.join(SHARED_MARKER);
+    let mut token = Vec::new();
+    if comm.rank() == 0 {
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        token = format!("{}-{nanos}", std::process::id()).into_bytes();
+        crate::files::write_atomic(&marker, &token, "shared run directory marker")?;
+    }
+    comm.broadcast_bytes(&mut token, 0).context("while the ranks compared their run directories")?;
+    let seen = qsr_files::read(&marker, 64, "shared run directory marker").ok();
+    let out = match seen == Some(token) {
+        true => "rank 0's run directory".to_string(),
+        false => format!("{}, which does not hold rank 0's run directory", run_dir.display()),
+    };
+    let agreed = qsr_comm::agree(comm, &serde_json::json!({ "--out": out }));
+    if comm.rank() == 0 {
+        let _ = std::fs::remove_file(&marker);
+    }
+    match agreed {
+        Err(e @ qsr_comm::CommError::Disagree { .. }) => Err(crate::exit::bad_input(anyhow::anyhow!(e).context(
+            "every rank writes its checkpoint files into the one run directory: give each rank's --out the \
+             directory rank 0 uses, on storage every host shares",
+        ))),
+        other => Ok(other.context("while the ranks compared their run directories")?),
+    }
+}

@@ -11,7 +11,7 @@ use crate::exit::bad_input;
 use crate::launch_facts::{LaunchFacts, agree};
 use crate::recipe::TrainRecipe;
 use crate::records::Summary;
-use crate::run_dir::{Resume, check_world, prepare_run_dir};
+use crate::run_dir::{Resume, check_shared, check_world, prepare_run_dir};
 use crate::run_lock::RunLock;
 use crate::worker::{Comms, RunSpec, build_model, in_pool, intra_op_threads, preflight, run_worker};
 
@@ -147,6 +147,7 @@ impl Member {
         if owner {
             prepare_run_dir(&self.run_dir, &self.recipe)?;
         }
+        check_shared(self.comms.world.as_mut(), &self.run_dir)?;
         let model = build_model(&self.recipe, &device)?;
         let progress = !args.quiet && rank == 0;
         let spec = RunSpec {

@@ -293,6 +293,59 @@ fn ranks_that_read_training_sets_of_different_sizes_are_refused_before_training(
     assert!(!out.join("ckpt").exists(), "a checkpoint was written before the ranks agreed");
 }
 
+/// Issue 56 D12: ranks given different `--out` directories trained until the first checkpoint (step
+/// 220) and failed there; every rank now checks that its `--out` holds rank 0's run directory before
+/// training, and a rank whose `--out` is the same directory under another path (a host's own mount)
+/// trains.
+#[test]
+fn ranks_writing_into_different_run_directories_are_refused_before_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |outs: [&Path; 2]| -> Vec<Output> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+        let children: Vec<Child> = (0..2)
+            .map(|rank| {
+                let r = rank.to_string();
+                let args = [
+                    "train",
+                    "--recipe",
+                    RECIPE,
+                    "--out",
+                    s(outs[rank]),
+                    "--quiet",
+                    "--set",
+                    "schedule.total_steps=100",
+                    "--comm",
+                    "tcp",
+                    "--rank",
+                    &r,
+                    "--world-size",
+                    "2",
+                    "--master-addr",
+                    "127.0.0.1",
+                    "--master-port",
+                    &port,
+                ];
+                qsr_cmd(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+            })
+            .collect();
+        children.into_iter().map(|c| c.wait_with_output().unwrap()).collect()
+    };
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    for (rank, o) in run([&a, &b]).iter().enumerate() {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "rank {rank}: {err}");
+        assert!(err.contains("which does not hold rank 0's run directory") && err.contains("--out"), "{err}");
+    }
+    assert!(!a.join("ckpt").exists() && !b.join("ckpt").exists(), "a checkpoint was written");
+    // The same directory through a link (as a host may mount it elsewhere) is rank 0's.
+    let link = dir.path().join("mounted");
+    std::os::unix::fs::symlink(&a, &link).unwrap();
+    for o in run([&a, &link]) {
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    assert!(!a.join(".qsr-shared-check").exists(), "the marker is left behind");
+}
+
 #[test]
 fn resume_with_nproc_applies_set_overrides() {
     let dir = tempfile::tempdir().unwrap();
