@@ -32,6 +32,59 @@ pub fn exit_status(error: &(dyn Error + 'static)) -> u8 {
     1
 }
 
+/// The environment variable in which a launcher (`qsr launch`, `qsr train --nproc`) names the file
+/// where the rank it starts leaves its [`FailureRecord`].
+pub const FAILURE_FILE: &str = "QSR_FAILURE_FILE";
+
+/// What a failed rank leaves its launcher ([`record_failure`]): the rank its error blames, so that a
+/// launcher whose ranks only lost a peer can name the peer, on its own node or another.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct FailureRecord {
+    /// The rank a [`CommError`] in the error's chain blames ([`CommError::blamed_rank`]).
+    pub blames: Option<usize>,
+    /// Whether the rank stopped only because another failed ([`exit_status`] is [`EXIT_PEER_FAILED`]).
+    pub peer_failed: bool,
+    /// The error and its chain of sources, as the rank printed it.
+    pub message: String,
+}
+
+impl FailureRecord {
+    /// The record of a rank that ends with `error`.
+    pub fn of(error: &(dyn Error + 'static)) -> Self {
+        let mut next = Some(error);
+        let mut blames = None;
+        while let Some(e) = next {
+            blames = blames.or_else(|| e.downcast_ref::<CommError>().and_then(CommError::blamed_rank));
+            next = e.source();
+        }
+        let peer_failed = exit_status(error) == EXIT_PEER_FAILED;
+        FailureRecord { blames, peer_failed, message: chain(error) }
+    }
+}
+
+/// Leaves `error`'s [`FailureRecord`] where the launcher asked ([`FAILURE_FILE`]), if it did; a rank
+/// that cannot write it says so and goes on failing as it was.
+pub fn record_failure(error: &(dyn Error + 'static)) {
+    let Some(path) = std::env::var_os(FAILURE_FILE) else {
+        return;
+    };
+    let record = serde_json::to_vec(&FailureRecord::of(error)).unwrap_or_default();
+    if let Err(e) = qsr_files::write_atomic(std::path::Path::new(&path), &record, "failure record") {
+        eprintln!("{e}");
+    }
+}
+
+/// `error` and its chain of sources, joined by `: `.
+fn chain(error: &(dyn Error + 'static)) -> String {
+    let mut message = error.to_string();
+    let mut next = error.source();
+    while let Some(cause) = next {
+        message += &format!(": {cause}");
+        next = cause.source();
+    }
+    message
+}
+
 /// What a rank's `main` returns: success, or `Error: ` and the error's chain of sources on stderr with
 /// the status of [`exit_status`], so that `qsr launch` (and `qsr train --nproc`) blame the rank that
 /// failed first and count the others as stopped. Takes `anyhow::Result<()>` and
@@ -52,13 +105,8 @@ pub fn exit_code<E: AsRef<dyn Error + Send + Sync + 'static>>(result: Result<(),
         return ExitCode::SUCCESS;
     };
     let e: &(dyn Error + 'static) = e.as_ref();
-    let mut message = format!("Error: {e}");
-    let mut next = e.source();
-    while let Some(cause) = next {
-        message += &format!(": {cause}");
-        next = cause.source();
-    }
-    eprintln!("{message}");
+    eprintln!("Error: {}", chain(e));
+    record_failure(e);
     ExitCode::from(exit_status(e))
 }
 

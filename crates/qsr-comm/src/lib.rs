@@ -58,7 +58,7 @@ pub(crate) use collective::CallKind;
 pub use collective::{Collective, CommStats, ReduceOp, SyncTag, codec_name};
 pub use connect::{Transport, connect, host_id, over_ring, split, split_by_host};
 pub use error::CommError;
-pub use exit::{EXIT_PEER_FAILED, exit_code, exit_status};
+pub use exit::{EXIT_PEER_FAILED, FAILURE_FILE, FailureRecord, exit_code, exit_status, record_failure};
 pub use inproc::{DEFAULT_TIMEOUT, InProcessComm, InProcessGroup};
 pub use launch_env::{
     DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, Explicit, LaunchEnv, Source, detect, detect_from_process_env, first_host,

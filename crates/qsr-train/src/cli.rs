@@ -82,6 +82,8 @@ pub fn run(cli: Cli) -> ExitCode {
             // One write per message: the workers of a launch share one terminal, and `eprintln!` writes
             // a line in pieces that interleave with theirs.
             let _ = std::io::stderr().write_all(format!("error: {e:#}\n").as_bytes());
+            // For the launcher that started this process, if one did: the peer this error blames.
+            qsr_comm::record_failure(e.as_ref());
             ExitCode::from(crate::exit_code(&e))
         }
     }

@@ -8,7 +8,7 @@
 //! exits with [`EXIT_PEER_FAILED`] and is not blamed while a rank with its own cause exists.
 
 use std::ops::Range;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -34,6 +34,10 @@ const STOP_GRACE: Duration = Duration::from_secs(10);
 const FAILURE_WINDOW: Duration = Duration::from_millis(500);
 
 const POLL: Duration = Duration::from_millis(50);
+
+/// How long the launcher waits for a rank of its own that the failed ranks blame, when none of them
+/// failed for a cause of its own (a culprit that fails after its casualties, D11).
+const CULPRIT_WINDOW: Duration = Duration::from_secs(10);
 
 /// How long a launcher waits for its ranks' last output lines once they have exited.
 const RELAY_DRAIN: Duration = Duration::from_secs(2);
@@ -133,6 +137,43 @@ struct Spawned {
     rank: usize,
     child: Child,
     groups: Groups,
+    /// Where it leaves its failure record.
+    record: PathBuf,
+}
+
+/// A directory of the launcher's own where its ranks leave their failure records
+/// ([`qsr_comm::FAILURE_FILE`]), removed with it.
+struct Records {
+    dir: PathBuf,
+}
+
+impl Records {
+    fn new() -> Result<Self> {
+        use std::os::unix::fs::DirBuilderExt;
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let dir = std::env::temp_dir().join(format!("qsr-launch-{}-{nanos}", std::process::id()));
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .with_context(|| format!("cannot create {} for the ranks' failure records", dir.display()))?;
+        Ok(Self { dir })
+    }
+
+    fn file(&self, rank: usize) -> PathBuf {
+        self.dir.join(format!("failure-rank{rank}.json"))
+    }
+}
+
+impl Drop for Records {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The rank a failed worker's record at `path` blames, if it left one.
+fn blamed(path: &Path) -> Option<usize> {
+    let bytes = qsr_files::read(path, 1 << 20, "failure record").ok()?;
+    serde_json::from_slice::<qsr_comm::FailureRecord>(&bytes).ok()?.blames
 }
 
 impl Spawned {
@@ -159,6 +200,8 @@ struct Failure {
     /// Its exit status; `None`: it was found stopped (SIGSTOP, a debugger) while the others failed.
     status: Option<ExitStatus>,
     seen: Instant,
+    /// The rank its error blames, from its failure record.
+    blames: Option<usize>,
 }
 
 impl Failure {
@@ -188,8 +231,9 @@ impl Failure {
     }
 
     /// What happened to the worker. `others_failed`: whether another rank failed with a cause of
-    /// its own, which an exit with [`EXIT_PEER_FAILED`] (lost a peer) then refers to.
-    fn describe(&self, others_failed: bool) -> String {
+    /// its own, which an exit with [`EXIT_PEER_FAILED`] (lost a peer) then refers to; `ranks`: this
+    /// launcher's, to say whether the peer it lost runs on another node.
+    fn describe(&self, others_failed: bool, ranks: &Range<usize>) -> String {
         use std::os::unix::process::ExitStatusExt;
         let Some(status) = self.status else {
             return format!(
@@ -202,10 +246,21 @@ impl Failure {
             (_, Some(c)) if c == i32::from(EXIT_PEER_FAILED) && others_failed => {
                 format!("rank {} stopped after losing a peer (exit status {c}; its error is printed above)", self.rank)
             }
-            (_, Some(c)) if c == i32::from(EXIT_PEER_FAILED) => format!(
-                "rank {} exited with status {c}, which says it lost a peer, but no other rank failed (its error is printed above)",
-                self.rank
-            ),
+            (_, Some(c)) if c == i32::from(EXIT_PEER_FAILED) => match self.blames {
+                Some(b) if !ranks.contains(&b) => format!(
+                    "rank {} stopped after losing rank {b}, which runs on another node: that node's launcher says why rank {b} failed (exit status {c}; the error is printed above)",
+                    self.rank
+                ),
+                Some(b) => format!(
+                    "rank {} stopped after losing rank {b}, which was still running {} s later and was stopped (exit status {c}; the error is printed above)",
+                    self.rank,
+                    CULPRIT_WINDOW.as_secs()
+                ),
+                None => format!(
+                    "rank {} exited with status {c}, which says it lost a peer, but no other rank failed (its error is printed above)",
+                    self.rank
+                ),
+            },
             (_, code) => {
                 format!("rank {} failed (exit status {}; its error is printed above)", self.rank, code.unwrap_or(-1))
             }
@@ -221,7 +276,8 @@ fn supervise(
     groups: Groups,
     relay: Option<&Relay>,
 ) -> Result<()> {
-    let workers = start(ranks.clone(), command, signal, port_file, (groups, relay))?;
+    let records = Records::new()?;
+    let workers = start(ranks.clone(), command, signal, port_file, (groups, relay, &records))?;
     let result = watch(ranks, workers, signal, store);
     if result.is_err() && groups == Groups::Own {
         super::adopted::stop_adopted();
@@ -266,10 +322,10 @@ fn watch(
         // Elastic jobs go on without a failed worker once they run; before, the others would wait for it.
         // ... unless nobody holds the training state any more (orphaned).
         let fatal = store.is_none_or(|s| s.generation().is_none() || s.orphaned().is_some());
-        if fatal && failures.first().is_some_and(|f| f.seen.elapsed() >= FAILURE_WINDOW) {
+        if fatal && failures.first().is_some_and(|f| f.seen.elapsed() >= window(&failures, &workers)) {
             // A stopped worker is the cause the others saw: they timed out waiting for it.
             for w in workers.iter().filter(|w| is_stopped(&w.child)) {
-                failures.push(Failure { rank: w.rank, status: None, seen: failures[0].seen });
+                failures.push(Failure { rank: w.rank, status: None, seen: failures[0].seen, blames: None });
             }
             break;
         }
@@ -290,7 +346,7 @@ fn watch(
             return Err(crate::exit::WorkersFailed { status: status as u8, message }.into());
         }
         for f in &failures {
-            eprintln!("qsr: {}; the elastic job went on without it", f.describe(true));
+            eprintln!("qsr: {}; the elastic job went on without it", f.describe(true, &ranks));
         }
         return Ok(());
     }
@@ -302,10 +358,19 @@ fn watch(
             (0, _) => format!("{lost} of {n} workers stopped after losing a peer"),
             _ => format!("{own} of {n} workers failed, {lost} stopped because of it"),
         };
-        let message = format!("{} ({tally})", first.describe(own > 0));
+        let message = format!("{} ({tally})", first.describe(own > 0, &ranks));
         return Err(crate::exit::WorkersFailed { status: first.launcher_status(), message }.into());
     }
     Ok(())
+}
+
+/// How long after the first failure the launcher stops the rest: longer while every failed rank only
+/// lost a peer and one of them blames a rank of this launcher that still runs (the culprit may fail
+/// late, and is then the cause to name).
+fn window(failures: &[Failure], running: &[Spawned]) -> Duration {
+    let blamed_here = |f: &Failure| f.blames.is_some_and(|b| running.iter().any(|w| w.rank == b));
+    let only_lost = failures.iter().all(|f| f.precedence() == 2);
+    if only_lost && failures.iter().any(blamed_here) { CULPRIT_WINDOW } else { FAILURE_WINDOW }
 }
 
 /// Says which ranks still run once others have finished: 5 s after the first finished, then every
@@ -343,7 +408,7 @@ fn start(
     command: &impl Fn(usize, Option<u16>) -> Result<Command>,
     signal: &AtomicUsize,
     port_file: Option<&Path>,
-    (groups, relay): (Groups, Option<&Relay>),
+    (groups, relay, records): (Groups, Option<&Relay>, &Records),
 ) -> Result<Vec<Spawned>> {
     let mut workers: Vec<Spawned> = Vec::new();
     let mut port = None;
@@ -365,7 +430,7 @@ fn start(
                 }
             }
         }
-        if let Err(e) = spawn(&mut workers, rank, command(rank, port), (groups, relay)) {
+        if let Err(e) = spawn(&mut workers, rank, command(rank, port), (groups, relay, records)) {
             stop(&mut workers, Signal::TERM);
             return Err(e);
         }
@@ -378,10 +443,11 @@ fn spawn(
     workers: &mut Vec<Spawned>,
     rank: usize,
     command: Result<Command>,
-    (groups, relay): (Groups, Option<&Relay>),
+    (groups, relay, records): (Groups, Option<&Relay>, &Records),
 ) -> Result<()> {
     let mut c = command?;
-    c.env(LAUNCHER_PID, std::process::id().to_string());
+    let record = records.file(rank);
+    c.env(LAUNCHER_PID, std::process::id().to_string()).env(qsr_comm::FAILURE_FILE, &record);
     if groups == Groups::Own {
         // Until `qsr exec-rank` makes it a session (and group) of its own, it is in ours.
         c.stdin(std::process::Stdio::null());
@@ -391,7 +457,7 @@ fn spawn(
     }
     let mut child = c.spawn().with_context(|| format!("cannot start worker process {rank}"))?;
     let attached = relay.map_or(Ok(()), |r| r.attach(rank, &mut child));
-    workers.push(Spawned { rank, child, groups });
+    workers.push(Spawned { rank, child, groups, record });
     attached
 }
 
@@ -471,7 +537,8 @@ fn reap(workers: Vec<Spawned>, failures: &mut Vec<Failure>) -> Result<Vec<Spawne
         match exited {
             Some(_) if failures.iter().any(|f| f.rank == w.rank) => {}
             Some(status) if !status.success() => {
-                failures.push(Failure { rank: w.rank, status: Some(status), seen: Instant::now() });
+                let blames = blamed(&w.record);
+                failures.push(Failure { rank: w.rank, status: Some(status), seen: Instant::now(), blames });
             }
             Some(_) => {}
             None => running.push(w),
@@ -525,7 +592,7 @@ fn stop_expelled(workers: &mut Vec<Spawned>, expelled: &[u64], failures: &mut Ve
         );
         let _ = w.child.kill();
         if let Ok(status) = w.child.wait() {
-            failures.push(Failure { rank: w.rank, status: Some(status), seen: Instant::now() });
+            failures.push(Failure { rank: w.rank, status: Some(status), seen: Instant::now(), blames: None });
         }
     }
     let killed: Vec<usize> = failures.iter().map(|f| f.rank).collect();

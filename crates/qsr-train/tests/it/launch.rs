@@ -208,6 +208,14 @@ fn launched_rank_run(scenario: &str) -> anyhow::Result<()> {
     use burn::tensor::{Device, Tensor};
     let mut comm = qsr_comm::from_env()?;
     let rank = comm.rank();
+    if scenario == "late" {
+        // Rank 1 fails for a cause of its own after rank 0 gave up waiting for it.
+        if rank == 1 {
+            std::thread::sleep(std::time::Duration::from_secs(3));
+            anyhow::bail!("rank 1 failed late, for a reason of its own");
+        }
+        return Ok(comm.all_reduce(&mut [1.0], qsr_comm::ReduceOp::Sum)?);
+    }
     if scenario == "sum" {
         let mut x = [rank as f32 + 1.0];
         comm.all_reduce(&mut x, qsr_comm::ReduceOp::Sum)?;
@@ -456,21 +464,8 @@ fn a_launch_into_a_directory_with_a_stale_rendezvous_port_trains() {
 #[test]
 fn launchers_that_disagree_on_nproc_both_fail_at_once() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
-    let launch = |node: &str, nproc: &str| {
-        Command::new(env!("CARGO_BIN_EXE_qsr"))
-            .args(["launch", "--nnodes", "2", "--node-rank", node, "--nproc", nproc, "--master-addr", "127.0.0.1"])
-            .args(["--master-port", &port, "--"])
-            .arg(std::env::current_exe().unwrap())
-            .args(["--exact", "launch::launched_rank", "--ignored", "--nocapture", "--test-threads", "1"])
-            .env("QSR_TEST_SCENARIO", "sum")
-            .env("QSR_JOB_TOKEN", "issue-56-nproc")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
-    };
     let mut text = String::new();
-    for mut launcher in [launch("0", "1"), launch("1", "2")] {
+    for mut launcher in [node_launch("0", "1", &port, "sum"), node_launch("1", "2", &port, "sum")] {
         let status = exit_within(&mut launcher, Duration::from_secs(60));
         let out = launcher.wait_with_output().unwrap();
         let host = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
@@ -481,4 +476,60 @@ fn launchers_that_disagree_on_nproc_both_fail_at_once() {
     let named = |r: u32| text.contains(&format!("world size differs: this job has 2, rank {r} sent 4: the launches"));
     assert!(named(2) || named(3), "{text}");
     assert!(text.contains("--nproc and --nnodes"), "{text}");
+}
+
+/// `qsr launch --nnodes 2 --node-rank NODE --nproc NPROC` of the test's own `launched_rank` with
+/// `scenario`, its rendezvous on this host's `port`.
+fn node_launch(node: &str, nproc: &str, port: &str, scenario: &str) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_qsr"))
+        .args(["launch", "--nnodes", "2", "--node-rank", node, "--nproc", nproc, "--master-addr", "127.0.0.1"])
+        .args(["--master-port", port, "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "launch::launched_rank", "--ignored", "--nocapture", "--test-threads", "1"])
+        .env("QSR_TEST_SCENARIO", scenario)
+        .env("QSR_JOB_TOKEN", "issue-56-d11")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Issue 56 D11: when a rank of node 1 failed, node 0's launcher said "rank 0 exited with status 3,
+/// which says it lost a peer, but no other rank failed", though its rank named the peer. Each rank
+/// leaves a failure record for its launcher, which now names the lost rank and its node.
+#[test]
+fn a_launcher_whose_ranks_lost_a_rank_of_another_node_names_it() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let launchers = [node_launch("0", "1", &port, "panic"), node_launch("1", "1", &port, "panic")];
+    let outs: Vec<String> = launchers
+        .into_iter()
+        .map(|mut l| {
+            exit_within(&mut l, Duration::from_secs(60));
+            let out = l.wait_with_output().unwrap();
+            String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr)
+        })
+        .collect();
+    let node0 = "rank 0 stopped after losing rank 1, which runs on another node: that node's launcher says why";
+    assert!(outs[0].contains(node0), "{}", outs[0]);
+    assert!(outs[1].contains("rank 1 failed"), "{}", outs[1]);
+}
+
+/// Issue 56 D11: on one node, a culprit that failed more than the launcher's 500 ms window after the
+/// rank that lost it was not named. The launcher now waits for a rank its failed ranks blame and names
+/// its failure.
+#[test]
+fn a_culprit_that_fails_after_the_rank_that_lost_it_is_named() {
+    let out = Command::new(env!("CARGO_BIN_EXE_qsr"))
+        .args(["launch", "--nproc", "2", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "launch::launched_rank", "--ignored", "--nocapture", "--test-threads", "1"])
+        .env("QSR_TEST_SCENARIO", "late")
+        .env("QSR_TRANSPORT", "tcp")
+        .env("QSR_COMM_TIMEOUT_SECS", "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(text.contains("error: rank 1 failed (exit status 1"), "{text}");
+    assert!(text.contains("1 of 2 workers failed, 1 stopped because of it"), "{text}");
 }
