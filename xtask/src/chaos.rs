@@ -8,7 +8,8 @@
 //! (SIGKILL) or stopped (SIGSTOP) through `QSR_TEST_FAULT` at a step, right after a sync, or (rank
 //! 0) while it commits a checkpoint, so a worker fault replays exactly from the seed; all workers
 //! but rank 0 are killed at once (the job shrinks to one survivor), or two at once when the store
-//! needs K - 1 (the survivors fall below `--min-workers`); the store is killed or stopped a drawn
+//! needs K - 1 (the survivors fall below `--min-workers`); a worker is killed at a step and a second
+//! once the store formed the next generation with it, before its ring formed; the store is killed or stopped a drawn
 //! delay after training began; a `qsr train --nproc K --elastic` launcher gets SIGINT or SIGTERM
 //! while rank 0 commits a checkpoint.
 //!
@@ -145,6 +146,9 @@ enum Fault {
     /// alike: at a plain step, a rank might learn of the others' loss (a streaming fragment's
     /// average) before it reached the step, and live.
     Several { ranks: Vec<usize>, step: u64, min_workers: usize },
+    /// `QSR_TEST_FAULT=kill:<first>:<step>`, then `kill:<second>:1:formed`: a second worker lost once
+    /// the store formed the next generation with it, before that generation's ring formed.
+    Reforming { first: usize, step: u64, second: usize },
     /// The store gets `sig` this long after training began.
     Store { sig: Sig, after: Duration },
     /// A `--nproc` launcher gets `sig` while its rank 0 is stopped committing the checkpoint of `step`.
@@ -152,7 +156,7 @@ enum Fault {
 }
 
 /// The kinds of faults, each with its quota of jobs.
-const KINDS: [&str; 10] = [
+pub(crate) const KINDS: [&str; 11] = [
     "kill worker",
     "stop worker",
     "kill rank 0",
@@ -163,6 +167,7 @@ const KINDS: [&str; 10] = [
     "below min",
     "SIGINT launcher",
     "SIGTERM launcher",
+    "second loss",
 ];
 
 impl Fault {
@@ -179,6 +184,7 @@ impl Fault {
             Fault::Several { .. } => KINDS[7],
             Fault::Launcher { sig: Sig::Int, .. } => KINDS[8],
             Fault::Launcher { .. } => KINDS[9],
+            Fault::Reforming { .. } => KINDS[10],
         }
     }
 
@@ -193,6 +199,9 @@ impl Fault {
                 format!("kill ranks {ranks:?} after the sync of step {step}, min-workers {min_workers}")
             }
             Fault::Launcher { sig, step } => format!("{} the launcher, rank 0 committing step {step}", sig.name()),
+            Fault::Reforming { first, step, second } => {
+                format!("kill rank {first} at step {step}, rank {second} as generation 1 forms")
+            }
         }
     }
 
@@ -202,6 +211,8 @@ impl Fault {
             Fault::Worker { sig, rank: r, point } if *r == rank => Some(format!("{}:{rank}:{point}", sig.name())),
             Fault::Several { ranks, step, .. } if ranks.contains(&rank) => Some(format!("kill:{rank}:{step}:synced")),
             Fault::Launcher { step, .. } if rank == 0 => Some(format!("stop:0:{step}:commit")),
+            Fault::Reforming { first, step, .. } if *first == rank => Some(format!("kill:{rank}:{step}")),
+            Fault::Reforming { second, .. } if *second == rank => Some(format!("kill:{rank}:1:formed")),
             _ => None,
         }
     }
@@ -210,6 +221,7 @@ impl Fault {
     fn min_workers(&self) -> usize {
         match self {
             Fault::Several { min_workers, .. } => *min_workers,
+            Fault::Reforming { .. } => 1,
             _ => 2,
         }
     }
@@ -242,6 +254,12 @@ fn draw(kind: &str, rng: &mut ChaCha8Rng, k: usize, points: &Points) -> Fault {
             let (ranks, min_workers) =
                 if kind == "shrink to one" { ((1..k).collect(), 1) } else { ((k - 2..k).collect(), k - 1) };
             return Fault::Several { ranks, step, min_workers };
+        }
+        "second loss" => {
+            let first = rng.random_range(1..k);
+            let second = (1..k).filter(|&r| r != first).collect::<Vec<_>>()[rng.random_range(0..k - 2)];
+            let step = rng.random_range(inner[0]..inner[inner.len() - 1]);
+            return Fault::Reforming { first, step, second };
         }
         "SIGINT launcher" => return Fault::Launcher { sig: Sig::Int, step: checkpoint(rng) },
         "SIGTERM launcher" => return Fault::Launcher { sig: Sig::Term, step: checkpoint(rng) },
@@ -505,6 +523,7 @@ fn check(setup: &Setup<'_>, fault: &Fault, store: &str, ends: &[End]) -> Vec<Str
         Fault::Worker { sig, rank, .. } => check_worker_fault(setup, *sig, *rank, ends, &mut v),
         Fault::None => check_finished(setup, ends, &[], &mut v),
         Fault::Several { ranks, min_workers, .. } => check_several(setup, ranks, *min_workers, ends, &mut v),
+        Fault::Reforming { first, second, .. } => check_reforming(setup, (*first, *second), ends, &mut v),
         // Checked by `run_launcher_job`.
         Fault::Launcher { .. } => {}
         Fault::Store { .. } => {
@@ -547,10 +566,26 @@ fn check_several(setup: &Setup<'_>, victims: &[usize], min_workers: usize, ends:
     }
 }
 
+/// A second worker lost while the next generation formed: both victims killed, the job finished
+/// with the rest, and both named: the first by its rank of generation 0, the second by its rank of
+/// generation 1 (one less when the first ranked before it).
+fn check_reforming(setup: &Setup<'_>, (first, second): (usize, usize), ends: &[End], v: &mut Vec<String>) {
+    for r in [first, second].into_iter().filter(|&r| ends[r] != End::Signal(libc::SIGKILL)) {
+        v.push(format!("the victim, rank {r}, ended {:?}, not killed", ends[r]));
+    }
+    let second_in_1 = second - usize::from(first < second);
+    finished_losing(setup, ends, (&[first, second], &[first, second_in_1]), v);
+}
+
 /// A finished job: every worker but the victims exited 0, the store reported the job finished, and
 /// the summary has the planned syncs, the world less the victims, the victims as the lost ranks and
 /// a model that is not at chance.
 fn check_finished(setup: &Setup<'_>, ends: &[End], victims: &[usize], v: &mut Vec<String>) {
+    finished_losing(setup, ends, (victims, victims), v);
+}
+
+/// [`check_finished`] for victims whose ranks when lost (`lost_as`) differ from their launcher order.
+fn finished_losing(setup: &Setup<'_>, ends: &[End], (victims, lost_as): (&[usize], &[usize]), v: &mut Vec<String>) {
     for (r, end) in ends.iter().enumerate().filter(|(r, _)| !victims.contains(r)) {
         if *end != End::Code(0) {
             let err = std::fs::read_to_string(setup.dir.join(format!("rank{r}.err"))).unwrap_or_default();
@@ -577,8 +612,10 @@ fn check_finished(setup: &Setup<'_>, ends: &[End], victims: &[usize], v: &mut Ve
         .unwrap_or_default();
     let mut lost = lost;
     lost.sort();
-    if lost != victims.iter().map(|&r| r as u64).collect::<Vec<_>>() {
-        v.push(format!("the lost ranks were {lost:?}, the victims {victims:?}"));
+    let mut want: Vec<u64> = lost_as.iter().map(|&r| r as u64).collect();
+    want.sort();
+    if lost != want {
+        v.push(format!("the lost ranks were {lost:?}, the victims {victims:?} (lost as ranks {want:?})"));
     }
 }
 

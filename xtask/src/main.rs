@@ -274,7 +274,13 @@ fn main() -> Result<()> {
             // The fault campaign, one job per fault kind (docs/RELIABILITY.md); a job is a test.
             // The test step built `qsr` for the integration tests; `cargo build --bin qsr` alone would resolve
             // burn's dependencies without the dev-dependencies' features and compile burn again (7 min).
-            let chaos = chaos::ChaosArgs { jobs: 10, seed: Some(1), workers: 4, write_docs: false, prebuilt: true };
+            let chaos = chaos::ChaosArgs {
+                jobs: chaos::KINDS.len(),
+                seed: Some(1),
+                workers: 4,
+                write_docs: false,
+                prebuilt: true,
+            };
             chaos::run(&chaos, &root(), &target_dir())?;
             totals.passed += chaos.jobs as u64;
             let burn_train = ["-p", BURN_TRAIN];

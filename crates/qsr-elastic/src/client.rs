@@ -30,6 +30,14 @@ use qsr_comm::{Collective, CommError, RingSeat, ShmConfig, TcpComm, TcpConfig, T
 use crate::error::ElasticError;
 use crate::protocol::{LastSync, Lost, MIN_STORE_TIMEOUT, Request, Response, recv, send};
 
+/// How often a worker whose generation's ring is forming asks the store whether the generation is
+/// still on (a member may be lost before it connected).
+const GENERATION_POLL: Duration = Duration::from_secs(1);
+
+/// How long a worker whose generation's ring failed to form waits for the store to end the
+/// generation before it takes the failure as its own.
+const LOSS_NOTICE: Duration = Duration::from_secs(3);
+
 /// A generation as one worker sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Membership {
@@ -123,6 +131,19 @@ pub struct Elastic {
     writer: TcpStream,
     generation: Option<u64>,
     job: String,
+    /// Told of each generation the store forms with this worker, before its ring forms.
+    on_formed: Option<Observer>,
+}
+
+/// What [`Elastic::on_formed`] calls.
+type Observer = Box<dyn FnMut(&Membership) + Send>;
+
+/// The store's answer to a join: a seat for the generation's ring, the generation as this worker
+/// sees it, and the ring's address table.
+struct Seated {
+    seat: RingSeat,
+    membership: Membership,
+    table: Vec<(String, u16)>,
 }
 
 impl Elastic {
@@ -132,7 +153,8 @@ impl Elastic {
         let stream = connect_store(&cfg.store, cfg.tcp.rendezvous_timeout)?;
         let _ = stream.set_nodelay(true);
         let writer = stream.try_clone().map_err(|e| CommError::Io { context: "store connection".into(), error: e })?;
-        let mut job = Elastic { reader: BufReader::new(stream), writer, cfg, generation: None, job: String::new() };
+        let reader = BufReader::new(stream);
+        let mut job = Elastic { reader, writer, cfg, generation: None, job: String::new(), on_formed: None };
         let hello = Request::Hello {
             token: job.cfg.tcp.token.clone(),
             settings: job.cfg.settings.clone(),
@@ -145,6 +167,12 @@ impl Elastic {
             }
             other => Err(job.unexpected(other)),
         }
+    }
+
+    /// Calls `observe` with each generation the store forms with this worker, before the
+    /// generation's collective is built (for a log; tests inject faults there).
+    pub fn on_formed(&mut self, observe: impl FnMut(&Membership) + Send + 'static) {
+        self.on_formed = Some(Box::new(observe));
     }
 
     /// The generation this worker last formed (`None` before [`Self::form`]).
@@ -187,8 +215,67 @@ impl Elastic {
         Ok(Pair { comm, side, membership })
     }
 
-    /// Joins the next generation at the store and forms its ring.
+    /// Joins the next generation at the store and forms its ring. A generation the store ends while
+    /// its ring forms (a member lost before it connected) is left at once for the next, whose
+    /// membership then also names that generation's losses.
     fn join(&mut self, state: Option<LastSync>, reason: &str) -> Result<(TcpComm, Membership), ElasticError> {
+        let mut reason = reason.to_string();
+        let mut earlier: Vec<Lost> = Vec::new();
+        loop {
+            let Seated { seat, mut membership, table } = self.joined(state.clone(), &reason)?;
+            let generation = membership.generation;
+            let tcp = TcpConfig { generation, ..self.cfg.tcp.clone() };
+            let mut over = false;
+            let mut asked = Instant::now();
+            let mut abandon = || {
+                if asked.elapsed() < GENERATION_POLL {
+                    return None;
+                }
+                asked = Instant::now();
+                over = matches!(self.ask(&Request::Poll { generation }), Ok(Response::Over { .. }));
+                over.then(|| format!("the store ended generation {generation} before every member connected"))
+            };
+            let formed = seat.form_unless(membership.rank, tcp, table, &mut abandon);
+            match formed {
+                Ok(ring) => {
+                    membership.lost.splice(0..0, earlier);
+                    return Ok((ring, membership));
+                }
+                // A member lost as the ring formed (a reset connection, say) ends the generation.
+                Err(_) if over || self.ends_soon(generation) => {
+                    let ended = |l: Lost| Lost {
+                        reason: format!(
+                            "{} (rank {} of generation {}, which ended while it formed)",
+                            l.reason,
+                            l.rank,
+                            generation.saturating_sub(1)
+                        ),
+                        ..l
+                    };
+                    earlier.extend(membership.lost.into_iter().map(ended));
+                    reason = format!("generation {generation} ended while its ring formed");
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Whether the store ends `generation` within [`LOSS_NOTICE`] (a ring that failed to form: the
+    /// store learns of the member lost when its connection closes).
+    fn ends_soon(&mut self, generation: u64) -> bool {
+        let since = Instant::now();
+        while since.elapsed() < LOSS_NOTICE {
+            match self.ask(&Request::Poll { generation }) {
+                Ok(Response::Over { .. }) => return true,
+                Ok(_) => std::thread::sleep(Duration::from_millis(100)),
+                Err(_) => return false,
+            }
+        }
+        false
+    }
+
+    /// Joins the next generation at the store, with a fresh seat for its ring.
+    fn joined(&mut self, state: Option<LastSync>, reason: &str) -> Result<Seated, ElasticError> {
         let seat = RingSeat::open(&self.cfg.tcp)?;
         let (host, port) = (seat.host().unwrap_or_default().to_string(), seat.port());
         let join = Request::Join { seen: self.generation, host, port, state, reason: reason.into() };
@@ -199,9 +286,10 @@ impl Elastic {
         self.generation = Some(generation);
         let n = table.len();
         let membership = Membership { generation, rank, world_size: n, previous_rank, source, state, lost, joined };
-        let tcp = TcpConfig { generation, ..self.cfg.tcp.clone() };
-        let ring = seat.form(rank, tcp, table)?;
-        Ok((ring, membership))
+        if let Some(observe) = &mut self.on_formed {
+            observe(&membership);
+        }
+        Ok(Seated { seat, membership, table })
     }
 
     /// Asks the store whether the current generation still runs and how many workers wait to join.

@@ -8,10 +8,13 @@
 //!   (records, evaluation, checkpoint) follows it;
 //! - `<step>:commit`: rank 0, while it commits the checkpoint of `<step>`, after every rank wrote its
 //!   files and before the checkpoint is renamed into place;
-//! - `join`: before joining the elastic store (elastic workers, by their launcher order `--rank`).
+//! - `join`: before joining the elastic store (elastic workers, by their launcher order `--rank`);
+//! - `<generation>:formed`: once the store formed that generation with the worker, before its ring
+//!   forms (elastic workers, by their launcher order): a second fault while the job re-forms.
 //!
-//! Only the first generation of an elastic job fires (a process fires at most once): a worker that
-//! comes back after a change does not die again at the same step.
+//! Several faults, for different ranks, are separated by commas (`kill:2:101,kill:1:1:formed`).
+//! Only the first generation of an elastic job fires a step's fault (a process fires at most once): a
+//! worker that comes back after a change does not die again at the same step.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -30,6 +33,8 @@ pub(crate) enum Point {
     Commit(u64),
     /// Before joining the elastic store.
     Join,
+    /// The store formed this generation with the worker; its ring has not formed yet.
+    Formed(u64),
 }
 
 #[derive(Debug)]
@@ -39,13 +44,15 @@ struct Fault {
     point: Point,
 }
 
-static FAULT: OnceLock<Result<Option<Fault>, String>> = OnceLock::new();
+static FAULT: OnceLock<Result<Vec<Fault>, String>> = OnceLock::new();
 static ARMED: AtomicBool = AtomicBool::new(true);
+/// A fault fired in this process (each fires at most once).
+static FIRED: AtomicBool = AtomicBool::new(false);
 
 fn parse(spec: &str) -> Result<Fault, String> {
     let bad = || {
         format!(
-            "QSR_TEST_FAULT={spec}: expected kill|stop:<rank>:<step>, kill|stop:<rank>:<step>:synced|commit, or kill|stop:<rank>:join"
+            "QSR_TEST_FAULT={spec}: expected kill|stop:<rank>:<step>, kill|stop:<rank>:<step>:synced|commit, kill|stop:<rank>:<generation>:formed or kill|stop:<rank>:join, several separated by commas"
         )
     };
     let parts: Vec<&str> = spec.split(':').collect();
@@ -61,28 +68,37 @@ fn parse(spec: &str) -> Result<Fault, String> {
         (Some(_), None, 3) => Point::Step(step()?),
         (Some(_), Some(&"synced"), 4) => Point::Synced(step()?),
         (Some(_), Some(&"commit"), 4) => Point::Commit(step()?),
+        (Some(_), Some(&"formed"), 4) => Point::Formed(step()?),
         _ => return Err(bad()),
     };
     Ok(Fault { signal, rank, point })
 }
 
-fn fault() -> Result<Option<&'static Fault>, String> {
-    let f = FAULT.get_or_init(|| std::env::var("QSR_TEST_FAULT").ok().map(|s| parse(&s)).transpose());
-    f.as_ref().map(Option::as_ref).map_err(Clone::clone)
+fn faults() -> Result<&'static [Fault], String> {
+    let f = FAULT
+        .get_or_init(|| std::env::var("QSR_TEST_FAULT").map_or(Ok(Vec::new()), |s| s.split(',').map(parse).collect()));
+    f.as_deref().map_err(Clone::clone)
 }
 
 /// Refuses a malformed `QSR_TEST_FAULT` (before anything starts).
 pub(crate) fn check() -> Result<()> {
-    fault().map(|_| ()).map_err(|e| anyhow!(e))
+    faults().map(|_| ()).map_err(|e| anyhow!(e))
 }
 
-/// Fires the fault if it is for this rank at this point (and has not fired, and the first generation
-/// still runs).
+/// Fires the fault for this rank at this point, if there is one (and none has fired, and the first
+/// generation still runs; a `formed` fault fires in the generation it names).
 pub(crate) fn at(rank: usize, point: Point) {
-    let Ok(Some(f)) = fault() else {
+    let Ok(faults) = faults() else {
         return;
     };
-    if f.rank == rank && f.point == point && ARMED.swap(false, Ordering::Relaxed) {
+    let Some(f) = faults.iter().find(|f| f.rank == rank && f.point == point) else {
+        return;
+    };
+    let armed = match point {
+        Point::Formed(_) => !FIRED.swap(true, Ordering::Relaxed),
+        _ => ARMED.load(Ordering::Relaxed) && !FIRED.swap(true, Ordering::Relaxed),
+    };
+    if armed {
         let _ = rustix::process::kill_process(rustix::process::getpid(), f.signal);
     }
 }
@@ -103,6 +119,7 @@ mod tests {
         assert_eq!(p("stop:0:40:synced"), Ok((0, Point::Synced(40))));
         assert_eq!(p("kill:0:80:commit"), Ok((0, Point::Commit(80))));
         assert_eq!(p("kill:1:join"), Ok((1, Point::Join)));
+        assert_eq!(p("kill:1:2:formed"), Ok((1, Point::Formed(2))));
         for bad in ["", "kill", "kill:x:1", "hup:1:2", "kill:1:2:later", "kill:1:join:synced", "kill:1:2:synced:3"] {
             assert!(parse(bad).unwrap_err().contains("expected"), "{bad}");
         }

@@ -323,7 +323,20 @@ impl RingSeat {
     /// Forms the ring as rank `rank` of `table.len()`, from the `(host, port)` of every rank, this
     /// seat's at `rank`.
     pub fn form(self, rank: usize, cfg: TcpConfig, table: Vec<(String, u16)>) -> Result<TcpComm, CommError> {
-        TcpComm::from_table(rank, table.len(), cfg, &self.listener, table)
+        self.form_unless(rank, cfg, table, &mut || None)
+    }
+
+    /// [`Self::form`], asking `abandon` about twice a second while it waits for its neighbours: a
+    /// `Some(why)` ends the formation at once with an error saying why (the rendezvous says a rank
+    /// of the table will never come).
+    pub fn form_unless(
+        self,
+        rank: usize,
+        cfg: TcpConfig,
+        table: Vec<(String, u16)>,
+        abandon: &mut dyn FnMut() -> Option<String>,
+    ) -> Result<TcpComm, CommError> {
+        TcpComm::from_table_unless(rank, table.len(), cfg, &self.listener, (table, abandon))
     }
 }
 
@@ -450,10 +463,21 @@ impl TcpComm {
         ring_listener: &TcpListener,
         table: Vec<(String, u16)>,
     ) -> Result<TcpComm, CommError> {
+        Self::from_table_unless(rank, n, cfg, ring_listener, (table, &mut || None))
+    }
+
+    /// [`Self::from_table`], abandoned when `abort` says why ([`RingSeat::form_unless`]).
+    fn from_table_unless(
+        rank: usize,
+        n: usize,
+        cfg: TcpConfig,
+        ring_listener: &TcpListener,
+        (table, abort): (Vec<(String, u16)>, &mut rendezvous::Abort<'_>),
+    ) -> Result<TcpComm, CommError> {
         if n == 1 {
             return Self::master_single(cfg);
         }
-        let (left, right) = rendezvous::connect_ring(ring_listener, rank, n, &table, &cfg)?;
+        let (left, right) = rendezvous::connect_ring(ring_listener, (rank, n), &table, &cfg, abort)?;
         tune(&left, &cfg)?;
         tune(&right, &cfg)?;
         let name = |s: &TcpStream| s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());

@@ -425,7 +425,7 @@ fn connect_retry(
     target: &str,
     name: &str,
     me: usize,
-    deadline: Instant,
+    (deadline, abort): (Instant, &mut Abort<'_>),
     wait: &mut WaitProgress,
     hint: &str,
 ) -> Result<TcpStream, CommError> {
@@ -455,8 +455,22 @@ fn connect_retry(
             )));
         }
         wait.tick(&format!("rank {me}: waiting for {name} at {target}"), &last_err);
+        if let Some(why) = abort() {
+            return Err(aborted(me, &why));
+        }
         backoff.sleep(deadline);
     }
+}
+
+/// Asked while a ring forms from a table: `Some(why)` ends the wait (the rendezvous that handed out
+/// the table says the ranks will not all come).
+pub(crate) type Abort<'a> = dyn FnMut() -> Option<String> + 'a;
+
+/// How often a ring's formation asks its [`Abort`].
+const ABORT_POLL: Duration = Duration::from_millis(500);
+
+fn aborted(rank: usize, why: &str) -> CommError {
+    CommError::Rendezvous(format!("rank {rank}: the ring's formation was abandoned: {why}"))
 }
 
 /// Fills `buf` by `deadline`, calling `idle` whenever a second passes without data.
@@ -621,7 +635,7 @@ pub(crate) fn register(
     let mut wait = WaitProgress::new(cfg.rendezvous_timeout);
     let mut backoff = Backoff::new();
     loop {
-        let s = connect_retry(master, "rank 0", rank, me.deadline, &mut wait, MASTER_HINT)?;
+        let s = connect_retry(master, "rank 0", rank, (me.deadline, &mut || None), &mut wait, MASTER_HINT)?;
         let why = match me.attempt(s, &mut wait) {
             Ok(table) => return Ok(table),
             Err(Attempt::Fatal(e)) => return Err(e),
@@ -642,10 +656,10 @@ pub(crate) fn register(
 /// Ring setup: connect to the right neighbour, accept the left one. Returns (left, right).
 pub(crate) fn connect_ring(
     listener: &TcpListener,
-    rank: usize,
-    n: usize,
+    (rank, n): (usize, usize),
     table: &[(String, u16)],
     cfg: &TcpConfig,
+    abort: &mut Abort<'_>,
 ) -> Result<(TcpStream, TcpStream), CommError> {
     let deadline = Instant::now() + cfg.rendezvous_timeout;
     let mut wait = WaitProgress::new(cfg.rendezvous_timeout);
@@ -654,7 +668,7 @@ pub(crate) fn connect_ring(
     let target = if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") };
     let right_name = format!("rank {right_rank} ({target})");
     let name = format!("ring neighbour rank {right_rank}");
-    let mut right = connect_retry(&target, &name, rank, deadline, &mut wait, "")?;
+    let mut right = connect_retry(&target, &name, rank, (deadline, &mut *abort), &mut wait, "")?;
     right.set_write_timeout(Some(cfg.hello_timeout)).map_err(|e| CommError::io("socket setup", e))?;
     right.write_all(&hello(cfg, Purpose::Ring, n, rank, String::new(), 0).encode()).map_err(|e| {
         CommError::PeerLost {
@@ -664,7 +678,7 @@ pub(crate) fn connect_ring(
             detail: e.to_string(),
         }
     })?;
-    let left = accept_left(listener, rank, n, cfg, deadline, &mut wait)?;
+    let left = accept_left(listener, (rank, n), cfg, (deadline, abort), &mut wait)?;
     let reply = read_reply(&mut right, &right_name, 0, deadline, &mut || {}).map_err(|f| f.into_err(&right_name))?;
     match reply {
         Reply::Accepted { .. } => Ok((left, right)),
@@ -684,16 +698,18 @@ fn is_left(h: &Hello, rank: usize, left_rank: usize) -> Result<(), (Field, Strin
 /// Accepts the left neighbour's ring connection, refusing anyone else.
 fn accept_left(
     listener: &TcpListener,
-    rank: usize,
-    n: usize,
+    (rank, n): (usize, usize),
     cfg: &TcpConfig,
-    deadline: Instant,
+    (deadline, abort): (Instant, &mut Abort<'_>),
     wait: &mut WaitProgress,
 ) -> Result<TcpStream, CommError> {
     let left_rank = (rank + n - 1) % n;
     let mut acc = Acceptor::new(listener, cfg.hello_timeout)?;
     loop {
-        let Some(inc) = acc.next(deadline.min(wait.due())) else {
+        let Some(inc) = acc.next(deadline.min(wait.due()).min(Instant::now() + ABORT_POLL)) else {
+            if let Some(why) = abort() {
+                return Err(aborted(rank, &why));
+            }
             if Instant::now() >= deadline {
                 return Err(CommError::Rendezvous(format!(
                     "rank {rank}: left neighbour rank {left_rank} did not connect within {:?}",

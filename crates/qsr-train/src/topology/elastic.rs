@@ -75,6 +75,7 @@ pub(crate) fn train(
     let _lock = if args.spawned { None } else { Some(share()?) };
     if let Some(order) = args.rank {
         fault::at(order, Point::Join);
+        job.on_formed(move |m| fault::at(order, Point::Formed(m.generation)));
     }
     let (mut comm, side, m) = form(&mut job, &recipe, None, "start")?;
     let first = m.generation == 0;

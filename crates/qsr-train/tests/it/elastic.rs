@@ -142,6 +142,33 @@ fn a_worker_killed_mid_round_costs_one_round_and_the_same_failure_gives_the_same
     assert!(final_model(&a) == final_model(&b), "the same failure at the same step gave different parameters");
 }
 
+/// Issue 56 D6: a second worker lost while the next generation forms (rank 2 dies at step 101, rank 1
+/// once the store formed generation 1 with it, before its ring): the survivors waited the whole
+/// rendezvous timeout for rank 1 ("did not connect") though the store had ended generation 1, and
+/// summary.json named only the second loss. The survivors now learn from the store within a second or
+/// two that generation 1 is over, form generation 2, and its record names both victims.
+#[test]
+fn a_second_worker_lost_while_the_next_generation_forms_costs_seconds_and_both_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let start = Instant::now();
+    let s = nproc_elastic(&run, "kill:2:101,kill:1:1:formed", &[]);
+    assert!(start.elapsed() < Duration::from_secs(120), "the run took {:?}", start.elapsed());
+    assert_eq!(s["syncs"], s["planned_syncs"], "every planned sync happened once");
+    let m = s["membership"].as_array().unwrap();
+    assert_eq!(m.len(), 1, "generation 1 never ran: {m:?}");
+    assert_eq!((m[0]["generation"].as_u64(), m[0]["world_size"].as_u64()), (Some(2), Some(2)));
+    let lost: Vec<(u64, &str)> = m[0]["lost"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| (l["rank"].as_u64().unwrap(), l["reason"].as_str().unwrap()))
+        .collect();
+    assert_eq!(lost.len(), 2, "{lost:?}");
+    assert!(lost[0].0 == 2 && lost[0].1.contains("generation 0, which ended while it formed"), "{lost:?}");
+    assert_eq!(lost[1].0, 1, "{lost:?}");
+}
+
 /// Streaming with int8 payloads: two fragments, one syncing after every step of the early 2-step
 /// rounds, each average applied a step later on the fragments' own group, so one is in flight when
 /// rank 2 dies at step 101. The survivors drop what was in flight, re-form both groups and finish
