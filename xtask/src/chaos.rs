@@ -825,6 +825,7 @@ fn summary(results: &[JobResult], seed: u64, args: &ChaosArgs, took: Duration) -
             "shrink to one" => "finishes with the planned syncs, 1 worker, the victims named",
             "below min" => "the survivors give up at their rendezvous timeout, exiting 5",
             "SIGINT launcher" | "SIGTERM launcher" => "exits 128 + signal; `--resume` finishes the run",
+            "second loss" => "finishes with the planned syncs, K - 2 workers, both victims named",
             _ => "finishes with the planned syncs, K - 1 workers, the victim named",
         };
         let n = of.len();
