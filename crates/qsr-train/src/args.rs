@@ -88,17 +88,4 @@ pub(crate) struct TrainArgs {
     pub port_file: Option<std::path::PathBuf>,
 }
 
-/// The most processes `--nproc` starts on this host (`qsr train`, `qsr launch`): more than a host
-/// runs as ranks, and far fewer than would exhaust its process table (issue 43, N6).
-pub(crate) const MAX_NPROC: usize = 1024;
-
-/// Refuses an `--nproc` of 0 or over [`MAX_NPROC`] as bad input, before anything starts.
-pub(crate) fn check_nproc(n: usize) -> anyhow::Result<()> {
-    if !(1..=MAX_NPROC).contains(&n) {
-        return Err(crate::exit::bad_input(anyhow::anyhow!(
-            "--nproc {n}: must be in 1..={MAX_NPROC} processes on this host (a job of more ranks spans \
-             hosts: start each host's ranks with its own launcher)"
-        )));
-    }
-    Ok(())
-}
+pub(crate) use qsr_launch::check_nproc;

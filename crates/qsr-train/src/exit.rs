@@ -36,28 +36,7 @@ pub(crate) enum Exit {
     NotTrained = 6,
 }
 
-/// Exit status of a worker that failed only because another rank failed first (it lost a peer or was
-/// told of another rank's failure), so that a launcher reports the rank that failed first.
-pub(crate) const EXIT_PEER_FAILED: u8 = Exit::PeerFailed as u8;
-
-/// An error of the input a run was given (see [`Exit::BadInput`]): its message is the wrapped
-/// error's, whole.
-#[derive(Debug)]
-pub(crate) struct BadInput(anyhow::Error);
-
-impl std::fmt::Display for BadInput {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:#}", self.0)
-    }
-}
-
-impl std::error::Error for BadInput {}
-
-/// Marks `e` as bad input: `qsr` exits with [`Exit::BadInput`].
-pub(crate) fn bad_input(e: impl Into<anyhow::Error>) -> anyhow::Error {
-    let e = e.into();
-    if e.chain().any(|c| c.is::<BadInput>()) { e } else { anyhow::Error::new(BadInput(e)) }
-}
+pub(crate) use qsr_launch::{BadInput, Interrupted, WorkersFailed, bad_input, signal_name};
 
 /// Training diverged ([`Exit::Diverged`]): an evaluation's loss was not finite or far above the
 /// loss of a model that learned nothing, or the last training loss was not finite.
@@ -77,52 +56,6 @@ pub(crate) struct Diverged {
 pub(crate) struct NotTrained {
     /// What the final evaluation saw, with the numbers and the settings to look at.
     pub why: String,
-}
-
-/// The `--nproc` launcher stopped its workers because it received a signal.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "interrupted by signal {signal} ({name}): stopped {stopped} running workers{}",
-    if *.resumable { "; continue with --resume" } else { "" }
-)]
-pub(crate) struct Interrupted {
-    /// The signal's number.
-    pub signal: i32,
-    /// Its name.
-    pub name: &'static str,
-    /// Workers that were still running.
-    pub stopped: usize,
-    /// Whether they were qsr's training workers, whose run continues with `--resume` (not the
-    /// ranks of `qsr launch`'s program).
-    pub resumable: bool,
-}
-
-/// The name of signal `s`, for messages.
-pub(crate) fn signal_name(s: i32) -> &'static str {
-    use signal_hook::consts::*;
-    match s {
-        SIGKILL => "SIGKILL",
-        SIGTERM => "SIGTERM",
-        SIGINT => "SIGINT",
-        SIGHUP => "SIGHUP",
-        SIGABRT => "SIGABRT",
-        SIGSEGV => "SIGSEGV",
-        SIGBUS => "SIGBUS",
-        SIGILL => "SIGILL",
-        SIGFPE => "SIGFPE",
-        _ => "another signal",
-    }
-}
-
-/// Workers of a `--nproc` launch failed: the launcher exits with the status of the one that failed
-/// first ([`EXIT_PEER_FAILED`] when it was killed or stopped).
-#[derive(Debug, thiserror::Error)]
-#[error("{message}")]
-pub(crate) struct WorkersFailed {
-    /// The exit status the launcher takes.
-    pub status: u8,
-    /// Which rank failed first, and how.
-    pub message: String,
 }
 
 /// Whether an error is the consequence of another rank's failure (lost, stalled, aborted, gone).

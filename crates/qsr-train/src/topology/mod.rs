@@ -12,15 +12,12 @@ use crate::records::Summary;
 use crate::run_dir::{check_world, prepare_run_dir, resolve};
 use crate::run_lock::RunLock;
 use crate::worker::{RunSpec, preflight};
-pub(crate) use launcher::{ExecRankArgs, LaunchArgs, exec_rank, launch};
 use processes::ChildArgs;
+pub(crate) use qsr_launch::{ExecRankArgs, LaunchArgs, exec_rank, launch};
 
-mod adopted;
 mod elastic;
 mod external;
-mod launcher;
 mod processes;
-mod relay;
 pub(crate) mod threads;
 
 /// Runs `qsr train`; returns rank 0's summary where this process has it.
@@ -32,7 +29,7 @@ pub(crate) mod threads;
 pub(crate) fn run(args: &TrainArgs) -> Result<Option<Summary>> {
     if args.spawned {
         // Before anything else: a worker must not outlive the `--nproc` launcher that started it.
-        processes::die_with_launcher()?;
+        qsr_launch::die_with_launcher()?;
     }
     crate::fault::check().map_err(bad_input)?;
     let (recipe, run_dir, resume) = resolve(args).map_err(bad_input)?;

@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 /// Intra-op threads of each of `workers` workers in this process: the global pool's threads (the cores,
 /// or `RAYON_NUM_THREADS`) shared between them, at least one each.
 pub(crate) fn intra_op_threads(workers: usize) -> usize {
-    (rayon::current_num_threads() / workers.max(1)).max(1)
+    qsr_launch::threads_per_rank(workers)
 }
 
 /// Runs `f` on a new rayon pool of `threads` threads, named after `rank`.

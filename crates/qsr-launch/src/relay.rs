@@ -16,7 +16,7 @@ use anyhow::{Context, Result};
 const MAX_LINE: usize = 1 << 20;
 
 /// Copies the ranks' output (see the module docs).
-pub(super) struct Relay {
+pub(crate) struct Relay {
     log_dir: Option<PathBuf>,
     /// Copiers still running.
     live: Arc<AtomicUsize>,
@@ -30,7 +30,7 @@ enum Stream {
 
 impl Relay {
     /// A relay that also writes per-rank log files under `log_dir` (created if missing).
-    pub(super) fn new(log_dir: Option<&Path>) -> Result<Relay> {
+    pub(crate) fn new(log_dir: Option<&Path>) -> Result<Relay> {
         if let Some(dir) = log_dir {
             if std::fs::metadata(dir).is_ok_and(|m| !m.is_dir()) {
                 anyhow::bail!("--log-dir {}: not a directory (it names a file)", dir.display());
@@ -41,12 +41,12 @@ impl Relay {
     }
 
     /// Pipes `c`'s stdout and stderr, for [`Relay::attach`].
-    pub(super) fn prepare(&self, c: &mut Command) {
+    pub(crate) fn prepare(&self, c: &mut Command) {
         c.stdout(Stdio::piped()).stderr(Stdio::piped());
     }
 
     /// Starts copying rank `rank`'s output (its pipes taken from `child`).
-    pub(super) fn attach(&self, rank: usize, child: &mut Child) -> Result<()> {
+    pub(crate) fn attach(&self, rank: usize, child: &mut Child) -> Result<()> {
         let out = child.stdout.take().map(|p| (Box::new(p) as Box<dyn Read + Send>, Stream::Out));
         let err = child.stderr.take().map(|p| (Box::new(p) as Box<dyn Read + Send>, Stream::Err));
         for (pipe, stream) in out.into_iter().chain(err) {
@@ -77,7 +77,7 @@ impl Relay {
 
     /// Waits until every rank's output is copied (their pipes closed), at most `limit`: a process
     /// a rank left behind may hold a pipe open.
-    pub(super) fn drain(&self, limit: Duration) {
+    pub(crate) fn drain(&self, limit: Duration) {
         let start = Instant::now();
         while self.live.load(Ordering::SeqCst) > 0 && start.elapsed() < limit {
             std::thread::sleep(Duration::from_millis(10));

@@ -7,10 +7,9 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 
-use super::processes;
-use super::relay::Relay;
-use crate::exit::bad_input;
-use crate::worker::intra_op_threads;
+use crate::error::bad_input;
+use crate::relay::Relay;
+use crate::supervise;
 
 /// `qsr launch --nproc N -- PROGRAM [ARGS...]`: starts N processes of PROGRAM on this host as the ranks
 /// of one job, with torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
@@ -38,7 +37,7 @@ use crate::worker::intra_op_threads;
 /// stdout or stderr as the rank wrote it; `--log-dir DIR` also keeps each rank's output as written,
 /// in `DIR/rank-R.stdout.log` and `DIR/rank-R.stderr.log`.
 #[derive(Debug, Args)]
-pub(crate) struct LaunchArgs {
+pub struct LaunchArgs {
     /// Number of ranks to start (on this host).
     #[arg(long)]
     pub nproc: usize,
@@ -67,6 +66,27 @@ pub(crate) struct LaunchArgs {
     pub command: Vec<OsString>,
 }
 
+/// The most processes `--nproc` starts on this host (`qsr train`, `qsr launch`): more than a host
+/// runs as ranks, and far fewer than would exhaust its process table (issue 43, N6).
+pub const MAX_NPROC: usize = 1024;
+
+/// Refuses an `--nproc` of 0 or over [`MAX_NPROC`] as bad input, before anything starts.
+pub fn check_nproc(n: usize) -> Result<()> {
+    if !(1..=MAX_NPROC).contains(&n) {
+        return Err(bad_input(anyhow::anyhow!(
+            "--nproc {n}: must be in 1..={MAX_NPROC} processes on this host (a job of more ranks spans \
+             hosts: start each host's ranks with its own launcher)"
+        )));
+    }
+    Ok(())
+}
+
+/// The intra-op threads of each of `ranks` processes (or threads) sharing this process's: its
+/// rayon pool (`RAYON_NUM_THREADS`, else a thread per core) divided among them, at least one.
+pub fn threads_per_rank(ranks: usize) -> usize {
+    (rayon::current_num_threads() / ranks.max(1)).max(1)
+}
+
 /// torchrun's port, the default rendezvous port of a job over several hosts.
 const MULTI_NODE_PORT: u16 = 29500;
 
@@ -81,7 +101,7 @@ struct Job {
 
 /// The job `args` describe, refusing what cannot work, named by its flag.
 fn job(args: &LaunchArgs, env: &dyn Fn(&str) -> Option<String>) -> Result<Job> {
-    crate::args::check_nproc(args.nproc)?;
+    check_nproc(args.nproc)?;
     if args.max_restarts > 0 {
         bail!(
             "--max-restarts {}: qsr launch restarts no ranks: a program's ranks hold state (model, optimizer, data order) that only the program can restore, so restart the job from its own checkpoint; `qsr train --elastic` replaces lost workers itself",
@@ -120,16 +140,16 @@ fn job(args: &LaunchArgs, env: &dyn Fn(&str) -> Option<String>) -> Result<Job> {
 }
 
 /// Runs `qsr launch`.
-pub(crate) fn launch(args: &LaunchArgs) -> Result<()> {
+pub fn launch(args: &LaunchArgs) -> Result<()> {
     let env = |k: &str| std::env::var(k).ok();
     let job = job(args, &env).map_err(bad_input)?;
     let shim = std::env::current_exe().context("cannot locate the qsr executable")?;
-    let threads = env("RAYON_NUM_THREADS").is_none().then(|| intra_op_threads(args.nproc));
+    let threads = env("RAYON_NUM_THREADS").is_none().then(|| threads_per_rank(args.nproc));
     // Over several hosts the ring listeners must be reachable from the others.
     let bind_any = args.nnodes > 1 && env("QSR_BIND_ADDR").is_none();
     let relay = Relay::new(args.log_dir.as_deref()).map_err(bad_input)?;
     let first = job.ranks.start;
-    processes::launch_program(
+    supervise::launch_program(
         job.ranks.clone(),
         |rank| {
             let mut c = Command::new(&shim);
@@ -163,16 +183,16 @@ fn free_port() -> Result<u16> {
 /// `qsr exec-rank -- PROGRAM [ARGS...]`, what `qsr launch` runs as each rank: asks to die with the
 /// launcher, starts a session of its own, then becomes PROGRAM (same process, so both hold for it).
 #[derive(Debug, Args)]
-pub(crate) struct ExecRankArgs {
+pub struct ExecRankArgs {
     /// The program and its arguments, after `--`.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "PROGRAM")]
     pub command: Vec<OsString>,
 }
 
 /// Runs `qsr exec-rank`: returns only when PROGRAM could not be started.
-pub(crate) fn exec_rank(args: &ExecRankArgs) -> Result<()> {
+pub fn exec_rank(args: &ExecRankArgs) -> Result<()> {
     use std::os::unix::process::CommandExt;
-    processes::die_with_launcher()?;
+    supervise::die_with_launcher()?;
     // A session of its own: a process group the launcher stops whole, and no controlling terminal
     // whose job control could stop a rank that reads it or sets its modes.
     rustix::process::setsid().context("cannot start a session for this rank")?;

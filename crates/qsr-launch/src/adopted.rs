@@ -12,7 +12,7 @@ use rustix::process::{Pid, Signal, WaitOptions};
 const GRACE: Duration = Duration::from_secs(1);
 
 /// Makes this process the subreaper of its descendants: orphans come to it, not to init.
-pub(super) fn become_subreaper() -> Result<()> {
+pub(crate) fn become_subreaper() -> Result<()> {
     rustix::process::set_child_subreaper(Some(rustix::process::getpid()))
         .context("cannot become the ranks' child subreaper (prctl PR_SET_CHILD_SUBREAPER)")
 }
@@ -20,7 +20,7 @@ pub(super) fn become_subreaper() -> Result<()> {
 /// Stops every child of this process (once the ranks were reaped, only what they left behind), each
 /// named: SIGTERM, then SIGKILL after [`GRACE`]. Looks again a few times, since a process is
 /// reparented only once its dying parent is gone.
-pub(super) fn stop_adopted() {
+pub(crate) fn stop_adopted() {
     for _ in 0..3 {
         let adopted = children();
         for &pid in &adopted {
