@@ -166,24 +166,11 @@ fn two_tcp_ranks(out: &Path, rank1_extra: &[&str]) -> [Output; 2] {
 
 /// [`two_tcp_ranks`] with extra environment variables for rank 1.
 fn two_tcp_ranks_with(out: &Path, rank1_extra: &[&str], rank1_env: &[(&str, &str)]) -> [Output; 2] {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let port = free_port();
+    let extra = ["--set", "schedule.total_steps=400"];
     let children: Vec<Child> = (0..2)
         .map(|rank| {
-            let r = rank.to_string();
-            let mut args = vec![
-                "train",
-                "--recipe",
-                RECIPE,
-                "--out",
-                s(out),
-                "--quiet",
-                "--set",
-                "schedule.total_steps=400",
-                "--comm",
-                "tcp",
-            ];
-            args.extend(["--rank", &r, "--world-size", "2", "--master-addr", "127.0.0.1", "--master-port", &port]);
-            let mut c = qsr_cmd(&args);
+            let mut c = tcp_rank(rank, &port, (RECIPE, out), &extra);
             if rank == 1 {
                 c.args(rank1_extra).envs(rank1_env.iter().copied());
             }
@@ -192,6 +179,21 @@ fn two_tcp_ranks_with(out: &Path, rank1_extra: &[&str], rank1_env: &[(&str, &str
         .collect();
     let outs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
     outs.try_into().unwrap()
+}
+
+/// A port nobody listens on now.
+fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string()
+}
+
+/// Rank `rank` of 2 of an external `--comm tcp` launch with its rendezvous at `port`: `qsr train` of
+/// `recipe` into `out`, quiet, with `extra` arguments.
+fn tcp_rank(rank: usize, port: &str, (recipe, out): (&str, &Path), extra: &[&str]) -> Command {
+    let r = rank.to_string();
+    let mut args = vec!["train", "--recipe", recipe, "--out", s(out), "--quiet", "--comm", "tcp", "--rank", &r];
+    args.extend(["--world-size", "2", "--master-addr", "127.0.0.1", "--master-port", port]);
+    args.extend(extra);
+    qsr_cmd(&args)
 }
 
 #[test]
@@ -245,7 +247,7 @@ fn ranks_launched_with_different_transports_fail_naming_qsr_transport() {
 #[test]
 fn ranks_that_read_training_sets_of_different_sizes_are_refused_before_training() {
     let dir = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let port = free_port();
     let (recipe, out) = (root().join(RECIPE), dir.path().join("run"));
     let children: Vec<Child> = [200, 160]
         .iter()
@@ -256,32 +258,9 @@ fn ranks_that_read_training_sets_of_different_sizes_are_refused_before_training(
             std::fs::create_dir_all(host.join("mnist")).unwrap();
             write_idx(&host.join("mnist"), "train", n, 28, 28);
             write_idx(&host.join("mnist"), "t10k", 40, 28, 28);
-            let r = rank.to_string();
-            let args = [
-                "train",
-                "--recipe",
-                s(&recipe),
-                "--out",
-                s(&out),
-                "--quiet",
-                "--comm",
-                "tcp",
-                "--rank",
-                &r,
-                "--world-size",
-                "2",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                &port,
-                "--set",
-                "data.dataset=mnist",
-                "--set",
-                "data.path=mnist",
-                "--set",
-                "train.local_batch=8",
-            ];
-            qsr_cmd(&args).current_dir(&host).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+            let sets = ["--set", "data.dataset=mnist", "--set", "data.path=mnist", "--set", "train.local_batch=8"];
+            let mut c = tcp_rank(rank, &port, (s(&recipe), &out), &sets);
+            c.current_dir(&host).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
         })
         .collect();
     for (rank, c) in children.into_iter().enumerate() {
@@ -301,31 +280,15 @@ fn ranks_that_read_training_sets_of_different_sizes_are_refused_before_training(
 fn ranks_writing_into_different_run_directories_are_refused_before_training() {
     let dir = tempfile::tempdir().unwrap();
     let run = |outs: [&Path; 2]| -> Vec<Output> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+        let port = free_port();
         let children: Vec<Child> = (0..2)
             .map(|rank| {
-                let r = rank.to_string();
-                let args = [
-                    "train",
-                    "--recipe",
-                    RECIPE,
-                    "--out",
-                    s(outs[rank]),
-                    "--quiet",
-                    "--set",
-                    "schedule.total_steps=100",
-                    "--comm",
-                    "tcp",
-                    "--rank",
-                    &r,
-                    "--world-size",
-                    "2",
-                    "--master-addr",
-                    "127.0.0.1",
-                    "--master-port",
-                    &port,
-                ];
-                qsr_cmd(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+                let extra = ["--set", "schedule.total_steps=100"];
+                tcp_rank(rank, &port, (RECIPE, outs[rank]), &extra)
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap()
             })
             .collect();
         children.into_iter().map(|c| c.wait_with_output().unwrap()).collect()
