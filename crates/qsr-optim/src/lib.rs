@@ -1,14 +1,25 @@
-//! Local SGD / Local AdamW: optimizers with PyTorch's exact update rules over per-worker state we own,
-//! flat parameter buffers for burn modules, and the round driver that synchronizes at the steps
-//! `qsr-sched` plans.
+//! Local SGD / Local AdamW for burn: K workers train their own replicas and average them at the
+//! rounds of a sync rule (the Quadratic Synchronization Rule among them).
 //!
-//! Two ways in:
-//! - [`Averager`]: keep your own burn optimizer, lr scheduler and loop; call [`Averager::step`] after each
-//!   optimizer step with the lr it used, and the model is averaged over the workers whenever a round of
-//!   the sync rule (QSR among them) ends; [`Averager::average_grads`] before the optimizer step serves
-//!   the rules that average gradients (data parallel, post-local).
-//! - [`Worker`]: our PyTorch-exact SGD / AdamW over flat state, driven step by step from a `qsr-sched`
-//!   plan, with gradient accumulation, data-parallel rounds and optimizer-state averaging.
+//! **In your own burn loop** (your model, optimizer, lr scheduler and `DataLoader` stay) you need:
+//! - [`Averager`]: [`Averager::new`] gives every worker rank 0's weights; call [`Averager::step`]
+//!   after each optimizer step with the lr it used, and it averages whenever a round ends (its page
+//!   has a complete example); [`Averager::finish`] averages the last round;
+//! - [`AveragerConfig`]: the rule, e.g. [`AveragerConfig::qsr`]`(h_base, alpha)`, or alpha from a
+//!   communication budget ([`AveragerConfig::qsr_for_budget`]);
+//! - [`seeded_init`]: the same initial weights in every run, whatever the threads;
+//! - [`AveragerState`]: where the rounds stand, saved beside your checkpoint and given to
+//!   [`Averager::restore`] to resume exactly.
+//!
+//! Beside them: `qsr_comm::run_workers` runs your `train(comm)` as threads, or as the ranks of a
+//! launch (`qsr-launch --nproc 4 -- ./your-program`), and `qsr_data::ShardedDataset` gives each rank
+//! its shard, reshuffled per epoch. `examples/burn_qsr.rs` is a complete program.
+//!
+//! **The trainer's engine** (what `qsr train` runs; for a trainer of your own): [`Worker`], qsr's
+//! PyTorch-exact SGD / AdamW over flat state ([`Optimizer`], [`OptimizerConfig`]) driven step by step
+//! from a `qsr-sched` plan, with gradient accumulation, data-parallel rounds, optimizer-state averaging,
+//! device-resident state ([`DeviceGroup`]) and snapshots ([`Snapshot`]); [`check_sync`], the one
+//! judge of sync settings both faces use; [`SyncState`], the sync engine's state and codec.
 
 mod averager;
 mod device;

@@ -88,6 +88,34 @@ pub struct AveragerStats {
 
 /// Averages a model's parameters over a [`Collective`] at the end of every round of a sync rule,
 /// deciding each round's length `H` from the learning rate the caller's own scheduler produced.
+///
+/// Two workers as threads, each with burn's own SGD and an lr that halves every 6 steps, under QSR
+/// with `H_base = 2` and `alpha = 0.1`: the first round, at lr 0.05, lasts `(0.1 / 0.05)^2 = 4`
+/// steps, the next two at lr 0.05 and 0.025 last 4 and 16, cut at the run's end by `finish`:
+///
+/// ```
+/// use burn::nn::LinearConfig;
+/// use burn::optim::{GradientsParams, Optimizer, SgdConfig};
+/// use burn::tensor::{Device, Tensor};
+/// use qsr_optim::{Averager, AveragerConfig, seeded_init};
+///
+/// let syncs = qsr_comm::run_threads(2, |comm| -> Result<u64, qsr_optim::OptimError> {
+///     let device = Device::flex().autodiff();
+///     let model = seeded_init(&device, 7, || LinearConfig::new(4, 1).init(&device));
+///     let (mut avg, mut model) = Averager::new(model, AveragerConfig::qsr(2, 0.1), Box::new(comm))?;
+///     let mut optim = SgdConfig::new().init();
+///     for step in 0..12 {
+///         let lr = 0.05 * 0.5f64.powi(step / 6); // your scheduler's lr
+///         let loss = model.forward(Tensor::<2>::ones([8, 4], &device)).powi_scalar(2).mean();
+///         let grads = GradientsParams::from_grads(loss.backward(), &model);
+///         model = optim.step(lr, model, grads);
+///         model = avg.step(model, lr)?; // averages when a round ends
+///     }
+///     let _model = avg.finish(model)?; // the last round, if cut short
+///     Ok(avg.stats().syncs)
+/// });
+/// assert!(syncs.into_iter().all(|s| s.unwrap() == 3));
+/// ```
 pub struct Averager {
     config: AveragerConfig,
     /// The collective, wire, outer step and streaming: the sync engine the Worker shares.
