@@ -144,6 +144,9 @@ impl Member {
             _ => {}
         }
         agree(self.comms.world.as_mut(), &facts)?;
+        // Every rank of the launch arms alike, so the ranks check a signal together at their syncs:
+        // a launcher's forwarded SIGTERM stops them there with a checkpoint (issue 56, D10).
+        crate::worker::interrupt::arm()?;
         if owner {
             prepare_run_dir(&self.run_dir, &self.recipe)?;
         }

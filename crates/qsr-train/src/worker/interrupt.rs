@@ -1,7 +1,8 @@
-//! A threaded run's SIGINT, SIGTERM or SIGHUP (issue 56 D10: `qsr train --workers 4` died of it at
-//! once, silent, without a `--resume` hint and sometimes with a checkpoint half written). Armed, the
-//! first signal is recorded; the workers, which all run in this process, check it together at their
-//! syncs and stop there with a checkpoint. A second signal ends the process at once.
+//! A run's SIGINT, SIGTERM or SIGHUP (issue 56 D10: `qsr train --workers 4` died of it at once,
+//! silent, without a `--resume` hint and sometimes with a checkpoint half written; `--nproc` workers
+//! died of their launcher's forwarded SIGTERM). Armed, the first signal is recorded; the workers (the
+//! threads of this process, or the ranks of a launch, each armed) check it together at their syncs,
+//! one all-reduce, and stop there with a checkpoint. A second signal ends the process at once.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};

@@ -1228,3 +1228,27 @@ fn a_threaded_run_interrupted_by_sigint_stops_at_a_sync_and_resumes() {
     ok(&["train", "--resume", s(&out), "--quiet", "--workers", "4"]);
     assert_eq!(json(&out.join("summary.json"))["steps"], 3000);
 }
+
+/// Issue 56 D10, for processes: the workers of `qsr train --nproc` died of their launcher's forwarded
+/// SIGTERM wherever they were. They now stop together at their next sync with a checkpoint, and the
+/// run continues with `--resume` to the end.
+#[test]
+fn an_nproc_run_whose_launcher_gets_sigterm_stops_at_a_sync_and_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let args = ["train", "--recipe", RECIPE, "--nproc", "2", "--out", s(&out), "--quiet"];
+    let long = ["--set", "schedule.total_steps=200000", "--set", "train.steps=3000"];
+    let mut run = Background::start(&[&args[..], &long].concat(), dir.path().join("stderr"));
+    assert!(wait_until(Duration::from_secs(60), || out.join("ckpt/LATEST").exists()), "no checkpoint came");
+    kill(run.child.id(), "TERM");
+    let status = run.wait(Duration::from_secs(60)).expect("the launcher did not stop");
+    let err = run.stderr();
+    assert_eq!(status.code(), Some(143), "{err}");
+    assert!(err.contains("interrupted by signal 15 (SIGTERM)") && err.contains("--resume"), "{err}");
+    // The workers stopped themselves at a sync (they used to die of the forwarded signal).
+    assert!(err.contains("rank 0 of 2: interrupted by signal 15 (SIGTERM)"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(out.join("ckpt")).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(left.iter().all(|n| !n.to_string_lossy().starts_with("tmp-")), "{left:?}");
+    ok(&["train", "--resume", s(&out), "--quiet", "--nproc", "2"]);
+    assert_eq!(json(&out.join("summary.json"))["steps"], 3000);
+}
