@@ -1212,21 +1212,7 @@ fn a_store_past_a_rings_size_and_a_job_of_no_host_are_refused_naming_why() {
 /// its end.
 #[test]
 fn a_threaded_run_interrupted_by_sigint_stops_at_a_sync_and_resumes() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
-    let args = ["train", "--recipe", RECIPE, "--workers", "4", "--out", s(&out), "--quiet"];
-    let long = ["--set", "schedule.total_steps=200000", "--set", "train.steps=3000"];
-    let mut run = Background::start(&[&args[..], &long].concat(), dir.path().join("stderr"));
-    assert!(wait_until(Duration::from_secs(60), || out.join("ckpt/LATEST").exists()), "no checkpoint came");
-    kill(run.child.id(), "INT");
-    let status = run.wait(Duration::from_secs(60)).expect("the run did not stop at its next sync");
-    let err = run.stderr();
-    assert_eq!(status.code(), Some(130), "{err}");
-    assert!(err.contains("interrupted by signal 2 (SIGINT)") && err.contains("--resume"), "{err}");
-    let left: Vec<_> = std::fs::read_dir(out.join("ckpt")).unwrap().map(|e| e.unwrap().file_name()).collect();
-    assert!(left.iter().all(|n| !n.to_string_lossy().starts_with("tmp-")), "{left:?}");
-    ok(&["train", "--resume", s(&out), "--quiet", "--workers", "4"]);
-    assert_eq!(json(&out.join("summary.json"))["steps"], 3000);
+    interrupted_run_resumes(&["--workers", "4"], ("INT", 2, "SIGINT"));
 }
 
 /// Issue 56 D10, for processes: the workers of `qsr train --nproc` died of their launcher's forwarded
@@ -1234,21 +1220,29 @@ fn a_threaded_run_interrupted_by_sigint_stops_at_a_sync_and_resumes() {
 /// run continues with `--resume` to the end.
 #[test]
 fn an_nproc_run_whose_launcher_gets_sigterm_stops_at_a_sync_and_resumes() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
-    let args = ["train", "--recipe", RECIPE, "--nproc", "2", "--out", s(&out), "--quiet"];
-    let long = ["--set", "schedule.total_steps=200000", "--set", "train.steps=3000"];
-    let mut run = Background::start(&[&args[..], &long].concat(), dir.path().join("stderr"));
-    assert!(wait_until(Duration::from_secs(60), || out.join("ckpt/LATEST").exists()), "no checkpoint came");
-    kill(run.child.id(), "TERM");
-    let status = run.wait(Duration::from_secs(60)).expect("the launcher did not stop");
-    let err = run.stderr();
-    assert_eq!(status.code(), Some(143), "{err}");
-    assert!(err.contains("interrupted by signal 15 (SIGTERM)") && err.contains("--resume"), "{err}");
+    let err = interrupted_run_resumes(&["--nproc", "2"], ("TERM", 15, "SIGTERM"));
     // The workers stopped themselves at a sync (they used to die of the forwarded signal).
     assert!(err.contains("rank 0 of 2: interrupted by signal 15 (SIGTERM)"), "{err}");
+}
+
+/// A long digits run with `workers` flags, given `signal` once its first checkpoint exists: it must
+/// exit 128 + the signal with the `--resume` hint, leave no unfinished checkpoint, and resume to its
+/// 3000 steps. Returns what it printed when interrupted.
+fn interrupted_run_resumes(workers: &[&str], (signal, number, name): (&str, i32, &str)) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let args = ["train", "--recipe", RECIPE, "--out", s(&out), "--quiet"];
+    let long = ["--set", "schedule.total_steps=200000", "--set", "train.steps=3000"];
+    let mut run = Background::start(&[&args[..], workers, &long].concat(), dir.path().join("stderr"));
+    assert!(wait_until(Duration::from_secs(60), || out.join("ckpt/LATEST").exists()), "no checkpoint came");
+    kill(run.child.id(), signal);
+    let status = run.wait(Duration::from_secs(60)).expect("the run did not stop at its next sync");
+    let err = run.stderr();
+    assert_eq!(status.code(), Some(128 + number), "{err}");
+    assert!(err.contains(&format!("interrupted by signal {number} ({name})")) && err.contains("--resume"), "{err}");
     let left: Vec<_> = std::fs::read_dir(out.join("ckpt")).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert!(left.iter().all(|n| !n.to_string_lossy().starts_with("tmp-")), "{left:?}");
-    ok(&["train", "--resume", s(&out), "--quiet", "--nproc", "2"]);
+    ok(&[&["train", "--resume", s(&out), "--quiet"][..], workers].concat());
     assert_eq!(json(&out.join("summary.json"))["steps"], 3000);
+    err
 }
