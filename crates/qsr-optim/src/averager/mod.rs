@@ -161,7 +161,7 @@ impl Averager {
             "world_size": sync.comm().world_size(),
             "model": { "parameters": layout.len(), "running_statistics": layout.running_len(), "tensors": layout.trainable.len() },
         });
-        qsr_comm::agree(sync.comm_mut(), &settings).map_err(|source| OptimError::Setup { source })?;
+        qsr_comm::agree(sync.comm_mut(), &settings).map_err(setup_error)?;
         let running_len = if config.average_bn { layout.running_len() } else { 0 };
         let mut avg = Self {
             params: vec![0.0; layout.len() + running_len],
@@ -513,6 +513,22 @@ impl Averager {
         let n = self.layout.len();
         let model = self.layout.write_params(model, &self.params[..n])?;
         if self.config.average_bn { self.layout.write_running(model, &self.params[n..]) } else { Ok(model) }
+    }
+}
+
+/// The error of ranks that could not agree at construction. An `alpha` that differs comes from
+/// different lrs, when it was derived from them ([`AveragerConfig::qsr_for_budget`]): named as such.
+fn setup_error(source: qsr_comm::CommError) -> OptimError {
+    match &source {
+        qsr_comm::CommError::Disagree { detail, .. } if detail.contains("`config.rule.alpha`") => OptimError::Config {
+            field: "lr".into(),
+            reason: format!(
+                "the ranks' alphas differ ({detail}): an alpha from `AveragerConfig::qsr_for_budget` follows the \
+                 lrs it was given, so the ranks' lr schedules differ; give every rank the same schedule (the same \
+                 steps per epoch and epochs)"
+            ),
+        },
+        _ => OptimError::Setup { source },
     }
 }
 

@@ -123,6 +123,25 @@ fn ranks_with_different_rules_fail_at_construction_naming_the_setting() {
     }
 }
 
+/// Issue 57 item 7: ranks whose lrs differ (a scheduler sized by each rank's own shard length) and
+/// whose alpha comes from a budget were refused naming `config.rule.alpha`; the refusal now names
+/// the lr schedules.
+#[test]
+fn ranks_whose_budget_alphas_differ_are_told_their_lr_schedules_differ() {
+    let results = qsr_comm::run_threads(2, |comm| {
+        let steps = if comm.rank() == 0 { 1000 } else { 900 };
+        let lrs: Vec<f64> =
+            (0..steps).map(|t| 0.05 * (1.0 + (std::f64::consts::PI * t as f64 / steps as f64).cos())).collect();
+        let config = AveragerConfig::qsr_for_budget(2, 0.1, 0, &lrs).unwrap();
+        Averager::new(Mlp::new(&Device::flex(), 4, 2), config, Box::new(comm)).map(|_| ())
+    });
+    for r in results {
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("invalid `lr`") && e.contains("the ranks' lr schedules differ"), "{e}");
+        assert!(e.contains("`config.rule.alpha`: rank 0 has"), "{e}");
+    }
+}
+
 #[test]
 fn dp_through_average_grads_keeps_replicas_bit_identical_and_syncs_every_step() {
     // No parameter is ever averaged under dp: replicas that start equal stay equal only because every
