@@ -59,11 +59,17 @@ pub(crate) fn train(
     let var = |k: &str| std::env::var(k).ok();
     let tcp = TcpConfig::from_env(&var)?;
     let shm = qsr_comm::ShmConfig { timeout: tcp.timeout, ..qsr_comm::ShmConfig::default() };
-    let settings = serde_json::json!({ "qsr": env!("CARGO_PKG_VERSION"), "recipe": serde_json::to_value(&recipe)? });
+    let transport = qsr_comm::Transport::from_env(&var)?;
+    // The store refuses a worker whose settings differ, the transport included (`QSR_TRANSPORT`).
+    let settings = serde_json::json!({
+        "qsr": env!("CARGO_PKG_VERSION"),
+        "recipe": serde_json::to_value(&recipe)?,
+        "QSR_TRANSPORT": transport.name(),
+    });
     let cfg = ElasticConfig {
         store,
         host: qsr_comm::host_id(&var, &shm),
-        transport: qsr_comm::Transport::from_env(&var)?,
+        transport,
         tcp,
         shm,
         order: args.rank.map(|r| r as u64),

@@ -23,14 +23,16 @@ fn connect_levels(env: &LaunchEnv, recipe: &TrainRecipe, port_file: Option<&Path
     let shm = qsr_comm::ShmConfig { timeout: cfg.timeout, ..qsr_comm::ShmConfig::default() };
     let host = qsr_comm::host_id(&var, &shm);
     let mut ring = ring(env, cfg, port_file)?;
-    // Every rank must take the same path below: ranks whose recipes differ here refuse together
-    // (the whole recipe is agreed on later, over the collectives this forms).
+    // Every rank must take the same path below: ranks whose recipes or transports differ here refuse
+    // together (the whole recipe is agreed on later, over the collectives this forms).
     let nodes = match &recipe.sync.local {
         None => "none (one level)".to_string(),
         Some(l) => l.workers_per_node.map_or("one node per host".into(), |n| format!("{n} workers per node")),
     };
     let streaming = recipe.sync.streaming.is_some();
-    qsr_comm::agree(&mut ring, &serde_json::json!({ "sync.local": nodes, "sync.streaming": streaming }))?;
+    let paths =
+        serde_json::json!({ "sync.local": nodes, "sync.streaming": streaming, "QSR_TRANSPORT": transport.name() });
+    qsr_comm::agree(&mut ring, &paths)?;
     // Streaming fragments all-reduce on a group of their own, on a thread beside the steps.
     let rank = ring.rank();
     let fragments = match streaming {
