@@ -57,15 +57,14 @@ fn a_rank_of_another_world_size_fails_rank_zero_at_once_naming_both_sizes() {
     let mut cfg = crate::common::test_config();
     cfg.rendezvous_timeout = Duration::from_secs(60);
     let (addr, master) = start_master(2, cfg.clone());
-    let start = Instant::now();
     let e = TcpComm::worker(&addr, 1, 3, cfg).err().expect("wrong world size must be refused");
     assert_eq!(refused_field(&e), "world size");
     assert!(e.to_string().contains("this job has 2, rank 1 sent 3"), "{e}");
     let e = master.join().unwrap().err().expect("rank 0 fails");
     assert_eq!(refused_field(&e), "world size");
     let msg = e.to_string();
+    // A rank 0 that went on waiting would end with the rendezvous timeout's error, not this refusal.
     assert!(msg.contains("this job has 2, rank 1 sent 3") && msg.contains("--nproc and --nnodes"), "{msg}");
-    assert!(start.elapsed() < Duration::from_secs(30), "rank 0 waited {:?}", start.elapsed());
 }
 
 #[test]
