@@ -533,3 +533,24 @@ fn a_culprit_that_fails_after_the_rank_that_lost_it_is_named() {
     assert!(text.contains("error: rank 1 failed (exit status 1"), "{text}");
     assert!(text.contains("1 of 2 workers failed, 1 stopped because of it"), "{text}");
 }
+
+/// Issue 56 D12, for programs that join with `qsr_comm::from_env`: ranks launched with different
+/// `QSR_TRANSPORT` agree on it before they form their groups, so every rank fails naming the variable
+/// instead of taking different collectives.
+#[test]
+fn a_programs_ranks_with_different_transports_fail_naming_qsr_transport() {
+    // Rank 1 keeps the TCP ring; rank 0 would take shared memory.
+    let exec = r#"[ "$RANK" = 1 ] && export QSR_TRANSPORT=tcp; exec "$@""#;
+    let out = Command::new(env!("CARGO_BIN_EXE_qsr"))
+        .args(["launch", "--nproc", "2", "--", "sh", "-c", exec, "sh"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "launch::launched_rank", "--ignored", "--nocapture", "--test-threads", "1"])
+        .env("QSR_TEST_SCENARIO", "sum")
+        .env_remove("QSR_TRANSPORT")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{text}");
+    assert!(text.contains("`QSR_TRANSPORT`: rank 0 has \"auto\", rank 1 has \"tcp\""), "{text}");
+    assert!(!text.contains("sum 3 over"), "a rank finished its all-reduce: {text}");
+}
