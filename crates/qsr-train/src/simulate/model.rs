@@ -89,12 +89,8 @@ impl Cluster {
 /// Parses a rate as `tc` writes it: `1gbit`, `10Gbit/s`, `25gbps` (bits), `100mbit`, `512kbit`, `1e9`
 /// (bits per second); `GB/s`/`MB/s` with a capital `B` are bytes.
 pub(crate) fn parse_bandwidth(text: &str) -> Result<f64> {
-    let s = text.trim();
-    let split = s.find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E').unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let value: f64 =
-        num.trim().parse().map_err(|_| anyhow!("bandwidth `{text}`: expected a number with a unit such as 1gbit"))?;
-    let unit = unit.trim().trim_end_matches("/s").trim_end_matches("ps");
+    let (value, unit) = number_and_unit(text, "bandwidth", "1gbit")?;
+    let unit = unit.trim_end_matches("/s").trim_end_matches("ps");
     let bytes = unit.ends_with('B');
     let lower = unit.to_ascii_lowercase();
     let prefix = lower.trim_end_matches("bit").trim_end_matches('b');
@@ -117,12 +113,8 @@ pub(crate) fn parse_bandwidth(text: &str) -> Result<f64> {
 
 /// Parses a duration: `0.2ms`, `200us`, `1.5s`, `50ns`, or a bare number of seconds.
 pub(crate) fn parse_duration(text: &str) -> Result<f64> {
-    let s = text.trim();
-    let split = s.find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E').unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let value: f64 =
-        num.trim().parse().map_err(|_| anyhow!("duration `{text}`: expected a number with a unit such as 0.2ms"))?;
-    let scale = match unit.trim() {
+    let (value, unit) = number_and_unit(text, "duration", "0.2ms")?;
+    let scale = match unit {
         "" | "s" => 1.0,
         "ms" => 1e-3,
         "us" | "µs" => 1e-6,
@@ -134,6 +126,17 @@ pub(crate) fn parse_duration(text: &str) -> Result<f64> {
         bail!("duration `{text}`: must be non-negative");
     }
     Ok(secs)
+}
+
+/// `text` as its number and the unit after it (`1.5e9bit`: 1.5e9 and `bit`); the unit starts at the
+/// first letter that is no exponent (`µ` included). `what` and `example` name it in the error.
+fn number_and_unit<'a>(text: &'a str, what: &str, example: &str) -> Result<(f64, &'a str)> {
+    let s = text.trim();
+    let split = s.find(|c: char| c.is_alphabetic() && c != 'e' && c != 'E').unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let value =
+        num.trim().parse().map_err(|_| anyhow!("{what} `{text}`: expected a number with a unit such as {example}"))?;
+    Ok((value, unit.trim()))
 }
 
 /// What one synchronization moves.

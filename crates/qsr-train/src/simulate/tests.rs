@@ -60,6 +60,14 @@ fn units_parse() {
     assert!(parse_duration("1 fortnight").is_err());
 }
 
+/// `µs`, a unit `parse_duration` lists, was refused: `µ` is not ASCII, so the unit was split after it
+/// and `200µ` read as the number.
+#[test]
+fn a_duration_in_microseconds_written_with_mu_parses() {
+    assert!(close(parse_duration("200µs").unwrap(), 2e-4));
+    assert!(close(parse_duration("200us").unwrap(), 2e-4));
+}
+
 #[test]
 fn constant_h_prediction_hand_computed() {
     // 16 steps of 0.1 s, H = 4 -> 4 syncs of 1000 f32 across K = 4 at 1 Mbit/s, no latency:
