@@ -17,8 +17,8 @@ use anyhow::Context;
 use burn::data::dataloader::{DataLoaderBuilder, batcher::Batcher};
 use burn::data::dataset::{Dataset, InMemDataset};
 use burn::lr_scheduler::LrSchedulerRecord;
+use burn::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
 use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
-use burn::lr_scheduler::step::StepLrSchedulerConfig;
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, Relu};
@@ -141,14 +141,16 @@ fn load(from: &Path, model: Mlp, optim: ModuleOptimizer, sched: ModuleLrSchedule
 
 /// Trains, saving after each epoch when given a directory and resuming from its latest save, and
 /// returns the test accuracy.
-fn train(comm: Box<dyn qsr_comm::Collective>) -> anyhow::Result<f64> {
+fn train(comm: Box<dyn qsr_optim::comm::Collective>) -> anyhow::Result<f64> {
     let device = Device::flex().autodiff();
-    let model = qsr_optim::seeded_init(&device, SEED, || Mlp::new(&device)); // QSR: threads share burn's RNG
     let train = Arc::new(qsr_data::ShardedDataset::new(blobs(1000, SEED), comm.rank(), comm.world_size(), SEED)?);
+    let steps = EPOCHS as usize * train.len().div_ceil(BATCH); // this rank's steps: its batches times the epochs
+    let mut sched = CosineAnnealingLrSchedulerConfig::new(0.01, steps).init().map_err(anyhow::Error::msg)?;
+    let model = qsr_optim::seeded_init(&device, SEED, || Mlp::new(&device)); // QSR: threads share burn's RNG
     let ckpt = checkpoint_dir().map(|dir| dir.join(format!("rank-{}", comm.rank()))); // QSR: each rank its own
-    let (mut avg, mut model) = qsr_optim::Averager::new(model, qsr_optim::AveragerConfig::qsr(2, 0.0025), comm)?;
+    let config = qsr_optim::AveragerConfig::qsr(2, 0.0025).schedule(&sched, steps); // QSR: checks your lrs
+    let (mut avg, mut model) = qsr_optim::Averager::new(model, config, comm)?;
     let mut optim = AdamWConfig::new().init();
-    let mut sched = StepLrSchedulerConfig::new(0.01, 60).init().map_err(anyhow::Error::msg)?;
     let mut start = 0;
     if let Some((epoch, from)) = ckpt.as_deref().map(latest).transpose()?.flatten() {
         println!("resuming after epoch {epoch} from {}", from.display());
@@ -190,5 +192,5 @@ fn report(accuracy: f64) -> anyhow::Result<()> {
 }
 
 fn main() -> anyhow::Result<()> {
-    qsr_comm::run_workers(4, train)?.into_iter().try_for_each(|accuracy| report(accuracy?)) // QSR: threads or ranks
+    qsr_optim::comm::run_workers(4, train)?.into_iter().try_for_each(|accuracy| report(accuracy?)) // QSR: threads/ranks
 }

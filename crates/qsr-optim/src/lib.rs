@@ -42,7 +42,7 @@ mod worker;
 /// `-plain` features leave them out).
 pub const FUSION: bool = cfg!(feature = "fusion");
 
-pub use averager::{Averager, AveragerConfig, AveragerState, AveragerStats};
+pub use averager::{Averager, AveragerConfig, AveragerState, AveragerStats, Schedule};
 pub use device::{DEFAULT_DEVICE_GROUP_TIMEOUT, DeviceGroup, DeviceOptimizer};
 pub use error::{LossError, OptimError};
 pub use flat::{ParamEntry, ParamLayout, ParamRole};
@@ -51,6 +51,9 @@ pub use optim::{
     clip_grad_norm_per_tensor,
 };
 pub use outer::{OuterConfig, OuterUnit};
+/// `qsr-comm`, re-exported so that a burn program needs no dependency of its own for
+/// [`comm::run_workers`] and [`comm::Collective`].
+pub use qsr_comm as comm;
 /// The rules an [`AveragerConfig`] takes, so a burn user needs no qsr-sched dependency to pick one.
 pub use qsr_sched::SyncRule;
 pub use seeded::seeded_init;

@@ -86,7 +86,7 @@ impl LrWatch {
         let first = self.first?;
         if !self.varied {
             return Some(format!(
-                "every step passed the same lr {first}: QSR decides each round's H from the lr, so with one lr every round has the same H; pass the lr your scheduler gave each step, not its peak"
+                "every step had the same lr {first}: QSR decides each round's H from the lr, so with one lr every round has the same H; pass the lr your scheduler gave each step, not its peak"
             ));
         }
         let decayed = self.last < self.peak && !self.warned_rise;
@@ -98,6 +98,15 @@ impl LrWatch {
                 self.peak
             )
         })
+    }
+}
+
+/// Prints a line of information through `tracing` when a subscriber is set, else on stderr.
+pub(crate) fn note(message: &str) {
+    if tracing::dispatcher::has_been_set() {
+        tracing::info!("{message}");
+    } else {
+        eprintln!("{message}");
     }
 }
 
@@ -145,7 +154,7 @@ mod tests {
         assert_eq!(high.len(), 1, "{high:?}");
         assert!(high[0].starts_with("the lr ended at 0.066") && high[0].contains("67% of its peak 0.1:"), "{high:?}");
         let constant = warnings(&[0.1; 20], None);
-        assert!(constant[0].starts_with("every step passed the same lr 0.1"), "{constant:?}");
+        assert!(constant[0].starts_with("every step had the same lr 0.1"), "{constant:?}");
     }
 
     #[test]

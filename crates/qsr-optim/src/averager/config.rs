@@ -1,9 +1,11 @@
 //! What an [`Averager`](super::Averager) averages and when: its config, and the rounds it decides
 //! from the caller's lrs (the same logic for [`AveragerConfig::round_lengths`] and the averager).
 
+use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use qsr_sched::{RoundStart, StreamingConfig, SyncRule};
 use serde::{Deserialize, Serialize};
 
+use super::plan::Schedule;
 use crate::error::OptimError;
 use crate::outer::OuterConfig;
 use crate::settings::SyncSettings;
@@ -41,6 +43,10 @@ pub struct AveragerConfig {
     /// off): ranks whose parameters differ fail naming the step ([`OptimError::ParametersDiffer`]).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub fingerprint: bool,
+    /// The lr schedule the loop follows, if given ([`Self::schedule`]): the averager judges its plan
+    /// before the first step and warns at the first step that leaves it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<Schedule>,
 }
 
 impl AveragerConfig {
@@ -56,7 +62,31 @@ impl AveragerConfig {
             wire: Wire::F32,
             streaming: None,
             fingerprint: false,
+            schedule: None,
         }
+    }
+
+    /// The lr schedule your loop follows: your burn scheduler `sched` before its first step (a
+    /// clone is kept; yours is not stepped), stepped once per step over the `steps` this rank's loop
+    /// takes (its shard's batches times the epochs). Sets [`Self::run_steps`] to `steps`. The
+    /// averager then judges the whole plan before the first step (a scheduler sized for more steps
+    /// than the loop takes, one lr throughout, an lr that rises again, a round that keeps the workers
+    /// apart), warns at the first step whose lr is not the schedule's (the peak passed instead, a
+    /// scheduler stepped twice) and when the syncs run ahead of the plan, and
+    /// [`Averager::finish`](super::Averager::finish) reports the syncs made against those planned.
+    /// The ranks compare their schedules at construction.
+    ///
+    /// ```
+    /// use burn::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
+    /// let sched = CosineAnnealingLrSchedulerConfig::new(0.1, 1000).init().unwrap();
+    /// let config = qsr_optim::AveragerConfig::qsr(2, 0.02).schedule(&sched, 1000);
+    /// assert_eq!(config.run_steps, Some(1000));
+    /// ```
+    pub fn schedule<S: Clone + Into<ModuleLrScheduler>>(mut self, sched: &S, steps: usize) -> Self {
+        let steps = steps as u64;
+        self.run_steps = Some(steps);
+        self.schedule = Some(Schedule::new(sched.clone().into(), steps));
+        self
     }
 
     /// QSR without warmup: `H = max(h_base, floor((alpha / lr)^2))` at each round's start.

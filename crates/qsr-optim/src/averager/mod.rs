@@ -64,10 +64,13 @@ use crate::sync::{Level, StepEnd, SyncReport, Transfer};
 use crate::synchronizer::{At, Synced, Synchronizer};
 
 mod config;
+mod plan;
 mod saved;
 
 pub use config::AveragerConfig;
 use config::RoundSpan;
+use plan::Plan;
+pub use plan::Schedule;
 pub use saved::AveragerState;
 use saved::Rounds;
 
@@ -138,6 +141,8 @@ pub struct Averager {
     abandoned: bool,
     /// The lrs so far, for the warnings of plans that go wrong silently.
     lr_watch: LrWatch,
+    /// The caller's schedule, followed beside the loop ([`AveragerConfig::schedule`]).
+    plan: Option<Plan>,
 }
 impl Averager {
     /// Sets up averaging of `model` over `comm`: checks that every rank has the same configuration and
@@ -162,6 +167,7 @@ impl Averager {
             "model": { "parameters": layout.len(), "running_statistics": layout.running_len(), "tensors": layout.trainable.len() },
         });
         qsr_comm::agree(sync.comm_mut(), &settings).map_err(setup_error)?;
+        let planned = config.schedule.as_ref().map(|schedule| Plan::new(&config, schedule)).transpose()?;
         let running_len = if config.average_bn { layout.running_len() } else { 0 };
         let mut avg = Self {
             params: vec![0.0; layout.len() + running_len],
@@ -177,7 +183,12 @@ impl Averager {
             settings,
             abandoned: false,
             lr_watch: LrWatch::default(),
+            plan: None,
         };
+        if let Some((plan, warnings)) = planned {
+            warnings.iter().for_each(|w| avg.warn(w));
+            avg.plan = Some(plan);
+        }
         let model = match avg.config.broadcast_initial {
             true => avg
                 .sync
@@ -213,7 +224,21 @@ impl Averager {
     /// optimizer step; the parameters then need no averaging.
     pub fn step<M: Module>(&mut self, model: M, lr: f64) -> Result<M, OptimError> {
         let t = self.stats.steps;
-        let lr_driven = self.config.rule.power().is_some();
+        self.watch_lr(t, lr)?;
+        let model = self.step_rounds(model, t, lr)?;
+        if let Some(w) = self.plan.as_mut().and_then(|plan| plan.check_syncs(self.stats.syncs)) {
+            self.warn(&w);
+        }
+        Ok(model)
+    }
+
+    /// Step `t`'s lr against the caller's schedule, if given, and the lrs' course so far (judged
+    /// here only once the loop left the schedule, which was judged whole at the start).
+    fn watch_lr(&mut self, t: u64, lr: f64) -> Result<(), OptimError> {
+        if let Some(w) = self.plan.as_mut().map(|plan| plan.follow(&self.config, t, lr)).transpose()?.flatten() {
+            self.warn(&w);
+        }
+        let lr_driven = self.config.rule.power().is_some() && self.plan.as_ref().is_none_or(|p| !p.on_plan());
         if let Some(w) = self.lr_watch.observe(t, lr, self.config.run_steps, lr_driven) {
             self.warn(&w);
         }
@@ -222,6 +247,11 @@ impl Averager {
         {
             self.warn(&w);
         }
+        Ok(())
+    }
+
+    /// Step `t` in its round: a new round's `H` from `lr`, and the sync at a round's end.
+    fn step_rounds<M: Module>(&mut self, model: M, t: u64, lr: f64) -> Result<M, OptimError> {
         let round = match self.round {
             Some(r) if t < r.end => r,
             _ => self.start_round(t, lr)?,
@@ -404,6 +434,9 @@ impl Averager {
         self.rounds_after_warmup = state.rounds.rounds_after_warmup;
         self.round = state.rounds.round;
         self.lr_watch = state.rounds.lr_watch;
+        if let Some(plan) = &mut self.plan {
+            plan.resume_at(&self.config, self.stats.steps)?;
+        }
         Ok(())
     }
 
@@ -454,11 +487,39 @@ impl Averager {
     /// Averages if some step since the last synchronization is not averaged yet: the end of a run whose
     /// length [`AveragerConfig::run_steps`] did not give (the last round cut short, as the planner cuts
     /// it). Every rank must call it at the same point.
+    /// On rank 0 it reports the syncs made (and those the schedule planned, if given), and warns
+    /// when the loop ended before [`AveragerConfig::run_steps`].
     pub fn finish<M: Module>(&mut self, model: M) -> Result<M, OptimError> {
         if let Some(w) = self.lr_watch.at_end() {
             self.warn(&w);
         }
-        if self.unsynced_steps() > 0 { self.average_now(model) } else { Ok(model) }
+        let model = if self.unsynced_steps() > 0 { self.average_now(model)? } else { model };
+        self.report_syncs();
+        Ok(model)
+    }
+
+    /// Rank 0's line at the end of the run: syncs made against those planned.
+    fn report_syncs(&self) {
+        let (steps, syncs) = (self.stats.steps, self.stats.syncs);
+        if let Some(run) = self.config.run_steps.filter(|&run| steps < run) {
+            self.warn(&format!(
+                "the loop ended after {steps} of its `run_steps` = {run} steps: if it did not stop early on purpose,                  give `run_steps` (the schedule's `steps`) the steps this rank's loop takes (its shard's batches                  times the epochs)"
+            ));
+        }
+        if self.rank() != 0 {
+            return;
+        }
+        let planned = match &self.plan {
+            Some(plan) => format!(", the schedule planned {}", plan.total()),
+            None => String::new(),
+        };
+        lr_watch::note(&format!("qsr Averager: {syncs} syncs in {steps} steps{planned}"));
+        if let Some(plan) = self.plan.as_ref().filter(|p| p.total() != syncs && steps == p.steps()) {
+            self.warn(&format!(
+                "{syncs} syncs made, where the schedule planned {}: the lrs passed were not the schedule's",
+                plan.total()
+            ));
+        }
     }
 
     /// `true` on every rank when any rank passes `true`: how ranks agree to stop at the same step. One
@@ -493,7 +554,10 @@ impl Averager {
     fn start_round(&mut self, t: u64, lr: f64) -> Result<RoundSpan, OptimError> {
         let round = self.config.round_at(t, lr, &mut self.rounds_after_warmup)?;
         // Judged after warmup (the peak is not known before it) and within the run.
-        let judged = !self.config.rule.syncs_gradients(t) && t >= self.config.warmup_steps;
+        // A plan the loop follows was judged whole at the start.
+        let judged = !self.config.rule.syncs_gradients(t)
+            && t >= self.config.warmup_steps
+            && self.plan.as_ref().is_none_or(|p| !p.on_plan());
         if let Some(run) = self.config.run_steps.filter(|&run| judged && t < run)
             && let Some(w) = self.lr_watch.round(t, round.end.saturating_sub(round.start), lr, run)
         {
@@ -526,6 +590,13 @@ fn setup_error(source: qsr_comm::CommError) -> OptimError {
                 "the ranks' alphas differ ({detail}): an alpha from `AveragerConfig::qsr_for_budget` follows the \
                  lrs it was given, so the ranks' lr schedules differ; give every rank the same schedule (the same \
                  steps per epoch and epochs)"
+            ),
+        },
+        qsr_comm::CommError::Disagree { detail, .. } if detail.contains("`config.schedule") => OptimError::Config {
+            field: "schedule".into(),
+            reason: format!(
+                "the ranks' lr schedules differ ({detail}): give every rank the same scheduler and steps (this \
+                 rank's shard's batches times the epochs, the same on every rank)"
             ),
         },
         _ => OptimError::Setup { source },

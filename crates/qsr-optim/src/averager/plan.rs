@@ -1,0 +1,219 @@
+//! The caller's own lr schedule ([`AveragerConfig::schedule`]): the plan it makes, judged whole at
+//! construction, then followed beside the loop, so that an lr that is not the schedule's, and syncs
+//! that run ahead of the plan, are warned at the step they happen rather than at the run's end.
+
+use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
+use serde::{Serialize, Serializer};
+use sha2::{Digest, Sha256};
+
+use super::config::AveragerConfig;
+use crate::error::OptimError;
+use crate::lr_watch::LrWatch;
+
+/// The lr schedule a loop follows, for [`AveragerConfig::schedule`]: a clone of the caller's burn
+/// scheduler before its first step, the steps the loop takes, and a digest of the lrs it gives over
+/// them (what the ranks compare at construction, and a saved state records).
+#[derive(Clone)]
+pub struct Schedule {
+    sched: ModuleLrScheduler,
+    steps: u64,
+    digest: String,
+}
+
+impl Schedule {
+    /// `sched` (cloned, not stepped) over `steps` steps.
+    pub(super) fn new(sched: ModuleLrScheduler, steps: u64) -> Self {
+        let mut hasher = Sha256::new();
+        let mut sampled = sched.clone();
+        for _ in 0..steps {
+            hasher.update(sampled.step().base().to_le_bytes());
+        }
+        let digest = hasher.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
+        Self { sched, steps, digest }
+    }
+
+    /// The steps the loop takes.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// Its lrs, step by step.
+    fn lrs(&self) -> impl Iterator<Item = f64> + use<> {
+        let mut sched = self.sched.clone();
+        (0..self.steps).map(move |_| sched.step().base())
+    }
+}
+
+impl std::fmt::Debug for Schedule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Schedule").field("steps", &self.steps).field("lrs", &self.digest).finish()
+    }
+}
+
+impl PartialEq for Schedule {
+    fn eq(&self, other: &Self) -> bool {
+        (self.steps, &self.digest) == (other.steps, &other.digest)
+    }
+}
+
+impl Serialize for Schedule {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serde_json::json!({ "steps": self.steps, "lrs": self.digest }).serialize(serializer)
+    }
+}
+
+/// The schedule followed beside the loop: the lr each step should pass and the syncs planned so far.
+pub(super) struct Plan {
+    /// The schedule after `t` steps.
+    sched: ModuleLrScheduler,
+    t: u64,
+    steps: u64,
+    round_end: u64,
+    rounds_after_warmup: u64,
+    /// Syncs planned in the first `t` steps, and in the whole run.
+    syncs: u64,
+    total: u64,
+    /// A step passed another lr than the schedule's (warned once): the rounds left the plan.
+    off_plan: bool,
+    warned_ahead: bool,
+}
+
+impl Plan {
+    /// The plan `config`'s schedule makes, at its first step, and the warnings its lrs give as a
+    /// whole (a schedule sized for more steps than the loop takes, one lr throughout, an lr that
+    /// rises again, a round that keeps the workers apart): given before the first step.
+    pub(super) fn new(config: &AveragerConfig, schedule: &Schedule) -> Result<(Self, Vec<String>), OptimError> {
+        if config.run_steps != Some(schedule.steps) {
+            return Err(OptimError::Config {
+                field: "run_steps".into(),
+                reason: format!(
+                    "{:?}, but the schedule is for {} steps: set both through `AveragerConfig::schedule`",
+                    config.run_steps, schedule.steps
+                ),
+            });
+        }
+        let mut warnings = judge_lrs(config, schedule);
+        let peak = schedule.lrs().filter(|lr| lr.is_finite()).fold(0.0, f64::max);
+        let mut plan = Self::at_start(schedule);
+        let mut apart = None;
+        for t in 0..schedule.steps {
+            let (lr, started) = plan.advance(config)?;
+            let len = plan.round_end - t;
+            if started && apart.is_none() && !config.rule.syncs_gradients(t) && t >= config.warmup_steps {
+                apart = qsr_sched::round_apart(t, len, lr, peak, schedule.steps).map(|a| (t, len, lr, a));
+            }
+        }
+        plan.total = plan.syncs;
+        if let Some((start, len, lr, a)) = apart {
+            warnings.push(format!(
+                "the schedule's round from step {start} keeps the workers apart for {len} steps at lr {lr} ({:.0} \
+                 steps at its peak lr {peak}, above {:.0}, a sixteenth of the run's {}): their average will be no \
+                 model; shorten the rounds (a smaller alpha or h, a larger budget)",
+                a.drift, a.limit, schedule.steps
+            ));
+        }
+        Ok((Self { total: plan.total, ..Self::at_start(schedule) }, warnings))
+    }
+
+    fn at_start(schedule: &Schedule) -> Self {
+        Self {
+            sched: schedule.sched.clone(),
+            t: 0,
+            steps: schedule.steps,
+            round_end: 0,
+            rounds_after_warmup: 0,
+            syncs: 0,
+            total: 0,
+            off_plan: false,
+            warned_ahead: false,
+        }
+    }
+
+    /// Steps the schedule once: step `t`'s lr, and whether a planned round starts at it.
+    fn advance(&mut self, config: &AveragerConfig) -> Result<(f64, bool), OptimError> {
+        let (t, lr) = (self.t, self.sched.step().base());
+        let started = t >= self.round_end;
+        if started {
+            self.round_end = config.round_at(t, lr, &mut self.rounds_after_warmup).map_err(schedule_error)?.end;
+        }
+        self.t += 1;
+        self.syncs += u64::from(self.t == self.round_end);
+        Ok((lr, started))
+    }
+
+    /// Follows the loop's step `t`, which passed `lr`: a warning, once, at the first lr that is
+    /// not the schedule's. Steps past the schedule's end are not compared.
+    pub(super) fn follow(&mut self, config: &AveragerConfig, t: u64, lr: f64) -> Result<Option<String>, OptimError> {
+        if t >= self.steps || t != self.t {
+            return Ok(None);
+        }
+        let (planned, _) = self.advance(config)?;
+        if self.off_plan || lr.to_bits() == planned.to_bits() {
+            return Ok(None);
+        }
+        self.off_plan = true;
+        Ok(Some(format!(
+            "step {} passed lr {lr}, but the schedule given to `AveragerConfig::schedule` has {planned} there: the \
+             rounds follow the lr passed, so they leave the plan of {} syncs; pass each step the lr your scheduler \
+             gave it (`sched.step()`, not its peak), and step the scheduler once per step",
+            t + 1,
+            self.total
+        )))
+    }
+
+    /// After a step: a warning, once, when the syncs `made` so far run ahead of the plan's.
+    pub(super) fn check_syncs(&mut self, made: u64) -> Option<String> {
+        if made <= self.syncs || self.warned_ahead {
+            return None;
+        }
+        self.warned_ahead = true;
+        Some(format!(
+            "{made} syncs after {} steps, where the schedule plans {} (of {} in the run): the syncs run ahead of the \
+             plan (an lr other than the schedule's, or `average_now` between rounds)",
+            self.t, self.syncs, self.total
+        ))
+    }
+
+    /// Whether the loop has passed the schedule's lrs so far: the plan was judged whole at the start.
+    pub(super) fn on_plan(&self) -> bool {
+        !self.off_plan
+    }
+
+    /// Syncs the whole run plans.
+    pub(super) fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// The steps the loop takes.
+    pub(super) fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// Moves to step `t` of a resumed run (the schedule stepped `t` times from its start).
+    pub(super) fn resume_at(&mut self, config: &AveragerConfig, t: u64) -> Result<(), OptimError> {
+        while self.t < t.min(self.steps) {
+            self.advance(config)?;
+        }
+        Ok(())
+    }
+}
+
+/// The warnings the schedule's lrs give as a whole, as the averager's own watch gives them at a
+/// run's end.
+fn judge_lrs(config: &AveragerConfig, schedule: &Schedule) -> Vec<String> {
+    if config.rule.power().is_none() {
+        return Vec::new();
+    }
+    let mut watch = LrWatch::default();
+    let mut warnings: Vec<String> =
+        (0..).zip(schedule.lrs()).filter_map(|(t, lr)| watch.observe(t, lr, None, true)).collect();
+    warnings.extend(watch.at_end());
+    warnings.iter().map(|w| format!("the schedule over its {} steps: {w}", schedule.steps)).collect()
+}
+
+fn schedule_error(e: OptimError) -> OptimError {
+    match e {
+        OptimError::Config { reason, .. } => OptimError::Config { field: "schedule".into(), reason },
+        other => other,
+    }
+}

@@ -1,0 +1,144 @@
+//! Issue 57, item 4: an Averager given the loop's lr schedule (`AveragerConfig::schedule`) catches a
+//! wrong plan while it costs little: a scheduler sized for the whole dataset before the first step,
+//! the constant peak lr passed within the run's first tenth, and `finish` reports the syncs made
+//! against those planned.
+
+use burn::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
+use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
+use burn::tensor::Device;
+use qsr_comm::{Collective, InProcessGroup};
+use qsr_optim::{Averager, AveragerConfig, OptimError};
+
+use crate::averager::Captured;
+use crate::common::Mlp;
+
+/// The loop's steps: a rank's shard of 400 batches, over 4 ranks.
+const STEPS: usize = 100;
+
+fn cosine(peak: f64, steps: usize) -> ModuleLrScheduler {
+    CosineAnnealingLrSchedulerConfig::new(peak, steps).init().unwrap()
+}
+
+/// Runs `f` with a tracing subscriber that records what is printed; returns `f`'s value and the lines.
+fn printed<T>(f: impl FnOnce() -> T) -> (T, Vec<String>) {
+    let out = Captured::default();
+    let writer = out.clone();
+    let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
+    let value = tracing::subscriber::with_default(subscriber, f);
+    let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+    (value, text.lines().map(str::to_owned).collect())
+}
+
+fn warnings(lines: &[String]) -> Vec<&String> {
+    lines.iter().filter(|l| l.contains("WARN")).collect()
+}
+
+fn averager(config: AveragerConfig) -> Result<(Averager, Mlp), OptimError> {
+    Averager::new(Mlp::new(&Device::flex(), 4, 1), config, Box::new(InProcessGroup::new(1).remove(0)))
+}
+
+/// The trial's first mistake: a cosine sized for the whole dataset's 400 batches while this rank's
+/// loop takes 100. Warned by `Averager::new`, before the first step, naming where the lr ends.
+#[test]
+fn a_scheduler_sized_for_the_whole_dataset_is_warned_before_the_first_step() {
+    let config = AveragerConfig::qsr(2, 0.002).schedule(&cosine(0.05, 4 * STEPS), STEPS);
+    let (built, lines) = printed(|| averager(config));
+    built.unwrap();
+    let warned = warnings(&lines);
+    assert_eq!(warned.len(), 1, "{lines:?}");
+    assert!(warned[0].contains("the schedule over its 100 steps: the lr ended at 0.042"), "{lines:?}");
+    assert!(warned[0].contains("86% of its peak 0.05"), "{lines:?}");
+    // Sized for the loop, the same schedule warns of nothing.
+    let (built, lines) = printed(|| averager(AveragerConfig::qsr(2, 0.002).schedule(&cosine(0.05, STEPS), STEPS)));
+    built.unwrap();
+    assert!(warnings(&lines).is_empty(), "{lines:?}");
+}
+
+/// The trial's second mistake: the scheduler's constant peak passed to `step` instead of each
+/// step's lr. Warned at the second step (the cosine's first lr is its peak), inside the first tenth
+/// of the run; `finish` reports the syncs made against the plan's and warns that they differ.
+#[test]
+fn the_peak_lr_passed_instead_of_the_schedules_is_warned_in_the_first_tenth() {
+    let sched = cosine(0.05, STEPS);
+    let (built, _) = printed(|| averager(AveragerConfig::qsr(2, 0.002).schedule(&sched, STEPS)));
+    let (mut avg, mut model) = built.unwrap();
+    let mut first_warning = None;
+    for t in 0..STEPS {
+        let (stepped, lines) = printed(|| avg.step(model.clone(), 0.05));
+        model = stepped.unwrap();
+        if first_warning.is_none() && !warnings(&lines).is_empty() {
+            first_warning = Some((t, lines));
+        }
+    }
+    let (t, lines) = first_warning.expect("no warning");
+    assert!(t < STEPS / 10, "warned at step {t}");
+    assert!(lines[0].contains("step 2 passed lr 0.05, but the schedule given to `AveragerConfig::schedule` has 0.04"));
+    let (finished, lines) = printed(|| avg.finish(model));
+    finished.unwrap();
+    let planned = AveragerConfig::qsr(2, 0.002)
+        .round_lengths({
+            let mut s = sched.clone();
+            (0..STEPS).map(move |_| s.step().base())
+        })
+        .unwrap()
+        .len();
+    let made = avg.stats().syncs;
+    assert_ne!(made, planned as u64);
+    let report = format!("qsr Averager: {made} syncs in 100 steps, the schedule planned {planned}");
+    assert!(lines.iter().any(|l| l.contains("INFO") && l.contains(&report)), "{lines:?}");
+    assert!(lines.iter().any(|l| l.contains("WARN") && l.contains("were not the schedule's")), "{lines:?}");
+}
+
+/// The schedule followed, across a save and restore mid-run: no warning, and the syncs made equal
+/// the plan's, as `AveragerConfig::round_lengths` counts them.
+#[test]
+fn a_schedule_followed_across_a_resume_warns_of_nothing_and_meets_its_plan() {
+    let sched = cosine(0.05, STEPS);
+    let config = || AveragerConfig::qsr(2, 0.002).schedule(&sched, STEPS);
+    let mut lrs = sched.clone();
+    let lrs: Vec<f64> = (0..STEPS).map(|_| lrs.step().base()).collect();
+    let (run, lines) = printed(|| {
+        let (mut first, mut model) = averager(config())?;
+        for &lr in &lrs[..40] {
+            model = first.step(model, lr)?;
+        }
+        let state = first.state()?;
+        first.abandon();
+        let (mut resumed, mut model) = averager(config())?;
+        resumed.restore(state)?;
+        for &lr in &lrs[40..] {
+            model = resumed.step(model, lr)?;
+        }
+        resumed.finish(model)?;
+        Ok::<_, OptimError>(resumed.stats().syncs)
+    });
+    let planned = config().round_lengths(lrs.iter().copied()).unwrap().len() as u64;
+    assert_eq!(run.unwrap(), planned);
+    assert!(warnings(&lines).is_empty(), "{lines:?}");
+    assert!(lines.iter().any(|l| l.contains(&format!("{planned} syncs in 100 steps, the schedule planned {planned}"))));
+}
+
+/// Ranks whose schedules differ (one sized for the shard, one for the whole dataset) are refused
+/// at construction, every rank naming the schedule.
+#[test]
+fn ranks_with_different_schedules_are_refused_naming_the_schedule() {
+    let errors = qsr_comm::run_threads(2, |comm| {
+        let steps = if comm.rank() == 0 { STEPS } else { 4 * STEPS };
+        let config = AveragerConfig::qsr(2, 0.002).schedule(&cosine(0.05, steps), STEPS);
+        Averager::new(Mlp::new(&Device::flex(), 4, 1), config, Box::new(comm)).err()
+    });
+    for e in errors {
+        let e = e.expect("a different schedule was accepted");
+        assert!(matches!(&e, OptimError::Config { field, .. } if field == "schedule"), "{e}");
+        assert!(e.to_string().contains("lr schedules differ"), "{e}");
+    }
+}
+
+/// `run_steps` changed after `schedule` set it: refused naming the field, not a plan of another length.
+#[test]
+fn run_steps_other_than_the_schedules_is_refused() {
+    let mut config = AveragerConfig::qsr(2, 0.002).schedule(&cosine(0.05, STEPS), STEPS);
+    config.run_steps = Some(50);
+    let Err(e) = averager(config) else { panic!("accepted") };
+    assert!(matches!(&e, OptimError::Config { field, .. } if field == "run_steps"), "{e}");
+}
