@@ -14,6 +14,7 @@ mod layers;
 mod netem;
 mod qsr_diff;
 mod resume_check;
+mod snippet;
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -38,6 +39,9 @@ enum Cmd {
     /// The resume check of `cargo xtask ci` alone, on the examples and `qsr` already built: each burn
     /// example stopped after an epoch and resumed ends with the whole run's bits.
     ResumeCheck,
+    /// A new project from README.md's `[dependencies]` block and the burn examples: adding the QSR
+    /// lines to a built burn project compiles no burn crate again, and the QSR program runs.
+    Snippet,
     /// The paper's communication plans (and their lr/H picture), then the README's main job.
     Demo {
         /// Where to write the picture.
@@ -271,6 +275,8 @@ fn main() -> Result<()> {
             totals.add(run_launched_examples(&LAUNCHED_EXAMPLES)?);
             // Whole resume: the burn examples stopped after an epoch and resumed end with the whole run's bits.
             totals.add(resume_check::run()?);
+            // A burn user's project from the README's dependencies: qsr added without a second burn build.
+            totals.add(snippet::run(&root(), &target_dir())?);
             // The fault campaign, one job per fault kind (docs/RELIABILITY.md); a job is a test.
             // The test step built `qsr` for the integration tests; `cargo build --bin qsr` alone would resolve
             // burn's dependencies without the dev-dependencies' features and compile burn again (7 min).
@@ -328,6 +334,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Cmd::ResumeCheck => resume_check::run().map(drop),
+        Cmd::Snippet => snippet::run(&root(), &target_dir()).map(drop),
         Cmd::Demo { plot } => {
             // The paper's communication plans, then the README's main job.
             if let Some(dir) = plot.parent() {

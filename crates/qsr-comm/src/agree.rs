@@ -84,7 +84,11 @@ pub fn agree(comm: &mut dyn Collective, settings: &Value) -> Result<(), CommErro
     comm.broadcast_bytes(&mut bytes, 0)?;
     let first: Value = serde_json::from_slice(&bytes)
         .map_err(|e| CommError::Protocol { peer: "rank 0".into(), detail: format!("settings are not JSON: {e}") })?;
-    let diffs: Vec<String> = differing_keys(&first, settings)
+    // Compared as every rank reads rank 0's, through the same text and parser: serde_json's parser
+    // (without `float_roundtrip`) may read a float one unit in the last place off, alike on every rank.
+    let own: Value =
+        serde_json::to_vec(settings).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
+    let diffs: Vec<String> = differing_keys(&first, &own)
         .into_iter()
         .map(|d| format!("`{}`: rank 0 has {}, rank {rank} has {}", d.key, d.left, d.right))
         .collect();

@@ -1,4 +1,5 @@
-//! scikit-learn's digits, embedded (documented on [`digits()`]).
+//! scikit-learn's digits, embedded (documented on [`digits()`]) as scikit-learn ships them, gzip-compressed:
+//! with the `gzip` feature (on by default).
 
 use std::io::Read;
 
@@ -17,7 +18,7 @@ pub const DIGITS_TEST: usize = DIGITS_TOTAL - DIGITS_TRAIN;
 fn parse_all() -> Result<(Vec<u8>, Vec<u16>)> {
     let src = std::path::PathBuf::from("<embedded digits.csv.gz>");
     let mut text = String::new();
-    flate2::read::GzDecoder::new(DIGITS_CSV_GZ).read_to_string(&mut text).map_err(|e| DataError::io(&src, e))?;
+    crate::gz::decoder(DIGITS_CSV_GZ, &src)?.read_to_string(&mut text).map_err(|e| DataError::io(&src, e))?;
     let mut images = Vec::with_capacity(DIGITS_TOTAL * 64);
     let mut labels = Vec::with_capacity(DIGITS_TOTAL);
     for (row, line) in text.lines().filter(|l| !l.trim().is_empty()).enumerate() {

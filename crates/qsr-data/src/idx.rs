@@ -41,7 +41,7 @@ pub fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
     let raw = read_regular(path, LIMIT, "an IDX file may have")?;
     if raw.len() >= 2 && raw[0] == 0x1f && raw[1] == 0x8b {
         let mut out = Vec::with_capacity((raw.len() * 4).min(LIMIT as usize));
-        let mut gz = flate2::read::MultiGzDecoder::new(&raw[..]).take(LIMIT + 1);
+        let mut gz = crate::gz::decoder(&raw[..], path)?.take(LIMIT + 1);
         gz.read_to_end(&mut out).map_err(|e| {
             let kind = e.kind();
             DataError::io(path, std::io::Error::new(kind, format!("corrupt or truncated gzip stream: {e}")))
@@ -65,7 +65,7 @@ fn read_idx(path: &Path, ndim: u8) -> Result<IdxArray> {
     let (file, len) = open_regular(path)?;
     let mut r = std::io::BufReader::new(file);
     let gz = std::io::BufRead::fill_buf(&mut r).map_err(|e| DataError::io(path, e))?.starts_with(&[0x1f, 0x8b]);
-    let mut src: Box<dyn Read> = if gz { Box::new(flate2::read::MultiGzDecoder::new(r)) } else { Box::new(r) };
+    let mut src: Box<dyn Read> = if gz { crate::gz::decoder(r, path)? } else { Box::new(r) };
     let mut head = Vec::new();
     (&mut src).take(header_len(ndim) as u64).read_to_end(&mut head).map_err(|e| DataError::io(path, e))?;
     let header = parse_header(&head, path, ndim)?;

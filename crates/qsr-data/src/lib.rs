@@ -28,9 +28,11 @@ mod augment;
 mod burn_shard;
 mod cifar;
 mod dataset;
+#[cfg(feature = "gzip")]
 mod digits;
 mod error;
 mod folder;
+mod gz;
 mod idx;
 mod loader;
 // The one public module: its deterministic-stream primitives have generic names (`stream`, `below`, `unit`,
@@ -43,6 +45,7 @@ pub use augment::{Crop, Normalize, SampleKey, Transform, random_resized_crop_par
 pub use burn_shard::ShardedDataset;
 pub use cifar::{Cifar100Label, cifar10, cifar100, cifar100_with, read_cifar_files};
 pub use dataset::{Dataset, DatasetInfo, Image, ImageSet, Split, Spread};
+#[cfg(feature = "gzip")]
 pub use digits::{DIGITS_TEST, DIGITS_TOTAL, DIGITS_TRAIN, digits, digits_all};
 pub use error::{DataError, Result};
 pub use folder::{IMAGE_EXTENSIONS, ImageFolder, decode_rgb};

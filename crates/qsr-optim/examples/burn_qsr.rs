@@ -147,14 +147,14 @@ fn train(comm: Box<dyn qsr_optim::comm::Collective>) -> anyhow::Result<f64> {
     let steps = EPOCHS as usize * train.len().div_ceil(BATCH); // this rank's steps: its batches times the epochs
     let mut sched = CosineAnnealingLrSchedulerConfig::new(0.01, steps).init().map_err(anyhow::Error::msg)?;
     let model = qsr_optim::seeded_init(&device, SEED, || Mlp::new(&device)); // QSR: threads share burn's RNG
-    let ckpt = checkpoint_dir().map(|dir| dir.join(format!("rank-{}", comm.rank()))); // QSR: each rank its own
+    let ckpt = checkpoint_dir().map(|dir| dir.join(format!("rank-{}", comm.rank()))); // QSR (resume): each rank its own
     let config = qsr_optim::AveragerConfig::qsr(2, 0.0025).schedule(&sched, steps); // QSR: checks your lrs
     let (mut avg, mut model) = qsr_optim::Averager::new(model, config, comm)?;
     let mut optim = AdamWConfig::new().init();
     let mut start = 0;
     if let Some((epoch, from)) = ckpt.as_deref().map(latest).transpose()?.flatten() {
         println!("resuming after epoch {epoch} from {}", from.display());
-        avg.restore(qsr_optim::AveragerState::load(&from.join("averager.safetensors"))?)?; // QSR: where its rounds stood
+        avg.restore(qsr_optim::AveragerState::load(&from.join("averager.safetensors"))?)?; // QSR (resume): where its rounds stood
         (model, optim, sched) = load(&from, model, optim, sched)?;
         start = epoch;
     }
@@ -174,7 +174,7 @@ fn train(comm: Box<dyn qsr_optim::comm::Collective>) -> anyhow::Result<f64> {
         if let Some(dir) = &ckpt {
             let to = staging(dir, epoch + 1)?;
             save(&to, &model, &optim, &sched)?;
-            avg.state()?.save(&to.join("averager.safetensors"))?; // QSR: where its rounds stand
+            avg.state()?.save(&to.join("averager.safetensors"))?; // QSR (resume): where its rounds stand
             commit(&to)?;
         }
     }

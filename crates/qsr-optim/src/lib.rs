@@ -6,12 +6,13 @@
 //!   after each optimizer step with the lr it used, and it averages whenever a round ends (its page
 //!   has a complete example); [`Averager::finish`] averages the last round;
 //! - [`AveragerConfig`]: the rule, e.g. [`AveragerConfig::qsr`]`(h_base, alpha)`, or alpha from a
-//!   communication budget ([`AveragerConfig::qsr_for_budget`]);
+//!   communication budget ([`AveragerConfig::qsr_for_budget`]), and your lr schedule
+//!   ([`AveragerConfig::schedule`]), which the averager judges before the first step;
 //! - [`seeded_init`]: the same initial weights in every run, whatever the threads;
 //! - [`AveragerState`]: where the rounds stand, saved beside your checkpoint and given to
 //!   [`Averager::restore`] to resume exactly.
 //!
-//! Beside them: `qsr_comm::run_workers` runs your `train(comm)` as threads, or as the ranks of a
+//! Beside them: [`comm::run_workers`] runs your `train(comm)` as threads, or as the ranks of a
 //! launch (`qsr-launch --nproc 4 -- ./your-program`), and `qsr_data::ShardedDataset` gives each rank
 //! its shard, reshuffled per epoch. `examples/burn_qsr.rs` is a complete program.
 //!
@@ -24,6 +25,7 @@
 mod averager;
 mod device;
 mod error;
+mod exact;
 mod flat;
 mod flat_state;
 mod lr_watch;

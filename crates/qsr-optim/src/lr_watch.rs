@@ -8,12 +8,16 @@
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct LrWatch {
     /// The highest lr seen.
+    #[serde(with = "crate::exact")]
     peak: f64,
     /// The lowest lr since the lr fell below half its peak, with its 0-based step.
+    #[serde(with = "crate::exact::step_and")]
     low: Option<(u64, f64)>,
     /// The first step's lr, and whether any later one differed.
+    #[serde(with = "crate::exact::option")]
     first: Option<f64>,
     varied: bool,
+    #[serde(with = "crate::exact")]
     last: f64,
     warned_past: bool,
     warned_rise: bool,

@@ -122,6 +122,7 @@ impl OuterConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 pub(crate) struct InnerRound {
     pub(crate) steps: u64,
+    #[serde(with = "crate::exact")]
     pub(crate) lr_sum: f64,
 }
 

@@ -10,9 +10,11 @@
 //! `examples/burn_plain.rs` and `examples/burn_qsr.rs`, 4 threads or ranks under `qsr launch`):
 //!
 //! ```text
-//! + fn train(comm: Box<dyn Collective>) -> anyhow::Result<Mlp> {  // main: qsr_comm::run_workers(4, train)
+//! + fn train(comm: Box<dyn Collective>) -> anyhow::Result<Mlp> {  // main: comm::run_workers(4, train)
 //!   let model = Mlp::new(&device);
-//! + let (mut avg, mut model) = Averager::new(model, AveragerConfig::qsr(2, 0.06), comm)?;
+//!   let mut sched = CosineAnnealingLrSchedulerConfig::new(0.01, steps).init()?;
+//! + let config = AveragerConfig::qsr(2, 0.06).schedule(&sched, steps); // judged before the first step
+//! + let (mut avg, mut model) = Averager::new(model, config, comm)?;
 //!   let mut optim = AdamWConfig::new().init();
 //!   for step in 0..steps {                             // each rank on its own shard (ShardedDataset)
 //!       let lr = sched.step();
@@ -410,7 +412,9 @@ impl Averager {
     /// records as usual). A state saved under other settings, or ranks resuming at different steps, is
     /// an error naming the difference.
     pub fn restore(&mut self, state: AveragerState) -> Result<(), OptimError> {
-        let diffs = qsr_comm::differing_keys(&self.settings, &state.rounds.settings);
+        // Through the same text and parser as the saved settings: a float reads back alike.
+        let now = serde_json::to_string(&self.settings).ok().and_then(|t| serde_json::from_str(&t).ok());
+        let diffs = qsr_comm::differing_keys(&now.unwrap_or_default(), &state.rounds.settings);
         // Every rank takes part in the agreement, a rank whose state does not fit included, so that
         // no rank is left waiting for one that failed alone.
         let position = serde_json::json!({
