@@ -5,7 +5,7 @@ use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use qsr_sched::{RoundStart, StreamingConfig, SyncRule};
 use serde::{Deserialize, Serialize};
 
-use super::plan::Schedule;
+use super::schedule::Schedule;
 use crate::error::OptimError;
 use crate::outer::OuterConfig;
 use crate::settings::SyncSettings;

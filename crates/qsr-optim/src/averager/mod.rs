@@ -68,13 +68,14 @@ use crate::synchronizer::{At, Synced, Synchronizer};
 mod config;
 mod plan;
 mod saved;
+mod schedule;
 
 pub use config::AveragerConfig;
 use config::RoundSpan;
 use plan::Plan;
-pub use plan::Schedule;
 pub use saved::AveragerState;
 use saved::Rounds;
+pub use schedule::Schedule;
 
 /// Totals of an [`Averager`].
 #[derive(Debug, Clone, Copy, Default, PartialEq)]

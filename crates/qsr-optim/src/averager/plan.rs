@@ -3,64 +3,11 @@
 //! that run ahead of the plan, are warned at the step they happen rather than at the run's end.
 
 use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
-use serde::{Serialize, Serializer};
-use sha2::{Digest, Sha256};
 
 use super::config::AveragerConfig;
+use super::schedule::Schedule;
 use crate::error::OptimError;
 use crate::lr_watch::LrWatch;
-
-/// The lr schedule a loop follows, for [`AveragerConfig::schedule`]: a clone of the caller's burn
-/// scheduler before its first step, the steps the loop takes, and a digest of the lrs it gives over
-/// them (what the ranks compare at construction, and a saved state records).
-#[derive(Clone)]
-pub struct Schedule {
-    sched: ModuleLrScheduler,
-    steps: u64,
-    digest: String,
-}
-
-impl Schedule {
-    /// `sched` (cloned, not stepped) over `steps` steps.
-    pub(super) fn new(sched: ModuleLrScheduler, steps: u64) -> Self {
-        let mut hasher = Sha256::new();
-        let mut sampled = sched.clone();
-        for _ in 0..steps {
-            hasher.update(sampled.step().base().to_le_bytes());
-        }
-        let digest = hasher.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
-        Self { sched, steps, digest }
-    }
-
-    /// The steps the loop takes.
-    pub fn steps(&self) -> u64 {
-        self.steps
-    }
-
-    /// Its lrs, step by step.
-    fn lrs(&self) -> impl Iterator<Item = f64> + use<> {
-        let mut sched = self.sched.clone();
-        (0..self.steps).map(move |_| sched.step().base())
-    }
-}
-
-impl std::fmt::Debug for Schedule {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Schedule").field("steps", &self.steps).field("lrs", &self.digest).finish()
-    }
-}
-
-impl PartialEq for Schedule {
-    fn eq(&self, other: &Self) -> bool {
-        (self.steps, &self.digest) == (other.steps, &other.digest)
-    }
-}
-
-impl Serialize for Schedule {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serde_json::json!({ "steps": self.steps, "lrs": self.digest }).serialize(serializer)
-    }
-}
 
 /// The schedule followed beside the loop: the lr each step should pass and the syncs planned so far.
 pub(super) struct Plan {
@@ -83,12 +30,13 @@ impl Plan {
     /// whole (a schedule sized for more steps than the loop takes, one lr throughout, an lr that
     /// rises again, a round that keeps the workers apart): given before the first step.
     pub(super) fn new(config: &AveragerConfig, schedule: &Schedule) -> Result<(Self, Vec<String>), OptimError> {
-        if config.run_steps != Some(schedule.steps) {
+        if config.run_steps != Some(schedule.steps()) {
             return Err(OptimError::Config {
                 field: "run_steps".into(),
                 reason: format!(
                     "{:?}, but the schedule is for {} steps: set both through `AveragerConfig::schedule`",
-                    config.run_steps, schedule.steps
+                    config.run_steps,
+                    schedule.steps()
                 ),
             });
         }
@@ -96,11 +44,11 @@ impl Plan {
         let peak = schedule.lrs().filter(|lr| lr.is_finite()).fold(0.0, f64::max);
         let mut plan = Self::at_start(schedule);
         let mut apart = None;
-        for t in 0..schedule.steps {
+        for t in 0..schedule.steps() {
             let (lr, started) = plan.advance(config)?;
             let len = plan.round_end - t;
             if started && apart.is_none() && !config.rule.syncs_gradients(t) && t >= config.warmup_steps {
-                apart = qsr_sched::round_apart(t, len, lr, peak, schedule.steps).map(|a| (t, len, lr, a));
+                apart = qsr_sched::round_apart(t, len, lr, peak, schedule.steps()).map(|a| (t, len, lr, a));
             }
         }
         plan.total = plan.syncs;
@@ -109,7 +57,9 @@ impl Plan {
                 "the schedule's round from step {start} keeps the workers apart for {len} steps at lr {lr} ({:.0} \
                  steps at its peak lr {peak}, above {:.0}, a sixteenth of the run's {}): their average will be no \
                  model; shorten the rounds (a smaller alpha or h, a larger budget)",
-                a.drift, a.limit, schedule.steps
+                a.drift,
+                a.limit,
+                schedule.steps()
             ));
         }
         Ok((Self { total: plan.total, ..Self::at_start(schedule) }, warnings))
@@ -117,9 +67,9 @@ impl Plan {
 
     fn at_start(schedule: &Schedule) -> Self {
         Self {
-            sched: schedule.sched.clone(),
+            sched: schedule.scheduler(),
             t: 0,
-            steps: schedule.steps,
+            steps: schedule.steps(),
             round_end: 0,
             rounds_after_warmup: 0,
             syncs: 0,
@@ -208,7 +158,7 @@ fn judge_lrs(config: &AveragerConfig, schedule: &Schedule) -> Vec<String> {
     let mut warnings: Vec<String> =
         (0..).zip(schedule.lrs()).filter_map(|(t, lr)| watch.observe(t, lr, None, true)).collect();
     warnings.extend(watch.at_end());
-    warnings.iter().map(|w| format!("the schedule over its {} steps: {w}", schedule.steps)).collect()
+    warnings.iter().map(|w| format!("the schedule over its {} steps: {w}", schedule.steps())).collect()
 }
 
 fn schedule_error(e: OptimError) -> OptimError {
