@@ -195,7 +195,7 @@ pub trait Collective: Send {
     /// Tags the calls that follow with the sync they belong to (`None`: untagged) until the next
     /// `set_tag`. Backends that carry a call header (in-process, shm, TCP, NCCL) compare tags across
     /// ranks with the rest of the header, at no extra round trip except NCCL's header all-reduce,
-    /// and fail with [`CommError::Diverged`] (field `sync`) when they differ. MPI compares each call's
+    /// and fail with [`CommError::CallsDiffer`] (field `sync`) when they differ. MPI compares each call's
     /// identity (sequence, kind, length, op, root) but not its tag (the default does nothing).
     fn set_tag(&mut self, tag: Option<SyncTag>) {
         let _ = tag;

@@ -59,9 +59,9 @@ pub enum CommError {
 
     /// Ranks made different collective calls (sequence number, kind, length, op or root differ).
     #[error(
-        "rank {peer} diverged from rank {me} in {field}: rank {peer} has {theirs}, rank {me} has {ours} ({during})"
+        "rank {peer}'s collective call differs from rank {me}'s in {field}: rank {peer} has {theirs}, rank {me} has {ours} ({during})"
     )]
-    Diverged {
+    CallsDiffer {
         /// Rank whose call is compared against (this rank; rank 0 for the in-process group).
         me: usize,
         /// Rank whose call differs (the left neighbour on the TCP ring).
@@ -189,7 +189,7 @@ impl CommError {
         match self {
             CommError::PeerLost { rank, .. } | CommError::PeerTimeout { rank, .. } => Some(*rank),
             CommError::Aborted { culprit, .. } => Some(*culprit),
-            CommError::Diverged { peer, .. } => Some(*peer),
+            CommError::CallsDiffer { peer, .. } => Some(*peer),
             CommError::Group { culprit, .. } => *culprit,
             _ => None,
         }
@@ -198,13 +198,13 @@ impl CommError {
 
 impl CommError {
     /// Whether this error is the consequence of another rank's failure (it was lost, stalled, or
-    /// aborted the call for a reason other than diverging calls; the communicator broke earlier; an
+    /// aborted the call for a reason other than different collective calls; the communicator broke earlier; an
     /// in-process group member failed): a rank
     /// that stops for it exits with [`crate::EXIT_PEER_FAILED`], so that a launcher names the rank
     /// that failed first.
     pub fn peer_failed(&self) -> bool {
         // Diverging calls are the job's cause, not a peer's failure: every rank reports them.
-        let aborted = matches!(self, CommError::Aborted { .. }) && !self.is_divergence();
+        let aborted = matches!(self, CommError::Aborted { .. }) && !self.calls_differ();
         aborted
             || matches!(
                 self,

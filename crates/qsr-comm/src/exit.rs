@@ -123,7 +123,7 @@ mod tests {
         // Diverging calls are every rank's cause, not a lost peer: the ranks told of them exit 1 too.
         let told = CommError::Aborted {
             culprit: 1,
-            reason: crate::shm::Cause::Diverged.text().into(),
+            reason: crate::shm::Cause::CallsDiffer.text().into(),
             reporter: 2,
             during: "d".into(),
         };

@@ -114,14 +114,14 @@ struct State {
 
 #[derive(Clone)]
 enum Failure {
-    Diverged { peer: usize, field: &'static str, rank0: String, theirs: String, during: String },
+    CallsDiffer { peer: usize, field: &'static str, rank0: String, theirs: String, during: String },
     Group { culprit: Option<usize>, detail: String },
 }
 
 impl Failure {
     fn to_error(&self, me: usize) -> CommError {
         match self {
-            Failure::Diverged { peer, field, rank0, theirs, during } => CommError::Diverged {
+            Failure::CallsDiffer { peer, field, rank0, theirs, during } => CommError::CallsDiffer {
                 me: 0,
                 peer: *peer,
                 field,
@@ -287,7 +287,7 @@ fn validate(slots: &[Option<Slot>]) -> Option<Failure> {
     for (j, s) in slots.iter().enumerate().skip(1) {
         let Some(s) = s else { continue };
         let during = format!("{} seq {}", first.kind.name(), first.seq);
-        let diff = |field: &'static str, a: String, b: String| Failure::Diverged {
+        let diff = |field: &'static str, a: String, b: String| Failure::CallsDiffer {
             peer: j,
             field,
             rank0: a,
@@ -539,7 +539,7 @@ mod tests {
         let mut other = s;
         other.len = 11;
         match validate(&[Some(s), Some(s), Some(other)]) {
-            Some(Failure::Diverged { peer: 2, field: "length", rank0, theirs, .. }) => {
+            Some(Failure::CallsDiffer { peer: 2, field: "length", rank0, theirs, .. }) => {
                 assert_eq!((rank0.as_str(), theirs.as_str()), ("10", "11"))
             }
             _ => panic!("length mismatch not detected"),
@@ -548,7 +548,7 @@ mod tests {
         other.op = Some((ReduceOp::Mean, Rounding::F32));
         assert!(matches!(
             validate(&[Some(s), Some(other)]),
-            Some(Failure::Diverged { peer: 1, field: "reduce op", .. })
+            Some(Failure::CallsDiffer { peer: 1, field: "reduce op", .. })
         ));
         assert!(validate(&[Some(s), Some(s)]).is_none());
     }
@@ -559,7 +559,7 @@ mod tests {
         let s = Slot { seq: 3, kind: CallKind::AllReduce, op: None, root: 0, addr: 0, len: 10, tag: tag(10, 10) };
         let other = Slot { tag: tag(12, 12), ..s };
         match validate(&[Some(s), Some(other)]) {
-            Some(Failure::Diverged { peer: 1, field: "sync", rank0, theirs, .. }) => {
+            Some(Failure::CallsDiffer { peer: 1, field: "sync", rank0, theirs, .. }) => {
                 assert_eq!(rank0, "the sync after step 10 (a round of H = 10)");
                 assert_eq!(theirs, "the sync after step 12 (a round of H = 12)");
             }

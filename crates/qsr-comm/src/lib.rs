@@ -110,12 +110,16 @@ pub fn run_threads<T: Send>(k: usize, worker: impl Fn(InProcessComm) -> T + Sync
     })
 }
 
+/// The environment variable that sets how many threads [`run_workers`] runs without a launcher,
+/// in place of the count the program gives: `QSR_WORKERS=8 cargo run ...`.
+pub const WORKERS_ENV: &str = "QSR_WORKERS";
+
 /// Runs `worker` for each rank this process holds: the one rank of a launched job when a launcher
 /// started it (`qsr launch`, torchrun, mpirun, srun: the collective of [`from_env`]), else `threads`
-/// ranks as threads of one in-process group ([`run_threads`]). Results come back in rank order. The
-/// same program then runs as threads (`cargo run`) and as processes (`qsr launch --nproc 4 -- ...`);
-/// `T` crosses threads, so a worker's error type must be `Send` (`anyhow::Error` is; `Box<dyn Error>`
-/// is not, `Box<dyn Error + Send + Sync>` is).
+/// ranks as threads of one in-process group ([`run_threads`]), or as many as [`WORKERS_ENV`] says when
+/// set. Results come back in rank order. The same program then runs as threads (`cargo run`) and as
+/// processes (`qsr launch --nproc 4 -- ...`); `T` crosses threads, so a worker's error type must be
+/// `Send` (`anyhow::Error` is; `Box<dyn Error>` is not, `Box<dyn Error + Send + Sync>` is).
 ///
 /// ```
 /// let ranks = qsr_comm::run_workers(3, |comm| (comm.rank(), comm.world_size())).unwrap();
@@ -126,15 +130,48 @@ pub fn run_workers<T: Send>(
     worker: impl Fn(Box<dyn Collective>) -> T + Sync,
 ) -> Result<Vec<T>, CommError> {
     if detect_from_process_env(&Explicit::default())?.source == Source::Single {
+        let threads = thread_count(threads, std::env::var(WORKERS_ENV).ok().as_deref())?;
         Ok(run_threads(threads, |c| worker(Box::new(c))))
     } else {
         Ok(vec![worker(from_env()?)])
     }
 }
 
+/// The threads [`run_workers`] runs: [`WORKERS_ENV`]'s value `from_env` when set, else `threads`.
+fn thread_count(threads: usize, from_env: Option<&str>) -> Result<usize, CommError> {
+    let invalid = |detail: String| CommError::Launch { var: WORKERS_ENV.into(), detail };
+    let n = match from_env {
+        Some(text) => {
+            text.trim().parse::<usize>().map_err(|e| invalid(format!("{WORKERS_ENV}=`{text}` is not a count: {e}")))?
+        }
+        None => threads,
+    };
+    if !(1..=MAX_THREADS).contains(&n) {
+        return Err(invalid(format!("{WORKERS_ENV}: {n} threads, where 1 to {MAX_THREADS} run")));
+    }
+    Ok(n)
+}
+
+/// The most threads [`run_workers`] starts: more is a typo, not a machine.
+const MAX_THREADS: usize = 4096;
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 57: the thread count comes from `QSR_WORKERS` when set, and a bad value is refused
+    /// naming the variable.
+    #[test]
+    fn the_workers_variable_sets_the_thread_count_or_is_refused_naming_it() {
+        assert_eq!(thread_count(4, None).unwrap(), 4);
+        assert_eq!(thread_count(4, Some("8")).unwrap(), 8);
+        assert_eq!(thread_count(4, Some(" 2\n")).unwrap(), 2);
+        for bad in ["", "four", "-1", "0", "100000"] {
+            let e = thread_count(4, Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("QSR_WORKERS"), "{bad:?}: {e}");
+        }
+        assert!(thread_count(0, None).is_err(), "no threads at all");
+    }
 
     #[test]
     fn split_range_covers_everything_once() {

@@ -120,7 +120,7 @@ impl MpiComm {
             let (max, min) = (out[2 * i], -out[2 * i + 1]);
             if max != min {
                 let e = format!(
-                    "ranks diverged in {field} during {} (this is rank {}, value {v}; values across ranks range {min}..={max})",
+                    "the ranks' calls differ in {field} during {} (this is rank {}, value {v}; values across ranks range {min}..={max})",
                     kind.name(),
                     self.rank
                 );

@@ -34,7 +34,7 @@ use crate::{CallKind, Collective, CommError, CommStats, MAX_BROADCAST_BYTES, Red
 /// Before every host-slice collective the ranks compare the call's sync tag (whether it has one, its
 /// steps, `H` and fragment) and its identity (sequence, kind, length, op, root) with one 18-element
 /// `ncclMax` all-reduce over those 9 values and their negations: diverged call sequences become
-/// [`CommError::Diverged`] instead of a hang inside NCCL. (The MPI backend compares the same five
+/// [`CommError::CallsDiffer`] instead of a hang inside NCCL. (The MPI backend compares the same five
 /// identity fields, not the tag.)
 pub struct NcclComm {
     comm: Comm,
@@ -160,7 +160,7 @@ impl NcclComm {
             .map_err(|e| device_err("reading the call header", e))?;
         let w = ours.len();
         let differs = |i: usize| buf[i] != -buf[i + w];
-        let diverged = |field, ours: String, theirs: String| CommError::Diverged {
+        let diverged = |field, ours: String, theirs: String| CommError::CallsDiffer {
             me: self.rank,
             peer: usize::MAX,
             field,

@@ -18,20 +18,20 @@ pub(crate) fn rename(e: CommError, names: &[usize]) -> CommError {
         CommError::Aborted { culprit, reason, reporter, during } => {
             CommError::Aborted { culprit: job(culprit), reason, reporter: job(reporter), during }
         }
-        CommError::Diverged { me, peer, field, ours, theirs, during } => {
-            CommError::Diverged { me: job(me), peer: job(peer), field, ours, theirs, during }
+        CommError::CallsDiffer { me, peer, field, ours, theirs, during } => {
+            CommError::CallsDiffer { me: job(me), peer: job(peer), field, ours, theirs, during }
         }
         other => other,
     }
 }
 
 impl CommError {
-    /// Whether the ranks made different calls: [`CommError::Diverged`] where it was found, or the
+    /// Whether the ranks made different calls: [`CommError::CallsDiffer`] where it was found, or the
     /// abort that told the other ranks of it.
-    pub fn is_divergence(&self) -> bool {
+    pub fn calls_differ(&self) -> bool {
         match self {
-            CommError::Diverged { .. } => true,
-            CommError::Aborted { .. } => reason_of(self) == Cause::Diverged,
+            CommError::CallsDiffer { .. } => true,
+            CommError::Aborted { .. } => reason_of(self) == Cause::CallsDiffer,
             _ => false,
         }
     }
@@ -40,14 +40,16 @@ impl CommError {
 /// The reason for the local abort word of an error from the leaders' ring (an abort notice
 /// carries its reason as the text of the ring's or of the shared memory's reasons).
 pub(crate) fn reason_of(e: &CommError) -> Cause {
-    const ALL: [Cause; 6] = [Cause::Exited, Cause::Stalled, Cause::Closed, Cause::Lost, Cause::Diverged, Cause::Other];
+    const ALL: [Cause; 6] =
+        [Cause::Exited, Cause::Stalled, Cause::Closed, Cause::Lost, Cause::CallsDiffer, Cause::Other];
     match e {
         CommError::PeerLost { .. } => Cause::Lost,
         CommError::PeerTimeout { .. } => Cause::Stalled,
-        CommError::Diverged { .. } => Cause::Diverged,
+        CommError::CallsDiffer { .. } => Cause::CallsDiffer,
         CommError::Aborted { reason, .. } => {
             use crate::wire::Reason as Ring;
-            let ring = [(Ring::Timeout, Cause::Stalled), (Ring::Lost, Cause::Lost), (Ring::Diverged, Cause::Diverged)];
+            let ring =
+                [(Ring::Timeout, Cause::Stalled), (Ring::Lost, Cause::Lost), (Ring::CallsDiffer, Cause::CallsDiffer)];
             ring.iter()
                 .find(|(r, _)| r.describe() == reason)
                 .map(|(_, ours)| *ours)
@@ -88,12 +90,12 @@ mod tests {
     fn reasons_survive_the_hop_between_hosts() {
         let aborted =
             |reason: &str| CommError::Aborted { culprit: 1, reason: reason.into(), reporter: 0, during: "d".into() };
-        for r in [Cause::Exited, Cause::Stalled, Cause::Closed, Cause::Lost, Cause::Diverged, Cause::Other] {
+        for r in [Cause::Exited, Cause::Stalled, Cause::Closed, Cause::Lost, Cause::CallsDiffer, Cause::Other] {
             assert_eq!(reason_of(&aborted(r.text())), r);
         }
         use crate::wire::Reason as Ring;
         assert_eq!(reason_of(&aborted(Ring::Timeout.describe())), Cause::Stalled);
         assert_eq!(reason_of(&aborted(Ring::Lost.describe())), Cause::Lost);
-        assert_eq!(reason_of(&aborted(Ring::Diverged.describe())), Cause::Diverged);
+        assert_eq!(reason_of(&aborted(Ring::CallsDiffer.describe())), Cause::CallsDiffer);
     }
 }

@@ -23,7 +23,7 @@ pub enum OptimError {
     /// Buffers or state do not fit the model's parameter layout.
     #[error("parameter layout mismatch: {0}")]
     Layout(String),
-    /// A collective failed (a peer died, stalled or diverged); the cause is the `source` (printed by
+    /// A collective failed (a peer died, stalled or made another call); the cause is the `source` (printed by
     /// `{:#}` in anyhow, or by walking `Error::source`), not repeated in this message.
     #[error("synchronization at step {step} failed")]
     Comm {
@@ -43,7 +43,7 @@ pub enum OptimError {
     #[error(
         "the ranks are at different synchronizations (this rank is at {tag}): every rank must compute the same H from the same lr at the same step; give every rank the same lr schedule, warmup and run_steps"
     )]
-    Diverged {
+    SyncsDiffer {
         /// This rank's sync (boxed: it keeps the error small).
         tag: Box<qsr_comm::SyncTag>,
         /// The collective's error naming the ranks and their syncs.
@@ -104,22 +104,22 @@ impl From<qsr_sched::ConfigError> for OptimError {
 }
 
 impl OptimError {
-    /// A sync's failure at `step` (as the face counts it): [`OptimError::Diverged`] when the ranks
+    /// A sync's failure at `step` (as the face counts it): [`OptimError::SyncsDiffer`] when the ranks
     /// made different calls in a tagged sync, else [`OptimError::Comm`].
     pub(crate) fn sync(step: u64, tag: Option<qsr_comm::SyncTag>, source: qsr_comm::CommError) -> Self {
         match tag {
-            Some(tag) if at_other_syncs(&source) => OptimError::Diverged { tag: Box::new(tag), source },
+            Some(tag) if at_other_syncs(&source) => OptimError::SyncsDiffer { tag: Box::new(tag), source },
             _ => OptimError::Comm { step, source },
         }
     }
 }
 
 /// Whether `e` says the ranks are at different syncs: found here (field `sync`), or an abort for
-/// diverging calls (which, in a tagged sync, the tag differs in first).
+/// different collective calls (which, in a tagged sync, the tag differs in first).
 fn at_other_syncs(e: &qsr_comm::CommError) -> bool {
     match e {
-        qsr_comm::CommError::Diverged { field, .. } => *field == "sync",
-        other => other.is_divergence(),
+        qsr_comm::CommError::CallsDiffer { field, .. } => *field == "sync",
+        other => other.calls_differ(),
     }
 }
 
@@ -133,7 +133,7 @@ mod tests {
     #[test]
     fn only_a_differing_tag_is_reported_as_ranks_at_different_syncs() {
         let tag = Some(SyncTag { steps: 4, h: 4, fragment: 0 });
-        let diverged = |field| CommError::Diverged {
+        let diverged = |field| CommError::CallsDiffer {
             me: 0,
             peer: 1,
             field,
@@ -141,7 +141,7 @@ mod tests {
             theirs: "b".into(),
             during: "all_reduce seq 3".into(),
         };
-        assert!(matches!(OptimError::sync(3, tag, diverged("sync")), OptimError::Diverged { .. }));
+        assert!(matches!(OptimError::sync(3, tag, diverged("sync")), OptimError::SyncsDiffer { .. }));
         assert!(matches!(OptimError::sync(3, tag, diverged("length (bytes)")), OptimError::Comm { step: 3, .. }));
         assert!(matches!(OptimError::sync(3, None, diverged("sync")), OptimError::Comm { .. }));
     }

@@ -171,7 +171,7 @@ pub(crate) enum Cause {
     Closed = 3,
     /// Its connection on another transport (the ring between hosts) was lost.
     Lost = 4,
-    Diverged = 5,
+    CallsDiffer = 5,
     Other = 6,
 }
 
@@ -182,7 +182,7 @@ impl Cause {
             Cause::Stalled => "no progress within the timeout",
             Cause::Closed => "it closed its communicator",
             Cause::Lost => "connection lost",
-            Cause::Diverged => "diverging collective calls",
+            Cause::CallsDiffer => "different collective calls",
             Cause::Other => "it failed",
         }
     }
@@ -193,7 +193,7 @@ impl Cause {
             2 => Cause::Stalled,
             3 => Cause::Closed,
             4 => Cause::Lost,
-            5 => Cause::Diverged,
+            5 => Cause::CallsDiffer,
             6 => Cause::Other,
             _ => return None,
         })
@@ -206,7 +206,7 @@ enum Fail {
     Peer(usize, Cause),
     /// Someone saw it first: (culprit, reason, reporter), ranks of the job.
     Aborted(usize, Cause, usize),
-    Diverged {
+    CallsDiffer {
         peer: usize,
         field: &'static str,
         ours: String,
@@ -306,7 +306,7 @@ impl ShmComm {
         for q in (0..self.n).filter(|&q| q != self.rank) {
             let theirs = protocol::read_head(&self.map.ctrl(q).call[self.half()]);
             if let Some((field, ours, theirs)) = head.differs(theirs) {
-                return Err(Fail::Diverged { peer: q, field, ours, theirs });
+                return Err(Fail::CallsDiffer { peer: q, field, ours, theirs });
             }
         }
         Ok(())
@@ -486,10 +486,10 @@ impl ShmComm {
                     first => decode_abort(first).unwrap_or(Fail::Peer(q, why)),
                 }
             }
-            Fail::Diverged { peer, .. } => {
+            Fail::CallsDiffer { peer, .. } => {
                 // Every member sees a divergence and names the field itself; the abort word makes
                 // the culprit a layer above passes on the same on every member.
-                let word = abort_word(self.names[peer], Cause::Diverged, self.names[self.rank]);
+                let word = abort_word(self.names[peer], Cause::CallsDiffer, self.names[self.rank]);
                 protocol::record_abort(&self.map.header().abort, word);
                 f
             }
@@ -499,7 +499,7 @@ impl ShmComm {
         self.failure = match (&f, word.as_ref()) {
             (Fail::Peer(q, why), _) => Some((self.names[*q], *why)),
             (Fail::Aborted(c, why, _), _) | (_, Some(Fail::Aborted(c, why, _))) => Some((*c, *why)),
-            (Fail::Diverged { peer, .. }, _) => Some((self.names[*peer], Cause::Diverged)),
+            (Fail::CallsDiffer { peer, .. }, _) => Some((self.names[*peer], Cause::CallsDiffer)),
         };
         let during = head.during();
         match f {
@@ -518,9 +518,14 @@ impl ShmComm {
             Fail::Aborted(culprit, why, reporter) => {
                 CommError::Aborted { culprit, reason: why.text().into(), reporter, during }
             }
-            Fail::Diverged { peer, field, ours, theirs } => {
-                CommError::Diverged { me: self.names[self.rank], peer: self.names[peer], field, ours, theirs, during }
-            }
+            Fail::CallsDiffer { peer, field, ours, theirs } => CommError::CallsDiffer {
+                me: self.names[self.rank],
+                peer: self.names[peer],
+                field,
+                ours,
+                theirs,
+                during,
+            },
         }
     }
 

@@ -687,7 +687,7 @@ impl<'a> Call<'a> {
         match diff {
             None => Ok(()),
             Some((field, o, t)) => Err(Fail {
-                err: CommError::Diverged {
+                err: CommError::CallsDiffer {
                     me: self.rank,
                     peer: left,
                     field,
@@ -696,7 +696,7 @@ impl<'a> Call<'a> {
                     during: self.during.clone(),
                 },
                 culprit: left,
-                reason: Reason::Diverged,
+                reason: Reason::CallsDiffer,
                 from: None,
             }),
         }

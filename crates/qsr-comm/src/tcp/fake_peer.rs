@@ -194,7 +194,7 @@ fn hostile_frame_length_is_rejected_without_allocation() {
 fn header_mismatch_and_garbage_header_are_rejected() {
     let e = rank0_against_fake(|s| s.write_all(&header(4004).encode()).unwrap());
     assert!(
-        matches!(&e, CommError::Diverged { peer: 1, field: "length (bytes)", ours, theirs, .. } if ours == "4000" && theirs == "4004"),
+        matches!(&e, CommError::CallsDiffer { peer: 1, field: "length (bytes)", ours, theirs, .. } if ours == "4000" && theirs == "4004"),
         "{e}"
     );
     let e = rank0_against_fake(|s| s.write_all(&[0x5au8; 64]).unwrap());

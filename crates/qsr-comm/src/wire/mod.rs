@@ -701,7 +701,7 @@ pub(crate) enum Reason {
     /// The culprit sent bytes that break the protocol.
     Protocol = 3,
     /// The culprit made a different collective call.
-    Diverged = 4,
+    CallsDiffer = 4,
     /// Any other failure, e.g. a local error of the reporting rank; also any unknown code.
     Other = 5,
 }
@@ -713,7 +713,7 @@ impl Reason {
             1 => Reason::Lost,
             2 => Reason::Timeout,
             3 => Reason::Protocol,
-            4 => Reason::Diverged,
+            4 => Reason::CallsDiffer,
             _ => Reason::Other,
         }
     }
@@ -723,7 +723,7 @@ impl Reason {
             Reason::Lost => "connection lost",
             Reason::Timeout => "no progress within the timeout",
             Reason::Protocol => "protocol error",
-            Reason::Diverged => "diverging collective calls",
+            Reason::CallsDiffer => "different collective calls",
             Reason::Other => "local error",
         }
     }

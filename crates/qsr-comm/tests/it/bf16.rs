@@ -87,9 +87,12 @@ fn a_bf16_call_against_an_f32_call_fails_naming_the_reduce_op() {
             .into_iter()
             .map(|r| r.expect_err("mixed precisions must fail").to_string())
             .collect();
-        // The rank that sees the difference names the field; every rank fails as diverged.
+        // The rank that sees the difference names the field; every rank fails as calls that differ.
         assert!(errors.iter().any(|e| e.contains("reduce op") && e.contains("bf16")), "tcp {tcp}: {errors:?}");
-        assert!(errors.iter().all(|e| e.contains("diverg") || e.contains("reduce op")), "tcp {tcp}: {errors:?}");
+        assert!(
+            errors.iter().all(|e| e.contains("different collective calls") || e.contains("reduce op")),
+            "tcp {tcp}: {errors:?}"
+        );
     }
 }
 

@@ -34,7 +34,7 @@ fn mismatched_length_fails_on_every_rank() {
     });
     for (r, (first, second)) in res.into_iter().enumerate() {
         let e = first.expect_err("divergent call must fail");
-        assert!(matches!(e, CommError::Diverged { peer: 2, field: "length", .. }), "rank {r}: {e}");
+        assert!(matches!(e, CommError::CallsDiffer { peer: 2, field: "length", .. }), "rank {r}: {e}");
         assert!(e.to_string().contains("rank 2"), "{e}");
         assert!(matches!(second, Err(CommError::Broken(_))), "rank {r}: later calls refused");
     }

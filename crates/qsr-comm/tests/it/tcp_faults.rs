@@ -1,5 +1,5 @@
 //! TCP backend under hostile or broken conditions: handshake refusals, garbage on the
-//! rendezvous port, corrupt frames from a fake peer, diverging calls, a stalled rank.
+//! rendezvous port, corrupt frames from a fake peer, different collective calls, a stalled rank.
 
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
@@ -111,7 +111,7 @@ fn rendezvous_times_out_with_a_message_naming_missing_ranks() {
 }
 
 #[test]
-fn diverging_lengths_fail_on_every_rank() {
+fn different_lengths_fail_on_every_rank() {
     let res = crate::common::on_threads(crate::common::tcp_group(3, crate::common::test_config()), |mut c| {
         let len = if c.rank() == 1 { 999 } else { 1000 };
         let mut b = vec![1.0; len];
@@ -119,7 +119,7 @@ fn diverging_lengths_fail_on_every_rank() {
     });
     for (r, x) in res.iter().enumerate() {
         let msg = x.as_ref().expect_err("must fail");
-        assert!(msg.contains("length") || msg.contains("diverging"), "rank {r}: {msg}");
+        assert!(msg.contains("length") || msg.contains("different collective calls"), "rank {r}: {msg}");
     }
 }
 
@@ -167,7 +167,7 @@ fn different_block_sizes_are_refused_by_name() {
     // from its abort notice first.
     let msgs: Vec<String> = res.into_iter().map(|r| r.expect_err("must refuse").to_string()).collect();
     assert!(msgs.iter().any(|m| m.contains("block size")), "{msgs:?}");
-    assert!(msgs.iter().all(|m| m.contains("block size") || m.contains("diverging collective calls")), "{msgs:?}");
+    assert!(msgs.iter().all(|m| m.contains("block size") || m.contains("different collective calls")), "{msgs:?}");
 }
 
 /// Runs `f` on a thread and waits at most `limit` for its answer (so a test of "at once" cannot

@@ -571,7 +571,7 @@ fn ranks_with_different_lrs_fail_at_the_first_sync_naming_both_syncs() {
                         match avg.step(model, lr) {
                             Ok(m) => model = m,
                             Err(e) => {
-                                assert!(matches!(e, OptimError::Diverged { .. }), "{e:?}");
+                                assert!(matches!(e, OptimError::SyncsDiffer { .. }), "{e:?}");
                                 return (format!("{:#}", anyhow::Error::from(e)), avg.stats().syncs);
                             }
                         }
