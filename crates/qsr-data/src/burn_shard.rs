@@ -17,10 +17,11 @@ use crate::sampler::ShardedSampler;
 /// permutation do not.
 ///
 /// Call [`set_epoch`](Self::set_epoch) before each epoch (as with torch's
-/// `DistributedSampler.set_epoch`); a burn `DataLoader` built over an `Arc` of the shard sees the new
-/// order. The shard already holds the epoch's order: a loader's `.shuffle(..)` on top only reorders
-/// the shard (still disjoint, no longer the trainer's order). The dataset's length is read once, at
-/// construction: the dataset must not change length afterwards.
+/// `DistributedSampler.set_epoch`); a burn `DataLoader` built once over an `Arc` of the shard, before
+/// the epoch loop, sees the new order. The shard already holds the epoch's order, a function of (seed,
+/// epoch): build the loader without `.shuffle(..)`, whose generator restarts with the process (a
+/// resumed run would see another order; on top of the shard it also leaves the trainer's order). The
+/// dataset's length is read once, at construction: the dataset must not change length afterwards.
 ///
 /// ```
 /// use std::sync::Arc;

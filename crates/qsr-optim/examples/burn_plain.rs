@@ -142,7 +142,7 @@ fn load(from: &Path, model: Mlp, optim: ModuleOptimizer, sched: ModuleLrSchedule
 /// returns the test accuracy.
 fn train() -> anyhow::Result<f64> {
     let device = Device::flex().autodiff();
-    let train = Arc::new(blobs(1000, SEED));
+    let train = Arc::new(burn::data::dataset::transform::ShuffledDataset::new(blobs(1000, SEED), SEED));
     let steps = EPOCHS as usize * train.len().div_ceil(BATCH); // this rank's steps: its batches times the epochs
     let mut sched = CosineAnnealingLrSchedulerConfig::new(0.01, steps).init().map_err(anyhow::Error::msg)?;
     device.seed(SEED);
@@ -155,11 +155,11 @@ fn train() -> anyhow::Result<f64> {
         (model, optim, sched) = load(&from, model, optim, sched)?;
         start = epoch;
     }
+    // One loader, without `.shuffle`: its generator would restart with the process, and a resumed run see another order.
+    let loader = DataLoaderBuilder::new(PointBatcher).batch_size(BATCH).build(Arc::clone(&train));
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
     for epoch in start..EPOCHS {
-        // Each epoch's order from a seed of its own: a resumed run sees the order the whole run saw.
-        let loader = DataLoaderBuilder::new(PointBatcher).batch_size(BATCH).shuffle(SEED + epoch);
-        for batch in loader.build(Arc::clone(&train)).iter() {
+        for batch in loader.iter() {
             let (x, y) = batch?;
             let lr = sched.step();
             let loss = loss_fn.forward(model.forward(x), y);

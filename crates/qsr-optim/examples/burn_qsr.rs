@@ -158,12 +158,12 @@ fn train(comm: Box<dyn qsr_optim::comm::Collective>) -> anyhow::Result<f64> {
         (model, optim, sched) = load(&from, model, optim, sched)?;
         start = epoch;
     }
+    // One loader, without `.shuffle`: its generator would restart with the process, and a resumed run see another order.
+    let loader = DataLoaderBuilder::new(PointBatcher).batch_size(BATCH).build(Arc::clone(&train));
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
     for epoch in start..EPOCHS {
-        train.set_epoch(epoch); // QSR: this epoch's shard
-        // Each epoch's order from a seed of its own: a resumed run sees the order the whole run saw.
-        let loader = DataLoaderBuilder::new(PointBatcher).batch_size(BATCH).shuffle(SEED + epoch);
-        for batch in loader.build(Arc::clone(&train)).iter() {
+        train.set_epoch(epoch); // QSR: this epoch's shard, reshuffled from (seed, epoch)
+        for batch in loader.iter() {
             let (x, y) = batch?;
             let lr = sched.step();
             let loss = loss_fn.forward(model.forward(x), y);
