@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use rustix::process::{Pid, Signal};
+use rustix::process::{Pid, Signal, WaitId, WaitIdOptions};
 
 use qsr_comm::EXIT_PEER_FAILED;
 
@@ -132,6 +132,8 @@ struct Spawned {
     groups: Groups,
     /// Where it leaves its failure record.
     record: PathBuf,
+    /// Its status once reaped: from then on its pid, and its group's number, may be another process's.
+    reaped: Option<ExitStatus>,
 }
 
 /// A directory of the launcher's own where its ranks leave their failure records
@@ -170,20 +172,38 @@ fn blamed(path: &Path) -> Option<usize> {
 }
 
 impl Spawned {
-    /// Sends `sig` to the worker, and with [`Groups::Own`] to every process of its group.
-    fn signal(&self, sig: Signal) {
+    /// Sends `sig` to the worker, and with [`Groups::Own`] to every process of its group; nothing
+    /// once it was reaped (whether it sent).
+    fn signal(&self, sig: Signal) -> bool {
+        if self.reaped.is_some() {
+            return false;
+        }
         let pid = Pid::from_child(&self.child);
         let _ = match self.groups {
             Groups::Own => rustix::process::kill_process_group(pid, sig),
             Groups::Shared => rustix::process::kill_process(pid, sig),
         };
+        true
     }
 
-    /// With [`Groups::Own`], sends `sig` to what is left of the worker's group (the worker just exited).
-    fn signal_group(&self, sig: Signal) {
-        if self.groups == Groups::Own {
-            let _ = rustix::process::kill_process_group(Pid::from_child(&self.child), sig);
+    /// Reaps the worker if it exited: its status then (and after). What is left of its own group
+    /// (what it started) gets SIGKILL first, while the worker is a zombie and the group's number
+    /// still its own: once reaped, the number may be a new process's, which made it its group's
+    /// (a rank of another launch took a SIGINT meant for this one's).
+    fn try_reap(&mut self) -> std::io::Result<Option<ExitStatus>> {
+        if self.reaped.is_some() {
+            return Ok(self.reaped);
         }
+        let pid = Pid::from_child(&self.child);
+        let peek = WaitIdOptions::EXITED | WaitIdOptions::NOHANG | WaitIdOptions::NOWAIT;
+        if matches!(rustix::process::waitid(WaitId::Pid(pid), peek), Ok(None)) {
+            return Ok(None);
+        }
+        if self.groups == Groups::Own {
+            let _ = rustix::process::kill_process_group(pid, Signal::KILL);
+        }
+        self.reaped = self.child.try_wait()?;
+        Ok(self.reaped)
     }
 }
 
@@ -408,7 +428,7 @@ fn start(
             && let Some(path) = port_file
         {
             let timeout = qsr_comm::TcpConfig::from_env(&|k| std::env::var(k).ok())?.rendezvous_timeout;
-            match rank_zero_port(&mut workers[0].child, path, signal, timeout) {
+            match rank_zero_port(&mut workers[0], path, signal, timeout) {
                 Ok(Some(p)) => port = Some(p),
                 Ok(None) => break,
                 Err(e) => {
@@ -444,14 +464,14 @@ fn spawn(
     }
     let mut child = c.spawn().with_context(|| format!("cannot start worker process {rank}"))?;
     let attached = relay.map_or(Ok(()), |r| r.attach(rank, &mut child));
-    workers.push(Spawned { rank, child, groups, record });
+    workers.push(Spawned { rank, child, groups, record, reaped: None });
     attached
 }
 
 /// Waits for rank 0 to write the port it bound for the rendezvous to `path`, and removes the file.
 /// `None` when rank 0 failed first or a signal came (the caller reports either); an error when rank 0
 /// ended without a port or did not write one within `timeout`.
-fn rank_zero_port(rank0: &mut Child, path: &Path, signal: &AtomicUsize, timeout: Duration) -> Result<Option<u16>> {
+fn rank_zero_port(rank0: &mut Spawned, path: &Path, signal: &AtomicUsize, timeout: Duration) -> Result<Option<u16>> {
     let start = Instant::now();
     loop {
         if std::fs::symlink_metadata(path).is_ok() {
@@ -464,7 +484,7 @@ fn rank_zero_port(rank0: &mut Child, path: &Path, signal: &AtomicUsize, timeout:
                 .map(Some)
                 .with_context(|| format!("rank 0 wrote {text:?} to {}, not its rendezvous port", path.display()));
         }
-        match rank0.try_wait().context("cannot wait for worker 0")? {
+        match rank0.try_reap().context("cannot wait for worker 0")? {
             Some(status) if status.success() => bail!("worker 0 exited before it bound its rendezvous port"),
             Some(_) => return Ok(None),
             None => {}
@@ -515,12 +535,8 @@ fn received(signal: &AtomicUsize) -> Option<Signal> {
 fn reap(workers: Vec<Spawned>, failures: &mut Vec<Failure>) -> Result<Vec<Spawned>> {
     let mut running = Vec::new();
     for mut w in workers {
-        let exited = w.child.try_wait().with_context(|| format!("cannot wait for worker {}", w.rank))?;
-        if exited.is_some() {
-            // What it started goes with it, now: its group's number stays reserved while members live,
-            // and an empty group has nothing to hit.
-            w.signal_group(Signal::KILL);
-        }
+        // What it started goes with it (`try_reap`).
+        let exited = w.try_reap().with_context(|| format!("cannot wait for worker {}", w.rank))?;
         match exited {
             Some(_) if failures.iter().any(|f| f.rank == w.rank) => {}
             Some(status) if !status.success() => {
@@ -538,13 +554,13 @@ fn reap(workers: Vec<Spawned>, failures: &mut Vec<Failure>) -> Result<Vec<Spawne
 /// up to [`STOP_GRACE`] saying for which ranks, then kills and reaps the rest.
 fn stop(workers: &mut Vec<Spawned>, sig: Signal) {
     for w in workers.iter() {
-        w.signal(if is_stopped(&w.child) { Signal::KILL } else { sig });
+        w.signal(if w.reaped.is_none() && is_stopped(&w.child) { Signal::KILL } else { sig });
     }
     let deadline = Instant::now() + STOP_GRACE;
     let mut said = false;
     loop {
         let left: Vec<usize> =
-            workers.iter_mut().filter_map(|w| matches!(w.child.try_wait(), Ok(None)).then_some(w.rank)).collect();
+            workers.iter_mut().filter_map(|w| matches!(w.try_reap(), Ok(None)).then_some(w.rank)).collect();
         if left.is_empty() || Instant::now() >= deadline {
             break;
         }
@@ -555,12 +571,12 @@ fn stop(workers: &mut Vec<Spawned>, sig: Signal) {
         std::thread::sleep(POLL);
     }
     for w in workers.iter_mut() {
-        if matches!(w.child.try_wait(), Ok(None)) {
+        if matches!(w.try_reap(), Ok(None)) {
+            // The group first, while the worker's number is still its own; then reap it.
             w.signal(Signal::KILL);
+            let _ = w.child.kill();
+            w.reaped = w.child.wait().ok();
         }
-        let _ = w.child.kill();
-        let _ = w.child.wait();
-        w.signal_group(Signal::KILL);
     }
     workers.clear();
 }
@@ -601,18 +617,37 @@ mod tests {
     const PORT_FILE: &str = ".rendezvous-port";
 
     /// A stand-in for rank 0: a shell running `script` with `$1` the port file.
-    fn rank0(script: &str, file: &Path) -> Child {
-        Command::new("sh").args(["-c", script, "sh"]).arg(file).spawn().unwrap()
+    fn rank0(script: &str, file: &Path) -> Spawned {
+        let child = Command::new("sh").args(["-c", script, "sh"]).arg(file).spawn().unwrap();
+        Spawned { rank: 0, child, groups: Groups::Shared, record: PathBuf::new(), reaped: None }
     }
 
     fn wait(script: &str, timeout: Duration) -> (Result<Option<u16>>, bool) {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join(PORT_FILE);
-        let mut child = rank0(script, &file);
-        let port = rank_zero_port(&mut child, &file, &AtomicUsize::new(0), timeout);
-        let _ = child.kill();
-        let _ = child.wait();
+        let mut rank0 = rank0(script, &file);
+        let port = rank_zero_port(&mut rank0, &file, &AtomicUsize::new(0), timeout);
+        let _ = rank0.child.kill();
+        let _ = rank0.child.wait();
         (port, file.exists())
+    }
+
+    /// Regression (CI, 2026-12-06): the launcher signalled the group of a worker it had reaped
+    /// long before; by then the number may be a new process's that leads its own group, and a
+    /// `qsr train --nproc` rank of another launch took a SIGINT meant for this one's ranks. A reaped
+    /// worker gets no signal; its status stays.
+    #[test]
+    fn a_reaped_worker_is_never_signalled() {
+        use std::os::unix::process::CommandExt;
+        let child = Command::new("true").process_group(0).spawn().unwrap();
+        let mut w = Spawned { rank: 0, child, groups: Groups::Own, record: PathBuf::new(), reaped: None };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while w.try_reap().unwrap().is_none() {
+            assert!(Instant::now() < deadline, "`true` did not exit");
+            std::thread::sleep(POLL);
+        }
+        assert!(!w.signal(Signal::TERM), "signalled the number of a reaped worker");
+        assert!(w.try_reap().unwrap().is_some_and(|s| s.success()), "its status stays");
     }
 
     /// The launcher never picks a port itself (it used to bind one, release it and hope rank 0 got
