@@ -7,9 +7,10 @@
 //! ```sh
 //! cargo run --release -p qsr-burn-train --example learner_digits        # 4 replicas as threads
 //! cargo run --release -p qsr-burn-train --example learner_digits -- --fashion-mnist
-//! # 2 processes over qsr's TCP ring (what torchrun would set), one replica each:
-//! for r in 0 1; do RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29512 \
-//!   cargo run --release -p qsr-burn-train --example learner_digits & done; wait
+//! # 2 processes over qsr's TCP ring, one replica each: build once, then launch the ranks (torchrun's
+//! # variables; `cargo install --path crates/qsr-launch` gives the launcher without burn in 41 s)
+//! cargo build --release -p qsr-burn-train --example learner_digits
+//! qsr-launch --nproc 2 -- target/release/examples/learner_digits
 //! ```
 
 // tests/learner.rs runs this program's parts, reaching them as `pub` items.

@@ -22,6 +22,11 @@
 //! + println!("{} synchronizations", strategy.stats().map_or(0, |s| s.syncs));
 //! ```
 //!
+//! `AveragerConfig::new(rule, 0)`: the rule and the steps of your lr warmup (0 here), during which the
+//! power rules keep rounds of `h_base`. As processes, build the program once and start its ranks with
+//! the launcher (`qsr launch --nproc 2 -- target/release/examples/learner_digits`, or `qsr-launch`,
+//! which builds without burn); [`Replicas::Launched`] takes each rank's place from the variables it sets.
+//!
 //! How the strategy treats data (contiguous slices, or each rank's [`Shard`] through
 //! [`LocalTrainingStrategy::with_shards`]), events, checkpoints and stopping is on
 //! [`LocalTrainingStrategy`].
