@@ -40,29 +40,22 @@ impl Plan {
                 ),
             });
         }
-        let mut warnings = judge_lrs(config, schedule);
-        let peak = schedule.lrs().filter(|lr| lr.is_finite()).fold(0.0, f64::max);
+        // The lrs and the rounds judged as the averager's own watch judges them during a run.
+        let steps = schedule.steps();
+        let mut watch = LrWatch::default();
+        let lr_driven = config.rule.power().is_some();
+        let mut warnings: Vec<String> =
+            (0..).zip(schedule.lrs()).filter_map(|(t, lr)| watch.observe(t, lr, None, lr_driven)).collect();
+        warnings.extend(watch.at_end());
         let mut plan = Self::at_start(schedule);
-        let mut apart = None;
-        for t in 0..schedule.steps() {
+        for t in 0..steps {
             let (lr, started) = plan.advance(config)?;
-            let len = plan.round_end - t;
-            if started && apart.is_none() && !config.rule.syncs_gradients(t) && t >= config.warmup_steps {
-                apart = qsr_sched::round_apart(t, len, lr, peak, schedule.steps()).map(|a| (t, len, lr, a));
+            if started && !config.rule.syncs_gradients(t) && t >= config.warmup_steps {
+                warnings.extend(watch.round(t, plan.round_end - t, lr, steps));
             }
         }
-        plan.total = plan.syncs;
-        if let Some((start, len, lr, a)) = apart {
-            warnings.push(format!(
-                "the schedule's round from step {start} keeps the workers apart for {len} steps at lr {lr} ({:.0} \
-                 steps at its peak lr {peak}, above {:.0}, a sixteenth of the run's {}): their average will be no \
-                 model; shorten the rounds (a smaller alpha or h, a larger budget)",
-                a.drift,
-                a.limit,
-                schedule.steps()
-            ));
-        }
-        Ok((Self { total: plan.total, ..Self::at_start(schedule) }, warnings))
+        let warnings = warnings.iter().map(|w| format!("the schedule over its {steps} steps: {w}")).collect();
+        Ok((Self { total: plan.syncs, ..Self::at_start(schedule) }, warnings))
     }
 
     fn at_start(schedule: &Schedule) -> Self {
@@ -146,19 +139,6 @@ impl Plan {
         }
         Ok(())
     }
-}
-
-/// The warnings the schedule's lrs give as a whole, as the averager's own watch gives them at a
-/// run's end.
-fn judge_lrs(config: &AveragerConfig, schedule: &Schedule) -> Vec<String> {
-    if config.rule.power().is_none() {
-        return Vec::new();
-    }
-    let mut watch = LrWatch::default();
-    let mut warnings: Vec<String> =
-        (0..).zip(schedule.lrs()).filter_map(|(t, lr)| watch.observe(t, lr, None, true)).collect();
-    warnings.extend(watch.at_end());
-    warnings.iter().map(|w| format!("the schedule over its {} steps: {w}", schedule.steps())).collect()
 }
 
 fn schedule_error(e: OptimError) -> OptimError {
