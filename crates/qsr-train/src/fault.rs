@@ -99,8 +99,20 @@ pub(crate) fn at(rank: usize, point: Point) {
         _ => ARMED.load(Ordering::Relaxed) && !FIRED.swap(true, Ordering::Relaxed),
     };
     if armed {
-        let _ = rustix::process::kill_process(rustix::process::getpid(), f.signal);
+        let _ = rustix::process::kill_process(this_thread(), f.signal);
     }
+}
+
+/// This thread's id, as `kill` takes it: the signal still stops (or kills) the whole process, but
+/// the kernel hands it to this thread, which stops before it runs on. Sent to the process id, the
+/// main thread took it, and on a busy host this thread ran on first (a checkpoint committed after
+/// its `commit` fault). The process id where `/proc/thread-self` cannot be read.
+fn this_thread() -> rustix::process::Pid {
+    let tid = std::fs::read_link("/proc/thread-self").ok().and_then(|link| {
+        let tid = link.file_name()?.to_str()?.parse::<i32>().ok()?;
+        rustix::process::Pid::from_raw(tid)
+    });
+    tid.unwrap_or_else(rustix::process::getpid)
 }
 
 /// The first generation of this elastic worker ended: no fault fires after it.
@@ -111,6 +123,17 @@ pub(crate) fn disarm() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A `commit` fault's SIGSTOP went to the process, and under load the firing thread committed
+    /// the checkpoint before the main thread stopped the process: it now goes to the firing thread.
+    #[test]
+    fn a_fault_signals_the_thread_that_fires_it() {
+        // The process id for every thread would give both the same.
+        let (here, other) = (this_thread(), std::thread::spawn(this_thread).join().unwrap());
+        assert_ne!(here, other, "two threads, one id");
+        let task = format!("/proc/self/task/{}", here.as_raw_nonzero());
+        assert!(std::path::Path::new(&task).exists(), "{task}: not a thread of this process");
+    }
 
     #[test]
     fn fault_specs_parse_to_their_points_and_malformed_ones_are_refused() {
