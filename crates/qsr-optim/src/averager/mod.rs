@@ -371,6 +371,25 @@ impl Averager {
         self.write(model)
     }
 
+    /// The mean of every rank's current parameters (and with `average_bn` its BatchNorm statistics)
+    /// in f32, as a copy of `model`: what an evaluation of the average in the middle of a round sees.
+    /// Unlike [`Self::average_now`] the round goes on: the ranks keep their own parameters, and no
+    /// sync is counted (its all-reduce is left out of [`Self::stats`]). Every rank must call it at the
+    /// same point.
+    pub fn mean<M: Module>(&mut self, model: &M) -> Result<M, OptimError> {
+        let n = self.layout.len();
+        let mut buf = vec![0.0; self.params.len()];
+        self.layout.read_params(model, &mut buf[..n])?;
+        if self.config.average_bn {
+            self.layout.read_running(model, &mut buf[n..])?;
+        }
+        let at = self.at(self.stats.steps);
+        let reduced = self.sync.all_reduce(&mut buf, at, Level::Global);
+        self.abandon_on_error(reduced)?;
+        let mean = self.layout.write_params(model.clone(), &buf[..n])?;
+        if self.config.average_bn { self.layout.write_running(mean, &buf[n..]) } else { Ok(mean) }
+    }
+
     /// A streaming averager's [`Self::average_now`]: applies the averages in flight, then averages
     /// every parameter (and with `average_bn` the statistics) in f32; a round cut short counts a sync.
     fn settle<M: Module>(&mut self, model: M) -> Result<M, OptimError> {

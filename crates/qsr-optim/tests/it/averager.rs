@@ -803,3 +803,43 @@ fn a_scheduler_that_reaches_lr_zero_ends_the_rounds_there_instead_of_failing() {
         assert!(matches!(&err, OptimError::Config { field, .. } if field == "lr"), "{err}");
     }
 }
+
+/// `mean` mid-round (a burn-train validation of the average): the mean of the ranks' parameters, with
+/// the round, the syncs and each rank's own parameters left as they were; the round's `finish` then
+/// gives the same bits (f32, plain averaging).
+#[test]
+fn the_mean_mid_round_leaves_the_round_and_equals_its_finish() {
+    let out = qsr_comm::run_threads(2, |comm| -> Result<_, OptimError> {
+        let device = Device::flex().autodiff();
+        let rank = comm.rank();
+        let model = if rank == 0 { seeded(Mlp::new(&device, 4, 1)) } else { Mlp::new(&device, 4, 1) };
+        let (mut avg, mut model) =
+            Averager::new(model, AveragerConfig::new(SyncRule::Constant { h: 100 }, 0), Box::new(comm))?;
+        let mut optim = SgdConfig::new().init();
+        for step in 0..5 {
+            let (x, y) = batch(rank, step, &device);
+            let grads = GradientsParams::from_grads((model.forward(x) - y).powi_scalar(2).mean().backward(), &model);
+            model = optim.step(0.05, model, grads);
+            model = avg.step(model, 0.05)?;
+        }
+        let layout = ParamLayout::of(&model);
+        let flat = |m: &Mlp| {
+            let mut v = vec![0.0; layout.len()];
+            layout.read_params(m, &mut v).map(|()| v)
+        };
+        let own = flat(&model)?;
+        let mean = flat(&avg.mean(&model)?)?;
+        let kept = (avg.unsynced_steps(), avg.stats().syncs, flat(&model)? == own);
+        let finished = flat(&avg.finish(model)?)?;
+        Ok((own, mean, kept, finished))
+    });
+    let out: Vec<_> = out.into_iter().map(Result::unwrap).collect();
+    let (a, b) = (&out[0].0, &out[1].0);
+    assert_ne!(a, b, "the ranks trained on different batches");
+    for (own, mean, kept, finished) in &out {
+        assert!(a.iter().zip(b).zip(mean).all(|((x, y), m)| (m - (x + y) / 2.0).abs() < 1e-6), "not the mean");
+        assert_eq!(*kept, (5, 0, true), "the round, its syncs or the rank's parameters changed");
+        assert_ne!(own, mean);
+        assert!(mean.iter().zip(finished).all(|(m, f)| m.to_bits() == f.to_bits()), "finish differs from the mean");
+    }
+}
