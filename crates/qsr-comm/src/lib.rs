@@ -129,12 +129,21 @@ pub fn run_workers<T: Send>(
     threads: usize,
     worker: impl Fn(Box<dyn Collective>) -> T + Sync,
 ) -> Result<Vec<T>, CommError> {
-    if detect_from_process_env(&Explicit::default())?.source == Source::Single {
-        let threads = thread_count(threads, std::env::var(WORKERS_ENV).ok().as_deref())?;
-        Ok(run_threads(threads, |c| worker(Box::new(c))))
-    } else {
-        Ok(vec![worker(from_env()?)])
+    match unlaunched_threads(threads)? {
+        Some(threads) => Ok(run_threads(threads, |c| worker(Box::new(c)))),
+        None => Ok(vec![worker(from_env()?)]),
     }
+}
+
+/// How [`run_workers`] places ranks: `None` when a launcher started this process (it is one rank of
+/// the launched job, [`from_env`]), else the ranks it runs as threads: `threads`, or as many as
+/// [`WORKERS_ENV`] says when set (a bad value is refused naming it). For programs that place their
+/// workers themselves (qsr-burn-train's `Replicas::from_env`).
+pub fn unlaunched_threads(threads: usize) -> Result<Option<usize>, CommError> {
+    if detect_from_process_env(&Explicit::default())?.source != Source::Single {
+        return Ok(None);
+    }
+    thread_count(threads, std::env::var(WORKERS_ENV).ok().as_deref()).map(Some)
 }
 
 /// The threads [`run_workers`] runs: [`WORKERS_ENV`]'s value `from_env` when set, else `threads`.
