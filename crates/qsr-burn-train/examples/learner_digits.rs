@@ -16,6 +16,7 @@
 // tests/learner.rs runs this program's parts, reaching them as `pub` items.
 #![allow(unreachable_pub)]
 
+use std::path::Path;
 use std::sync::Arc;
 
 use burn::data::dataloader::DataLoaderBuilder;
@@ -27,9 +28,11 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{SgdConfig, momentum::MomentumConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::train::metric::store::EventStoreClient;
 use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{
-    ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep, TrainingStrategy,
+    ClassificationOutput, EarlyStoppingStrategy, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
+    TrainingStrategy,
 };
 use qsr_burn_train::{AveragerConfig, EpochLines, LocalTrainingStrategy, Replicas, Shard, SyncRule};
 use qsr_data::{ImageSet, ShardedDataset, Split};
@@ -202,6 +205,38 @@ pub fn run_config(
     k: usize,
     config: AveragerConfig,
 ) -> Result<Outcome, Box<dyn std::error::Error>> {
+    let dir = tempfile::tempdir()?;
+    run_session(task, replicas, k, config, &Session { dir: dir.path(), resume_after: None, stop_after: None })
+}
+
+/// Where a run keeps its files, and which part of the run it is.
+pub struct Session<'a> {
+    /// burn-train's directory (logs, checkpoints); the replicas' own states go into its `replicas/`.
+    pub dir: &'a Path,
+    /// Continue after this epoch, from the checkpoints in `dir` (burn-train's `.checkpoint(epoch)`).
+    pub resume_after: Option<usize>,
+    /// Stop after this epoch, as early stopping would: a run cut short, to resume.
+    pub stop_after: Option<usize>,
+}
+
+/// Early stopping after a given epoch.
+#[derive(Clone)]
+struct StopAfter(usize);
+
+impl EarlyStoppingStrategy for StopAfter {
+    fn should_stop(&mut self, epoch: usize, _store: &EventStoreClient) -> bool {
+        epoch >= self.0
+    }
+}
+
+/// [`run_config`] in `session`.
+pub fn run_session(
+    task: &Task,
+    replicas: Replicas,
+    k: usize,
+    config: AveragerConfig,
+    session: &Session<'_>,
+) -> Result<Outcome, Box<dyn std::error::Error>> {
     let rule = config.rule.clone();
     let device = Device::flex().autodiff();
     device.seed(42); // the Learner's model is built once, here; the strategy gives every replica its weights
@@ -221,17 +256,24 @@ pub fn run_config(
     let sched = CosineAnnealingLrSchedulerConfig::new(task.lr, task.schedule_steps.unwrap_or(steps)).init()?;
     let learner = Learner::new(Mlp::new(task.dims(), &device), optim, sched);
 
-    let strategy = Arc::new(LocalTrainingStrategy::new(replicas, config).with_shards(shards));
-    let dir = tempfile::tempdir()?;
-    let result = SupervisedTraining::new(dir.path(), loader(&task.train), loader(&task.test))
+    let strategy = LocalTrainingStrategy::new(replicas, config).with_shards(shards);
+    let strategy = Arc::new(strategy.with_checkpoints(session.dir.join("replicas")));
+    let mut training = SupervisedTraining::new(session.dir, loader(&task.train), loader(&task.test))
         .metric_train_numeric(LossMetric::new())
         .metric_valid_numeric(AccuracyMetric::new())
         .metric_valid_numeric(LossMetric::new())
         .num_epochs(task.epochs)
+        .with_default_checkpointers()
         .renderer(Box::new(EpochLines::default()))
         .with_application_logger(None)
-        .with_training_strategy(TrainingStrategy::Custom(strategy.clone()))
-        .launch(learner);
+        .with_training_strategy(TrainingStrategy::Custom(strategy.clone()));
+    if let Some(epoch) = session.resume_after {
+        training = training.checkpoint(epoch);
+    }
+    if let Some(epoch) = session.stop_after {
+        training = training.early_stopping(StopAfter(epoch));
+    }
+    let result = training.launch(learner);
     if let Some(error) = result.error {
         return Err(error.to_string().into());
     }
@@ -264,10 +306,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         Some(other) => return Err(format!("unknown argument `{other}` (expected --fashion-mnist [DIR])").into()),
     };
-    let outcome = match std::env::var("WORLD_SIZE") {
-        Ok(k) => run_task(&task, Replicas::Launched(Device::flex().autodiff()), k.parse()?, rule)?,
-        Err(_) => run_task(&task, Replicas::Threads(vec![Device::flex().autodiff(); 4]), 4, rule)?,
-    };
+    // 4 threads, or one replica per process under a launcher.
+    let replicas = Replicas::from_env(Device::flex().autodiff(), 4)?;
+    let k = replicas.count();
+    let outcome = run_task(&task, replicas, k, rule)?;
     if outcome.rank == 0 {
         println!(
             "syncs {} (plan: {} rounds), test accuracy {:.2}%",

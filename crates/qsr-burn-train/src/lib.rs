@@ -27,6 +27,10 @@
 //! the launcher (`qsr launch --nproc 2 -- target/release/examples/learner_digits`, or `qsr-launch`,
 //! which builds without burn); [`Replicas::Launched`] takes each rank's place from the variables it sets.
 //!
+//! [`Replicas::from_env`] picks threads or launched processes from the environment, and
+//! [`LocalTrainingStrategy::with_checkpoints`] makes a resumed run continue every replica exactly.
+//! Validation, burn-train's checkpoints and early stopping see the replicas' average.
+//!
 //! How the strategy treats data (contiguous slices, or each rank's [`Shard`] through
 //! [`LocalTrainingStrategy::with_shards`]), events, checkpoints and stopping is on
 //! [`LocalTrainingStrategy`].
@@ -38,6 +42,7 @@ mod horizon;
 mod renderer;
 mod replica;
 mod report;
+mod resume;
 mod shard;
 mod strategy;
 

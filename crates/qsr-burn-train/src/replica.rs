@@ -16,6 +16,8 @@ pub(crate) enum Failure {
     Qsr(OptimError),
     /// The user's `with_shards` function could not build an epoch's loader.
     Shard(String),
+    /// A replica's own state could not be saved (`with_checkpoints`).
+    Save(String),
 }
 
 impl From<OptimError> for Failure {

@@ -49,8 +49,8 @@ impl<M: LearnerModel> Reporter<M> {
         self.interrupter.fail_on_error(self.processor.process_train(LearnerEvent::EndSplit(epoch)));
     }
 
-    /// Validation of rank 0's parameters, the epoch's end event, its checkpoint and early stopping:
-    /// `true` when training should stop.
+    /// Validation of `learner`'s model (the replicas' average), the epoch's end event, its checkpoint
+    /// and early stopping: `true` when training should stop.
     pub(crate) fn end_epoch(&mut self, epoch: usize, learner: &Learner<M>) -> bool {
         self.validate(epoch, learner);
         self.interrupter.fail_on_error(self.processor.process_train(LearnerEvent::EndEpoch(epoch)));

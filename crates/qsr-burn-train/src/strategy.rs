@@ -1,10 +1,12 @@
 //! [`LocalTrainingStrategy`]: burn-train's `SupervisedLearningStrategy` for local methods.
 
 use std::any::Any;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use burn::data::dataloader::DataLoader;
 use burn::tensor::Device;
+use burn::train::metric::store::EventStoreClient;
 use burn::train::{
     Interrupter, Learner, LearnerModel, SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader,
     TrainingComponents, TrainingError, ValidLoader, train::WorkerFailure,
@@ -14,6 +16,7 @@ use qsr_optim::{Averager, AveragerConfig, AveragerStats, OptimError};
 
 use crate::replica::{Failure, Replica};
 use crate::report::Reporter;
+use crate::resume::ReplicaFiles;
 use crate::shard::{Batch, BuildShard, Shard, Source};
 
 /// Where a [`LocalTrainingStrategy`]'s replicas run.
@@ -25,6 +28,30 @@ pub enum Replicas {
     /// One replica in this process, on this device, averaged over the launch's collective
     /// ([`qsr_comm::from_env`]): run the same program under torchrun, mpirun or srun, one process per worker.
     Launched(Device),
+}
+
+impl Replicas {
+    /// As the launcher says: one replica in this process ([`Replicas::Launched`]) when `qsr launch`,
+    /// torchrun, mpirun or srun started it, else `threads` replicas as threads of this process
+    /// ([`Replicas::Threads`], all on `device`), or as many as `QSR_WORKERS` says when set. The same
+    /// program then runs as threads (`cargo run`) and as processes (`qsr-launch --nproc 2 -- ...`).
+    pub fn from_env(device: Device, threads: usize) -> Result<Self, qsr_comm::CommError> {
+        Ok(match qsr_comm::unlaunched_threads(threads)? {
+            Some(k) => Replicas::Threads(vec![device; k]),
+            None => Replicas::Launched(device),
+        })
+    }
+
+    /// How many replicas train: the threads, or the launched job's world size (1 where the
+    /// launcher's variables cannot be read; joining the launch then names the variable).
+    pub fn count(&self) -> usize {
+        match self {
+            Replicas::Threads(devices) => devices.len(),
+            Replicas::Launched(_) => {
+                qsr_comm::detect_from_process_env(&qsr_comm::Explicit::default()).map_or(1, |e| e.world_size)
+            }
+        }
+    }
 }
 
 /// A burn-train strategy for Local SGD / Local AdamW: every replica trains a clone of the Learner (the
@@ -41,13 +68,18 @@ pub enum Replicas {
 ///   remainder of `items / K` dropped so every replica takes the same number of steps): a loader holds
 ///   no dataset the strategy could stride over, so on data stored in class order each replica would
 ///   train on a few classes; the loader's `.shuffle(seed)` only reorders each slice.
-/// - **Events and metrics**: rank 0 reports its own replica's training items and, after each epoch,
-///   validates its replica's current parameters; other ranks train silently. The model the Learner
-///   returns is the average of all replicas after the last step.
-/// - **Checkpoints**: burn-train's checkpointer saves rank 0's Learner (model, optimizer, scheduler) at
-///   epoch ends. Resuming starts every replica from that checkpoint (the averager broadcasts rank 0's
-///   parameters; each replica's optimizer state is rank 0's) and restarts the averager's step count, so
-///   set `warmup_steps` for the resumed part.
+/// - **Events and metrics**: rank 0 reports its own replica's training items. After each epoch it
+///   validates the replicas' average: the mean of their current parameters ([`Averager::mean`], one
+///   all-reduce of the parameters, not counted as a sync, the round going on), and after the last
+///   epoch the model the Learner returns. burn-train's best-checkpoint choice and early stopping
+///   therefore judge the average, and the last validation is of the model returned (an early stop
+///   returns the mean it validated).
+/// - **Checkpoints**: burn-train's checkpointer saves rank 0's Learner holding that average. With
+///   [`with_checkpoints`](Self::with_checkpoints) every replica also saves its own state each epoch, and
+///   a run resumed with burn-train's `.checkpoint(epoch)` continues on the bits of the run that was not
+///   interrupted. Without it, resuming starts every replica from burn-train's checkpoint (the averager
+///   broadcasts rank 0's parameters; each replica's optimizer state is rank 0's) and restarts the
+///   averager's step count, so set `warmup_steps` for the resumed part.
 /// - **Stopping**: an interruption or early stopping takes effect at the end of an epoch, on every rank
 ///   together (one 4-byte all-reduce per epoch); a failed rank fails the others at their next collective.
 /// - Gradient accumulation counts one optimizer step per accumulated batch group, as burn-train does.
@@ -60,6 +92,8 @@ pub struct LocalTrainingStrategy {
     replicas: Replicas,
     config: AveragerConfig,
     stats: Mutex<Option<AveragerStats>>,
+    /// Where every replica saves its own state each epoch ([`LocalTrainingStrategy::with_checkpoints`]).
+    checkpoints: Option<PathBuf>,
     /// A `BuildShard<I>` from [`LocalTrainingStrategy::with_shards`] (typed when `fit` knows the
     /// model's batch type `I`).
     shards: Option<Arc<dyn Any + Send + Sync>>,
@@ -70,6 +104,8 @@ struct Run {
     epochs: std::ops::RangeInclusive<usize>,
     grad_accumulation: Option<usize>,
     interrupter: Interrupter,
+    /// What burn-train's checkpointers are called with (the replicas' own, [`ReplicaFiles`], too).
+    event_store: Arc<EventStoreClient>,
 }
 
 impl LocalTrainingStrategy {
@@ -77,7 +113,7 @@ impl LocalTrainingStrategy {
     /// before its switch average gradients before the Learner's optimizer step, the others parameters
     /// after it).
     pub fn new(replicas: Replicas, config: AveragerConfig) -> Self {
-        Self { replicas, config, stats: Mutex::new(None), shards: None }
+        Self { replicas, config, stats: Mutex::new(None), checkpoints: None, shards: None }
     }
 
     /// Each replica trains on the loader `build` makes for its [`Shard`] (rank, world size, epoch) at the
@@ -105,6 +141,18 @@ impl LocalTrainingStrategy {
     {
         let build: BuildShard<I> = Arc::new(move |s| build(s).map_err(|e| e.to_string()));
         self.shards = Some(Arc::new(build));
+        self
+    }
+
+    /// Every replica saves its own state after each epoch into `dir/rank-<r>/` (its Learner through
+    /// burn-train's file checkpointer, and its averager's rounds), and a run resumed with burn-train's
+    /// `.checkpoint(epoch)` continues each replica from its own: it ends on the same bits as the run
+    /// that was not interrupted (with [`with_shards`](Self::with_shards), whose loaders depend on the
+    /// epoch alone). Every epoch is kept, as burn-train may resume from any it kept; each costs K
+    /// models and optimizer states on disk. Without it a resumed run starts every replica from
+    /// burn-train's checkpoint (the average) and restarts the rounds.
+    pub fn with_checkpoints(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.checkpoints = Some(dir.into());
         self
     }
 
@@ -245,10 +293,16 @@ impl LocalTrainingStrategy {
                 comm.world_size()
             ));
         }
-        let (avg, model) = Averager::new(learner.model(), self.config.clone(), comm).map_err(|e| e.to_string())?;
+        let rank = comm.rank();
+        let (mut avg, model) = Averager::new(learner.model(), self.config.clone(), comm).map_err(|e| e.to_string())?;
         learner.load_model(model.into_record());
+        let mut files =
+            self.checkpoints.as_deref().map(|dir| ReplicaFiles::new(dir, rank, Arc::clone(&run.event_store)));
+        if let (Some(files), resumed @ 1..) = (&files, run.epochs.start() - 1) {
+            learner = files.load(learner, &mut avg, resumed)?;
+        }
         let mut replica = Replica { learner, avg, train: shard, grad_accumulation: run.grad_accumulation };
-        let result = self.epochs(run, &mut replica, &mut reporter, (&source, device));
+        let result = self.epochs(run, &mut replica, (&mut reporter, files.as_mut()), (&source, device));
         if result.is_err() {
             // The run ends on an error it reports; the last round's steps are not lost by mistake.
             replica.avg.abandon();
@@ -257,28 +311,29 @@ impl LocalTrainingStrategy {
             *self.stats.lock().unwrap_or_else(PoisonError::into_inner) = Some(*replica.avg.stats());
         }
         match result {
-            Ok(()) => Ok(replica.learner.model()),
+            Ok(model) => Ok(model),
             Err(Failure::Training(e)) => {
                 run.interrupter.fail(e);
                 Ok(replica.learner.model())
             }
             Err(Failure::Qsr(e)) => Err(e.to_string()),
-            Err(Failure::Shard(message)) => Err(message),
+            Err(Failure::Shard(message) | Failure::Save(message)) => Err(message),
         }
     }
 
-    /// The epochs, then the final average (kept in the replica's Learner).
+    /// The epochs, then the final average; returns the model the last validation saw.
     fn epochs<M: LearnerModel>(
         &self,
         run: &Run,
         replica: &mut Replica<M>,
-        reporter: &mut Option<&mut Reporter<M>>,
+        (reporter, mut files): (&mut Option<&mut Reporter<M>>, Option<&mut ReplicaFiles<M>>),
         (source, device): (&Source<M>, &Device),
-    ) -> Result<(), Failure> {
+    ) -> Result<M, Failure> {
         for epoch in run.epochs.clone() {
             if epoch != *run.epochs.start() && matches!(source, Source::Built { .. }) {
                 replica.train = source.for_epoch(epoch).map_err(Failure::Shard)?.to_device(device);
             }
+            let before = replica.avg.stats().steps;
             if let Some(r) = reporter.as_deref_mut() {
                 r.start_epoch(epoch, replica.train.num_items());
                 replica.train_epoch(|item| r.item(item))?;
@@ -288,23 +343,50 @@ impl LocalTrainingStrategy {
             }
             if epoch == *run.epochs.start() {
                 // Only now is a replica's step count known: steps per epoch times the epochs.
-                let per_epoch = replica.avg.stats().steps;
-                let (at, run_steps) = (per_epoch * epoch as u64, per_epoch * *run.epochs.end() as u64);
+                let per_epoch = replica.avg.stats().steps - before;
+                let (at, run_steps) = (replica.avg.stats().steps, per_epoch * *run.epochs.end() as u64);
                 crate::horizon::check(&replica.learner, at, run_steps, replica.avg.world_size())
                     .map_err(|reason| OptimError::Config { field: "lr scheduler".into(), reason })?;
             }
-            let mut stop = run.interrupter.should_stop();
-            if let Some(r) = reporter.as_deref_mut()
-                && !stop
-            {
-                stop = r.end_epoch(epoch, &replica.learner);
-            }
-            if replica.avg.any(stop)? {
-                break;
+            if let Some(model) = self.end_epoch(run, epoch, replica, reporter, files.as_deref_mut())? {
+                return Ok(model);
             }
         }
-        replica.finish()?;
-        Ok(())
+        Ok(replica.finish()?)
+    }
+
+    /// After `epoch`: every rank agrees on an interruption, then averages (the run's last epoch, or
+    /// an interrupted one) or takes the mean without ending the round; each saves its own state, and
+    /// rank 0 validates that model, checkpoints it and asks early stopping. `Some(model validated)`
+    /// when the run ends here.
+    fn end_epoch<M: LearnerModel>(
+        &self,
+        run: &Run,
+        epoch: usize,
+        replica: &mut Replica<M>,
+        reporter: &mut Option<&mut Reporter<M>>,
+        files: Option<&mut ReplicaFiles<M>>,
+    ) -> Result<Option<M>, Failure> {
+        let ends = epoch == *run.epochs.end() || replica.avg.any(run.interrupter.should_stop())?;
+        let model = if ends { replica.finish()? } else { replica.avg.mean(&replica.learner.model())? };
+        if let (Some(files), false) = (files, ends) {
+            files.save(&replica.learner, &mut replica.avg, epoch).map_err(Failure::Save)?;
+        }
+        let mut early = false;
+        if let Some(r) = reporter.as_deref_mut() {
+            let mut shown = replica.learner.clone();
+            shown.load_model(model.clone().into_record());
+            early = r.end_epoch(epoch, &shown);
+        }
+        if ends {
+            return Ok(Some(model));
+        }
+        if replica.avg.any(early)? {
+            // The replicas end on their average; the model returned is the one validated.
+            replica.finish()?;
+            return Ok(Some(model));
+        }
+        Ok(None)
     }
 }
 
@@ -321,6 +403,7 @@ impl<M: LearnerModel + 'static> SupervisedLearningStrategy<M> for LocalTrainingS
             epochs: starting_epoch..=components.num_epochs,
             grad_accumulation: components.grad_accumulation,
             interrupter: components.interrupter.clone(),
+            event_store: Arc::clone(&components.event_store),
         };
         match &self.replicas {
             Replicas::Threads(devices) => {

@@ -8,7 +8,8 @@ mod example;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use burn::tensor::Device;
-use qsr_burn_train::{Replicas, SyncRule};
+use example::Session;
+use qsr_burn_train::{AveragerConfig, Replicas, SyncRule};
 
 /// burn's initial weights come from one global RNG per backend (seeded in the example): runs in one test
 /// process take turns so that no other test draws from it between a run's seed and its model's weights.
@@ -63,6 +64,85 @@ fn data_parallel_through_the_learner_syncs_every_step_and_learns_digits() {
     let out = example::run(threads(2), 2, SyncRule::Dp).unwrap();
     assert_eq!(out.syncs, out.planned);
     assert!(out.accuracy >= 0.85, "test accuracy {}", out.accuracy);
+}
+
+/// The value burn-train logged for a metric over a validation epoch: its `final` line, else the mean
+/// of the batches' lines (a value and its item count).
+fn logged(dir: &std::path::Path, epoch: usize, metric: &str) -> f64 {
+    let path = dir.join(format!("valid/epoch-{epoch}/{metric}.log"));
+    let text = qsr_files::read_text(&path, 1 << 20, "metric log").unwrap();
+    if let Some(last) = text.lines().find_map(|l| l.strip_suffix(",final")) {
+        return last.parse().unwrap();
+    }
+    let (sum, count) = text.lines().fold((0.0, 0.0), |(sum, count), line| {
+        let (value, n) = line.split_once(',').unwrap_or((line, "1"));
+        let (value, n): (f64, f64) = (value.parse().unwrap(), n.parse().unwrap());
+        (sum + value * n, count + n)
+    });
+    sum / count
+}
+
+/// The Learner trial: with one sync (`alpha: 5.0`, no warning) the last epoch's validation said 90.56 %
+/// and the returned model scored 83.89 %: validation saw rank 0's replica. It sees the average now.
+#[test]
+fn the_last_validation_is_of_the_returned_model_even_with_one_sync() {
+    let _turn = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let config = AveragerConfig::new(SyncRule::Qsr { h_base: 2, alpha: 5.0 }, 0);
+    let session = Session { dir: dir.path(), resume_after: None, stop_after: None };
+    let task = example::Task::digits();
+    let out = example::run_session(&task, threads(4), 4, config, &session).unwrap();
+    assert_eq!(out.syncs, 1, "alpha 5 keeps one round to the end");
+    let logged = logged(dir.path(), task.epochs, "Accuracy");
+    assert!((logged - 100.0 * out.accuracy).abs() < 1e-3, "validated {logged} %, returned {}", out.accuracy);
+}
+
+/// The Learner trial: checkpoints held rank 0's replica, so a resumed run differed (91.67 % against
+/// 91.94 %) and its syncs restarted. Each replica now resumes from its own state.
+#[test]
+fn a_learner_run_resumed_mid_run_ends_on_the_bits_of_the_whole_run() {
+    let _turn = serial();
+    let config = || AveragerConfig::new(SyncRule::Qsr { h_base: 2, alpha: 0.06 }, 0);
+    let task = example::Task::digits();
+    let (whole, cut) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let run = |dir, resume_after, stop_after| {
+        let session = Session { dir, resume_after, stop_after };
+        example::run_session(&task, threads(2), 2, config(), &session).unwrap()
+    };
+    let full = run(whole.path(), None, None);
+    let first = run(cut.path(), None, Some(8));
+    assert!(first.syncs < full.syncs, "the first part stopped early: {} syncs", first.syncs);
+    let resumed = run(cut.path(), Some(8), None);
+    assert_eq!((resumed.syncs, full.syncs), (full.syncs, full.planned));
+    assert!(
+        resumed.weights.iter().zip(&full.weights).all(|(x, y)| x.to_bits() == y.to_bits()),
+        "the resumed run differs"
+    );
+    // burn-train's own checkpoint of the cut epoch holds the average, not a replica.
+    assert!(cut.path().join("checkpoint/model-8.bpk").is_file());
+}
+
+/// Resuming without the replicas' states is refused on every rank, naming the missing file.
+#[test]
+fn a_resume_without_the_replicas_states_names_the_missing_file() {
+    let _turn = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let task = example::Task { epochs: 3, ..example::Task::digits() };
+    let config = || AveragerConfig::new(SyncRule::Constant { h: 4 }, 0);
+    let session = Session { dir: dir.path(), resume_after: None, stop_after: Some(2) };
+    example::run_session(&task, threads(2), 2, config(), &session).unwrap();
+    std::fs::remove_file(dir.path().join("replicas/rank-1/optim-2.bpk")).unwrap();
+    let session = Session { dir: dir.path(), resume_after: Some(2), stop_after: None };
+    let err = example::run_session(&task, threads(2), 2, config(), &session).err().unwrap().to_string();
+    assert!(err.contains("rank-1/optim-2.bpk is missing"), "{err}");
+}
+
+/// Without a launcher's variables the replicas are threads, as many as asked.
+#[test]
+fn replicas_from_an_environment_without_a_launcher_are_threads() {
+    let replicas = Replicas::from_env(Device::flex().autodiff(), 3).unwrap();
+    assert!(matches!(&replicas, Replicas::Threads(d) if d.len() == 3));
+    assert_eq!(replicas.count(), 3);
 }
 
 /// One rank of `two_processes_over_the_tcp_ring_sync_as_planned_and_end_identical`: run by that test in
