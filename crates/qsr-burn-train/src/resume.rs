@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use burn::train::checkpoint::{AsyncCheckpointer, CheckpointingAction, CheckpointingStrategy, FileCheckpointer};
 use burn::train::metric::store::EventStoreClient;
-use burn::train::{Learner, LearnerModel, LearningCheckpointer};
+use burn::train::{Interrupter, Learner, LearnerModel, LearningCheckpointer};
 use qsr_optim::{Averager, AveragerState};
 
 /// The checkpoint names of a replica's Learner parts, as burn-train's file checkpointer writes them.
@@ -34,15 +34,16 @@ impl CheckpointingStrategy for EveryEpoch {
 }
 
 impl<M: LearnerModel> ReplicaFiles<M> {
-    /// Rank `rank`'s files under `root` (`store` is what burn-train's checkpointer is called with).
-    pub(crate) fn new(root: &Path, rank: usize, store: Arc<EventStoreClient>) -> Self {
+    /// Rank `rank`'s files under `root` (`store` is what burn-train's checkpointer is called with; a
+    /// file it cannot write fails the run through `interrupter`, where it would panic without one).
+    pub(crate) fn new(root: &Path, rank: usize, store: Arc<EventStoreClient>, interrupter: &Interrupter) -> Self {
         let dir = root.join(format!("rank-{rank}"));
         let file = |name: &str| FileCheckpointer::new(&dir, name);
         let (model, optim, scheduler) = (file(PARTS[0]), file(PARTS[1]), file(PARTS[2]));
         let checkpointer = LearningCheckpointer::new(
-            AsyncCheckpointer::new(model),
-            AsyncCheckpointer::new(optim),
-            AsyncCheckpointer::new(scheduler),
+            AsyncCheckpointer::new(model).with_interrupter(interrupter.clone()),
+            AsyncCheckpointer::new(optim).with_interrupter(interrupter.clone()),
+            AsyncCheckpointer::new(scheduler).with_interrupter(interrupter.clone()),
             Box::new(EveryEpoch),
         );
         Self { root: root.to_path_buf(), dir, checkpointer, store }
@@ -62,26 +63,36 @@ impl<M: LearnerModel> ReplicaFiles<M> {
     }
 
     /// The replica saved after `epoch`: its Learner's parts loaded into `learner`, its rounds into
-    /// `avg` (right after [`Averager::new`], on every rank). An error names the first file missing;
-    /// the ranks agree first, so that none waits for one that failed alone.
+    /// `avg` (right after [`Averager::new`], on every rank). Every file is read before the ranks
+    /// agree, so that none waits for one that failed alone; an error names the file.
     pub(crate) fn load(&self, learner: Learner<M>, avg: &mut Averager, epoch: usize) -> Result<Learner<M>, String> {
-        let mine = missing(&self.dir, epoch);
-        if avg.any(mine.is_some()).map_err(|e| e.to_string())? {
+        let read = self.read(learner, epoch);
+        if avg.any(read.is_err()).map_err(|e| e.to_string())? {
             // Where the ranks share the directory, the one whose file is missing is named on each.
-            let dirs = (0..avg.world_size()).map(|r| self.root.join(format!("rank-{r}")));
-            let first = mine.or_else(|| dirs.into_iter().find_map(|d| missing(&d, epoch)));
-            return Err(match first {
-                Some(file) => format!(
-                    "resuming after epoch {epoch}: {} is missing (give `with_checkpoints` the directory the \
-                     interrupted run saved into, and the same number of replicas)",
-                    file.display()
-                ),
-                None => format!("resuming after epoch {epoch}: another rank's saved state is missing"),
-            });
+            let mut dirs = (0..avg.world_size()).map(|r| self.root.join(format!("rank-{r}")));
+            let other = || dirs.find_map(|d| missing(&d, epoch)).map(|f| format!("{} is missing", f.display()));
+            let reason = read.err().or_else(other).unwrap_or_else(|| "another rank's saved state is unreadable".into());
+            return Err(format!(
+                "resuming after epoch {epoch}: {reason} (give `with_checkpoints` the directory the interrupted run \
+                 saved into, and the same number of replicas)"
+            ));
+        }
+        let (learner, state) = read?;
+        avg.restore(state).map_err(|e| e.to_string())?;
+        Ok(learner)
+    }
+
+    /// This rank's files after `epoch`, read: burn-train's loader panics on a file it cannot decode,
+    /// which is caught and named here.
+    fn read(&self, learner: Learner<M>, epoch: usize) -> Result<(Learner<M>, AveragerState), String> {
+        if let Some(file) = missing(&self.dir, epoch) {
+            return Err(format!("{} is missing", file.display()));
         }
         let state = AveragerState::load(&self.averager_path(epoch)).map_err(|e| e.to_string())?;
-        avg.restore(state).map_err(|e| e.to_string())?;
-        Ok(self.checkpointer.load_checkpoint(learner, epoch))
+        let load = std::panic::AssertUnwindSafe(|| self.checkpointer.load_checkpoint(learner, epoch));
+        let learner = std::panic::catch_unwind(load)
+            .map_err(|_| format!("a file of {}'s epoch {epoch} cannot be decoded", self.dir.display()))?;
+        Ok((learner, state))
     }
 }
 

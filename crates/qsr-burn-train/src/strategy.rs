@@ -272,12 +272,42 @@ impl LocalTrainingStrategy {
     fn replica<M: LearnerModel>(
         &self,
         run: &Run,
-        mut learner: Learner<M>,
-        mut comm: Box<dyn Collective>,
+        learner: Learner<M>,
+        comm: Box<dyn Collective>,
         source: Source<M>,
         device: &Device,
         (mut reporter, record_stats): (Option<&mut Reporter<M>>, bool),
     ) -> Result<M, String> {
+        let (mut replica, mut files) = self.join(run, learner, comm, &source, device)?;
+        let result = self.epochs(run, &mut replica, (&mut reporter, files.as_mut()), (&source, device));
+        if result.is_err() {
+            // The run ends on an error it reports; the last round's steps are not lost by mistake.
+            replica.avg.abandon();
+        }
+        if record_stats {
+            *self.stats.lock().unwrap_or_else(PoisonError::into_inner) = Some(*replica.avg.stats());
+        }
+        match result {
+            Ok(model) => Ok(model),
+            Err(Failure::Training(e)) => {
+                run.interrupter.fail(e);
+                Ok(replica.learner.model())
+            }
+            Err(Failure::Qsr(e)) => Err(e.to_string()),
+            Err(Failure::Shard(message) | Failure::Save(message)) => Err(message),
+        }
+    }
+
+    /// A replica ready for its first step: the ranks agree on what decides their step counts, every
+    /// replica takes rank 0's parameters, and a resumed one with `with_checkpoints` its own state.
+    fn join<M: LearnerModel>(
+        &self,
+        run: &Run,
+        mut learner: Learner<M>,
+        mut comm: Box<dyn Collective>,
+        source: &Source<M>,
+        device: &Device,
+    ) -> Result<(Replica<M>, Option<ReplicaFiles<M>>), String> {
         let shard = source.for_epoch(*run.epochs.start())?.to_device(device);
         learner.fork(device);
         // Every rank must take the same number of steps: check what decides it before the first one.
@@ -296,29 +326,12 @@ impl LocalTrainingStrategy {
         let rank = comm.rank();
         let (mut avg, model) = Averager::new(learner.model(), self.config.clone(), comm).map_err(|e| e.to_string())?;
         learner.load_model(model.into_record());
-        let mut files =
-            self.checkpoints.as_deref().map(|dir| ReplicaFiles::new(dir, rank, Arc::clone(&run.event_store)));
+        let store = || Arc::clone(&run.event_store);
+        let files = self.checkpoints.as_deref().map(|dir| ReplicaFiles::new(dir, rank, store(), &run.interrupter));
         if let (Some(files), resumed @ 1..) = (&files, run.epochs.start() - 1) {
             learner = files.load(learner, &mut avg, resumed)?;
         }
-        let mut replica = Replica { learner, avg, train: shard, grad_accumulation: run.grad_accumulation };
-        let result = self.epochs(run, &mut replica, (&mut reporter, files.as_mut()), (&source, device));
-        if result.is_err() {
-            // The run ends on an error it reports; the last round's steps are not lost by mistake.
-            replica.avg.abandon();
-        }
-        if record_stats {
-            *self.stats.lock().unwrap_or_else(PoisonError::into_inner) = Some(*replica.avg.stats());
-        }
-        match result {
-            Ok(model) => Ok(model),
-            Err(Failure::Training(e)) => {
-                run.interrupter.fail(e);
-                Ok(replica.learner.model())
-            }
-            Err(Failure::Qsr(e)) => Err(e.to_string()),
-            Err(Failure::Shard(message) | Failure::Save(message)) => Err(message),
-        }
+        Ok((Replica { learner, avg, train: shard, grad_accumulation: run.grad_accumulation }, files))
     }
 
     /// The epochs, then the final average; returns the model the last validation saw.

@@ -122,18 +122,28 @@ fn a_learner_run_resumed_mid_run_ends_on_the_bits_of_the_whole_run() {
     assert!(cut.path().join("checkpoint/model-8.bpk").is_file());
 }
 
-/// Resuming without the replicas' states is refused on every rank, naming the missing file.
+/// Resuming without the replicas' states, or from a corrupt one, is refused on every rank naming the
+/// file (burn-train's loader panicked on a corrupt one).
 #[test]
-fn a_resume_without_the_replicas_states_names_the_missing_file() {
+fn a_resume_from_missing_or_corrupt_replica_states_names_the_file() {
     let _turn = serial();
     let dir = tempfile::tempdir().unwrap();
     let task = example::Task { epochs: 3, ..example::Task::digits() };
     let config = || AveragerConfig::new(SyncRule::Constant { h: 4 }, 0);
     let session = Session { dir: dir.path(), resume_after: None, stop_after: Some(2) };
     example::run_session(&task, threads(2), 2, config(), &session).unwrap();
+    let resume = || {
+        let session = Session { dir: dir.path(), resume_after: Some(2), stop_after: None };
+        example::run_session(&task, threads(2), 2, config(), &session).err().unwrap().to_string()
+    };
+    let model = dir.path().join("replicas/rank-0/model-2.bpk");
+    let saved = qsr_files::read(&model, 1 << 30, "model").unwrap();
+    qsr_files::write_atomic(&model, b"not a burnpack", "model").unwrap();
+    let err = resume();
+    assert!(err.contains("rank-0's epoch 2 cannot be decoded"), "a corrupt file: {err}");
+    qsr_files::write_atomic(&model, &saved, "model").unwrap();
     std::fs::remove_file(dir.path().join("replicas/rank-1/optim-2.bpk")).unwrap();
-    let session = Session { dir: dir.path(), resume_after: Some(2), stop_after: None };
-    let err = example::run_session(&task, threads(2), 2, config(), &session).err().unwrap().to_string();
+    let err = resume();
     assert!(err.contains("rank-1/optim-2.bpk is missing"), "{err}");
 }
 
