@@ -260,6 +260,8 @@ pub fn run_session(
     let strategy = Arc::new(strategy.with_checkpoints(session.dir.join("replicas")));
     let mut training = SupervisedTraining::new(session.dir, loader(&task.train), loader(&task.test))
         .metric_train_numeric(LossMetric::new())
+        .metric_train_numeric(strategy.syncs_metric())
+        .metric_train_numeric(strategy.traffic_metric())
         .metric_valid_numeric(AccuracyMetric::new())
         .metric_valid_numeric(LossMetric::new())
         .num_epochs(task.epochs)

@@ -1,18 +1,38 @@
 //! The trap of an lr scheduler sized for the whole training loader (documented on [`check`]).
 
+use std::ops::RangeInclusive;
+
 use burn::train::{Learner, LearnerModel};
+
+/// [`check`] before the run's first optimizer step, with the replica's step count estimated from its
+/// loader: `items` per epoch in batches of `batch` items (the first batch's size; a partial last batch
+/// counts as one), `grad_accumulation` batches per step, over `epochs` (a resumed run's scheduler is
+/// already `start - 1` epochs along). A loader with several workers takes a few more steps than the
+/// estimate, never fewer, so a scheduler sized for the replica's steps always passes.
+pub(crate) fn check_before_first_step<M: LearnerModel>(
+    learner: &Learner<M>,
+    epochs: &RangeInclusive<usize>,
+    (items, batch): (usize, usize),
+    grad_accumulation: Option<usize>,
+    k: usize,
+) -> Result<(), String> {
+    let batches = items.div_ceil(batch.max(1));
+    let per_epoch = grad_accumulation.map_or(batches, |n| batches.div_ceil(n.max(1))) as u64;
+    let (done, total) = ((*epochs.start() as u64).saturating_sub(1), *epochs.end() as u64);
+    check(learner, per_epoch * done, per_epoch * total, k)
+}
 
 /// Refuses a Learner whose lr scheduler is far from its end when the run ends.
 ///
 /// Each of the K replicas takes `1/K` of the loader's batches, so a scheduler sized for the whole
 /// loader (`epochs x batches`, as for one device) is still near its peak lr when the run ends: QSR then
 /// keeps `H` small and syncs far more often than the schedule the user planned for (40 syncs instead of
-/// 17 in a user's trial). Sampled from a clone of the Learner after the run's first epoch, when the
-/// replica's step count is known: `at` optimizer steps taken so far, `run_steps` in the whole run.
+/// 17 in a user's trial). Sampled from a clone of the Learner: `at` optimizer steps taken so far,
+/// `run_steps` in the whole run.
 /// Refused: a schedule that reaches its lowest lr past 1.5x the run while the run's last lr is still
 /// more than a tenth of the way from that lowest lr to the peak. Schedules that keep decaying (step,
 /// exponential) pass: their lr at any step is close to where it ends, or they never end.
-pub(crate) fn check<M: LearnerModel>(learner: &Learner<M>, at: u64, run_steps: u64, k: usize) -> Result<(), String> {
+fn check<M: LearnerModel>(learner: &Learner<M>, at: u64, run_steps: u64, k: usize) -> Result<(), String> {
     let Some(shape) = sample(learner.clone(), at, run_steps, k) else {
         return Ok(());
     };

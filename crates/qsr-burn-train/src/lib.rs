@@ -16,6 +16,7 @@
 //! + let strategy = Arc::new(LocalTrainingStrategy::new(Replicas::Threads(vec![device.clone(); 4]), AveragerConfig::new(rule, 0)));
 //!   let result = SupervisedTraining::new(dir, train_loader, valid_loader)
 //!       .metric_train_numeric(AccuracyMetric::new())
+//! +     .metric_train_numeric(strategy.syncs_metric())
 //!       .num_epochs(epochs)
 //! +     .with_training_strategy(TrainingStrategy::Custom(strategy.clone()))
 //!       .launch(Learner::new(model, optimizer, scheduler));
@@ -29,7 +30,9 @@
 //!
 //! [`Replicas::from_env`] picks threads or launched processes from the environment, and
 //! [`LocalTrainingStrategy::with_checkpoints`] makes a resumed run continue every replica exactly.
-//! Validation, burn-train's checkpoints and early stopping see the replicas' average.
+//! Validation, burn-train's checkpoints and early stopping see the replicas' average, and
+//! [`syncs_metric`](LocalTrainingStrategy::syncs_metric) / [`traffic_metric`](LocalTrainingStrategy::traffic_metric)
+//! put the run's synchronizations and megabytes sent beside burn-train's own metrics.
 //!
 //! How the strategy treats data (contiguous slices, or each rank's [`Shard`] through
 //! [`LocalTrainingStrategy::with_shards`]), events, checkpoints and stopping is on
@@ -39,6 +42,7 @@
 #![forbid(unsafe_code)]
 
 mod horizon;
+mod metric;
 mod renderer;
 mod replica;
 mod report;
@@ -46,6 +50,7 @@ mod resume;
 mod shard;
 mod strategy;
 
+pub use metric::AveragerMetric;
 pub use qsr_optim::{AveragerConfig, AveragerStats};
 pub use qsr_sched::SyncRule;
 pub use renderer::EpochLines;

@@ -1,9 +1,11 @@
 //! One replica's training loop: the Learner's own step, lr scheduler and optimizer, then the averager.
 
+use std::ops::RangeInclusive;
+
 use burn::optim::GradientsAccumulator;
 use burn::train::{Learner, LearnerModel, TrainLoader, TrainStep, TrainingError};
 use burn::train::{TrainOutput, TrainingItem};
-use qsr_optim::{Averager, OptimError};
+use qsr_optim::{Averager, AveragerStats, OptimError};
 
 /// One training item as burn-train's events carry it.
 pub(crate) type Item<M> = TrainingItem<<M as TrainStep>::Output>;
@@ -32,15 +34,18 @@ pub(crate) struct Replica<M: LearnerModel> {
     pub(crate) avg: Averager,
     pub(crate) train: TrainLoader<M>,
     pub(crate) grad_accumulation: Option<usize>,
+    /// The epochs of this launch while the lr scheduler's size is still to be checked, at the first
+    /// batch: before the first step, so a mistake costs no training.
+    pub(crate) unchecked_schedule: Option<RangeInclusive<usize>>,
 }
 
 impl<M: LearnerModel> Replica<M> {
     /// One epoch over the shard: per batch the Learner's forward/backward, then (every
     /// `grad_accumulation` batches) its lr scheduler, the gradients averaged on the steps of gradient
     /// rules, its optimizer step, then the averager, which averages the parameters with every replica
-    /// when a round of the sync rule ends. `report` sees
-    /// each item as burn-train's own strategies report it.
-    pub(crate) fn train_epoch(&mut self, mut report: impl FnMut(Item<M>)) -> Result<(), Failure> {
+    /// when a round of the sync rule ends. `report` sees each item as burn-train's own strategies
+    /// report it, with the averager's totals after its step.
+    pub(crate) fn train_epoch(&mut self, mut report: impl FnMut(Item<M>, &AveragerStats)) -> Result<(), Failure> {
         let train = self.train.clone();
         let mut iterator = train.iter();
         let mut accumulator = GradientsAccumulator::new();
@@ -50,6 +55,9 @@ impl<M: LearnerModel> Replica<M> {
             let batch = batch.map_err(|e| Failure::Training(TrainingError::Dataset(e)))?;
             iteration += 1;
             let progress = iterator.progress();
+            if let Some(epochs) = self.unchecked_schedule.take() {
+                self.check_schedule(&epochs, (train.num_items(), progress.items_processed))?;
+            }
             let TrainOutput { grads, item } = self.learner.train_step(batch);
             let grads = match self.grad_accumulation {
                 None => Some(grads),
@@ -70,9 +78,16 @@ impl<M: LearnerModel> Replica<M> {
                 self.after_optimizer_step()?;
             }
             let lr = Some(self.learner.lr_current());
-            report(TrainingItem { item, progress, iteration: Some(iteration), lr });
+            report(TrainingItem { item, progress, iteration: Some(iteration), lr }, self.avg.stats());
         }
         Ok(())
+    }
+
+    /// Refuses an lr scheduler sized for another step count than the replica's (see `horizon`).
+    fn check_schedule(&self, epochs: &RangeInclusive<usize>, items_batch: (usize, usize)) -> Result<(), OptimError> {
+        let k = self.avg.world_size();
+        crate::horizon::check_before_first_step(&self.learner, epochs, items_batch, self.grad_accumulation, k)
+            .map_err(|reason| OptimError::Config { field: "lr scheduler".into(), reason })
     }
 
     /// The averager's step with the lr this optimizer step used; the averaged parameters go back into

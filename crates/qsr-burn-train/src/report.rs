@@ -11,6 +11,9 @@ use burn::train::{
     TrainingItem, ValidLoader,
 };
 
+use qsr_optim::AveragerStats;
+
+use crate::metric::Feeds;
 use crate::replica::Item;
 
 /// burn-train's reporting parts, owned by rank 0's replica.
@@ -21,11 +24,18 @@ pub(crate) struct Reporter<M: LearnerModel> {
     checkpointer: Option<LearningCheckpointer<M>>,
     early_stopping: Option<Box<dyn CloneEarlyStoppingStrategy>>,
     event_store: Arc<EventStoreClient>,
+    /// The averager's counts for the strategy's metrics.
+    feeds: Arc<Feeds>,
 }
 
 impl<M: LearnerModel> Reporter<M> {
     /// The parts `components` holds, validating on `device` (without autodiff).
-    pub(crate) fn new(components: TrainingComponents<M>, valid: ValidLoader<M>, device: &Device) -> Self {
+    pub(crate) fn new(
+        components: TrainingComponents<M>,
+        valid: ValidLoader<M>,
+        device: &Device,
+        feeds: Arc<Feeds>,
+    ) -> Self {
         Self {
             processor: components.event_processor,
             interrupter: components.interrupter,
@@ -33,19 +43,26 @@ impl<M: LearnerModel> Reporter<M> {
             checkpointer: components.checkpointer,
             early_stopping: components.early_stopping,
             event_store: components.event_store,
+            feeds,
         }
     }
 
-    pub(crate) fn start_epoch(&mut self, epoch: usize, total_items: usize) {
+    /// `epoch` starts with `total_items` to train and the averager at `stats`.
+    pub(crate) fn start_epoch(&mut self, epoch: usize, total_items: usize, stats: &AveragerStats) {
+        self.feeds.start_epoch(stats);
         let event = LearnerEvent::StartSplit { epoch_number: epoch, total_items };
         self.interrupter.fail_on_error(self.processor.process_train(event));
     }
 
-    pub(crate) fn item(&mut self, item: Item<M>) {
+    /// A training item, whose step left the averager at `stats`.
+    pub(crate) fn item(&mut self, item: Item<M>, stats: &AveragerStats) {
+        self.feeds.publish(stats);
         self.interrupter.fail_on_error(self.processor.process_train(LearnerEvent::ProcessedItem(item)));
     }
 
-    pub(crate) fn end_training(&mut self, epoch: usize) {
+    /// The epoch's training ended, with its average (the mean or the final one): the averager at `stats`.
+    pub(crate) fn end_training(&mut self, epoch: usize, stats: &AveragerStats) {
+        self.feeds.end_epoch(stats);
         self.interrupter.fail_on_error(self.processor.process_train(LearnerEvent::EndSplit(epoch)));
     }
 

@@ -12,8 +12,9 @@ use burn::train::{
     TrainingComponents, TrainingError, ValidLoader, train::WorkerFailure,
 };
 use qsr_comm::{Collective, InProcessGroup};
-use qsr_optim::{Averager, AveragerConfig, AveragerStats, OptimError};
+use qsr_optim::{Averager, AveragerConfig, AveragerStats};
 
+use crate::metric::{AveragerMetric, Feeds};
 use crate::replica::{Failure, Replica};
 use crate::report::Reporter;
 use crate::resume::ReplicaFiles;
@@ -68,7 +69,9 @@ impl Replicas {
 ///   remainder of `items / K` dropped so every replica takes the same number of steps): a loader holds
 ///   no dataset the strategy could stride over, so on data stored in class order each replica would
 ///   train on a few classes; the loader's `.shuffle(seed)` only reorders each slice.
-/// - **Events and metrics**: rank 0 reports its own replica's training items. After each epoch it
+/// - **Events and metrics**: rank 0 reports its own replica's training items, with the averager's
+///   counts for [`syncs_metric`](Self::syncs_metric) and [`traffic_metric`](Self::traffic_metric)
+///   (an epoch's value includes the average that ends it). After each epoch it
 ///   validates the replicas' average: the mean of their current parameters ([`Averager::mean`], one
 ///   all-reduce of the parameters, not counted as a sync, the round going on), and after the last
 ///   epoch the model the Learner returns. burn-train's best-checkpoint choice and early stopping
@@ -85,9 +88,9 @@ impl Replicas {
 /// - Gradient accumulation counts one optimizer step per accumulated batch group, as burn-train does.
 /// - **The lr scheduler** steps once per replica step: size it for a replica's steps (its `1/K` of the
 ///   loader's batches times the epochs), not the whole loader's. A scheduler that decays to its end
-///   long after the run ends (cosine, linear sized for the whole loader) is refused after the first
-///   epoch, naming the step count to give it: the sync rule would otherwise follow lrs that never decay
-///   as planned.
+///   long after the run ends (cosine, linear sized for the whole loader) is refused before the first
+///   step (the replica's steps estimated from its first batch), naming the step count to give it: the
+///   sync rule would otherwise follow lrs that never decay as planned.
 pub struct LocalTrainingStrategy {
     replicas: Replicas,
     config: AveragerConfig,
@@ -97,6 +100,8 @@ pub struct LocalTrainingStrategy {
     /// A `BuildShard<I>` from [`LocalTrainingStrategy::with_shards`] (typed when `fit` knows the
     /// model's batch type `I`).
     shards: Option<Arc<dyn Any + Send + Sync>>,
+    /// Where rank 0 publishes the averager's counts to the metrics made by the strategy.
+    feeds: Arc<Feeds>,
 }
 
 /// What every replica follows, from [`TrainingComponents`] (shared by reference with the threads).
@@ -106,6 +111,8 @@ struct Run {
     interrupter: Interrupter,
     /// What burn-train's checkpointers are called with (the replicas' own, [`ReplicaFiles`], too).
     event_store: Arc<EventStoreClient>,
+    /// The items of the Learner's training loader, which `with_shards`' loaders split.
+    loader_items: usize,
 }
 
 impl LocalTrainingStrategy {
@@ -113,22 +120,25 @@ impl LocalTrainingStrategy {
     /// before its switch average gradients before the Learner's optimizer step, the others parameters
     /// after it).
     pub fn new(replicas: Replicas, config: AveragerConfig) -> Self {
-        Self { replicas, config, stats: Mutex::new(None), checkpoints: None, shards: None }
+        let feeds = Arc::default();
+        Self { replicas, config, stats: Mutex::new(None), checkpoints: None, shards: None, feeds }
     }
 
     /// Each replica trains on the loader `build` makes for its [`Shard`] (rank, world size, epoch) at the
     /// start of every epoch, instead of a contiguous slice of the Learner's loader: e.g. a DataLoader
     /// over `qsr_data::ShardedDataset` at that epoch, which strides every rank over a fresh permutation
     /// of the whole dataset (the slices give each replica a few classes of class-ordered data). Every
-    /// rank's loader must hold the same number of items. The Learner's own training loader is then not
-    /// read. (`examples/learner_digits.rs` is a complete program.)
+    /// rank's loader must hold the same number of items: its `1/K` of the Learner's own training loader,
+    /// which is then not trained on but says how many items the shards split (a shard of another
+    /// dataset is refused before the first step). (`examples/learner_digits.rs` is a complete program.)
     ///
     /// ```text
     /// let data = Arc::new(InMemDataset::new(items));
     /// let strategy = LocalTrainingStrategy::new(replicas, config).with_shards(move |s: Shard| {
     ///     let shard = ShardedDataset::new(Arc::clone(&data), s.rank, s.world_size, SEED)?;
     ///     shard.set_epoch(s.epoch as u64);
-    ///     Ok::<_, qsr_data::DataError>(DataLoaderBuilder::new(MyBatcher).batch_size(32).shuffle(SEED).build(shard))
+    ///     // No `.shuffle`: the shard holds the epoch's order, a function of (SEED, epoch).
+    ///     Ok::<_, qsr_data::DataError>(DataLoaderBuilder::new(MyBatcher).batch_size(32).build(shard))
     /// });
     /// ```
     pub fn with_shards<I, E>(
@@ -166,6 +176,18 @@ impl LocalTrainingStrategy {
         build.map(Some).ok_or_else(|| "with_shards builds loaders of another batch type than the model's".into())
     }
 
+    /// A burn-train metric of the run's synchronizations so far, with the epoch's share (rank 0's
+    /// averager): `.metric_train_numeric(strategy.syncs_metric())`.
+    pub fn syncs_metric(&self) -> AveragerMetric {
+        AveragerMetric::new(&self.feeds, true)
+    }
+
+    /// A burn-train metric of the megabytes of parameters rank 0 sent so far, with the epoch's share:
+    /// `.metric_train_numeric(strategy.traffic_metric())`.
+    pub fn traffic_metric(&self) -> AveragerMetric {
+        AveragerMetric::new(&self.feeds, false)
+    }
+
     /// The averager's totals (steps, synchronizations, traffic) of this process's first replica (rank 0
     /// with [`Replicas::Threads`]) after the last training: read them after `launch` returns.
     pub fn stats(&self) -> Option<AveragerStats> {
@@ -182,7 +204,7 @@ impl LocalTrainingStrategy {
         let shards = match self.build_shard::<M>() {
             Ok(build) => crate::shard::sources::<M>(&train, devices.len(), build.as_ref()),
             Err(message) => {
-                run.interrupter.fail(failure(0, message));
+                run.interrupter.fail(failure(0, 0, message));
                 return (learner.model(), reporter.into_processor());
             }
         };
@@ -191,7 +213,7 @@ impl LocalTrainingStrategy {
         std::thread::scope(|s| {
             let mut lanes = comms.into_iter().zip(shards).zip(devices);
             let Some(((comm0, shard0), device0)) = lanes.next() else {
-                run.interrupter.fail(failure(0, "Replicas::Threads needs at least one device".into()));
+                run.interrupter.fail(failure(0, 0, "Replicas::Threads(vec![]) lists no device to train on".into()));
                 return (learner.model(), reporter.into_processor());
             };
             let others: Vec<_> = lanes
@@ -205,7 +227,7 @@ impl LocalTrainingStrategy {
             let (model, processor) = self.rank0(run, learner, Box::new(comm0), shard0, device0, reporter);
             for (rank, handle) in (1..).zip(others) {
                 if let Ok(Err(message)) | Err(message) = handle.join().map_err(panic_message) {
-                    run.interrupter.fail(failure(rank, message));
+                    run.interrupter.fail(failure(rank, rank, message));
                 }
             }
             (model, processor)
@@ -222,7 +244,8 @@ impl LocalTrainingStrategy {
         let comm = match qsr_comm::from_env() {
             Ok(comm) => comm,
             Err(e) => {
-                run.interrupter.fail(failure(0, format!("cannot join the launch: {e}")));
+                let message = format!("qsr: this process cannot join the launch: {e}");
+                run.interrupter.fail(TrainingError::Workers(vec![WorkerFailure { device_id: 0, message }]));
                 return (learner.model(), reporter.into_processor());
             }
         };
@@ -230,7 +253,7 @@ impl LocalTrainingStrategy {
         let shard = match self.build_shard::<M>() {
             Ok(build) => crate::shard::sources::<M>(&train, k, build.as_ref()).swap_remove(rank),
             Err(message) => {
-                run.interrupter.fail(failure(rank, message));
+                run.interrupter.fail(failure(rank, 0, message));
                 return (learner.model(), reporter.into_processor());
             }
         };
@@ -241,7 +264,7 @@ impl LocalTrainingStrategy {
         match self.replica(&run, learner.clone(), comm, shard, device, (None, true)) {
             Ok(model) => (model, processor),
             Err(message) => {
-                run.interrupter.fail(failure(rank, message));
+                run.interrupter.fail(failure(rank, 0, message));
                 (learner.model(), processor)
             }
         }
@@ -260,7 +283,7 @@ impl LocalTrainingStrategy {
         match self.replica(run, learner.clone(), comm, shard, device, (Some(&mut reporter), true)) {
             Ok(model) => (model, reporter.into_processor()),
             Err(message) => {
-                run.interrupter.fail(failure(0, message));
+                run.interrupter.fail(failure(0, 0, message));
                 (learner.model(), reporter.into_processor())
             }
         }
@@ -324,6 +347,9 @@ impl LocalTrainingStrategy {
             ));
         }
         let rank = comm.rank();
+        if let Source::Built { .. } = source {
+            crate::shard::check_split(rank, comm.world_size(), shard.num_items(), run.loader_items)?;
+        }
         let (mut avg, model) = Averager::new(learner.model(), self.config.clone(), comm).map_err(|e| e.to_string())?;
         learner.load_model(model.into_record());
         let store = || Arc::clone(&run.event_store);
@@ -331,7 +357,8 @@ impl LocalTrainingStrategy {
         if let (Some(files), resumed @ 1..) = (&files, run.epochs.start() - 1) {
             learner = files.load(learner, &mut avg, resumed)?;
         }
-        Ok((Replica { learner, avg, train: shard, grad_accumulation: run.grad_accumulation }, files))
+        let (grad_accumulation, unchecked_schedule) = (run.grad_accumulation, Some(run.epochs.clone()));
+        Ok((Replica { learner, avg, train: shard, grad_accumulation, unchecked_schedule }, files))
     }
 
     /// The epochs, then the final average; returns the model the last validation saw.
@@ -346,20 +373,11 @@ impl LocalTrainingStrategy {
             if epoch != *run.epochs.start() && matches!(source, Source::Built { .. }) {
                 replica.train = source.for_epoch(epoch).map_err(Failure::Shard)?.to_device(device);
             }
-            let before = replica.avg.stats().steps;
             if let Some(r) = reporter.as_deref_mut() {
-                r.start_epoch(epoch, replica.train.num_items());
-                replica.train_epoch(|item| r.item(item))?;
-                r.end_training(epoch);
+                r.start_epoch(epoch, replica.train.num_items(), replica.avg.stats());
+                replica.train_epoch(|item, stats| r.item(item, stats))?;
             } else {
-                replica.train_epoch(|_| ())?;
-            }
-            if epoch == *run.epochs.start() {
-                // Only now is a replica's step count known: steps per epoch times the epochs.
-                let per_epoch = replica.avg.stats().steps - before;
-                let (at, run_steps) = (replica.avg.stats().steps, per_epoch * *run.epochs.end() as u64);
-                crate::horizon::check(&replica.learner, at, run_steps, replica.avg.world_size())
-                    .map_err(|reason| OptimError::Config { field: "lr scheduler".into(), reason })?;
+                replica.train_epoch(|_, _| ())?;
             }
             if let Some(model) = self.end_epoch(run, epoch, replica, reporter, files.as_deref_mut())? {
                 return Ok(model);
@@ -387,6 +405,7 @@ impl LocalTrainingStrategy {
         }
         let mut early = false;
         if let Some(r) = reporter.as_deref_mut() {
+            r.end_training(epoch, replica.avg.stats());
             let mut shown = replica.learner.clone();
             shown.load_model(model.clone().into_record());
             early = r.end_epoch(epoch, &shown);
@@ -417,26 +436,41 @@ impl<M: LearnerModel + 'static> SupervisedLearningStrategy<M> for LocalTrainingS
             grad_accumulation: components.grad_accumulation,
             interrupter: components.interrupter.clone(),
             event_store: Arc::clone(&components.event_store),
+            loader_items: train.num_items(),
         };
         match &self.replicas {
             Replicas::Threads(devices) => {
                 let main = devices.first().cloned().unwrap_or_default();
-                let reporter = Reporter::new(components, valid, &main);
+                let reporter = Reporter::new(components, valid, &main, Arc::clone(&self.feeds));
                 self.fit_threads(devices, run, (learner, train), reporter)
             }
             Replicas::Launched(device) => {
-                let reporter = Reporter::new(components, valid, device);
+                let reporter = Reporter::new(components, valid, device, Arc::clone(&self.feeds));
                 self.fit_launched(device, run, (learner, train), reporter)
             }
         }
     }
 }
 
-fn failure(rank: usize, message: String) -> TrainingError {
-    TrainingError::Workers(vec![WorkerFailure { device_id: rank, message: format!("qsr replica {rank}: {message}") }])
+/// burn-train's error for replica `rank`'s failure on `device`, the index of its device in this
+/// process (burn-train's message names it: a thread's place in `Replicas::Threads`, a launched
+/// process's one device, 0).
+fn failure(rank: usize, device: usize, message: String) -> TrainingError {
+    TrainingError::Workers(vec![WorkerFailure { device_id: device, message: format!("qsr replica {rank}: {message}") }])
 }
 
 fn panic_message(panic: Box<dyn std::any::Any + Send>) -> String {
     let text = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
     format!("panicked: {}", text.unwrap_or_else(|| "(no message)".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    /// The Learner trial: a launched rank's error named its rank as a device ("training worker on
+    /// device 3"); a process has one device, 0, and the rank is qsr's.
+    #[test]
+    fn a_launched_ranks_failure_names_its_rank_and_its_one_device() {
+        let text = super::failure(3, 0, "its shard failed".into()).to_string();
+        assert_eq!(text, "training worker on device 0 failed: qsr replica 3: its shard failed");
+    }
 }

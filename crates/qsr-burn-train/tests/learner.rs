@@ -69,7 +69,12 @@ fn data_parallel_through_the_learner_syncs_every_step_and_learns_digits() {
 /// The value burn-train logged for a metric over a validation epoch: its `final` line, else the mean
 /// of the batches' lines (a value and its item count).
 fn logged(dir: &std::path::Path, epoch: usize, metric: &str) -> f64 {
-    let path = dir.join(format!("valid/epoch-{epoch}/{metric}.log"));
+    logged_in(dir, "valid", epoch, metric)
+}
+
+/// [`logged`] on `split`.
+fn logged_in(dir: &std::path::Path, split: &str, epoch: usize, metric: &str) -> f64 {
+    let path = dir.join(format!("{split}/epoch-{epoch}/{metric}.log"));
     let text = qsr_files::read_text(&path, 1 << 20, "metric log").unwrap();
     if let Some(last) = text.lines().find_map(|l| l.strip_suffix(",final")) {
         return last.parse().unwrap();
@@ -95,6 +100,25 @@ fn the_last_validation_is_of_the_returned_model_even_with_one_sync() {
     assert_eq!(out.syncs, 1, "alpha 5 keeps one round to the end");
     let logged = logged(dir.path(), task.epochs, "Accuracy");
     assert!((logged - 100.0 * out.accuracy).abs() < 1e-3, "validated {logged} %, returned {}", out.accuracy);
+}
+
+/// The Learner trial: syncs and bytes were invisible to burn-train. They are its metrics now: each
+/// epoch's logged value is the run's total at its end, the last one every sync the run made.
+#[test]
+fn burn_trains_logs_hold_the_runs_syncs_and_traffic() {
+    let _turn = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let config = AveragerConfig::new(SyncRule::Qsr { h_base: 2, alpha: 0.06 }, 0);
+    let session = Session { dir: dir.path(), resume_after: None, stop_after: None };
+    let task = example::Task::digits();
+    let out = example::run_session(&task, threads(2), 2, config, &session).unwrap();
+    assert_eq!(logged_in(dir.path(), "train", task.epochs, "Synchronizations"), out.syncs as f64);
+    let (first, half) = (logged_in(dir.path(), "train", 1, "Synchronizations"), task.epochs / 2);
+    assert!(0.0 < first && first < logged_in(dir.path(), "train", half, "Synchronizations"), "epoch 1: {first}");
+    // Two replicas: each sync's ring all-reduce sends half the model, twice.
+    let megabytes = out.syncs as f64 * (out.weights.len() * 4) as f64 / 1e6;
+    let traffic = logged_in(dir.path(), "train", task.epochs, "Traffic");
+    assert!((traffic - megabytes).abs() < 1e-6 * megabytes, "{traffic} MB sent, {megabytes} MB expected");
 }
 
 /// The Learner trial: checkpoints held rank 0's replica, so a resumed run differed (91.67 % against
@@ -285,20 +309,25 @@ fn class_ordered_data_through_shards_learns_every_class() {
 }
 
 /// Regression (a user's trial): a scheduler sized for the whole loader (as for one device) made 40
-/// syncs where the plan for the replicas' steps said 17, silently; now the run stops after its first
-/// epoch, naming the step count the scheduler should have.
+/// syncs where the plan for the replicas' steps said 17, silently; now the run stops before its first
+/// step (the Learner trial: it stopped after the first epoch), naming the step count the scheduler
+/// should have.
 #[test]
-fn a_scheduler_sized_for_the_whole_loader_is_refused_naming_the_replicas_steps() {
+fn a_scheduler_sized_for_the_whole_loader_is_refused_before_the_first_step() {
     let _turn = serial();
     let mut task = example::Task::digits();
     task.epochs = 3;
     let per_replica = 3 * (task.train.labels.len() / 2).div_ceil(16);
     task.schedule_steps = Some(2 * per_replica);
-    let Err(e) = example::run_task(&task, threads(2), 2, SyncRule::Qsr { h_base: 2, alpha: 0.06 }) else {
+    let dir = tempfile::tempdir().unwrap();
+    let session = Session { dir: dir.path(), resume_after: None, stop_after: None };
+    let config = AveragerConfig::new(SyncRule::Qsr { h_base: 2, alpha: 0.06 }, 0);
+    let Err(e) = example::run_session(&task, threads(2), 2, config, &session) else {
         panic!("a schedule twice the run's length was accepted")
     };
     let e = e.to_string();
     assert!(e.contains("lr scheduler") && e.contains(&format!("takes only {per_replica} optimizer steps")), "{e}");
+    assert!(!dir.path().join("train/epoch-1/Loss.log").exists(), "no batch was trained before the refusal");
     // Sized for the replicas' steps, the same run trains.
     task.schedule_steps = None;
     assert!(example::run_task(&task, threads(2), 2, SyncRule::Qsr { h_base: 2, alpha: 0.06 }).is_ok());

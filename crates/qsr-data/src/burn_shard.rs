@@ -1,7 +1,8 @@
 //! One rank's shard of any burn [`Dataset`](burn::data::dataset::Dataset), in the trainer's data order.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::thread::ThreadId;
 
 use burn::data::dataset::Dataset;
 
@@ -52,7 +53,17 @@ pub struct ShardedDataset<D> {
     warned: AtomicBool,
     /// This shard's rank and the world size, for the warning.
     member: (usize, usize),
+    /// Each reading thread's last index since the last `set_epoch`: a loader reads its part in order,
+    /// a `.shuffle` on top does not.
+    last_reads: Mutex<Vec<(ThreadId, usize)>>,
+    /// `set_epoch` calls: from the second, the shard serves a loader that outlives an epoch.
+    epochs_set: AtomicUsize,
+    /// Whether a shuffled read was warned of (once per dataset).
+    warned_shuffle: AtomicBool,
 }
+
+/// Reading threads remembered at most (a loop without `set_epoch` would add a loader's every epoch).
+const THREADS: usize = 64;
 
 impl<D> ShardedDataset<D> {
     /// Rank `rank` of `world_size` over `dataset` (of at least `world_size` items), epoch 0's order.
@@ -73,7 +84,17 @@ impl<D> ShardedDataset<D> {
         let sampler = ShardedSampler::simple(len, world_size, rank, 1, seed)?;
         let order = RwLock::new((0, Arc::new(sampler.shard(0))));
         let (reads, warned) = (AtomicUsize::new(0), AtomicBool::new(false));
-        Ok(Self { inner: dataset, sampler, order, reads, warned, member: (rank, world_size) })
+        Ok(Self {
+            inner: dataset,
+            sampler,
+            order,
+            reads,
+            warned,
+            member: (rank, world_size),
+            last_reads: Mutex::new(Vec::new()),
+            epochs_set: AtomicUsize::new(0),
+            warned_shuffle: AtomicBool::new(false),
+        })
     }
 
     /// Switches to `epoch`'s order (every rank at the same epoch, before iterating it).
@@ -82,6 +103,38 @@ impl<D> ShardedDataset<D> {
         let mut order = self.order.write().unwrap_or_else(std::sync::PoisonError::into_inner);
         *order = (epoch, shard);
         self.reads.store(0, Ordering::Relaxed);
+        self.last_reads.lock().unwrap_or_else(PoisonError::into_inner).clear();
+        self.epochs_set.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Notes the read of `index`; the first read out of its thread's order in a shard serving a second
+    /// epoch warns, once: a loader built once with `.shuffle(seed)` draws each epoch's order from a
+    /// generator that restarts with the process, so a resumed run reads another order than the run it
+    /// continues, and not the trainer's.
+    fn note_order(&self, index: usize) {
+        let thread = std::thread::current().id();
+        let in_order = {
+            let mut last = self.last_reads.lock().unwrap_or_else(PoisonError::into_inner);
+            match last.iter_mut().find(|(t, _)| *t == thread) {
+                Some((_, previous)) => std::mem::replace(previous, index) + 1 == index,
+                None => {
+                    if last.len() == THREADS {
+                        last.clear();
+                    }
+                    last.push((thread, index));
+                    true
+                }
+            }
+        };
+        if in_order || self.epochs_set.load(Ordering::Relaxed) < 2 || self.warned_shuffle.swap(true, Ordering::Relaxed)
+        {
+            return;
+        }
+        let (rank, k) = self.member;
+        warn(&format!(
+            "ShardedDataset (rank {rank} of {k}): read out of order in epoch {}: is its loader built with `.shuffle(..)`? The shard already holds each epoch's order, a function of (seed, epoch); a loader's shuffle draws from a generator that restarts with the process, so a resumed run would read another order. Build the loader without `.shuffle` (reading the shard out of order on purpose is fine)",
+            self.epoch()
+        ));
     }
 
     /// Counts a read; the first read of a second pass over one epoch's shard warns, once: a loop
@@ -93,11 +146,7 @@ impl<D> ShardedDataset<D> {
             let message = format!(
                 "ShardedDataset (rank {rank} of {k}): epoch {epoch}'s shard of {len} items is read a second time without `set_epoch`; call `set_epoch(epoch)` before each epoch, or every epoch repeats this order (a second pass on purpose, such as an evaluation on training data, is fine)"
             );
-            if tracing::dispatcher::has_been_set() {
-                tracing::warn!("{message}");
-            } else {
-                eprintln!("warning: {message}");
-            }
+            warn(&message);
         }
     }
 
@@ -119,6 +168,7 @@ impl<D> ShardedDataset<D> {
 impl<D: Dataset<I>, I> Dataset<I> for ShardedDataset<D> {
     fn get(&self, index: usize) -> std::result::Result<I, burn::data::dataset::DatasetError> {
         self.count_read();
+        self.note_order(index);
         let indices = self.indices();
         match indices.get(index) {
             Some(&i) => self.inner.get(i),
@@ -131,6 +181,15 @@ impl<D: Dataset<I>, I> Dataset<I> for ShardedDataset<D> {
 
     fn len(&self) -> usize {
         self.sampler.shard_len()
+    }
+}
+
+/// A warning through `tracing` when a subscriber is set, else on stderr.
+fn warn(message: &str) {
+    if tracing::dispatcher::has_been_set() {
+        tracing::warn!("{message}");
+    } else {
+        eprintln!("warning: {message}");
     }
 }
 
@@ -156,5 +215,48 @@ mod tests {
         assert!(!shard.warned.load(std::sync::atomic::Ordering::Relaxed));
         pass(&shard);
         assert!(shard.warned.load(std::sync::atomic::Ordering::Relaxed), "the second pass of epoch 2 warns");
+    }
+
+    /// The trial's one-loader program: burn's `.shuffle(seed)` on top of the shard made a resumed run
+    /// read another order, silently. A loader built once with it warns in its second epoch; one
+    /// without it, and a shuffled loader built afresh for each epoch's shard, never warn.
+    #[test]
+    fn a_shuffled_loader_over_a_shard_that_outlives_an_epoch_warns() {
+        use std::sync::Arc;
+
+        use burn::data::dataloader::DataLoaderBuilder;
+        use burn::data::dataloader::batcher::Batcher;
+        use std::sync::atomic::Ordering::Relaxed;
+
+        #[derive(Clone)]
+        struct Items;
+        impl Batcher<u32, Vec<u32>> for Items {
+            fn batch(&self, items: Vec<u32>, _: &burn::tensor::Device) -> Vec<u32> {
+                items
+            }
+        }
+        let shard = |seed| Arc::new(ShardedDataset::new(InMemDataset::new((0..64).collect()), 0, 2, seed).unwrap());
+        let epochs = |shard: &Arc<ShardedDataset<InMemDataset<u32>>>, shuffle: bool| {
+            let builder = DataLoaderBuilder::new(Items).batch_size(4);
+            let loader = if shuffle { builder.shuffle(3) } else { builder }.build(Arc::clone(shard));
+            for epoch in 0..3 {
+                shard.set_epoch(epoch);
+                assert_eq!(loader.iter().map(|b| b.unwrap().len()).sum::<usize>(), 32);
+            }
+        };
+        let (plain, shuffled) = (shard(7), shard(7));
+        epochs(&plain, false);
+        epochs(&shuffled, true);
+        assert!(!plain.warned_shuffle.load(Relaxed));
+        assert!(shuffled.warned_shuffle.load(Relaxed), "the shuffled loader read out of order");
+        // A fresh shard and loader per epoch, as with_shards builds them: shuffled, yet the same order
+        // on a resumed run.
+        for epoch in 0..3 {
+            let fresh = shard(7);
+            fresh.set_epoch(epoch);
+            let loader = DataLoaderBuilder::new(Items).batch_size(4).shuffle(3).build(Arc::clone(&fresh));
+            assert_eq!(loader.iter().count(), 8);
+            assert!(!fresh.warned_shuffle.load(Relaxed));
+        }
     }
 }
