@@ -7,6 +7,7 @@
 mod common;
 
 mod averager;
+mod averager_muon;
 mod averager_schedule;
 mod averager_streaming;
 mod device_wgpu;
