@@ -250,33 +250,36 @@ fn section_comm(root: &Path, target: &Path) -> Result<String> {
     Ok(o)
 }
 
-/// `cargo xtask bench comm-quantized`: the TCP ring's f32 all-reduce against its int8 and fp8 ones
-/// (block-scaled, re-quantized at each hop) at 4 ranks, 64 KiB..64 MiB of f32: time per call and the
-/// bytes a rank sends.
+/// `cargo xtask bench comm-quantized`: the TCP ring's f32 all-reduce against its int8, fp8 and int2
+/// ones (block-scaled, re-quantized at each hop) at 4 ranks, 64 KiB..64 MiB of f32: time per call and
+/// the bytes a rank sends.
 fn section_comm_quantized(root: &Path, target: &Path) -> Result<String> {
     let ctx = &comm_bench(root, target, &[])?;
     let mut o = String::from(
-        "The TCP ring at 4 ranks with block-scaled int8 / fp8 payloads (`all_reduce_quantized`) against f32: \
-         median us per call for a buffer of that many f32 bytes, and the bytes rank 0 sends per call \
+        "The TCP ring at 4 ranks with block-scaled int8 / fp8 / int2 payloads (`all_reduce_quantized`) against \
+         f32: median us per call for a buffer of that many f32 bytes, and the bytes rank 0 sends per call \
          (`CommStats`):\n\n\
-         | size (f32) | f32 us | int8 us | fp8 us | int8 / f32 time | f32 bytes sent | int8 bytes sent | int8 / f32 bytes |\n\
-         |---|---|---|---|---|---|---|---|\n",
+         | size (f32) | f32 us | int8 us | fp8 us | int2 us | int8 / f32 time | int2 / f32 time | f32 bytes sent | int8 / f32 bytes | int2 / f32 bytes |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
     );
     let (min, max) = (64u64 << 10, 64u64 << 20);
     let run = |wire: &str| comm_sweep(ctx, "tcp", 4, (min, max), &["--wire", wire]);
-    let (f, i, e) = (run("f32")?, run("int8")?, run("fp8")?);
+    let (f, i, e, t) = (run("f32")?, run("int8")?, run("fp8")?, run("int2")?);
     let sent = |wire: &str| wire_bytes(&ctx.tmp.join(format!("tcp-4-{min}-{max}--wire{wire}.json")));
-    let (fs, is) = (sent("f32")?, sent("int8")?);
-    for (((a, b), c), (x, y)) in f.iter().zip(&i).zip(&e).zip(fs.iter().zip(&is)) {
+    let (fs, is, ts) = (sent("f32")?, sent("int8")?, sent("int2")?);
+    for ((((a, b), c), d), ((x, y), z)) in f.iter().zip(&i).zip(&e).zip(&t).zip(fs.iter().zip(&is).zip(&ts)) {
         let _ = writeln!(
             o,
-            "| {} | {:.1} | {:.1} | {:.1} | {:.2} | {x} | {y} | {:.3} |",
+            "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {x} | {:.3} | {:.3} |",
             human(a.0),
             a.1,
             b.1,
             c.1,
+            d.1,
             b.1 / a.1,
-            *y as f64 / *x as f64
+            d.1 / a.1,
+            *y as f64 / *x as f64,
+            *z as f64 / *x as f64
         );
     }
     Ok(o)

@@ -86,7 +86,9 @@ fn parse() -> Result<Args, String> {
                     "f32" => None,
                     "int8" => Some(Codec::Int8),
                     "fp8" => Some(Codec::Fp8E4m3),
-                    w => return Err(format!("--wire {w}: expected f32, int8 or fp8")),
+                    "int4" => Some(Codec::Int4),
+                    "int2" => Some(Codec::Int2),
+                    w => return Err(format!("--wire {w}: expected f32, int8, fp8, int4 or int2")),
                 }
             }
             other => return Err(format!("unknown argument {other}")),

@@ -25,11 +25,13 @@ impl ReduceOp {
     }
 }
 
-/// A codec's name in messages and settings: `int8`, `fp8`.
+/// A codec's name in messages and settings: `int8`, `fp8`, `int4`, `int2`.
 pub fn codec_name(codec: Codec) -> &'static str {
     match codec {
         Codec::Int8 => "int8",
         Codec::Fp8E4m3 => "fp8",
+        Codec::Int4 => "int4",
+        Codec::Int2 => "int2",
     }
 }
 

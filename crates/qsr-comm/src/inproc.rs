@@ -20,7 +20,7 @@
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use qsr_kernels::{Codec, WIRE_BLOCK, WIRE_BLOCK_BYTES};
+use qsr_kernels::{Codec, WIRE_BLOCK};
 
 use crate::collective::tag_name;
 use crate::{CallKind, Collective, CommError, CommStats, ReduceOp, SyncTag, bf16_round, split_range};
@@ -40,7 +40,9 @@ impl Rounding {
         match self {
             Rounding::F32 => crate::ring_allreduce_bytes(len, 4, k),
             Rounding::Bf16 => crate::ring_allreduce_bytes(len, 2, k),
-            Rounding::Quantized(_) => crate::ring_allreduce_bytes(len.div_ceil(WIRE_BLOCK), WIRE_BLOCK_BYTES as u64, k),
+            Rounding::Quantized(codec) => {
+                crate::ring_allreduce_bytes(len.div_ceil(WIRE_BLOCK), codec.block_bytes() as u64, k)
+            }
         }
     }
 
@@ -51,6 +53,8 @@ impl Rounding {
             Rounding::Bf16 => " (bf16 payload)",
             Rounding::Quantized(Codec::Int8) => " (int8 payload)",
             Rounding::Quantized(Codec::Fp8E4m3) => " (fp8 payload)",
+            Rounding::Quantized(Codec::Int4) => " (int4 payload)",
+            Rounding::Quantized(Codec::Int2) => " (int2 payload)",
         }
     }
 }

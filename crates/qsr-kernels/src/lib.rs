@@ -48,7 +48,7 @@ mod device_check;
 #[cfg(feature = "cube")]
 pub use device_check::{Bandwidth, CaseResult, check_correctness, measure_bandwidth, random_replicas};
 pub use host::{average_and_broadcast, mean_into, reduce_and_broadcast_serial, sum_into};
-pub use quant::{Codec, ErrorFeedback, Quantized, WIRE_BLOCK, WIRE_BLOCK_BYTES, fp8_decode, fp8_encode, wire_bytes};
+pub use quant::{Codec, ErrorFeedback, Quantized, WIRE_BLOCK, fp8_decode, fp8_encode};
 
 /// Elements per parallel task: large enough to amortize scheduling, small enough to balance 2..64 cores.
 pub const CHUNK: usize = 1 << 16;

@@ -1,5 +1,6 @@
-//! Compressed sync payloads: one byte per value (int8, or fp8 e4m3) and one f32 scale per block of
-//! values, and error feedback, which carries what quantization dropped into the next payload.
+//! Compressed sync payloads: one byte per value (int8, or fp8 e4m3), half a byte (int4) or a quarter
+//! (int2), and one f32 scale per block of values; and error feedback, which carries what quantization
+//! dropped into the next payload.
 //!
 //! Every function is deterministic (no thread-dependent order): a payload decodes to the same f32
 //! values on every rank. Decoding adds into an f32 buffer ([`Quantized::add_into`]), so a collective
@@ -14,21 +15,53 @@ pub enum Codec {
     /// An fp8 e4m3 number (OCP's E4M3FN: 4 exponent bits, 3 mantissa bits, largest 448, no infinity)
     /// times the block's scale (`max |x| / 448`), rounded to nearest, ties to even.
     Fp8E4m3,
+    /// A signed 4-bit code in `-7..=7` times the block's scale (`max |x| / 7`), rounded to nearest,
+    /// ties to even; two codes per byte.
+    Int4,
+    /// A 2-bit code for one of the four levels `-1.5, -0.5, 0.5, 1.5` times the block's scale
+    /// (`max |x| / 1.5`), the nearest (ties to the even code); four codes per byte. No level is zero: at
+    /// two bits all four codes carry a magnitude, and error feedback carries what they miss.
+    Int2,
 }
 
 impl Codec {
-    /// The largest magnitude one byte holds, which the block's largest value is scaled to.
+    /// Bits of one value's code.
+    pub fn bits(self) -> usize {
+        match self {
+            Codec::Int8 | Codec::Fp8E4m3 => 8,
+            Codec::Int4 => 4,
+            Codec::Int2 => 2,
+        }
+    }
+
+    /// Bytes on the wire of a block of `values` values: its scale and the codes, packed.
+    pub fn block_bytes_of(self, values: usize) -> usize {
+        4 + (values * self.bits()).div_ceil(8)
+    }
+
+    /// Bytes on the wire of a full block of [`WIRE_BLOCK`] values (68 for int8 and fp8, 36 for int4,
+    /// 20 for int2).
+    pub fn block_bytes(self) -> usize {
+        self.block_bytes_of(WIRE_BLOCK)
+    }
+
+    /// The largest magnitude a code holds, which the block's largest value is scaled to.
     fn max_code_value(self) -> f32 {
         match self {
             Codec::Int8 => 127.0,
             Codec::Fp8E4m3 => 448.0,
+            Codec::Int4 => 7.0,
+            Codec::Int2 => 1.5,
         }
     }
 
+    /// The code of `v` (in units of the block's scale), in the low `bits` of a byte.
     fn encode(self, v: f32) -> u8 {
         match self {
             Codec::Int8 => round_ties_even(v).clamp(-127.0, 127.0) as i8 as u8,
             Codec::Fp8E4m3 => fp8_encode(v),
+            Codec::Int4 => round_ties_even(v).clamp(-7.0, 7.0) as i8 as u8 & 0x0f,
+            Codec::Int2 => round_ties_even(v + 1.5).clamp(0.0, 3.0) as u8,
         }
     }
 
@@ -55,26 +88,44 @@ impl Codec {
     }
 
     /// Writes `values` as one block of the collectives' payload: the scale as 4 little-endian bytes,
-    /// then one byte per value (`out` holds `4 + values.len()` bytes).
+    /// then the codes, packed (`out` holds [`Codec::block_bytes_of`]`(values.len())` bytes; codes below
+    /// 8 bits fill each byte from its low bits, the first value lowest).
     ///
     /// # Panics
     ///
-    /// If `out` has another length.
+    /// If `out` has another length, or a codec below 8 bits gets more than [`WIRE_BLOCK`] values.
     pub fn put_block(self, values: &[f32], out: &mut [u8]) {
-        assert_eq!(out.len(), 4 + values.len(), "Codec::put_block: length mismatch");
-        let (head, codes) = out.split_at_mut(4);
-        head.copy_from_slice(&self.encode_block(values, codes).to_le_bytes());
+        assert_eq!(out.len(), self.block_bytes_of(values.len()), "Codec::put_block: length mismatch");
+        let (head, packed) = out.split_at_mut(4);
+        let scale = if self.bits() == 8 {
+            self.encode_block(values, packed)
+        } else {
+            let mut codes = [0u8; WIRE_BLOCK];
+            let codes = &mut codes[..values.len()];
+            let scale = self.encode_block(values, codes);
+            let per_byte = 8 / self.bits();
+            for (byte, codes) in packed.iter_mut().zip(codes.chunks(per_byte)) {
+                *byte = codes.iter().enumerate().fold(0, |b, (i, &c)| b | c << (i * self.bits()));
+            }
+            scale
+        };
+        head.copy_from_slice(&scale.to_le_bytes());
     }
 
-    /// The values of a block written by [`Codec::put_block`], into `out` (`bytes.len() - 4` values).
+    /// The values of a block written by [`Codec::put_block`], into `out`.
     ///
     /// # Panics
     ///
-    /// If `out` has another length.
+    /// If `bytes` does not hold [`Codec::block_bytes_of`]`(out.len())` bytes.
     pub fn get_block(self, bytes: &[u8], out: &mut [f32]) {
-        assert_eq!(bytes.len(), 4 + out.len(), "Codec::get_block: length mismatch");
+        assert_eq!(bytes.len(), self.block_bytes_of(out.len()), "Codec::get_block: length mismatch");
         let scale = f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
-        out.iter_mut().zip(&bytes[4..]).for_each(|(o, &b)| *o = self.decode(b) * scale);
+        let (bits, packed) = (self.bits(), &bytes[4..]);
+        let mask = ((1u16 << bits) - 1) as u8;
+        for (i, o) in out.iter_mut().enumerate() {
+            let code = packed[i * bits / 8] >> (i * bits % 8) & mask;
+            *o = self.decode(code) * scale;
+        }
     }
 
     /// `values` replaced by what one block of them decodes to: [`Codec::put_block`] then
@@ -88,27 +139,24 @@ impl Codec {
         }
     }
 
-    fn decode(self, byte: u8) -> f32 {
+    fn decode(self, code: u8) -> f32 {
         match self {
-            Codec::Int8 => f32::from(byte as i8),
-            Codec::Fp8E4m3 => fp8_decode(byte),
+            Codec::Int8 => f32::from(code as i8),
+            Codec::Fp8E4m3 => fp8_decode(code),
+            // The nibble's sign bit moved to the byte's, shifted back with the sign.
+            Codec::Int4 => f32::from((code << 4) as i8 >> 4),
+            Codec::Int2 => f32::from(code) - 1.5,
         }
     }
 }
 
 /// Values per scale in the collectives' compressed payloads ([`Codec::put_block`]): one scale per 64
-/// values is 1/16 byte per value, so a payload is `1 + 4/64` bytes per value, 0.266 of f32.
+/// values is 1/16 byte per value, so an int8 payload is `1 + 4/64` bytes per value, 0.266 of f32 (int4
+/// 0.141, int2 0.078).
 pub const WIRE_BLOCK: usize = 64;
 
-/// Bytes of a full block of [`WIRE_BLOCK`] values on the wire: its scale and one byte per value.
-pub const WIRE_BLOCK_BYTES: usize = 4 + WIRE_BLOCK;
-
-/// Bytes on the wire of `values` values in blocks of [`WIRE_BLOCK`] (the last block may be shorter).
-pub fn wire_bytes(values: u64) -> u64 {
-    values + 4 * values.div_ceil(WIRE_BLOCK as u64)
-}
-
-/// A quantized buffer: `len` values as one byte each, and one f32 scale per `block` values.
+/// A quantized buffer: `len` values' codes (one per byte here, packed on the wire), and one f32
+/// scale per `block` values.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Quantized {
     codec: Codec,
@@ -140,9 +188,9 @@ impl Quantized {
         self.bytes.is_empty()
     }
 
-    /// Bytes on the wire: one per value and four per block's scale.
+    /// Bytes on the wire: each block's scale and its codes, packed.
     pub fn wire_bytes(&self) -> u64 {
-        self.bytes.len() as u64 + 4 * self.scales.len() as u64
+        self.bytes.chunks(self.block).map(|b| self.codec.block_bytes_of(b.len()) as u64).sum()
     }
 
     /// `acc += decoded payload`, in f32.

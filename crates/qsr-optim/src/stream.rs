@@ -57,7 +57,7 @@ pub struct InFlight {
 }
 
 /// What a streaming worker holds beyond its parameters, optimizer and outer state: the averages in
-/// flight and the error-feedback residual (on an int8 or fp8 wire).
+/// flight and the error-feedback residual (on a quantized wire).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StreamState {
     /// Averages sent and not yet applied, in the order they were sent.
@@ -116,7 +116,7 @@ pub(crate) struct Stream {
     ranges: Vec<Range<usize>>,
     config: StreamingConfig,
     transfer: Transfer,
-    /// What quantization dropped, one value per parameter: on an int8 or fp8 wire.
+    /// What quantization dropped, one value per parameter: on a quantized wire.
     residual: Option<Vec<f32>>,
     in_flight: VecDeque<Sent>,
     lane: Lane,

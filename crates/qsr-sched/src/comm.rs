@@ -32,6 +32,13 @@ impl Encoding {
         Encoding { per_value: 1, per_block: 4, block: if block == 0 { 1 } else { block } }
     }
 
+    /// Codes narrower than a byte, packed, and an f32 scale per `block` values: `bits` bits per value
+    /// (int4: 4, int2: 2), every block counted whole, as the ring sends them (`block` 0 counts as 1).
+    pub const fn packed(bits: u64, block: u64) -> Encoding {
+        let block = if block == 0 { 1 } else { block };
+        Encoding { per_value: 0, per_block: 4 + (block * bits).div_ceil(8), block }
+    }
+
     /// Bytes of one block of values on the wire.
     fn block_bytes(&self) -> u128 {
         u128::from(self.block.max(1)) * u128::from(self.per_value) + u128::from(self.per_block)

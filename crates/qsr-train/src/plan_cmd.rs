@@ -48,7 +48,7 @@ pub(crate) struct PlanArgs {
     #[arg(long, default_value_t = 4)]
     pub bytes_per_param: u64,
     /// The parameter syncs' wire, as `driver.wire` says it (`f32`, `bf16`, `int8`, `fp8`: a byte per
-    /// value and a scale per 64); replaces `--bytes-per-param`.
+    /// value and a scale per 64; `int4`, `int2`: 4 or 2 bits and the scale); replaces `--bytes-per-param`.
     #[arg(long, value_parser = parse_wire)]
     pub wire: Option<Wire>,
     /// Workers per node for the byte count of a two-level plan's local averages (default: the
@@ -158,7 +158,7 @@ fn load(args: &PlanArgs) -> Result<Vec<PlanRecipe>> {
 /// `--wire`'s value, as a recipe's `driver.wire` spells it.
 fn parse_wire(s: &str) -> Result<Wire, String> {
     serde_json::from_value(serde_json::Value::String(s.into()))
-        .map_err(|_| format!("`{s}` is not a wire: f32, bf16, int8 or fp8"))
+        .map_err(|_| format!("`{s}` is not a wire: f32, bf16, int8, fp8, int4 or int2"))
 }
 
 fn report(r: &PlanRecipe, args: &PlanArgs) -> PlanReport {
@@ -166,7 +166,7 @@ fn report(r: &PlanRecipe, args: &PlanArgs) -> PlanReport {
     let encoding = args.wire.map_or(Encoding::plain(args.bytes_per_param), Wire::encoding);
     let volume = args.params.map(|n| summary.volume(n, encoding, args.world_size));
     let node = args.node_size.unwrap_or(args.world_size);
-    // Node averages travel in f32 under int8 / fp8 (`Wire::at`).
+    // Node averages travel in f32 under a quantized wire (`Wire::at`).
     let local_encoding = args.wire.map_or(encoding, |w| w.at(Level::Local).encoding());
     let local_volume =
         summary.local.as_ref().zip(args.params).map(|(l, n)| l.volume(summary.run_steps, n, local_encoding, node));

@@ -95,8 +95,14 @@ fn kind_code(k: CallKind) -> u64 {
 }
 
 /// The payloads in the order of their codes in a header's op byte.
-const PAYLOADS: [Rounding; 4] =
-    [Rounding::F32, Rounding::Bf16, Rounding::Quantized(Codec::Int8), Rounding::Quantized(Codec::Fp8E4m3)];
+const PAYLOADS: [Rounding; 6] = [
+    Rounding::F32,
+    Rounding::Bf16,
+    Rounding::Quantized(Codec::Int8),
+    Rounding::Quantized(Codec::Fp8E4m3),
+    Rounding::Quantized(Codec::Int4),
+    Rounding::Quantized(Codec::Int2),
+];
 
 fn op_code(op: Option<(ReduceOp, Rounding)>) -> u64 {
     match op {

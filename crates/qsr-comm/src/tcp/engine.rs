@@ -18,7 +18,7 @@ use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
-use qsr_kernels::{Codec, WIRE_BLOCK, WIRE_BLOCK_BYTES};
+use qsr_kernels::{Codec, WIRE_BLOCK};
 
 use crate::CommError;
 use crate::collective::tag_name;
@@ -134,11 +134,13 @@ pub(crate) enum Buf<'a> {
         wire: &'a mut [u8],
     },
     /// The f32 values (padded to whole blocks of `WIRE_BLOCK`), reduced in f32, and their
-    /// quantized wire copy: per block its scale and one byte per value (`WIRE_BLOCK_BYTES`).
+    /// quantized wire copy: per block its scale and the packed codes (`Codec::block_bytes`); `len`
+    /// values are the buffer's, the rest padding.
     Quantized {
         master: &'a mut [f32],
         wire: &'a mut [u8],
         codec: Codec,
+        len: usize,
     },
     Bytes(&'a mut [u8]),
 }
@@ -635,16 +637,20 @@ impl<'a> Call<'a> {
                     put_bf16(*d, &mut out[2 * i..2 * i + 2]);
                 }
             }
-            Buf::Quantized { master, wire, codec } => {
+            Buf::Quantized { master, wire, codec, len } => {
                 // The received partial sum decoded, our f32 values added, the sum quantized again.
-                let (lo, hi) = (block.range.start / WIRE_BLOCK_BYTES, block.range.end / WIRE_BLOCK_BYTES);
-                let src = &f32_bytes_mut(self.scratch)[..(hi - lo) * WIRE_BLOCK_BYTES];
+                let bytes = codec.block_bytes();
+                let (lo, hi) = (block.range.start / bytes, block.range.end / bytes);
+                let src = &f32_bytes_mut(self.scratch)[..(hi - lo) * bytes];
                 let mut got = [0.0f32; WIRE_BLOCK];
                 for (i, g) in (lo..hi).enumerate() {
-                    codec.get_block(&src[i * WIRE_BLOCK_BYTES..(i + 1) * WIRE_BLOCK_BYTES], &mut got);
+                    codec.get_block(&src[i * bytes..(i + 1) * bytes], &mut got);
                     let d = &mut master[g * WIRE_BLOCK..(g + 1) * WIRE_BLOCK];
                     d.iter_mut().zip(&got).for_each(|(d, s)| *d = finish(*d + *s));
-                    codec.put_block(d, &mut wire[g * WIRE_BLOCK_BYTES..(g + 1) * WIRE_BLOCK_BYTES]);
+                    // The padding stays zero (int2 has no zero level: a decoded pad is not 0), so a
+                    // partial block's scale is its values' alone, as in the in-process group.
+                    d[len.saturating_sub(g * WIRE_BLOCK).min(WIRE_BLOCK)..].fill(0.0);
+                    codec.put_block(d, &mut wire[g * bytes..(g + 1) * bytes]);
                 }
             }
             Buf::Bytes(_) => {}

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use crate::launch_env::LaunchEnv;
 use crate::wire::{self, CallHeader, PROTOCOL_VERSION};
 use crate::{Codec, Collective, CommError, CommStats, ReduceOp};
-use qsr_kernels::{WIRE_BLOCK, WIRE_BLOCK_BYTES};
+use qsr_kernels::WIRE_BLOCK;
 
 use engine::{Buf, Call};
 pub use rendezvous::WaitProgress;
@@ -696,16 +696,16 @@ impl Collective for TcpComm {
         }
         let mean = op == ReduceOp::Mean;
         // The ring's elements are whole blocks: every segment and pipelining block ends on one.
-        let blocks = buf.len().div_ceil(WIRE_BLOCK);
-        let plan = plan::all_reduce_of(self.rank, self.n, blocks, mean, chunk_bytes(&self.cfg), WIRE_BLOCK_BYTES);
+        let (blocks, block_bytes) = (buf.len().div_ceil(WIRE_BLOCK), codec.block_bytes());
+        let plan = plan::all_reduce_of(self.rank, self.n, blocks, mean, chunk_bytes(&self.cfg), block_bytes);
         let mut master = std::mem::take(&mut self.quant_master);
         master.clear();
         master.extend_from_slice(buf);
         master.resize(blocks * WIRE_BLOCK, 0.0);
         let mut wire = std::mem::take(&mut self.wire);
         wire.clear();
-        wire.resize(blocks * WIRE_BLOCK_BYTES, 0);
-        for (m, w) in master.chunks(WIRE_BLOCK).zip(wire.chunks_mut(WIRE_BLOCK_BYTES)) {
+        wire.resize(blocks * block_bytes, 0);
+        for (m, w) in master.chunks(WIRE_BLOCK).zip(wire.chunks_mut(block_bytes)) {
             codec.put_block(m, w);
         }
         let code = match codec {
@@ -713,17 +713,22 @@ impl Collective for TcpComm {
             Codec::Int8 => wire::OP_SUM_INT8,
             Codec::Fp8E4m3 if mean => wire::OP_MEAN_FP8,
             Codec::Fp8E4m3 => wire::OP_SUM_FP8,
+            Codec::Int4 if mean => wire::OP_MEAN_INT4,
+            Codec::Int4 => wire::OP_SUM_INT4,
+            Codec::Int2 if mean => wire::OP_MEAN_INT2,
+            Codec::Int2 => wire::OP_SUM_INT2,
         };
         // The header carries the f32 buffer's length: ranks whose buffers differ inside one block
         // would otherwise agree on the padded wire length.
         let len = buf.len() * 4;
-        let quantized = Buf::Quantized { master: &mut master, wire: &mut wire, codec };
+        let quantized = Buf::Quantized { master: &mut master, wire: &mut wire, codec, len: buf.len() };
         let res = self.call(wire::KIND_ALL_REDUCE, code, 0, quantized, len, plan);
         if res.is_ok() {
             // Every rank takes the values on the wire, its own segment's too: bit-identical everywhere.
-            for (x, w) in buf.chunks_mut(WIRE_BLOCK).zip(wire.chunks(WIRE_BLOCK_BYTES)) {
-                let n = x.len();
-                codec.get_block(&w[..4 + n], x);
+            let mut block = [0.0f32; WIRE_BLOCK];
+            for (x, w) in buf.chunks_mut(WIRE_BLOCK).zip(wire.chunks(block_bytes)) {
+                codec.get_block(w, &mut block);
+                x.copy_from_slice(&block[..x.len()]);
             }
         }
         self.wire = wire;

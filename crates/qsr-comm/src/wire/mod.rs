@@ -519,6 +519,18 @@ pub(crate) const OP_SUM_FP8: u8 = 6;
 /// `op` value of a mean whose payload travels as fp8 e4m3 with block scales.
 pub(crate) const OP_MEAN_FP8: u8 = 7;
 
+/// `op` value of a sum whose payload travels as int4 with block scales.
+pub(crate) const OP_SUM_INT4: u8 = 8;
+
+/// `op` value of a mean whose payload travels as int4 with block scales.
+pub(crate) const OP_MEAN_INT4: u8 = 9;
+
+/// `op` value of a sum whose payload travels as int2 with block scales.
+pub(crate) const OP_SUM_INT2: u8 = 10;
+
+/// `op` value of a mean whose payload travels as int2 with block scales.
+pub(crate) const OP_MEAN_INT2: u8 = 11;
+
 /// A reduction's name in messages, from its `op` value: `sum`, `mean (int8 payload)`, `none`.
 pub(crate) fn op_label(op: u8) -> String {
     let name = if op.is_multiple_of(2) { "sum" } else { "mean" };
@@ -527,6 +539,8 @@ pub(crate) fn op_label(op: u8) -> String {
         OP_SUM_BF16 | OP_MEAN_BF16 => " (bf16 payload)",
         OP_SUM_INT8 | OP_MEAN_INT8 => " (int8 payload)",
         OP_SUM_FP8 | OP_MEAN_FP8 => " (fp8 payload)",
+        OP_SUM_INT4 | OP_MEAN_INT4 => " (int4 payload)",
+        OP_SUM_INT2 | OP_MEAN_INT2 => " (int2 payload)",
         _ => return "none".into(),
     };
     format!("{name}{payload}")
@@ -563,7 +577,7 @@ impl CallHeader {
             return Err(WireError::BadValue { what: "call kind", value: u64::from(kind) });
         }
         let op = c.u8()?;
-        if op > OP_MEAN_FP8 && op != OP_NONE {
+        if op > OP_MEAN_INT2 && op != OP_NONE {
             return Err(WireError::BadValue { what: "reduce op", value: u64::from(op) });
         }
         let chunk = c.u16()?;

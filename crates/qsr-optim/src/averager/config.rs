@@ -31,12 +31,13 @@ pub struct AveragerConfig {
     /// instead of plain averaging (default none). BatchNorm statistics are still averaged plainly.
     pub outer: Option<OuterConfig>,
     /// How a parameter average travels: f32 (default), bf16 (half the bytes, every rank ends with
-    /// the same bf16-rounded mean), or int8 / fp8 (the pseudo-gradient in blocks with a scale each,
-    /// with error feedback, as [`Worker`](crate::Worker) sends them); gradient averages stay f32.
+    /// the same bf16-rounded mean), or int8 / fp8 / int4 / int2 (the pseudo-gradient in blocks with
+    /// a scale each, with error feedback, as [`Worker`](crate::Worker) sends them; int2 is MuLoCo's
+    /// 2 bits); gradient averages stay f32.
     pub wire: Wire,
     /// Streaming syncs (default none): the parameters in fragments of whole tensors, each synced
     /// once per round at its own step and applied `delay` steps later, blended by `mix`, as the
-    /// trainer's `[sync.streaming]` does. An int8 / fp8 wire without it syncs one fragment at each
+    /// trainer's `[sync.streaming]` does. A quantized wire without it syncs one fragment at each
     /// round's end, applied at once.
     pub streaming: Option<StreamingConfig>,
     /// Compare a fingerprint of the parameters across ranks after every parameter average (default

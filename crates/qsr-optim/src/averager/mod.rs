@@ -44,7 +44,7 @@
 //!
 //! With [`AveragerConfig::streaming`] the parameters sync in fragments of whole tensors, each once per
 //! round at its own step, its average applied `delay` steps later and blended by `mix` (Streaming
-//! DiLoCo's schedule with QSR's `H`); with an int8 / fp8 [`AveragerConfig::wire`] the payloads are
+//! DiLoCo's schedule with QSR's `H`); with a quantized (int8, fp8, int4, int2) [`AveragerConfig::wire`] the payloads are
 //! block-scaled with error feedback. [`Averager::set_streaming_comm`] runs the fragments'
 //! all-reduces on a second group, on a thread, while the caller steps (the same bits). The run's
 //! last step (or [`Averager::finish`]) applies what is in flight and averages all parameters, so

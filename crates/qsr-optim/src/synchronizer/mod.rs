@@ -174,7 +174,7 @@ impl Synchronizer {
         match &mut self.stream {
             Some(stream) => stream.set_background(comm),
             None => {
-                refuse(format!("a streaming collective needs the {owner} to stream (`{field}`, or an int8 / fp8 wire)"))
+                refuse(format!("a streaming collective needs the {owner} to stream (`{field}`, or a quantized wire)"))
             }
         }
     }

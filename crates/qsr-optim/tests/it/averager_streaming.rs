@@ -117,7 +117,7 @@ fn a_streaming_averager_syncs_as_plain_qsr_and_ends_with_one_model() {
     let start = test_loss(&initial);
     assert!(start > 0.5, "the task is learnt from {start}");
     let mut bytes = Vec::new();
-    for wire in [Wire::F32, Wire::Int8, Wire::Fp8] {
+    for wire in [Wire::F32, Wire::Int8, Wire::Fp8, Wire::Int2] {
         for s in [streaming(2, 1, 1.0), streaming(2, 2, 0.5), None] {
             if s.is_none() && wire == Wire::F32 {
                 continue;

@@ -325,9 +325,9 @@ fn plan_budget_sets_alpha_within_the_share_of_data_parallels_syncs() {
 }
 
 /// `--wire int8` counts a byte per value and a scale per 64 (whole blocks, as the ring moves them):
-/// 68 / 256 of the f32 volume, in the plan's volume and the streaming peak alike.
+/// 68 / 256 of the f32 volume, in the plan's volume and the streaming peak alike; `int2` 20 / 256.
 #[test]
-fn plan_counts_int8_wire_bytes_with_their_scales() {
+fn plan_counts_int8_and_int2_wire_bytes_with_their_scales() {
     let dir = tempfile::tempdir().unwrap();
     let recipe = streaming_recipe(dir.path(), "fragments = 4");
     let args = ["--recipe", &recipe, "--params", "1048576", "--world-size", "4"];
@@ -337,8 +337,11 @@ fn plan_counts_int8_wire_bytes_with_their_scales() {
     assert_eq!(bytes(&q, "bytes_per_rank") * 256, bytes(&f, "bytes_per_rank") * 68);
     let peak = |v: &serde_json::Value| v["streaming"]["peak_bytes_per_step"].as_u64().unwrap();
     assert_eq!(peak(&q) * 256, peak(&f) * 68);
-    let err = plan_refused(&[&args[..], &["--wire", "int4"]].concat());
-    assert!(err.contains("int4") && err.contains("int8"), "{err}");
+    // int2: 16 bytes of codes and a scale per 64 values (MuLoCo's wire, 1/16 of f32 and the scales).
+    let two = plan_json(&[&args[..], &["--wire", "int2"]].concat());
+    assert_eq!(bytes(&two, "bytes_per_sync") * 256, bytes(&f, "bytes_per_sync") * 20);
+    let err = plan_refused(&[&args[..], &["--wire", "int3"]].concat());
+    assert!(err.contains("int3") && err.contains("int2"), "{err}");
 }
 
 #[test]

@@ -96,6 +96,37 @@ fn paper_scale_calibrated_on_the_data_parallel_time() {
     assert!(table.contains("pred/ref") && table.contains("26.70 h") && table.contains("1.000"), "{table}");
 }
 
+/// Issue 59: `driver.wire = "int2"` prices each sync's ring at its packed payload, 16 bytes of codes
+/// and a 4-byte scale per 64 parameters (MuLoCo's 2 bits): 9 % of f32's time on the wire here.
+#[test]
+fn an_int2_wire_is_priced_at_its_packed_bytes() {
+    let comm = |wire: &str| {
+        let out = ok(&[
+            "simulate",
+            "--recipe",
+            "recipes/imagenet-vit-b-qsr-hbase4.toml",
+            "--params",
+            "86381800",
+            "--bandwidth",
+            "25gbit",
+            "--latency",
+            "0.1ms",
+            "--steps-per-epoch",
+            "312",
+            "--step-seconds",
+            "0.5",
+            "--set",
+            &format!("driver.wire={wire}"),
+            "--json",
+        ]);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        v["rows"][0]["prediction"]["comm_seconds"].as_f64().unwrap()
+    };
+    let (f32_seconds, int2_seconds) = (comm("f32"), comm("int2"));
+    assert!(close(f32_seconds, 9_711.0 * ring_seconds(86_381_800.0 * 4.0, 16.0, 25e9, 1e-4)));
+    assert!(close(int2_seconds, 9_711.0 * ring_seconds((86_381_800f64 / 64.0).ceil() * 20.0, 16.0, 25e9, 1e-4)));
+}
+
 #[test]
 fn run_directories_are_compared_with_their_measurement() {
     let dir = tempfile::tempdir().unwrap();
