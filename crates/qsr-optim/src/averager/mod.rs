@@ -527,7 +527,9 @@ impl Averager {
         let (steps, syncs) = (self.stats.steps, self.stats.syncs);
         if let Some(run) = self.config.run_steps.filter(|&run| steps < run) {
             self.warn(&format!(
-                "the loop ended after {steps} of its `run_steps` = {run} steps: if it did not stop early on purpose,                  give `run_steps` (the schedule's `steps`) the steps this rank's loop takes (its shard's batches                  times the epochs)"
+                "the loop ended after {steps} of its `run_steps` = {run} steps: if it did not stop early on \
+                 purpose, give `run_steps` (the schedule's `steps`) the steps this rank's loop takes (its shard's \
+                 batches times the epochs)"
             ));
         }
         if self.rank() != 0 {

@@ -142,3 +142,24 @@ fn run_steps_other_than_the_schedules_is_refused() {
     let Err(e) = averager(config) else { panic!("accepted") };
     assert!(matches!(&e, OptimError::Config { field, .. } if field == "run_steps"), "{e}");
 }
+
+/// The Learner trial: the warning of a loop that ended before `run_steps` came with runs of spaces
+/// where its string was continued without a backslash. One sentence now, naming both counts.
+#[test]
+fn a_loop_that_ends_before_run_steps_is_warned_in_one_clean_sentence() {
+    let sched = cosine(0.05, STEPS);
+    let (built, _) = printed(|| averager(AveragerConfig::qsr(2, 0.002).schedule(&sched, STEPS)));
+    let (mut avg, mut model) = built.unwrap();
+    let mut s = sched.clone();
+    for _ in 0..STEPS / 2 {
+        let lr = s.step().base();
+        model = avg.step(model, lr).unwrap();
+    }
+    let (finished, lines) = printed(|| avg.finish(model));
+    finished.unwrap();
+    let warned = warnings(&lines);
+    let ended = warned.iter().find(|l| l.contains("the loop ended after 50 of its `run_steps` = 100 steps"));
+    let ended = ended.unwrap_or_else(|| panic!("{lines:?}"));
+    // tracing pads its level; the message after it has no run of spaces.
+    assert!(!ended.split("WARN").nth(1).unwrap_or(ended).contains("  "), "{ended}");
+}
