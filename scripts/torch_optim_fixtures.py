@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Generates crates/qsr-optim/tests/fixtures/torch_optim.json: optimizer trajectories computed by PyTorch.
+"""Generates crates/qsr-optim/tests/fixtures/torch_optim.json and torch_muon.json: optimizer trajectories
+computed by PyTorch.
 
 The Rust tests replay the same parameters, gradients and per-step learning rates through qsr-optim and
 compare with torch.optim.SGD / torch.optim.AdamW (single-tensor path, foreach=False) and
@@ -150,10 +151,69 @@ out = {
     "sqrt_probe": {"x": f32_list(probe), "torch_sqrt": f32_list(probe.sqrt())},
     "cases": cases,
 }
-path = pathlib.Path(__file__).resolve().parent.parent / "crates/qsr-optim/tests/fixtures/torch_optim.json"
-# One line per case and per data set: readable diffs at a tenth of the size of indented JSON.
-lines = [f" {json.dumps(k)}: {dump(v)}" for k, v in out.items() if k not in ("data", "cases")]
-lines.append(' "data": [\n' + ",\n".join(f"  {dump(d)}" for d in out["data"]) + "\n ]")
-lines.append(' "cases": [\n' + ",\n".join(f"  {dump(c)}" for c in out["cases"]) + "\n ]")
-path.write_text("{\n" + ",\n".join(lines) + "\n}\n")
-print(f"wrote {path} ({len(cases)} cases x {STEPS} steps)")
+
+
+def write(name, out):
+    """`out` as crates/qsr-optim/tests/fixtures/`name`: one line per case and per data set, readable
+    diffs at a tenth of the size of indented JSON."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "crates/qsr-optim/tests/fixtures" / name
+    lines = [f" {json.dumps(k)}: {dump(v)}" for k, v in out.items() if k not in ("data", "cases")]
+    lines.append(' "data": [\n' + ",\n".join(f"  {dump(d)}" for d in out["data"]) + "\n ]")
+    lines.append(' "cases": [\n' + ",\n".join(f"  {dump(c)}" for c in out["cases"]) + "\n ]")
+    path.write_text("{\n" + ",\n".join(lines) + "\n}\n")
+    print(f"wrote {path} ({len(out['cases'])} cases x {STEPS} steps)")
+
+
+write("torch_optim.json", out)
+
+# torch.optim.Muon on the matrices and torch.optim.AdamW (foreach=False, eps 1e-8, the same lr and
+# weight decay) on the rest, as qsr's `optimizer.kind = "muon"` splits them: torch_muon.json. The
+# matrices are stored as torch holds them, (fan_out, fan_in).
+MATRICES = ["fc.weight", "fc2.weight"]
+MUON_CASES = [
+    ("muon_defaults", dict(weight_decay=0.1), (0.9, 0.999), None),
+    ("muon_match_rms_adamw_no_nesterov",
+     dict(weight_decay=0.01, momentum=0.9, nesterov=False, adjust_lr_fn="match_rms_adamw"), (0.9, 0.95), None),
+    ("muon_spectral_three_steps",
+     dict(weight_decay=0.05, ns_coefficients=(3.0, -3.2, 1.2), ns_steps=3, eps=1e-6,
+          adjust_lr_fn="spectral_unclamped"), (0.8, 0.99), None),
+    ("muon_clip", dict(weight_decay=0.1), (0.9, 0.999), 1.5),
+]
+muon_cases = []
+for data_index, (seed, params0, grads) in enumerate(data):
+    for schedule, lrs in SCHEDULES.items():
+        for name, opts, betas, clip in MUON_CASES:
+            params = {k: v.clone().requires_grad_(True) for k, v in params0.items()}
+            rest = [k for k in SHAPES if k not in MATRICES]
+            muon = torch.optim.Muon([params[k] for k in MATRICES], lr=lrs[0], **opts)
+            adamw = torch.optim.AdamW([params[k] for k in rest], lr=lrs[0], betas=betas, eps=1e-8,
+                                      weight_decay=opts["weight_decay"], foreach=False)
+            trajectory = []
+            for step in range(STEPS):
+                for opt in (muon, adamw):
+                    for g in opt.param_groups:
+                        g["lr"] = lrs[step]
+                for k in SHAPES:
+                    params[k].grad = grads[step][k].clone()
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_([params[k] for k in SHAPES], clip, foreach=False)
+                adamw.step()
+                muon.step()
+                trajectory.append({k: f32_list(params[k]) for k in SHAPES})
+            first = {k: muon.state[params[k]]["momentum_buffer"] for k in MATRICES}
+            first.update({k: adamw.state[params[k]]["exp_avg"] for k in rest})
+            second = {k: torch.zeros(SHAPES[k]) for k in MATRICES}
+            second.update({k: adamw.state[params[k]]["exp_avg_sq"] for k in rest})
+            muon_cases.append({
+                "name": name, "data": data_index, "schedule": schedule,
+                "options": {**opts, "betas": list(betas)}, "clip_grad_norm": clip,
+                "trajectory": trajectory, "final_moments": {"first": flat(first), "second": flat(second)},
+            })
+
+write("torch_muon.json", {
+    "generator": f"torch {torch.__version__}, scripts/torch_optim_fixtures.py",
+    "order": list(SHAPES), "shapes": {k: list(s) for k, s in SHAPES.items()}, "matrices": MATRICES,
+    "schedules": SCHEDULES,
+    "data": out["data"],
+    "cases": muon_cases,
+})

@@ -53,6 +53,14 @@ impl DeviceOptimizer {
         device: &Device,
     ) -> Result<Self, OptimError> {
         config.validate()?;
+        if config.kind == OptimizerKind::Muon {
+            return Err(OptimError::Config {
+                field: "optimizer.kind".into(),
+                reason:
+                    "muon's Newton-Schulz iteration runs on host-resident workers only (driver.residency = \"host\")"
+                        .into(),
+            });
+        }
         if config.exclude_norm_and_bias
             && let Some(r) = no_decay.iter().find(|r| r.end > len || r.start > r.end)
         {
@@ -71,7 +79,8 @@ impl DeviceOptimizer {
         let (first_moment, second_moment) = match config.kind {
             OptimizerKind::Sgd if config.momentum() != 0.0 => (zeros(), None),
             OptimizerKind::Sgd => (None, None),
-            OptimizerKind::Adamw => (zeros(), zeros()),
+            // Muon is refused above.
+            OptimizerKind::Adamw | OptimizerKind::Muon => (zeros(), zeros()),
         };
         Ok(Self { config, decay_mask, step: 0, first_moment, second_moment, len })
     }
@@ -129,7 +138,7 @@ impl DeviceOptimizer {
         self.step += 1;
         match self.config.kind {
             OptimizerKind::Sgd => self.sgd(params, grads, lr),
-            OptimizerKind::Adamw => self.adamw(params, grads, lr),
+            OptimizerKind::Adamw | OptimizerKind::Muon => self.adamw(params, grads, lr),
         }
     }
 

@@ -18,6 +18,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Device, Gradients, Tensor, TensorData};
 
 use crate::error::OptimError;
+use crate::muon::MuonMatrix;
 
 /// What a parameter is, for weight-decay exclusion and state handling.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,6 +140,26 @@ impl ParamLayout {
             .iter()
             .filter(|e| matches!(e.role, ParamRole::Bias | ParamRole::Norm | ParamRole::Embedding))
             .map(|e| e.range.clone())
+            .collect()
+    }
+
+    /// The matrices `optimizer.kind = "muon"` updates with Muon: every weight of two or more dimensions
+    /// (burn's Linear weights `[d_input, d_output]`, convolution kernels `[out, in, k...]` viewed as
+    /// `out x (in k...)` as Keller Jordan's Muon views them), except the model's last one, its output
+    /// head; embeddings, norms and biases are not weights. AdamW updates the rest, as torch's Muon
+    /// guidance says.
+    pub fn muon_matrices(&self) -> Vec<MuonMatrix> {
+        let weights: Vec<&ParamEntry> =
+            self.trainable.iter().filter(|e| e.role == ParamRole::Weight && e.shape.len() >= 2).collect();
+        let hidden = &weights[..weights.len().saturating_sub(1)];
+        hidden
+            .iter()
+            .map(|e| {
+                let (rows, cols) = (e.shape[0], e.shape[1..].iter().product());
+                // A Linear weight is stored transposed to torch's (fan_out, fan_in); a kernel is not.
+                let (fan_out, fan_in) = if e.shape.len() == 2 { (cols, rows) } else { (rows, cols) };
+                MuonMatrix { range: e.range.clone(), rows, cols, fan_out, fan_in }
+            })
             .collect()
     }
 

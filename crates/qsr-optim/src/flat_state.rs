@@ -12,7 +12,7 @@ use qsr_sched::{StepInfo, SyncMode};
 use crate::device::{DeviceGroup, DeviceOptimizer, all_finite, to_host};
 use crate::error::{LossError, OptimError};
 use crate::flat::ParamLayout;
-use crate::optim::{Moments, OptimState, Optimizer, OptimizerConfig};
+use crate::optim::{Moments, OptimState, Optimizer, OptimizerConfig, OptimizerKind};
 use crate::sync::{BnPolicy, Level, PhaseTimes, Stepped, SyncBuffer, SyncReport};
 use crate::synchronizer::{Peers, StepState, Synced};
 
@@ -115,7 +115,10 @@ impl HostState {
         let n = layout.len();
         // Per-tensor ranges: clipping sums squares per tensor, as torch does.
         let tensors: Vec<_> = layout.trainable.iter().map(|e| e.range.clone()).collect();
-        let optimizer = Optimizer::new(optimizer, n, &layout.no_decay_ranges())?.with_tensors(&tensors)?;
+        let matrices = if optimizer.kind == OptimizerKind::Muon { layout.muon_matrices() } else { Vec::new() };
+        let optimizer = Optimizer::new(optimizer, n, &layout.no_decay_ranges())?
+            .with_tensors(&tensors)?
+            .with_muon_matrices(matrices)?;
         let mut params = vec![0.0; n];
         layout.read_params(model, &mut params)?;
         Ok(Self { params, grads: vec![0.0; n], grad_sum: Vec::new(), sync_buf: Vec::new(), optimizer })

@@ -17,7 +17,7 @@
 //! its shard, reshuffled per epoch. `examples/burn_qsr.rs` is a complete program.
 //!
 //! **The trainer's engine** (what `qsr train` runs; for a trainer of your own): [`Worker`], qsr's
-//! PyTorch-exact SGD / AdamW over flat state ([`Optimizer`], [`OptimizerConfig`]) driven step by step
+//! PyTorch-exact SGD / AdamW (and Muon, to a stated tolerance) over flat state ([`Optimizer`], [`OptimizerConfig`]) driven step by step
 //! from a `qsr-sched` plan, with gradient accumulation, data-parallel rounds, optimizer-state averaging,
 //! device-resident state ([`DeviceGroup`]) and snapshots ([`Snapshot`]); [`check_sync`], the one
 //! judge of sync settings both faces use; [`SyncState`], the sync engine's state and codec.
@@ -29,6 +29,7 @@ mod exact;
 mod flat;
 mod flat_state;
 mod lr_watch;
+mod muon;
 mod optim;
 mod outer;
 mod seeded;
@@ -48,6 +49,7 @@ pub use averager::{Averager, AveragerConfig, AveragerState, AveragerStats, Sched
 pub use device::{DEFAULT_DEVICE_GROUP_TIMEOUT, DeviceGroup, DeviceOptimizer};
 pub use error::{LossError, OptimError};
 pub use flat::{ParamEntry, ParamLayout, ParamRole};
+pub use muon::{AdjustLr, MuonMatrix};
 pub use optim::{
     DecaySegment, Moments, OptimState, Optimizer, OptimizerConfig, OptimizerKind, clip_grad_norm,
     clip_grad_norm_per_tensor,

@@ -1,5 +1,6 @@
-//! SGD and AdamW over flat parameter buffers, with the update rules of `torch.optim.SGD` and
-//! `torch.optim.AdamW` (single-tensor implementation, foreach=False) and of `clip_grad_norm_`, rounded as
+//! SGD, AdamW and Muon over flat parameter buffers, with the update rules of `torch.optim.SGD`,
+//! `torch.optim.AdamW` and `torch.optim.Muon` (single-tensor implementation, foreach=False; Muon on the
+//! weight matrices, AdamW on the rest) and of `clip_grad_norm_`, rounded as
 //! torch's CPU kernels round them: f32 arithmetic in PyTorch's operation order, fused multiply-adds
 //! where ATen fuses (`add` with `alpha`, `lerp`, `addcmul`), Python's f64 scalars converted to f32 where
 //! ATen converts them. This reproduces torch 2.15's trajectories on an x86-64 CPU without AVX-512 (ATen's
@@ -16,11 +17,13 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::error::OptimError;
+use crate::muon::{AdjustLr, MuonMatrix, MuonStep, NewtonSchulz};
 
 /// Elements per parallel task of an update.
 const CHUNK: usize = 1 << 15;
 
-/// Which update rule an [`Optimizer`] applies (recipe key `optimizer.kind`: `"sgd"` or `"adamw"`).
+/// Which update rule an [`Optimizer`] applies (recipe key `optimizer.kind`: `"sgd"`, `"adamw"` or
+/// `"muon"`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum OptimizerKind {
@@ -28,14 +31,20 @@ pub enum OptimizerKind {
     Sgd,
     /// `torch.optim.AdamW`: bias-corrected moments, decoupled weight decay, eps outside the root.
     Adamw,
+    /// `torch.optim.Muon` on the model's hidden weight matrices (Nesterov momentum, Newton-Schulz
+    /// orthogonalization in bf16, the lr adjusted to the shape, decoupled weight decay) and
+    /// `torch.optim.AdamW` (`beta1`, `beta2`, eps 1e-8) with the same lr and weight decay on the rest:
+    /// biases, norms, embeddings and the output head, as torch's guidance says. Which tensors are the
+    /// matrices is the caller's ([`Optimizer::with_muon_matrices`]).
+    Muon,
 }
 
 /// The moment buffers an optimizer keeps (SGD momentum or AdamW `exp_avg`; AdamW `exp_avg_sq`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Moments {
-    /// SGD momentum / AdamW `exp_avg`.
+    /// SGD momentum / AdamW `exp_avg` / Muon's momentum buffer.
     pub first: bool,
-    /// AdamW `exp_avg_sq`.
+    /// AdamW `exp_avg_sq` (Muon: of the parameters AdamW updates).
     pub second: bool,
 }
 
@@ -47,24 +56,34 @@ pub struct Moments {
 pub struct OptimizerConfig {
     /// The update rule (`optimizer.kind`); it decides which of the settings below are allowed.
     pub kind: OptimizerKind,
-    /// SGD momentum (default 0).
+    /// SGD momentum (default 0), Muon's (default 0.95).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub momentum: Option<f64>,
     /// SGD dampening (default 0).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dampening: Option<f64>,
-    /// SGD Nesterov momentum (default false).
+    /// SGD Nesterov momentum (default false), Muon's (default true).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nesterov: Option<bool>,
-    /// AdamW beta1 (default 0.9).
+    /// AdamW beta1 (default 0.9), also of Muon's AdamW part.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub beta1: Option<f64>,
-    /// AdamW beta2 (default 0.999).
+    /// AdamW beta2 (default 0.999), also of Muon's AdamW part.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub beta2: Option<f64>,
-    /// AdamW epsilon, added outside the square root (default 1e-8).
+    /// AdamW epsilon, added outside the square root (default 1e-8); Muon's floor of the matrix norm in
+    /// its Newton-Schulz iteration (torch's `eps`, default 1e-7; its AdamW part keeps 1e-8).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eps: Option<f64>,
+    /// Muon's Newton-Schulz coefficients `(a, b, c)` (default `(3.4445, -4.775, 2.0315)`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ns_coefficients: Option<[f64; 3]>,
+    /// Muon's Newton-Schulz steps, 1 to 99 (default 5).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ns_steps: Option<u32>,
+    /// How Muon scales each matrix's lr (default `original`; `match_rms_adamw`, `spectral_unclamped`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adjust_lr_fn: Option<AdjustLr>,
     /// Coupled (L2, SGD) or decoupled (AdamW) weight decay; default 0.
     #[serde(default)]
     pub weight_decay: f64,
@@ -89,6 +108,13 @@ impl OptimizerConfig {
         Self { weight_decay, ..Self::empty(OptimizerKind::Adamw) }
     }
 
+    /// Muon with torch's defaults (momentum 0.95, Nesterov, 5 Newton-Schulz steps, the original lr
+    /// adjustment) on the matrices, AdamW (0.9, 0.999) on the rest; `weight_decay` for both (torch's
+    /// Muon defaults to 0.1).
+    pub fn muon(weight_decay: f64) -> Self {
+        Self { weight_decay, ..Self::empty(OptimizerKind::Muon) }
+    }
+
     fn empty(kind: OptimizerKind) -> Self {
         Self {
             kind,
@@ -98,30 +124,34 @@ impl OptimizerConfig {
             beta1: None,
             beta2: None,
             eps: None,
+            ns_coefficients: None,
+            ns_steps: None,
+            adjust_lr_fn: None,
             weight_decay: 0.0,
             exclude_norm_and_bias: false,
             clip_grad_norm: None,
         }
     }
 
-    /// SGD momentum, 0 when unset (`torch.optim.SGD(momentum=...)`).
+    /// The momentum, when unset SGD's 0 (`torch.optim.SGD(momentum=...)`) and Muon's 0.95.
     pub fn momentum(&self) -> f64 {
-        self.momentum.unwrap_or(0.0)
+        self.momentum.unwrap_or(if self.kind == OptimizerKind::Muon { 0.95 } else { 0.0 })
     }
-    /// The moment buffers this optimizer keeps: SGD a first one with momentum, AdamW both.
+    /// The moment buffers this optimizer keeps: SGD a first one with momentum, AdamW and Muon both
+    /// (Muon's momentum buffer in the first on its matrices).
     pub fn moments(&self) -> Moments {
         match self.kind {
             OptimizerKind::Sgd => Moments { first: self.momentum() != 0.0, second: false },
-            OptimizerKind::Adamw => Moments { first: true, second: true },
+            OptimizerKind::Adamw | OptimizerKind::Muon => Moments { first: true, second: true },
         }
     }
     /// SGD dampening, 0 when unset (`torch.optim.SGD(dampening=...)`).
     pub fn dampening(&self) -> f64 {
         self.dampening.unwrap_or(0.0)
     }
-    /// SGD Nesterov momentum, false when unset (`torch.optim.SGD(nesterov=...)`).
+    /// Nesterov momentum, when unset false for SGD and true for Muon.
     pub fn nesterov(&self) -> bool {
-        self.nesterov.unwrap_or(false)
+        self.nesterov.unwrap_or(self.kind == OptimizerKind::Muon)
     }
     /// AdamW beta1, 0.9 when unset (`torch.optim.AdamW(betas=(beta1, _))`).
     pub fn beta1(&self) -> f64 {
@@ -131,9 +161,22 @@ impl OptimizerConfig {
     pub fn beta2(&self) -> f64 {
         self.beta2.unwrap_or(0.999)
     }
-    /// AdamW epsilon, 1e-8 when unset (`torch.optim.AdamW(eps=...)`).
+    /// The epsilon AdamW adds outside its root: `eps`, 1e-8 when unset (`torch.optim.AdamW(eps=...)`),
+    /// and always 1e-8 in Muon's AdamW part.
     pub fn eps(&self) -> f64 {
-        self.eps.unwrap_or(1e-8)
+        match self.kind {
+            OptimizerKind::Muon => 1e-8,
+            _ => self.eps.unwrap_or(1e-8),
+        }
+    }
+
+    /// Muon's Newton-Schulz iteration, torch's defaults where unset.
+    pub(crate) fn newton_schulz(&self) -> NewtonSchulz {
+        NewtonSchulz {
+            coefficients: self.ns_coefficients.unwrap_or([3.4445, -4.775, 2.0315]),
+            steps: self.ns_steps.unwrap_or(5),
+            eps: self.eps.unwrap_or(1e-7),
+        }
     }
 
     /// Checks the settings, returning [`OptimError::Config`] naming the first bad one (`optimizer.<key>`):
@@ -153,6 +196,11 @@ impl OptimizerConfig {
         let foreign = |field: &str, set: bool, owner: &str| -> Result<(), OptimError> {
             if set { bad(field, format!("is a setting of `{owner}`, not of `{}`", self.kind_name())) } else { Ok(()) }
         };
+        if self.kind != OptimizerKind::Muon {
+            foreign("ns_coefficients", self.ns_coefficients.is_some(), "muon")?;
+            foreign("ns_steps", self.ns_steps.is_some(), "muon")?;
+            foreign("adjust_lr_fn", self.adjust_lr_fn.is_some(), "muon")?;
+        }
         match self.kind {
             OptimizerKind::Sgd => {
                 foreign("beta1", self.beta1.is_some(), "adamw")?;
@@ -174,6 +222,7 @@ impl OptimizerConfig {
                     return bad("eps", format!("must be > 0 (got {})", self.eps()));
                 }
             }
+            OptimizerKind::Muon => self.validate_muon()?,
         }
         if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
             return bad("weight_decay", format!("must be a finite number >= 0 (got {})", self.weight_decay));
@@ -186,10 +235,34 @@ impl OptimizerConfig {
         Ok(())
     }
 
+    fn validate_muon(&self) -> Result<(), OptimError> {
+        let bad = |field: &str, reason: String| Err(OptimError::Config { field: format!("optimizer.{field}"), reason });
+        if self.dampening.is_some() {
+            return bad("dampening", "is a setting of `sgd`, not of `muon`".into());
+        }
+        for (field, v) in [("momentum", self.momentum), ("beta1", self.beta1), ("beta2", self.beta2)] {
+            if let Some(x) = v.filter(|x| !(x.is_finite() && (0.0..1.0).contains(x))) {
+                return bad(field, format!("must be in [0, 1) (got {x})"));
+            }
+        }
+        let ns = self.newton_schulz();
+        if !(ns.eps.is_finite() && ns.eps > 0.0) {
+            return bad("eps", format!("must be > 0 (got {})", ns.eps));
+        }
+        if !(1..100).contains(&ns.steps) {
+            return bad("ns_steps", format!("must be in 1..=99, as torch's Muon allows (got {})", ns.steps));
+        }
+        if ns.coefficients.iter().any(|c| !c.is_finite()) {
+            return bad("ns_coefficients", format!("must be finite (got {:?})", ns.coefficients));
+        }
+        Ok(())
+    }
+
     fn kind_name(&self) -> &'static str {
         match self.kind {
             OptimizerKind::Sgd => "sgd",
             OptimizerKind::Adamw => "adamw",
+            OptimizerKind::Muon => "muon",
         }
     }
 }
@@ -214,11 +287,15 @@ pub struct DecaySegment {
     pub decay: bool,
 }
 
-/// SGD or AdamW over a flat buffer of `len` parameters.
+/// SGD, AdamW or Muon over a flat buffer of `len` parameters.
 #[derive(Debug, Clone)]
 pub struct Optimizer {
     config: OptimizerConfig,
     segments: Vec<DecaySegment>,
+    /// Muon's matrices ([`Optimizer::with_muon_matrices`]; empty for the other kinds).
+    matrices: Vec<MuonMatrix>,
+    /// `segments` without the matrices: where the element-wise rule (SGD, AdamW) applies.
+    elementwise: Vec<DecaySegment>,
     state: OptimState,
     /// The parameter tensors, tiling the buffer in order (clipping takes a norm per tensor first).
     tensors: Vec<Range<usize>>,
@@ -254,7 +331,45 @@ impl Optimizer {
         let moment = |on: bool| if on { vec![0.0; len] } else { Vec::new() };
         let Moments { first, second } = config.moments();
         let state = OptimState { step: 0, first_moment: moment(first), second_moment: moment(second) };
-        Ok(Self { config, segments, state, tensors: std::iter::once(0..len).collect(), sqrt: None })
+        let tensors = std::iter::once(0..len).collect();
+        let elementwise = segments.clone();
+        Ok(Self { config, segments, matrices: Vec::new(), elementwise, state, tensors, sqrt: None })
+    }
+
+    /// Declares the matrices Muon updates (`optimizer.kind = "muon"`; refused for the other kinds):
+    /// non-overlapping ranges inside the buffer, each `rows x cols` elements. AdamW updates every other
+    /// parameter, so a Muon optimizer without matrices is AdamW.
+    pub fn with_muon_matrices(mut self, mut matrices: Vec<MuonMatrix>) -> Result<Self, OptimError> {
+        if self.config.kind != OptimizerKind::Muon && !matrices.is_empty() {
+            return Err(OptimError::Layout(format!(
+                "Muon matrices given to a `{}` optimizer",
+                self.config.kind_name()
+            )));
+        }
+        matrices.sort_by_key(|m| m.range.start);
+        let len = self.segments.last().map_or(0, |s| s.range.end);
+        let mut end = 0;
+        for m in &matrices {
+            if m.range.start < end || m.range.end > len || m.rows * m.cols != m.range.len() || m.range.is_empty() {
+                let (r, rows, cols) = (&m.range, m.rows, m.cols);
+                return Err(OptimError::Layout(format!(
+                    "Muon matrix {r:?} of {rows} x {cols} overlaps another or does not fit a buffer of {len}"
+                )));
+            }
+            end = m.range.end;
+        }
+        self.elementwise = self
+            .segments
+            .iter()
+            .flat_map(|s| outside(&s.range, &matrices).into_iter().map(|range| DecaySegment { range, decay: s.decay }))
+            .collect();
+        self.matrices = matrices;
+        Ok(self)
+    }
+
+    /// The matrices Muon updates.
+    pub fn muon_matrices(&self) -> &[MuonMatrix] {
+        &self.matrices
     }
 
     /// Declares the parameter tensors (ranges that tile `0..len` in order), so gradient clipping sums
@@ -332,12 +447,31 @@ impl Optimizer {
         self.state.step += 1;
         match self.config.kind {
             OptimizerKind::Sgd => self.sgd(params, grads, lr),
-            OptimizerKind::Adamw => match self.sqrt {
+            OptimizerKind::Adamw | OptimizerKind::Muon => match self.sqrt {
                 None => self.adamw(params, grads, lr, f32::sqrt),
                 Some(sqrt) => self.adamw(params, grads, lr, sqrt),
             },
         }
+        if self.config.kind == OptimizerKind::Muon {
+            self.muon(params, grads, lr);
+        }
         norm
+    }
+
+    fn muon(&mut self, params: &mut [f32], grads: &[f32], lr: f64) {
+        let c = &self.config;
+        let step = MuonStep {
+            lr,
+            weight_decay: c.weight_decay,
+            momentum: c.momentum(),
+            nesterov: c.nesterov(),
+            ns: c.newton_schulz(),
+            adjust: c.adjust_lr_fn.unwrap_or_default(),
+        };
+        for m in &self.matrices {
+            let r = m.range.clone();
+            step.update(m, &mut params[r.clone()], &grads[r.clone()], &mut self.state.first_moment[r]);
+        }
     }
 
     fn sgd(&mut self, params: &mut [f32], grads: &[f32], lr: f64) {
@@ -352,7 +486,7 @@ impl Optimizer {
             nesterov: c.nesterov(),
         };
         let momentum = k.mu != 0.0;
-        for seg in &self.segments {
+        for seg in &self.elementwise {
             k.wd = if seg.decay { c.weight_decay as f32 } else { 0.0 };
             let p = &mut params[seg.range.clone()];
             let g = &grads[seg.range.clone()];
@@ -384,7 +518,7 @@ impl Optimizer {
             neg_step: -step_size as f32,
         };
         let (m_all, v_all) = (&mut self.state.first_moment, &mut self.state.second_moment);
-        for seg in &self.segments {
+        for seg in &self.elementwise {
             // param.mul_(1 - lr * weight_decay); a factor of exactly 1 changes nothing where torch skips it
             k.decay = if seg.decay { (1.0 - lr * c.weight_decay) as f32 } else { 1.0 };
             let r = seg.range.clone();
@@ -396,6 +530,22 @@ impl Optimizer {
                 .for_each(|((p, g), (m, v))| adamw_chunk(k, sqrt, p, g, m, v));
         }
     }
+}
+
+/// The parts of `range` outside every matrix of `matrices` (sorted, non-overlapping).
+fn outside(range: &Range<usize>, matrices: &[MuonMatrix]) -> Vec<Range<usize>> {
+    let mut parts = Vec::new();
+    let mut at = range.start;
+    for m in matrices.iter().filter(|m| m.range.start < range.end && m.range.end > range.start) {
+        if m.range.start > at {
+            parts.push(at..m.range.start);
+        }
+        at = at.max(m.range.end);
+    }
+    if at < range.end {
+        parts.push(at..range.end);
+    }
+    parts
 }
 
 /// One SGD step's constants, as f32 the way ATen's kernels see them.
@@ -473,7 +623,7 @@ impl Adamw {
 /// Whether `mul_add` can be one instruction (then the loops below vectorize; otherwise it is a libm
 /// `fmaf` call per element). Either way it rounds once, so the results are the same.
 #[cfg(target_arch = "x86_64")]
-fn has_fma() -> bool {
+pub(crate) fn has_fma() -> bool {
     std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
 }
 

@@ -25,3 +25,21 @@ impl Mlp {
         self.fc2.forward(self.act.forward(self.fc1.forward(x)))
     }
 }
+
+/// Two hidden layers, for Muon's split: `4 -> 16 -> 16 -> 1`.
+#[derive(Module, Debug)]
+pub(crate) struct Mlp3 {
+    fc1: Linear,
+    fc2: Linear,
+    head: Linear,
+}
+
+impl Mlp3 {
+    pub(crate) fn new(device: &Device) -> Self {
+        Self {
+            fc1: LinearConfig::new(4, 16).init(device),
+            fc2: LinearConfig::new(16, 16).init(device),
+            head: LinearConfig::new(16, 1).init(device),
+        }
+    }
+}

@@ -14,3 +14,4 @@ mod device_wgpu;
 mod driver;
 mod streaming;
 mod torch_fixtures;
+mod torch_muon;

@@ -18,16 +18,16 @@ fn fixture() -> Value {
     serde_json::from_str(include_str!("../fixtures/torch_optim.json")).expect("fixture is JSON")
 }
 
-fn floats(v: &Value) -> Vec<f32> {
+pub(crate) fn floats(v: &Value) -> Vec<f32> {
     v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
 }
 
-fn strings(v: &Value) -> Vec<String> {
+pub(crate) fn strings(v: &Value) -> Vec<String> {
     v.as_array().unwrap().iter().map(|s| s.as_str().unwrap().to_string()).collect()
 }
 
 /// Concatenates the named tensors in fixture order, returning the flat buffer and each tensor's range.
-fn flat(obj: &Value, order: &[String]) -> (Vec<f32>, Vec<Range<usize>>) {
+pub(crate) fn flat(obj: &Value, order: &[String]) -> (Vec<f32>, Vec<Range<usize>>) {
     let mut out = Vec::new();
     let mut ranges = Vec::new();
     for name in order {

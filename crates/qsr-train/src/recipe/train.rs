@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, anyhow, bail};
 use qsr_data::Split;
 use qsr_models::ModelConfig;
-use qsr_optim::{DriverConfig, Face, OptimizerConfig, OuterConfig, SyncSettings, check_sync};
+use qsr_optim::{DriverConfig, Face, OptimizerConfig, OptimizerKind, OuterConfig, Residency, SyncSettings, check_sync};
 use qsr_sched::{LrSchedule, Plan};
 
 use serde::{Deserialize, Serialize};
@@ -242,6 +242,12 @@ impl TrainRecipe {
     pub fn validate(&self) -> Result<()> {
         self.model.validate().map_err(|e| anyhow!("invalid `model.{}`: {e}", e.field()))?;
         self.optimizer.validate()?;
+        if self.optimizer.kind == OptimizerKind::Muon && self.driver.residency == Residency::Device {
+            bail!(
+                "invalid `optimizer.kind`: muon's Newton-Schulz iteration runs on host-resident workers only \
+                 (driver.residency = \"host\", or \"auto\" on the CPU)"
+            );
+        }
         let t = &self.train;
         if t.workers == 0 {
             bail!("invalid `train.workers`: must be at least 1");

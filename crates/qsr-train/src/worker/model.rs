@@ -135,7 +135,7 @@ fn check_memory(recipe: &TrainRecipe, params: usize, replicas: usize) -> Result<
     };
     let o = &recipe.optimizer;
     let moments = match o.kind {
-        OptimizerKind::Adamw => 2,
+        OptimizerKind::Adamw | OptimizerKind::Muon => 2,
         OptimizerKind::Sgd => usize::from(o.momentum() != 0.0),
     };
     // The outer optimizer keeps the global parameters and a momentum buffer.

@@ -362,6 +362,26 @@ fn a_streaming_run_resumes_exactly_with_an_average_in_flight() {
     resume_continues_exactly_with("3", &STREAMING);
 }
 
+/// Issue 59: `optimizer.kind = "muon"` (Muon on the hidden weight matrix, AdamW on the rest) keeps
+/// its momentum buffers and AdamW moments in the checkpoint; a run stopped mid-way resumes to the same
+/// bits.
+#[test]
+fn a_muon_run_resumes_exactly() {
+    resume_continues_exactly_with("3", &["--set", "optimizer.kind=muon", "--set", "optimizer.weight_decay=0.01"]);
+}
+
+/// Muon's Newton-Schulz iteration runs on host-resident workers only: device residency is refused
+/// before training, naming the key.
+#[test]
+fn muon_on_device_resident_workers_is_refused_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("r");
+    let args = ["train", "--recipe", RECIPE, "--quiet", "--out", out.to_str().unwrap()];
+    let sets = ["--set", "optimizer.kind=muon", "--set", "driver.residency=device"];
+    let e = refused(&[&args[..], &sets].concat());
+    assert!(e.contains("optimizer.kind") && e.contains("host-resident"), "{e}");
+}
+
 /// Issue 59: an int2 wire (MuLoCo's 2 bits per value) without streaming keeps each rank's
 /// error-feedback residual in its checkpoint; a run stopped mid-way resumes to the same bits.
 #[test]
