@@ -2,24 +2,42 @@
 
 use std::ops::RangeInclusive;
 
-use burn::train::{Learner, LearnerModel};
+use burn::train::{Learner, LearnerModel, TrainLoader};
+use qsr_optim::{AveragerConfig, OptimError};
 
-/// [`check`] before the run's first optimizer step, with the replica's step count estimated from its
-/// loader: `items` per epoch in batches of `batch` items (the first batch's size; a partial last batch
-/// counts as one), `grad_accumulation` batches per step, over `epochs` (a resumed run's scheduler is
-/// already `start - 1` epochs along). A loader with several workers takes a few more steps than the
-/// estimate, never fewer, so a scheduler sized for the replica's steps always passes.
-pub(crate) fn check_before_first_step<M: LearnerModel>(
+/// Before the first step, with the replica's step count estimated from its loader (`shard`'s items
+/// in batches of its first batch's size, a partial last batch counting as one; `grad_accumulation`
+/// batches per step; over `epochs`, a resumed run's scheduler already `start - 1` epochs along; a
+/// loader with several workers takes a few more steps, never fewer): refuses a scheduler sized for
+/// another run ([`check`]) and, on rank 0 of a run from its first epoch, warns of what the averager
+/// finds in the Learner's schedule ([`AveragerConfig::schedule_warnings`]: a round that keeps the
+/// replicas apart while the lr is high, one lr throughout, an lr that rises again).
+pub(crate) fn judge<M: LearnerModel>(
     learner: &Learner<M>,
-    epochs: &RangeInclusive<usize>,
-    (items, batch): (usize, usize),
-    grad_accumulation: Option<usize>,
-    k: usize,
+    config: &AveragerConfig,
+    shard: &TrainLoader<M>,
+    (epochs, grad_accumulation): (&RangeInclusive<usize>, Option<usize>),
+    (rank, k): (usize, usize),
 ) -> Result<(), String> {
-    let batches = items.div_ceil(batch.max(1));
+    let mut first = shard.iter();
+    first.next();
+    let batch = first.progress().items_processed.max(1);
+    let batches = shard.num_items().div_ceil(batch);
     let per_epoch = grad_accumulation.map_or(batches, |n| batches.div_ceil(n.max(1))) as u64;
-    let (done, total) = ((*epochs.start() as u64).saturating_sub(1), *epochs.end() as u64);
-    check(learner, per_epoch * done, per_epoch * total, k)
+    let (done, total) = ((*epochs.start() as u64).saturating_sub(1) * per_epoch, *epochs.end() as u64 * per_epoch);
+    check(learner, done, total, k)
+        .map_err(|reason| OptimError::Config { field: "lr scheduler".into(), reason }.to_string())?;
+    if rank == 0 && done == 0 {
+        let mut sampled = learner.clone();
+        let lrs = (0..total).map(|_| {
+            sampled.lr_step();
+            sampled.lr_current().base()
+        });
+        let warnings = config.schedule_warnings(lrs.collect()).map_err(|e| e.to_string())?;
+        let per = format!("the Learner's lr scheduler over each replica's {total} steps");
+        warnings.iter().for_each(|w| qsr_comm::notice(true, &format!("qsr-burn-train: {per}: {w}")));
+    }
+    Ok(())
 }
 
 /// Refuses a Learner whose lr scheduler is far from its end when the run ends.

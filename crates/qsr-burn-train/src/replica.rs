@@ -1,7 +1,5 @@
 //! One replica's training loop: the Learner's own step, lr scheduler and optimizer, then the averager.
 
-use std::ops::RangeInclusive;
-
 use burn::optim::GradientsAccumulator;
 use burn::train::{Learner, LearnerModel, TrainLoader, TrainStep, TrainingError};
 use burn::train::{TrainOutput, TrainingItem};
@@ -34,9 +32,6 @@ pub(crate) struct Replica<M: LearnerModel> {
     pub(crate) avg: Averager,
     pub(crate) train: TrainLoader<M>,
     pub(crate) grad_accumulation: Option<usize>,
-    /// The epochs of this launch while the lr scheduler's size is still to be checked, at the first
-    /// batch: before the first step, so a mistake costs no training.
-    pub(crate) unchecked_schedule: Option<RangeInclusive<usize>>,
 }
 
 impl<M: LearnerModel> Replica<M> {
@@ -55,9 +50,6 @@ impl<M: LearnerModel> Replica<M> {
             let batch = batch.map_err(|e| Failure::Training(TrainingError::Dataset(e)))?;
             iteration += 1;
             let progress = iterator.progress();
-            if let Some(epochs) = self.unchecked_schedule.take() {
-                self.check_schedule(&epochs, (train.num_items(), progress.items_processed))?;
-            }
             let TrainOutput { grads, item } = self.learner.train_step(batch);
             let grads = match self.grad_accumulation {
                 None => Some(grads),
@@ -81,13 +73,6 @@ impl<M: LearnerModel> Replica<M> {
             report(TrainingItem { item, progress, iteration: Some(iteration), lr }, self.avg.stats());
         }
         Ok(())
-    }
-
-    /// Refuses an lr scheduler sized for another step count than the replica's (see `horizon`).
-    fn check_schedule(&self, epochs: &RangeInclusive<usize>, items_batch: (usize, usize)) -> Result<(), OptimError> {
-        let k = self.avg.world_size();
-        crate::horizon::check_before_first_step(&self.learner, epochs, items_batch, self.grad_accumulation, k)
-            .map_err(|reason| OptimError::Config { field: "lr scheduler".into(), reason })
     }
 
     /// The averager's step with the lr this optimizer step used; the averaged parameters go back into

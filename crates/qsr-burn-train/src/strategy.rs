@@ -160,7 +160,9 @@ impl LocalTrainingStrategy {
     /// that was not interrupted (with [`with_shards`](Self::with_shards), whose loaders depend on the
     /// epoch alone). Every epoch is kept, as burn-train may resume from any it kept; each costs K
     /// models and optimizer states on disk. Without it a resumed run starts every replica from
-    /// burn-train's checkpoint (the average) and restarts the rounds.
+    /// burn-train's checkpoint (the average) and restarts the rounds. Launched ranks must share one
+    /// burn-train directory (and `dir`): rank 0 writes burn-train's checkpoints, and on a resume
+    /// burn-train reads them on every rank before the strategy runs (it panics where they are missing).
     pub fn with_checkpoints(mut self, dir: impl Into<PathBuf>) -> Self {
         self.checkpoints = Some(dir.into());
         self
@@ -350,6 +352,8 @@ impl LocalTrainingStrategy {
         if let Source::Built { .. } = source {
             crate::shard::check_split(rank, comm.world_size(), shard.num_items(), run.loader_items)?;
         }
+        let place = (rank, comm.world_size());
+        crate::horizon::judge(&learner, &self.config, &shard, (&run.epochs, run.grad_accumulation), place)?;
         let (mut avg, model) = Averager::new(learner.model(), self.config.clone(), comm).map_err(|e| e.to_string())?;
         learner.load_model(model.into_record());
         let store = || Arc::clone(&run.event_store);
@@ -357,8 +361,7 @@ impl LocalTrainingStrategy {
         if let (Some(files), resumed @ 1..) = (&files, run.epochs.start() - 1) {
             learner = files.load(learner, &mut avg, resumed)?;
         }
-        let (grad_accumulation, unchecked_schedule) = (run.grad_accumulation, Some(run.epochs.clone()));
-        Ok((Replica { learner, avg, train: shard, grad_accumulation, unchecked_schedule }, files))
+        Ok((Replica { learner, avg, train: shard, grad_accumulation: run.grad_accumulation }, files))
     }
 
     /// The epochs, then the final average; returns the model the last validation saw.

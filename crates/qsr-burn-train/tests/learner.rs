@@ -121,6 +121,42 @@ fn burn_trains_logs_hold_the_runs_syncs_and_traffic() {
     assert!((traffic - megabytes).abs() < 1e-6 * megabytes, "{traffic} MB sent, {megabytes} MB expected");
 }
 
+/// What a tracing subscriber printed.
+#[derive(Clone, Default)]
+struct Printed(std::sync::Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Printed {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The Learner trial: `alpha: 5.0` (one round for the whole run) was silent with the Learner, where
+/// the Averager warns of it before the first step. The strategy now judges the Learner's schedule as
+/// the Averager would, once (rank 0 of 4), before the first step.
+#[test]
+fn a_too_large_alpha_is_warned_before_the_first_step_once() {
+    let _turn = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let printed = Printed::default();
+    let sink = printed.clone();
+    let subscriber = tracing_subscriber::fmt().with_writer(move || sink.clone()).with_ansi(false).finish();
+    let config = AveragerConfig::new(SyncRule::Qsr { h_base: 2, alpha: 5.0 }, 0);
+    let session = Session { dir: dir.path(), resume_after: None, stop_after: Some(1) };
+    let run = || example::run_session(&example::Task::digits(), threads(4), 4, config, &session);
+    tracing::subscriber::with_default(subscriber, run).unwrap();
+    let text = String::from_utf8(printed.0.lock().unwrap().clone()).unwrap();
+    let warned: Vec<&str> = text.lines().filter(|l| l.contains("keeps the workers apart")).collect();
+    assert_eq!(warned.len(), 1, "{text}");
+    assert!(warned[0].contains("the Learner's lr scheduler over each replica's"), "{text}");
+    // A warning, not a refusal: the run went on.
+    assert!(dir.path().join("train/epoch-1/Loss.log").exists());
+}
+
 /// The Learner trial: checkpoints held rank 0's replica, so a resumed run differed (91.67 % against
 /// 91.94 %) and its syncs restarted. Each replica now resumes from its own state.
 #[test]

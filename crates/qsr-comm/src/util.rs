@@ -21,12 +21,12 @@ pub fn notice(warning: bool, msg: &str) {
         if tracing::enabled!(tracing::Level::WARN) {
             tracing::warn!("{msg}");
         } else {
-            eprintln!("qsr-comm: warning: {msg}");
+            eprintln!("qsr: warning: {msg}");
         }
     } else if tracing::enabled!(tracing::Level::INFO) {
         tracing::info!("{msg}");
     } else {
-        eprintln!("qsr-comm: {msg}");
+        eprintln!("qsr: {msg}");
     }
 }
 

@@ -189,7 +189,10 @@ impl Averager {
             plan: None,
         };
         if let Some((plan, warnings)) = planned {
-            warnings.iter().for_each(|w| avg.warn(w));
+            // The ranks agreed on the schedule: rank 0 says what is wrong with it, once.
+            if avg.rank() == 0 {
+                warnings.iter().for_each(|w| avg.warn(w));
+            }
             avg.plan = Some(plan);
         }
         let model = match avg.config.broadcast_initial {

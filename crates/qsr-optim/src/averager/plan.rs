@@ -9,6 +9,25 @@ use super::schedule::Schedule;
 use crate::error::OptimError;
 use crate::lr_watch::LrWatch;
 
+impl AveragerConfig {
+    /// The warnings [`Averager::new`](super::Averager::new) gives a [`schedule`](Self::schedule) whose
+    /// steps use `lrs` (one per step of the run), for a caller that holds lrs rather than a scheduler
+    /// of its own (burn-train's Learner strategy samples its Learner's): a scheduler sized for more
+    /// steps than the run takes, one lr throughout, an lr that rises again, a round that keeps the
+    /// workers apart while the lr is high. Empty when the plan is sound.
+    ///
+    /// ```
+    /// let config = qsr_optim::AveragerConfig::qsr(2, 5.0); // alpha far too large
+    /// let warnings = config.schedule_warnings(vec![0.1; 100]).unwrap();
+    /// assert!(warnings.iter().any(|w| w.contains("keeps the workers apart")), "{warnings:?}");
+    /// ```
+    pub fn schedule_warnings(&self, lrs: Vec<f64>) -> Result<Vec<String>, OptimError> {
+        let schedule = Schedule::of_lrs(lrs);
+        let config = AveragerConfig { run_steps: Some(schedule.steps()), ..self.clone() };
+        Ok(Plan::new(&config, &schedule)?.1)
+    }
+}
+
 /// The schedule followed beside the loop: the lr each step should pass and the syncs planned so far.
 pub(super) struct Plan {
     /// The schedule after `t` steps.

@@ -2,6 +2,8 @@
 //! a clone of its burn scheduler, the loop's steps, and a digest of the lrs, which the ranks compare.
 
 use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
+use burn::lr_scheduler::{LrScheduler, LrSchedulerRecord};
+use burn::optim::LearningRate;
 use serde::{Serialize, Serializer};
 use sha2::{Digest, Sha256};
 
@@ -25,6 +27,12 @@ impl Schedule {
         }
         let digest = hasher.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
         Self { sched, steps, digest }
+    }
+
+    /// The schedule whose steps use `lrs`, in order.
+    pub(super) fn of_lrs(lrs: Vec<f64>) -> Self {
+        let steps = lrs.len() as u64;
+        Self::new(Sampled { lrs: lrs.into(), at: 0 }.into(), steps)
     }
 
     /// The steps the loop takes.
@@ -60,4 +68,25 @@ impl Serialize for Schedule {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         serde_json::json!({ "steps": self.steps, "lrs": self.digest }).serialize(serializer)
     }
+}
+
+/// A scheduler that replays sampled lrs ([`Schedule::of_lrs`]); past them, the last one.
+#[derive(Clone)]
+struct Sampled {
+    lrs: std::sync::Arc<[f64]>,
+    at: usize,
+}
+
+impl LrScheduler for Sampled {
+    fn step(&mut self) -> LearningRate {
+        let lr = self.lrs.get(self.at).or(self.lrs.last()).copied().unwrap_or(0.0);
+        self.at += 1;
+        lr
+    }
+
+    fn to_record(&self) -> LrSchedulerRecord {
+        LrSchedulerRecord::default()
+    }
+
+    fn load_record(&mut self, _record: LrSchedulerRecord) {}
 }
