@@ -23,6 +23,7 @@
 //! judge of sync settings both faces use; [`SyncState`], the sync engine's state and codec.
 
 mod averager;
+mod cpu;
 mod device;
 mod error;
 mod exact;

@@ -164,7 +164,7 @@ fn product(
 /// `row += sum_k a[k] b[k, ..]`, each term one fused multiply-add, in order of `k`.
 fn row_product(a: &[f32], b: &[f32], row: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::optim::has_fma() {
+    if crate::cpu::has_fma() {
         // SAFETY: the CPU has AVX2 and FMA.
         return unsafe { row_product_fma(a, b, row) };
     }

@@ -16,6 +16,8 @@ use std::ops::Range;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+#[cfg(target_arch = "x86_64")]
+use crate::cpu::has_fma;
 use crate::error::OptimError;
 use crate::muon::{AdjustLr, MuonMatrix, MuonStep, NewtonSchulz};
 
@@ -620,12 +622,6 @@ impl Adamw {
     }
 }
 
-/// Whether `mul_add` can be one instruction (then the loops below vectorize; otherwise it is a libm
-/// `fmaf` call per element). Either way it rounds once, so the results are the same.
-#[cfg(target_arch = "x86_64")]
-pub(crate) fn has_fma() -> bool {
-    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-}
 
 fn sgd_chunk(k: Sgd, p: &mut [f32], g: &[f32], b: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
