@@ -145,13 +145,15 @@ impl ParamLayout {
 
     /// The matrices `optimizer.kind = "muon"` updates with Muon: every weight of two or more dimensions
     /// (burn's Linear weights `[d_input, d_output]`, convolution kernels `[out, in, k...]` viewed as
-    /// `out x (in k...)` as Keller Jordan's Muon views them), except the model's last one, its output
-    /// head; embeddings, norms and biases are not weights. AdamW updates the rest, as torch's Muon
-    /// guidance says.
+    /// `out x (in k...)` as Keller Jordan's Muon views them) but the output head; embeddings, norms and
+    /// biases are not weights. AdamW updates the rest, as torch's Muon guidance says. The head is the
+    /// model's last weight, unless the model has an embedding table: then the head is taken to be
+    /// tied to it (qsr's GPT), and every weight matrix is a hidden one.
     pub fn muon_matrices(&self) -> Vec<MuonMatrix> {
         let weights: Vec<&ParamEntry> =
             self.trainable.iter().filter(|e| e.role == ParamRole::Weight && e.shape.len() >= 2).collect();
-        let hidden = &weights[..weights.len().saturating_sub(1)];
+        let tied = self.trainable.iter().any(|e| e.role == ParamRole::Embedding);
+        let hidden = if tied { &weights[..] } else { &weights[..weights.len().saturating_sub(1)] };
         hidden
             .iter()
             .map(|e| {

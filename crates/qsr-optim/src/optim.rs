@@ -622,7 +622,6 @@ impl Adamw {
     }
 }
 
-
 fn sgd_chunk(k: Sgd, p: &mut [f32], g: &[f32], b: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if has_fma() {

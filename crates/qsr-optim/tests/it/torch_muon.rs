@@ -124,8 +124,9 @@ fn muon_settings_that_cannot_run_are_refused_naming_the_key() {
     }
 }
 
-/// Matrices that overlap, do not fit, or are given to another kind are refused; a Muon optimizer's
-/// model layout puts every hidden weight matrix under Muon and leaves the head, biases to AdamW.
+/// Matrices that overlap, do not fit, or are given to another kind are refused; a model's layout puts
+/// every hidden weight matrix under Muon and leaves the head (the last weight, or an embedding it is
+/// tied to), biases and norms to AdamW.
 #[test]
 fn muon_matrices_come_from_the_hidden_weights_and_must_fit() {
     let m = |range: std::ops::Range<usize>, rows, cols| MuonMatrix { range, rows, cols, fan_out: rows, fan_in: cols };
@@ -142,4 +143,11 @@ fn muon_matrices_come_from_the_hidden_weights_and_must_fit() {
     let shapes: Vec<_> = matrices.iter().map(|m| (m.rows, m.cols, m.fan_out, m.fan_in)).collect();
     assert_eq!(shapes, [(4, 16, 16, 4), (16, 16, 16, 16)]);
     assert!(opt().with_muon_matrices(vec![m(0..6, 2, 3), m(10..16, 3, 2)]).is_ok());
+    // qsr's GPT ties its head to the token embedding: every block matrix is a hidden one.
+    let gpt =
+        qsr_models::GptConfig { vocab_size: 16, context: 8, layers: 2, heads: 2, width: 8, dropout: 0.0, bias: true };
+    let layout = qsr_optim::ParamLayout::of(&gpt.init(&device).unwrap());
+    let weights = layout.trainable.iter().filter(|e| e.role == qsr_optim::ParamRole::Weight && e.shape.len() == 2);
+    assert_eq!(layout.muon_matrices().len(), weights.count());
+    assert!(layout.muon_matrices().len() >= 8, "4 matrices per block");
 }
