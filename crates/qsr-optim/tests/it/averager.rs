@@ -288,6 +288,33 @@ struct Saved {
     state: std::path::PathBuf,
 }
 
+/// Steps `steps` of worker `rank`'s loop: its batch, `optim` at the schedule's lr, then the averager.
+pub(crate) fn train_steps(
+    avg: &mut Averager,
+    mut model: Mlp,
+    optim: &mut burn::optim::ModuleOptimizer,
+    (rank, device): (usize, &Device),
+    steps: std::ops::Range<u64>,
+) -> Mlp {
+    for step in steps {
+        let lr = schedule().lr(step);
+        let (x, y) = batch(rank, step, device);
+        let loss = (model.forward(x) - y).powi_scalar(2).mean();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(lr, model, grads);
+        model = avg.step(model, lr).unwrap();
+    }
+    model
+}
+
+/// `model`'s parameters, flat.
+pub(crate) fn flat_params(model: &Mlp) -> Vec<f32> {
+    let layout = ParamLayout::of(model);
+    let mut flat = vec![0.0; layout.len()];
+    layout.read_params(model, &mut flat).unwrap();
+    flat
+}
+
 /// Rank `comm.rank()` trains steps `from.steps..until` (from scratch without `from`); returns its flat
 /// parameters and what it would save at `until`.
 fn train_span(comm: Box<dyn Collective>, from: Option<Saved>, until: u64, dir: &std::path::Path) -> (Vec<f32>, Saved) {
@@ -308,17 +335,8 @@ fn train_span(comm: Box<dyn Collective>, from: Option<Saved>, until: u64, dir: &
         }
         None => 0,
     };
-    for step in start..until {
-        let lr = schedule().lr(step);
-        let (x, y) = batch(rank, step, &device);
-        let loss = (model.forward(x) - y).powi_scalar(2).mean();
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optim.step(lr, model, grads);
-        model = avg.step(model, lr).unwrap();
-    }
-    let layout = ParamLayout::of(&model);
-    let mut flat = vec![0.0; layout.len()];
-    layout.read_params(&model, &mut flat).unwrap();
+    let model = train_steps(&mut avg, model, &mut optim, (rank, &device), start..until);
+    let flat = flat_params(&model);
     let saved = Saved {
         model: dir.join(format!("model-{until}-{rank}.bpk")),
         optim: dir.join(format!("optim-{until}-{rank}.bpk")),

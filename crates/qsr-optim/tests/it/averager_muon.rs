@@ -3,13 +3,13 @@
 
 use burn::module::ParamGroup;
 use burn::optim::decay::WeightDecayConfig;
-use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer, MuonConfig};
+use burn::optim::{AdamWConfig, ModuleOptimizer, MuonConfig};
 use burn::tensor::Device;
 use qsr_comm::{Collective, InProcessGroup, MasterListener, TcpComm, TcpConfig};
-use qsr_optim::{Averager, AveragerConfig, ParamLayout};
+use qsr_optim::{Averager, AveragerConfig};
 use qsr_sched::{Plan, SyncRule};
 
-use crate::averager::{STEPS, batch, schedule, seeded};
+use crate::averager::{STEPS, flat_params, schedule, seeded, train_steps};
 use crate::common::Mlp;
 
 const RULE: SyncRule = SyncRule::Qsr { h_base: 2, alpha: 0.03 };
@@ -32,21 +32,9 @@ fn train(comm: Box<dyn Collective>, muon: bool) -> (Vec<f32>, u64) {
     let model = if rank == 0 { seeded(Mlp::new(&device, 4, 1)) } else { Mlp::new(&device, 4, 1) };
     let mut config = AveragerConfig::new(RULE, 20);
     config.run_steps = Some(STEPS);
-    let (mut avg, mut model) = Averager::new(model, config, comm).unwrap();
-    let mut optim = optimizer(muon);
-    let sched = schedule();
-    for step in 0..STEPS {
-        let lr = sched.lr(step);
-        let (x, y) = batch(rank, step, &device);
-        let loss = (model.forward(x) - y).powi_scalar(2).mean();
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optim.step(lr, model, grads);
-        model = avg.step(model, lr).unwrap();
-    }
-    let layout = ParamLayout::of(&model);
-    let mut flat = vec![0.0; layout.len()];
-    layout.read_params(&model, &mut flat).unwrap();
-    (flat, avg.stats().syncs)
+    let (mut avg, model) = Averager::new(model, config, comm).unwrap();
+    let model = train_steps(&mut avg, model, &mut optimizer(muon), (rank, &device), 0..STEPS);
+    (flat_params(&model), avg.stats().syncs)
 }
 
 fn on_threads(k: usize, muon: bool) -> Vec<(Vec<f32>, u64)> {

@@ -40,30 +40,16 @@ h_base = 2
 alpha = 0.06
 "#;
 
+/// ViT-B's parameters and epoch over the paper's links: 25 Gbit/s, 0.1 ms.
+const VIT_B_LINKS: [&str; 8] =
+    ["--params", "86381800", "--bandwidth", "25gbit", "--latency", "0.1ms", "--steps-per-epoch", "312"];
+
 #[test]
 fn paper_scale_calibrated_on_the_data_parallel_time() {
-    let out = ok(&[
-        "simulate",
-        "--recipe",
-        "recipes/imagenet-vit-b-dp.toml",
-        "--recipe",
-        "recipes/imagenet-vit-b-qsr-hbase4.toml",
-        "--params",
-        "86381800",
-        "--bandwidth",
-        "25gbit",
-        "--latency",
-        "0.1ms",
-        "--steps-per-epoch",
-        "312",
-        "--dp-hours",
-        "26.7",
-        "--reference",
-        "imagenet-vit-b-dp=26.7",
-        "--reference",
-        "imagenet-vit-b-qsr-hbase4=20.2",
-        "--json",
-    ]);
+    let recipes = ["--recipe", "recipes/imagenet-vit-b-dp.toml", "--recipe", "recipes/imagenet-vit-b-qsr-hbase4.toml"];
+    let references = ["--reference", "imagenet-vit-b-dp=26.7", "--reference", "imagenet-vit-b-qsr-hbase4=20.2"];
+    let out =
+        ok(&[&["simulate"][..], &recipes, &VIT_B_LINKS, &["--dp-hours", "26.7"], &references, &["--json"]].concat());
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let rows = v["rows"].as_array().unwrap();
     let dp = &rows[0]["prediction"];
@@ -101,24 +87,9 @@ fn paper_scale_calibrated_on_the_data_parallel_time() {
 #[test]
 fn an_int2_wire_is_priced_at_its_packed_bytes() {
     let comm = |wire: &str| {
-        let out = ok(&[
-            "simulate",
-            "--recipe",
-            "recipes/imagenet-vit-b-qsr-hbase4.toml",
-            "--params",
-            "86381800",
-            "--bandwidth",
-            "25gbit",
-            "--latency",
-            "0.1ms",
-            "--steps-per-epoch",
-            "312",
-            "--step-seconds",
-            "0.5",
-            "--set",
-            &format!("driver.wire={wire}"),
-            "--json",
-        ]);
+        let recipe = ["simulate", "--recipe", "recipes/imagenet-vit-b-qsr-hbase4.toml"];
+        let wire = format!("driver.wire={wire}");
+        let out = ok(&[&recipe[..], &VIT_B_LINKS, &["--step-seconds", "0.5", "--set", &wire, "--json"]].concat());
         let v: serde_json::Value = serde_json::from_str(&out).unwrap();
         v["rows"][0]["prediction"]["comm_seconds"].as_f64().unwrap()
     };
