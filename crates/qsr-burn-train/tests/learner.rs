@@ -180,6 +180,11 @@ fn a_learner_run_resumed_mid_run_ends_on_the_bits_of_the_whole_run() {
     );
     // burn-train's own checkpoint of the cut epoch holds the average, not a replica.
     assert!(cut.path().join("checkpoint/model-8.bpk").is_file());
+    // The metrics count the whole run (the Learner trial: the traffic restarted from 0 after a resume).
+    for metric in ["Synchronizations", "Traffic"] {
+        let (w, c) = (logged_in(whole.path(), "train", 20, metric), logged_in(cut.path(), "train", 20, metric));
+        assert_eq!(w, c, "{metric} at epoch 20");
+    }
 }
 
 /// Resuming without the replicas' states, or from a corrupt one, is refused on every rank naming the

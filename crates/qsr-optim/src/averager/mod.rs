@@ -426,6 +426,7 @@ impl Averager {
             rounds_after_warmup: self.rounds_after_warmup,
             round: self.round,
             lr_watch: self.lr_watch.clone(),
+            traffic: CommStats { seconds: 0.0, ..self.stats.comm },
         };
         Ok(AveragerState { rounds, sync: self.sync.state()? })
     }
@@ -461,6 +462,7 @@ impl Averager {
         self.rounds_after_warmup = state.rounds.rounds_after_warmup;
         self.round = state.rounds.round;
         self.lr_watch = state.rounds.lr_watch;
+        self.stats.comm = state.rounds.traffic;
         if let Some(plan) = &mut self.plan {
             plan.resume_at(&self.config, self.stats.steps)?;
         }

@@ -4,6 +4,7 @@
 
 use std::path::Path;
 
+use qsr_comm::CommStats;
 use serde::{Deserialize, Serialize};
 
 use super::config::RoundSpan;
@@ -37,6 +38,10 @@ pub(super) struct Rounds {
     /// The lrs' course, so that the warnings of wrong plans judge the whole run.
     #[serde(default)]
     pub(super) lr_watch: LrWatch,
+    /// The syncs' calls and bytes so far, so that a resumed run's totals count the whole run (their
+    /// seconds are not kept: they are each process's own; a state of an older format has none).
+    #[serde(default)]
+    pub(super) traffic: CommStats,
 }
 
 impl AveragerState {
