@@ -61,6 +61,11 @@ const CASES: &[Case] = &[
         refused: Some("driver.wire"),
     },
     Case {
+        name: "int2_on_device_resident_state",
+        sets: &["driver.wire=int2", "driver.residency=device"],
+        refused: Some("driver.wire"),
+    },
+    Case {
         name: "outer_on_device_resident_state",
         sets: &["outer.lr=0.7", "driver.residency=device"],
         refused: Some("outer"),
