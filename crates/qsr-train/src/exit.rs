@@ -58,9 +58,24 @@ pub(crate) struct NotTrained {
     pub why: String,
 }
 
-/// Whether an error is the consequence of another rank's failure (lost, stalled, aborted, gone).
+/// A rank could not write its part of a checkpoint because rank 0, failing, removed the unfinished
+/// checkpoint meanwhile: a consequence of rank 0's failure (or of the rank that failed first), not a
+/// cause of its own.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "cannot write its part of the checkpoint of step {step}: rank 0 removed the unfinished checkpoint after a failure ({what})"
+)]
+pub(crate) struct CheckpointAbandoned {
+    /// The checkpoint's step.
+    pub step: u64,
+    /// What the write reported.
+    pub what: String,
+}
+
+/// Whether an error is the consequence of another rank's failure (lost, stalled, aborted, gone, or a
+/// checkpoint abandoned by rank 0).
 pub(crate) fn is_peer_failure(e: &anyhow::Error) -> bool {
-    comm_errors(e).any(CommError::peer_failed)
+    comm_errors(e).any(CommError::peer_failed) || e.chain().any(|c| c.is::<CheckpointAbandoned>())
 }
 
 /// The collective errors in `e`'s chain, those an elastic job's error wraps included.
@@ -122,6 +137,23 @@ pub(crate) fn root_cause(errors: Vec<(usize, anyhow::Error)>) -> Option<(usize, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// CI (a full disk, 4 workers): rank 2's write failed with "No space left on device", rank 0 removed
+    /// the unfinished checkpoint, and rank 1, still writing into it, failed with "No such file or
+    /// directory", which was reported as the cause. A write into an abandoned checkpoint is a peer's
+    /// failure; the full disk is the root cause.
+    #[test]
+    fn a_write_into_a_checkpoint_rank_0_abandoned_is_not_the_root_cause() {
+        let abandoned = CheckpointAbandoned { step: 22, what: "No such file or directory".into() };
+        let errors = vec![
+            (1, anyhow::Error::new(abandoned).context("checkpoint at step 22")),
+            (2, anyhow::anyhow!("No space left on device (os error 28)")),
+        ];
+        let (rank, e) = root_cause(errors).unwrap();
+        assert_eq!(rank, 2, "{e:#}");
+        let abandoned = anyhow::Error::new(CheckpointAbandoned { step: 22, what: String::new() });
+        assert_eq!(exit_code(&abandoned), Exit::PeerFailed as u8);
+    }
 
     #[test]
     fn each_kind_of_error_has_its_exit_status() {

@@ -11,6 +11,7 @@ use super::outcome::{Chance, Meeting, averaging_lost, untrained};
 use super::spec::RunSpec;
 use super::task::{Eval, Task};
 use crate::checkpoint::{self, CheckpointState, Counters};
+use crate::exit::CheckpointAbandoned;
 use crate::records::{Fit, LocalLevel, Metrics, Record, Summary, membership_changes};
 
 /// The plan and the length of an epoch: what records and evaluation cadence are reckoned in.
@@ -467,10 +468,16 @@ fn counters(base: &Counters, st: &qsr_optim::DriverStats, t0: Instant) -> Counte
 /// still be writing into it then, so the launchers sweep once every worker has stopped.
 fn save_checkpoint<M: Module>(worker: &mut Worker<M>, spec: &RunSpec, step: u64, counters: Counters) -> Result<()> {
     let saved = write_checkpoint(worker, spec, step, counters);
-    if saved.is_err() && worker.rank() == 0 {
-        let _ = std::fs::remove_dir_all(checkpoint::tmp_dir(&spec.run_dir, step));
+    let tmp = checkpoint::tmp_dir(&spec.run_dir, step);
+    match saved {
+        Err(e) if worker.rank() == 0 => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            Err(e)
+        }
+        // Rank 0 removed it after a failure while this rank wrote: the failure is not this rank's.
+        Err(e) if !tmp.exists() => Err(CheckpointAbandoned { step, what: format!("{e:#}") }.into()),
+        saved => saved,
     }
-    saved
 }
 
 fn write_checkpoint<M: Module>(worker: &mut Worker<M>, spec: &RunSpec, step: u64, counters: Counters) -> Result<()> {
