@@ -38,6 +38,7 @@ mod collective;
 mod connect;
 mod error;
 mod exit;
+mod first;
 mod hier;
 mod inproc;
 mod launch_env;
@@ -121,6 +122,11 @@ pub const WORKERS_ENV: &str = "QSR_WORKERS";
 /// processes (`qsr launch --nproc 4 -- ...`); `T` crosses threads, so a worker's error type must be
 /// `Send` (`anyhow::Error` is; `Box<dyn Error>` is not, `Box<dyn Error + Send + Sync>` is).
 ///
+/// As threads, rank 0 runs alone until its first collective call (or its return), and the other
+/// ranks start then: what rank 0 draws before it communicates from a RNG every thread shares
+/// (burn's, which draws initial weights) depends on its seed alone, so a rerun starts rank 0, and
+/// through qsr's initial broadcast every rank, from the same weights.
+///
 /// ```
 /// let ranks = qsr_comm::run_workers(3, |comm| (comm.rank(), comm.world_size())).unwrap();
 /// assert_eq!(ranks, [(0, 3), (1, 3), (2, 3)]); // no launcher here: three threads
@@ -130,7 +136,19 @@ pub fn run_workers<T: Send>(
     worker: impl Fn(Box<dyn Collective>) -> T + Sync,
 ) -> Result<Vec<T>, CommError> {
     match unlaunched_threads(threads)? {
-        Some(threads) => Ok(run_threads(threads, |c| worker(Box::new(c)))),
+        Some(threads) => {
+            let latch = std::sync::Arc::new(first::Latch::default());
+            Ok(run_threads(threads, |c| match c.rank() {
+                0 => {
+                    let _open = first::OpenOnDrop(latch.clone());
+                    worker(Box::new(first::FirstCall::new(c, latch.clone())))
+                }
+                _ => {
+                    latch.wait();
+                    worker(Box::new(c))
+                }
+            }))
+        }
         None => Ok(vec![worker(from_env()?)]),
     }
 }
@@ -180,6 +198,29 @@ mod tests {
             assert!(e.contains("QSR_WORKERS"), "{bad:?}: {e}");
         }
         assert!(thread_count(0, None).is_err(), "no threads at all");
+    }
+
+    /// Issue 57: rank 0 runs alone until it first communicates, so its draws from burn's shared RNG
+    /// (initial weights) depend on its seed alone; a rank 0 that never communicates holds no one.
+    #[test]
+    fn threads_start_after_rank_0_first_communicates() {
+        let events = std::sync::Mutex::new(Vec::new());
+        let log = |e: String| events.lock().unwrap().push(e);
+        run_workers(4, |mut comm| {
+            let rank = comm.rank();
+            log(format!("{rank} starts"));
+            if rank == 0 {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                log("0 drew its weights".into());
+            }
+            comm.barrier().unwrap();
+        })
+        .unwrap();
+        let events = events.into_inner().unwrap();
+        assert_eq!(events[..2], ["0 starts", "0 drew its weights"], "{events:?}");
+        assert_eq!(events.len(), 5, "{events:?}");
+        let silent = run_workers(3, |comm| comm.rank()).unwrap();
+        assert_eq!(silent, [0, 1, 2]);
     }
 
     #[test]
