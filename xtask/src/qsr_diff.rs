@@ -1,5 +1,5 @@
 //! What adding QSR to a plain burn program costs: `crates/qsr-optim/examples/burn_plain.rs` against
-//! `burn_qsr.rs`, at most [`MAX_LINES`] changed lines, shown in README.md between [`BEGIN`] and [`END`].
+//! `burn_qsr.rs`, at most [`MAX_LINES`] lines removed and added, shown in README.md between [`BEGIN`] and [`END`].
 
 use std::path::Path;
 
@@ -8,11 +8,12 @@ use similar::{DiffTag, TextDiff};
 
 const PLAIN: &str = "crates/qsr-optim/examples/burn_plain.rs";
 const QSR: &str = "crates/qsr-optim/examples/burn_qsr.rs";
-/// The lines a user changes, a replaced line counted once; the `//!` headers, which say what each
-/// program is, not at all.
-const MAX_LINES: usize = 13;
-/// The lines of a program that trains with QSR without resuming (the changed lines but those marked
-/// [`RESUME`]) together with the lines QSR adds to README.md's `[dependencies]` block.
+/// The lines a user changes, counted as a diff counts them: a replaced line is a line removed and a
+/// line added; the `//!` headers, which say what each program is, not at all.
+const MAX_LINES: usize = 14;
+/// The lines of a program that trains with QSR without resuming (the diff's lines but those marked
+/// [`RESUME`], and the plain lines those replace) together with the lines QSR adds to README.md's
+/// `[dependencies]` block.
 const MAX_BASIC_LINES: usize = 12;
 /// The comment that marks a line of `burn_qsr.rs` that only resuming needs.
 const RESUME: &str = "// QSR (resume):";
@@ -25,18 +26,29 @@ fn body(root: &Path, path: &str) -> Result<String> {
     Ok(text.lines().filter(|l| !l.starts_with("//!")).map(|l| format!("{l}\n")).collect())
 }
 
+/// What the diff of the two programs counts.
+struct Changed {
+    /// Lines removed and added.
+    lines: usize,
+    /// Of those, the lines only resuming needs: the added lines marked [`RESUME`] and the plain lines
+    /// they replace.
+    resume: usize,
+}
+
 /// The changed lines, and the diff as README.md shows it: `-` / `+` lines, `...` between places.
-fn diff(root: &Path) -> Result<(usize, String)> {
+fn diff(root: &Path) -> Result<(Changed, String)> {
     let (plain, qsr) = (body(root, PLAIN)?, body(root, QSR)?);
     let diff = TextDiff::from_lines(&plain, &qsr);
     let (old, new): (Vec<&str>, Vec<&str>) = (plain.lines().collect(), qsr.lines().collect());
-    let (mut changed, mut shown) = (0, Vec::new());
+    let (mut changed, mut shown) = (Changed { lines: 0, resume: 0 }, Vec::new());
     for op in diff.ops() {
         let (tag, o, n) = op.as_tag_tuple();
         if tag == DiffTag::Equal {
             continue;
         }
-        changed += o.len().max(n.len());
+        let resume = new[n.clone()].iter().filter(|l| l.contains(RESUME)).count();
+        changed.lines += o.len() + n.len();
+        changed.resume += resume + resume.min(o.len());
         let mut place: Vec<String> = old[o].iter().map(|l| format!("-{l}")).collect();
         place.extend(new[n].iter().map(|l| format!("+{l}")));
         shown.push(place.join("\n"));
@@ -47,16 +59,18 @@ fn diff(root: &Path) -> Result<(usize, String)> {
 /// Fails when the QSR version takes more than [`MAX_LINES`] lines, or README.md shows another diff.
 pub(crate) fn check(root: &Path) -> Result<()> {
     let (changed, shown) = diff(root)?;
-    println!("adding QSR to {PLAIN} changes {changed} lines (at most {MAX_LINES})");
-    if changed > MAX_LINES {
-        bail!("{QSR} differs from {PLAIN} by {changed} lines, more than {MAX_LINES}");
+    println!("adding QSR to {PLAIN} removes and adds {} lines (at most {MAX_LINES})", changed.lines);
+    if changed.lines > MAX_LINES {
+        bail!("{QSR} differs from {PLAIN} by {} lines, more than {MAX_LINES}", changed.lines);
     }
-    let resume = body(root, QSR)?.lines().filter(|l| l.contains(RESUME)).count();
     let dependencies = crate::snippet::qsr_lines(&crate::snippet::block(root)?);
-    let basic = changed - resume + dependencies;
-    println!("without resuming: {} program lines and {dependencies} dependency lines", changed - resume);
-    if basic > MAX_BASIC_LINES {
-        bail!("QSR without resuming takes {basic} lines (program and dependencies), more than {MAX_BASIC_LINES}");
+    let program = changed.lines - changed.resume;
+    println!("without resuming: {program} program lines and {dependencies} dependency lines");
+    if program + dependencies > MAX_BASIC_LINES {
+        bail!(
+            "QSR without resuming takes {} lines (program and dependencies), more than {MAX_BASIC_LINES}",
+            program + dependencies
+        );
     }
     let readme = std::fs::read_to_string(root.join("README.md")).context("cannot read README.md")?;
     if !readme.contains(&format!("{BEGIN}{shown}{END}")) {

@@ -80,7 +80,7 @@ impl<M: LearnerModel> Replica<M> {
     fn after_optimizer_step(&mut self) -> Result<(), OptimError> {
         let updates = self.avg.stats().updates;
         let lr = self.learner.lr_current().base();
-        let model = self.avg.step(self.learner.model(), lr)?;
+        let model = self.avg.step_with_lr(self.learner.model(), lr)?;
         // A streaming averager also writes mid-round, where an average lands.
         if self.avg.stats().updates > updates {
             self.learner.load_model(model.into_record());

@@ -354,7 +354,8 @@ impl LocalTrainingStrategy {
         }
         let place = (rank, comm.world_size());
         crate::horizon::judge(&learner, &self.config, &shard, (&run.epochs, run.grad_accumulation), place)?;
-        let (mut avg, model) = Averager::new(learner.model(), self.config.clone(), comm).map_err(|e| e.to_string())?;
+        let mut model = learner.model();
+        let mut avg = Averager::new(&mut model, self.config.clone(), comm).map_err(|e| e.to_string())?;
         learner.load_model(model.into_record());
         let store = || Arc::clone(&run.event_store);
         let files = self.checkpoints.as_deref().map(|dir| ReplicaFiles::new(dir, rank, store(), &run.interrupter));

@@ -6,7 +6,7 @@
 //!
 //! ```sh
 //! cargo run --release -p qsr-optim --example averager                          # 4 threads
-//! target/release/qsr launch --nproc 2 -- target/release/examples/averager     # 2 processes
+//! qsr-launch --nproc 2 -- target/release/examples/averager                  # 2 processes
 //! ```
 
 use burn::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
@@ -60,25 +60,22 @@ fn worker(comm: Box<dyn Collective>, rule: SyncRule) -> anyhow::Result<(usize, u
     let device = Device::flex().autodiff();
     let (rank, k) = (comm.rank(), comm.world_size());
     let train = qsr_data::digits(Split::Train);
-    // The same weights on every rerun (burn's RNG is shared by the threads); Averager::new then gives
-    // every worker rank 0's.
-    let model = qsr_optim::seeded_init(&device, 7, || Mlp::new(&device));
-    let mut config = AveragerConfig::new(rule, 0); // QSR
-    config.run_steps = Some(STEPS as u64); // QSR
-    let (mut avg, mut model) = Averager::new(model, config, comm)?; // QSR: rank 0's weights everywhere
+    device.seed(7); // rank 0 draws alone under `run_workers`' threads: the same weights on every rerun
+    let mut model = Mlp::new(&device);
     let mut optim = SgdConfig::new().with_momentum(Some(MomentumConfig::new().with_momentum(0.9))).init();
     let mut sched = CosineAnnealingLrSchedulerConfig::new(LR, STEPS).init().map_err(anyhow::Error::msg)?;
+    let config = AveragerConfig::new(rule, 0).schedule(&sched, STEPS); // QSR: the lrs that pick H
+    let mut avg = Averager::new(&mut model, config, comm)?; // QSR: rank 0's weights everywhere
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
     let shard: Vec<usize> = (rank..train.len()).step_by(k).collect();
     for step in 0..STEPS {
         let lr = sched.step();
-        let base_lr = lr.base(); // QSR: the lr this step uses
         let idx: Vec<usize> = (0..BATCH).map(|j| shard[(step * BATCH + j * 7919) % shard.len()]).collect();
         let (x, y) = tensors(&train, &idx, &device);
         let loss = loss_fn.forward(model.forward(x), y);
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(lr, model, grads);
-        model = avg.step(model, base_lr)?; // QSR: averages when a round ends
+        model = avg.step(model)?; // QSR: averages when a round ends, and at the last step
     }
     let test = qsr_data::digits(Split::Test);
     let all: Vec<usize> = (0..test.len()).collect();

@@ -4,9 +4,9 @@
 //!
 //! ```sh
 //! cargo run --release -p qsr-optim --example burn_qsr                      # 4 threads
-//! cargo build --release -p qsr-optim --example burn_qsr && cargo build --release --bin qsr
-//! target/release/qsr launch --nproc 2 -- target/release/examples/burn_qsr  # 2 processes
-//! target/release/qsr launch --nproc 2 -- target/release/examples/burn_qsr ckpt  # saving into ckpt/rank-R
+//! cargo build --release -p qsr-optim --example burn_qsr && cargo install --path crates/qsr-launch
+//! qsr-launch --nproc 2 -- target/release/examples/burn_qsr                 # 2 processes
+//! qsr-launch --nproc 2 -- target/release/examples/burn_qsr ckpt            # saving into ckpt/rank-R
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -143,19 +143,20 @@ fn load(from: &Path, model: Mlp, optim: ModuleOptimizer, sched: ModuleLrSchedule
 /// returns the test accuracy.
 fn train(comm: Box<dyn qsr_optim::comm::Collective>) -> anyhow::Result<f64> {
     let device = Device::flex().autodiff();
-    let train = Arc::new(qsr_data::ShardedDataset::new(blobs(1000, SEED), comm.rank(), comm.world_size(), SEED)?);
+    let train = Arc::new(qsr_optim::ShardedDataset::new(blobs(1000, SEED), comm.rank(), comm.world_size(), SEED)?);
     let steps = EPOCHS as usize * train.len().div_ceil(BATCH); // this rank's steps: its batches times the epochs
     let mut sched = CosineAnnealingLrSchedulerConfig::new(0.01, steps).init().map_err(anyhow::Error::msg)?;
-    let model = qsr_optim::seeded_init(&device, SEED, || Mlp::new(&device)); // QSR: threads share burn's RNG
+    device.seed(SEED);
+    let mut model = Mlp::new(&device);
     let ckpt = checkpoint_dir().map(|dir| dir.join(format!("rank-{}", comm.rank()))); // QSR (resume): each rank its own
-    let config = qsr_optim::AveragerConfig::qsr(2, 0.0025).schedule(&sched, steps); // QSR: checks your lrs
-    let (mut avg, mut model) = qsr_optim::Averager::new(model, config, comm)?;
+    let config = qsr_optim::AveragerConfig::qsr(2, 0.0025).schedule(&sched, steps); // QSR: your scheduler's lrs pick H
+    let mut avg = qsr_optim::Averager::new(&mut model, config, comm)?; // QSR: rank 0's weights everywhere
     let mut optim = AdamWConfig::new().init();
     let mut start = 0;
     if let Some((epoch, from)) = ckpt.as_deref().map(latest).transpose()?.flatten() {
         println!("resuming after epoch {epoch} from {}", from.display());
-        avg.restore(qsr_optim::AveragerState::load(&from.join("averager.safetensors"))?)?; // QSR (resume): where its rounds stood
         (model, optim, sched) = load(&from, model, optim, sched)?;
+        avg.restore(qsr_optim::AveragerState::load(&from.join("averager.safetensors"))?)?; // QSR (resume): where its rounds stood
         start = epoch;
     }
     // One loader, without `.shuffle`: its generator would restart with the process, and a resumed run see another order.
@@ -168,8 +169,8 @@ fn train(comm: Box<dyn qsr_optim::comm::Collective>) -> anyhow::Result<f64> {
             let lr = sched.step();
             let loss = loss_fn.forward(model.forward(x), y);
             let grads = GradientsParams::from_grads(loss.backward(), &model);
-            model = optim.step(lr.clone(), model, grads);
-            model = avg.step(model, lr.base())?; // QSR: averages when a round ends
+            model = optim.step(lr, model, grads);
+            model = avg.step(model)?; // QSR: averages when a round ends, and at the last step
         }
         if let Some(dir) = &ckpt {
             let to = staging(dir, epoch + 1)?;
@@ -178,7 +179,6 @@ fn train(comm: Box<dyn qsr_optim::comm::Collective>) -> anyhow::Result<f64> {
             commit(&to)?;
         }
     }
-    let model = avg.finish(model)?; // QSR: the last round
     let test = blobs(250, SEED + 1);
     let (x, y) = PointBatcher.batch(test.iter().collect::<Result<_, _>>()?, &Device::flex());
     let correct: i64 = model.valid().forward(x).argmax(1).squeeze_dim::<1>(1).equal(y).int().sum().into_scalar();
@@ -192,5 +192,5 @@ fn report(accuracy: f64) -> anyhow::Result<()> {
 }
 
 fn main() -> anyhow::Result<()> {
-    qsr_optim::comm::run_workers(4, train)?.into_iter().try_for_each(|accuracy| report(accuracy?)) // QSR: threads/ranks
+    qsr_optim::run_workers(4, train)?.into_iter().try_for_each(|accuracy| report(accuracy?)) // QSR: threads or ranks
 }

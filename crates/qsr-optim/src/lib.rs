@@ -2,19 +2,20 @@
 //! rounds of a sync rule (the Quadratic Synchronization Rule among them).
 //!
 //! **In your own burn loop** (your model, optimizer, lr scheduler and `DataLoader` stay) you need:
+//! - [`run_workers`]: runs your `train(comm)` as threads, or as the ranks of a launch
+//!   (`qsr-launch --nproc 4 -- ./your-program`);
+//! - [`ShardedDataset`]: each rank's shard of your dataset, reshuffled per epoch;
 //! - [`Averager`]: [`Averager::new`] gives every worker rank 0's weights; call [`Averager::step`]
-//!   after each optimizer step with the lr it used, and it averages whenever a round ends (its page
-//!   has a complete example); [`Averager::finish`] averages the last round;
+//!   after each optimizer step, and it averages whenever a round ends and at the run's last step
+//!   (its page has a complete example);
 //! - [`AveragerConfig`]: the rule, e.g. [`AveragerConfig::qsr`]`(h_base, alpha)`, or alpha from a
-//!   communication budget ([`AveragerConfig::qsr_for_budget`]), and your lr schedule
-//!   ([`AveragerConfig::schedule`]), which the averager judges before the first step;
-//! - [`seeded_init`]: the same initial weights in every run, whatever the threads;
+//!   communication budget ([`AveragerConfig::qsr_for_budget`]), and your lr scheduler
+//!   ([`AveragerConfig::schedule`]), whose lrs pick each round's `H` and which the averager judges
+//!   before the first step;
 //! - [`AveragerState`]: where the rounds stand, saved beside your checkpoint and given to
 //!   [`Averager::restore`] to resume exactly.
 //!
-//! Beside them: [`comm::run_workers`] runs your `train(comm)` as threads, or as the ranks of a
-//! launch (`qsr-launch --nproc 4 -- ./your-program`), and `qsr_data::ShardedDataset` gives each rank
-//! its shard, reshuffled per epoch. `examples/burn_qsr.rs` is a complete program.
+//! `examples/burn_qsr.rs` is a complete program.
 //!
 //! **The trainer's engine** (what `qsr train` runs; for a trainer of your own): [`Worker`], qsr's
 //! PyTorch-exact SGD / AdamW (and Muon, to a stated tolerance) over flat state ([`Optimizer`], [`OptimizerConfig`]) driven step by step
@@ -57,8 +58,11 @@ pub use optim::{
 };
 pub use outer::{OuterConfig, OuterUnit};
 /// `qsr-comm`, re-exported so that a burn program needs no dependency of its own for
-/// [`comm::run_workers`] and [`comm::Collective`].
+/// [`comm::Collective`] and the rest.
 pub use qsr_comm as comm;
+pub use qsr_comm::run_workers;
+/// qsr-data's sampler over any burn `Dataset`, so a burn program needs no dependency of its own.
+pub use qsr_data::ShardedDataset;
 /// The rules an [`AveragerConfig`] takes, so a burn user needs no qsr-sched dependency to pick one.
 pub use qsr_sched::SyncRule;
 pub use seeded::seeded_init;

@@ -10,24 +10,26 @@
 //! `examples/burn_plain.rs` and `examples/burn_qsr.rs`, 4 threads or ranks under `qsr launch`):
 //!
 //! ```text
-//! + fn train(comm: Box<dyn Collective>) -> anyhow::Result<Mlp> {  // main: comm::run_workers(4, train)
-//!   let model = Mlp::new(&device);
+//! + fn train(comm: Box<dyn Collective>) -> anyhow::Result<Mlp> {  // main: qsr_optim::run_workers(4, train)
+//!   device.seed(SEED);
+//!   let mut model = Mlp::new(&device);
 //!   let mut sched = CosineAnnealingLrSchedulerConfig::new(0.01, steps).init()?;
-//! + let config = AveragerConfig::qsr(2, 0.06).schedule(&sched, steps); // judged before the first step
-//! + let (mut avg, mut model) = Averager::new(model, config, comm)?;
+//! + let config = AveragerConfig::qsr(2, 0.06).schedule(&sched, steps); // its lrs pick each round's H
+//! + let mut avg = Averager::new(&mut model, config, comm)?;             // rank 0's weights everywhere
 //!   let mut optim = AdamWConfig::new().init();
 //!   for step in 0..steps {                             // each rank on its own shard (ShardedDataset)
 //!       let lr = sched.step();
 //!       let grads = GradientsParams::from_grads(loss(&model, batch(step)).backward(), &model);
-//!       model = optim.step(lr.clone(), model, grads);
-//! +     model = avg.step(model, lr.base())?;           // averages when a round ends
+//!       model = optim.step(lr, model, grads);
+//! +     model = avg.step(model)?;                      // averages when a round ends, and at the last step
 //!   }
-//! + let model = avg.finish(model)?;                    // the last round (a drop without it warns)
 //! ```
 //!
 //! Initial weights: [`Averager::new`] gives every worker rank 0's parameters, so only rank 0's
-//! initialization matters. burn draws initial weights lazily from one global RNG shared by all threads;
-//! for reruns that are bit-identical, build the model with [`seeded_init`].
+//! initialization matters. burn draws initial weights lazily from one global RNG shared by all
+//! threads; under [`run_workers`](crate::run_workers)' threads rank 0 runs alone until its
+//! `Averager::new` has drawn them, so a seeded rank 0 starts every run from the same weights. With
+//! threads of your own, build the model with [`seeded_init`](crate::seeded_init).
 //!
 //! Resume: [`Averager::state`] (an [`AveragerState`], saved beside the model's and the optimizer's
 //! records) and [`Averager::restore`] right after [`Averager::new`] continue the rounds exactly.
@@ -95,32 +97,35 @@ pub struct AveragerStats {
 /// Averages a model's parameters over a [`Collective`] at the end of every round of a sync rule,
 /// deciding each round's length `H` from the learning rate the caller's own scheduler produced.
 ///
-/// Two workers as threads, each with burn's own SGD and an lr that halves every 6 steps, under QSR
-/// with `H_base = 2` and `alpha = 0.1`: the first round, at lr 0.05, lasts `(0.1 / 0.05)^2 = 4`
-/// steps, the next two at lr 0.05 and 0.025 last 4 and 16, cut at the run's end by `finish`:
+/// Two workers as threads, each with burn's own SGD and a step scheduler (lr 0.05 for 6 steps, then
+/// 0.005), under QSR with `H_base = 2` and `alpha = 0.1`: the first two rounds, at lr 0.05, last
+/// `(0.1 / 0.05)^2 = 4` steps; the third, at lr 0.005, would last 400 and ends at the run's 12th
+/// step, which averages:
 ///
 /// ```
+/// use burn::lr_scheduler::step::StepLrSchedulerConfig;
 /// use burn::nn::LinearConfig;
-/// use burn::optim::{GradientsParams, Optimizer, SgdConfig};
+/// use burn::optim::{GradientsParams, SgdConfig};
 /// use burn::tensor::{Device, Tensor};
-/// use qsr_optim::{Averager, AveragerConfig, seeded_init};
+/// use qsr_optim::{Averager, AveragerConfig};
 ///
-/// let syncs = qsr_comm::run_threads(2, |comm| -> Result<u64, qsr_optim::OptimError> {
+/// let syncs = qsr_optim::run_workers(2, |comm| -> Result<u64, qsr_optim::OptimError> {
 ///     let device = Device::flex().autodiff();
-///     let model = seeded_init(&device, 7, || LinearConfig::new(4, 1).init(&device));
-///     let (mut avg, mut model) = Averager::new(model, AveragerConfig::qsr(2, 0.1), Box::new(comm))?;
+///     device.seed(7);
+///     let mut model = LinearConfig::new(4, 1).init(&device);
+///     let mut sched = StepLrSchedulerConfig::new(0.05, 6).init().unwrap();
+///     let config = AveragerConfig::qsr(2, 0.1).schedule(&sched, 12);
+///     let mut avg = Averager::new(&mut model, config, comm)?;
 ///     let mut optim = SgdConfig::new().init();
-///     for step in 0..12 {
-///         let lr = 0.05 * 0.5f64.powi(step / 6); // your scheduler's lr
+///     for _ in 0..12 {
 ///         let loss = model.forward(Tensor::<2>::ones([8, 4], &device)).powi_scalar(2).mean();
 ///         let grads = GradientsParams::from_grads(loss.backward(), &model);
-///         model = optim.step(lr, model, grads);
-///         model = avg.step(model, lr)?; // averages when a round ends
+///         model = optim.step(sched.step(), model, grads);
+///         model = avg.step(model)?; // averages when a round ends, and at the last step
 ///     }
-///     let _model = avg.finish(model)?; // the last round, if cut short
 ///     Ok(avg.stats().syncs)
 /// });
-/// assert!(syncs.into_iter().all(|s| s.unwrap() == 3));
+/// assert!(syncs.unwrap().into_iter().all(|s| s.unwrap() == 3));
 /// ```
 pub struct Averager {
     config: AveragerConfig,
@@ -149,17 +154,21 @@ pub struct Averager {
 }
 impl Averager {
     /// Sets up averaging of `model` over `comm`: checks that every rank has the same configuration and
-    /// model layout (an error naming the differing settings otherwise, on every rank), then hands back
-    /// the model with rank 0's parameters (and BN statistics), so every worker starts from the same point.
+    /// model layout (an error naming the differing settings otherwise, on every rank), then gives
+    /// `model` rank 0's parameters (and BN statistics), so every worker starts from the same point.
+    /// Rank 0's parameters are drawn (burn initializes them lazily) before it first communicates.
     pub fn new<M: Module>(
-        model: M,
+        model: &mut M,
         config: AveragerConfig,
         comm: Box<dyn Collective>,
-    ) -> Result<(Self, M), OptimError> {
+    ) -> Result<Self, OptimError> {
+        let layout = ParamLayout::of(model);
+        let mut params = vec![0.0; layout.len() + if config.average_bn { layout.running_len() } else { 0 }];
+        // Drawn now, before any call of `comm`: under `run_workers`' threads rank 0 runs alone until then.
+        layout.read_params(model, &mut params[..layout.len()])?;
         check_sync(&config.sync_settings(comm.world_size()), Face::Averager).into_result()?;
         let mut sync = Synchronizer::new(comm, Transfer { wire: config.wire, bucket: None }, Face::Averager)?;
         sync.set_fingerprint(config.fingerprint);
-        let layout = ParamLayout::of(&model);
         let stream = sync
             .streams_with(config.streaming.as_ref())
             .then(|| sync.prepare_streaming(config.streaming, &layout))
@@ -171,9 +180,8 @@ impl Averager {
         });
         qsr_comm::agree(sync.comm_mut(), &settings).map_err(setup_error)?;
         let planned = config.schedule.as_ref().map(|schedule| Plan::new(&config, schedule)).transpose()?;
-        let running_len = if config.average_bn { layout.running_len() } else { 0 };
         let mut avg = Self {
-            params: vec![0.0; layout.len() + running_len],
+            params,
             config,
             sync,
             layout,
@@ -195,23 +203,21 @@ impl Averager {
             }
             avg.plan = Some(plan);
         }
-        let model = match avg.config.broadcast_initial {
-            true => avg
-                .sync
-                .broadcast_initial(model, &avg.layout, avg.config.average_bn, |source| OptimError::Setup { source })?,
-            false => model,
-        };
+        if avg.config.broadcast_initial {
+            let (layout, bn) = (&avg.layout, avg.config.average_bn);
+            *model = avg.sync.broadcast_initial(model.clone(), layout, bn, |source| OptimError::Setup { source })?;
+        }
         let n = avg.layout.len();
         if let Some(config) = avg.config.outer {
-            avg.layout.read_params(&model, &mut avg.params[..n])?;
+            avg.layout.read_params(model, &mut avg.params[..n])?;
             avg.sync.set_outer(config, &avg.params[..n])?;
         }
         if let Some(stream) = stream {
             // Streaming syncs pseudo-gradients: plain averaging is the outer step with lr 1.
-            avg.layout.read_params(&model, &mut avg.params[..n])?;
+            avg.layout.read_params(model, &mut avg.params[..n])?;
             avg.sync.start_streaming(stream, &avg.params[..n]);
         }
-        Ok((avg, model))
+        Ok(avg)
     }
 
     /// Runs the streaming fragments' all-reduces on `comm`, on a thread of their own, while the
@@ -222,18 +228,40 @@ impl Averager {
         self.sync.set_streaming_comm(comm)
     }
 
-    /// Call after each of the caller's optimizer steps with the learning rate that step used. At the
+    /// Call after each of the caller's optimizer steps: the step's lr is the schedule's
+    /// ([`AveragerConfig::schedule`], the scheduler your loop steps, so the two cannot drift). At the
     /// first step of a round it decides the round's `H` from that lr (QSR: `max(h_base, floor((alpha /
-    /// lr)^2))` after warmup); at a round's last step it averages the parameters over all ranks.
+    /// lr)^2))` after warmup); at a round's last step, and at the run's last, it averages the
+    /// parameters over all ranks. A loop without a burn scheduler passes its lrs to
+    /// [`Self::step_with_lr`] instead.
     ///
     /// On a step whose round syncs gradients, [`Self::average_grads`] must have averaged them before the
     /// optimizer step; the parameters then need no averaging.
-    pub fn step<M: Module>(&mut self, model: M, lr: f64) -> Result<M, OptimError> {
+    pub fn step<M: Module>(&mut self, model: M) -> Result<M, OptimError> {
+        let t = self.stats.steps;
+        let Some(lr) = self.plan.as_mut().map(|plan| plan.next_lr(&self.config, t)).transpose()? else {
+            return Err(OptimError::Config {
+                field: "schedule".into(),
+                reason: "`Averager::step` takes each step's lr from the schedule: give the config your scheduler \
+                         (`AveragerConfig::schedule(&sched, steps)`), or pass each lr to `Averager::step_with_lr`"
+                    .into(),
+            });
+        };
+        self.step_with_lr(model, lr)
+    }
+
+    /// [`Self::step`] with the learning rate the optimizer step used, for loops whose lrs come from
+    /// elsewhere than a burn scheduler given to [`AveragerConfig::schedule`]. With a schedule given
+    /// too, a step whose lr is not the schedule's is warned (the rounds follow the lr passed).
+    pub fn step_with_lr<M: Module>(&mut self, model: M, lr: f64) -> Result<M, OptimError> {
         let t = self.stats.steps;
         self.watch_lr(t, lr)?;
         let model = self.step_rounds(model, t, lr)?;
         if let Some(w) = self.plan.as_mut().and_then(|plan| plan.check_syncs(self.stats.syncs)) {
             self.warn(&w);
+        }
+        if self.config.run_steps == Some(self.stats.steps) {
+            self.report_syncs();
         }
         Ok(model)
     }
@@ -517,8 +545,13 @@ impl Averager {
     /// length [`AveragerConfig::run_steps`] did not give (the last round cut short, as the planner cuts
     /// it). Every rank must call it at the same point.
     /// On rank 0 it reports the syncs made (and those the schedule planned, if given), and warns
-    /// when the loop ended before [`AveragerConfig::run_steps`].
+    /// when the loop ended before [`AveragerConfig::run_steps`]. A run that took its `run_steps`
+    /// needs no call (its last step averaged and reported); there it returns `model` as it is.
     pub fn finish<M: Module>(&mut self, model: M) -> Result<M, OptimError> {
+        if self.config.run_steps == Some(self.stats.steps) {
+            // The run's last step averaged and reported.
+            return Ok(model);
+        }
         if let Some(w) = self.lr_watch.at_end() {
             self.warn(&w);
         }

@@ -103,6 +103,19 @@ impl Plan {
         Ok((lr, started))
     }
 
+    /// Step `t`'s lr from the schedule, for a loop that passes none ([`Averager::step`](super::Averager::step));
+    /// past the schedule's steps, the scheduler stepped on.
+    pub(super) fn next_lr(&mut self, config: &AveragerConfig, t: u64) -> Result<f64, OptimError> {
+        while self.t < t {
+            self.advance(config)?;
+        }
+        if t < self.steps {
+            return Ok(self.advance(config)?.0);
+        }
+        self.t += 1;
+        Ok(self.sched.step().base())
+    }
+
     /// Follows the loop's step `t`, which passed `lr`: a warning, once, at the first lr that is
     /// not the schedule's. Steps past the schedule's end are not compared.
     pub(super) fn follow(&mut self, config: &AveragerConfig, t: u64, lr: f64) -> Result<Option<String>, OptimError> {

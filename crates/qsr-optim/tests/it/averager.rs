@@ -43,10 +43,10 @@ fn train(comm: Box<dyn Collective>, rule: SyncRule, known_length: bool) -> Resul
     // burn draws initial weights lazily from one global RNG, which concurrent threads (and tests) share,
     // so its draws are not reproducible: rank 0 writes seeded weights, and the averager hands them to
     // every worker.
-    let model = if rank == 0 { seeded(Mlp::new(&device, 4, 1)) } else { Mlp::new(&device, 4, 1) };
+    let mut model = if rank == 0 { seeded(Mlp::new(&device, 4, 1)) } else { Mlp::new(&device, 4, 1) };
     let mut config = AveragerConfig::new(rule, 20);
     config.run_steps = known_length.then_some(STEPS);
-    let (mut avg, mut model) = Averager::new(model, config, comm)?;
+    let mut avg = Averager::new(&mut model, config, comm)?;
     let mut optim = SgdConfig::new().with_momentum(Some(MomentumConfig::new().with_momentum(0.9))).init();
     let sched = schedule();
     for step in 0..STEPS {
@@ -56,7 +56,7 @@ fn train(comm: Box<dyn Collective>, rule: SyncRule, known_length: bool) -> Resul
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         let grads = avg.average_grads(&model, grads)?;
         model = optim.step(lr, model, grads);
-        model = avg.step(model, lr)?;
+        model = avg.step_with_lr(model, lr)?;
     }
     if !known_length {
         model = avg.finish(model)?;
@@ -133,7 +133,7 @@ fn ranks_whose_budget_alphas_differ_are_told_their_lr_schedules_differ() {
         let lrs: Vec<f64> =
             (0..steps).map(|t| 0.05 * (1.0 + (std::f64::consts::PI * t as f64 / steps as f64).cos())).collect();
         let config = AveragerConfig::qsr_for_budget(2, 0.1, 0, &lrs).unwrap();
-        Averager::new(Mlp::new(&Device::flex(), 4, 2), config, Box::new(comm)).map(|_| ())
+        Averager::new(&mut Mlp::new(&Device::flex(), 4, 2), config, Box::new(comm)).map(|_| ())
     });
     for r in results {
         let e = r.unwrap_err().to_string();
@@ -169,9 +169,9 @@ fn post_local_syncs_gradients_then_parameters_as_planned() {
 fn a_dp_step_without_average_grads_fails_naming_it() {
     let comm = InProcessGroup::new(1).remove(0);
     let device = Device::flex().autodiff();
-    let (mut avg, model) =
-        Averager::new(Mlp::new(&device, 4, 1), AveragerConfig::new(SyncRule::Dp, 0), Box::new(comm)).unwrap();
-    let Err(e) = avg.step(model, 0.1) else { panic!("a dp step whose gradients were not averaged must fail") };
+    let mut model = Mlp::new(&device, 4, 1);
+    let mut avg = Averager::new(&mut model, AveragerConfig::new(SyncRule::Dp, 0), Box::new(comm)).unwrap();
+    let Err(e) = avg.step_with_lr(model, 0.1) else { panic!("a dp step whose gradients were not averaged must fail") };
     let text = e.to_string();
     assert!(text.contains("average_grads") && text.contains("`dp`"), "{text}");
 }
@@ -199,8 +199,8 @@ fn averaged_rounds(outer: Option<OuterConfig>, wire: Wire, rounds: usize) -> Vec
                     let mut config = AveragerConfig::new(SyncRule::Constant { h: 1 }, 0);
                     config.outer = outer;
                     config.wire = wire;
-                    let (mut avg, mut model) =
-                        Averager::new(seeded(Mlp::new(&Device::flex(), 4, 1)), config, Box::new(c))?;
+                    let mut model = seeded(Mlp::new(&Device::flex(), 4, 1));
+                    let mut avg = Averager::new(&mut model, config, Box::new(c))?;
                     let layout = ParamLayout::of(&model);
                     let mut after = Vec::new();
                     for round in 0..rounds {
@@ -258,7 +258,8 @@ fn outer_settings_that_cannot_run_are_refused_naming_the_key() {
     let build = |rule, outer| {
         let mut config = AveragerConfig::new(rule, 0);
         config.outer = Some(outer);
-        Averager::new(Mlp::new(&Device::flex(), 4, 1), config, Box::new(InProcessGroup::new(1).remove(0))).map(|_| ())
+        Averager::new(&mut Mlp::new(&Device::flex(), 4, 1), config, Box::new(InProcessGroup::new(1).remove(0)))
+            .map(|_| ())
     };
     let Err(e) = build(SyncRule::Dp, OuterConfig::diloco()) else { panic!("dp with an outer optimizer") };
     assert!(e.to_string().contains("`outer`"), "{e}");
@@ -302,7 +303,7 @@ pub(crate) fn train_steps(
         let loss = (model.forward(x) - y).powi_scalar(2).mean();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(lr, model, grads);
-        model = avg.step(model, lr).unwrap();
+        model = avg.step_with_lr(model, lr).unwrap();
     }
     model
 }
@@ -323,8 +324,8 @@ fn train_span(comm: Box<dyn Collective>, from: Option<Saved>, until: u64, dir: &
     let rule = SyncRule::Qsr { h_base: 2, alpha: 0.03 };
     let mut config = AveragerConfig::new(rule, 20);
     config.run_steps = Some(STEPS);
-    let model = if rank == 0 { seeded(Mlp::new(&device, 4, 1)) } else { Mlp::new(&device, 4, 1) };
-    let (mut avg, mut model) = Averager::new(model, config, comm).unwrap();
+    let mut model = if rank == 0 { seeded(Mlp::new(&device, 4, 1)) } else { Mlp::new(&device, 4, 1) };
+    let mut avg = Averager::new(&mut model, config, comm).unwrap();
     let mut optim = SgdConfig::new().with_momentum(Some(MomentumConfig::new().with_momentum(0.9))).init();
     let start = match from {
         Some(saved) => {
@@ -381,7 +382,7 @@ fn a_state_saved_under_another_rule_is_refused_naming_the_setting() {
     let device = Device::flex();
     let make = |rule: SyncRule| {
         let comm = InProcessGroup::new(1).remove(0);
-        Averager::new(Mlp::new(&device, 4, 1), AveragerConfig::new(rule, 0), Box::new(comm)).unwrap().0
+        Averager::new(&mut Mlp::new(&device, 4, 1), AveragerConfig::new(rule, 0), Box::new(comm)).unwrap()
     };
     let saved = make(SyncRule::Constant { h: 4 }).state().unwrap();
     let err = make(SyncRule::Constant { h: 8 }).restore(saved).unwrap_err();
@@ -412,9 +413,10 @@ fn dropped_after(steps: u64, finish: bool) -> (u64, String) {
     let device = Device::flex();
     let comm = InProcessGroup::new(1).remove(0);
     let config = AveragerConfig::new(SyncRule::Constant { h: 4 }, 0);
-    let (mut avg, mut model) = Averager::new(Mlp::new(&device, 4, 1), config, Box::new(comm)).unwrap();
+    let mut model = Mlp::new(&device, 4, 1);
+    let mut avg = Averager::new(&mut model, config, Box::new(comm)).unwrap();
     for _ in 0..steps {
-        model = avg.step(model, 0.1).unwrap();
+        model = avg.step_with_lr(model, 0.1).unwrap();
     }
     if finish {
         model = avg.finish(model).unwrap();
@@ -472,7 +474,7 @@ fn an_averagers_bf16_refusal_names_its_own_field() {
     let mut config = AveragerConfig::qsr(2, 0.1);
     config.wire = Wire::Bf16;
     let comm = Box::new(crate::driver::NoBf16(InProcessGroup::new(1).remove(0), None));
-    let Err(e) = Averager::new(Mlp::new(&Device::flex(), 4, 1), config, comm) else {
+    let Err(e) = Averager::new(&mut Mlp::new(&Device::flex(), 4, 1), config, comm) else {
         panic!("bf16 over a collective without it was accepted")
     };
     assert!(matches!(&e, OptimError::Config { field, .. } if field == "wire"), "{e}");
@@ -490,12 +492,13 @@ fn round_lengths_from_a_burn_scheduler_are_the_averagers_syncs() {
     let mut planning = sched();
     let planned = config.round_lengths((0..steps).map(|_| planning.step().base())).unwrap();
     let comm = InProcessGroup::new(1).remove(0);
-    let (mut avg, mut model) = Averager::new(Mlp::new(&Device::flex(), 4, 1), config, Box::new(comm)).unwrap();
+    let mut model = Mlp::new(&Device::flex(), 4, 1);
+    let mut avg = Averager::new(&mut model, config, Box::new(comm)).unwrap();
     let mut training = sched();
     let mut ends = Vec::new();
     for _ in 0..steps {
         let syncs = avg.stats().syncs;
-        model = avg.step(model, training.step().base()).unwrap();
+        model = avg.step_with_lr(model, training.step().base()).unwrap();
         if avg.stats().syncs > syncs {
             ends.push(avg.stats().steps);
         }
@@ -523,8 +526,8 @@ fn round_lengths_from_a_burn_scheduler_are_the_averagers_syncs() {
 fn an_averager_dropped_after_average_grads_or_abandoned_does_not_warn() {
     let device = Device::flex().autodiff();
     let comm = InProcessGroup::new(1).remove(0);
-    let (mut avg, model) =
-        Averager::new(Mlp::new(&device, 4, 1), AveragerConfig::new(SyncRule::Dp, 0), Box::new(comm)).unwrap();
+    let mut model = Mlp::new(&device, 4, 1);
+    let mut avg = Averager::new(&mut model, AveragerConfig::new(SyncRule::Dp, 0), Box::new(comm)).unwrap();
     let (x, y) = batch(0, 0, &device);
     let loss = (model.forward(x) - y).powi_scalar(2).mean();
     let grads = GradientsParams::from_grads(loss.backward(), &model);
@@ -532,8 +535,9 @@ fn an_averager_dropped_after_average_grads_or_abandoned_does_not_warn() {
     assert_eq!(avg.unsynced_steps(), 0);
     let comm = InProcessGroup::new(1).remove(0);
     let config = AveragerConfig::new(SyncRule::Constant { h: 4 }, 0);
-    let (mut mid_round, mut model) = Averager::new(Mlp::new(&device, 4, 1), config, Box::new(comm)).unwrap();
-    model = mid_round.step(model, 0.1).unwrap();
+    let mut model = Mlp::new(&device, 4, 1);
+    let mut mid_round = Averager::new(&mut model, config, Box::new(comm)).unwrap();
+    model = mid_round.step_with_lr(model, 0.1).unwrap();
     mid_round.abandon();
     let out = Captured::default();
     let writer = out.clone();
@@ -576,17 +580,16 @@ fn ranks_with_different_lrs_fail_at_the_first_sync_naming_both_syncs() {
                 s.spawn(move || {
                     let device = Device::flex().autodiff();
                     let rank = comm.rank();
-                    let model = seeded(Mlp::new(&device, 4, 1));
+                    let mut model = seeded(Mlp::new(&device, 4, 1));
                     let lr = if rank == 0 { 0.05 } else { 0.1 }; // H = max(2, (0.1 / lr)^2): 4 and 2
-                    let (mut avg, mut model) =
-                        Averager::new(model, AveragerConfig::qsr(2, 0.1), Box::new(comm)).unwrap();
+                    let mut avg = Averager::new(&mut model, AveragerConfig::qsr(2, 0.1), Box::new(comm)).unwrap();
                     let mut optim = SgdConfig::new().init();
                     for step in 0..8 {
                         let (x, y) = batch(rank, step, &device);
                         let loss = (model.forward(x) - y).powi_scalar(2).mean();
                         let grads = GradientsParams::from_grads(loss.backward(), &model);
                         model = optim.step(lr, model, grads);
-                        match avg.step(model, lr) {
+                        match avg.step_with_lr(model, lr) {
                             Ok(m) => model = m,
                             Err(e) => {
                                 assert!(matches!(e, OptimError::SyncsDiffer { .. }), "{e:?}");
@@ -621,14 +624,15 @@ fn wrong_plans_are_warned_once_naming_the_numbers() {
         let comm = InProcessGroup::new(1).remove(0);
         let mut config = AveragerConfig::new(rule, 0);
         config.run_steps = run_steps;
-        let (mut avg, mut model) = Averager::new(Mlp::new(&device, 4, 1), config, Box::new(comm)).unwrap();
+        let mut model = Mlp::new(&device, 4, 1);
+        let mut avg = Averager::new(&mut model, config, Box::new(comm)).unwrap();
         let out = Captured::default();
         let writer = out.clone();
         let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
         tracing::subscriber::with_default(subscriber, || {
             for t in 0..8 {
                 let lr = 0.05 * (1.0 + (std::f64::consts::PI * t as f64 / horizon).cos());
-                model = avg.step(model.clone(), lr).unwrap();
+                model = avg.step_with_lr(model.clone(), lr).unwrap();
             }
             model = avg.finish(model.clone()).unwrap();
         });
@@ -654,11 +658,12 @@ fn a_resumed_averager_judges_the_whole_lr_course() {
     let lr = |t: u64| 0.05 * (1.0 + (std::f64::consts::PI * t as f64 / 8.0).cos());
     let averager = || {
         let comm = Box::new(InProcessGroup::new(1).remove(0));
-        Averager::new(Mlp::new(&device, 4, 1), AveragerConfig::qsr(2, 0.05), comm).unwrap()
+        let mut model = Mlp::new(&device, 4, 1);
+        (Averager::new(&mut model, AveragerConfig::qsr(2, 0.05), comm).unwrap(), model)
     };
     let (mut first, mut model) = averager();
     for t in 0..6 {
-        model = first.step(model, lr(t)).unwrap();
+        model = first.step_with_lr(model, lr(t)).unwrap();
     }
     let state = first.state().unwrap();
     first.abandon();
@@ -669,7 +674,7 @@ fn a_resumed_averager_judges_the_whole_lr_course() {
     let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
     tracing::subscriber::with_default(subscriber, || {
         for t in 6..8 {
-            model = resumed.step(model.clone(), lr(t)).unwrap();
+            model = resumed.step_with_lr(model.clone(), lr(t)).unwrap();
         }
         resumed.finish(model.clone()).unwrap();
     });
@@ -696,8 +701,8 @@ fn outer_steps(
                     let rank = c.rank();
                     let mut config = AveragerConfig::new(SyncRule::Constant { h: 3 }, 0);
                     config.outer = Some(outer);
-                    let (mut avg, mut model) =
-                        Averager::new(seeded(Mlp::new(&Device::flex(), 4, 1)), config, Box::new(c)).unwrap();
+                    let mut model = seeded(Mlp::new(&Device::flex(), 4, 1));
+                    let mut avg = Averager::new(&mut model, config, Box::new(c)).unwrap();
                     if let Some(state) = state {
                         avg.restore(state).unwrap();
                     }
@@ -705,7 +710,9 @@ fn outer_steps(
                     let mut synced = Vec::new();
                     for t in steps {
                         let local: Vec<f32> = (0..layout.len()).map(|i| local_value(rank, t as usize, i)).collect();
-                        model = avg.step(layout.write_params(model, &local).unwrap(), 0.1 / (1.0 + t as f64)).unwrap();
+                        model = avg
+                            .step_with_lr(layout.write_params(model, &local).unwrap(), 0.1 / (1.0 + t as f64))
+                            .unwrap();
                         if (t + 1) % 3 == 0 {
                             let mut flat = vec![0.0; layout.len()];
                             layout.read_params(&model, &mut flat).unwrap();
@@ -768,13 +775,14 @@ fn the_outer_steps_global_parameters_follow_post_locals_data_parallel_steps() {
     let mut config = AveragerConfig::new(SyncRule::PostLocal { switch_step: 5, h: 2 }, 0);
     config.outer = Some(OuterConfig::diloco());
     let comm = Box::new(InProcessGroup::new(1).remove(0));
-    let (mut avg, mut model) = Averager::new(seeded(Mlp::new(&device, 4, 1)), config, comm).unwrap();
+    let mut model = seeded(Mlp::new(&device, 4, 1));
+    let mut avg = Averager::new(&mut model, config, comm).unwrap();
     let mut optim = SgdConfig::new().init();
     for step in 0..5 {
         let (x, y) = batch(0, step, &device);
         let loss = (model.forward(x) - y).powi_scalar(2).mean();
         let grads = avg.average_grads(&model, GradientsParams::from_grads(loss.backward(), &model)).unwrap();
-        model = avg.step(optim.step(0.1, model, grads), 0.1).unwrap();
+        model = avg.step_with_lr(optim.step(0.1, model, grads), 0.1).unwrap();
     }
     let layout = ParamLayout::of(&model);
     let mut flat = vec![0.0; layout.len()];
@@ -794,7 +802,9 @@ fn a_per_step_outer_unit_with_streaming_is_refused_naming_the_key() {
             config.streaming = Some(qsr_sched::StreamingConfig { fragments: 2, delay: 1, mix: 1.0 });
         }
         let comm = Box::new(InProcessGroup::new(1).remove(0));
-        let Err(e) = Averager::new(Mlp::new(&Device::flex(), 4, 1), config, comm) else { panic!("{wire:?} accepted") };
+        let Err(e) = Averager::new(&mut Mlp::new(&Device::flex(), 4, 1), config, comm) else {
+            panic!("{wire:?} accepted")
+        };
         assert!(e.to_string().contains("`outer.unit`"), "{e}");
     }
 }
@@ -809,11 +819,11 @@ fn a_scheduler_that_reaches_lr_zero_ends_the_rounds_there_instead_of_failing() {
     let mut expected = vec![2u64; 25];
     expected.push(50);
     assert_eq!(config.round_lengths(lrs.iter().copied()).unwrap(), expected);
-    let model = Mlp::new(&Device::flex(), 4, 1);
+    let mut model = Mlp::new(&Device::flex(), 4, 1);
     let comm = InProcessGroup::new(1).remove(0);
-    let (mut avg, mut model) = Averager::new(model, config.clone(), Box::new(comm)).unwrap();
+    let mut avg = Averager::new(&mut model, config.clone(), Box::new(comm)).unwrap();
     for &lr in &lrs {
-        model = avg.step(model, lr).unwrap();
+        model = avg.step_with_lr(model, lr).unwrap();
     }
     assert_eq!((avg.stats().syncs, avg.unsynced_steps()), (26, 0));
     for bad in [-0.1, f64::NAN] {
@@ -830,15 +840,14 @@ fn the_mean_mid_round_leaves_the_round_and_equals_its_finish() {
     let out = qsr_comm::run_threads(2, |comm| -> Result<_, OptimError> {
         let device = Device::flex().autodiff();
         let rank = comm.rank();
-        let model = if rank == 0 { seeded(Mlp::new(&device, 4, 1)) } else { Mlp::new(&device, 4, 1) };
-        let (mut avg, mut model) =
-            Averager::new(model, AveragerConfig::new(SyncRule::Constant { h: 100 }, 0), Box::new(comm))?;
+        let mut model = if rank == 0 { seeded(Mlp::new(&device, 4, 1)) } else { Mlp::new(&device, 4, 1) };
+        let mut avg = Averager::new(&mut model, AveragerConfig::new(SyncRule::Constant { h: 100 }, 0), Box::new(comm))?;
         let mut optim = SgdConfig::new().init();
         for step in 0..5 {
             let (x, y) = batch(rank, step, &device);
             let grads = GradientsParams::from_grads((model.forward(x) - y).powi_scalar(2).mean().backward(), &model);
             model = optim.step(0.05, model, grads);
-            model = avg.step(model, 0.05)?;
+            model = avg.step_with_lr(model, 0.05)?;
         }
         let layout = ParamLayout::of(&model);
         let flat = |m: &Mlp| {
@@ -859,5 +868,49 @@ fn the_mean_mid_round_leaves_the_round_and_equals_its_finish() {
         assert_eq!(*kept, (5, 0, true), "the round, its syncs or the rank's parameters changed");
         assert_ne!(own, mean);
         assert!(mean.iter().zip(finished).all(|(m, f)| m.to_bits() == f.to_bits()), "finish differs from the mean");
+    }
+}
+
+/// Issue 57: under `run_workers`' threads rank 0 draws its lazily initialized weights alone, before it
+/// first communicates, so a program that seeds burn's shared RNG and builds its model as a plain burn
+/// program does starts from the seed's weights, every run and on every rank, however much the other
+/// threads draw meanwhile. Run in a child process of its own: other tests draw from the same RNG.
+#[test]
+fn run_workers_threads_start_from_rank_0s_seeded_weights_whatever_the_others_draw() {
+    const CHILD: &str = "QSR_TEST_SEEDED_CHILD";
+    if std::env::var_os(CHILD).is_none() {
+        let name = "averager::run_workers_threads_start_from_rank_0s_seeded_weights_whatever_the_others_draw";
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", name, "--nocapture", "--test-threads", "1"])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && text.contains("1 passed"), "{text}");
+        return;
+    }
+    let device = Device::flex();
+    let alone = || {
+        device.seed(7);
+        flat_params(&Mlp::new(&device, 4, 1))
+    };
+    let expected = alone();
+    assert_eq!(alone(), expected, "burn's seeded draws repeat");
+    let ranks = qsr_comm::run_workers(4, |comm| {
+        device.seed(7);
+        let mut model = Mlp::new(&device, 4, 1);
+        match comm.rank() {
+            // Rank 0 does other work before its Averager::new (loads its data, say) ...
+            0 => std::thread::sleep(std::time::Duration::from_millis(100)),
+            // ... while another rank seeds and draws a larger model of its own.
+            _ => drop(flat_params(&Mlp::new(&device, 256, 64))),
+        }
+        let mut avg = Averager::new(&mut model, AveragerConfig::qsr(2, 0.1), comm).unwrap();
+        avg.abandon();
+        flat_params(&model)
+    })
+    .unwrap();
+    for (rank, params) in ranks.iter().enumerate() {
+        assert_eq!(params, &expected, "rank {rank}");
     }
 }

@@ -29,10 +29,10 @@ fn optimizer(muon: bool) -> ModuleOptimizer {
 fn train(comm: Box<dyn Collective>, muon: bool) -> (Vec<f32>, u64) {
     let device = Device::flex().autodiff();
     let rank = comm.rank();
-    let model = if rank == 0 { seeded(Mlp::new(&device, 4, 1)) } else { Mlp::new(&device, 4, 1) };
+    let mut model = if rank == 0 { seeded(Mlp::new(&device, 4, 1)) } else { Mlp::new(&device, 4, 1) };
     let mut config = AveragerConfig::new(RULE, 20);
     config.run_steps = Some(STEPS);
-    let (mut avg, model) = Averager::new(model, config, comm).unwrap();
+    let mut avg = Averager::new(&mut model, config, comm).unwrap();
     let model = train_steps(&mut avg, model, &mut optimizer(muon), (rank, &device), 0..STEPS);
     (flat_params(&model), avg.stats().syncs)
 }

@@ -1,7 +1,7 @@
 //! Issue 57, item 4: an Averager given the loop's lr schedule (`AveragerConfig::schedule`) catches a
 //! wrong plan while it costs little: a scheduler sized for the whole dataset before the first step,
-//! the constant peak lr passed within the run's first tenth, and `finish` reports the syncs made
-//! against those planned.
+//! the constant peak lr passed within the run's first tenth, and the run's last step reports the
+//! syncs made against those planned.
 
 use burn::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
 use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
@@ -34,7 +34,8 @@ fn warnings(lines: &[String]) -> Vec<&String> {
 }
 
 fn averager(config: AveragerConfig) -> Result<(Averager, Mlp), OptimError> {
-    Averager::new(Mlp::new(&Device::flex(), 4, 1), config, Box::new(InProcessGroup::new(1).remove(0)))
+    let mut model = Mlp::new(&Device::flex(), 4, 1);
+    Ok((Averager::new(&mut model, config, Box::new(InProcessGroup::new(1).remove(0)))?, model))
 }
 
 /// The trial's first mistake: a cosine sized for the whole dataset's 400 batches while this rank's
@@ -56,25 +57,31 @@ fn a_scheduler_sized_for_the_whole_dataset_is_warned_before_the_first_step() {
 
 /// The trial's second mistake: the scheduler's constant peak passed to `step` instead of each
 /// step's lr. Warned at the second step (the cosine's first lr is its peak), inside the first tenth
-/// of the run; `finish` reports the syncs made against the plan's and warns that they differ.
+/// of the run; the last step reports the syncs made against the plan's and warns that they differ.
 #[test]
 fn the_peak_lr_passed_instead_of_the_schedules_is_warned_in_the_first_tenth() {
     let sched = cosine(0.05, STEPS);
     let (built, _) = printed(|| averager(AveragerConfig::qsr(2, 0.002).schedule(&sched, STEPS)));
     let (mut avg, mut model) = built.unwrap();
     let mut first_warning = None;
+    let mut last = Vec::new();
     for t in 0..STEPS {
-        let (stepped, lines) = printed(|| avg.step(model.clone(), 0.05));
+        let (stepped, lines) = printed(|| avg.step_with_lr(model.clone(), 0.05));
         model = stepped.unwrap();
         if first_warning.is_none() && !warnings(&lines).is_empty() {
             first_warning = Some((t, lines));
+        } else {
+            last = lines;
         }
     }
     let (t, lines) = first_warning.expect("no warning");
     assert!(t < STEPS / 10, "warned at step {t}");
     assert!(lines[0].contains("step 2 passed lr 0.05, but the schedule given to `AveragerConfig::schedule` has 0.04"));
-    let (finished, lines) = printed(|| avg.finish(model));
+    // The run's last step reports; `finish` after it has nothing to add.
+    let lines = last;
+    let (finished, after) = printed(|| avg.finish(model));
     finished.unwrap();
+    assert!(after.is_empty(), "{after:?}");
     let planned = AveragerConfig::qsr(2, 0.002)
         .round_lengths({
             let mut s = sched.clone();
@@ -100,14 +107,14 @@ fn a_schedule_followed_across_a_resume_warns_of_nothing_and_meets_its_plan() {
     let (run, lines) = printed(|| {
         let (mut first, mut model) = averager(config())?;
         for &lr in &lrs[..40] {
-            model = first.step(model, lr)?;
+            model = first.step_with_lr(model, lr)?;
         }
         let state = first.state()?;
         first.abandon();
         let (mut resumed, mut model) = averager(config())?;
         resumed.restore(state)?;
         for &lr in &lrs[40..] {
-            model = resumed.step(model, lr)?;
+            model = resumed.step_with_lr(model, lr)?;
         }
         resumed.finish(model)?;
         Ok::<_, OptimError>(resumed.stats().syncs)
@@ -125,7 +132,7 @@ fn ranks_with_different_schedules_are_refused_naming_the_schedule() {
     let errors = qsr_comm::run_threads(2, |comm| {
         let steps = if comm.rank() == 0 { STEPS } else { 4 * STEPS };
         let config = AveragerConfig::qsr(2, 0.002).schedule(&cosine(0.05, steps), STEPS);
-        Averager::new(Mlp::new(&Device::flex(), 4, 1), config, Box::new(comm)).err()
+        Averager::new(&mut Mlp::new(&Device::flex(), 4, 1), config, Box::new(comm)).err()
     });
     for e in errors {
         let e = e.expect("a different schedule was accepted");
@@ -153,7 +160,7 @@ fn a_loop_that_ends_before_run_steps_is_warned_in_one_clean_sentence() {
     let mut s = sched.clone();
     for _ in 0..STEPS / 2 {
         let lr = s.step().base();
-        model = avg.step(model, lr).unwrap();
+        model = avg.step_with_lr(model, lr).unwrap();
     }
     let (finished, lines) = printed(|| avg.finish(model));
     finished.unwrap();
@@ -162,4 +169,43 @@ fn a_loop_that_ends_before_run_steps_is_warned_in_one_clean_sentence() {
     let ended = ended.unwrap_or_else(|| panic!("{lines:?}"));
     // tracing pads its level; the message after it has no run of spaces.
     assert!(!ended.split("WARN").nth(1).unwrap_or(ended).contains("  "), "{ended}");
+}
+
+/// Issue 57: `Averager::step` takes each step's lr from the schedule given, so the rounds follow the
+/// loop's scheduler without the loop passing lrs; the run's last step averages and reports the syncs
+/// against the plan, and a `finish` after it changes and says nothing.
+#[test]
+fn a_scheduled_step_follows_the_schedule_and_its_last_step_ends_the_run() {
+    let sched = cosine(0.05, STEPS);
+    let config = AveragerConfig::qsr(2, 0.002).schedule(&sched, STEPS);
+    let mut sampled = sched.clone();
+    let planned = config.round_lengths((0..STEPS).map(|_| sampled.step().base())).unwrap();
+    let (built, _) = printed(|| averager(config));
+    let (mut avg, mut model) = built.unwrap();
+    let (stepped, lines) = printed(|| {
+        for _ in 0..STEPS {
+            model = avg.step(model.clone())?;
+        }
+        Ok::<_, OptimError>(model)
+    });
+    let model = stepped.unwrap();
+    assert_eq!(avg.stats().syncs, planned.len() as u64);
+    assert_eq!(avg.unsynced_steps(), 0, "the last step averaged");
+    let report = format!("{} syncs in {STEPS} steps, the schedule planned {}", planned.len(), planned.len());
+    assert!(lines.iter().any(|l| l.contains(&report)), "{lines:?}");
+    assert!(warnings(&lines).is_empty(), "{lines:?}");
+    let (finished, lines) = printed(|| avg.finish(model));
+    finished.unwrap();
+    assert!(lines.is_empty(), "{lines:?}");
+    assert_eq!(avg.stats().syncs, planned.len() as u64);
+}
+
+/// Issue 57: `Averager::step` without a schedule cannot know the lrs: refused naming `schedule`
+/// and the two ways to give them.
+#[test]
+fn a_step_without_a_schedule_is_refused_naming_it() {
+    let (mut avg, model) = averager(AveragerConfig::qsr(2, 0.002)).unwrap();
+    let e = avg.step(model).unwrap_err().to_string();
+    assert!(e.contains("`schedule`") && e.contains("AveragerConfig::schedule") && e.contains("step_with_lr"), "{e}");
+    avg.abandon();
 }

@@ -45,9 +45,9 @@ fn train(
 ) -> Result<Ran, OptimError> {
     let device = Device::flex().autodiff();
     let rank = comm.rank();
-    let model = if rank == 0 { seeded(Mlp::new(&device, 4, 1)) } else { Mlp::new(&device, 4, 1) };
+    let mut model = if rank == 0 { seeded(Mlp::new(&device, 4, 1)) } else { Mlp::new(&device, 4, 1) };
     let layout = ParamLayout::of(&model);
-    let (mut avg, mut model) = Averager::new(model, config, comm)?;
+    let mut avg = Averager::new(&mut model, config, comm)?;
     if let Some(side) = side {
         avg.set_streaming_comm(side)?;
     }
@@ -62,7 +62,7 @@ fn train(
         let loss = (model.forward(x) - y).powi_scalar(2).mean();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(lr, model, grads);
-        model = avg.step(model, lr)?;
+        model = avg.step_with_lr(model, lr)?;
     }
     let mut params = vec![0.0; layout.len()];
     layout.read_params(&model, &mut params)?;
@@ -227,10 +227,10 @@ fn finish_settles_a_streaming_averager_into_one_model() {
                 s.spawn(move || {
                     let device = Device::flex().autodiff();
                     let rank = c.rank();
-                    let model = if rank == 0 { seeded(Mlp::new(&device, 4, 1)) } else { Mlp::new(&device, 4, 1) };
+                    let mut model = if rank == 0 { seeded(Mlp::new(&device, 4, 1)) } else { Mlp::new(&device, 4, 1) };
                     let mut cfg = config(streaming(2, 3, 1.0), Wire::Fp8);
                     cfg.run_steps = None;
-                    let (mut avg, mut model) = Averager::new(model, cfg, Box::new(c)).unwrap();
+                    let mut avg = Averager::new(&mut model, cfg, Box::new(c)).unwrap();
                     let mut optim = SgdConfig::new().init();
                     for step in 0..101 {
                         let (x, y) = batch(rank, step, &device);
@@ -239,7 +239,7 @@ fn finish_settles_a_streaming_averager_into_one_model() {
                             &model,
                         );
                         model = optim.step(0.05, model, grads);
-                        model = avg.step(model, 0.05).unwrap();
+                        model = avg.step_with_lr(model, 0.05).unwrap();
                     }
                     assert!(avg.unsynced_steps() > 0);
                     model = avg.finish(model).unwrap();
@@ -260,7 +260,7 @@ fn finish_settles_a_streaming_averager_into_one_model() {
 #[test]
 fn streaming_averager_settings_that_cannot_run_are_refused_naming_the_field() {
     let build = |c: AveragerConfig| {
-        Averager::new(Mlp::new(&Device::flex(), 4, 1), c, Box::new(InProcessGroup::new(1).remove(0))).map(|_| ())
+        Averager::new(&mut Mlp::new(&Device::flex(), 4, 1), c, Box::new(InProcessGroup::new(1).remove(0))).map(|_| ())
     };
     let refused = |c: AveragerConfig| build(c).expect_err("refused").to_string();
     let e = refused(config(streaming(2, 0, 1.0), Wire::F32));
@@ -272,12 +272,11 @@ fn streaming_averager_settings_that_cannot_run_are_refused_naming_the_field() {
     let e = refused(AveragerConfig { streaming: streaming(2, 1, 1.0), ..AveragerConfig::new(SyncRule::Dp, 0) });
     assert!(e.contains("`streaming.fragments`") && e.contains("`dp`"), "{e}");
     let side = Averager::new(
-        Mlp::new(&Device::flex(), 4, 1),
+        &mut Mlp::new(&Device::flex(), 4, 1),
         config(None, Wire::F32),
         Box::new(InProcessGroup::new(1).remove(0)),
     )
     .unwrap()
-    .0
     .set_streaming_comm(Box::new(InProcessGroup::new(1).remove(0)));
     assert!(side.unwrap_err().to_string().contains("`streaming`"));
 }
@@ -292,8 +291,8 @@ fn two_ranks<T: Send>(config: AveragerConfig, body: impl Fn(usize, Averager, Mlp
                 s.spawn(move || {
                     let device = Device::flex().autodiff();
                     let rank = c.rank();
-                    let model = if rank == 0 { seeded(Mlp::new(&device, 4, 1)) } else { Mlp::new(&device, 4, 1) };
-                    let (avg, model) = Averager::new(model, config, Box::new(c)).unwrap();
+                    let mut model = if rank == 0 { seeded(Mlp::new(&device, 4, 1)) } else { Mlp::new(&device, 4, 1) };
+                    let avg = Averager::new(&mut model, config, Box::new(c)).unwrap();
                     body(rank, avg, model)
                 })
             })
@@ -310,7 +309,7 @@ fn sgd_steps(rank: usize, avg: &mut Averager, mut model: Mlp, steps: std::ops::R
         let (x, y) = batch(rank, step, &device);
         let grads = GradientsParams::from_grads((model.forward(x) - y).powi_scalar(2).mean().backward(), &model);
         model = optim.step(0.05, model, grads);
-        model = avg.step(model, 0.05).unwrap();
+        model = avg.step_with_lr(model, 0.05).unwrap();
     }
     model
 }

@@ -223,16 +223,16 @@ fn launched_rank_run(scenario: &str) -> anyhow::Result<()> {
         return Ok(());
     }
     let device = Device::flex().autodiff();
-    let model = burn::nn::LinearConfig::new(4, 1).init(&device);
+    let mut model = burn::nn::LinearConfig::new(4, 1).init(&device);
     let lr = if scenario == "lrs" && rank == 0 { 0.05 } else { 0.1 }; // H = max(2, (0.1 / lr)^2)
-    let (mut avg, mut model) = qsr_optim::Averager::new(model, qsr_optim::AveragerConfig::qsr(2, 0.1), comm)?;
+    let mut avg = qsr_optim::Averager::new(&mut model, qsr_optim::AveragerConfig::qsr(2, 0.1), comm)?;
     let mut optim = SgdConfig::new().init();
     for step in 0..8 {
         assert!(!(scenario == "panic" && rank == 1 && step == 2), "rank 1 fails for a reason of its own");
         let loss = model.forward(Tensor::<2>::ones([8, 4], &device)).powi_scalar(2).mean();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(lr, model, grads);
-        let stepped = avg.step(model, lr).map_err(anyhow::Error::from);
+        let stepped = avg.step_with_lr(model, lr).map_err(anyhow::Error::from);
         model = stepped.inspect_err(|e| eprintln!("rank {rank} stopped: {e:#}"))?;
     }
     eprintln!("rank {rank} never failed");
