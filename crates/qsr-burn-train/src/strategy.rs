@@ -353,14 +353,25 @@ impl LocalTrainingStrategy {
             crate::shard::check_split(rank, comm.world_size(), shard.num_items(), run.loader_items)?;
         }
         let place = (rank, comm.world_size());
-        crate::horizon::judge(&learner, &self.config, &shard, (&run.epochs, run.grad_accumulation), place)?;
+        // Judged on a loader of its own: the probe's batch is not a read of the shard training reads.
+        let probe = source.for_epoch(*run.epochs.start())?;
+        crate::horizon::judge(&learner, &self.config, &probe, (&run.epochs, run.grad_accumulation), place)?;
         let mut model = learner.model();
         let mut avg = Averager::new(&mut model, self.config.clone(), comm).map_err(|e| e.to_string())?;
         learner.load_model(model.into_record());
         let store = || Arc::clone(&run.event_store);
         let files = self.checkpoints.as_deref().map(|dir| ReplicaFiles::new(dir, rank, store(), &run.interrupter));
-        if let (Some(files), resumed @ 1..) = (&files, run.epochs.start() - 1) {
-            learner = files.load(learner, &mut avg, resumed)?;
+        match (&files, run.epochs.start() - 1) {
+            (Some(files), resumed @ 1..) => learner = files.load(learner, &mut avg, resumed)?,
+            (None, resumed @ 1..) if rank == 0 => qsr_comm::notice(
+                true,
+                &format!(
+                    "qsr-burn-train: resumed after epoch {resumed} without `with_checkpoints`: every replica starts \
+                     from burn-train's checkpoint (the average) and the rounds start over, so the run will not end \
+                     on the bits of one never stopped; give the strategy `with_checkpoints(dir)` in every run"
+                ),
+            ),
+            _ => {}
         }
         Ok((Replica { learner, avg, train: shard, grad_accumulation: run.grad_accumulation }, files))
     }
@@ -435,6 +446,8 @@ impl<M: LearnerModel + 'static> SupervisedLearningStrategy<M> for LocalTrainingS
         valid: ValidLoader<M>,
         starting_epoch: usize,
     ) -> (M, SupervisedTrainingEventProcessor<M>) {
+        // burn-train's subscriber writes its experiment log: qsr's warnings go to the console too.
+        qsr_comm::notices_on_stderr(true);
         let run = Run {
             epochs: starting_epoch..=components.num_epochs,
             grad_accumulation: components.grad_accumulation,

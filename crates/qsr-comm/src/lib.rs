@@ -68,7 +68,7 @@ pub use shm::{ShmComm, ShmConfig};
 pub use tcp::{
     MAX_TIMEOUT_SECS, MasterListener, RingSeat, TcpComm, TcpConfig, WaitProgress, random_token, resolve, seconds,
 };
-pub use util::{MAX_BROADCAST_BYTES, notice};
+pub use util::{MAX_BROADCAST_BYTES, notice, notices_on_stderr};
 pub(crate) use util::{bf16_round, broadcast_sized, ring_allreduce_bytes, split_range};
 pub use wire::MAX_HOST_LEN;
 

@@ -14,19 +14,28 @@ pub(crate) fn all_gather_bytes(comm: &mut dyn Collective, mine: &[u8]) -> Result
         .collect()
 }
 
+/// Whether [`notice`] also prints on stderr when a tracing subscriber takes its messages.
+static ALSO_ON_STDERR: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes [`notice`] print on stderr as well when a `tracing` subscriber takes its messages: for a
+/// program whose subscriber writes elsewhere than the console (burn-train's writes its experiment
+/// log, where nobody watching the run reads a warning). For the whole process.
+pub fn notices_on_stderr(on: bool) {
+    ALSO_ON_STDERR.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Says something the person running the job must see: through `tracing` when the program
-/// installed a subscriber, else on stderr (the rank's log), since a library can assume neither.
+/// installed a subscriber, else (or also, after [`notices_on_stderr`]) on stderr, the rank's log,
+/// since a library can assume neither.
 pub fn notice(warning: bool, msg: &str) {
-    if warning {
-        if tracing::enabled!(tracing::Level::WARN) {
-            tracing::warn!("{msg}");
-        } else {
-            eprintln!("qsr: warning: {msg}");
-        }
-    } else if tracing::enabled!(tracing::Level::INFO) {
-        tracing::info!("{msg}");
+    let also = ALSO_ON_STDERR.load(std::sync::atomic::Ordering::Relaxed);
+    let traced = if warning {
+        tracing::enabled!(tracing::Level::WARN).then(|| tracing::warn!("{msg}")).is_some()
     } else {
-        eprintln!("qsr: {msg}");
+        tracing::enabled!(tracing::Level::INFO).then(|| tracing::info!("{msg}")).is_some()
+    };
+    if !traced || also {
+        eprintln!("qsr: {}{msg}", if warning { "warning: " } else { "" });
     }
 }
 

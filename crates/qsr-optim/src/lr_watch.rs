@@ -44,8 +44,8 @@ impl LrWatch {
         self.warned_apart = true;
         Some(format!(
             "the round from step {start} keeps the workers apart for {len} steps at lr {lr} ({:.0} steps at the peak lr \
-             {}, above {:.0}, a sixteenth of the run's {run_steps}): their average will be no model; shorten the \
-             rounds (a smaller alpha or h, a larger budget)",
+             {}, above {:.0}, a sixteenth of the run's {run_steps}): rounds this long at a high lr have ended runs near \
+             chance (docs/architecture/sched.md); shorten the rounds (a smaller alpha or h, a larger budget)",
             apart.drift, self.peak, apart.limit
         ))
     }

@@ -95,7 +95,7 @@ pub fn least_alpha_within<E: From<ConfigError>>(
     let largest = bisect(floor, hi, |a| trains(a).map(|t| !t))?.0;
     refuse(format!(
         "{:.2} % of data parallel's syncs is too few: the rounds it allows keep the workers apart while the lr is \
-         high and their average is no model (docs/architecture/sched.md); at least {:.2} % trains here",
+         high, which has ended runs near chance (docs/architecture/sched.md); at least {:.2} % keeps them short enough here",
         100.0 * budget,
         up(share(largest)?)
     ))

@@ -151,6 +151,8 @@ pub struct Averager {
     lr_watch: LrWatch,
     /// The caller's schedule, followed beside the loop ([`AveragerConfig::schedule`]).
     plan: Option<Plan>,
+    /// The syncs made were reported (the run's last step, or `finish`).
+    reported: bool,
 }
 impl Averager {
     /// Sets up averaging of `model` over `comm`: checks that every rank has the same configuration and
@@ -195,6 +197,7 @@ impl Averager {
             abandoned: false,
             lr_watch: LrWatch::default(),
             plan: None,
+            reported: false,
         };
         if let Some((plan, warnings)) = planned {
             // The ranks agreed on the schedule: rank 0 says what is wrong with it, once.
@@ -552,7 +555,9 @@ impl Averager {
             // The run's last step averaged and reported.
             return Ok(model);
         }
-        if let Some(w) = self.lr_watch.at_end() {
+        // A loop that stopped before `run_steps` did not take the schedule to its end: its last lr says
+        // nothing of the schedule.
+        if let Some(w) = self.lr_watch.at_end().filter(|_| self.config.run_steps.is_none()) {
             self.warn(&w);
         }
         let model = if self.unsynced_steps() > 0 { self.average_now(model)? } else { model };
@@ -561,7 +566,8 @@ impl Averager {
     }
 
     /// Rank 0's line at the end of the run: syncs made against those planned.
-    fn report_syncs(&self) {
+    fn report_syncs(&mut self) {
+        self.reported = true;
         let (steps, syncs) = (self.stats.steps, self.stats.syncs);
         if let Some(run) = self.config.run_steps.filter(|&run| steps < run) {
             self.warn(&format!(
@@ -670,12 +676,31 @@ fn setup_error(source: qsr_comm::CommError) -> OptimError {
 /// A round left unaveraged is lost work and leaves the workers with different models: say so, once.
 impl Drop for Averager {
     fn drop(&mut self) {
-        let pending = self.unsynced_steps();
-        if pending == 0 || self.abandoned || std::thread::panicking() {
+        if self.abandoned || std::thread::panicking() {
             return;
         }
-        self.warn(&format!(
-            "dropped {pending} step(s) after its last synchronization: the workers' models differ; call `Averager::finish(model)` after the last step, or set `AveragerConfig::run_steps`; a run stopped on purpose (after a save, to resume) calls `Averager::abandon()`"
-        ));
+        let (pending, steps) = (self.unsynced_steps(), self.stats.steps);
+        match self.config.run_steps {
+            Some(run) if pending > 0 && steps < run => self.warn(&format!(
+                "dropped after step {steps} of the {run} given to `AveragerConfig::schedule` (or `run_steps`), with \
+                 {pending} step(s) since its last synchronization: the workers' models differ; give the schedule the \
+                 steps this rank's loop takes (its shard's batches times the epochs), call `Averager::finish(model)` \
+                 after a loop that ends early, or `Averager::abandon()` for a run stopped on purpose (to resume)"
+            )),
+            _ if pending > 0 => self.warn(&format!(
+                "dropped {pending} step(s) after its last synchronization: the workers' models differ; call \
+                 `Averager::finish(model)` after the last step, or give the config the run's steps \
+                 (`AveragerConfig::schedule`); a run stopped on purpose (after a save, to resume) calls \
+                 `Averager::abandon()`"
+            )),
+            // A run whose end nobody marked: what `finish` would have said of it.
+            None if !self.reported && steps > 0 => {
+                if let Some(w) = self.lr_watch.at_end() {
+                    self.warn(&w);
+                }
+                self.report_syncs();
+            }
+            _ => {}
+        }
     }
 }

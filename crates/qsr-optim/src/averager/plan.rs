@@ -3,6 +3,7 @@
 //! that run ahead of the plan, are warned at the step they happen rather than at the run's end.
 
 use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
+use qsr_sched::SyncRule;
 
 use super::config::AveragerConfig;
 use super::schedule::Schedule;
@@ -69,10 +70,11 @@ impl Plan {
         let mut plan = Self::at_start(schedule);
         for t in 0..steps {
             let (lr, started) = plan.advance(config)?;
-            if started && !config.rule.syncs_gradients(t) && t >= config.warmup_steps {
+            if started.is_some() && !config.rule.syncs_gradients(t) && t >= config.warmup_steps {
                 warnings.extend(watch.round(t, plan.round_end - t, lr, steps));
             }
         }
+        warnings.extend(few_longer_rounds(config, plan.syncs, steps));
         let warnings = warnings.iter().map(|w| format!("the schedule over its {steps} steps: {w}")).collect();
         Ok((Self { total: plan.syncs, ..Self::at_start(schedule) }, warnings))
     }
@@ -91,12 +93,14 @@ impl Plan {
         }
     }
 
-    /// Steps the schedule once: step `t`'s lr, and whether a planned round starts at it.
-    fn advance(&mut self, config: &AveragerConfig) -> Result<(f64, bool), OptimError> {
+    /// Steps the schedule once: step `t`'s lr, and the `H` of a planned round that starts at it.
+    fn advance(&mut self, config: &AveragerConfig) -> Result<(f64, Option<u64>), OptimError> {
         let (t, lr) = (self.t, self.sched.step().base());
-        let started = t >= self.round_end;
-        if started {
-            self.round_end = config.round_at(t, lr, &mut self.rounds_after_warmup).map_err(schedule_error)?.end;
+        let mut started = None;
+        if t >= self.round_end {
+            let round = config.round_at(t, lr, &mut self.rounds_after_warmup).map_err(schedule_error)?;
+            self.round_end = round.end;
+            started = Some(round.h);
         }
         self.t += 1;
         self.syncs += u64::from(self.t == self.round_end);
@@ -171,6 +175,27 @@ impl Plan {
         }
         Ok(())
     }
+}
+
+/// A power rule whose `alpha` lengthens so few rounds over the schedule that the run makes at least 90 %
+/// of the syncs of a constant `H = h_base`: QSR then saves nearly nothing, which the end-of-run count
+/// (`planned` syncs, as planned) does not show.
+fn few_longer_rounds(config: &AveragerConfig, planned: u64, steps: u64) -> Option<String> {
+    let (h_base, alpha, power) = match config.rule {
+        SyncRule::Qsr { h_base, alpha } => (h_base, alpha, 2.0),
+        SyncRule::Power { h_base, alpha, power } => (h_base, alpha, power),
+        _ => return None,
+    };
+    let constant = steps.div_ceil(h_base.max(1));
+    if steps == 0 || planned * 10 < constant * 9 {
+        return None;
+    }
+    let below = alpha / ((h_base + 1) as f64).powf(1.0 / power);
+    Some(format!(
+        "alpha = {alpha} lengthens few rounds: {planned} syncs, where a constant H = h_base = {h_base} makes {constant} \
+         (a round outlasts h_base only below lr {below:.3e}); for fewer syncs late in the run raise alpha, or pick it \
+         from a share of data parallel's syncs (`AveragerConfig::qsr_for_budget`)"
+    ))
 }
 
 fn schedule_error(e: OptimError) -> OptimError {
