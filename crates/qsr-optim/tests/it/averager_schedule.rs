@@ -270,3 +270,30 @@ fn an_averager_dropped_without_finish_reports_the_runs_end() {
     assert!(warnings(&lines).iter().any(|w| w.contains("every step had the same lr 0.05")), "{lines:?}");
     assert!(lines.iter().any(|l| l.contains("qsr Averager: 50 syncs in 100 steps")), "{lines:?}");
 }
+
+/// Issue 57 (the Learner trial): under burn-train, whose tracing subscriber writes only its
+/// experiment log, qsr's warnings never reached the console. After `notices_on_stderr(true)` (which
+/// qsr-burn-train's strategy sets) a notice goes to stderr as well as to the subscriber. Run in a
+/// child process: the subscriber and the switch are process-wide.
+#[test]
+fn notices_reach_stderr_beside_a_subscriber_that_writes_elsewhere() {
+    const CHILD: &str = "QSR_TEST_NOTICE_CHILD";
+    if std::env::var_os(CHILD).is_none() {
+        let name = "averager_schedule::notices_reach_stderr_beside_a_subscriber_that_writes_elsewhere";
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", name, "--nocapture", "--test-threads", "1"])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && stdout.contains("1 passed"), "{stdout}{stderr}");
+        assert!(!stderr.contains("only in the log"), "{stderr}");
+        assert!(stderr.contains("qsr: warning: on the console too"), "{stderr}");
+        return;
+    }
+    let subscriber = tracing_subscriber::fmt().with_writer(std::io::sink).finish();
+    tracing::subscriber::set_global_default(subscriber).unwrap();
+    qsr_comm::notice(true, "only in the log");
+    qsr_comm::notices_on_stderr(true);
+    qsr_comm::notice(true, "on the console too");
+}
