@@ -89,10 +89,19 @@ impl<M: LearnerModel> Replica<M> {
     }
 
     /// Averages the steps since the last synchronization (the last round, cut at the run's end) and
-    /// hands back the model every replica now shares.
-    pub(crate) fn finish(&mut self) -> Result<M, OptimError> {
+    /// hands back the model every replica now shares; `early` for a run stopped before its last
+    /// epoch (interrupted, or by early stopping), whose lr end says nothing of its schedule.
+    pub(crate) fn finish(&mut self, early: bool) -> Result<M, OptimError> {
         let updates = self.avg.stats().updates;
-        let model = self.avg.finish(self.learner.model())?;
+        let model = self.learner.model();
+        let model = if early {
+            // Stopped on purpose before its last epoch: averaged, and no judgement of a schedule cut short.
+            let model = if self.avg.unsynced_steps() > 0 { self.avg.average_now(model)? } else { model };
+            self.avg.abandon();
+            model
+        } else {
+            self.avg.finish(model)?
+        };
         if self.avg.stats().updates > updates {
             self.learner.load_model(model.into_record());
         }

@@ -398,7 +398,7 @@ impl LocalTrainingStrategy {
                 return Ok(model);
             }
         }
-        Ok(replica.finish()?)
+        Ok(replica.finish(false)?)
     }
 
     /// After `epoch`: every rank agrees on an interruption, then averages (the run's last epoch, or
@@ -414,7 +414,10 @@ impl LocalTrainingStrategy {
         files: Option<&mut ReplicaFiles<M>>,
     ) -> Result<Option<M>, Failure> {
         let ends = epoch == *run.epochs.end() || replica.avg.any(run.interrupter.should_stop())?;
-        let model = if ends { replica.finish()? } else { replica.avg.mean(&replica.learner.model())? };
+        let model = match ends {
+            true => replica.finish(epoch != *run.epochs.end())?,
+            false => replica.avg.mean(&replica.learner.model())?,
+        };
         if let (Some(files), false) = (files, ends) {
             files.save(&replica.learner, &mut replica.avg, epoch).map_err(Failure::Save)?;
         }
@@ -430,7 +433,7 @@ impl LocalTrainingStrategy {
         }
         if replica.avg.any(early)? {
             // The replicas end on their average; the model returned is the one validated.
-            replica.finish()?;
+            replica.finish(true)?;
             return Ok(Some(model));
         }
         Ok(None)

@@ -131,6 +131,10 @@ impl<D> ShardedDataset<D> {
             return;
         }
         let (rank, k) = self.member;
+        // Every rank runs the same loop: rank 0 says it for all.
+        if rank != 0 {
+            return;
+        }
         warn(&format!(
             "ShardedDataset (rank {rank} of {k}): read out of order in epoch {}: is its loader built with `.shuffle(..)`? The shard already holds each epoch's order, a function of (seed, epoch); a loader's shuffle draws from a generator that restarts with the process, so a resumed run would read another order. Build the loader without `.shuffle` (reading the shard out of order on purpose is fine)",
             self.epoch()
@@ -146,7 +150,10 @@ impl<D> ShardedDataset<D> {
             let message = format!(
                 "ShardedDataset (rank {rank} of {k}): epoch {epoch}'s shard of {len} items is read a second time without `set_epoch`; call `set_epoch(epoch)` before each epoch, or every epoch repeats this order (a second pass on purpose, such as an evaluation on training data, is fine)"
             );
-            warn(&message);
+            // Every rank runs the same loop: rank 0 says it for all.
+            if rank == 0 {
+                warn(&message);
+            }
         }
     }
 

@@ -107,20 +107,13 @@ impl LrWatch {
 
 /// Prints a line of information through `tracing` when a subscriber is set, else on stderr.
 pub(crate) fn note(message: &str) {
-    if tracing::dispatcher::has_been_set() {
-        tracing::info!("{message}");
-    } else {
-        eprintln!("{message}");
-    }
+    qsr_comm::notice(false, message);
 }
 
-/// Prints a warning through `tracing` when a subscriber is set, else on stderr.
+/// Prints a warning: `qsr_comm::notice`, through `tracing` when a subscriber is set, else (or also,
+/// after `qsr_comm::notices_on_stderr`) on stderr.
 pub(crate) fn warn(message: &str) {
-    if tracing::dispatcher::has_been_set() {
-        tracing::warn!("{message}");
-    } else {
-        eprintln!("warning: {message}");
-    }
+    qsr_comm::notice(true, message);
 }
 
 #[cfg(test)]

@@ -201,9 +201,8 @@ impl Averager {
         };
         if let Some((plan, warnings)) = planned {
             // The ranks agreed on the schedule: rank 0 says what is wrong with it, once.
-            if avg.rank() == 0 {
-                warnings.iter().for_each(|w| avg.warn(w));
-            }
+            let steps = plan.steps();
+            warnings.iter().for_each(|w| avg.warn(&format!("the schedule over its {steps} steps: {w}")));
             avg.plan = Some(plan);
         }
         if avg.config.broadcast_initial {
@@ -583,7 +582,8 @@ impl Averager {
             Some(plan) => format!(", the schedule planned {}", plan.total()),
             None => String::new(),
         };
-        lr_watch::note(&format!("qsr Averager: {syncs} syncs in {steps} steps{planned}"));
+        let noun = if syncs == 1 { "sync" } else { "syncs" };
+        lr_watch::note(&format!("Averager: {syncs} {noun} in {steps} steps{planned}"));
         if let Some(plan) = self.plan.as_ref().filter(|p| p.total() != syncs && steps == p.steps()) {
             self.warn(&format!(
                 "{syncs} syncs made, where the schedule planned {}: the lrs passed were not the schedule's",
@@ -637,10 +637,13 @@ impl Averager {
         Ok(round)
     }
 
-    /// A warning about this averager, naming its rank.
+    /// A warning about this averager, on rank 0: every rank runs the same loop (ranks whose
+    /// settings or lrs differ fail at construction or at their first sync, each naming its own).
     fn warn(&self, message: &str) {
         let (rank, k) = (self.sync.comm().rank(), self.sync.comm().world_size());
-        lr_watch::warn(&format!("qsr Averager (rank {rank} of {k}): {message}"));
+        if rank == 0 {
+            lr_watch::warn(&format!("Averager (rank {rank} of {k}): {message}"));
+        }
     }
 
     fn write<M: Module>(&self, model: M) -> Result<M, OptimError> {
@@ -681,6 +684,12 @@ impl Drop for Averager {
         }
         let (pending, steps) = (self.unsynced_steps(), self.stats.steps);
         match self.config.run_steps {
+            Some(run) if pending == 0 && steps > 0 && steps < run && !self.reported => self.warn(&format!(
+                "dropped after step {steps} of the {run} given to `AveragerConfig::schedule` (or `run_steps`): \
+                 the loop ended before the schedule did, so its lrs (and QSR's rounds) never reached their end; \
+                 give the schedule the steps this rank's loop takes (its shard's batches times the epochs), or \
+                 call `Averager::finish(model)` (or `abandon()`) after a loop that ends early on purpose"
+            )),
             Some(run) if pending > 0 && steps < run => self.warn(&format!(
                 "dropped after step {steps} of the {run} given to `AveragerConfig::schedule` (or `run_steps`), with \
                  {pending} step(s) since its last synchronization: the workers' models differ; give the schedule the \

@@ -75,7 +75,6 @@ impl Plan {
             }
         }
         warnings.extend(few_longer_rounds(config, plan.syncs, steps));
-        let warnings = warnings.iter().map(|w| format!("the schedule over its {steps} steps: {w}")).collect();
         Ok((Self { total: plan.syncs, ..Self::at_start(schedule) }, warnings))
     }
 

@@ -92,7 +92,7 @@ fn the_peak_lr_passed_instead_of_the_schedules_is_warned_in_the_first_tenth() {
         .len();
     let made = avg.stats().syncs;
     assert_ne!(made, planned as u64);
-    let report = format!("qsr Averager: {made} syncs in 100 steps, the schedule planned {planned}");
+    let report = format!("Averager: {made} syncs in 100 steps, the schedule planned {planned}");
     assert!(lines.iter().any(|l| l.contains("INFO") && l.contains(&report)), "{lines:?}");
     assert!(lines.iter().any(|l| l.contains("WARN") && l.contains("were not the schedule's")), "{lines:?}");
 }
@@ -239,6 +239,17 @@ fn a_loop_that_ends_before_the_schedule_is_told_where_at_its_drop() {
     assert_eq!(warned.len(), 1, "{lines:?}");
     assert!(warned[0].contains("dropped after step 99 of the 400 given to `AveragerConfig::schedule`"), "{lines:?}");
     assert!(!warned[0].contains("set `AveragerConfig::run_steps`"), "{lines:?}");
+    // A loop whose last step happened to end a round loses no step, but it still ended early.
+    let (built, _) = printed(|| averager(AveragerConfig::qsr(2, 0.01).schedule(&cosine(0.05, 4 * STEPS), 4 * STEPS)));
+    let (mut avg, mut model) = built.unwrap();
+    for _ in 0..STEPS {
+        model = avg.step(model).unwrap();
+    }
+    assert_eq!(avg.unsynced_steps(), 0);
+    let (_, lines) = printed(|| drop(avg));
+    let warned = warnings(&lines);
+    assert_eq!(warned.len(), 1, "{lines:?}");
+    assert!(warned[0].contains("dropped after step 100 of the 400") && warned[0].contains("never reached their end"));
 }
 
 /// Issue 57 (the Learner trial): a run stopped early on purpose was told its lr "ended at 52 % of its
@@ -268,7 +279,7 @@ fn an_averager_dropped_without_finish_reports_the_runs_end() {
     }
     let (_, lines) = printed(|| drop(avg));
     assert!(warnings(&lines).iter().any(|w| w.contains("every step had the same lr 0.05")), "{lines:?}");
-    assert!(lines.iter().any(|l| l.contains("qsr Averager: 50 syncs in 100 steps")), "{lines:?}");
+    assert!(lines.iter().any(|l| l.contains("Averager: 50 syncs in 100 steps")), "{lines:?}");
 }
 
 /// Issue 57 (the Learner trial): under burn-train, whose tracing subscriber writes only its
