@@ -518,7 +518,11 @@ impl Drop for InProcessComm {
             let how = if std::thread::panicking() { "panicked" } else { "dropped its handle" };
             st.failure = Some(Failure::Group {
                 culprit: Some(self.rank),
-                detail: format!("rank {} {how}; it can no longer take part in collectives", self.rank),
+                detail: format!(
+                    "rank {r} {how} (its worker ended: rank {r}'s own result, or its panic, says why); it can no \
+                     longer take part in collectives",
+                    r = self.rank
+                ),
             });
             self.shared.cv.notify_all();
         }

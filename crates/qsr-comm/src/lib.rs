@@ -121,6 +121,8 @@ pub const WORKERS_ENV: &str = "QSR_WORKERS";
 /// set. Results come back in rank order. The same program then runs as threads (`cargo run`) and as
 /// processes (`qsr launch --nproc 4 -- ...`); `T` crosses threads, so a worker's error type must be
 /// `Send` (`anyhow::Error` is; `Box<dyn Error>` is not, `Box<dyn Error + Send + Sync>` is).
+/// As threads, a rank that fails holds its own error in its slot, and the others' errors say that
+/// the group broke, naming it: report every rank's error, not only the first in rank order.
 ///
 /// As threads, rank 0 runs alone until its first collective call (or its return), and the other
 /// ranks start then: what rank 0 draws before it communicates from a RNG every thread shares

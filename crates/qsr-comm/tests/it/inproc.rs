@@ -89,6 +89,16 @@ fn missing_rank_times_out_naming_it() {
     drop(absent);
 }
 
+/// Issue 57 (the trial): as threads, a rank whose worker failed dropped its handle and the others
+/// reported only that; their error now says where the cause is (that rank's own result).
+#[test]
+fn a_dropped_handle_points_the_others_at_that_ranks_own_result() {
+    let mut comms = InProcessGroup::new(2);
+    drop(comms.remove(1));
+    let e = comms[0].barrier().expect_err("rank 1 left").to_string();
+    assert!(e.contains("rank 1 dropped its handle") && e.contains("rank 1's own result"), "{e}");
+}
+
 #[test]
 fn boxed_trait_object_and_invalid_root() {
     let comms: Vec<Box<dyn Collective>> =
