@@ -9,6 +9,18 @@ use burn::data::dataset::Dataset;
 use crate::error::{DataError, Result};
 use crate::sampler::ShardedSampler;
 
+thread_local! {
+    /// The `set_epoch` calls this thread made.
+    static EPOCHS_SET: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many times this thread called [`ShardedDataset::set_epoch`]: where the epochs of the loop
+/// running on it begin. qsr-optim's `Averager`, stepped on the same thread, reads it to measure an
+/// epoch's steps against the steps its schedule was given.
+pub fn epochs_set_on_this_thread() -> u64 {
+    EPOCHS_SET.with(std::cell::Cell::get)
+}
+
 /// Rank `rank`'s shard of a burn dataset, reshuffled every epoch as `qsr train` reshuffles its data.
 ///
 /// Each epoch one permutation of all N items, the same on every rank (seeded by `seed` and the epoch),
@@ -99,6 +111,7 @@ impl<D> ShardedDataset<D> {
 
     /// Switches to `epoch`'s order (every rank at the same epoch, before iterating it).
     pub fn set_epoch(&self, epoch: u64) {
+        EPOCHS_SET.with(|n| n.set(n.get() + 1));
         let shard = Arc::new(self.sampler.shard(epoch));
         let mut order = self.order.write().unwrap_or_else(std::sync::PoisonError::into_inner);
         *order = (epoch, shard);

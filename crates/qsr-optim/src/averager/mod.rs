@@ -68,6 +68,7 @@ use crate::sync::{Level, StepEnd, SyncReport, Transfer};
 use crate::synchronizer::{At, Synced, Synchronizer};
 
 mod config;
+mod epochs;
 mod plan;
 mod saved;
 mod schedule;
@@ -153,6 +154,8 @@ pub struct Averager {
     plan: Option<Plan>,
     /// The syncs made were reported (the run's last step, or `finish`).
     reported: bool,
+    /// The loop's epochs, as its `ShardedDataset::set_epoch` calls mark them.
+    epochs: epochs::Epochs,
 }
 impl Averager {
     /// Sets up averaging of `model` over `comm`: checks that every rank has the same configuration and
@@ -198,6 +201,7 @@ impl Averager {
             lr_watch: LrWatch::default(),
             plan: None,
             reported: false,
+            epochs: epochs::Epochs::new(),
         };
         if let Some((plan, warnings)) = planned {
             // The ranks agreed on the schedule: rank 0 says what is wrong with it, once.
@@ -257,6 +261,13 @@ impl Averager {
     /// too, a step whose lr is not the schedule's is warned (the rounds follow the lr passed).
     pub fn step_with_lr<M: Module>(&mut self, model: M, lr: f64) -> Result<M, OptimError> {
         let t = self.stats.steps;
+        if let (Some(per_epoch), Some(run)) = (self.epochs.at_step(t), self.config.run_steps) {
+            match epochs::judge(per_epoch, run, self.world_size()) {
+                (true, warning) => self.warn(&warning),
+                (false, note) if self.rank() == 0 => lr_watch::note(&note),
+                _ => {}
+            }
+        }
         self.watch_lr(t, lr)?;
         let model = self.step_rounds(model, t, lr)?;
         if let Some(w) = self.plan.as_mut().and_then(|plan| plan.check_syncs(self.stats.syncs)) {

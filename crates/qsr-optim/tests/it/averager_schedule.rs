@@ -308,3 +308,41 @@ fn notices_reach_stderr_beside_a_subscriber_that_writes_elsewhere() {
     qsr_comm::notices_on_stderr(true);
     qsr_comm::notice(true, "on the console too");
 }
+
+/// A loop over rank 0's `ShardedDataset` of 400 items on 4 ranks, in batches of 32: 4 steps an
+/// epoch; `epochs` epochs under a cosine schedule of `steps` steps. The lines printed.
+fn sharded_loop(steps: usize, epochs: u64) -> Vec<String> {
+    let items = burn::data::dataset::InMemDataset::new((0..400).collect::<Vec<i64>>());
+    let shard = qsr_optim::ShardedDataset::new(items, 0, 4, 7).unwrap();
+    let per_epoch = burn::data::dataset::Dataset::len(&shard).div_ceil(32);
+    let (built, _) = printed(|| averager(AveragerConfig::qsr(2, 0.01).schedule(&cosine(0.05, steps), steps)));
+    let (mut avg, mut model) = built.unwrap();
+    let (_, lines) = printed(|| {
+        for epoch in 0..epochs {
+            shard.set_epoch(epoch);
+            for _ in 0..per_epoch {
+                model = avg.step(model.clone()).unwrap();
+            }
+        }
+    });
+    avg.abandon();
+    lines
+}
+
+/// Issue 57 (the trial): `steps` and the scheduler both counted from the whole dataset (13 batches of
+/// 32 a epoch, 39 steps for 3 epochs, where this rank's shard gives 4 an epoch) were told only when
+/// the averager was dropped. Warned after the first epoch, from the loop's own `set_epoch` calls; a
+/// schedule of whole epochs is noted, not warned.
+#[test]
+fn a_schedule_of_no_whole_number_of_epochs_is_warned_after_the_first() {
+    let lines = sharded_loop(39, 2);
+    let warned = warnings(&lines);
+    assert_eq!(warned.len(), 1, "{lines:?}");
+    assert!(warned[0].contains("an epoch of this rank's shard took 4 steps"), "{lines:?}");
+    assert!(warned[0].contains("make 9.75 of them, not a whole number"), "{lines:?}");
+    let lines = sharded_loop(12, 2);
+    assert!(warnings(&lines).is_empty(), "{lines:?}");
+    assert!(
+        lines.iter().any(|l| l.contains("an epoch of this rank's shard is 4 steps; the schedule's 12 make 3 epochs"))
+    );
+}
