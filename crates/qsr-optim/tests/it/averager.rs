@@ -880,16 +880,10 @@ fn the_mean_mid_round_leaves_the_round_and_equals_its_finish() {
 /// threads draw meanwhile. Run in a child process of its own: other tests draw from the same RNG.
 #[test]
 fn run_workers_threads_start_from_rank_0s_seeded_weights_whatever_the_others_draw() {
-    const CHILD: &str = "QSR_TEST_SEEDED_CHILD";
-    if std::env::var_os(CHILD).is_none() {
-        let name = "averager::run_workers_threads_start_from_rank_0s_seeded_weights_whatever_the_others_draw";
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", name, "--nocapture", "--test-threads", "1"])
-            .env(CHILD, "1")
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success() && text.contains("1 passed"), "{text}");
+    if !crate::common::is_alone() {
+        crate::common::run_alone(
+            "averager::run_workers_threads_start_from_rank_0s_seeded_weights_whatever_the_others_draw",
+        );
         return;
     }
     let device = Device::flex();

@@ -288,16 +288,10 @@ fn an_averager_dropped_without_finish_reports_the_runs_end() {
 /// child process: the subscriber and the switch are process-wide.
 #[test]
 fn notices_reach_stderr_beside_a_subscriber_that_writes_elsewhere() {
-    const CHILD: &str = "QSR_TEST_NOTICE_CHILD";
-    if std::env::var_os(CHILD).is_none() {
-        let name = "averager_schedule::notices_reach_stderr_beside_a_subscriber_that_writes_elsewhere";
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", name, "--nocapture", "--test-threads", "1"])
-            .env(CHILD, "1")
-            .output()
-            .unwrap();
-        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        assert!(out.status.success() && stdout.contains("1 passed"), "{stdout}{stderr}");
+    if !crate::common::is_alone() {
+        let stderr = crate::common::run_alone(
+            "averager_schedule::notices_reach_stderr_beside_a_subscriber_that_writes_elsewhere",
+        );
         assert!(!stderr.contains("only in the log"), "{stderr}");
         assert!(stderr.contains("qsr: warning: on the console too"), "{stderr}");
         return;

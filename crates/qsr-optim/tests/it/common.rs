@@ -1,4 +1,4 @@
-//! What several test modules build: a two-layer MLP.
+//! What several test modules build: a two-layer MLP, and a test run alone in a child process.
 
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig, Relu};
@@ -42,4 +42,25 @@ impl Mlp3 {
             head: LinearConfig::new(16, 1).init(device),
         }
     }
+}
+
+/// The environment variable that marks a child process running one test alone.
+pub(crate) const ALONE: &str = "QSR_TEST_ALONE";
+
+/// Whether this process is the child that [`run_alone`] started.
+pub(crate) fn is_alone() -> bool {
+    std::env::var_os(ALONE).is_some()
+}
+
+/// Runs the test `name` of this binary alone in a child process (for what is process-wide: burn's
+/// RNG, a global tracing subscriber); fails unless it passed. Its stderr.
+pub(crate) fn run_alone(name: &str) -> String {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--nocapture", "--test-threads", "1"])
+        .env(ALONE, "1")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && stdout.contains("1 passed"), "{stdout}{stderr}");
+    stderr.into_owned()
 }
