@@ -35,7 +35,9 @@ pub fn notice(warning: bool, msg: &str) {
         tracing::enabled!(tracing::Level::INFO).then(|| tracing::info!("{msg}")).is_some()
     };
     if !traced || also {
-        eprintln!("qsr: {}{msg}", if warning { "warning: " } else { "" });
+        // One write: a line written in pieces can interleave with another thread's output.
+        let line = format!("qsr: {}{msg}\n", if warning { "warning: " } else { "" });
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
     }
 }
 

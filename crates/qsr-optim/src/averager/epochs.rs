@@ -41,12 +41,16 @@ impl Epochs {
 pub(super) fn judge(per_epoch: u64, run: u64, k: usize) -> (bool, String) {
     let epochs = run as f64 / per_epoch as f64;
     if run.is_multiple_of(per_epoch) {
-        return (
-            false,
-            format!(
-                "Averager: an epoch of this rank's shard is {per_epoch} steps; the schedule's {run} make {epochs} epochs"
-            ),
+        // A whole dataset that splits evenly over the ranks gives a whole number too, k times too many:
+        // said beside the count, which the user checks against the loop's epochs.
+        let whole = match k {
+            1 => String::new(),
+            k => format!(" ({} if they were counted from the whole dataset of all {k} ranks)", epochs / k as f64),
+        };
+        let note = format!(
+            "Averager: an epoch of this rank's shard is {per_epoch} steps; the schedule's {run} make {epochs} epochs{whole}"
         );
+        return (false, note);
     }
     let cause = match k {
         1 => "steps counted from another dataset than the loop reads, say".to_owned(),
@@ -60,4 +64,22 @@ pub(super) fn judge(per_epoch: u64, run: u64, k: usize) -> (bool, String) {
              epochs, give the schedule the epochs times {per_epoch} ({cause})"
         ),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::judge;
+
+    /// The trial: a whole dataset that splits evenly (40 steps an epoch, 1920 = 4 x 12 x 40) makes a
+    /// whole number of epochs; the note says what the count would be if it came from all ranks. One
+    /// that does not split (32 an epoch, 1500 steps) is warned.
+    #[test]
+    fn whole_epochs_are_noted_with_the_count_from_all_ranks_and_others_warned() {
+        let (warned, note) = judge(40, 1920, 4);
+        assert!(
+            !warned && note.ends_with("make 48 epochs (12 if they were counted from the whole dataset of all 4 ranks)")
+        );
+        let (warned, text) = judge(32, 1500, 4);
+        assert!(warned && text.contains("make 46.88 of them") && text.contains("about 4 times too many"), "{text}");
+    }
 }
