@@ -122,7 +122,7 @@ pub const WORKERS_ENV: &str = "QSR_WORKERS";
 /// processes (`qsr launch --nproc 4 -- ...`); `T` crosses threads, so a worker's error type must be
 /// `Send` (`anyhow::Error` is; `Box<dyn Error>` is not, `Box<dyn Error + Send + Sync>` is).
 /// As threads, a rank that fails holds its own error in its slot, and the others' errors say that
-/// the group broke, naming it: report every rank's error, not only the first in rank order.
+/// the group broke, naming it: [`try_run_workers`] picks the cause out of them.
 ///
 /// As threads, rank 0 runs alone until its first collective call (or its return), and the other
 /// ranks start then: what rank 0 draws before it communicates from a RNG every thread shares
@@ -152,6 +152,46 @@ pub fn run_workers<T: Send>(
             }))
         }
         None => Ok(vec![worker(from_env()?)]),
+    }
+}
+
+/// [`run_workers`] for a worker that returns a `Result`: every rank's value in rank order, or one
+/// error, the cause: that of the first rank that failed for a reason of its own rather than because
+/// another failed ([`exit_status`]), prefixed with its rank when the ranks are threads. A `main` that
+/// ends with it reports the rank that failed, whichever it was; under a launcher the one rank's
+/// error comes back as it is (so [`exit_code`] still tells a peer's failure).
+///
+/// ```
+/// let result = qsr_comm::try_run_workers(3, |mut comm| -> anyhow::Result<usize> {
+///     anyhow::ensure!(comm.rank() != 2, "rank 2's data is missing");
+///     comm.all_reduce(&mut [1.0], qsr_comm::ReduceOp::Sum)?; // ranks 0 and 1 lose rank 2 here
+///     Ok(comm.rank())
+/// });
+/// assert_eq!(format!("{:#}", result.unwrap_err()), "rank 2 of 3: rank 2's data is missing");
+/// ```
+pub fn try_run_workers<T: Send, E: Into<anyhow::Error> + Send>(
+    threads: usize,
+    worker: impl Fn(Box<dyn Collective>) -> Result<T, E> + Sync,
+) -> anyhow::Result<Vec<T>> {
+    let results = run_workers(threads, worker)?;
+    let k = results.len();
+    let (mut values, mut cause, mut consequence) = (Vec::with_capacity(k), None, None);
+    for (rank, result) in results.into_iter().enumerate() {
+        let error = match result {
+            Ok(value) => {
+                values.push(value);
+                continue;
+            }
+            Err(e) => e.into(),
+        };
+        let own = exit_status(AsRef::<dyn std::error::Error + Send + Sync>::as_ref(&error)) != EXIT_PEER_FAILED;
+        let error = if k > 1 { error.context(format!("rank {rank} of {k}")) } else { error };
+        let slot = if own { &mut cause } else { &mut consequence };
+        slot.get_or_insert(error);
+    }
+    match cause.or(consequence) {
+        Some(error) => Err(error),
+        None => Ok(values),
     }
 }
 

@@ -2,8 +2,9 @@
 //! rounds of a sync rule (the Quadratic Synchronization Rule among them).
 //!
 //! **In your own burn loop** (your model, optimizer, lr scheduler and `DataLoader` stay) you need:
-//! - [`run_workers`]: runs your `train(comm)` as threads, or as the ranks of a launch
-//!   (`qsr-launch --nproc 4 -- ./your-program`);
+//! - [`try_run_workers`]: runs your `train(comm)` as threads, or as the ranks of a launch
+//!   (`qsr-launch --nproc 4 -- ./your-program`), and returns every rank's value or the error of the
+//!   rank that failed ([`run_workers`] for workers that return no `Result`);
 //! - [`ShardedDataset`]: each rank's shard of your dataset, reshuffled per epoch;
 //! - [`Averager`]: [`Averager::new`] gives every worker rank 0's weights; call [`Averager::step`]
 //!   after each optimizer step, and it averages whenever a round ends and at the run's last step
@@ -60,7 +61,7 @@ pub use outer::{OuterConfig, OuterUnit};
 /// `qsr-comm`, re-exported so that a burn program needs no dependency of its own for
 /// [`comm::Collective`] and the rest.
 pub use qsr_comm as comm;
-pub use qsr_comm::run_workers;
+pub use qsr_comm::{run_workers, try_run_workers};
 /// qsr-data's sampler over any burn `Dataset`, so a burn program needs no dependency of its own.
 pub use qsr_data::ShardedDataset;
 /// The rules an [`AveragerConfig`] takes, so a burn user needs no qsr-sched dependency to pick one.

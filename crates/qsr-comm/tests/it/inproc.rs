@@ -99,6 +99,31 @@ fn a_dropped_handle_points_the_others_at_that_ranks_own_result() {
     assert!(e.contains("rank 1 dropped its handle") && e.contains("rank 1's own result"), "{e}");
 }
 
+/// Issue 57 (the fourth trial): the README's `run_workers(4, train)?.into_iter().try_for_each(|a|
+/// report(a?))` reported rank 0's consequence ("rank 2 dropped its handle") before rank 2's cause.
+/// `try_run_workers` returns the cause, naming its rank, whichever rank met it; the others' values
+/// come back when none fails.
+#[test]
+fn try_run_workers_reports_the_rank_that_failed_not_rank_0s_consequence() {
+    let result = qsr_comm::try_run_workers(4, |mut comm| -> anyhow::Result<usize> {
+        anyhow::ensure!(comm.rank() != 2, "no data for rank 2");
+        comm.barrier()?;
+        Ok(comm.rank())
+    });
+    let e = format!("{:#}", result.expect_err("rank 2 failed"));
+    assert_eq!(e, "rank 2 of 4: no data for rank 2");
+    let ranks = qsr_comm::try_run_workers(3, |comm| Ok::<_, CommError>(comm.rank())).unwrap();
+    assert_eq!(ranks, [0, 1, 2]);
+    // Every rank stopped by another (none with a cause of its own): the first in rank order.
+    let lost = qsr_comm::try_run_workers(2, |comm| -> Result<(), CommError> {
+        Err(CommError::Broken(format!("rank {} saw the ring break", comm.rank())))
+    });
+    assert_eq!(
+        format!("{:#}", lost.unwrap_err()),
+        "rank 0 of 2: communicator is broken by an earlier failure: rank 0 saw the ring break"
+    );
+}
+
 #[test]
 fn boxed_trait_object_and_invalid_root() {
     let comms: Vec<Box<dyn Collective>> =
