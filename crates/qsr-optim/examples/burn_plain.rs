@@ -26,7 +26,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 
 const SEED: u64 = 42;
-const EPOCHS: u64 = 4;
+const EPOCHS: u64 = 5;
 const BATCH: usize = 32;
 
 #[derive(Module, Debug)]

@@ -27,7 +27,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 
 const SEED: u64 = 42;
-const EPOCHS: u64 = 4;
+const EPOCHS: u64 = 5;
 const BATCH: usize = 32;
 
 #[derive(Module, Debug)]
@@ -192,5 +192,5 @@ fn report(accuracy: f64) -> anyhow::Result<()> {
 }
 
 fn main() -> anyhow::Result<()> {
-    qsr_optim::run_workers(4, train)?.into_iter().try_for_each(|accuracy| report(accuracy?)) // QSR: threads or ranks
+    qsr_optim::try_run_workers(4, train)?.into_iter().try_for_each(report) // QSR: threads or ranks
 }

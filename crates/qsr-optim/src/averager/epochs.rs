@@ -8,14 +8,14 @@ pub(super) struct Epochs {
     marks: u64,
     /// The step the current epoch began at, once a mark was seen.
     began: Option<u64>,
-    /// The first whole epoch was measured.
-    measured: bool,
+    /// The steps of the first whole epoch, once measured.
+    measured: Option<u64>,
 }
 
 impl Epochs {
     /// Marks from now on count: `set_epoch` calls made before the averager existed do not.
     pub(super) fn new() -> Self {
-        Self { marks: qsr_data::epochs_set_on_this_thread(), began: None, measured: false }
+        Self { marks: qsr_data::epochs_set_on_this_thread(), began: None, measured: None }
     }
 
     /// Before step `t`: the steps of the first whole epoch, once, when a new epoch begins at `t`.
@@ -26,44 +26,64 @@ impl Epochs {
         }
         self.marks = marks;
         match self.began.replace(t) {
-            Some(began) if !self.measured && t > began => {
-                self.measured = true;
-                Some(t - began)
+            Some(began) if self.measured.is_none() && t > began => {
+                self.measured = Some(t - began);
+                self.measured
             }
             _ => None,
         }
     }
+
+    /// " (12 epochs of 32 steps)": `steps` counted in the measured epochs, for the run's last line.
+    pub(super) fn of(&self, steps: u64) -> String {
+        match self.measured {
+            Some(per_epoch) => format!(" ({} epochs of {per_epoch} steps)", epochs(steps, per_epoch)),
+            None => String::new(),
+        }
+    }
 }
 
-/// What rank 0 says of a first epoch of `per_epoch` steps in a run of `run` steps over `k` ranks: a
-/// warning when the run is no whole number of such epochs (a schedule counted from the whole
-/// dataset rather than this rank's shard, say), else a note of the epochs it makes.
-pub(super) fn judge(per_epoch: u64, run: u64, k: usize) -> (bool, String) {
-    let epochs = run as f64 / per_epoch as f64;
-    if run.is_multiple_of(per_epoch) {
-        // A whole dataset that splits evenly over the ranks gives a whole number too, k times too many:
-        // said beside the count, which the user checks against the loop's epochs.
-        let whole = match k {
-            1 => String::new(),
-            k => format!(" ({} if they were counted from the whole dataset of all {k} ranks)", epochs / k as f64),
-        };
-        let note = format!(
-            "Averager: an epoch of this rank's shard is {per_epoch} steps; the schedule's {run} make {epochs} epochs{whole}"
-        );
-        return (false, note);
+/// `steps` in epochs of `per_epoch` (at least 1): "12", or "46.88" when not whole.
+fn epochs(steps: u64, per_epoch: u64) -> String {
+    if steps.is_multiple_of(per_epoch) {
+        (steps / per_epoch).to_string()
+    } else {
+        format!("{:.2}", steps as f64 / per_epoch as f64)
     }
-    let cause = match k {
-        1 => "steps counted from another dataset than the loop reads, say".to_owned(),
-        k => format!("steps counted from the whole dataset rather than this rank's shard are about {k} times too many"),
-    };
-    (
-        true,
-        format!(
+}
+
+/// Rank 0's warning, if any, of a first epoch of `per_epoch` steps (at least 1) in a run of `run`
+/// steps over `k` ranks. Steps counted from the whole dataset rather than this rank's shard are `k`
+/// times too many: no whole number of epochs when the dataset does not split evenly, else a multiple
+/// of `k` epochs, which a loop of that many epochs would also make (the warning names both readings).
+pub(super) fn judge(per_epoch: u64, run: u64, k: usize) -> Option<String> {
+    let made = epochs(run, per_epoch);
+    if !run.is_multiple_of(per_epoch) {
+        let cause = match k {
+            1 => "steps counted from another dataset than the loop reads, say".to_owned(),
+            k => format!(
+                "steps counted from the whole dataset rather than this rank's shard are about {k} times too many"
+            ),
+        };
+        return Some(format!(
             "an epoch of this rank's shard took {per_epoch} steps, and the {run} steps given to \
-             `AveragerConfig::schedule` make {epochs:.2} of them, not a whole number: if the loop runs whole \
-             epochs, give the schedule the epochs times {per_epoch} ({cause})"
-        ),
-    )
+             `AveragerConfig::schedule` make {made} of them, not a whole number: if the loop runs whole \
+             epochs, give the scheduler and the schedule the epochs times {per_epoch} ({cause})"
+        ));
+    }
+    let k = k as u64;
+    let whole = run / per_epoch;
+    (k > 1 && whole.is_multiple_of(k)).then(|| {
+        let loop_epochs = whole / k;
+        let noun = if loop_epochs == 1 { "epoch" } else { "epochs" };
+        format!(
+            "the {run} steps given to `AveragerConfig::schedule` make {whole} epochs of this rank's shard ({per_epoch} \
+             steps each): if the loop runs {loop_epochs} {noun}, they were counted from the whole dataset of all {k} \
+             ranks, and the lr will end the loop high; give the scheduler and the schedule {loop_epochs} x \
+             {per_epoch} = {} steps (a loop of {whole} epochs is right as it is)",
+            run / k
+        )
+    })
 }
 
 #[cfg(test)]
@@ -71,15 +91,25 @@ mod tests {
     use super::judge;
 
     /// The trial: a whole dataset that splits evenly (40 steps an epoch, 1920 = 4 x 12 x 40) makes a
-    /// whole number of epochs; the note says what the count would be if it came from all ranks. One
-    /// that does not split (32 an epoch, 1500 steps) is warned.
+    /// multiple of the ranks' count of epochs: warned with both readings. One that does not split
+    /// (32 an epoch, 1500 steps) is warned as no whole number.
     #[test]
-    fn whole_epochs_are_noted_with_the_count_from_all_ranks_and_others_warned() {
-        let (warned, note) = judge(40, 1920, 4);
+    fn steps_counted_from_a_whole_dataset_are_warned_whether_or_not_it_splits_evenly() {
+        let text = judge(40, 1920, 4).expect("an evenly split whole dataset is warned");
         assert!(
-            !warned && note.ends_with("make 48 epochs (12 if they were counted from the whole dataset of all 4 ranks)")
+            text.contains("make 48 epochs of this rank's shard (40 steps each): if the loop runs 12 epochs")
+                && text.contains("12 x 40 = 480 steps"),
+            "{text}"
         );
-        let (warned, text) = judge(32, 1500, 4);
-        assert!(warned && text.contains("make 46.88 of them") && text.contains("about 4 times too many"), "{text}");
+        let text = judge(32, 1500, 4).expect("no whole number of epochs is warned");
+        assert!(text.contains("make 46.88 of them") && text.contains("about 4 times too many"), "{text}");
+    }
+
+    /// A run of whole epochs that are no multiple of the ranks, or on one rank, says nothing.
+    #[test]
+    fn whole_epochs_that_no_whole_dataset_makes_say_nothing() {
+        assert_eq!(judge(32, 5 * 32, 4), None);
+        assert_eq!(judge(32, 12 * 32, 1), None);
+        assert_eq!(judge(40, 6 * 40, 4), None);
     }
 }

@@ -261,12 +261,10 @@ impl Averager {
     /// too, a step whose lr is not the schedule's is warned (the rounds follow the lr passed).
     pub fn step_with_lr<M: Module>(&mut self, model: M, lr: f64) -> Result<M, OptimError> {
         let t = self.stats.steps;
-        if let (Some(per_epoch), Some(run)) = (self.epochs.at_step(t), self.config.run_steps) {
-            match epochs::judge(per_epoch, run, self.world_size()) {
-                (true, warning) => self.warn(&warning),
-                (false, note) if self.rank() == 0 => lr_watch::note(&note),
-                _ => {}
-            }
+        if let (Some(per_epoch), Some(run)) = (self.epochs.at_step(t), self.config.run_steps)
+            && let Some(w) = epochs::judge(per_epoch, run, self.world_size())
+        {
+            self.warn(&w);
         }
         self.watch_lr(t, lr)?;
         let model = self.step_rounds(model, t, lr)?;
@@ -289,7 +287,9 @@ impl Averager {
         if let Some(w) = self.lr_watch.observe(t, lr, self.config.run_steps, lr_driven) {
             self.warn(&w);
         }
+        // A loop told that its lrs left the schedule is not told again what follows from them.
         if self.config.run_steps == Some(t + 1)
+            && self.plan.as_ref().is_none_or(Plan::on_plan)
             && let Some(w) = self.lr_watch.at_end()
         {
             self.warn(&w);
@@ -594,8 +594,9 @@ impl Averager {
             None => String::new(),
         };
         let noun = if syncs == 1 { "sync" } else { "syncs" };
-        lr_watch::note(&format!("Averager: {syncs} {noun} in {steps} steps{planned}"));
-        if let Some(plan) = self.plan.as_ref().filter(|p| p.total() != syncs && steps == p.steps()) {
+        let epochs = self.epochs.of(steps);
+        lr_watch::note(&format!("Averager: {syncs} {noun} in {steps} steps{epochs}{planned}"));
+        if let Some(plan) = self.plan.as_ref().filter(|p| p.total() != syncs && steps == p.steps() && !p.warned()) {
             self.warn(&format!(
                 "{syncs} syncs made, where the schedule planned {}: the lrs passed were not the schedule's",
                 plan.total()

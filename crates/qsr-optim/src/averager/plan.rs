@@ -141,7 +141,8 @@ impl Plan {
 
     /// After a step: a warning, once, when the syncs `made` so far run ahead of the plan's.
     pub(super) fn check_syncs(&mut self, made: u64) -> Option<String> {
-        if made <= self.syncs || self.warned_ahead {
+        // Syncs off a plan the loop's lrs left (warned) follow those lrs.
+        if made <= self.syncs || self.warned_ahead || self.off_plan {
             return None;
         }
         self.warned_ahead = true;
@@ -155,6 +156,11 @@ impl Plan {
     /// Whether the loop has passed the schedule's lrs so far: the plan was judged whole at the start.
     pub(super) fn on_plan(&self) -> bool {
         !self.off_plan
+    }
+
+    /// Whether the loop was warned that its lrs or syncs left the plan.
+    pub(super) fn warned(&self) -> bool {
+        self.off_plan || self.warned_ahead
     }
 
     /// Syncs the whole run plans.
