@@ -53,7 +53,41 @@ pub(crate) fn armed() -> bool {
     SIGNAL.get().is_some()
 }
 
+/// The signals a run stops for, in the order that picks one when the ranks received different ones.
+const STOPPING: [i32; 3] = [SIGTERM, SIGINT, SIGHUP];
+
+/// `signal` as one count per [`STOPPING`] signal, for the ranks to sum at a sync.
+pub(crate) fn one_hot(signal: Option<i32>) -> [f32; 3] {
+    STOPPING.map(|s| f32::from(u8::from(signal == Some(s))))
+}
+
+/// The signal every rank stops for, from the sum of the ranks' [`one_hot`]s: the same on every rank,
+/// whichever ranks the signal reached.
+pub(crate) fn agreed(counts: &[f32; 3]) -> Option<i32> {
+    STOPPING.iter().zip(counts).find(|&(_, &count)| count > 0.0).map(|(&s, _)| s)
+}
+
 /// The signal received, if one came since the handlers were armed.
 pub(crate) fn received() -> Option<i32> {
     SIGNAL.get().map(|s| s.load(Ordering::Relaxed) as i32).filter(|s| *s != 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn summed(ranks: &[Option<i32>]) -> [f32; 3] {
+        ranks.iter().map(|&s| one_hot(s)).fold([0.0; 3], |acc, x| [acc[0] + x[0], acc[1] + x[1], acc[2] + x[2]])
+    }
+
+    /// The flaky `--nproc` SIGTERM test: rank 0 checked before the launcher's forwarded SIGTERM
+    /// reached it, saw another rank's flag, and stopped "interrupted by signal 2 (SIGINT)". The ranks
+    /// now sum which signal each received, and every rank stops for the same one.
+    #[test]
+    fn a_rank_the_forwarded_signal_has_not_reached_stops_for_the_others_signal_not_sigint() {
+        assert_eq!(agreed(&summed(&[None, Some(SIGTERM)])), Some(SIGTERM));
+        assert_eq!(agreed(&summed(&[Some(SIGHUP), None, None])), Some(SIGHUP));
+        assert_eq!(agreed(&summed(&[Some(SIGINT), Some(SIGTERM)])), Some(SIGTERM));
+        assert_eq!(agreed(&summed(&[None, None])), None);
+    }
 }

@@ -312,11 +312,10 @@ impl Segment {
             return Ok(None);
         }
         self.signal_checked = done_steps;
-        let signal = super::interrupt::received();
-        let mut any = [f32::from(u8::from(signal.is_some()))];
-        worker.comm_mut().all_reduce(&mut any, qsr_comm::ReduceOp::Sum).context("while checking for a signal")?;
-        // Every worker of this process read the same flag; a late reader still stops with the others.
-        Ok((any[0] > 0.0).then(|| signal.unwrap_or(signal_hook::consts::SIGINT)))
+        let mut seen = super::interrupt::one_hot(super::interrupt::received());
+        worker.comm_mut().all_reduce(&mut seen, qsr_comm::ReduceOp::Sum).context("while checking for a signal")?;
+        // A rank the launcher's forwarded signal has not reached yet stops for the others' signal.
+        Ok(super::interrupt::agreed(&seen))
     }
 
     /// Clears the progress bar; on rank 0 of a finished run that evaluated, writes `summary.json` and

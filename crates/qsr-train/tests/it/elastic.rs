@@ -438,8 +438,14 @@ fn a_worker_lost_before_the_first_generation_formed_fails_the_launch() {
 }
 
 /// A loopback port nothing listens on.
-fn closed_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+/// A port nothing listens on, which nothing else takes while the returned socket lives: bound and
+/// never listened on, so a connection is refused at once. A port bound and released at once was
+/// taken by another test's store, which answered "job token differs".
+fn closed_port() -> (socket2::Socket, u16) {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket.bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into()).unwrap();
+    let port = socket.local_addr().unwrap().as_socket().unwrap().port();
+    (socket, port)
 }
 
 /// Stderr lines of `child` with the seconds since `t0` each arrived, and the exit status.
@@ -452,7 +458,8 @@ fn timed_stderr(mut child: Child, t0: Instant) -> (std::process::ExitStatus, Vec
 #[test]
 fn a_worker_with_no_store_listening_says_so_at_once_and_gives_up_at_the_rendezvous_timeout() {
     let dir = tempfile::tempdir().unwrap();
-    let store = format!("127.0.0.1:{}", closed_port());
+    let (_held, port) = closed_port();
+    let store = format!("127.0.0.1:{port}");
     let t0 = Instant::now();
     let mut c = short_timeout_qsr();
     c.env("QSR_RENDEZVOUS_TIMEOUT_SECS", "4");
