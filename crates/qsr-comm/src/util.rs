@@ -24,15 +24,15 @@ pub fn notices_on_stderr(on: bool) {
     ALSO_ON_STDERR.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Says something the person running the job must see: through `tracing` when the program
-/// installed a subscriber, else (or also, after [`notices_on_stderr`]) on stderr, the rank's log,
+/// Says something the person running the job must see: through `tracing` (target `qsr`, so
+/// `RUST_LOG=qsr=warn` selects qsr's notices) when the program installed a subscriber, else (or also, after [`notices_on_stderr`]) on stderr, the rank's log,
 /// since a library can assume neither.
 pub fn notice(warning: bool, msg: &str) {
     let also = ALSO_ON_STDERR.load(std::sync::atomic::Ordering::Relaxed);
     let traced = if warning {
-        tracing::enabled!(tracing::Level::WARN).then(|| tracing::warn!("{msg}")).is_some()
+        tracing::enabled!(target: "qsr", tracing::Level::WARN).then(|| tracing::warn!(target: "qsr", "{msg}")).is_some()
     } else {
-        tracing::enabled!(tracing::Level::INFO).then(|| tracing::info!("{msg}")).is_some()
+        tracing::enabled!(target: "qsr", tracing::Level::INFO).then(|| tracing::info!(target: "qsr", "{msg}")).is_some()
     };
     if !traced || also {
         // One write: a line written in pieces can interleave with another thread's output.
