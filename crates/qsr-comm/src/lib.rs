@@ -158,8 +158,9 @@ pub fn run_workers<T: Send>(
 /// [`run_workers`] for a worker that returns a `Result`: every rank's value in rank order, or one
 /// error, the cause: that of the first rank that failed for a reason of its own rather than because
 /// another failed ([`exit_status`]), prefixed with its rank when the ranks are threads. A `main` that
-/// ends with it reports the rank that failed, whichever it was; under a launcher the one rank's
-/// error comes back as it is (so [`exit_code`] still tells a peer's failure).
+/// ends with it reports the rank that failed, whichever it was. Under a launcher the one rank's
+/// error comes back as it is, and its [`FailureRecord`] is left for the launcher (`qsr launch`), which
+/// so names the rank that failed first even when every rank's `main` exits with status 1.
 ///
 /// ```
 /// let result = qsr_comm::try_run_workers(3, |mut comm| -> anyhow::Result<usize> {
@@ -189,10 +190,12 @@ pub fn try_run_workers<T: Send, E: Into<anyhow::Error> + Send>(
         let slot = if own { &mut cause } else { &mut consequence };
         slot.get_or_insert(error);
     }
-    match cause.or(consequence) {
-        Some(error) => Err(error),
-        None => Ok(values),
-    }
+    let Some(error) = cause.or(consequence) else {
+        return Ok(values);
+    };
+    // A launched rank's `main` may exit 1 whatever the cause: its record tells the launcher.
+    record_failure(AsRef::<dyn std::error::Error + Send + Sync>::as_ref(&error));
+    Err(error)
 }
 
 /// How [`run_workers`] places ranks: `None` when a launcher started this process (it is one rank of

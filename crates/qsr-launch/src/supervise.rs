@@ -165,10 +165,10 @@ impl Drop for Records {
     }
 }
 
-/// The rank a failed worker's record at `path` blames, if it left one.
-fn blamed(path: &Path) -> Option<usize> {
+/// The failure record a worker left at `path`, if it left one.
+fn record(path: &Path) -> Option<qsr_comm::FailureRecord> {
     let bytes = qsr_files::read(path, 1 << 20, "failure record").ok()?;
-    serde_json::from_slice::<qsr_comm::FailureRecord>(&bytes).ok()?.blames
+    serde_json::from_slice(&bytes).ok()
 }
 
 impl Spawned {
@@ -215,6 +215,9 @@ struct Failure {
     seen: Instant,
     /// The rank its error blames, from its failure record.
     blames: Option<usize>,
+    /// Its failure record says it stopped only because another rank failed, whatever its exit
+    /// status (a `main` that returns its error exits 1).
+    lost_peer: bool,
 }
 
 impl Failure {
@@ -228,7 +231,7 @@ impl Failure {
         };
         match (status.signal(), status.code()) {
             (Some(_), _) => 0,
-            (_, Some(c)) if c == i32::from(EXIT_PEER_FAILED) => 2,
+            (_, Some(c)) if c == i32::from(EXIT_PEER_FAILED) || self.lost_peer => 2,
             _ => 1,
         }
     }
@@ -256,10 +259,10 @@ impl Failure {
         };
         match (status.signal(), status.code()) {
             (Some(s), _) => format!("rank {} was killed by signal {s} ({})", self.rank, signal_name(s)),
-            (_, Some(c)) if c == i32::from(EXIT_PEER_FAILED) && others_failed => {
+            (_, Some(c)) if (c == i32::from(EXIT_PEER_FAILED) || self.lost_peer) && others_failed => {
                 format!("rank {} stopped after losing a peer (exit status {c}; its error is printed above)", self.rank)
             }
-            (_, Some(c)) if c == i32::from(EXIT_PEER_FAILED) => match self.blames {
+            (_, Some(c)) if c == i32::from(EXIT_PEER_FAILED) || self.lost_peer => match self.blames {
                 Some(b) if !ranks.contains(&b) => format!(
                     "rank {} stopped after losing rank {b}, which runs on another node: that node's launcher says why rank {b} failed (exit status {c}; the error is printed above)",
                     self.rank
@@ -333,7 +336,13 @@ fn watch(ranks: Range<usize>, mut workers: Vec<Spawned>, signal: &AtomicUsize, j
         if fatal && failures.first().is_some_and(|f| f.seen.elapsed() >= window(&failures, &workers)) {
             // A stopped worker is the cause the others saw: they timed out waiting for it.
             for w in workers.iter().filter(|w| is_stopped(&w.child)) {
-                failures.push(Failure { rank: w.rank, status: None, seen: failures[0].seen, blames: None });
+                failures.push(Failure {
+                    rank: w.rank,
+                    status: None,
+                    seen: failures[0].seen,
+                    blames: None,
+                    lost_peer: false,
+                });
             }
             break;
         }
@@ -540,8 +549,10 @@ fn reap(workers: Vec<Spawned>, failures: &mut Vec<Failure>) -> Result<Vec<Spawne
         match exited {
             Some(_) if failures.iter().any(|f| f.rank == w.rank) => {}
             Some(status) if !status.success() => {
-                let blames = blamed(&w.record);
-                failures.push(Failure { rank: w.rank, status: Some(status), seen: Instant::now(), blames });
+                let record = record(&w.record);
+                let blames = record.as_ref().and_then(|r| r.blames);
+                let lost_peer = record.is_some_and(|r| r.peer_failed);
+                failures.push(Failure { rank: w.rank, status: Some(status), seen: Instant::now(), blames, lost_peer });
             }
             Some(_) => {}
             None => running.push(w),
@@ -595,7 +606,13 @@ fn stop_expelled(workers: &mut Vec<Spawned>, expelled: &[u64], failures: &mut Ve
         );
         let _ = w.child.kill();
         if let Ok(status) = w.child.wait() {
-            failures.push(Failure { rank: w.rank, status: Some(status), seen: Instant::now(), blames: None });
+            failures.push(Failure {
+                rank: w.rank,
+                status: Some(status),
+                seen: Instant::now(),
+                blames: None,
+                lost_peer: false,
+            });
         }
     }
     let killed: Vec<usize> = failures.iter().map(|f| f.rank).collect();
