@@ -15,7 +15,7 @@ use anyhow::{Context, Result, bail};
 
 use crate::{Totals, target_dir};
 
-/// The epoch after which the interrupted run stops (the examples train 5).
+/// The epoch after which the interrupted run stops (the examples train 4).
 const RESUME_AFTER: u64 = 2;
 
 /// (package, example, run as 2 ranks under `qsr launch`).

@@ -12,6 +12,8 @@ use crate::sampler::ShardedSampler;
 thread_local! {
     /// The `set_epoch` calls this thread made.
     static EPOCHS_SET: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// The loop this thread last ran through [`ShardedDataset::epochs`].
+    static LOOP: std::cell::Cell<Option<LoopEpochs>> = const { std::cell::Cell::new(None) };
 }
 
 /// How many times this thread called [`ShardedDataset::set_epoch`]: where the epochs of the loop
@@ -19,6 +21,22 @@ thread_local! {
 /// epoch's steps against the steps its schedule was given.
 pub fn epochs_set_on_this_thread() -> u64 {
     EPOCHS_SET.with(std::cell::Cell::get)
+}
+
+/// The epochs of a loop over [`ShardedDataset::epochs`], as the thread that runs it last saw them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoopEpochs {
+    /// The epochs the loop runs in all: the end of its range (`start..epochs`).
+    pub epochs: u64,
+    /// [`epochs_set_on_this_thread`] before its latest epoch began: a reader that began counting
+    /// later than this sees another loop's.
+    pub set_before: u64,
+}
+
+/// The loop this thread runs (or ran last) through [`ShardedDataset::epochs`], if any: how
+/// qsr-optim's `Averager` knows the epochs the loop takes, to check the steps its schedule was given.
+pub fn loop_epochs_on_this_thread() -> Option<LoopEpochs> {
+    LOOP.with(std::cell::Cell::get)
 }
 
 /// Rank `rank`'s shard of a burn dataset, reshuffled every epoch as `qsr train` reshuffles its data.
@@ -29,9 +47,10 @@ pub fn epochs_set_on_this_thread() -> u64 {
 /// contiguous slice per rank would hand each rank a few classes of class-ordered data; strides over a
 /// permutation do not.
 ///
-/// Call [`set_epoch`](Self::set_epoch) before each epoch (as with torch's
-/// `DistributedSampler.set_epoch`); a burn `DataLoader` built once over an `Arc` of the shard, before
-/// the epoch loop, sees the new order. The shard already holds the epoch's order, a function of (seed,
+/// Loop over [`epochs`](Self::epochs) (`for epoch in shard.epochs(start..EPOCHS)`), which calls
+/// [`set_epoch`](Self::set_epoch) before each epoch (as with torch's `DistributedSampler.set_epoch`)
+/// and tells an `Averager` the loop's length; a burn `DataLoader` built once over an `Arc` of the
+/// shard, before the epoch loop, sees the new order. The shard already holds the epoch's order, a function of (seed,
 /// epoch): build the loader without `.shuffle(..)`, whose generator restarts with the process (a
 /// resumed run would see another order; on top of the shard it also leaves the trainer's order). The
 /// dataset's length is read once, at construction: the dataset must not change length afterwards.
@@ -120,6 +139,28 @@ impl<D> ShardedDataset<D> {
         self.epochs_set.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// The loop's epochs `range` (`start..epochs`; `start` after a resume): before yielding each
+    /// epoch the shard switches to its order ([`set_epoch`](Self::set_epoch)), and an `Averager`
+    /// stepped on this thread learns that the loop runs `range.end` epochs, so after the first it
+    /// checks the steps its schedule was given against them.
+    ///
+    /// ```
+    /// use burn::data::dataset::{Dataset, InMemDataset};
+    /// let shard = qsr_data::ShardedDataset::new(InMemDataset::new((0..10).collect::<Vec<u32>>()), 0, 2, 7).unwrap();
+    /// for epoch in shard.epochs(1..3) {
+    ///     assert_eq!(shard.epoch(), epoch); // this epoch's order
+    ///     assert_eq!(shard.iter().count(), 5);
+    /// }
+    /// assert_eq!(qsr_data::loop_epochs_on_this_thread().map(|l| l.epochs), Some(3));
+    /// ```
+    pub fn epochs(&self, range: std::ops::Range<u64>) -> impl Iterator<Item = u64> + '_ {
+        let epochs = range.end;
+        range.inspect(move |&epoch| {
+            LOOP.with(|l| l.set(Some(LoopEpochs { epochs, set_before: epochs_set_on_this_thread() })));
+            self.set_epoch(epoch);
+        })
+    }
+
     /// Notes the read of `index`; the first read out of its thread's order in a shard serving a second
     /// epoch warns, once: a loader built once with `.shuffle(seed)` draws each epoch's order from a
     /// generator that restarts with the process, so a resumed run reads another order than the run it
@@ -204,12 +245,14 @@ impl<D: Dataset<I>, I> Dataset<I> for ShardedDataset<D> {
     }
 }
 
-/// A warning through `tracing` when a subscriber is set, else on stderr.
+/// A warning through `tracing` (target `qsr`, as qsr-comm's notices) when a subscriber is set, else
+/// on stderr, in one write.
 fn warn(message: &str) {
     if tracing::dispatcher::has_been_set() {
-        tracing::warn!("{message}");
+        tracing::warn!(target: "qsr", "{message}");
     } else {
-        eprintln!("warning: {message}");
+        let line = format!("qsr: warning: {message}\n");
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
     }
 }
 

@@ -42,7 +42,7 @@ mod sampler;
 mod text;
 
 pub use augment::{Crop, Normalize, SampleKey, Transform, random_resized_crop_params, resample, resize_shorter};
-pub use burn_shard::{ShardedDataset, epochs_set_on_this_thread};
+pub use burn_shard::{LoopEpochs, ShardedDataset, epochs_set_on_this_thread, loop_epochs_on_this_thread};
 pub use cifar::{Cifar100Label, cifar10, cifar100, cifar100_with, read_cifar_files};
 pub use dataset::{Dataset, DatasetInfo, Image, ImageSet, Split, Spread};
 #[cfg(feature = "gzip")]

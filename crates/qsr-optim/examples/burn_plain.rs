@@ -1,6 +1,6 @@
 //! A plain burn training program, with no qsr in it: an MLP, burn's AdamW and cosine lr scheduler, a
 //! DataLoader over a class-ordered dataset, saving after each epoch and resuming from its latest save.
-//! `burn_qsr.rs` is the same program with QSR added; CI checks that the two differ by at most 14 lines
+//! `burn_qsr.rs` is the same program with QSR added; CI checks that the two differ by at most 15 lines
 //! removed and added, 12 with `Cargo.toml` without the lines for resuming (the tidy step of `cargo xtask ci`).
 //!
 //! ```sh
@@ -26,7 +26,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 
 const SEED: u64 = 42;
-const EPOCHS: u64 = 5;
+const EPOCHS: u64 = 4;
 const BATCH: usize = 32;
 
 #[derive(Module, Debug)]

@@ -27,7 +27,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 
 const SEED: u64 = 42;
-const EPOCHS: u64 = 5;
+const EPOCHS: u64 = 4;
 const BATCH: usize = 32;
 
 #[derive(Module, Debug)]
@@ -162,8 +162,7 @@ fn train(comm: Box<dyn qsr_optim::comm::Collective>) -> anyhow::Result<f64> {
     // One loader, without `.shuffle`: its generator would restart with the process, and a resumed run see another order.
     let loader = DataLoaderBuilder::new(PointBatcher).batch_size(BATCH).build(Arc::clone(&train));
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
-    for epoch in start..EPOCHS {
-        train.set_epoch(epoch); // QSR: this epoch's shard, reshuffled from (seed, epoch)
+    for epoch in train.epochs(start..EPOCHS) {
         for batch in loader.iter() {
             let (x, y) = batch?;
             let lr = sched.step();

@@ -4,6 +4,8 @@
 /// Where the loop's epochs begin, from the `set_epoch` calls of the thread that steps the averager.
 #[derive(Debug)]
 pub(super) struct Epochs {
+    /// `qsr_data::epochs_set_on_this_thread()` when the averager was built: later loops are its.
+    start: u64,
     /// `qsr_data::epochs_set_on_this_thread()` when last read.
     marks: u64,
     /// The step the current epoch began at, once a mark was seen.
@@ -15,7 +17,14 @@ pub(super) struct Epochs {
 impl Epochs {
     /// Marks from now on count: `set_epoch` calls made before the averager existed do not.
     pub(super) fn new() -> Self {
-        Self { marks: qsr_data::epochs_set_on_this_thread(), began: None, measured: None }
+        let marks = qsr_data::epochs_set_on_this_thread();
+        Self { start: marks, marks, began: None, measured: None }
+    }
+
+    /// The epochs the loop runs, when it goes through `ShardedDataset::epochs` since the averager
+    /// was built.
+    pub(super) fn of_loop(&self) -> Option<u64> {
+        qsr_data::loop_epochs_on_this_thread().filter(|l| l.set_before >= self.start).map(|l| l.epochs)
     }
 
     /// Before step `t`: the steps of the first whole epoch, once, when a new epoch begins at `t`.
@@ -37,14 +46,14 @@ impl Epochs {
     /// " (12 epochs of 32 steps)": `steps` counted in the measured epochs, for the run's last line.
     pub(super) fn of(&self, steps: u64) -> String {
         match self.measured {
-            Some(per_epoch) => format!(" ({} epochs of {per_epoch} steps)", epochs(steps, per_epoch)),
+            Some(per_epoch) => format!(" ({} epochs of {per_epoch} steps)", epochs_of(steps, per_epoch)),
             None => String::new(),
         }
     }
 }
 
 /// `steps` in epochs of `per_epoch` (at least 1): "12", or "46.88" when not whole.
-fn epochs(steps: u64, per_epoch: u64) -> String {
+fn epochs_of(steps: u64, per_epoch: u64) -> String {
     if steps.is_multiple_of(per_epoch) {
         (steps / per_epoch).to_string()
     } else {
@@ -53,63 +62,84 @@ fn epochs(steps: u64, per_epoch: u64) -> String {
 }
 
 /// Rank 0's warning, if any, of a first epoch of `per_epoch` steps (at least 1) in a run of `run`
-/// steps over `k` ranks. Steps counted from the whole dataset rather than this rank's shard are `k`
-/// times too many: no whole number of epochs when the dataset does not split evenly, else a multiple
-/// of `k` epochs, which a loop of that many epochs would also make (the warning names both readings).
-pub(super) fn judge(per_epoch: u64, run: u64, k: usize) -> Option<String> {
-    let made = epochs(run, per_epoch);
-    if !run.is_multiple_of(per_epoch) {
-        let cause = match k {
-            1 => "steps counted from another dataset than the loop reads, say".to_owned(),
-            k => format!(
-                "steps counted from the whole dataset rather than this rank's shard are about {k} times too many"
-            ),
-        };
-        return Some(format!(
-            "an epoch of this rank's shard took {per_epoch} steps, and the {run} steps given to \
-             `AveragerConfig::schedule` make {made} of them, not a whole number: if the loop runs whole \
-             epochs, give the scheduler and the schedule the epochs times {per_epoch} ({cause})"
-        ));
-    }
+/// steps over `k` ranks, whose loop runs `loop_epochs` epochs when it said so
+/// (`ShardedDataset::epochs`): steps other than those epochs' (counted from the whole dataset, `k`
+/// times too many, say). Without them, steps that make no whole number of epochs; a whole dataset
+/// that splits evenly makes a whole number, which only the loop's epochs tell apart from a run of
+/// that many.
+pub(super) fn judge(per_epoch: u64, run: u64, k: usize, loop_epochs: Option<u64>) -> Option<String> {
     let k = k as u64;
-    let whole = run / per_epoch;
-    (k > 1 && whole.is_multiple_of(k)).then(|| {
-        let loop_epochs = whole / k;
-        let noun = if loop_epochs == 1 { "epoch" } else { "epochs" };
-        format!(
-            "the {run} steps given to `AveragerConfig::schedule` make {whole} epochs of this rank's shard ({per_epoch} \
-             steps each): if the loop runs {loop_epochs} {noun}, they were counted from the whole dataset of all {k} \
-             ranks, and the lr will end the loop high; give the scheduler and the schedule {loop_epochs} x \
-             {per_epoch} = {} steps (a loop of {whole} epochs is right as it is)",
-            run / k
-        )
-    })
+    let given = format!("the {run} steps the schedule was given (`AveragerConfig::schedule`, or `run_steps`)");
+    if let Some(epochs) = loop_epochs {
+        let steps = epochs.saturating_mul(per_epoch);
+        let cause = if k > 1 && run == steps.saturating_mul(k) {
+            format!(
+                ", {k} times as many: steps counted from the whole dataset of all {k} ranks rather than this rank's shard"
+            )
+        } else {
+            String::new()
+        };
+        return (run != steps).then(|| {
+            format!(
+                "the loop runs {epochs} epochs of {per_epoch} steps (this rank's shard), {steps} steps, but {given}                  make {} epochs{cause}; give the scheduler and the schedule {steps}",
+                epochs_of(run, per_epoch)
+            )
+        });
+    }
+    if run.is_multiple_of(per_epoch) {
+        return None;
+    }
+    let cause = match k {
+        1 => "steps counted from another dataset than the loop reads, say".to_owned(),
+        k => format!("steps counted from the whole dataset rather than this rank's shard are about {k} times too many"),
+    };
+    Some(format!(
+        "an epoch of this rank's shard took {per_epoch} steps, and {given} make {} of them, not a whole number: if \
+         the loop runs whole epochs, give the scheduler and the schedule the epochs times {per_epoch} ({cause})",
+        epochs_of(run, per_epoch)
+    ))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::judge;
+    use super::{Epochs, judge};
 
-    /// The trial: a whole dataset that splits evenly (40 steps an epoch, 1920 = 4 x 12 x 40) makes a
-    /// multiple of the ranks' count of epochs: warned with both readings. One that does not split
-    /// (32 an epoch, 1500 steps) is warned as no whole number.
+    /// A loop over `ShardedDataset::epochs` that ran on this thread before the averager was built
+    /// (an earlier run's) is not its loop; one that runs after is.
     #[test]
-    fn steps_counted_from_a_whole_dataset_are_warned_whether_or_not_it_splits_evenly() {
-        let text = judge(40, 1920, 4).expect("an evenly split whole dataset is warned");
-        assert!(
-            text.contains("make 48 epochs of this rank's shard (40 steps each): if the loop runs 12 epochs")
-                && text.contains("12 x 40 = 480 steps"),
-            "{text}"
-        );
-        let text = judge(32, 1500, 4).expect("no whole number of epochs is warned");
-        assert!(text.contains("make 46.88 of them") && text.contains("about 4 times too many"), "{text}");
+    fn only_a_loop_after_the_averager_was_built_tells_its_epochs() {
+        let items = burn::data::dataset::InMemDataset::new((0..8).collect::<Vec<u32>>());
+        let shard = qsr_data::ShardedDataset::new(items, 0, 2, 7).unwrap();
+        shard.epochs(0..5).for_each(drop);
+        let epochs = Epochs::new();
+        assert_eq!(epochs.of_loop(), None);
+        shard.epochs(0..3).next();
+        assert_eq!(epochs.of_loop(), Some(3));
     }
 
-    /// A run of whole epochs that are no multiple of the ranks, or on one rank, says nothing.
+    /// The trial: a whole dataset that splits evenly (40 steps an epoch, 1920 = 4 x 12 x 40) makes a
+    /// whole number of a shard's epochs; a loop that says it runs 12 (`ShardedDataset::epochs`) is
+    /// warned, with the factor and the steps to give. One that does not split (32 an epoch, 1500
+    /// steps) is warned as no whole number, said or not.
     #[test]
-    fn whole_epochs_that_no_whole_dataset_makes_say_nothing() {
-        assert_eq!(judge(32, 5 * 32, 4), None);
-        assert_eq!(judge(32, 12 * 32, 1), None);
-        assert_eq!(judge(40, 6 * 40, 4), None);
+    fn steps_counted_from_a_whole_dataset_are_warned_whether_or_not_it_splits_evenly() {
+        let text = judge(40, 1920, 4, Some(12)).expect("an evenly split whole dataset is warned");
+        assert!(text.contains("the loop runs 12 epochs of 40 steps (this rank's shard), 480 steps"), "{text}");
+        assert!(text.contains("make 48 epochs, 4 times as many") && text.ends_with("schedule 480"), "{text}");
+        let text = judge(32, 1500, 4, None).expect("no whole number of epochs is warned");
+        assert!(text.contains("make 46.88 of them") && text.contains("about 4 times too many"), "{text}");
+        assert!(judge(32, 1500, 4, Some(12)).is_some_and(|t| t.contains("give the scheduler and the schedule 384")));
+    }
+
+    /// The fifth trial: a correct run of 12 epochs on 2, 3 or 4 ranks was warned that its steps might
+    /// be counted from the whole dataset. Steps the loop's epochs make, or a whole number of epochs
+    /// when the loop did not say how many, say nothing.
+    #[test]
+    fn a_correct_run_of_any_number_of_epochs_is_not_warned() {
+        for k in [1, 2, 3, 4] {
+            assert_eq!(judge(32, 12 * 32, k, Some(12)), None);
+            assert_eq!(judge(32, 12 * 32, k, None), None);
+        }
+        assert_eq!(judge(40, 1920, 4, None), None, "ambiguous without the loop's epochs: a run of 48 is right");
     }
 }

@@ -262,7 +262,7 @@ impl Averager {
     pub fn step_with_lr<M: Module>(&mut self, model: M, lr: f64) -> Result<M, OptimError> {
         let t = self.stats.steps;
         if let (Some(per_epoch), Some(run)) = (self.epochs.at_step(t), self.config.run_steps)
-            && let Some(w) = epochs::judge(per_epoch, run, self.world_size())
+            && let Some(w) = epochs::judge(per_epoch, run, self.world_size(), self.epochs.of_loop())
         {
             self.warn(&w);
         }

@@ -343,9 +343,10 @@ fn a_schedule_of_no_whole_number_of_epochs_is_warned_after_the_first() {
     assert!(lines[0].contains("syncs in 12 steps (3 epochs of 4 steps), the schedule planned"), "{lines:?}");
 }
 
-/// 3 epochs of `per_epoch` steps over rank `rank`'s shard of 512 items on 4 ranks, in batches of
-/// 32 (4 steps an epoch; the whole dataset, 16), under a cosine of `steps` steps; rank 0's lines.
-fn four_ranks_loop(steps: usize) -> Vec<String> {
+/// 3 epochs over each rank's shard of 512 items on 4 ranks, in batches of 32 (4 steps an epoch; the
+/// whole dataset, 16), under a cosine of `steps` steps, the epochs from `ShardedDataset::epochs`
+/// when `said`, else from `set_epoch`; rank 0's lines.
+fn four_ranks_loop(steps: usize, said: bool) -> Vec<String> {
     let lines = qsr_comm::run_threads(4, |comm| {
         let items = burn::data::dataset::InMemDataset::new((0..512).collect::<Vec<i64>>());
         let shard = qsr_optim::ShardedDataset::new(items, comm.rank(), 4, 7).unwrap();
@@ -354,8 +355,11 @@ fn four_ranks_loop(steps: usize) -> Vec<String> {
             let mut model = Mlp::new(&Device::flex(), 4, 1);
             let config = AveragerConfig::qsr(2, 0.01).schedule(&cosine(0.05, steps), steps);
             let mut avg = Averager::new(&mut model, config, Box::new(comm)).unwrap();
-            for epoch in 0..3 {
-                shard.set_epoch(epoch);
+            let epochs: Box<dyn Iterator<Item = u64>> = match said {
+                true => Box::new(shard.epochs(0..3)),
+                false => Box::new((0..3).inspect(|&epoch| shard.set_epoch(epoch))),
+            };
+            for _ in epochs {
                 for _ in 0..burn::data::dataset::Dataset::len(&shard).div_ceil(32) {
                     model = avg.step(model).unwrap();
                 }
@@ -372,25 +376,32 @@ fn four_ranks_loop(steps: usize) -> Vec<String> {
     lines.into_iter().next().unwrap()
 }
 
-/// Issue 57 (the fourth trial): a whole dataset that splits evenly over the ranks makes a whole
-/// number of epochs of a shard, `k` times too many, and was only noted. Rank 0 warns after the first
-/// epoch, naming the loop length that reading fits and the steps to give; counted from the shard,
-/// the same loop says nothing until its last step.
+/// Issue 57 (the fourth and fifth trials): a whole dataset that splits evenly over the ranks makes a
+/// whole number of epochs of a shard, `k` times too many, and was only noted; then warned as a
+/// multiple of `k`, which warned correct runs of 12 epochs on 4 ranks too. A loop over
+/// `ShardedDataset::epochs` says how many it runs: rank 0 warns after the first, naming the factor
+/// and the steps to give. Counted from the shard, or with the epochs unsaid, nothing until the end.
 #[test]
 fn steps_counted_from_an_evenly_split_whole_dataset_are_warned_after_the_first_epoch() {
     let of_epochs = |lines: &[String]| -> Vec<String> {
-        warnings(lines).into_iter().filter(|w| w.contains("epochs of this rank's shard")).cloned().collect()
+        warnings(lines).into_iter().filter(|w| w.contains("epochs of 4 steps")).cloned().collect()
     };
-    let lines = four_ranks_loop(3 * 16);
+    let lines = four_ranks_loop(3 * 16, true);
     let warned = of_epochs(&lines);
     assert_eq!(warned.len(), 1, "{lines:?}");
     assert!(
-        warned[0].contains("make 12 epochs of this rank's shard (4 steps each): if the loop runs 3 epochs")
-            && warned[0].contains("3 x 4 = 12 steps"),
+        warned[0].contains("the loop runs 3 epochs of 4 steps (this rank's shard), 12 steps")
+            && warned[0].contains("make 12 epochs, 4 times as many")
+            && warned[0].ends_with("give the scheduler and the schedule 12"),
         "{lines:?}"
     );
     // Over 12 steps alpha 0.01 lengthens few rounds, a warning of its own: only the epochs matter here.
-    let lines = four_ranks_loop(3 * 4);
-    assert!(of_epochs(&lines).is_empty(), "{lines:?}");
-    assert!(lines.iter().any(|l| l.contains("in 12 steps (3 epochs of 4 steps)")), "{lines:?}");
+    for said in [true, false] {
+        let lines = four_ranks_loop(3 * 4, said);
+        assert!(of_epochs(&lines).is_empty(), "{lines:?}");
+        assert!(lines.iter().any(|l| l.contains("in 12 steps (3 epochs of 4 steps)")), "{lines:?}");
+    }
+    // Without the loop's epochs a whole number of them is ambiguous (a run of 12 epochs is right).
+    let lines = four_ranks_loop(3 * 16, false);
+    assert!(!warnings(&lines).iter().any(|w| w.contains("epochs of 4 steps") && w.contains("times as many")));
 }
