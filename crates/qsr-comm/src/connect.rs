@@ -4,8 +4,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::shm::{self, ShmConfig};
 use crate::util::all_gather_bytes;
-use crate::util::notice;
 use crate::{Collective, CommError, LaunchEnv, TcpComm, TcpConfig};
+use qsr_notice::notice;
 
 /// How the ranks of a launch reach each other (`QSR_TRANSPORT`: `auto`, `tcp` or `shm`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

@@ -64,11 +64,12 @@ pub use inproc::{DEFAULT_TIMEOUT, InProcessComm, InProcessGroup};
 pub use launch_env::{
     DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, Explicit, LaunchEnv, Source, detect, detect_from_process_env, first_host,
 };
+pub use qsr_notice::{notice, notices_on_stderr};
 pub use shm::{ShmComm, ShmConfig};
 pub use tcp::{
     MAX_TIMEOUT_SECS, MasterListener, RingSeat, TcpComm, TcpConfig, WaitProgress, random_token, resolve, seconds,
 };
-pub use util::{MAX_BROADCAST_BYTES, notice, notices_on_stderr};
+pub use util::MAX_BROADCAST_BYTES;
 pub(crate) use util::{bf16_round, broadcast_sized, ring_allreduce_bytes, split_range};
 pub use wire::MAX_HOST_LEN;
 

@@ -14,33 +14,6 @@ pub(crate) fn all_gather_bytes(comm: &mut dyn Collective, mine: &[u8]) -> Result
         .collect()
 }
 
-/// Whether [`notice`] also prints on stderr when a tracing subscriber takes its messages.
-static ALSO_ON_STDERR: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Makes [`notice`] print on stderr as well when a `tracing` subscriber takes its messages: for a
-/// program whose subscriber writes elsewhere than the console (burn-train's writes its experiment
-/// log, where nobody watching the run reads a warning). For the whole process.
-pub fn notices_on_stderr(on: bool) {
-    ALSO_ON_STDERR.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Says something the person running the job must see: through `tracing` (target `qsr`, so
-/// `RUST_LOG=qsr=warn` selects qsr's notices) when the program installed a subscriber, else (or also, after [`notices_on_stderr`]) on stderr, the rank's log,
-/// since a library can assume neither.
-pub fn notice(warning: bool, msg: &str) {
-    let also = ALSO_ON_STDERR.load(std::sync::atomic::Ordering::Relaxed);
-    let traced = if warning {
-        tracing::enabled!(target: "qsr", tracing::Level::WARN).then(|| tracing::warn!(target: "qsr", "{msg}")).is_some()
-    } else {
-        tracing::enabled!(target: "qsr", tracing::Level::INFO).then(|| tracing::info!(target: "qsr", "{msg}")).is_some()
-    };
-    if !traced || also {
-        // One write: a line written in pieces can interleave with another thread's output.
-        let line = format!("qsr: {}{msg}\n", if warning { "warning: " } else { "" });
-        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
-    }
-}
-
 /// The bytes of `f`, to send or receive in place (the TCP ring and shared memory alike).
 pub(crate) fn f32_bytes_mut(f: &mut [f32]) -> &mut [u8] {
     // SAFETY: f32 has no padding and every bit pattern is a valid f32 and a valid [u8; 4]; the

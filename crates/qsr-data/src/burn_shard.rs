@@ -202,7 +202,7 @@ impl<D> ShardedDataset<D> {
         if self.reads.fetch_add(1, Ordering::Relaxed) == len && !self.warned.swap(true, Ordering::Relaxed) {
             let ((rank, k), epoch) = (self.member, self.epoch());
             let message = format!(
-                "ShardedDataset (rank {rank} of {k}): epoch {epoch}'s shard of {len} items is read a second time without `set_epoch`; call `set_epoch(epoch)` before each epoch, or every epoch repeats this order (a second pass on purpose, such as an evaluation on training data, is fine)"
+                "ShardedDataset (rank {rank} of {k}): epoch {epoch}'s shard of {len} items is read a second time without `set_epoch`; loop over `epochs(start..EPOCHS)` (or call `set_epoch(epoch)` before each epoch), or every epoch repeats this order (a second pass on purpose, such as an evaluation on training data, is fine)"
             );
             // Every rank runs the same loop: rank 0 says it for all.
             if rank == 0 {
@@ -245,15 +245,9 @@ impl<D: Dataset<I>, I> Dataset<I> for ShardedDataset<D> {
     }
 }
 
-/// A warning through `tracing` (target `qsr`, as qsr-comm's notices) when a subscriber is set, else
-/// on stderr, in one write.
+/// A warning to the person running the job, as qsr's other crates give theirs.
 fn warn(message: &str) {
-    if tracing::dispatcher::has_been_set() {
-        tracing::warn!(target: "qsr", "{message}");
-    } else {
-        let line = format!("qsr: warning: {message}\n");
-        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
-    }
+    qsr_notice::notice(true, message);
 }
 
 #[cfg(test)]

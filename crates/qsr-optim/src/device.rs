@@ -399,7 +399,7 @@ fn average_deposits(deposits: Vec<Vec<Tensor<1>>>) -> Result<(Vec<Vec<Tensor<1>>
 fn warn_unfit_once(why: &str) {
     static WARNED: std::sync::Once = std::sync::Once::new();
     WARNED.call_once(|| {
-        tracing::warn!("device averages run as burn operations, not qsr's fused kernel: {why}");
+        qsr_comm::notice(true, &format!("device averages run as burn operations, not qsr's fused kernel: {why}"));
     });
 }
 

@@ -776,7 +776,7 @@ pub(crate) fn join(boot: &mut dyn Collective, groups: &[Vec<usize>], cfg: ShmCon
     let mut map = mapped?;
     if let Err(e) = map.unlink() {
         // The group works; only the file outlives us until the next start sweeps it.
-        crate::util::notice(true, &e.to_string());
+        qsr_notice::notice(true, &e.to_string());
     }
     if let Some(r) = failed.iter().position(|&f| f != 0.0) {
         return Err(CommError::InvalidArgument(format!(
@@ -815,7 +815,7 @@ fn share_mapping(
     let made = creator.then(|| {
         let swept = mapping::sweep(&cfg.dir);
         if !swept.is_empty() {
-            crate::util::notice(false, &format!("removed shared-memory files of dead jobs: {}", swept.join(", ")));
+            qsr_notice::notice(false, &format!("removed shared-memory files of dead jobs: {}", swept.join(", ")));
         }
         Mapping::create(&cfg.dir, n, cfg.slot_bytes)
     });

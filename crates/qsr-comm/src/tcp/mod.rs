@@ -406,7 +406,7 @@ impl TcpComm {
             ));
         }
         if let Some(w) = open_job_warning(env, &cfg) {
-            crate::util::notice(true, &w);
+            qsr_notice::notice(true, &w);
         }
         let host =
             if env.master_addr.contains(':') { format!("[{}]", env.master_addr) } else { env.master_addr.clone() };

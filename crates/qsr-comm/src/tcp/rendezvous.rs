@@ -89,7 +89,7 @@ impl WaitProgress {
         let sep = if detail.is_empty() { "" } else { ": " };
         let spent = secs(now - self.start);
         let of = self.total.map_or(String::new(), |t| format!(" of {}", secs(t)));
-        crate::util::notice(false, &format!("{what} ({spent}{of}){sep}{detail}"));
+        qsr_notice::notice(false, &format!("{what} ({spent}{of}){sep}{detail}"));
     }
 }
 
