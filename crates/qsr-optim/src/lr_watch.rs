@@ -82,6 +82,12 @@ impl LrWatch {
         ))
     }
 
+    /// The loop was told its steps differ from `run_steps` (after its first epoch): a step past
+    /// them is not warned again.
+    pub(crate) fn past_told(&mut self) {
+        self.warned_past = true;
+    }
+
     /// The run's end (its last step, or `finish`): the lr's course as a whole, once.
     pub(crate) fn at_end(&mut self) -> Option<String> {
         if std::mem::replace(&mut self.ended, true) {

@@ -52,6 +52,19 @@ impl Epochs {
     }
 }
 
+/// What `run` steps, where the loop takes `steps`, say of their count over `k` ranks: ", 4 times as
+/// many: ..." when they are (about) `k` times as many, what counting the whole dataset gives.
+fn times_the_shard(run: u64, steps: u64, k: u64) -> String {
+    let ratio = run as f64 / steps.max(1) as f64;
+    if k < 2 || (ratio / k as f64 - 1.0).abs() > 0.1 {
+        return String::new();
+    }
+    let about = if run == steps.saturating_mul(k) { "" } else { "about " };
+    format!(
+        ", {about}{k} times as many: steps counted from the whole dataset of all {k} ranks rather than this rank's shard"
+    )
+}
+
 /// `steps` in epochs of `per_epoch` (at least 1): "12", or "46.88" when not whole.
 fn epochs_of(steps: u64, per_epoch: u64) -> String {
     if steps.is_multiple_of(per_epoch) {
@@ -72,17 +85,12 @@ pub(super) fn judge(per_epoch: u64, run: u64, k: usize, loop_epochs: Option<u64>
     let given = format!("the {run} steps the schedule was given (`AveragerConfig::schedule`, or `run_steps`)");
     if let Some(epochs) = loop_epochs {
         let steps = epochs.saturating_mul(per_epoch);
-        let cause = if k > 1 && run == steps.saturating_mul(k) {
-            format!(
-                ", {k} times as many: steps counted from the whole dataset of all {k} ranks rather than this rank's shard"
-            )
-        } else {
-            String::new()
-        };
         return (run != steps).then(|| {
             format!(
-                "the loop runs {epochs} epochs of {per_epoch} steps (this rank's shard), {steps} steps, but {given}                  make {} epochs{cause}; give the scheduler and the schedule {steps}",
-                epochs_of(run, per_epoch)
+                "the loop runs {epochs} epochs of {per_epoch} steps (this rank's shard), {steps} steps, but {given} \
+                 make {} epochs{}; give the scheduler and the schedule {steps}",
+                epochs_of(run, per_epoch),
+                times_the_shard(run, steps, k)
             )
         });
     }
@@ -124,11 +132,16 @@ mod tests {
     #[test]
     fn steps_counted_from_a_whole_dataset_are_warned_whether_or_not_it_splits_evenly() {
         let text = judge(40, 1920, 4, Some(12)).expect("an evenly split whole dataset is warned");
+        assert!(!text.contains("  "), "the sixth trial saw a run of spaces: {text}");
         assert!(text.contains("the loop runs 12 epochs of 40 steps (this rank's shard), 480 steps"), "{text}");
         assert!(text.contains("make 48 epochs, 4 times as many") && text.ends_with("schedule 480"), "{text}");
         let text = judge(32, 1500, 4, None).expect("no whole number of epochs is warned");
         assert!(text.contains("make 46.88 of them") && text.contains("about 4 times too many"), "{text}");
-        assert!(judge(32, 1500, 4, Some(12)).is_some_and(|t| t.contains("give the scheduler and the schedule 384")));
+        let text = judge(32, 1500, 4, Some(12)).expect("said or not");
+        assert!(text.contains("about 4 times as many: steps counted from the whole dataset") && !text.contains("  "));
+        assert!(text.ends_with("give the scheduler and the schedule 384"), "{text}");
+        let text = judge(32, 320, 4, Some(12)).expect("10 epochs' steps for a loop of 12");
+        assert!(!text.contains("times as many") && text.contains("make 10 epochs"), "{text}");
     }
 
     /// The fifth trial: a correct run of 12 epochs on 2, 3 or 4 ranks was warned that its steps might

@@ -265,10 +265,12 @@ impl Averager {
             && let Some(w) = epochs::judge(per_epoch, run, self.world_size(), self.epochs.of_loop())
         {
             self.warn(&w);
+            // The loop was told its steps differ: a step past them is not warned again.
+            self.lr_watch.past_told();
         }
         self.watch_lr(t, lr)?;
         let model = self.step_rounds(model, t, lr)?;
-        if let Some(w) = self.plan.as_mut().and_then(|plan| plan.check_syncs(self.stats.syncs)) {
+        if let Some(w) = self.plan.as_mut().and_then(|plan| plan.check_syncs(self.stats.syncs, self.stats.steps)) {
             self.warn(&w);
         }
         if self.config.run_steps == Some(self.stats.steps) {

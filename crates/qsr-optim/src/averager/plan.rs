@@ -130,6 +130,7 @@ impl Plan {
             return Ok(None);
         }
         self.off_plan = true;
+        let (lr, planned) = told_apart(lr, planned);
         Ok(Some(format!(
             "step {} passed lr {lr}, but the schedule given to `AveragerConfig::schedule` has {planned} there: the \
              rounds follow the lr passed, so they leave the plan of {} syncs; pass each step the lr your scheduler \
@@ -139,10 +140,11 @@ impl Plan {
         )))
     }
 
-    /// After a step: a warning, once, when the syncs `made` so far run ahead of the plan's.
-    pub(super) fn check_syncs(&mut self, made: u64) -> Option<String> {
-        // Syncs off a plan the loop's lrs left (warned) follow those lrs.
-        if made <= self.syncs || self.warned_ahead || self.off_plan {
+    /// After `done` steps: a warning, once, when the syncs `made` so far run ahead of the plan's.
+    /// Syncs off a plan the loop's lrs left (warned) follow those lrs, and past the schedule's
+    /// steps every step averages (warned as a step past `run_steps`).
+    pub(super) fn check_syncs(&mut self, made: u64, done: u64) -> Option<String> {
+        if made <= self.syncs || self.warned_ahead || self.off_plan || done > self.steps {
             return None;
         }
         self.warned_ahead = true;
@@ -203,9 +205,32 @@ fn few_longer_rounds(config: &AveragerConfig, planned: u64, steps: u64) -> Optio
     ))
 }
 
+/// `a` and `b` with the fewest significant digits, at least 3, that tell them apart: the trial's
+/// warning compared "lr 0.05" with "0.04999916334793503".
+fn told_apart(a: f64, b: f64) -> (String, String) {
+    let digits =
+        |x: f64, d: usize| format!("{x:.*e}", d - 1).parse::<f64>().map_or_else(|_| x.to_string(), |r| r.to_string());
+    (3..=17)
+        .map(|d| (digits(a, d), digits(b, d)))
+        .find(|(x, y)| x != y)
+        .unwrap_or_else(|| (a.to_string(), b.to_string()))
+}
+
 fn schedule_error(e: OptimError) -> OptimError {
     match e {
         OptimError::Config { reason, .. } => OptimError::Config { field: "schedule".into(), reason },
         other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::told_apart;
+
+    #[test]
+    fn an_lr_off_the_schedule_is_printed_with_the_digits_that_tell_it_apart() {
+        assert_eq!(told_apart(0.05, 0.04999916334793503), ("0.05".into(), "0.049999".into()));
+        assert_eq!(told_apart(0.1, 0.2), ("0.1".into(), "0.2".into()));
+        assert_eq!(told_apart(1e-3, 1.5e-3), ("0.001".into(), "0.0015".into()));
     }
 }

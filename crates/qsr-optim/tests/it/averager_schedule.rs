@@ -405,3 +405,16 @@ fn steps_counted_from_an_evenly_split_whole_dataset_are_warned_after_the_first_e
     let lines = four_ranks_loop(3 * 16, false);
     assert!(!warnings(&lines).iter().any(|w| w.contains("epochs of 4 steps") && w.contains("times as many")));
 }
+
+/// The sixth trial: steps for 2 epochs given to a loop of 3 were warned after the first epoch, and
+/// then again as a step past `run_steps` and as syncs that run ahead of the plan, each blaming
+/// another cause. The first warning says it all.
+#[test]
+fn steps_for_fewer_epochs_than_the_loop_runs_are_warned_once() {
+    let lines = four_ranks_loop(2 * 4, true);
+    let warned = warnings(&lines);
+    let epochs: Vec<_> = warned.iter().filter(|w| w.contains("the loop runs 3 epochs of 4 steps")).collect();
+    assert_eq!(epochs.len(), 1, "{lines:?}");
+    assert!(epochs[0].contains("make 2 epochs; give the scheduler and the schedule 12"), "{lines:?}");
+    assert!(!warned.iter().any(|w| w.contains("past `run_steps`") || w.contains("run ahead")), "{lines:?}");
+}
