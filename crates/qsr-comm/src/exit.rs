@@ -4,7 +4,7 @@
 use std::error::Error;
 use std::process::ExitCode;
 
-use crate::CommError;
+use crate::{CommError, WorkerError};
 
 /// The exit status with which a rank says it stopped only because another rank failed (a peer died,
 /// stalled or aborted): launchers (`qsr launch`, `qsr train --nproc`) then name the rank that failed
@@ -22,14 +22,20 @@ pub const EXIT_PEER_FAILED: u8 = 3;
 /// assert_eq!(exit_status(&CommError::InvalidArgument("root 9".into())), 1);
 /// ```
 pub fn exit_status(error: &(dyn Error + 'static)) -> u8 {
-    let mut next = Some(error);
-    while let Some(e) = next {
-        if e.downcast_ref::<CommError>().is_some_and(CommError::peer_failed) {
-            return EXIT_PEER_FAILED;
-        }
-        next = e.source();
+    if links(error).any(|e| e.downcast_ref::<CommError>().is_some_and(CommError::peer_failed)) {
+        EXIT_PEER_FAILED
+    } else {
+        1
     }
-    1
+}
+
+/// `error` and its causes, a [`WorkerError`]'s (which prints its worker's causes on its one line)
+/// through its worker's error.
+fn links<'a>(error: &'a (dyn Error + 'static)) -> impl Iterator<Item = &'a (dyn Error + 'static)> {
+    std::iter::successors(Some(error), |&e| match e.downcast_ref::<WorkerError>() {
+        Some(w) => Some(AsRef::<dyn Error + Send + Sync>::as_ref(w.error())),
+        None => e.source(),
+    })
 }
 
 /// The environment variable in which a launcher (`qsr launch`, `qsr train --nproc`) names the file
@@ -51,12 +57,7 @@ pub struct FailureRecord {
 impl FailureRecord {
     /// The record of a rank that ends with `error`.
     pub fn of(error: &(dyn Error + 'static)) -> Self {
-        let mut next = Some(error);
-        let mut blames = None;
-        while let Some(e) = next {
-            blames = blames.or_else(|| e.downcast_ref::<CommError>().and_then(CommError::blamed_rank));
-            next = e.source();
-        }
+        let blames = links(error).find_map(|e| e.downcast_ref::<CommError>().and_then(CommError::blamed_rank));
         let peer_failed = exit_status(error) == EXIT_PEER_FAILED;
         FailureRecord { blames, peer_failed, message: chain(error) }
     }

@@ -47,6 +47,7 @@ mod status;
 mod tcp;
 mod util;
 mod wire;
+mod workers;
 
 #[cfg(feature = "mpi")]
 mod mpi_backend;
@@ -72,6 +73,7 @@ pub use tcp::{
 pub use util::MAX_BROADCAST_BYTES;
 pub(crate) use util::{bf16_round, broadcast_sized, ring_allreduce_bytes, split_range};
 pub use wire::MAX_HOST_LEN;
+pub use workers::{WorkerError, try_run_workers};
 
 #[cfg(feature = "mpi")]
 pub use mpi_backend::MpiComm;
@@ -154,49 +156,6 @@ pub fn run_workers<T: Send>(
         }
         None => Ok(vec![worker(from_env()?)]),
     }
-}
-
-/// [`run_workers`] for a worker that returns a `Result`: every rank's value in rank order, or one
-/// error, the cause: that of the first rank that failed for a reason of its own rather than because
-/// another failed ([`exit_status`]), prefixed with its rank when the ranks are threads. A `main` that
-/// ends with it reports the rank that failed, whichever it was. Under a launcher the one rank's
-/// error comes back as it is, and its [`FailureRecord`] is left for the launcher (`qsr launch`), which
-/// so names the rank that failed first even when every rank's `main` exits with status 1.
-///
-/// ```
-/// let result = qsr_comm::try_run_workers(3, |mut comm| -> anyhow::Result<usize> {
-///     anyhow::ensure!(comm.rank() != 2, "rank 2's data is missing");
-///     comm.all_reduce(&mut [1.0], qsr_comm::ReduceOp::Sum)?; // ranks 0 and 1 lose rank 2 here
-///     Ok(comm.rank())
-/// });
-/// assert_eq!(format!("{:#}", result.unwrap_err()), "rank 2 of 3: rank 2's data is missing");
-/// ```
-pub fn try_run_workers<T: Send, E: Into<anyhow::Error> + Send>(
-    threads: usize,
-    worker: impl Fn(Box<dyn Collective>) -> Result<T, E> + Sync,
-) -> anyhow::Result<Vec<T>> {
-    let results = run_workers(threads, worker)?;
-    let k = results.len();
-    let (mut values, mut cause, mut consequence) = (Vec::with_capacity(k), None, None);
-    for (rank, result) in results.into_iter().enumerate() {
-        let error = match result {
-            Ok(value) => {
-                values.push(value);
-                continue;
-            }
-            Err(e) => e.into(),
-        };
-        let own = exit_status(AsRef::<dyn std::error::Error + Send + Sync>::as_ref(&error)) != EXIT_PEER_FAILED;
-        let error = if k > 1 { error.context(format!("rank {rank} of {k}")) } else { error };
-        let slot = if own { &mut cause } else { &mut consequence };
-        slot.get_or_insert(error);
-    }
-    let Some(error) = cause.or(consequence) else {
-        return Ok(values);
-    };
-    // A launched rank's `main` may exit 1 whatever the cause: its record tells the launcher.
-    record_failure(AsRef::<dyn std::error::Error + Send + Sync>::as_ref(&error));
-    Err(error)
 }
 
 /// How [`run_workers`] places ranks: `None` when a launcher started this process (it is one rank of

@@ -110,18 +110,26 @@ fn try_run_workers_reports_the_rank_that_failed_not_rank_0s_consequence() {
         comm.barrier()?;
         Ok(comm.rank())
     });
-    let e = format!("{:#}", result.expect_err("rank 2 failed"));
-    assert_eq!(e, "rank 2 of 4: no data for rank 2");
+    let e = result.expect_err("rank 2 failed");
+    assert_eq!((e.rank(), e.lost_peer()), (Some(2), false));
+    // One line, as a `main` returning it prints it (the sixth trial: `Error: rank 2 of 4` and the
+    // cause under `Caused by:`).
+    assert_eq!(format!("{e:?}"), "rank 2 of 4: no data for rank 2");
     let ranks = qsr_comm::try_run_workers(3, |comm| Ok::<_, CommError>(comm.rank())).unwrap();
     assert_eq!(ranks, [0, 1, 2]);
     // Every rank stopped by another (none with a cause of its own): the first in rank order.
     let lost = qsr_comm::try_run_workers(2, |comm| -> Result<(), CommError> {
         Err(CommError::Broken(format!("rank {} saw the ring break", comm.rank())))
     });
+    let lost = lost.unwrap_err();
     assert_eq!(
-        format!("{:#}", lost.unwrap_err()),
-        "rank 0 of 2: communicator is broken by an earlier failure: rank 0 saw the ring break"
+        format!("{lost:?}"),
+        "rank 0 of 2: stopped because another rank failed: communicator is broken by an earlier failure: rank 0 saw \
+         the ring break"
     );
+    // What a launcher reads of it: a rank that lost a peer.
+    let lost = anyhow::Error::from(lost);
+    assert_eq!(qsr_comm::exit_status(AsRef::<dyn std::error::Error + Send + Sync>::as_ref(&lost)), 3);
 }
 
 #[test]
