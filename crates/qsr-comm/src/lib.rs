@@ -109,8 +109,15 @@ pub fn from_env() -> Result<Box<dyn Collective>, CommError> {
 pub fn run_threads<T: Send>(k: usize, worker: impl Fn(InProcessComm) -> T + Sync) -> Vec<T> {
     std::thread::scope(|s| {
         let worker = &worker;
-        let joins: Vec<_> = InProcessGroup::new(k).into_iter().map(|c| s.spawn(move || worker(c))).collect();
-        joins.into_iter().map(|j| j.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+        // Named by rank: a panic says `thread 'rank 2' panicked`.
+        let spawn = |c: InProcessComm| {
+            std::thread::Builder::new().name(format!("rank {}", c.rank())).spawn_scoped(s, move || worker(c))
+        };
+        let joins: Vec<_> = InProcessGroup::new(k).into_iter().map(spawn).collect();
+        joins
+            .into_iter()
+            .map(|j| j.expect("cannot start a worker thread").join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
     })
 }
 

@@ -132,6 +132,14 @@ fn try_run_workers_reports_the_rank_that_failed_not_rank_0s_consequence() {
     assert_eq!(qsr_comm::exit_status(AsRef::<dyn std::error::Error + Send + Sync>::as_ref(&lost)), 3);
 }
 
+/// The seventh trial: a rank that panicked as a thread said `thread '<unnamed>' panicked`. Each
+/// rank's thread is named by its rank.
+#[test]
+fn worker_threads_are_named_by_their_rank() {
+    let names = qsr_comm::run_threads(2, |_| std::thread::current().name().map(str::to_owned));
+    assert_eq!(names, [Some("rank 0".to_owned()), Some("rank 1".to_owned())]);
+}
+
 #[test]
 fn boxed_trait_object_and_invalid_root() {
     let comms: Vec<Box<dyn Collective>> =
