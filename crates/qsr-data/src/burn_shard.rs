@@ -202,7 +202,7 @@ impl<D> ShardedDataset<D> {
         if self.reads.fetch_add(1, Ordering::Relaxed) == len && !self.warned.swap(true, Ordering::Relaxed) {
             let ((rank, k), epoch) = (self.member, self.epoch());
             let message = format!(
-                "ShardedDataset (rank {rank} of {k}): epoch {epoch}'s shard of {len} items is read a second time without `set_epoch`; loop over `epochs(start..EPOCHS)` (or call `set_epoch(epoch)` before each epoch), or every epoch repeats this order (a second pass on purpose, such as an evaluation on training data, is fine)"
+                "ShardedDataset (rank {rank} of {k}): epoch {epoch}'s shard of {len} items is read a second time without `set_epoch`; loop over `shard.epochs(start..EPOCHS)` (or call `shard.set_epoch(epoch)` before each epoch), or every epoch repeats this order (a second pass on purpose, such as an evaluation on training data, is fine)"
             );
             // Every rank runs the same loop: rank 0 says it for all.
             if rank == 0 {

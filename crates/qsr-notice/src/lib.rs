@@ -3,7 +3,9 @@
 //! notice goes through `tracing` under the target `qsr` when the program's subscriber takes qsr's
 //! warnings, and on stderr, as one line (`qsr: warning: ...`), when there is no subscriber or its
 //! filter was not set for qsr (it takes errors only, as `EnvFilter` does without `RUST_LOG`).
-//! A filter that turns qsr off (`RUST_LOG=qsr=off`) silences it.
+//! A subscriber whose filter turns qsr off (`RUST_LOG=qsr=off` under `EnvFilter`) silences it;
+//! `qsr=error` does not, since a filter that takes qsr's errors but not its warnings cannot be told
+//! from one not set for qsr, and without a subscriber nothing reads `RUST_LOG`.
 //!
 //! ```
 //! qsr_notice::notice(true, "the lr never moved"); // no subscriber: `qsr: warning: the lr never moved`

@@ -56,7 +56,7 @@ impl LrWatch {
         if let Some(r) = run_steps.filter(|&r| t >= r && !self.warned_past) {
             self.warned_past = true;
             return Some(format!(
-                "step {} is past `run_steps` = {r}: the averager cut its plan there, so every later step is a round of its own and averages; set `run_steps` to the steps your loop takes, or leave it out and call `finish` after the last step",
+                "step {} is past the {r} steps the schedule was given (`AveragerConfig::schedule`, or `run_steps`): the averager cut its plan there, so every later step is a round of its own and averages; give the schedule the steps your loop takes (without a schedule, leave `run_steps` out and call `finish` after the last step)",
                 t + 1
             ));
         }
@@ -75,10 +75,12 @@ impl LrWatch {
         let (at, low) = self.low.filter(|(_, low)| lr > low + RISE * self.peak && !self.warned_rise)?;
         self.warned_rise = true;
         Some(format!(
-            "the lr rose from {low} at step {} to {lr} at step {} after decaying from its peak {}: QSR's rounds shorten again with it. A cosine scheduler sized for fewer steps than your loop takes starts over; size it for the steps this rank takes (its shard's batches times the epochs)",
+            "the lr rose from {} at step {} to {} at step {} after decaying from its peak {}: QSR's rounds shorten again with it. A cosine scheduler sized for fewer steps than your loop takes starts over; size it for the steps this rank takes (its shard's batches times the epochs)",
+            short(low),
             at + 1,
+            short(lr),
             t + 1,
-            self.peak
+            short(self.peak)
         ))
     }
 
@@ -103,21 +105,25 @@ impl LrWatch {
         (decayed && self.last > ENDED_HIGH * self.peak).then(|| {
             format!(
                 "the lr ended at {}, {:.0}% of its peak {}: a scheduler sized for more steps than your loop takes (for the whole dataset rather than this rank's shard, say) keeps the lr, and QSR's rounds, short to the end",
-                self.last,
+                short(self.last),
                 100.0 * self.last / self.peak,
-                self.peak
+                short(self.peak)
             )
         })
     }
 }
 
-/// Prints a line of information through `tracing` when a subscriber is set, else on stderr.
+/// `lr` to 4 significant digits, as a message shows it ("0.04238", not "0.042379009876311").
+pub(crate) fn short(lr: f64) -> String {
+    format!("{lr:.3e}").parse::<f64>().map_or_else(|_| lr.to_string(), |r| r.to_string())
+}
+
+/// Says a line of information to the person running the job (`qsr_comm::notice`, qsr-notice's rule).
 pub(crate) fn note(message: &str) {
     qsr_comm::notice(false, message);
 }
 
-/// Prints a warning: `qsr_comm::notice`, through `tracing` when a subscriber is set, else (or also,
-/// after `qsr_comm::notices_on_stderr`) on stderr.
+/// Says a warning to the person running the job (`qsr_comm::notice`, qsr-notice's rule).
 pub(crate) fn warn(message: &str) {
     qsr_comm::notice(true, message);
 }
@@ -147,7 +153,7 @@ mod tests {
     fn each_wrong_plan_is_warned_once_with_its_numbers() {
         let past = warnings(&cosine(8, 8), Some(4));
         assert_eq!(past.len(), 1, "{past:?}");
-        assert!(past[0].starts_with("step 5 is past `run_steps` = 4"), "{past:?}");
+        assert!(past[0].starts_with("step 5 is past the 4 steps the schedule was given"), "{past:?}");
         // One batch short per epoch: the cosine passes 0 and rises again.
         let rise = warnings(&cosine(150, 100), None);
         assert_eq!(rise.len(), 1, "{rise:?}");

@@ -54,14 +54,15 @@ impl Epochs {
 
 /// What `run` steps, where the loop takes `steps`, say of their count over `k` ranks: ", 4 times as
 /// many: ..." when they are (about) `k` times as many, what counting the whole dataset gives.
-fn times_the_shard(run: u64, steps: u64, k: u64) -> String {
+pub(super) fn times_the_shard(run: u64, steps: u64, k: u64) -> String {
     let ratio = run as f64 / steps.max(1) as f64;
     if k < 2 || (ratio / k as f64 - 1.0).abs() > 0.1 {
         return String::new();
     }
     let about = if run == steps.saturating_mul(k) { "" } else { "about " };
+    let all = if k == 2 { "both".to_owned() } else { format!("all {k}") };
     format!(
-        ", {about}{k} times as many: steps counted from the whole dataset of all {k} ranks rather than this rank's shard"
+        ", {about}{k} times as many: steps counted from the whole dataset of {all} ranks rather than this rank's shard"
     )
 }
 

@@ -152,8 +152,8 @@ pub struct Averager {
     lr_watch: LrWatch,
     /// The caller's schedule, followed beside the loop ([`AveragerConfig::schedule`]).
     plan: Option<Plan>,
-    /// The syncs made were reported (the run's last step, or `finish`).
-    reported: bool,
+    /// The step count when the syncs made were last reported (the run's last step, or `finish`).
+    reported: Option<u64>,
     /// The loop's epochs, as its `ShardedDataset::set_epoch` calls mark them.
     epochs: epochs::Epochs,
 }
@@ -200,7 +200,7 @@ impl Averager {
             abandoned: false,
             lr_watch: LrWatch::default(),
             plan: None,
-            reported: false,
+            reported: None,
             epochs: epochs::Epochs::new(),
         };
         if let Some((plan, warnings)) = planned {
@@ -579,11 +579,12 @@ impl Averager {
 
     /// Rank 0's line at the end of the run: syncs made against those planned.
     fn report_syncs(&mut self) {
-        self.reported = true;
+        self.reported = Some(self.stats.steps);
         let (steps, syncs) = (self.stats.steps, self.stats.syncs);
         if let Some(run) = self.config.run_steps.filter(|&run| steps < run) {
+            let cause = epochs::times_the_shard(run, steps, self.world_size() as u64);
             self.warn(&format!(
-                "the loop ended after {steps} of its `run_steps` = {run} steps: if it did not stop early on \
+                "the loop ended after {steps} of its `run_steps` = {run} steps{cause}: if it did not stop early on \
                  purpose, give `run_steps` (the schedule's `steps`) the steps this rank's loop takes (its shard's \
                  batches times the epochs)"
             ));
@@ -698,26 +699,20 @@ impl Drop for Averager {
         }
         let (pending, steps) = (self.unsynced_steps(), self.stats.steps);
         match self.config.run_steps {
-            Some(run) if pending == 0 && steps > 0 && steps < run && !self.reported => self.warn(&format!(
-                "dropped after step {steps} of the {run} given to `AveragerConfig::schedule` (or `run_steps`): \
-                 the loop ended before the schedule did, so its lrs (and QSR's rounds) never reached their end; \
-                 give the schedule the steps this rank's loop takes (its shard's batches times the epochs), or \
-                 call `Averager::finish(model)` (or `abandon()`) after a loop that ends early on purpose"
-            )),
-            Some(run) if pending > 0 && steps < run => self.warn(&format!(
-                "dropped after step {steps} of the {run} given to `AveragerConfig::schedule` (or `run_steps`), with \
-                 {pending} step(s) since its last synchronization: the workers' models differ; give the schedule the \
-                 steps this rank's loop takes (its shard's batches times the epochs), call `Averager::finish(model)` \
-                 after a loop that ends early, or `Averager::abandon()` for a run stopped on purpose (to resume)"
-            )),
+            Some(run) if steps > 0 && steps < run && (pending > 0 || self.reported.is_none()) => {
+                let warning = self.dropped_early(run, pending);
+                self.warn(&warning);
+            }
             _ if pending > 0 => self.warn(&format!(
                 "dropped {pending} step(s) after its last synchronization: the workers' models differ; call \
                  `Averager::finish(model)` after the last step, or give the config the run's steps \
                  (`AveragerConfig::schedule`); a run stopped on purpose (after a save, to resume) calls \
                  `Averager::abandon()`"
             )),
+            // A loop that ran past its steps, every later step averaged: the count at its real end.
+            Some(run) if steps > run && self.reported != Some(steps) => self.report_syncs(),
             // A run whose end nobody marked: what `finish` would have said of it.
-            None if !self.reported && steps > 0 => {
+            None if self.reported.is_none() && steps > 0 => {
                 if let Some(w) = self.lr_watch.at_end() {
                     self.warn(&w);
                 }
@@ -725,5 +720,30 @@ impl Drop for Averager {
             }
             _ => {}
         }
+    }
+}
+
+impl Averager {
+    /// The warning of an averager dropped before the `run` steps its schedule was given, `pending`
+    /// of them unaveraged: with the cause when the steps are about K times the loop's.
+    fn dropped_early(&self, run: u64, pending: u64) -> String {
+        let steps = self.stats.steps;
+        let cause = epochs::times_the_shard(run, steps, self.world_size() as u64);
+        let given = format!(
+            "dropped after step {steps} of the {run} given to `AveragerConfig::schedule` (or `run_steps`){cause}"
+        );
+        if pending == 0 {
+            return format!(
+                "{given}: the loop ended before the schedule did, so its lrs (and QSR's rounds) never reached their \
+                 end; give the schedule the steps this rank's loop takes (its shard's batches times the epochs), or \
+                 call `Averager::finish(model)` (or `abandon()`) after a loop that ends early on purpose"
+            );
+        }
+        format!(
+            "{given}, with {pending} step(s) since its last synchronization: the workers' models differ; give the \
+             schedule the steps this rank's loop takes (its shard's batches times the epochs), call \
+             `Averager::finish(model)` after a loop that ends early, or `Averager::abandon()` for a run stopped on \
+             purpose (to resume)"
+        )
     }
 }

@@ -645,7 +645,7 @@ fn wrong_plans_are_warned_once_naming_the_numbers() {
     let qsr = SyncRule::Qsr { h_base: 2, alpha: 0.05 };
     let past = warnings(SyncRule::Constant { h: 2 }, Some(4), 8.0);
     assert_eq!(past.matches("WARN").count(), 1, "{past}");
-    assert!(past.contains("Averager (rank 0 of 1): step 5 is past `run_steps` = 4"), "{past}");
+    assert!(past.contains("Averager (rank 0 of 1): step 5 is past the 4 steps the schedule was given"), "{past}");
     let high = warnings(qsr.clone(), None, 32.0);
     assert_eq!(high.matches("WARN").count(), 1, "{high}");
     assert!(high.contains("% of its peak 0.1: a scheduler sized for more steps"), "{high}");

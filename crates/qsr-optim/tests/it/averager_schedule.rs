@@ -418,3 +418,35 @@ fn steps_for_fewer_epochs_than_the_loop_runs_are_warned_once() {
     assert!(epochs[0].contains("make 2 epochs; give the scheduler and the schedule 12"), "{lines:?}");
     assert!(!warned.iter().any(|w| w.contains("past `run_steps`") || w.contains("run ahead")), "{lines:?}");
 }
+
+/// The seventh trial: a loop whose steps were counted from a whole dataset that splits evenly, with
+/// no loop epochs said (or a one-epoch loop), was told only that it ended early, with no cause.
+/// Steps about K times the loop's name it.
+#[test]
+fn a_loop_that_ends_at_a_kth_of_its_steps_is_told_they_were_counted_from_the_whole_dataset() {
+    let lines = four_ranks_loop(3 * 16, false);
+    let ended = warnings(&lines).into_iter().find(|w| w.contains("the loop ended after 12 of its `run_steps` = 48"));
+    let ended = ended.unwrap_or_else(|| panic!("{lines:?}"));
+    assert!(
+        ended.contains("48 steps, 4 times as many: steps counted from the whole dataset of all 4 ranks"),
+        "{ended}"
+    );
+}
+
+/// The seventh trial: a loop that ran past its steps (warned after the first epoch) had its syncs
+/// reported at the schedule's last step, though every later step averaged. Dropped at its real end,
+/// the averager reports the count there.
+#[test]
+fn a_loop_that_ran_past_its_steps_reports_its_syncs_at_its_real_end() {
+    let (built, _) = printed(|| averager(AveragerConfig::qsr(2, 0.01).schedule(&cosine(0.05, 8), 8)));
+    let (mut avg, mut model) = built.unwrap();
+    let (_, during) = printed(|| {
+        for _ in 0..12 {
+            model = avg.step(model.clone()).unwrap();
+        }
+    });
+    let syncs = avg.stats().syncs;
+    let (_, lines) = printed(|| drop(avg));
+    assert!(during.iter().any(|l| l.contains("syncs in 8 steps")), "{during:?}");
+    assert!(lines.iter().any(|l| l.contains(&format!("Averager: {syncs} syncs in 12 steps"))), "{lines:?}");
+}
