@@ -43,6 +43,12 @@ impl Epochs {
         }
     }
 
+    /// Whether the loop, which said its epochs (`ShardedDataset::epochs`) and whose first epoch was
+    /// measured, takes more steps than `run`.
+    pub(super) fn runs_past(&self, run: u64) -> bool {
+        matches!((self.of_loop(), self.measured), (Some(epochs), Some(per_epoch)) if epochs.saturating_mul(per_epoch) > run)
+    }
+
     /// " (12 epochs of 32 steps)": `steps` counted in the measured epochs, for the run's last line.
     pub(super) fn of(&self, steps: u64) -> String {
         match self.measured {

@@ -273,7 +273,8 @@ impl Averager {
         if let Some(w) = self.plan.as_mut().and_then(|plan| plan.check_syncs(self.stats.syncs, self.stats.steps)) {
             self.warn(&w);
         }
-        if self.config.run_steps == Some(self.stats.steps) {
+        // A loop known to run past the schedule's steps is reported at its real end instead.
+        if self.config.run_steps == Some(self.stats.steps) && !self.epochs.runs_past(self.stats.steps) {
             self.report_syncs();
         }
         Ok(model)
@@ -579,16 +580,22 @@ impl Averager {
 
     /// Rank 0's line at the end of the run: syncs made against those planned.
     fn report_syncs(&mut self) {
-        self.reported = Some(self.stats.steps);
-        let (steps, syncs) = (self.stats.steps, self.stats.syncs);
+        let steps = self.stats.steps;
         if let Some(run) = self.config.run_steps.filter(|&run| steps < run) {
             let cause = epochs::times_the_shard(run, steps, self.world_size() as u64);
             self.warn(&format!(
-                "the loop ended after {steps} of its `run_steps` = {run} steps{cause}: if it did not stop early on \
-                 purpose, give `run_steps` (the schedule's `steps`) the steps this rank's loop takes (its shard's \
-                 batches times the epochs)"
+                "the loop ended after {steps} of the {run} steps the schedule was given (`AveragerConfig::schedule`, \
+                 or `run_steps`){cause}: if it did not stop early on purpose, give the scheduler and the schedule the \
+                 steps this rank's loop takes (its shard's batches times the epochs)"
             ));
         }
+        self.note_syncs();
+    }
+
+    /// Rank 0's line of the syncs made (against those planned), at the run's end as it stands.
+    fn note_syncs(&mut self) {
+        self.reported = Some(self.stats.steps);
+        let (steps, syncs) = (self.stats.steps, self.stats.syncs);
         if self.rank() != 0 {
             return;
         }
@@ -702,6 +709,7 @@ impl Drop for Averager {
             Some(run) if steps > 0 && steps < run && (pending > 0 || self.reported.is_none()) => {
                 let warning = self.dropped_early(run, pending);
                 self.warn(&warning);
+                self.note_syncs();
             }
             _ if pending > 0 => self.warn(&format!(
                 "dropped {pending} step(s) after its last synchronization: the workers' models differ; call \

@@ -200,8 +200,9 @@ fn few_longer_rounds(config: &AveragerConfig, planned: u64, steps: u64) -> Optio
     let below = alpha / ((h_base + 1) as f64).powf(1.0 / power);
     Some(format!(
         "alpha = {alpha} lengthens few rounds: {planned} syncs, where a constant H = h_base = {h_base} makes {constant} \
-         (a round outlasts h_base only below lr {below:.3e}); for fewer syncs late in the run raise alpha, or pick it \
-         from a share of data parallel's syncs (`AveragerConfig::qsr_for_budget`)"
+         (a round outlasts h_base only below lr {}); for fewer syncs late in the run raise alpha, or pick it \
+         from a share of data parallel's syncs (`AveragerConfig::qsr_for_budget`)",
+        crate::lr_watch::short(below)
     ))
 }
 

@@ -169,7 +169,7 @@ fn a_loop_that_ends_before_run_steps_is_warned_in_one_clean_sentence() {
     let (finished, lines) = printed(|| avg.finish(model));
     finished.unwrap();
     let warned = warnings(&lines);
-    let ended = warned.iter().find(|l| l.contains("the loop ended after 50 of its `run_steps` = 100 steps"));
+    let ended = warned.iter().find(|l| l.contains("the loop ended after 50 of the 100 steps the schedule was given"));
     let ended = ended.unwrap_or_else(|| panic!("{lines:?}"));
     // tracing pads its level; the message after it has no run of spaces.
     assert!(!ended.split("WARN").nth(1).unwrap_or(ended).contains("  "), "{ended}");
@@ -241,6 +241,8 @@ fn a_loop_that_ends_before_the_schedule_is_told_where_at_its_drop() {
     let warned = warnings(&lines);
     assert_eq!(warned.len(), 1, "{lines:?}");
     assert!(warned[0].contains("dropped after step 99 of the 400 given to `AveragerConfig::schedule`"), "{lines:?}");
+    // The eighth trial: the syncs made were never said of a loop dropped early.
+    assert!(lines.iter().any(|l| l.contains("INFO") && l.contains("syncs in 99 steps")), "{lines:?}");
     assert!(!warned[0].contains("set `AveragerConfig::run_steps`"), "{lines:?}");
     // A loop whose last step happened to end a round loses no step, but it still ended early.
     let (built, _) = printed(|| averager(AveragerConfig::qsr(2, 0.01).schedule(&cosine(0.05, 4 * STEPS), 4 * STEPS)));
@@ -268,7 +270,10 @@ fn a_run_stopped_early_is_not_judged_by_its_last_lr() {
     let (finished, lines) = printed(|| avg.finish(model));
     finished.unwrap();
     assert!(!lines.iter().any(|l| l.contains("the lr ended")), "{lines:?}");
-    assert!(lines.iter().any(|l| l.contains("the loop ended after 50 of its `run_steps` = 100 steps")), "{lines:?}");
+    assert!(
+        lines.iter().any(|l| l.contains("the loop ended after 50 of the 100 steps the schedule was given")),
+        "{lines:?}"
+    );
 }
 
 /// Issue 57 (the trial): a constant lr through `step_with_lr`, with neither a schedule nor
@@ -416,7 +421,10 @@ fn steps_for_fewer_epochs_than_the_loop_runs_are_warned_once() {
     let epochs: Vec<_> = warned.iter().filter(|w| w.contains("the loop runs 3 epochs of 4 steps")).collect();
     assert_eq!(epochs.len(), 1, "{lines:?}");
     assert!(epochs[0].contains("make 2 epochs; give the scheduler and the schedule 12"), "{lines:?}");
-    assert!(!warned.iter().any(|w| w.contains("past `run_steps`") || w.contains("run ahead")), "{lines:?}");
+    assert!(!warned.iter().any(|w| w.contains("past the 8 steps") || w.contains("run ahead")), "{lines:?}");
+    // The eighth trial: its syncs were reported at the schedule's last step too, before the loop ended.
+    let counts: Vec<_> = lines.iter().filter(|l| l.contains("syncs in")).collect();
+    assert!(counts.len() == 1 && counts[0].contains("in 12 steps (3 epochs of 4 steps)"), "{lines:?}");
 }
 
 /// The seventh trial: a loop whose steps were counted from a whole dataset that splits evenly, with
@@ -425,10 +433,12 @@ fn steps_for_fewer_epochs_than_the_loop_runs_are_warned_once() {
 #[test]
 fn a_loop_that_ends_at_a_kth_of_its_steps_is_told_they_were_counted_from_the_whole_dataset() {
     let lines = four_ranks_loop(3 * 16, false);
-    let ended = warnings(&lines).into_iter().find(|w| w.contains("the loop ended after 12 of its `run_steps` = 48"));
+    let ended = warnings(&lines)
+        .into_iter()
+        .find(|w| w.contains("the loop ended after 12 of the 48 steps the schedule was given"));
     let ended = ended.unwrap_or_else(|| panic!("{lines:?}"));
     assert!(
-        ended.contains("48 steps, 4 times as many: steps counted from the whole dataset of all 4 ranks"),
+        ended.contains("or `run_steps`), 4 times as many: steps counted from the whole dataset of all 4 ranks"),
         "{ended}"
     );
 }
