@@ -115,7 +115,12 @@ impl LrWatch {
 
 /// `lr` to 4 significant digits, as a message shows it ("0.04238", not "0.042379009876311").
 pub(crate) fn short(lr: f64) -> String {
-    format!("{lr:.3e}").parse::<f64>().map_or_else(|_| lr.to_string(), |r| r.to_string())
+    significant(lr, 4)
+}
+
+/// `x` rounded to `digits` significant digits (at least 1), in Rust's shortest decimal form.
+pub(crate) fn significant(x: f64, digits: usize) -> String {
+    format!("{x:.*e}", digits.max(1) - 1).parse::<f64>().map_or_else(|_| x.to_string(), |r| r.to_string())
 }
 
 /// Says a line of information to the person running the job (`qsr_comm::notice`, qsr-notice's rule).
@@ -131,6 +136,14 @@ pub(crate) fn warn(message: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The seventh trial: warnings printed lrs as "0.042379009876311" and "0.000003346552260954927".
+    #[test]
+    fn lrs_in_warnings_print_four_significant_digits() {
+        assert_eq!(short(0.042379009876311), "0.04238");
+        assert_eq!(short(0.000003346552260954927), "0.000003347");
+        assert_eq!(short(0.05), "0.05");
+    }
 
     fn warnings(lrs: &[f64], run_steps: Option<u64>) -> Vec<String> {
         let mut w = LrWatch::default();

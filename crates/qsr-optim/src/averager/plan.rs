@@ -209,10 +209,9 @@ fn few_longer_rounds(config: &AveragerConfig, planned: u64, steps: u64) -> Optio
 /// `a` and `b` with the fewest significant digits, at least 3, that tell them apart: the trial's
 /// warning compared "lr 0.05" with "0.04999916334793503".
 fn told_apart(a: f64, b: f64) -> (String, String) {
-    let digits =
-        |x: f64, d: usize| format!("{x:.*e}", d - 1).parse::<f64>().map_or_else(|_| x.to_string(), |r| r.to_string());
+    use crate::lr_watch::significant;
     (3..=17)
-        .map(|d| (digits(a, d), digits(b, d)))
+        .map(|d| (significant(a, d), significant(b, d)))
         .find(|(x, y)| x != y)
         .unwrap_or_else(|| (a.to_string(), b.to_string()))
 }
