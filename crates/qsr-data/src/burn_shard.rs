@@ -50,10 +50,11 @@ pub fn loop_epochs_on_this_thread() -> Option<LoopEpochs> {
 /// Loop over [`epochs`](Self::epochs) (`for epoch in shard.epochs(start..EPOCHS)`), which calls
 /// [`set_epoch`](Self::set_epoch) before each epoch (as with torch's `DistributedSampler.set_epoch`)
 /// and tells an `Averager` the loop's length; a burn `DataLoader` built once over an `Arc` of the
-/// shard, before the epoch loop, sees the new order. The shard already holds the epoch's order, a function of (seed,
-/// epoch): build the loader without `.shuffle(..)`, whose generator restarts with the process (a
-/// resumed run would see another order; on top of the shard it also leaves the trainer's order). The
-/// dataset's length is read once, at construction: the dataset must not change length afterwards.
+/// shard, before the epoch loop, sees the new order. The shard already holds the epoch's order, a
+/// function of (seed, epoch): build the loader without `.shuffle(..)`, whose generator restarts with
+/// the process (a resumed run would see another order; on top of the shard it also leaves the
+/// trainer's order). The dataset's length is read once, at construction: the dataset must not
+/// change length afterwards.
 ///
 /// ```
 /// use std::sync::Arc;

@@ -221,6 +221,12 @@ struct Failure {
 }
 
 impl Failure {
+    /// Whether the worker, which exited with `code`, stopped only because another rank failed: its
+    /// status says so, or its failure record does.
+    fn lost_a_peer(&self, code: i32) -> bool {
+        code == i32::from(EXIT_PEER_FAILED) || self.lost_peer
+    }
+
     /// Lower is more likely the first cause: killed by a signal or stopped, then a failure of its
     /// own, then a worker that only saw another rank fail. (Workers the launcher stops are reaped by
     /// `stop` and are never failures.)
@@ -231,7 +237,7 @@ impl Failure {
         };
         match (status.signal(), status.code()) {
             (Some(_), _) => 0,
-            (_, Some(c)) if c == i32::from(EXIT_PEER_FAILED) || self.lost_peer => 2,
+            (_, Some(c)) if self.lost_a_peer(c) => 2,
             _ => 1,
         }
     }
@@ -259,10 +265,10 @@ impl Failure {
         };
         match (status.signal(), status.code()) {
             (Some(s), _) => format!("rank {} was killed by signal {s} ({})", self.rank, signal_name(s)),
-            (_, Some(c)) if (c == i32::from(EXIT_PEER_FAILED) || self.lost_peer) && others_failed => {
+            (_, Some(c)) if self.lost_a_peer(c) && others_failed => {
                 format!("rank {} stopped after losing a peer (exit status {c}; its error is printed above)", self.rank)
             }
-            (_, Some(c)) if c == i32::from(EXIT_PEER_FAILED) || self.lost_peer => match self.blames {
+            (_, Some(c)) if self.lost_a_peer(c) => match self.blames {
                 Some(b) if !ranks.contains(&b) => format!(
                     "rank {} stopped after losing rank {b}, which runs on another node: that node's launcher says why rank {b} failed (exit status {c}; the error is printed above)",
                     self.rank

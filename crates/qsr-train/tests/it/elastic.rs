@@ -437,8 +437,7 @@ fn a_worker_lost_before_the_first_generation_formed_fails_the_launch() {
     assert!(err.contains("rank 1 was killed") && err.contains("SIGKILL"), "{err}");
 }
 
-/// A loopback port nothing listens on.
-/// A port nothing listens on, which nothing else takes while the returned socket lives: bound and
+/// A loopback port nothing listens on, which nothing else takes while the returned socket lives: bound and
 /// never listened on, so a connection is refused at once. A port bound and released at once was
 /// taken by another test's store, which answered "job token differs".
 fn closed_port() -> (socket2::Socket, u16) {
